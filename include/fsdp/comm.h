@@ -1,0 +1,51 @@
+#pragma once
+// Communicator: the collectives FSDP needs, behind a small interface so Gloo (CPU), NCCL (GPU
+// builds) and a network-model decorator can be swapped. Every collective is asynchronous: it
+// returns a Work handle, and tensors passed in stay alive until the work completes.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace fsdp {
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective finished; rethrows its error (a dead peer, a timeout, ...).
+  virtual void wait() = 0;
+  virtual bool completed() const = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+// Per-call options.
+struct CollectiveOptions {
+  // Ranks match collectives by tag. 0 means "the next sequence number of this communicator",
+  // which is right whenever all ranks issue collectives in the same order.
+  uint32_t tag = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Human-readable identity used in error messages, e.g. "world" or "shard group [0,1]".
+  virtual std::string name() const = 0;
+
+  // out (contiguous, numel = size() * in.numel()) receives every rank's `in`, rank r's at
+  // offset r * in.numel(). No intermediate copies.
+  virtual WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) = 0;
+  // out (numel n) = sum over ranks of in[rank * n, (rank + 1) * n). `in` (contiguous, numel
+  // size() * n) is used as scratch and holds unspecified values afterwards.
+  virtual WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) = 0;
+  // Sum over ranks, in place.
+  virtual WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) = 0;
+  virtual WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) = 0;
+  virtual void barrier() = 0;
+};
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+}  // namespace fsdp

@@ -1,0 +1,75 @@
+#pragma once
+// Process-group bootstrap: rank environment (torchrun, mpirun, srun), a c10d TCPStore rendezvous,
+// and Gloo communicators for the whole world and for sub-groups (hybrid sharding).
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/comm.h"
+
+namespace c10d {
+class Store;
+}
+
+namespace fsdp {
+
+// Where this process sits in the job, read from the launcher's environment.
+struct RankEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string source;  // which convention supplied it: "torchrun", "mpirun", "srun"
+
+  // Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun,
+  // fsdp-run), else OMPI_COMM_WORLD_* (mpirun), else SLURM_PROCID/SLURM_NTASKS (srun).
+  // Throws fsdp::Error naming the missing or inconsistent variable.
+  static RankEnv from_env();
+};
+
+struct ProcessGroupOptions {
+  // How long a collective or rendezvous may wait for a peer before failing.
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // Local address the Gloo transport binds to. Empty: the address this host uses to reach
+  // master_addr (loopback for a single host). GLOO_SOCKET_IFNAME / FSDP_BIND_ADDR override.
+  std::string bind_addr;
+};
+
+class ProcessGroup {
+ public:
+  // Bootstraps from the environment (see RankEnv::from_env). Rank 0 hosts the TCPStore.
+  static std::shared_ptr<ProcessGroup> from_env(const ProcessGroupOptions& options = {});
+  static std::shared_ptr<ProcessGroup> create(const RankEnv& env, const ProcessGroupOptions& options = {});
+
+  ~ProcessGroup();
+  int rank() const { return env_.rank; }
+  int size() const { return env_.world_size; }
+  const RankEnv& env() const { return env_; }
+  const ProcessGroupOptions& options() const { return options_; }
+  c10::intrusive_ptr<c10d::Store> store() const;
+
+  // The communicator over all ranks.
+  CommunicatorPtr world() const { return world_; }
+  // A communicator over `ranks` (sorted global ranks, must include this rank). Every member must
+  // call it with the same list; `key` distinguishes groups created more than once.
+  CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& key);
+  // A counter that advances identically on every rank; used to name per-call store keys.
+  int64_t next_sequence() { return sequence_++; }
+
+ private:
+  ProcessGroup() = default;
+  RankEnv env_;
+  ProcessGroupOptions options_;
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+  CommunicatorPtr world_;
+  int64_t sequence_ = 0;
+};
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+}  // namespace fsdp

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs everything libfsdp needs on a fresh Debian bookworm machine (run as root) and builds it.
+# Usage: scripts/setup.sh [build-dir]   (default: build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${1:-build}
+PKGS=(
+  cmake g++ make pkg-config
+  libtorch-dev libgloo-dev          # LibTorch 1.13 (CPU, c10d) and the Gloo headers/library it uses
+  libopenblas0-pthread              # optimized BLAS: Debian's reference BLAS is ~30x slower on matmul
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev
+  fortunes-min fortunes             # real English text for the example trainer
+  iproute2 procps
+)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$BUILD_DIR" -j"$(nproc)"

@@ -1,0 +1,17 @@
+#pragma once
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "fsdp/comm.h"
+
+namespace gloo {
+class Context;
+}
+
+namespace fsdp {
+// A Communicator over a connected gloo context. Collectives run in issue order on one worker
+// thread owned by the communicator, so the compute thread only blocks where it calls wait().
+CommunicatorPtr make_gloo_communicator(std::shared_ptr<gloo::Context> context, std::string name,
+                                       std::chrono::milliseconds timeout);
+}  // namespace fsdp

@@ -1,0 +1,164 @@
+#include "flat_param.h"
+
+#include <ATen/native/Resize.h>
+
+#include "fsdp/check.h"
+#include "runtime/internal_guard.h"
+
+namespace fsdp {
+
+FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const FlatParamGroup& group,
+                     MemoryTracker* memory)
+    : id_(id), unit_(unit), slots_(std::move(slots)), group_(group), memory_(memory) {
+  FSDP_CHECK(!slots_.empty(), "internal: empty FlatParameter");
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  dtype_ = slots_[0].param.scalar_type();
+  requires_grad_ = slots_[0].param.requires_grad();
+  const int F = group_.keep_unsharded ? 1 : group_.shard_comm->size();
+  const int shard_rank = group_.keep_unsharded ? 0 : group_.shard_comm->rank();
+  for (auto& s : slots_) {
+    s.shape = s.param.sizes().vec();
+    s.numel = s.param.numel();
+    s.offset = numel_;
+    numel_ += s.numel;
+  }
+  // Right-pad to a multiple of F: at most F - 1 elements.
+  padded_numel_ = (numel_ + F - 1) / F * F;
+  shard_numel_ = padded_numel_ / F;
+  full_ = at::zeros({padded_numel_}, slots_[0].param.options().requires_grad(false));
+  element_size_ = full_.element_size();
+  storage_ = full_.storage().unsafeGetStorageImpl();
+  for (auto& s : slots_) {
+    at::Tensor view = full_.narrow(0, s.offset, s.numel).view(s.shape);
+    view.copy_(s.param.detach());
+    // The parameter keeps its TensorImpl (identity, name, requires_grad) and now points into the
+    // flat storage.
+    s.param.set_data(view);
+  }
+  memory_->add_param(padded_numel_ * element_size_);
+  if (group_.keep_unsharded) {
+    shard_ = full_;
+  } else {
+    shard_ = full_.narrow(0, int64_t(shard_rank) * shard_numel_, shard_numel_).clone();
+    memory_->add_param(shard_numel_ * element_size_);
+  }
+  // One leaf per parameter over the part of the shard it overlaps.
+  const int64_t lo = group_.keep_unsharded ? 0 : int64_t(shard_rank) * shard_numel_;
+  const int64_t hi = lo + shard_numel_;
+  for (auto& s : slots_) {
+    const int64_t b = std::max(lo, s.offset), e = std::min(hi, s.offset + s.numel);
+    if (b >= e) continue;
+    s.piece_offset = b - lo;
+    s.piece_numel = e - b;
+    s.piece = at::empty({0}, shard_.options()).set_(shard_.storage(), shard_.storage_offset() + s.piece_offset,
+                                                      {s.piece_numel}, {1});
+    s.piece.set_requires_grad(requires_grad_);
+  }
+  gathered_version_ = shard_version();
+}
+
+int64_t FlatParam::shard_version() const {
+  int64_t v = shard_._version();
+  for (const auto& s : slots_)
+    if (s.piece.defined()) v += s.piece._version();
+  return v;
+}
+
+bool FlatParam::unsharded_is_stale() const {
+  return !group_.keep_unsharded && unsharded_ && shard_version() != gathered_version_;
+}
+
+void FlatParam::unshard() {
+  if (group_.keep_unsharded) return;
+  InternalOpGuard internal;
+  if (!unsharded_) {
+    at::native::resize_bytes_cpu(storage_, padded_numel_ * element_size_);
+    memory_->add_param(padded_numel_ * element_size_);
+    unsharded_ = true;
+  }
+  // Gloo writes through the raw pointer: no tensor op, so the parameters' version counters (which
+  // autograd checks for saved tensors) do not move.
+  group_.shard_comm->all_gather_into(full_, shard_)->wait();
+  gathered_version_ = shard_version();
+}
+
+void FlatParam::reshard() {
+  if (group_.keep_unsharded || !unsharded_) return;
+  at::native::resize_bytes_cpu(storage_, 0);
+  memory_->add_param(-padded_numel_ * element_size_);
+  unsharded_ = false;
+}
+
+void FlatParam::ensure_grad_buffer() {
+  if (full_grad_.defined()) return;
+  InternalOpGuard internal;
+  full_grad_ = at::zeros({padded_numel_}, full_.options());
+  memory_->add_grad(padded_numel_ * element_size_);
+  for (auto& s : slots_)
+    if (s.param.requires_grad()) s.param.mutable_grad() = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
+}
+
+void FlatParam::start_reduce() {
+  FSDP_CHECK(full_grad_.defined() && !pending_work_, "internal: start_reduce without a gradient buffer");
+  InternalOpGuard internal;
+  // The parameters' .grad views would keep the flat buffer alive and show pre-reduction values.
+  for (auto& s : slots_) s.param.mutable_grad().reset();
+  if (group_.keep_unsharded) {
+    reduced_ = full_grad_;
+    pending_work_ = group_.world_comm->all_reduce(full_grad_);
+  } else {
+    reduced_ = at::empty({shard_numel_}, full_grad_.options());
+    memory_->add_grad(shard_numel_ * element_size_);
+    pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_);
+  }
+}
+
+bool FlatParam::reduce_completed() const { return pending_work_ && pending_work_->completed(); }
+
+void FlatParam::finish_reduce() {
+  if (!pending_work_) return;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  WorkPtr work = std::move(pending_work_);
+  pending_work_ = nullptr;
+  work->wait();
+  if (!group_.keep_unsharded) {
+    full_grad_ = at::Tensor();
+    memory_->add_grad(-padded_numel_ * element_size_);
+    if (group_.replicate_comm && group_.replicate_comm->size() > 1) group_.replicate_comm->all_reduce(reduced_)->wait();
+  }
+  reduced_.div_(group_.world_size);
+  if (!shard_grad_.defined()) {
+    shard_grad_ = at::zeros({shard_numel_}, reduced_.options());
+    memory_->add_grad(shard_numel_ * element_size_);
+  }
+  for (auto& s : slots_) {
+    if (!s.piece.defined() || !s.got_grad) continue;  // unused parameters keep no gradient, as in local training
+    at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
+    at::Tensor& g = s.piece.mutable_grad();
+    if (g.defined()) {
+      g.add_(part);  // accumulate, as AccumulateGrad does when .grad was not cleared
+    } else {
+      g = shard_grad_.narrow(0, s.piece_offset, s.piece_numel);
+      g.copy_(part);
+    }
+  }
+  if (group_.keep_unsharded) {
+    full_grad_ = at::Tensor();
+    memory_->add_grad(-padded_numel_ * element_size_);
+  } else {
+    memory_->add_grad(-shard_numel_ * element_size_);
+  }
+  reduced_ = at::Tensor();
+}
+
+void FlatParam::copy_full_into_shard(const at::Tensor& full) {
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  FSDP_CHECK(full.numel() == padded_numel_, "internal: full flat size mismatch");
+  const int64_t lo = group_.keep_unsharded ? 0 : int64_t(group_.shard_comm->rank()) * shard_numel_;
+  shard_.copy_(full.narrow(0, lo, shard_numel_));
+}
+
+}  // namespace fsdp

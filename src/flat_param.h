@@ -1,0 +1,101 @@
+#pragma once
+// FlatParameter: one unit's parameters of one (dtype, requires_grad) group, flattened and
+// concatenated in module order, right-padded to a multiple of the sharding factor F and split
+// into F equal shards. The module's parameters become views of one flat storage that is freed
+// while sharded and refilled in place by an all-gather, so autograd's saved views, the
+// parameters' identities and their visible shapes survive every reshard.
+#include <torch/torch.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/comm.h"
+#include "fsdp/memory.h"
+
+namespace fsdp {
+
+struct ParamSlot {
+  std::string name;  // first qualified name in the module tree
+  at::Tensor param;  // the module's own parameter (identity kept)
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // in the unsharded flat buffer
+  int64_t numel = 0;
+  // The part of this parameter inside this rank's shard: a 1-D leaf over the shard storage, handed
+  // to the optimizer. Undefined if the parameter lies entirely in other ranks' shards.
+  at::Tensor piece;
+  int64_t piece_offset = 0;  // in the shard
+  int64_t piece_numel = 0;
+  std::shared_ptr<torch::autograd::Node> grad_accumulator;  // kept alive: autograd holds it weakly
+  bool used = false;      // an op read it with grad mode on since the last backward
+  bool got_grad = false;  // its AccumulateGrad ran in this backward
+};
+
+struct FlatParamGroup {
+  CommunicatorPtr shard_comm;      // the F ranks a FlatParameter is split over (all-gather, reduce-scatter)
+  CommunicatorPtr replicate_comm;  // hybrid: ranks holding the same shard (all-reduce); null otherwise
+  CommunicatorPtr world_comm;      // keep_unsharded: gradients are all-reduced over it
+  int world_size = 1;              // gradients are averaged over all ranks
+  bool keep_unsharded = false;     // F == 1 (NO_SHARD, world of one): no separate shard copy
+};
+
+class FlatParam {
+ public:
+  FlatParam(int id, int unit, std::vector<ParamSlot> slots, const FlatParamGroup& group, MemoryTracker* memory);
+
+  int id() const { return id_; }
+  int unit() const { return unit_; }
+  bool requires_grad() const { return requires_grad_; }
+  at::ScalarType dtype() const { return dtype_; }
+  int64_t numel() const { return numel_; }
+  int64_t padded_numel() const { return padded_numel_; }
+  int64_t shard_numel() const { return shard_numel_; }
+  int64_t element_size() const { return element_size_; }
+  c10::StorageImpl* storage() const { return storage_; }
+  std::vector<ParamSlot>& slots() { return slots_; }
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+  bool keep_unsharded() const { return group_.keep_unsharded; }
+
+  bool is_unsharded() const { return unsharded_; }
+  // True if the shard changed (optimizer step, load) since the unsharded copy was gathered.
+  bool unsharded_is_stale() const;
+  void unshard();  // all-gather into the flat storage (blocking)
+  void reshard();  // free the flat storage
+
+  // The flat gradient buffer exists during backward; the parameters' .grad are views of it so
+  // AccumulateGrad adds into it in place.
+  bool has_grad_buffer() const { return full_grad_.defined(); }
+  void ensure_grad_buffer();
+  // Issue the reduction of the flat gradient (asynchronous), then finish it: average over ranks
+  // and add into the shard pieces' .grad (only pieces of parameters that got a gradient).
+  void start_reduce();
+  bool reduce_pending() const { return pending_work_ != nullptr; }
+  bool reduce_completed() const;
+  void finish_reduce();
+
+  // Broadcast rank 0's unsharded values of the flat buffer before sharding (sync_module_states).
+  void copy_full_into_shard(const at::Tensor& full);  // full: padded flat values
+  at::Tensor full_view() const { return full_; }       // valid while unsharded
+
+ private:
+  int64_t shard_version() const;
+  int id_, unit_;
+  std::vector<ParamSlot> slots_;
+  FlatParamGroup group_;
+  MemoryTracker* memory_;
+  bool requires_grad_ = false;
+  at::ScalarType dtype_;
+  int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, element_size_ = 0;
+  c10::StorageImpl* storage_ = nullptr;
+  at::Tensor full_;   // 1-D over the unsharded storage
+  at::Tensor shard_;  // this rank's shard (== full_ if keep_unsharded)
+  bool unsharded_ = true;
+  int64_t gathered_version_ = 0;
+  at::Tensor full_grad_;
+  at::Tensor reduced_;  // the reduction's output
+  at::Tensor shard_grad_;  // persistent sharded gradient, the pieces' .grad are views of it
+  WorkPtr pending_work_;  // reduce-scatter (or all-reduce) in flight
+};
+
+}  // namespace fsdp

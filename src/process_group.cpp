@@ -1,0 +1,197 @@
+#include "fsdp/process_group.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <cstdlib>
+#include <sstream>
+
+#include "comm/gloo_communicator.h"
+#include "fsdp/check.h"
+
+namespace fsdp {
+namespace {
+
+const char* env_or_null(const char* name) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? v : nullptr;
+}
+
+int parse_int(const char* name, const char* value, int lo, int hi) {
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(value, &end, 10);
+  FSDP_CHECK(errno == 0 && end && *end == '\0' && end != value, "environment variable ", name, "='", value,
+             "' is not an integer; the launcher (fsdp-run, torchrun, mpirun, srun) sets it to one");
+  FSDP_CHECK(v >= lo && v <= hi, "environment variable ", name, "=", v, " is out of range [", lo, ", ", hi, "]");
+  return static_cast<int>(v);
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+// The local address this host uses to reach `peer`: connecting a UDP socket sends nothing but
+// makes the kernel pick the route, and getsockname() tells the source address.
+std::string local_address_towards(const std::string& peer, int port) {
+  if (is_loopback(peer)) return "127.0.0.1";
+  sockaddr_in dst{};
+  dst.sin_family = AF_INET;
+  dst.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, peer.c_str(), &dst.sin_addr) != 1) return "";  // a host name: let gloo resolve
+  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd < 0) return "";
+  std::string result;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&dst), sizeof(dst)) == 0) {
+    sockaddr_in self{};
+    socklen_t len = sizeof(self);
+    char buf[INET_ADDRSTRLEN] = {0};
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0 &&
+        inet_ntop(AF_INET, &self.sin_addr, buf, sizeof(buf)))
+      result = buf;
+  }
+  close(fd);
+  return result;
+}
+
+}  // namespace
+
+RankEnv RankEnv::from_env() {
+  RankEnv e;
+  const char *rank = nullptr, *world = nullptr, *local_rank = nullptr, *local_world = nullptr;
+  const char *rank_name = "RANK", *world_name = "WORLD_SIZE", *lr_name = "LOCAL_RANK", *lw_name = "LOCAL_WORLD_SIZE";
+  if (env_or_null("RANK") || env_or_null("WORLD_SIZE")) {
+    e.source = "torchrun";
+  } else if (env_or_null("OMPI_COMM_WORLD_RANK")) {
+    e.source = "mpirun";
+    rank_name = "OMPI_COMM_WORLD_RANK", world_name = "OMPI_COMM_WORLD_SIZE";
+    lr_name = "OMPI_COMM_WORLD_LOCAL_RANK", lw_name = "OMPI_COMM_WORLD_LOCAL_SIZE";
+  } else if (env_or_null("SLURM_PROCID")) {
+    e.source = "srun";
+    rank_name = "SLURM_PROCID", world_name = "SLURM_NTASKS";
+    lr_name = "SLURM_LOCALID", lw_name = "SLURM_NTASKS_PER_NODE";
+  } else {
+    e.source = "single process";  // no launcher: a world of one
+    return e;
+  }
+  rank = env_or_null(rank_name);
+  world = env_or_null(world_name);
+  FSDP_CHECK(rank, world_name, " is set but ", rank_name, " is not; launch every rank with fsdp-run (or torchrun/"
+             "mpirun/srun), which sets both");
+  FSDP_CHECK(world, rank_name, " is set but ", world_name, " is not; launch every rank with fsdp-run (or torchrun/"
+             "mpirun/srun), which sets both");
+  e.world_size = parse_int(world_name, world, 1, 1 << 20);
+  e.rank = parse_int(rank_name, rank, 0, 1 << 20);
+  FSDP_CHECK(e.rank < e.world_size, rank_name, "=", e.rank, " is not below ", world_name, "=", e.world_size,
+             "; ranks are numbered 0..", world_name, "-1");
+  local_rank = env_or_null(lr_name);
+  local_world = env_or_null(lw_name);
+  e.local_world_size = local_world ? parse_int(lw_name, local_world, 1, e.world_size) : e.world_size;
+  e.local_rank = local_rank ? parse_int(lr_name, local_rank, 0, 1 << 20) : e.rank % e.local_world_size;
+  FSDP_CHECK(e.local_rank < e.local_world_size, lr_name, "=", e.local_rank, " is not below ", lw_name, "=",
+             e.local_world_size);
+  if (const char* addr = env_or_null("MASTER_ADDR")) {
+    e.master_addr = addr;
+  } else {
+    FSDP_CHECK(e.local_world_size == e.world_size, "MASTER_ADDR is not set and the job spans several hosts (",
+               world_name, "=", e.world_size, ", ", lw_name, "=", e.local_world_size,
+               "); export MASTER_ADDR=<address of rank 0's host>");
+  }
+  if (const char* port = env_or_null("MASTER_PORT")) e.master_port = parse_int("MASTER_PORT", port, 1, 65535);
+  return e;
+}
+
+struct ProcessGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::shared_ptr<gloo::transport::Device> device;
+};
+
+std::shared_ptr<ProcessGroup> ProcessGroup::from_env(const ProcessGroupOptions& options) {
+  return create(RankEnv::from_env(), options);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const ProcessGroupOptions& options) {
+  FSDP_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size, "invalid rank ", env.rank,
+             " for world size ", env.world_size);
+  std::shared_ptr<ProcessGroup> pg(new ProcessGroup());
+  pg->env_ = env;
+  pg->options_ = options;
+  if (const char* t = env_or_null("FSDP_TIMEOUT_S"))
+    pg->options_.timeout = std::chrono::milliseconds(int64_t(1000) * parse_int("FSDP_TIMEOUT_S", t, 1, 1 << 24));
+  pg->impl_ = std::make_shared<Impl>();
+
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(env.master_port);
+  so.isServer = env.rank == 0;
+  so.numWorkers = env.world_size;
+  so.waitWorkers = true;
+  so.timeout = pg->options_.timeout;
+  try {
+    pg->impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  } catch (const std::exception& e) {
+    FSDP_FAIL("rank ", env.rank, " could not rendezvous at MASTER_ADDR=", env.master_addr, " MASTER_PORT=",
+              env.master_port, " (", e.what(), "). Check that rank 0 is running, the address is reachable, the port "
+              "is free, and every rank got the same WORLD_SIZE=", env.world_size);
+  }
+
+  gloo::transport::tcp::attr attr;
+  std::string bind = options.bind_addr;
+  if (bind.empty()) {
+    if (const char* a = env_or_null("FSDP_BIND_ADDR")) bind = a;
+  }
+  if (const char* ifname = env_or_null("GLOO_SOCKET_IFNAME"); bind.empty() && ifname) {
+    attr.iface = ifname;
+  } else {
+    if (bind.empty()) bind = local_address_towards(env.master_addr, env.master_port);
+    attr.hostname = bind.empty() ? env.master_addr : bind;
+  }
+  pg->impl_->device = gloo::transport::tcp::CreateDevice(attr);
+  pg->world_ = pg->new_group([&] {
+    std::vector<int> all(env.world_size);
+    for (int i = 0; i < env.world_size; ++i) all[i] = i;
+    return all;
+  }(), "world");
+  return pg;
+}
+
+ProcessGroup::~ProcessGroup() = default;
+
+c10::intrusive_ptr<c10d::Store> ProcessGroup::store() const { return impl_->store; }
+
+CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std::string& key) {
+  FSDP_CHECK(!ranks.empty(), "new_group: the rank list is empty");
+  int my_index = -1;
+  std::ostringstream id;
+  id << key << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    FSDP_CHECK(ranks[i] >= 0 && ranks[i] < size(), "new_group: rank ", ranks[i], " is outside the world of ", size());
+    FSDP_CHECK(i == 0 || ranks[i] > ranks[i - 1], "new_group: ranks must be sorted and distinct");
+    if (ranks[i] == rank()) my_index = static_cast<int>(i);
+    id << (i ? "," : "") << ranks[i];
+  }
+  id << "]";
+  FSDP_CHECK(my_index >= 0, "new_group: this rank (", rank(), ") is not a member of ", id.str());
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/" + id.str(), impl_->store);
+  c10d::ProcessGroupGloo::GlooStore gloo_store(prefixed);
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(my_index, static_cast<int>(ranks.size()));
+  ctx->setTimeout(options_.timeout);
+  try {
+    ctx->connectFullMesh(gloo_store, impl_->device);
+  } catch (const std::exception& e) {
+    FSDP_FAIL("rank ", rank(), " could not connect ", id.str(), ": ", e.what(),
+              ". Check that every member rank is alive and that their addresses are reachable "
+              "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
+  }
+  return make_gloo_communicator(std::move(ctx), id.str(), options_.timeout);
+}
+
+}  // namespace fsdp

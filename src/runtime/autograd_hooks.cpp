@@ -1,0 +1,175 @@
+// Backward: AccumulateGrad pre-hooks give each parameter a .grad view into its flat gradient
+// buffer (so accumulation lands in the reduce-scatter input with no copy), post-hooks count a
+// unit's gradients and, once all arrived, reshard it and issue its reduction; a callback queued on
+// the autograd engine finishes everything at the end of backward.
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include "fsdp/check.h"
+#include "runtime/internal_guard.h"
+#include "runtime/runtime.h"
+
+namespace fsdp {
+
+namespace {
+
+struct GradPreHook : torch::autograd::FunctionPreHook {
+  GradPreHook(Runtime* r, int f, int s) : runtime(r), flat_param(f), slot(s) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    runtime->on_grad_pre(flat_param, slot);
+    return grads;
+  }
+  Runtime* runtime;
+  int flat_param, slot;
+};
+
+struct GradPostHook : torch::autograd::FunctionPostHook {
+  GradPostHook(Runtime* r, int f, int s) : runtime(r), flat_param(f), slot(s) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    runtime->on_grad_post(flat_param, slot);
+    return outputs;
+  }
+  Runtime* runtime;
+  int flat_param, slot;
+};
+
+}  // namespace
+
+void Runtime::register_hooks() {
+  // Autograd holds AccumulateGrad nodes weakly, so the slots keep them alive; ~Runtime removes
+  // these hooks again, since a graph may keep a node alive longer than the runtime.
+  for (size_t f = 0; f < flat_params_.size(); ++f) {
+    auto& slots = flat_params_[f]->slots();
+    for (size_t s = 0; s < slots.size(); ++s) {
+      if (!slots[s].param.requires_grad()) continue;
+      auto acc = torch::autograd::impl::grad_accumulator(slots[s].param);
+      FSDP_CHECK(acc, "internal: parameter '", slots[s].name, "' has no gradient accumulator");
+      acc->add_pre_hook(std::make_unique<GradPreHook>(this, int(f), int(s)));
+      acc->add_post_hook(std::make_unique<GradPostHook>(this, int(f), int(s)));
+      slots[s].grad_accumulator = std::move(acc);
+    }
+  }
+}
+
+void Runtime::remove_hooks() {
+  for (auto& fp : flat_params_)
+    for (auto& slot : fp->slots()) {
+      if (!slot.grad_accumulator) continue;
+      auto& pre = slot.grad_accumulator->pre_hooks();
+      pre.erase(std::remove_if(pre.begin(), pre.end(),
+                               [](const auto& h) { return dynamic_cast<GradPreHook*>(h.get()) != nullptr; }),
+                pre.end());
+      auto& post = slot.grad_accumulator->post_hooks();
+      post.erase(std::remove_if(post.begin(), post.end(),
+                                [](const auto& h) { return dynamic_cast<GradPostHook*>(h.get()) != nullptr; }),
+                 post.end());
+      slot.grad_accumulator.reset();
+    }
+}
+
+void Runtime::on_grad_pre(int f, int s) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  InternalOpGuard internal;
+  if (!final_callback_queued_) {
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
+    final_callback_queued_ = true;
+  }
+  FlatParam& fp = *flat_params_[f];
+  // A gradient arriving after this FlatParameter was already reduced in this backward (a
+  // parameter used again later): finish that reduction, then start a fresh buffer.
+  if (fp.reduce_pending()) {
+    fp.finish_reduce();
+    reduce_order_.erase(std::remove(reduce_order_.begin(), reduce_order_.end(), f), reduce_order_.end());
+  }
+  fp.ensure_grad_buffer();
+}
+
+void Runtime::on_grad_post(int f, int s) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  InternalOpGuard internal;
+  FlatParam& fp = *flat_params_[f];
+  ParamSlot& slot = fp.slots()[s];
+  Unit& unit = units_[fp.unit()];
+  if (!unit.counted) {
+    unit.expected_grads = 0;
+    for (int g : unit.flat_params)
+      for (const auto& sl : flat_params_[g]->slots()) unit.expected_grads += (sl.used && sl.param.requires_grad());
+    unit.counted = true;
+  }
+  if (!slot.used) {  // reached without our seeing a forward read: count it now
+    slot.used = true;
+    ++unit.expected_grads;
+  }
+  slot.got_grad = true;
+  if (++unit.ready_grads >= unit.expected_grads) post_backward(fp.unit());
+}
+
+void Runtime::post_backward(int u) {
+  // All of u's gradients are in: its parameters are no longer needed in this backward.
+  if (options_.sharding_strategy() != ShardingStrategy::kNoShard) reshard(u);
+  if (last_touched_ == u) last_touched_ = -1;
+  for (int f : units_[u].flat_params) {
+    FlatParam& fp = *flat_params_[f];
+    if (!fp.has_grad_buffer() || fp.reduce_pending()) continue;
+    fp.start_reduce();
+    reduce_order_.push_back(f);
+  }
+  // Bound the unsharded gradient buffers in flight; the communicator overlaps the rest with the
+  // backward computation.
+  finish_reductions(2);
+}
+
+void Runtime::finish_reductions(size_t keep_in_flight) {
+  while (!reduce_order_.empty() &&
+         (reduce_order_.size() > keep_in_flight || flat_params_[reduce_order_.front()]->reduce_completed())) {
+    const int f = reduce_order_.front();
+    reduce_order_.erase(reduce_order_.begin());
+    flat_params_[f]->finish_reduce();
+  }
+}
+
+void Runtime::on_backward_end() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  InternalOpGuard internal;
+  final_callback_queued_ = false;
+  // Units that did not receive every expected gradient (unused parameters, or parameters read
+  // without taking part in the loss) are reduced now, in unit order on every rank.
+  for (size_t u = 0; u < units_.size(); ++u) {
+    bool needs = false;
+    for (int f : units_[u].flat_params)
+      needs |= flat_params_[f]->has_grad_buffer() && !flat_params_[f]->reduce_pending();
+    if (needs) post_backward(static_cast<int>(u));
+  }
+  finish_reductions(0);
+  reshard_all();
+  if (options_.broadcast_buffers()) broadcast_buffers();
+  for (auto& unit : units_) {
+    unit.counted = false;
+    unit.expected_grads = unit.ready_grads = 0;
+  }
+  for (auto& fp : flat_params_)
+    for (auto& s : fp->slots()) s.used = s.got_grad = false;
+  last_touched_ = -1;
+}
+
+void Runtime::reshard_all() {
+  for (size_t u = 0; u < units_.size(); ++u) reshard(static_cast<int>(u));
+}
+
+void Runtime::broadcast_buffers() {
+  if (pg_->size() == 1) return;
+  for (auto& kv : buffers_) {
+    at::Tensor b = kv.second;
+    if (!b.defined() || b.numel() == 0) continue;
+    if (b.is_contiguous()) {
+      pg_->world()->broadcast(b, 0)->wait();
+    } else {
+      at::Tensor tmp = b.contiguous();
+      pg_->world()->broadcast(tmp, 0)->wait();
+      b.copy_(tmp);
+    }
+  }
+}
+
+}  // namespace fsdp

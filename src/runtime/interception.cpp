@@ -1,0 +1,135 @@
+// Seeing a unit's forward and backward without changing model code: a global RecordFunction
+// callback sees every operator call with its inputs before the kernel runs. An input whose storage
+// is a unit's flat storage means "this unit is needed now": the runtime unshards it in place
+// (before the kernel reads it) and reshards units the computation has left.
+#include <ATen/record_function.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "fsdp/check.h"
+#include "runtime/internal_guard.h"
+#include "runtime/runtime.h"
+
+namespace fsdp {
+
+bool& internal_op_flag() {
+  thread_local bool flag = false;
+  return flag;
+}
+
+namespace {
+
+// The live runtimes, replaced copy-on-write so the callback reads them without a lock.
+using RuntimeList = std::vector<Runtime*>;
+std::mutex g_registry_mu;
+std::shared_ptr<const RuntimeList> g_runtimes = std::make_shared<RuntimeList>();
+at::CallbackHandle g_callback = 0;
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  if (internal_op_flag()) return nullptr;
+  std::shared_ptr<const RuntimeList> runtimes = std::atomic_load(&g_runtimes);
+  for (Runtime* r : *runtimes) r->on_op(fn);
+  return nullptr;
+}
+
+bool is_inplace_op(const char* name) {
+  const size_t n = std::strlen(name);
+  if (n < 2 || name[n - 1] != '_' || name[n - 2] == '_') return false;  // "add_" yes, "__iadd__" no
+  // Ops that change autograd metadata only, not values.
+  return std::strcmp(name, "aten::requires_grad_") != 0 && std::strcmp(name, "aten::detach_") != 0;
+}
+
+}  // namespace
+
+void register_runtime(Runtime* runtime) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto next = std::make_shared<RuntimeList>(*g_runtimes);
+  next->push_back(runtime);
+  std::atomic_store(&g_runtimes, std::shared_ptr<const RuntimeList>(std::move(next)));
+  if (g_callback == 0)
+    g_callback = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_op_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+}
+
+void unregister_runtime(Runtime* runtime) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto next = std::make_shared<RuntimeList>();
+  for (Runtime* r : *g_runtimes)
+    if (r != runtime) next->push_back(r);
+  const bool empty = next->empty();
+  std::atomic_store(&g_runtimes, std::shared_ptr<const RuntimeList>(std::move(next)));
+  if (empty && g_callback != 0) {
+    at::removeCallback(g_callback);
+    g_callback = 0;
+  }
+}
+
+void Runtime::on_op(const at::RecordFunction& fn) {
+  auto inputs = fn.inputs();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto visit = [&](const at::Tensor& t) {
+      if (!t.defined() || !t.has_storage()) return;
+      auto it = flat_param_of_storage_.find(t.storage().unsafeGetStorageImpl());
+      if (it == flat_param_of_storage_.end()) return;
+      std::lock_guard<std::recursive_mutex> lock(mu_);
+      auto slot = slot_of_param_.find(t.unsafeGetTensorImpl());
+      if (slot != slot_of_param_.end()) {
+        ParamSlot& s = flat_params_[slot->second.first]->slots()[slot->second.second];
+        FSDP_CHECK(!(i == 0 && is_inplace_op(fn.name())), "in-place operation ", fn.name(), " on parameter '", s.name,
+                   "' of a sharded module: the change would be lost at the next reshard. If this is an optimizer "
+                   "step, build the optimizer over FullyShardedModule::parameters() (the shards), not "
+                   "module->parameters(); to set values use load_full_state_dict(); to initialize, do it "
+                   "before fully_shard().");
+        if (at::GradMode::is_enabled() && s.param.requires_grad()) s.used = true;
+      }
+      touch(flat_params_[it->second]->unit());
+    };
+    const c10::IValue& v = inputs[i];
+    if (v.isTensor()) {
+      visit(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
+    }
+  }
+}
+
+void Runtime::touch(int u) {
+  InternalOpGuard internal;
+  if (u != last_touched_) {
+    // The computation moved to unit u: units it left, other than u's ancestors (whose forward
+    // may still be running) and the root (kept until backward, paper 3.3.1), are resharded.
+    if (reshard_after_forward_) {
+      const auto& anc = units_[u].ancestors;
+      for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
+        if (v == u || !unit_unsharded(v)) continue;
+        if (std::find(anc.begin(), anc.end(), v) != anc.end()) continue;
+        reshard(v);
+      }
+    }
+    last_touched_ = u;
+  }
+  unshard(u);
+}
+
+bool Runtime::unit_unsharded(int u) const {
+  for (int f : units_[u].flat_params)
+    if (!flat_params_[f]->keep_unsharded() && flat_params_[f]->is_unsharded()) return true;
+  return false;
+}
+
+void Runtime::unshard(int u) {
+  for (int f : units_[u].flat_params) {
+    FlatParam& fp = *flat_params_[f];
+    if (!fp.is_unsharded() || fp.unsharded_is_stale()) fp.unshard();
+  }
+}
+
+void Runtime::reshard(int u) {
+  for (int f : units_[u].flat_params) flat_params_[f]->reshard();
+}
+
+}  // namespace fsdp

@@ -1,0 +1,105 @@
+#pragma once
+// The FSDP runtime of one sharded model: its units, the interception that unshards a unit when
+// an operation reads its parameters, and the autograd hooks that reshard and reduce gradients.
+#include <torch/torch.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "flat_param.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/memory.h"
+#include "fsdp/options.h"
+#include "fsdp/process_group.h"
+
+namespace at {
+class RecordFunction;
+}
+
+namespace fsdp {
+
+struct Unit {
+  std::string name;
+  int parent = -1;
+  std::vector<int> ancestors;  // enclosing units, nearest first
+  std::vector<int> flat_params;
+  int expected_grads = 0;  // used parameters that require grad, counted when backward reaches the unit
+  int ready_grads = 0;
+  bool counted = false;    // expected_grads computed for this backward
+};
+
+class Runtime {
+ public:
+  Runtime(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
+  ~Runtime();
+
+  // Interception entry point, for every operation while the runtime lives.
+  void on_op(const at::RecordFunction& fn);
+  // Autograd hooks.
+  void on_grad_pre(int flat_param, int slot);
+  void on_grad_post(int flat_param, int slot);
+  void on_backward_end();
+
+  // For the public handle.
+  std::vector<std::pair<std::string, at::Tensor>> named_shard_pieces() const;
+  bool is_original_parameter(const at::Tensor& t) const;
+  std::unordered_map<std::string, at::Tensor> full_state_dict();
+  void load_full_state_dict(const std::unordered_map<std::string, at::Tensor>& state);
+  MemoryStats memory_stats() const;
+  void reset_peak_memory_stats();
+  const std::vector<UnitInfo>& unit_infos() const { return unit_infos_; }
+  const Options& options() const { return options_; }
+  int sharding_factor() const { return sharding_factor_; }
+  int world_size() const { return pg_->size(); }
+  std::shared_ptr<torch::nn::Module> module() const { return module_; }
+
+ private:
+  void build_units();
+  void build_flat_params();
+  void check_same_model_on_all_ranks();
+  void register_hooks();
+  void remove_hooks();
+  bool unit_unsharded(int unit) const;
+  void touch(int unit);
+  void unshard(int unit);
+  void reshard(int unit);
+  void post_backward(int unit);
+  void finish_reductions(size_t keep_in_flight);
+  void reshard_all();
+  void broadcast_buffers();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  ProcessGroupPtr pg_;
+  Options options_;
+  int sharding_factor_ = 1;
+  bool reshard_after_forward_ = true;
+  FlatParamGroup group_;
+  MemoryTracker memory_;
+
+  // Assignment of the module's parameters to units, before the FlatParameters exist.
+  struct PlannedParam {
+    std::string name;
+    at::Tensor param;
+    int unit;
+  };
+  std::vector<PlannedParam> planned_;
+  std::vector<Unit> units_;
+  std::vector<std::unique_ptr<FlatParam>> flat_params_;
+  std::vector<UnitInfo> unit_infos_;
+  std::vector<std::pair<std::string, at::Tensor>> buffers_;
+
+  // Read-only after construction, so the interception can read them from any thread.
+  std::unordered_map<const c10::StorageImpl*, int> flat_param_of_storage_;
+  std::unordered_map<const c10::TensorImpl*, std::pair<int, int>> slot_of_param_;
+
+  std::recursive_mutex mu_;
+  int last_touched_ = -1;
+  bool final_callback_queued_ = false;
+  std::vector<int> reduce_order_;  // flat params with a reduction in flight, in issue order
+  uint64_t interception_handle_ = 0;
+};
+
+}  // namespace fsdp
