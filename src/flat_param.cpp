@@ -111,6 +111,13 @@ void FlatParam::start_reduce() {
     reduced_ = at::empty({shard_numel_}, full_grad_.options());
     memory_->add_grad(shard_numel_ * element_size_);
     pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_);
+    if (group_.replicate_comm && group_.replicate_comm->size() > 1) {
+      // Hybrid: finish the reduce-scatter and the all-reduce across replicas now, so no
+      // collective of another group runs concurrently with them. With both in flight on
+      // different communicators, 4-rank runs deadlocked intermittently (open issue).
+      pending_work_->wait();
+      group_.replicate_comm->all_reduce(reduced_)->wait();
+    }
   }
 }
 
@@ -126,23 +133,15 @@ void FlatParam::finish_reduce() {
   if (!group_.keep_unsharded) {
     full_grad_ = at::Tensor();
     memory_->add_grad(-padded_numel_ * element_size_);
-    if (group_.replicate_comm && group_.replicate_comm->size() > 1) group_.replicate_comm->all_reduce(reduced_)->wait();
   }
   reduced_.div_(group_.world_size);
-  if (!shard_grad_.defined()) {
-    shard_grad_ = at::zeros({shard_numel_}, reduced_.options());
-    memory_->add_grad(shard_numel_ * element_size_);
-  }
   for (auto& s : slots_) {
     if (!s.piece.defined() || !s.got_grad) continue;  // unused parameters keep no gradient, as in local training
     at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
     at::Tensor& g = s.piece.mutable_grad();
-    if (g.defined()) {
-      g.add_(part);  // accumulate, as AccumulateGrad does when .grad was not cleared
-    } else {
-      g = shard_grad_.narrow(0, s.piece_offset, s.piece_numel);
-      g.copy_(part);
-    }
+    // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
+    if (g.defined()) g.add_(part);  // accumulate, as AccumulateGrad does when .grad was not cleared
+    else g = part.clone();
   }
   if (group_.keep_unsharded) {
     full_grad_ = at::Tensor();
@@ -151,6 +150,13 @@ void FlatParam::finish_reduce() {
     memory_->add_grad(-shard_numel_ * element_size_);
   }
   reduced_ = at::Tensor();
+}
+
+int64_t FlatParam::sharded_grad_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& s : slots_)
+    if (s.piece.defined() && s.piece.grad().defined()) bytes += s.piece.grad().nbytes();
+  return bytes;
 }
 
 void FlatParam::copy_full_into_shard(const at::Tensor& full) {

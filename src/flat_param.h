@@ -18,6 +18,7 @@ namespace fsdp {
 
 struct ParamSlot {
   std::string name;  // first qualified name in the module tree
+  std::vector<std::string> aliases;  // further names of a shared (tied) parameter
   at::Tensor param;  // the module's own parameter (identity kept)
   std::vector<int64_t> shape;
   int64_t offset = 0;  // in the unsharded flat buffer
@@ -77,6 +78,8 @@ class FlatParam {
   // Broadcast rank 0's unsharded values of the flat buffer before sharding (sync_module_states).
   void copy_full_into_shard(const at::Tensor& full);  // full: padded flat values
   at::Tensor full_view() const { return full_; }       // valid while unsharded
+  // Bytes of the shard pieces' gradients that currently exist.
+  int64_t sharded_grad_bytes() const;
 
  private:
   int64_t shard_version() const;
@@ -94,7 +97,6 @@ class FlatParam {
   int64_t gathered_version_ = 0;
   at::Tensor full_grad_;
   at::Tensor reduced_;  // the reduction's output
-  at::Tensor shard_grad_;  // persistent sharded gradient, the pieces' .grad are views of it
   WorkPtr pending_work_;  // reduce-scatter (or all-reduce) in flight
 };
 

@@ -226,7 +226,7 @@ void Runtime::build_units() {
                "' requires grad but has dtype ", p.scalar_type());
     FSDP_CHECK(p.device() == seen[0].param.device(), "parameter '", s.name, "' is on ", p.device(),
                " but '", seen[0].name, "' is on ", seen[0].param.device(), "; move the model to one device first");
-    planned_.push_back({s.name, p, unit});
+    planned_.push_back({s.name, std::vector<std::string>(s.names.begin() + 1, s.names.end()), p, unit});
   }
 
   // Units without parameters add nothing; drop them (their children move up), keeping the root.
@@ -317,6 +317,7 @@ void Runtime::build_flat_params() {
       }
       ParamSlot slot;
       slot.name = pp.name;
+      slot.aliases = pp.aliases;
       slot.param = pp.param;
       it->second.push_back(std::move(slot));
     }
@@ -358,6 +359,7 @@ bool Runtime::is_original_parameter(const at::Tensor& t) const {
 
 std::unordered_map<std::string, at::Tensor> Runtime::full_state_dict() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
+  rethrow_pending_error();
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   std::unordered_map<std::string, at::Tensor> out;
@@ -365,7 +367,10 @@ std::unordered_map<std::string, at::Tensor> Runtime::full_state_dict() {
     const bool was_unsharded = unit_unsharded(static_cast<int>(u));
     unshard(static_cast<int>(u));
     for (int f : units_[u].flat_params)
-      for (const auto& s : flat_params_[f]->slots()) out[s.name] = s.param.detach().clone();
+      for (const auto& s : flat_params_[f]->slots()) {
+        out[s.name] = s.param.detach().clone();
+        for (const auto& alias : s.aliases) out[alias] = out[s.name];
+      }
     if (!was_unsharded) reshard(static_cast<int>(u));
   }
   for (const auto& kv : buffers_) out[kv.first] = kv.second.detach().clone();
@@ -397,7 +402,9 @@ void Runtime::load_full_state_dict(const std::unordered_map<std::string, at::Ten
 }
 
 MemoryStats Runtime::memory_stats() const {
-  std::lock_guard<std::recursive_mutex> lock(const_cast<std::recursive_mutex&>(mu_));
+  auto* self = const_cast<Runtime*>(this);
+  std::lock_guard<std::recursive_mutex> lock(self->mu_);
+  self->update_sharded_grad_bytes();
   return memory_.stats();
 }
 

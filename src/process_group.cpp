@@ -112,7 +112,7 @@ RankEnv RankEnv::from_env() {
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
-  std::shared_ptr<gloo::transport::Device> device;
+  gloo::transport::tcp::attr attr;  // where each communicator's own transport device binds
 };
 
 std::shared_ptr<ProcessGroup> ProcessGroup::from_env(const ProcessGroupOptions& options) {
@@ -154,7 +154,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
     if (bind.empty()) bind = local_address_towards(env.master_addr, env.master_port);
     attr.hostname = bind.empty() ? env.master_addr : bind;
   }
-  pg->impl_->device = gloo::transport::tcp::CreateDevice(attr);
+  pg->impl_->attr = attr;
   pg->world_ = pg->new_group([&] {
     std::vector<int> all(env.world_size);
     for (int i = 0; i < env.world_size; ++i) all[i] = i;
@@ -180,18 +180,24 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
   }
   id << "]";
   FSDP_CHECK(my_index >= 0, "new_group: this rank (", rank(), ") is not a member of ", id.str());
+  if (auto it = groups_.find(id.str()); it != groups_.end()) return it->second;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/" + id.str(), impl_->store);
   c10d::ProcessGroupGloo::GlooStore gloo_store(prefixed);
   auto ctx = std::make_shared<gloo::rendezvous::Context>(my_index, static_cast<int>(ranks.size()));
   ctx->setTimeout(options_.timeout);
   try {
-    ctx->connectFullMesh(gloo_store, impl_->device);
+    // One transport device per communicator, as c10d does per process group: contexts that share
+    // a device were seen to deadlock when two of them run collectives at once.
+    auto device = gloo::transport::tcp::CreateDevice(impl_->attr);
+    ctx->connectFullMesh(gloo_store, device);
   } catch (const std::exception& e) {
     FSDP_FAIL("rank ", rank(), " could not connect ", id.str(), ": ", e.what(),
               ". Check that every member rank is alive and that their addresses are reachable "
               "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
   }
-  return make_gloo_communicator(std::move(ctx), id.str(), options_.timeout);
+  auto comm = make_gloo_communicator(std::move(ctx), id.str(), options_.timeout);
+  groups_[id.str()] = comm;
+  return comm;
 }
 
 }  // namespace fsdp

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,7 +57,8 @@ class ProcessGroup {
   // The communicator over all ranks.
   CommunicatorPtr world() const { return world_; }
   // A communicator over `ranks` (sorted global ranks, must include this rank). Every member must
-  // call it with the same list; `key` distinguishes groups created more than once.
+  // call it with the same list and key; a second call with the same ranks and key returns the
+  // same communicator.
   CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& key);
   // A counter that advances identically on every rank; used to name per-call store keys.
   int64_t next_sequence() { return sequence_++; }
@@ -68,6 +70,7 @@ class ProcessGroup {
   struct Impl;
   std::shared_ptr<Impl> impl_;
   CommunicatorPtr world_;
+  std::map<std::string, CommunicatorPtr> groups_;  // by identity: a group is created once
   int64_t sequence_ = 0;
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;

@@ -14,6 +14,8 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <cstdio>
+#include <cstdlib>
 
 #include "fsdp/check.h"
 
@@ -25,6 +27,7 @@ constexpr uint8_t kReduceScatterSlotPrefix = 0x10;
 // Tags chosen by the communicator itself have the top bit set so they never collide with
 // explicit tags, which must stay below 2^31.
 constexpr uint32_t kAutoTagBit = 0x80000000u;
+constexpr uint32_t kTagStride = 64;
 
 class GlooWork : public Work {
  public:
@@ -154,8 +157,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   template <typename T>
   void run_allreduce(T* ptr, int64_t n, const gloo::AllreduceOptions::Func& fn, uint32_t tag) {
     gloo::AllreduceOptions o(ctx_);
-    o.setInput(ptr, n);
-    o.setOutput(ptr, n);
+    o.setOutput(ptr, n);  // in place: output only (an input aliasing it would be a second buffer)
     o.setReduceFunction(fn);
     o.setTag(tag);
     o.setTimeout(timeout_);
@@ -195,7 +197,9 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       FSDP_CHECK((opts.tag & kAutoTagBit) == 0, "collective tag ", opts.tag, " must be below 2^31");
       return opts.tag;
     }
-    return kAutoTagBit | (next_tag_.fetch_add(1) & ~kAutoTagBit);
+    // Spaced apart: gloo derives per-phase slots from a collective's tag (slot + offset), so
+    // consecutive tags could let one collective's later phase match the next one's messages.
+    return kAutoTagBit | ((next_tag_.fetch_add(1) * kTagStride) & ~kAutoTagBit);
   }
 
   // Ring reduce-scatter in place over `in`: in step s, rank r sends its partial sum of chunk
@@ -231,6 +235,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 
   WorkPtr enqueue(const char* op, std::function<void()> body) {
     auto work = std::make_shared<GlooWork>();
+    static const bool debug = std::getenv("FSDP_DEBUG_COMM") != nullptr;
+    if (debug) std::fprintf(stderr, "[comm] %s #%u %s\n", name_.c_str(), debug_count_++, op);
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.push_back([this, op, body = std::move(body), work] {
@@ -277,6 +283,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::string name_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint32_t> next_tag_{1};
+  uint32_t debug_count_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;

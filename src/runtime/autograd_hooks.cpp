@@ -71,9 +71,11 @@ void Runtime::remove_hooks() {
 void Runtime::on_grad_pre(int f, int s) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   InternalOpGuard internal;
+  rethrow_pending_error();
   if (!final_callback_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
     final_callback_queued_ = true;
+    update_sharded_grad_bytes();  // the user may have dropped them (zero_grad(set_to_none))
   }
   FlatParam& fp = *flat_params_[f];
   // A gradient arriving after this FlatParameter was already reduced in this backward (a
@@ -133,6 +135,7 @@ void Runtime::on_backward_end() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   InternalOpGuard internal;
   final_callback_queued_ = false;
+  rethrow_pending_error();
   // Units that did not receive every expected gradient (unused parameters, or parameters read
   // without taking part in the loss) are reduced now, in unit order on every rank.
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -142,6 +145,7 @@ void Runtime::on_backward_end() {
     if (needs) post_backward(static_cast<int>(u));
   }
   finish_reductions(0);
+  update_sharded_grad_bytes();
   reshard_all();
   if (options_.broadcast_buffers()) broadcast_buffers();
   for (auto& unit : units_) {
@@ -151,6 +155,12 @@ void Runtime::on_backward_end() {
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;
   last_touched_ = -1;
+}
+
+void Runtime::update_sharded_grad_bytes() {
+  int64_t bytes = 0;
+  for (const auto& fp : flat_params_) bytes += fp->sharded_grad_bytes();
+  memory_.set_sharded_grad_bytes(bytes);
 }
 
 void Runtime::reshard_all() {

@@ -69,6 +69,24 @@ void unregister_runtime(Runtime* runtime) {
 }
 
 void Runtime::on_op(const at::RecordFunction& fn) {
+  // RecordFunction catches and only logs what a callback throws, so errors found here are kept
+  // and rethrown from the next autograd hook or API call (rethrow_pending_error).
+  try {
+    intercept(fn);
+  } catch (const std::exception& e) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (pending_error_.empty()) pending_error_ = e.what();
+  }
+}
+
+void Runtime::rethrow_pending_error() {
+  if (pending_error_.empty()) return;
+  const std::string message = pending_error_;
+  pending_error_.clear();
+  throw Error(message);
+}
+
+void Runtime::intercept(const at::RecordFunction& fn) {
   auto inputs = fn.inputs();
   for (size_t i = 0; i < inputs.size(); ++i) {
     auto visit = [&](const at::Tensor& t) {
@@ -79,13 +97,16 @@ void Runtime::on_op(const at::RecordFunction& fn) {
       auto slot = slot_of_param_.find(t.unsafeGetTensorImpl());
       if (slot != slot_of_param_.end()) {
         ParamSlot& s = flat_params_[slot->second.first]->slots()[slot->second.second];
-        FSDP_CHECK(!(i == 0 && is_inplace_op(fn.name())), "in-place operation ", fn.name(), " on parameter '", s.name,
-                   "' of a sharded module: the change would be lost at the next reshard. If this is an optimizer "
-                   "step, build the optimizer over FullyShardedModule::parameters() (the shards), not "
-                   "module->parameters(); to set values use load_full_state_dict(); to initialize, do it "
-                   "before fully_shard().");
+        if (i == 0 && is_inplace_op(fn.name()) && pending_error_.empty()) {
+          pending_error_ = detail::compose(
+              "libfsdp: in-place operation ", fn.name(), " on parameter '", s.name,
+              "' of a sharded module: the change is lost at the next reshard. If this is an optimizer step, build "
+              "the optimizer over FullyShardedModule::parameters() (the shards), not module->parameters(); to set "
+              "values use load_full_state_dict(); to initialize, do it before fully_shard().");
+        }
         if (at::GradMode::is_enabled() && s.param.requires_grad()) s.used = true;
       }
+      // Unshard even for a refused in-place op, so its kernel writes valid memory.
       touch(flat_params_[it->second]->unit());
     };
     const c10::IValue& v = inputs[i];

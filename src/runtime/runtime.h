@@ -38,6 +38,8 @@ class Runtime {
 
   // Interception entry point, for every operation while the runtime lives.
   void on_op(const at::RecordFunction& fn);
+  // Throws the first error the interception met since the last call, if any.
+  void rethrow_pending_error();
   // Autograd hooks.
   void on_grad_pre(int flat_param, int slot);
   void on_grad_post(int flat_param, int slot);
@@ -57,6 +59,7 @@ class Runtime {
   std::shared_ptr<torch::nn::Module> module() const { return module_; }
 
  private:
+  void intercept(const at::RecordFunction& fn);
   void build_units();
   void build_flat_params();
   void check_same_model_on_all_ranks();
@@ -70,6 +73,7 @@ class Runtime {
   void finish_reductions(size_t keep_in_flight);
   void reshard_all();
   void broadcast_buffers();
+  void update_sharded_grad_bytes();
 
   std::shared_ptr<torch::nn::Module> module_;
   ProcessGroupPtr pg_;
@@ -82,6 +86,7 @@ class Runtime {
   // Assignment of the module's parameters to units, before the FlatParameters exist.
   struct PlannedParam {
     std::string name;
+    std::vector<std::string> aliases;
     at::Tensor param;
     int unit;
   };
@@ -99,7 +104,7 @@ class Runtime {
   int last_touched_ = -1;
   bool final_callback_queued_ = false;
   std::vector<int> reduce_order_;  // flat params with a reduction in flight, in issue order
-  uint64_t interception_handle_ = 0;
+  std::string pending_error_;
 };
 
 }  // namespace fsdp

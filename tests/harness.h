@@ -1,0 +1,57 @@
+#pragma once
+// Multi-rank tests on loopback: a test launches N copies of the test binary itself as rank
+// processes (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), each running a named worker
+// function; the test passes when every rank exits 0. Worker output is collected per rank.
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fsdp/fsdp.h"
+
+namespace fsdp_test {
+
+struct WorkerContext {
+  int rank = 0;
+  int world = 1;
+  std::vector<std::string> args;
+};
+using WorkerFn = std::function<void(const WorkerContext&)>;
+
+std::map<std::string, WorkerFn>& worker_registry();
+struct WorkerRegistrar {
+  WorkerRegistrar(const std::string& name, WorkerFn fn) { worker_registry()[name] = std::move(fn); }
+};
+#define FSDP_WORKER(name)                                                          \
+  static void name(const ::fsdp_test::WorkerContext& ctx);                         \
+  static ::fsdp_test::WorkerRegistrar name##_registrar(#name, &name);              \
+  static void name(const ::fsdp_test::WorkerContext& ctx)
+
+struct RankResult {
+  int exit_code = -1;
+  std::string output;  // stdout + stderr
+};
+struct LaunchResult {
+  std::vector<RankResult> ranks;
+  bool timed_out = false;
+  bool all_ok() const;
+  std::string report() const;  // every rank's exit code and output, for failure messages
+};
+
+// Runs worker `name` on `world` ranks; extra_env entries are "KEY=VALUE" for every rank.
+LaunchResult launch(const std::string& name, int world, const std::vector<std::string>& args = {},
+                    int timeout_s = 300, const std::vector<std::string>& extra_env = {});
+
+// Inside a worker: throws std::runtime_error (exit code 1) with the message.
+#define WORKER_CHECK(cond, ...)                                                                    \
+  do {                                                                                             \
+    if (!(cond))                                                                                   \
+      throw std::runtime_error(::fsdp::detail::compose("check failed: " #cond " ", __VA_ARGS__)); \
+  } while (0)
+
+// Relative difference max|a-b| / max|b| (0 when both are zero).
+double rel_diff(const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace fsdp_test

@@ -1,0 +1,83 @@
+#pragma once
+// Small models written as a LibTorch user would, with no knowledge of FSDP.
+#include <torch/torch.h>
+
+namespace fsdp_test {
+
+struct MLPImpl : torch::nn::Module {
+  MLPImpl(int in, int hidden, int out, int depth) {
+    int d = in;
+    for (int i = 0; i < depth; ++i) {
+      layers->push_back(torch::nn::Linear(d, hidden));
+      layers->push_back(torch::nn::Tanh());
+      d = hidden;
+    }
+    layers->push_back(torch::nn::Linear(d, out));
+    register_module("layers", layers);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return layers->forward(x); }
+  torch::nn::Sequential layers;
+};
+TORCH_MODULE(MLP);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int d, int heads) : heads(heads) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    // No qkv bias: its key part has an exactly-zero true gradient (softmax ignores a per-row
+    // shift), and Adam would turn rounding noise there into full-size steps in any comparison.
+    qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(d, 3 * d).bias(false)));
+    proj = register_module("proj", torch::nn::Linear(d, d));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    fc1 = register_module("fc1", torch::nn::Linear(d, 4 * d));
+    fc2 = register_module("fc2", torch::nn::Linear(4 * d, d));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
+    auto q_k_v = qkv(ln1(x)).chunk(3, -1);
+    auto split = [&](const torch::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
+    auto q = split(q_k_v[0]), k = split(q_k_v[1]), v = split(q_k_v[2]);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
+    auto mask = torch::ones({T, T}, torch::kBool).triu(1);
+    att = torch::softmax(att.masked_fill(mask, -1e9), -1);
+    auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, D});
+    x = x + proj(y);
+    return x + fc2(torch::gelu(fc1(ln2(x))));
+  }
+  int heads;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Block);
+
+// An output projection that uses a weight owned elsewhere (weight tying).
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedHead);
+
+// Token embedding tied to the LM head, a frozen positional table, and an unused parameter.
+struct TinyTransformerImpl : torch::nn::Module {
+  TinyTransformerImpl(int vocab, int d, int heads, int layers, int context) {
+    tok = register_module("tok", torch::nn::Embedding(vocab, d));
+    pos = register_parameter("pos", torch::randn({context, d}) * 0.02, /*requires_grad=*/false);
+    for (int i = 0; i < layers; ++i) blocks->push_back(Block(d, heads));
+    register_module("blocks", blocks);
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    head = register_module("head", TiedHead(tok->weight));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) {
+    auto x = tok(idx) + pos.narrow(0, 0, idx.size(1));
+    for (auto& b : *blocks) x = b->as<BlockImpl>()->forward(x);
+    return head(ln_f(x));
+  }
+  torch::nn::Embedding tok{nullptr};
+  torch::Tensor pos;
+  torch::nn::ModuleList blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+  TiedHead head{nullptr};
+};
+TORCH_MODULE(TinyTransformer);
+
+}  // namespace fsdp_test

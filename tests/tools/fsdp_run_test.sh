@@ -1,0 +1,250 @@
+#!/usr/bin/env bash
+# Tests for the fsdp-run launcher.
+#
+#   fsdp_run_test.sh PATH/TO/fsdp-run [CASE...]
+#
+# Each test_<name> function is one case; with no CASE, all run. CMake registers
+# every test_<name> as the ctest test launcher.<name>. Exit 0 = pass, 77 = skipped.
+# The ranks' shell snippets are single-quoted on purpose: they expand in the rank.
+# shellcheck disable=SC2016
+set -u
+
+LAUNCHER=${1:?usage: fsdp_run_test.sh PATH/TO/fsdp-run [CASE...]}
+shift
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_run_test.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+
+fail() {
+  echo "FAIL: $*" >&2
+  for f in "$TMP"/out "$TMP"/err; do
+    [ -f "$f" ] && { echo "--- $(basename "$f"):" >&2; cat "$f" >&2; }
+  done
+  exit 1
+}
+
+# Microseconds since the epoch (bash >= 5).
+now_us() { echo "${EPOCHREALTIME/./}"; }
+
+# Runs the launcher with the given arguments; sets RC and ELAPSED_US.
+launch() {
+  local start
+  start=$(now_us)
+  "$LAUNCHER" "$@" >"$TMP/out" 2>"$TMP/err"
+  RC=$?
+  ELAPSED_US=$(($(now_us) - start))
+}
+
+expect_rc() { [ "$RC" -eq "$1" ] || fail "expected exit code $1, got $RC"; }
+expect_line() { grep -qxF -- "$2" "$TMP/$1" || fail "no line '$2' in $1"; }
+expect_text() { grep -qF -- "$2" "$TMP/$1" || fail "no '$2' in $1"; }
+expect_faster_than() {
+  [ "$ELAPSED_US" -lt $(($1 * 1000000)) ] || fail "took $((ELAPSED_US / 1000)) ms, expected < $1 s"
+}
+
+# A sleep whose command line is unique to this run, so pgrep finds exactly the
+# processes this test started.
+MARKER="6$$.$RANDOM"
+
+# Fails if any process running `sleep $MARKER` is still alive. Processes that
+# were just killed may need a moment to disappear, hence the short retry.
+expect_no_marker_processes() {
+  for _ in $(seq 20); do
+    pgrep -f "sleep $MARKER" >/dev/null || return 0
+    sleep 0.1
+  done
+  fail "processes left behind: $(pgrep -af "sleep $MARKER")"
+}
+
+test_env() {
+  launch --nproc-per-node 3 sh -c \
+    'echo "r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE m=$MASTER_ADDR:$MASTER_PORT g=$GROUP_RANK n=$NODE_RANK"'
+  expect_rc 0
+  for r in 0 1 2; do
+    expect_line out "[rank $r] r=$r w=3 l=$r lw=3 m=127.0.0.1:29500 g=0 n=0"
+  done
+  [ "$(wc -l <"$TMP/out")" -eq 3 ] || fail "expected exactly 3 lines"
+}
+
+test_multinode_env() {
+  launch --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.1.2.3 --master-port 1234 \
+    sh -c 'echo "r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK lw=$LOCAL_WORLD_SIZE g=$GROUP_RANK n=$NODE_RANK m=$MASTER_ADDR:$MASTER_PORT"'
+  expect_rc 0
+  expect_line out "[rank 2] r=2 w=4 l=0 lw=2 g=1 n=1 m=10.1.2.3:1234"
+  expect_line out "[rank 3] r=3 w=4 l=1 lw=2 g=1 n=1 m=10.1.2.3:1234"
+}
+
+test_program_flags_not_parsed() {
+  # Flags after PROGRAM belong to the program, even ones the launcher knows.
+  launch --nproc-per-node 1 sh -c 'echo "args: $*"' prog --nproc-per-node 7 --help
+  expect_rc 0
+  expect_line out "[rank 0] args: --nproc-per-node 7 --help"
+}
+
+test_omp_threads() {
+  launch --nproc-per-node 2 --threads-per-rank 3 sh -c 'echo "omp=$OMP_NUM_THREADS"'
+  expect_rc 0
+  expect_line out "[rank 1] omp=3"
+  # An inherited value is kept...
+  OMP_NUM_THREADS=5 launch --nproc-per-node 2 sh -c 'echo "omp=$OMP_NUM_THREADS"'
+  expect_line out "[rank 0] omp=5"
+  # ...otherwise the cores are split between the ranks, at least 1 each.
+  (unset OMP_NUM_THREADS; launch --nproc-per-node 64 sh -c 'echo "omp=$OMP_NUM_THREADS"'
+   expect_line out "[rank 63] omp=1") || exit 1
+  # (GNU nproc itself honours OMP_NUM_THREADS and OMP_THREAD_LIMIT.)
+  (unset OMP_NUM_THREADS OMP_THREAD_LIMIT; launch --nproc-per-node 1 sh -c 'echo "omp=$OMP_NUM_THREADS"'
+   expect_line out "[rank 0] omp=$(nproc)") || exit 1
+}
+
+test_output_forwarding() {
+  # stderr stays stderr; a last line without '\n' is still shown; '\r' pieces
+  # (progress bars) are forwarded with the prefix at their start.
+  launch --nproc-per-node 2 sh -c \
+    'echo "to out $RANK"; echo "to err $RANK" >&2
+     if [ "$RANK" = 0 ]; then printf "bar 1\rbar 2\r"; sleep 0.2; echo; else printf "tail"; fi'
+  expect_rc 0
+  expect_line out "[rank 0] to out 0"
+  expect_line err "[rank 1] to err 1"
+  expect_line out "[rank 1] tail"
+  expect_line out "$(printf '[rank 0] bar 1\r[rank 0] bar 2\r')"
+  ! grep -q "to err" "$TMP/out" || fail "stderr leaked into stdout"
+
+  launch --no-prefix sh -c 'echo plain'
+  expect_rc 0
+  expect_line out "plain"
+}
+
+test_lines_never_interleave() {
+  # Many long lines from several ranks at once: each must arrive whole.
+  launch --nproc-per-node 4 sh -c \
+    'line=$(printf "%03000d" 0 | tr 0 "$RANK"); i=0; while [ $i -lt 300 ]; do echo "$line"; i=$((i+1)); done'
+  expect_rc 0
+  [ "$(wc -l <"$TMP/out")" -eq 1200 ] || fail "expected 1200 lines, got $(wc -l <"$TMP/out")"
+  # A whole line is "[rank D] " followed by 3000 copies of the digit D.
+  bad=$(awk '{ d = substr($0, 7, 1); rest = substr($0, 10); gsub(d, "", rest)
+               if (substr($0, 1, 9) != "[rank " d "] " || rest != "" || length($0) != 3009) bad++ }
+             END { print bad + 0 }' "$TMP/out")
+  [ "$bad" -eq 0 ] || fail "$bad lines were mixed up"
+}
+
+test_failure_stops_others() {
+  launch --nproc-per-node 4 sh -c \
+    "if [ \"\$RANK\" = 1 ]; then sleep 0.3; echo 'rank 1 gives up' >&2; exit 3; fi; sleep $MARKER"
+  expect_rc 3
+  expect_faster_than 10
+  expect_text err "rank 1 gives up"
+  expect_text err "fsdp-run: rank 1 (pid "
+  expect_text err ") exited with code 3; stopping the other 3 ranks"
+  expect_no_marker_processes
+}
+
+test_rank_killed_by_signal() {
+  launch --nproc-per-node 3 sh -c \
+    "if [ \"\$RANK\" = 2 ]; then sleep 0.3; kill -9 \$\$; fi; sleep $MARKER"
+  expect_rc 137
+  expect_faster_than 10
+  expect_text err "rank 2 (pid "
+  expect_text err "killed by signal 9"
+  expect_no_marker_processes
+}
+
+test_sigkill_after_grace() {
+  # Ranks that ignore SIGTERM are killed once the grace period is over.
+  launch --nproc-per-node 3 --grace-seconds 1 sh -c \
+    "if [ \"\$RANK\" = 0 ]; then sleep 0.3; exit 5; fi; trap '' TERM; sleep $MARKER"
+  expect_rc 5
+  expect_faster_than 6
+  expect_text err "killing 2 ranks still running after 1 s"
+  expect_no_marker_processes
+}
+
+test_grandchildren_stopped() {
+  # What a rank started in the background dies with it, and its open copy of
+  # the output pipe does not keep the launcher waiting.
+  launch --nproc-per-node 2 --grace-seconds 1 sh -c "sleep $MARKER & echo started"
+  expect_rc 0
+  expect_faster_than 5
+  expect_line out "[rank 1] started"
+  expect_no_marker_processes
+}
+
+# Sends `signal` to a launcher whose ranks are sleeping; expects `code`.
+check_launcher_signal() {
+  local signal=$1 code=$2
+  local start
+  start=$(now_us)
+  "$LAUNCHER" --nproc-per-node 3 sh -c "echo up; sleep $MARKER" >"$TMP/out" 2>"$TMP/err" &
+  local pid=$!
+  # Wait until all ranks are up, so the signal hits a running job.
+  for _ in $(seq 100); do
+    [ "$(grep -c up "$TMP/out")" -eq 3 ] && break
+    sleep 0.05
+  done
+  kill "-$signal" "$pid"
+  wait "$pid"
+  RC=$?
+  ELAPSED_US=$(($(now_us) - start))
+  expect_rc "$code"
+  expect_faster_than 10
+  expect_text err "received SIG$signal; stopping 3 ranks"
+  expect_no_marker_processes
+}
+
+test_sigint() { check_launcher_signal INT 130; }
+test_sigterm() { check_launcher_signal TERM 143; }
+
+test_bad_input() {
+  launch --nproc-per-node 0 true
+  expect_rc 2
+  expect_text err "--nproc-per-node"
+
+  launch --nproc-per-node 2
+  expect_rc 2
+  expect_text err "no program given"
+
+  launch --nnodes 2 --node-rank 2 true
+  expect_rc 2
+  expect_text err "--node-rank"
+
+  launch --master-port 70000 true
+  expect_rc 2
+  expect_text err "--master-port"
+
+  launch --nproc-per-node two true
+  expect_rc 2
+  expect_text err "nproc-per-node"
+
+  launch --bogus-option true
+  expect_rc 2
+  expect_text err "--bogus-option"
+
+  launch --help
+  expect_rc 0
+  expect_text out "--nproc-per-node"
+}
+
+test_cannot_execute() {
+  launch --nproc-per-node 2 ./no/such/fsdp_run_program
+  expect_rc 127
+  expect_line err "fsdp-run: cannot execute './no/such/fsdp_run_program': No such file or directory"
+}
+
+test_tty_detection() {
+  launch sh -c 'echo "tty=${FSDP_RUN_STDOUT_IS_TTY:-unset}"'
+  expect_line out "[rank 0] tty=unset"
+  # Run under a pseudo-terminal if this machine can make one.
+  command -v script >/dev/null || { echo "SKIP: no 'script' command"; exit 77; }
+  script -qec "'$LAUNCHER' sh -c 'echo tty=\$FSDP_RUN_STDOUT_IS_TTY'" /dev/null >"$TMP/out" 2>"$TMP/err" ||
+    { echo "SKIP: cannot open a pseudo-terminal"; exit 77; }
+  expect_text out "[rank 0] tty=1"
+}
+
+cases=("$@")
+if [ ${#cases[@]} -eq 0 ]; then
+  mapfile -t cases < <(declare -F | sed -n 's/^declare -f test_//p')
+fi
+for c in "${cases[@]}"; do
+  declare -F "test_$c" >/dev/null || { echo "unknown case: $c" >&2; exit 2; }
+  echo "== $c"
+  "test_$c"
+done
+echo "PASS"
