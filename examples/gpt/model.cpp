@@ -1,0 +1,99 @@
+#include "model.h"
+
+#include <cmath>
+#include <limits>
+#include <unordered_set>
+
+namespace gpt {
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& config) : heads(config.heads) {
+  TORCH_CHECK(config.width % config.heads == 0, "width ", config.width, " is not divisible by heads ", config.heads);
+  qkv = register_module("qkv", torch::nn::Linear(config.width, 3 * config.width));
+  proj = register_module("proj", torch::nn::Linear(config.width, config.width));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const int64_t batch = x.size(0), time = x.size(1), width = x.size(2), head_dim = width / heads;
+  auto q_k_v = qkv(x).chunk(3, /*dim=*/-1);
+  // [batch, time, width] -> [batch, heads, time, head_dim]
+  auto split_heads = [&](const torch::Tensor& t) { return t.view({batch, time, heads, head_dim}).transpose(1, 2); };
+  auto q = split_heads(q_k_v[0]), k = split_heads(q_k_v[1]), v = split_heads(q_k_v[2]);
+
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+  // Entries above the diagonal are future positions: mask them out before the softmax.
+  auto future = torch::ones({time, time}, torch::TensorOptions().dtype(torch::kBool)).triu(/*diagonal=*/1);
+  auto weights = torch::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), /*dim=*/-1);
+  auto mixed = torch::matmul(weights, v).transpose(1, 2).reshape({batch, time, width});
+  return proj(mixed);
+}
+
+MLPImpl::MLPImpl(const GPTConfig& config) {
+  fc = register_module("fc", torch::nn::Linear(config.width, 4 * config.width));
+  proj = register_module("proj", torch::nn::Linear(4 * config.width, config.width));
+}
+
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return proj(torch::gelu(fc(x))); }
+
+BlockImpl::BlockImpl(const GPTConfig& config) {
+  ln_attn = register_module("ln_attn", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.width})));
+  attn = register_module("attn", CausalSelfAttention(config));
+  ln_mlp = register_module("ln_mlp", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.width})));
+  mlp = register_module("mlp", MLP(config));
+}
+
+torch::Tensor BlockImpl::forward(torch::Tensor x) {
+  x = x + attn(ln_attn(x));
+  return x + mlp(ln_mlp(x));
+}
+
+TiedLMHeadImpl::TiedLMHeadImpl(torch::Tensor embedding_weight) {
+  weight = register_parameter("weight", std::move(embedding_weight));
+}
+
+torch::Tensor TiedLMHeadImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+
+GPTImpl::GPTImpl(const GPTConfig& cfg) : config(cfg) {
+  token_embedding = register_module("token_embedding", torch::nn::Embedding(config.vocab_size, config.width));
+  position_embedding = register_module("position_embedding", torch::nn::Embedding(config.context, config.width));
+  for (int64_t i = 0; i < config.layers; ++i) blocks->push_back(Block(config));
+  register_module("blocks", blocks);
+  ln_final = register_module("ln_final", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.width})));
+  lm_head = register_module("lm_head", TiedLMHead(token_embedding->weight));
+
+  // GPT-2's initialization: small normal weights, zero biases, and the projections that write into
+  // the residual stream scaled down by sqrt(2 * layers) so the stream's variance does not grow
+  // with depth. LibTorch's default N(0, 1) embedding would give the tied head huge initial logits.
+  torch::NoGradGuard no_grad;
+  for (auto& module : modules(/*include_self=*/false)) {
+    if (auto* linear = module->as<torch::nn::Linear>()) {
+      linear->weight.normal_(0.0, 0.02);
+      if (linear->bias.defined()) linear->bias.zero_();
+    } else if (auto* embedding = module->as<torch::nn::Embedding>()) {
+      embedding->weight.normal_(0.0, 0.02);
+    }
+  }
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers));
+  for (const auto& block : *blocks) {
+    block->as<BlockImpl>()->attn->proj->weight.normal_(0.0, residual_std);
+    block->as<BlockImpl>()->mlp->proj->weight.normal_(0.0, residual_std);
+  }
+}
+
+torch::Tensor GPTImpl::forward(const torch::Tensor& tokens) {
+  const int64_t time = tokens.size(1);
+  TORCH_CHECK(time <= config.context, "sequence of ", time, " tokens is longer than the context ", config.context);
+  auto positions = torch::arange(time, torch::TensorOptions().dtype(torch::kLong));
+  auto x = token_embedding(tokens) + position_embedding(positions);
+  for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
+  return lm_head(ln_final(x));
+}
+
+int64_t count_parameters(torch::nn::Module& module) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  int64_t total = 0;
+  for (const auto& p : module.parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) total += p.numel();
+  return total;
+}
+
+}  // namespace gpt

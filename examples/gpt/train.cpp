@@ -1,0 +1,556 @@
+// fsdp_gpt: trains the small GPT of model.h on text with libfsdp, one process per rank.
+//
+//   fsdp-run --nproc-per-node 4 ./fsdp_gpt                  # fortunes corpus, FULL_SHARD
+//   fsdp-run --nproc-per-node 4 ./fsdp_gpt --strategy HYBRID_SHARD --sharding-factor 2
+//   ./fsdp_gpt --data my_text.txt --steps 1000              # a single process works too
+//
+// Every rank runs this same program (SPMD). Rank 0 alone prints and writes the metrics file, but
+// every forward pass (training, validation, sampling) is run by every rank: FSDP gathers each
+// unit's parameters from all ranks when an operation reads them, so a forward is collective.
+#include <ATen/CPUGeneratorImpl.h>
+#include <fsdp/fsdp.h>
+#include <sched.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "data.h"
+#include "model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flags
+
+struct TrainConfig {
+  int layers = 4;
+  int width = 128;
+  int heads = 4;
+  int context = 64;
+  int batch_per_rank = 8;
+  int steps = 250;
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int warmup = -1;  // unset: a tenth of --steps
+  std::string schedule = "cosine";
+  double weight_decay = 0.1;
+  uint64_t seed = 1;
+  std::string strategy = "FULL_SHARD";
+  int sharding_factor = 0;  // 0: the library's default for the strategy
+  std::string wrap = "block";
+  std::string data;  // empty: the fortunes corpus
+  int log_interval = 25;
+  int eval_batches = 8;
+  std::string metrics_file;
+  int sample_bytes = 200;
+  std::string prompt = "The ";
+  double temperature = 0.8;
+  bool show_memory = false;
+};
+
+// Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is
+// reported once, while every rank exits with the same code.
+int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config) {
+  CLI::App app{"Train a small GPT on text with libfsdp (Fully Sharded Data Parallel).", "fsdp_gpt"};
+  app.get_formatter()->column_width(32);
+
+  app.add_option("--layers", config.layers, "Transformer blocks")->check(CLI::Range(1, 256))->capture_default_str();
+  app.add_option("--width", config.width, "Embedding width")->check(CLI::Range(8, 16384))->capture_default_str();
+  app.add_option("--heads", config.heads, "Attention heads (must divide --width)")
+      ->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--context", config.context, "Tokens per training sequence")
+      ->check(CLI::Range(2, 8192))->capture_default_str();
+  app.add_option("--batch-per-rank", config.batch_per_rank, "Sequences per rank per step; the global batch is "
+                 "world size times this")->check(CLI::Range(1, 1 << 16))->capture_default_str();
+  app.add_option("--steps", config.steps, "Optimizer steps")->check(CLI::Range(1, 100000000))->capture_default_str();
+  app.add_option("--lr", config.lr, "Peak learning rate (AdamW)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--min-lr", config.min_lr, "Learning rate at the end of the cosine decay")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--warmup", config.warmup, "Steps of linear warm-up from 0 to --lr (default: a tenth of --steps)")
+      ->check(CLI::Range(0, 100000000));
+  app.add_option("--schedule", config.schedule, "Learning-rate schedule after warm-up")
+      ->transform(CLI::IsMember({"cosine", "constant"}, CLI::ignore_case))->capture_default_str();
+  app.add_option("--weight-decay", config.weight_decay, "AdamW weight decay for weight matrices and embeddings")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--seed", config.seed, "Seed for initialization, batches and sampling")->capture_default_str();
+  app.add_option("--strategy", config.strategy, "FSDP sharding strategy")
+      ->transform(CLI::IsMember({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--sharding-factor", config.sharding_factor, "HYBRID_SHARD: ranks per shard group (0: ranks per "
+                 "host); others accept 0 or their implied factor")->check(CLI::Range(0, 1 << 20))->capture_default_str();
+  app.add_option("--wrap", config.wrap, "FSDP units: 'block' makes every transformer block a unit, 'none' makes "
+                 "the whole model one unit")->transform(CLI::IsMember({"block", "none"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--data", config.data, std::string("Text file to train on (default: the fortunes in ") +
+                 gpt::kFortunesDir + ")")->check(CLI::ExistingFile);
+  app.add_option("--log-interval", config.log_interval, "Steps between log lines")
+      ->check(CLI::Range(1, 100000000))->capture_default_str();
+  app.add_option("--eval-batches", config.eval_batches, "Held-out batches (16 sequences each) in each validation loss")
+      ->check(CLI::Range(1, 100000))->capture_default_str();
+  app.add_option("--metrics-file", config.metrics_file, "Write one JSON object per logged step to this file");
+  app.add_option("--sample-bytes", config.sample_bytes, "Bytes to generate after training (0: none)")
+      ->check(CLI::Range(0, 1000000))->capture_default_str();
+  app.add_option("--prompt", config.prompt, "Start of the generated sample")->capture_default_str();
+  app.add_option("--temperature", config.temperature, "Sampling temperature (0: greedy)")
+      ->check(CLI::Range(0.0, 10.0))->capture_default_str();
+  app.add_flag("--show-memory", config.show_memory, "Print per-rank model-state memory next to NO_SHARD's");
+
+  try {
+    app.parse(argc, argv);
+    // Checks that involve several flags, reported the same way as CLI11's own.
+    if (config.width % config.heads != 0)
+      throw CLI::ValidationError("--heads", std::to_string(config.heads) + " does not divide --width " +
+                                                 std::to_string(config.width));
+    if (config.warmup < 0) config.warmup = config.steps / 10;
+    if (config.warmup > config.steps)
+      throw CLI::ValidationError("--warmup", std::to_string(config.warmup) + " is more than --steps " +
+                                                 std::to_string(config.steps));
+    if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
+    if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
+    const int world = env.world_size, factor = config.sharding_factor;
+    if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
+      throw CLI::ValidationError("--sharding-factor", std::to_string(factor) + " does not divide the world size " +
+                                                          std::to_string(world) + " (shard groups are " +
+                                                          "consecutive ranks)");
+    if ((config.strategy == "FULL_SHARD" || config.strategy == "SHARD_GRAD_OP") && factor != 0 && factor != world)
+      throw CLI::ValidationError("--sharding-factor", config.strategy + " shards over all " + std::to_string(world) +
+                                                          " ranks; use 0 or " + std::to_string(world) +
+                                                          ", or --strategy HYBRID_SHARD to shard over fewer");
+    if (config.strategy == "NO_SHARD" && factor > 1)
+      throw CLI::ValidationError("--sharding-factor", "NO_SHARD does not shard; use 0 or 1");
+  } catch (const CLI::ParseError& e) {
+    if (env.rank == 0) return app.exit(e);
+    return e.get_exit_code();
+  }
+  return -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measurements
+
+// CPUs this process may run on (respects taskset / cgroup cpusets, unlike the core count).
+int usable_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+// Resident set size of this process, from /proc/self/status (0 where unavailable).
+int64_t resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "VmRSS:  1234 kB"
+  return 0;
+}
+
+// Matmul throughput of this rank in FLOP/s: a few 1024x1024 float matmuls, 2 * n^3 FLOPs each,
+// on the rank's own thread count. All ranks measure at the same time (after a barrier), so ranks
+// sharing a host also share its cores as they will while training, and the sum over ranks is the
+// job's peak:  peak = sum over ranks r of 2 * n^3 * reps / seconds_r
+//                   (= per-rank rate x ranks per host x hosts, for identical hosts).
+// MFU = achieved model FLOP/s / peak.
+double measure_matmul_flops() {
+  const int64_t n = 1024, reps = 4;
+  auto a = torch::randn({n, n}), b = torch::randn({n, n});
+  auto c = torch::mm(a, b);  // warm-up: thread pool start, page faults
+  const auto start = Clock::now();
+  for (int i = 0; i < reps; ++i) c = torch::mm(a, b);
+  return 2.0 * n * n * n * reps / seconds_since(start);
+}
+
+// Model FLOPs per trained token (forward + backward, PaLM's estimate): 6 per parameter (a
+// multiply-add forward, two backward) plus the attention score and mixing matmuls,
+// 2 matmuls x 2 FLOPs x context x width per layer forward, tripled for backward: 12 L T W.
+double training_flops_per_token(int64_t parameters, const TrainConfig& c) {
+  return 6.0 * static_cast<double>(parameters) + 12.0 * c.layers * c.context * c.width;
+}
+
+double learning_rate(int step, const TrainConfig& c) {
+  if (step <= c.warmup) return c.lr * step / std::max(1, c.warmup);
+  if (c.schedule == "constant" || c.steps == c.warmup) return c.lr;
+  const double progress = static_cast<double>(step - c.warmup) / (c.steps - c.warmup);  // (0, 1]
+  return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output helpers (rank 0)
+
+std::string with_commas(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return (n < 0 ? "-" : "") + out;
+}
+
+std::string fixed(double v, int digits) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(digits) << v;
+  return s.str();
+}
+
+std::string mib(int64_t bytes) { return fixed(bytes / (1024.0 * 1024.0), 2) + " MiB"; }
+
+bool stdout_is_terminal() {
+  const char* forced = std::getenv("FSDP_RUN_STDOUT_IS_TTY");  // set by fsdp-run, which pipes our stdout
+  return isatty(1) || (forced && std::string(forced) == "1");
+}
+
+// A one-line progress bar redrawn in place; log lines clear it first so they are not interleaved.
+class ProgressBar {
+ public:
+  ProgressBar(bool enabled, int total) : enabled_(enabled), total_(total) {}
+  void draw(int step, double loss, double elapsed_s) {
+    if (!enabled_) return;
+    const int width = 30, filled = width * step / total_;
+    const double eta = step ? elapsed_s / step * (total_ - step) : 0.0;
+    std::cout << "\r\033[K[" << std::string(filled, '#') << std::string(width - filled, '.') << "] " << step << "/"
+              << total_ << "  loss " << fixed(loss, 4) << "  eta " << fixed(eta, 0) << "s" << std::flush;
+    shown_ = true;
+  }
+  void clear() {
+    if (shown_) std::cout << "\r\033[K" << std::flush;
+    shown_ = false;
+  }
+
+ private:
+  bool enabled_;
+  int total_;
+  bool shown_ = false;
+};
+
+void print_table(const std::vector<std::pair<std::string, std::string>>& rows) {
+  size_t key_width = 0;
+  for (const auto& row : rows) key_width = std::max(key_width, row.first.size());
+  for (const auto& row : rows) std::cout << "  " << std::left << std::setw(key_width + 2) << row.first << row.second << "\n";
+  std::cout << std::right;
+}
+
+// Model state each rank keeps between steps: parameters, gradients and AdamW's two moments, for
+// this run's shards next to a replica's (NO_SHARD: every rank holds all N parameters).
+void print_memory_comparison(const fsdp::FullyShardedModule& sharded, int64_t parameter_count) {
+  int64_t param_bytes = 0, trainable_bytes = 0;
+  for (const auto& piece : sharded.parameters()) {
+    const int64_t bytes = piece.numel() * piece.element_size();
+    param_bytes += bytes;
+    if (piece.requires_grad()) trainable_bytes += bytes;
+  }
+  const int64_t replica_bytes = parameter_count * static_cast<int64_t>(sizeof(float));
+  const int64_t ours = param_bytes + 3 * trainable_bytes, replicated = 4 * replica_bytes;
+  auto row = [](const std::string& name, int64_t p, int64_t g, int64_t adam) {
+    std::cout << "  " << std::left << std::setw(30) << name << std::right << std::setw(12) << mib(p) << std::setw(12)
+              << mib(g) << std::setw(12) << mib(adam) << std::setw(12) << mib(p + g + adam) << "\n";
+  };
+  std::cout << "\nmodel-state memory per rank (rank 0; fp32 parameters + gradients + AdamW moments):\n";
+  std::cout << "  " << std::left << std::setw(30) << "" << std::right << std::setw(12) << "params" << std::setw(12)
+            << "grads" << std::setw(12) << "AdamW" << std::setw(12) << "total" << "\n";
+  row(fsdp::to_string(sharded.sharding_strategy()) + " (this run, F=" + std::to_string(sharded.sharding_factor()) + ")",
+      param_bytes, trainable_bytes, 2 * trainable_bytes);
+  row("NO_SHARD (full replica)", replica_bytes, replica_bytes, 2 * replica_bytes);
+  std::cout << "  this run keeps " << fixed(100.0 * ours / replicated, 1) << "% of a replica's model state per rank; "
+            << "units are unsharded only while needed (the 'fsdp peak' column shows that cost)\n";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training pieces
+
+// Batch streams: independent random sequences for training and validation windows.
+constexpr uint64_t kTrainStream = 1, kValidationStream = 2, kSampleStream = 3;
+
+torch::Tensor next_token_loss(gpt::GPT& model, const gpt::Batch& batch) {
+  auto logits = model->forward(batch.inputs);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), batch.targets.reshape({-1}));
+}
+
+// Validation batches have a fixed size, so the loss is comparable across world sizes and batch sizes.
+constexpr int64_t kValidationRows = 16;
+
+// Mean loss over a fixed set of held-out batches. Every rank evaluates the same batches (the
+// forwards are collective), so every rank gets the same number without a reduction.
+double validation_loss(gpt::GPT& model, const torch::Tensor& tokens, const TrainConfig& c) {
+  torch::NoGradGuard no_grad;
+  double total = 0.0;
+  for (int i = 0; i < c.eval_batches; ++i) {
+    const auto batch = gpt::sample_batch(tokens, c.context, gpt::batch_key(c.seed, kValidationStream, i),
+                                         kValidationRows, 0, kValidationRows);
+    total += next_token_loss(model, batch).item<double>();
+  }
+  return total / c.eval_batches;
+}
+
+// Samples `bytes` tokens after `prompt`, feeding back at most `context` tokens each time. Every
+// rank runs it with the same generator seed, so all ranks agree on every token.
+std::string generate(gpt::GPT& model, const std::string& prompt, const TrainConfig& c) {
+  torch::NoGradGuard no_grad;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(gpt::batch_key(c.seed, kSampleStream, 0));
+  auto tokens = gpt::encode(prompt);
+  for (int i = 0; i < c.sample_bytes; ++i) {
+    const int64_t window = std::min<int64_t>(tokens.numel(), c.context);
+    auto logits = model->forward(tokens.narrow(0, tokens.numel() - window, window).unsqueeze(0));
+    auto last = logits[0][window - 1];
+    torch::Tensor next;
+    if (c.temperature == 0.0) {
+      next = last.argmax().reshape({1});
+    } else {
+      next = torch::multinomial(torch::softmax(last / c.temperature, -1), 1, false, generator);
+    }
+    tokens = torch::cat({tokens, next});
+  }
+  return gpt::decode(tokens);
+}
+
+int run(int argc, char** argv) {
+  const auto program_start = Clock::now();
+  fsdp::RankEnv env;
+  try {
+    env = fsdp::RankEnv::from_env();
+  } catch (const fsdp::Error&) {
+    // A broken launcher environment: parse flags as a single process; ProcessGroup::from_env
+    // below reports the problem.
+  }
+  TrainConfig config;
+  if (const int code = parse_flags(argc, argv, env, config); code >= 0) return code;
+
+  // Ranks on one host share its cores. OMP_NUM_THREADS, if set, is the user's choice (LibTorch
+  // already applied it); otherwise split the usable cores between the local ranks, since more
+  // threads than cores makes every rank slower.
+  if (!std::getenv("OMP_NUM_THREADS")) torch::set_num_threads(std::max(1, usable_cpus() / env.local_world_size));
+  const int threads_per_rank = torch::get_num_threads();
+
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int rank = pg->rank(), world = pg->size();
+  const bool is_main = rank == 0;
+
+  // Every rank reads the same corpus and splits it the same way.
+  const gpt::Corpus corpus = config.data.empty() ? gpt::load_fortunes() : gpt::load_text_file(config.data);
+  const auto splits = gpt::split_train_validation(gpt::encode(corpus.text));
+  if (splits.validation.numel() <= config.context + 1) {
+    if (is_main)
+      std::cerr << "error: the text has " << corpus.text.size() << " bytes; its validation tenth ("
+                << splits.validation.numel() << " bytes) is too short for --context " << config.context
+                << ". Use a longer text or a shorter context.\n";
+    return 1;
+  }
+
+  // Peak matmul rate, measured by all ranks at once (see measure_matmul_flops).
+  if (world > 1) pg->world()->barrier();
+  auto peak = torch::tensor({measure_matmul_flops()}, torch::kDouble);
+  const double rank0_matmul_flops = peak.item<double>();
+  if (world > 1) pg->world()->all_reduce(peak)->wait();
+  const double peak_flops = peak.item<double>();
+
+  // The model, exactly as it would be built without FSDP.
+  torch::manual_seed(config.seed);
+  gpt::GPTConfig model_config;
+  model_config.context = config.context;
+  model_config.width = config.width;
+  model_config.layers = config.layers;
+  model_config.heads = config.heads;
+  gpt::GPT model(model_config);
+  const int64_t parameter_count = gpt::count_parameters(*model);
+  // Weight decay applies to matrices (weights, embeddings), not to biases or LayerNorm gains. The
+  // shard pieces are 1-D, so remember each parameter's original rank by name.
+  std::map<std::string, int64_t> original_dims;
+  for (const auto& item : model->named_parameters()) original_dims[item.key()] = item.value().dim();
+
+  auto options = fsdp::Options()
+                     .sharding_strategy(fsdp::parse_sharding_strategy(config.strategy))
+                     .sharding_factor(config.sharding_factor);
+  if (config.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
+  auto sharded = fsdp::fully_shard(model, pg, options);
+
+  std::vector<torch::Tensor> decayed, not_decayed;
+  for (const auto& [name, piece] : sharded->named_parameters())
+    (original_dims.at(name) >= 2 ? decayed : not_decayed).push_back(piece);
+  // beta2 0.99 instead of 0.999: a short run with small batches wants the second-moment estimate
+  // to follow the gradient scale as it changes.
+  auto adamw = [&](double weight_decay) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(config.lr).betas({0.9, 0.99}).weight_decay(weight_decay));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decayed, adamw(config.weight_decay));
+  groups.emplace_back(not_decayed, adamw(0.0));
+  torch::optim::AdamW optimizer(std::move(groups), *adamw(config.weight_decay));
+
+  const int64_t tokens_per_step = static_cast<int64_t>(world) * config.batch_per_rank * config.context;
+  const double flops_per_token = training_flops_per_token(parameter_count, config);
+
+  if (is_main) {
+    const int64_t units = static_cast<int64_t>(sharded->units().size());
+    std::cout << "fsdp_gpt configuration\n";
+    print_table({
+        {"world size", std::to_string(world) + " (" + std::to_string(pg->env().local_world_size) + " on this host, " +
+                           std::to_string(threads_per_rank) + " thread" + (threads_per_rank == 1 ? "" : "s") +
+                           " per rank)"},
+        {"strategy", fsdp::to_string(sharded->sharding_strategy())},
+        {"sharding factor", std::to_string(sharded->sharding_factor())},
+        {"wrap", config.wrap == "block" ? "block (every BlockImpl is a unit, plus the root)"
+                                        : "none (the whole model is one unit)"},
+        {"units", std::to_string(units)},
+        {"parameters", with_commas(parameter_count) + " (tied embedding and head counted once)"},
+        {"model", std::to_string(config.layers) + " layers, width " + std::to_string(config.width) + ", " +
+                      std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +
+                      ", vocab 256 (bytes)"},
+        {"batch", std::to_string(config.batch_per_rank) + " sequences per rank; global " +
+                      std::to_string(world * config.batch_per_rank) + " x " + std::to_string(config.context) +
+                      " = " + with_commas(tokens_per_step) + " tokens per step"},
+        {"steps", std::to_string(config.steps) + " (log every " + std::to_string(config.log_interval) + ")"},
+        {"optimizer", "AdamW, lr " + fixed(config.lr, 6) + ", warm-up " + std::to_string(config.warmup) + ", then " +
+                          (config.schedule == "cosine" ? "cosine to " + fixed(config.min_lr, 6) : "constant") +
+                          ", weight decay " + fixed(config.weight_decay, 3)},
+        {"data", corpus.description},
+        {"tokens", with_commas(static_cast<int64_t>(corpus.text.size())) + " bytes: " +
+                       with_commas(splits.train.numel()) + " train, " + with_commas(splits.validation.numel()) +
+                       " validation"},
+        {"seed", std::to_string(config.seed)},
+        {"FLOPs per token", fixed(flops_per_token / 1e6, 2) + " M (6N + 12 L T W)"},
+        {"matmul peak", fixed(peak_flops / 1e12, 4) + " TFLOP/s for the job (rank 0: " +
+                            fixed(rank0_matmul_flops / 1e9, 1) + " GFLOP/s, measured with all ranks running)"},
+    });
+    std::cout << sharded->describe();
+    if (config.show_memory) print_memory_comparison(*sharded, parameter_count);
+    std::cout << std::flush;
+  }
+
+  std::ofstream metrics;
+  if (is_main && !config.metrics_file.empty()) {
+    metrics.open(config.metrics_file);
+    if (!metrics) throw std::runtime_error("cannot write --metrics-file " + config.metrics_file);
+  }
+
+  const double val_loss_start = validation_loss(model, splits.validation, config);
+  if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;
+
+  ProgressBar progress(is_main && stdout_is_terminal(), config.steps);
+  sharded->reset_peak_memory_stats();
+  double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0, last_logged_loss = 0.0;
+  int window_steps = 0;
+  int64_t run_param_peak = 0, run_grad_peak = 0;
+  for (int step = 1; step <= config.steps; ++step) {
+    const auto step_start = Clock::now();
+    const double lr = learning_rate(step, config);
+    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+
+    // This rank's rows of the global batch for this step.
+    const auto batch = gpt::sample_batch(splits.train, config.context, gpt::batch_key(config.seed, kTrainStream, step),
+                                         static_cast<int64_t>(world) * config.batch_per_rank,
+                                         static_cast<int64_t>(rank) * config.batch_per_rank, config.batch_per_rank);
+    optimizer.zero_grad();
+    auto loss = next_token_loss(model, batch);
+    loss.backward();
+    optimizer.step();
+
+    const double local_loss = loss.item<double>();
+    const double step_seconds = seconds_since(step_start);
+    train_seconds += step_seconds;
+    window_seconds += step_seconds;
+    window_loss += local_loss;
+    ++window_steps;
+    progress.draw(step, local_loss, train_seconds);
+
+    if (step == 1 || step % config.log_interval == 0 || step == config.steps) {
+      // The logged loss is the mean over the window's steps and over all ranks' slices.
+      auto loss_sum = torch::tensor({window_loss}, torch::kDouble);
+      if (world > 1) pg->world()->all_reduce(loss_sum)->wait();
+      const double mean_loss = loss_sum.item<double>() / (window_steps * world);
+      last_logged_loss = mean_loss;
+
+      const double ms_per_step = 1000.0 * window_seconds / window_steps;
+      const double tokens_per_s = tokens_per_step * window_steps / window_seconds;
+      const double model_flops = flops_per_token * tokens_per_s;
+      const auto memory = sharded->memory_stats();
+      const int64_t fsdp_peak = memory.param_peak_bytes + memory.grad_peak_bytes;
+      run_param_peak = std::max(run_param_peak, memory.param_peak_bytes);
+      run_grad_peak = std::max(run_grad_peak, memory.grad_peak_bytes);
+      const int64_t rss = resident_bytes();
+      if (is_main) {
+        progress.clear();
+        std::cout << "step " << std::setw(std::to_string(config.steps).size()) << step << "/" << config.steps
+                  << " | loss " << fixed(mean_loss, 4) << " | lr " << std::scientific << std::setprecision(2) << lr
+                  << std::defaultfloat << " | " << std::setw(7) << fixed(ms_per_step, 1) << " ms/step | "
+                  << std::setw(7) << with_commas(std::llround(tokens_per_s)) << " tok/s | "
+                  << fixed(model_flops / 1e12, 4) << " TFLOP/s | MFU " << fixed(100.0 * model_flops / peak_flops, 1)
+                  << "% | fsdp peak " << mib(fsdp_peak) << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
+                  << std::flush;
+        progress.draw(step, local_loss, train_seconds);
+        if (metrics.is_open())
+          metrics << nlohmann::json{{"step", step},
+                                    {"loss", mean_loss},
+                                    {"lr", lr},
+                                    {"ms_per_step", ms_per_step},
+                                    {"tokens_per_s", tokens_per_s},
+                                    {"model_tflops", model_flops / 1e12},
+                                    {"mfu", model_flops / peak_flops},
+                                    {"fsdp_param_peak_bytes", memory.param_peak_bytes},
+                                    {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
+                                    {"rss_bytes", rss},
+                                    {"elapsed_s", seconds_since(program_start)}}
+                         .dump()
+                  << "\n"
+                  << std::flush;
+      }
+      sharded->reset_peak_memory_stats();
+      window_seconds = window_loss = 0.0;
+      window_steps = 0;
+    }
+  }
+  progress.clear();
+
+  const double val_loss_end = validation_loss(model, splits.validation, config);
+  std::string sample;
+  if (config.sample_bytes > 0) sample = generate(model, config.prompt, config);
+
+  if (is_main) {
+    std::cout << "validation loss after training: " << fixed(val_loss_end, 4) << " (before: " << fixed(val_loss_start, 4)
+              << ")\n";
+    if (config.show_memory)
+      std::cout << "rank 0 FSDP peak during training: parameters " << mib(run_param_peak) << ", gradients "
+                << mib(run_grad_peak) << "\n";
+    if (!sample.empty()) std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << sample << "\n---\n\n";
+    std::cout << "done: " << config.steps << " steps in " << fixed(seconds_since(program_start), 1) << " s ("
+              << fixed(train_seconds, 1) << " s training) | final train loss " << fixed(last_logged_loss, 4)
+              << " | val loss " << fixed(val_loss_start, 4) << " -> " << fixed(val_loss_end, 4) << " | mean "
+              << with_commas(std::llround(tokens_per_step * config.steps / train_seconds)) << " tok/s\n"
+              << std::flush;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    // Errors after start-up can differ between ranks (a lost peer, a bad file on one host), so
+    // every rank reports its own.
+    const char* rank = std::getenv("RANK");
+    std::cerr << "fsdp_gpt" << (rank ? std::string(" [rank ") + rank + "]" : std::string()) << ": error: " << e.what()
+              << "\n";
+    return 1;
+  }
+}
