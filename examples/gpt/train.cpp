@@ -27,6 +27,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "data.h"
@@ -141,6 +142,9 @@ int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& co
       throw CLI::ValidationError("--sharding-factor", "NO_SHARD does not shard; use 0 or 1");
   } catch (const CLI::ParseError& e) {
     if (env.rank == 0) return app.exit(e);
+    // Every rank fails alike; give rank 0 a moment to print before a launcher that stops all
+    // ranks at the first failure stops it too.
+    if (e.get_exit_code() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
     return e.get_exit_code();
   }
   return -1;
@@ -270,8 +274,8 @@ void print_memory_comparison(const fsdp::FullyShardedModule& sharded, int64_t pa
   row(fsdp::to_string(sharded.sharding_strategy()) + " (this run, F=" + std::to_string(sharded.sharding_factor()) + ")",
       param_bytes, trainable_bytes, 2 * trainable_bytes);
   row("NO_SHARD (full replica)", replica_bytes, replica_bytes, 2 * replica_bytes);
-  std::cout << "  this run keeps " << fixed(100.0 * ours / replicated, 1) << "% of a replica's model state per rank; "
-            << "units are unsharded only while needed (the 'fsdp peak' column shows that cost)\n";
+  std::cout << "  this run keeps " << fixed(100.0 * ours / replicated, 1) << "% of a replica's model state on each "
+            << "rank,\n  plus units gathered while they run (the 'fsdp peak' column of the step log)\n";
 }
 
 // ---------------------------------------------------------------------------------------------
