@@ -17,17 +17,20 @@ int main() {
                               torch::nn::ReLU(), torch::nn::Linear(64, 1));
 
   // Each Linear becomes an FSDP unit: its parameters are gathered only while it runs.
-  auto sharded = fsdp::fully_shard(
-      model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded = fsdp::fully_shard(model, pg,
+                                   fsdp::Options()
+                                       .sharding_strategy(fsdp::ShardingStrategy::kFullShard)
+                                       .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
   if (pg->rank() == 0) std::cout << sharded->describe();
 
   // The optimizer steps this rank's shards, not the module's (gathered) parameters.
   torch::optim::AdamW optimizer(sharded->parameters(), torch::optim::AdamWOptions(1e-2));
+  sharded->check_optimizer(optimizer);  // throws if it held the module's own parameters
 
   // Target: y = sum(sin(x)). Each rank draws different data (its own seed), as data parallelism does.
   torch::manual_seed(1 + pg->rank());
   for (int step = 1; step <= 20; ++step) {
-    auto x = torch::randn({32, 16});
+    auto x = torch::randn({256, 16});
     auto y = torch::sin(x).sum(1, /*keepdim=*/true);
 
     optimizer.zero_grad();

@@ -36,6 +36,7 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr double kPi = 3.14159265358979323846;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -195,7 +196,7 @@ double learning_rate(int step, const TrainConfig& c) {
   if (step <= c.warmup) return c.lr * step / std::max(1, c.warmup);
   if (c.schedule == "constant" || c.steps == c.warmup) return c.lr;
   const double progress = static_cast<double>(step - c.warmup) / (c.steps - c.warmup);  // (0, 1]
-  return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(M_PI * progress));
+  return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(kPi * progress));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ class ProgressBar {
   ProgressBar(bool enabled, int total) : enabled_(enabled), total_(total) {}
   void draw(int step, double loss, double elapsed_s) {
     if (!enabled_) return;
-    const int width = 30, filled = width * step / total_;
+    const int width = 30, filled = static_cast<int>(int64_t{width} * step / total_);
     const double eta = step ? elapsed_s / step * (total_ - step) : 0.0;
     std::cout << "\r\033[K[" << std::string(filled, '#') << std::string(width - filled, '.') << "] " << step << "/"
               << total_ << "  loss " << fixed(loss, 4) << "  eta " << fixed(eta, 0) << "s" << std::flush;
@@ -351,11 +352,11 @@ int run(int argc, char** argv) {
   // Every rank reads the same corpus and splits it the same way.
   const gpt::Corpus corpus = config.data.empty() ? gpt::load_fortunes() : gpt::load_text_file(config.data);
   const auto splits = gpt::split_train_validation(gpt::encode(corpus.text));
-  if (splits.validation.numel() <= config.context + 1) {
+  if (std::min(splits.train.numel(), splits.validation.numel()) <= config.context + 1) {
     if (is_main)
-      std::cerr << "error: the text has " << corpus.text.size() << " bytes; its validation tenth ("
-                << splits.validation.numel() << " bytes) is too short for --context " << config.context
-                << ". Use a longer text or a shorter context.\n";
+      std::cerr << "error: the text has " << corpus.text.size() << " bytes, split into " << splits.train.numel()
+                << " for training and " << splits.validation.numel() << " for validation; each must be longer "
+                << "than --context " << config.context << " + 1. Use a longer text or a shorter context.\n";
     return 1;
   }
 
@@ -389,8 +390,8 @@ int run(int argc, char** argv) {
   std::vector<torch::Tensor> decayed, not_decayed;
   for (const auto& [name, piece] : sharded->named_parameters())
     (original_dims.at(name) >= 2 ? decayed : not_decayed).push_back(piece);
-  // beta2 0.99 instead of 0.999: a short run with small batches wants the second-moment estimate
-  // to follow the gradient scale as it changes.
+  // beta2 0.99 instead of 0.999 (nanoGPT's choice for small character-level runs): the
+  // second-moment estimate then adapts within ~100 steps, a fraction of a run this short.
   auto adamw = [&](double weight_decay) {
     return std::make_unique<torch::optim::AdamWOptions>(
         torch::optim::AdamWOptions(config.lr).betas({0.9, 0.99}).weight_decay(weight_decay));
@@ -399,6 +400,7 @@ int run(int argc, char** argv) {
   groups.emplace_back(decayed, adamw(config.weight_decay));
   groups.emplace_back(not_decayed, adamw(0.0));
   torch::optim::AdamW optimizer(std::move(groups), *adamw(config.weight_decay));
+  sharded->check_optimizer(optimizer);
 
   const int64_t tokens_per_step = static_cast<int64_t>(world) * config.batch_per_rank * config.context;
   const double flops_per_token = training_flops_per_token(parameter_count, config);
