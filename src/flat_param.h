@@ -75,9 +75,8 @@ class FlatParam {
   bool reduce_completed() const;
   void finish_reduce();
 
-  // Broadcast rank 0's unsharded values of the flat buffer before sharding (sync_module_states).
-  void copy_full_into_shard(const at::Tensor& full);  // full: padded flat values
-  at::Tensor full_view() const { return full_; }       // valid while unsharded
+  // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).
+  void copy_full_into_shard(const at::Tensor& full);
   // Bytes of the shard pieces' gradients that currently exist.
   int64_t sharded_grad_bytes() const;
 

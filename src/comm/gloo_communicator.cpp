@@ -197,8 +197,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       FSDP_CHECK((opts.tag & kAutoTagBit) == 0, "collective tag ", opts.tag, " must be below 2^31");
       return opts.tag;
     }
-    // Spaced apart: gloo derives per-phase slots from a collective's tag (slot + offset), so
-    // consecutive tags could let one collective's later phase match the next one's messages.
+    // Spaced apart as a precaution against slot offsets derived from a tag; not known to be needed.
     return kAutoTagBit | ((next_tag_.fetch_add(1) * kTagStride) & ~kAutoTagBit);
   }
 
