@@ -69,9 +69,10 @@ bool FlatParam::unsharded_is_stale() const {
   return !group_.keep_unsharded && unsharded_ && shard_version() != gathered_version_;
 }
 
-void FlatParam::unshard() {
-  if (group_.keep_unsharded) return;
+WorkPtr FlatParam::start_unshard() {
+  if (group_.keep_unsharded) return nullptr;
   InternalOpGuard internal;
+  if (gather_work_) wait_unshard();  // a gather of older shard values: let it land first
   if (!unsharded_) {
     at::native::resize_bytes_cpu(storage_, padded_numel_ * element_size_);
     memory_->add_param(padded_numel_ * element_size_);
@@ -79,15 +80,32 @@ void FlatParam::unshard() {
   }
   // Gloo writes through the raw pointer: no tensor op, so the parameters' version counters (which
   // autograd checks for saved tensors) do not move.
-  group_.shard_comm->all_gather_into(full_, shard_)->wait();
   gathered_version_ = shard_version();
+  gather_work_ = group_.shard_comm->all_gather_into(full_, shard_);
+  return gather_work_;
+}
+
+void FlatParam::wait_unshard() {
+  if (!gather_work_) return;
+  WorkPtr work = std::move(gather_work_);
+  gather_work_ = nullptr;
+  work->wait();
 }
 
 void FlatParam::reshard() {
   if (group_.keep_unsharded || !unsharded_) return;
+  wait_unshard();  // never free memory a communicator is writing into
   at::native::resize_bytes_cpu(storage_, 0);
   memory_->add_param(-padded_numel_ * element_size_);
   unsharded_ = false;
+}
+
+std::string FlatParam::gather_track() const {
+  return group_.shard_comm ? group_.shard_comm->name() : std::string("none");
+}
+
+std::string FlatParam::reduce_track() const {
+  return group_.keep_unsharded ? group_.world_comm->name() : group_.shard_comm->name();
 }
 
 void FlatParam::ensure_grad_buffer() {

@@ -61,17 +61,29 @@ class FlatParam {
   bool is_unsharded() const { return unsharded_; }
   // True if the shard changed (optimizer step, load) since the unsharded copy was gathered.
   bool unsharded_is_stale() const;
-  void unshard();  // all-gather into the flat storage (blocking)
-  void reshard();  // free the flat storage
+  // Allocates the flat storage and issues the all-gather into it; returns the work, or null if
+  // nothing is to gather (kept unsharded). The storage must not be read before wait_unshard().
+  WorkPtr start_unshard();
+  bool unshard_pending() const { return gather_work_ != nullptr; }
+  const WorkPtr& gather_work() const { return gather_work_; }
+  void wait_unshard();
+  void unshard() { start_unshard(); wait_unshard(); }
+  void reshard();  // free the flat storage (after waiting for a gather in flight into it)
+  // The communicator the all-gather and the reduction run on (for traces).
+  std::string gather_track() const;
+  std::string reduce_track() const;
 
   // The flat gradient buffer exists during backward; the parameters' .grad are views of it so
   // AccumulateGrad adds into it in place.
   bool has_grad_buffer() const { return full_grad_.defined(); }
   void ensure_grad_buffer();
-  // Issue the reduction of the flat gradient (asynchronous), then finish it: average over ranks
-  // and add into the shard pieces' .grad (only pieces of parameters that got a gradient).
+  // Issue the reduction of the flat gradient (asynchronous, except for hybrid sharding, see the
+  // definition), then finish it: average over ranks and add into the shard pieces' .grad (only
+  // pieces of parameters that got a gradient).
   void start_reduce();
   bool reduce_pending() const { return pending_work_ != nullptr; }
+  const WorkPtr& reduce_work() const { return pending_work_; }
+  bool reduce_is_synchronous() const { return group_.replicate_comm && group_.replicate_comm->size() > 1; }
   bool reduce_completed() const;
   void finish_reduce();
 
@@ -97,6 +109,7 @@ class FlatParam {
   at::Tensor full_grad_;
   at::Tensor reduced_;  // the reduction's output
   WorkPtr pending_work_;  // reduce-scatter (or all-reduce) in flight
+  WorkPtr gather_work_;   // all-gather in flight into full_
 };
 
 }  // namespace fsdp

@@ -37,6 +37,23 @@ ShardingStrategy parse_sharding_strategy(const std::string& name) {
   FSDP_FAIL("unknown sharding strategy '", name, "'; use FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD");
 }
 
+std::string to_string(BackwardPrefetch p) {
+  switch (p) {
+    case BackwardPrefetch::kBackwardPre: return "BACKWARD_PRE";
+    case BackwardPrefetch::kBackwardPost: return "BACKWARD_POST";
+    case BackwardPrefetch::kNone: return "NONE";
+  }
+  return "?";
+}
+
+BackwardPrefetch parse_backward_prefetch(const std::string& name) {
+  std::string n;
+  for (char c : name) n += (c == '-') ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  for (auto p : {BackwardPrefetch::kBackwardPre, BackwardPrefetch::kBackwardPost, BackwardPrefetch::kNone})
+    if (n == to_string(p)) return p;
+  FSDP_FAIL("unknown backward prefetch '", name, "'; use BACKWARD_PRE, BACKWARD_POST or NONE");
+}
+
 namespace {
 
 std::string shape_str(at::IntArrayRef s) {
@@ -61,6 +78,8 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, 
   FSDP_CHECK(pg_ != nullptr, "fully_shard: the process group is null; create one with ProcessGroup::from_env()");
   const int W = pg_->size();
   const auto strategy = options_.sharding_strategy();
+  FSDP_CHECK(!options_.limit_all_gathers() || options_.all_gather_limit() >= 1, "all_gather_limit must be at least 1, got ",
+             options_.all_gather_limit(), "; to turn the rate limiter off use limit_all_gathers(false)");
   reshard_after_forward_ = strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
   group_.world_size = W;
   group_.world_comm = pg_->world();
@@ -104,6 +123,7 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, 
   build_flat_params();
   for (const auto& kv : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(kv.key(), kv.value());
   register_hooks();
+  tracer_.enable(options_.trace());
   register_runtime(this);
 }
 
@@ -454,6 +474,8 @@ ShardingStrategy FullyShardedModule::sharding_strategy() const { return runtime_
 int FullyShardedModule::sharding_factor() const { return runtime_->sharding_factor(); }
 int FullyShardedModule::world_size() const { return runtime_->world_size(); }
 std::shared_ptr<torch::nn::Module> FullyShardedModule::module() const { return runtime_->module(); }
+void FullyShardedModule::set_trace(bool on) { runtime_->enable_trace(on); }
+IterationTrace FullyShardedModule::last_trace() const { return runtime_->last_trace(); }
 
 std::string FullyShardedModule::describe() const {
   std::ostringstream o;

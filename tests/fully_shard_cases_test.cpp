@@ -16,28 +16,50 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 
 FSDP_WORKER(memory_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
+  using fsdp::BackwardPrefetch;
   struct Case {
     const char* name;
     fsdp::ShardingStrategy strategy;
     fsdp::WrapPolicy policy;
+    BackwardPrefetch prefetch;
+    bool forward_prefetch;
+    int all_gather_limit;  // 0: limiter off
   };
+  const auto per_linear = fsdp::wrap::by_type<torch::nn::LinearImpl>();
+  const auto full = fsdp::ShardingStrategy::kFullShard;
   std::vector<Case> cases{
-      {"per-linear", fsdp::ShardingStrategy::kFullShard, fsdp::wrap::by_type<torch::nn::LinearImpl>()},
-      {"by-size-150", fsdp::ShardingStrategy::kFullShard, fsdp::wrap::by_size(150)},
-      {"whole-model", fsdp::ShardingStrategy::kFullShard, nullptr},
-      {"per-linear", fsdp::ShardingStrategy::kShardGradOp, fsdp::wrap::by_type<torch::nn::LinearImpl>()},
-      {"per-linear", fsdp::ShardingStrategy::kNoShard, fsdp::wrap::by_type<torch::nn::LinearImpl>()},
+      {"per-linear", full, per_linear, BackwardPrefetch::kNone, false, 2},
+      {"per-linear+backward-pre", full, per_linear, BackwardPrefetch::kBackwardPre, false, 2},
+      {"per-linear+backward-post", full, per_linear, BackwardPrefetch::kBackwardPost, false, 2},
+      {"per-linear+both-prefetch", full, per_linear, BackwardPrefetch::kBackwardPre, true, 2},
+      {"per-linear+both-prefetch-unlimited", full, per_linear, BackwardPrefetch::kBackwardPre, true, 0},
+      {"per-linear+both-prefetch+limit-1", full, per_linear, BackwardPrefetch::kBackwardPre, true, 1},
+      {"by-size-150", full, fsdp::wrap::by_size(150), BackwardPrefetch::kNone, false, 2},
+      {"whole-model", full, nullptr, BackwardPrefetch::kBackwardPre, true, 2},
+      {"per-linear", fsdp::ShardingStrategy::kShardGradOp, per_linear, BackwardPrefetch::kBackwardPre, true, 2},
+      {"per-linear", fsdp::ShardingStrategy::kNoShard, per_linear, BackwardPrefetch::kBackwardPre, true, 2},
   };
   for (const auto& c : cases) {
     torch::manual_seed(3);
     MLP model(7, 13, 5, 4);  // odd sizes: every unit needs padding at world 4
-    auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().sharding_strategy(c.strategy).auto_wrap_policy(c.policy));
+    auto sharded = fsdp::fully_shard(model, pg,
+                                     fsdp::Options()
+                                         .sharding_strategy(c.strategy)
+                                         .auto_wrap_policy(c.policy)
+                                         .backward_prefetch(c.prefetch)
+                                         .forward_prefetch(c.forward_prefetch)
+                                         .limit_all_gathers(c.all_gather_limit > 0)
+                                         .all_gather_limit(std::max(1, c.all_gather_limit)));
     torch::optim::SGD opt(sharded->parameters(), 0.1);
     // Flat wrapping: sum of shards + the largest unit (the paper's formula). Nested units: a
     // parent stays unsharded while its children run, so the largest root-to-unit chain counts.
-    int64_t shards = 0, largest = 0, all_padded = 0;
+    // BACKWARD_PRE and forward prefetch (limit >= 2) keep the next unit unsharded beside the
+    // current one: the largest pair of units adjacent in execution order (module order here)
+    // counts instead. BACKWARD_POST gathers the next unit after resharding the current one.
+    int64_t shards = 0, largest = 0, all_padded = 0, largest_pair = 0;
     const auto& units = sharded->units();
-    for (const auto& u : units) {
+    for (size_t i = 0; i < units.size(); ++i) {
+      const auto& u = units[i];
       shards += u.shard_bytes;
       all_padded += u.padded_bytes;
       int64_t chain = 0;
@@ -46,22 +68,27 @@ FSDP_WORKER(memory_worker) {
         if (v->parent < 0) break;
       }
       largest = std::max(largest, chain);
+      if (i >= 2) largest_pair = std::max(largest_pair, u.padded_bytes + units[i - 1].padded_bytes);
     }
-    const bool flat = std::string(c.name) != "by-size-150";
-    if (flat && units[0].padded_bytes == 0 && c.strategy == fsdp::ShardingStrategy::kFullShard) {
+    const std::string name = c.name;
+    const bool flat = name != "by-size-150";
+    if (flat && units[0].padded_bytes == 0 && c.strategy == full) {
       int64_t max_unit = 0;
       for (const auto& u : units) max_unit = std::max(max_unit, u.padded_bytes);
       WORKER_CHECK(largest == max_unit, "flat wrapping: the chain figure must equal the largest unit");
     }
+    const bool prefetching = units.size() > 2 && c.all_gather_limit != 1 &&
+                             (c.prefetch == BackwardPrefetch::kBackwardPre || c.forward_prefetch);
+    if (prefetching) WORKER_CHECK(units[0].padded_bytes == 0, "the prefetch formula assumes an empty root");
     int64_t expected = 0;
     switch (c.strategy) {
-      case fsdp::ShardingStrategy::kFullShard: expected = shards + largest; break;
+      case fsdp::ShardingStrategy::kFullShard: expected = shards + (prefetching ? largest_pair : largest); break;
       case fsdp::ShardingStrategy::kShardGradOp: expected = shards + all_padded; break;
       default: expected = all_padded; break;  // NO_SHARD: the flat buffer is the replica
     }
     WORKER_CHECK(sharded->memory_stats().param_bytes == (c.strategy == fsdp::ShardingStrategy::kNoShard ? all_padded : shards),
                  c.name, ": resting parameter bytes ", sharded->memory_stats().param_bytes);
-    for (int step = 0; step < 2; ++step) {
+    for (int step = 0; step < 3; ++step) {  // forward prefetch starts in the second iteration
       sharded->reset_peak_memory_stats();
       opt.zero_grad();
       model->forward(torch::randn({4, 7})).pow(2).mean().backward();
@@ -69,7 +96,7 @@ FSDP_WORKER(memory_worker) {
       const auto m = sharded->memory_stats();
       WORKER_CHECK(m.param_peak_bytes == expected, fsdp::to_string(c.strategy), " ", c.name, ": peak parameter bytes ",
                    m.param_peak_bytes, " != expected ", expected, " (shards ", shards, ", largest unit ", largest,
-                   ", all units ", all_padded, ")");
+                   ", largest adjacent pair ", largest_pair, ", all units ", all_padded, ")");
     }
     if (ctx.rank == 0)
       std::cout << fsdp::to_string(c.strategy) << " " << c.name << " units " << sharded->units().size()

@@ -11,12 +11,20 @@
 
 namespace fsdp {
 
+// When a collective ran on its communicator (not when it was issued or waited for). Both are
+// zero (the epoch) while unknown, e.g. before the work completed.
+struct WorkTiming {
+  std::chrono::steady_clock::time_point start, end;
+};
+
 class Work {
  public:
   virtual ~Work() = default;
   // Blocks until the collective finished; rethrows its error (a dead peer, a timeout, ...).
   virtual void wait() = 0;
   virtual bool completed() const = 0;
+  // Valid once completed() is true; used by the runtime's trace.
+  virtual WorkTiming timing() const { return {}; }
 };
 using WorkPtr = std::shared_ptr<Work>;
 

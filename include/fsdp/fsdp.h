@@ -6,4 +6,5 @@
 #include "fsdp/memory.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
+#include "fsdp/trace.h"
 #include "fsdp/wrap_policy.h"

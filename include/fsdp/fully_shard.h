@@ -24,6 +24,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
+#include "fsdp/trace.h"
 
 namespace fsdp {
 
@@ -71,6 +72,11 @@ class FullyShardedModule {
   std::shared_ptr<torch::nn::Module> module() const;
   // A table of units, sizes and the strategy, for logs.
   std::string describe() const;
+
+  // Event trace (also Options::trace): when on, every backward completes an iteration's trace,
+  // available from last_trace() until the next one completes.
+  void set_trace(bool on);
+  IterationTrace last_trace() const;
 
  private:
   std::shared_ptr<Runtime> runtime_;

@@ -22,6 +22,19 @@ std::string to_string(ShardingStrategy s);
 // Accepts FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (any case, '-' or '_').
 ShardingStrategy parse_sharding_strategy(const std::string& name);
 
+// When to all-gather the next unit during backward (paper 3.3.2). "Next" is the unit whose backward
+// comes next: the reverse of the order in which units finished their forward, recorded afresh in
+// every iteration (so models whose graph changes between iterations still prefetch correctly).
+enum class BackwardPrefetch {
+  kBackwardPre,   // when the current unit's backward starts: the next all-gather is issued before
+                  // the current reduce-scatter and overlaps the current gradient computation
+  kBackwardPost,  // when the current unit's gradients are complete, just before its reduce-scatter
+  kNone,          // gather each unit when backward reaches it
+};
+std::string to_string(BackwardPrefetch p);
+// Accepts BACKWARD_PRE, BACKWARD_POST, NONE (any case, '-' or '_').
+BackwardPrefetch parse_backward_prefetch(const std::string& name);
+
 // What to do with a parameter that several units' modules share (e.g. tied embeddings).
 enum class SharedParameterPolicy {
   kLowestCommonAncestor,  // place it in the lowest unit that contains every module using it
@@ -44,6 +57,19 @@ struct Options {
   // Broadcast rank 0's buffers (e.g. BatchNorm running stats) at the end of every backward, so
   // buffers stay replicated (DistributedDataParallel's broadcast_buffers).
   TORCH_ARG(bool, broadcast_buffers) = true;
+
+  // Overlap of communication with computation (paper 3.3, 3.4).
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
+  // All-gather the next unit (in the previous iteration's forward order) before computing the
+  // current one. Costs one more unsharded unit of memory during forward.
+  TORCH_ARG(bool, forward_prefetch) = false;
+  // Rate limiter: a prefetch is held back while `all_gather_limit` units other than the root are
+  // already unsharded or being gathered, and issued once a reshard makes room. Bounds the
+  // memory prefetching can take. Gathers a computation needs now are never held back.
+  TORCH_ARG(bool, limit_all_gathers) = true;
+  TORCH_ARG(int, all_gather_limit) = 2;
+  // Record an event trace of every iteration (FullyShardedModule::last_trace()).
+  TORCH_ARG(bool, trace) = false;
 };
 
 }  // namespace fsdp

@@ -40,9 +40,19 @@ class GlooWork : public Work {
     std::lock_guard<std::mutex> lock(mu_);
     return done_;
   }
+  WorkTiming timing() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return timing_;
+  }
+  void started() {
+    std::lock_guard<std::mutex> lock(mu_);
+    timing_.start = std::chrono::steady_clock::now();
+  }
   void finish(std::string error) {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      timing_.end = std::chrono::steady_clock::now();
+      if (timing_.start.time_since_epoch().count() == 0) timing_.start = timing_.end;
       done_ = true;
       error_ = std::move(error);
     }
@@ -54,6 +64,7 @@ class GlooWork : public Work {
   std::condition_variable cv_;
   bool done_ = false;
   std::string error_;
+  WorkTiming timing_;
 };
 
 void bf16_sum(void* c, const void* a, const void* b, size_t n) {
@@ -245,6 +256,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
         }
         try {
           at::NoGradGuard no_grad;
+          work->started();
           body();
           work->finish("");
         } catch (const std::exception& e) {

@@ -75,13 +75,14 @@ void Runtime::on_grad_pre(int f, int s) {
   if (!final_callback_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
     final_callback_queued_ = true;
+    if (!backward_started_) begin_backward();
     update_sharded_grad_bytes();  // the user may have dropped them (zero_grad(set_to_none))
   }
   FlatParam& fp = *flat_params_[f];
   // A gradient arriving after this FlatParameter was already reduced in this backward (a
   // parameter used again later): finish that reduction, then start a fresh buffer.
   if (fp.reduce_pending()) {
-    fp.finish_reduce();
+    finish_reduction(f);
     reduce_order_.erase(std::remove(reduce_order_.begin(), reduce_order_.end(), f), reduce_order_.end());
   }
   fp.ensure_grad_buffer();
@@ -109,12 +110,20 @@ void Runtime::on_grad_post(int f, int s) {
 
 void Runtime::post_backward(int u) {
   // All of u's gradients are in: its parameters are no longer needed in this backward.
+  tracer_.leave_compute();
   if (options_.sharding_strategy() != ShardingStrategy::kNoShard) reshard(u);
   if (last_touched_ == u) last_touched_ = -1;
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && backward_started_)
+    prefetch(next_in(backward_order_, u), "prefetch backward post");
   for (int f : units_[u].flat_params) {
     FlatParam& fp = *flat_params_[f];
     if (!fp.has_grad_buffer() || fp.reduce_pending()) continue;
+    const auto start = Tracer::Clock::now();
     fp.start_reduce();
+    const char* op = fp.keep_unsharded() ? "all-reduce" : "reduce-scatter";
+    tracer_.collective(TraceEvent::Kind::kReduce, u, op, fp.reduce_track(), fp.reduce_work());
+    tracer_.instant(TraceEvent::Kind::kReduceIssued, u, op);
+    if (fp.reduce_is_synchronous()) tracer_.wait(u, "hybrid reduction", start, Tracer::Clock::now());
     reduce_order_.push_back(f);
   }
   // Bound the unsharded gradient buffers in flight; the communicator overlaps the rest with the
@@ -122,12 +131,20 @@ void Runtime::post_backward(int u) {
   finish_reductions(2);
 }
 
+void Runtime::finish_reduction(int f) {
+  FlatParam& fp = *flat_params_[f];
+  const bool done = !fp.reduce_pending() || fp.reduce_work()->completed();
+  const auto start = Tracer::Clock::now();
+  fp.finish_reduce();
+  if (!done) tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
+}
+
 void Runtime::finish_reductions(size_t keep_in_flight) {
   while (!reduce_order_.empty() &&
          (reduce_order_.size() > keep_in_flight || flat_params_[reduce_order_.front()]->reduce_completed())) {
     const int f = reduce_order_.front();
     reduce_order_.erase(reduce_order_.begin());
-    flat_params_[f]->finish_reduce();
+    finish_reduction(f);
   }
 }
 
@@ -151,10 +168,31 @@ void Runtime::on_backward_end() {
   for (auto& unit : units_) {
     unit.counted = false;
     unit.expected_grads = unit.ready_grads = 0;
+    unit.forward_seen = unit.prefetched = false;
   }
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;
   last_touched_ = -1;
+  // The next iteration prefetches along this one's forward order.
+  if (!forward_first_order_.empty()) previous_forward_order_ = std::move(forward_first_order_);
+  forward_first_order_.clear();
+  forward_post_order_.clear();
+  backward_started_ = false;
+  if (tracer_.enabled()) {
+    std::vector<std::string> names;
+    for (const auto& info : unit_infos_) names.push_back(info.name);
+    last_trace_ = tracer_.finish_iteration(pg_->rank(), names);
+  }
+}
+
+void Runtime::enable_trace(bool on) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  tracer_.enable(on);
+}
+
+IterationTrace Runtime::last_trace() const {
+  std::lock_guard<std::recursive_mutex> lock(const_cast<Runtime*>(this)->mu_);
+  return last_trace_;
 }
 
 void Runtime::update_sharded_grad_bytes() {
@@ -164,6 +202,7 @@ void Runtime::update_sharded_grad_bytes() {
 }
 
 void Runtime::reshard_all() {
+  deferred_prefetch_ = -1;
   for (size_t u = 0; u < units_.size(); ++u) reshard(static_cast<int>(u));
 }
 
@@ -172,13 +211,19 @@ void Runtime::broadcast_buffers() {
   for (auto& kv : buffers_) {
     at::Tensor b = kv.second;
     if (!b.defined() || b.numel() == 0) continue;
+    const auto start = Tracer::Clock::now();
     if (b.is_contiguous()) {
-      pg_->world()->broadcast(b, 0)->wait();
+      auto work = pg_->world()->broadcast(b, 0);
+      tracer_.collective(TraceEvent::Kind::kReduce, -1, "broadcast " + kv.first, pg_->world()->name(), work);
+      work->wait();
     } else {
       at::Tensor tmp = b.contiguous();
-      pg_->world()->broadcast(tmp, 0)->wait();
+      auto work = pg_->world()->broadcast(tmp, 0);
+      tracer_.collective(TraceEvent::Kind::kReduce, -1, "broadcast " + kv.first, pg_->world()->name(), work);
+      work->wait();
       b.copy_(tmp);
     }
+    tracer_.wait(-1, "broadcast buffers", start, Tracer::Clock::now());
   }
 }
 

@@ -3,6 +3,7 @@
 // is a unit's flat storage means "this unit is needed now": the runtime unshards it in place
 // (before the kernel reads it) and reshards units the computation has left.
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <atomic>
 #include <cstring>
@@ -118,22 +119,59 @@ void Runtime::intercept(const at::RecordFunction& fn) {
   }
 }
 
+bool Runtime::in_backward() const {
+  // The autograd engine sets a current graph task on the thread that runs backward functions.
+  return torch::autograd::get_current_graph_task_exec_info() != nullptr;
+}
+
+void Runtime::begin_backward() {
+  // Units' backward runs in the reverse of the order in which their forward finished.
+  backward_started_ = true;
+  backward_order_.assign(forward_post_order_.rbegin(), forward_post_order_.rend());
+}
+
 void Runtime::touch(int u) {
   InternalOpGuard internal;
-  if (u != last_touched_) {
-    // The computation moved to unit u: units it left, other than u's ancestors (whose forward
-    // may still be running) and the root (kept until backward, paper 3.3.1), are resharded.
-    if (reshard_after_forward_) {
-      const auto& anc = units_[u].ancestors;
-      for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
-        if (v == u || !unit_unsharded(v)) continue;
-        if (std::find(anc.begin(), anc.end(), v) != anc.end()) continue;
-        reshard(v);
-      }
-    }
-    last_touched_ = u;
+  if (u == last_touched_) {  // the common case: another op of the current unit
+    if (unit_needs_gather(u)) issue_unshard(u, "on demand");
+    wait_unshard(u);
+    return;
   }
-  unshard(u);
+  const bool backward = in_backward();
+  if (backward && !backward_started_) begin_backward();
+  tracer_.leave_compute();
+  // The computation moved to unit u: units it left, other than u's ancestors (whose forward
+  // may still be running), the root (kept until backward, paper 3.3.1) and units gathered
+  // ahead of use, are resharded.
+  if (reshard_after_forward_) {
+    const auto& anc = units_[u].ancestors;
+    for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
+      if (v == u || units_[v].prefetched || !unit_unsharded(v)) continue;
+      if (std::find(anc.begin(), anc.end(), v) != anc.end()) continue;
+      reshard(v);
+    }
+  }
+  if (!backward && at::GradMode::is_enabled()) {
+    if (!units_[u].forward_seen) {
+      units_[u].forward_seen = true;
+      forward_first_order_.push_back(u);
+    }
+    forward_post_order_.erase(std::remove(forward_post_order_.begin(), forward_post_order_.end(), u),
+                              forward_post_order_.end());
+    forward_post_order_.push_back(u);
+  }
+  last_touched_ = u;
+  units_[u].prefetched = false;
+  if (deferred_prefetch_ == u) deferred_prefetch_ = -1;
+  if (unit_needs_gather(u)) issue_unshard(u, "on demand");
+  // Issue the next unit's gather before waiting for this one, so it overlaps this unit's compute.
+  if (backward) {
+    if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch(next_in(backward_order_, u), "prefetch backward pre");
+  } else if (options_.forward_prefetch()) {
+    prefetch(next_in(previous_forward_order_, u), "prefetch forward");
+  }
+  wait_unshard(u);
+  tracer_.enter_compute(u);
 }
 
 bool Runtime::unit_unsharded(int u) const {
@@ -142,15 +180,92 @@ bool Runtime::unit_unsharded(int u) const {
   return false;
 }
 
-void Runtime::unshard(int u) {
+bool Runtime::unit_needs_gather(int u) const {
+  for (int f : units_[u].flat_params) {
+    const FlatParam& fp = *flat_params_[f];
+    if (!fp.keep_unsharded() && (!fp.is_unsharded() || fp.unsharded_is_stale())) return true;
+  }
+  return false;
+}
+
+int Runtime::unsharded_unit_count() const {
+  // Under SHARD_GRAD_OP, units stay unsharded from their forward until backward by design; only
+  // those gathered ahead of use count against the limit.
+  const bool keeps_after_forward = !reshard_after_forward_;
+  int n = 0;
+  for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
+    if (!unit_unsharded(v)) continue;
+    if (keeps_after_forward && units_[v].forward_seen && !units_[v].prefetched) continue;
+    ++n;
+  }
+  return n;
+}
+
+void Runtime::issue_unshard(int u, const char* why) {
+  bool issued = false;
   for (int f : units_[u].flat_params) {
     FlatParam& fp = *flat_params_[f];
-    if (!fp.is_unsharded() || fp.unsharded_is_stale()) fp.unshard();
+    if (fp.keep_unsharded() || (fp.is_unsharded() && !fp.unsharded_is_stale())) continue;
+    WorkPtr work = fp.start_unshard();
+    tracer_.collective(TraceEvent::Kind::kUnshard, u, "all-gather", fp.gather_track(), work);
+    issued = true;
+  }
+  if (issued && tracer_.enabled()) {
+    tracer_.instant(TraceEvent::Kind::kUnshardIssued, u, why);
+    tracer_.note_unsharded_units(unsharded_unit_count());
   }
 }
 
+void Runtime::wait_unshard(int u) {
+  for (int f : units_[u].flat_params) {
+    FlatParam& fp = *flat_params_[f];
+    if (!fp.unshard_pending()) continue;
+    const bool done = fp.gather_work()->completed();
+    const auto start = Tracer::Clock::now();
+    fp.wait_unshard();
+    if (!done) tracer_.wait(u, "all-gather", start, Tracer::Clock::now());
+  }
+}
+
+int Runtime::next_in(const std::vector<int>& order, int u) {
+  auto it = std::find(order.begin(), order.end(), u);
+  if (it == order.end() || ++it == order.end()) return -1;
+  return *it;
+}
+
+void Runtime::prefetch(int v, const char* why) {
+  if (v < 0 || !unit_needs_gather(v)) return;
+  if (options_.limit_all_gathers() && unsharded_unit_count() >= options_.all_gather_limit()) {
+    deferred_prefetch_ = v;  // issued by the next reshard that makes room
+    deferred_why_ = why;
+    return;
+  }
+  if (deferred_prefetch_ == v) deferred_prefetch_ = -1;
+  issue_unshard(v, why);
+  units_[v].prefetched = true;
+}
+
 void Runtime::reshard(int u) {
-  for (int f : units_[u].flat_params) flat_params_[f]->reshard();
+  bool freed = false;
+  for (int f : units_[u].flat_params) {
+    FlatParam& fp = *flat_params_[f];
+    if (fp.keep_unsharded() || !fp.is_unsharded()) continue;
+    if (fp.unshard_pending() && !fp.gather_work()->completed()) {  // a prefetch nobody used
+      const auto start = Tracer::Clock::now();
+      fp.wait_unshard();
+      tracer_.wait(u, "all-gather (unused prefetch)", start, Tracer::Clock::now());
+    }
+    fp.reshard();
+    freed = true;
+  }
+  units_[u].prefetched = false;
+  if (!freed) return;
+  tracer_.instant(TraceEvent::Kind::kReshard, u, "");
+  if (deferred_prefetch_ >= 0) {
+    const int v = deferred_prefetch_;
+    deferred_prefetch_ = -1;
+    prefetch(v, deferred_why_);
+  }
 }
 
 }  // namespace fsdp

@@ -14,6 +14,8 @@
 #include "fsdp/memory.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
+#include "fsdp/trace.h"
+#include "runtime/tracer.h"
 
 namespace at {
 class RecordFunction;
@@ -29,6 +31,8 @@ struct Unit {
   int expected_grads = 0;  // used parameters that require grad, counted when backward reaches the unit
   int ready_grads = 0;
   bool counted = false;    // expected_grads computed for this backward
+  bool prefetched = false;   // gathered ahead of use and not used since: the touch rule keeps it
+  bool forward_seen = false; // took part in this iteration's forward
 };
 
 class Runtime {
@@ -57,6 +61,8 @@ class Runtime {
   int sharding_factor() const { return sharding_factor_; }
   int world_size() const { return pg_->size(); }
   std::shared_ptr<torch::nn::Module> module() const { return module_; }
+  void enable_trace(bool on);
+  IterationTrace last_trace() const;
 
  private:
   void intercept(const at::RecordFunction& fn);
@@ -66,10 +72,19 @@ class Runtime {
   void register_hooks();
   void remove_hooks();
   bool unit_unsharded(int unit) const;
+  bool unit_needs_gather(int unit) const;
+  int unsharded_unit_count() const;  // what the rate limiter counts
+  bool in_backward() const;
+  void begin_backward();
   void touch(int unit);
-  void unshard(int unit);
+  void issue_unshard(int unit, const char* why);
+  void wait_unshard(int unit);
+  void unshard(int unit) { issue_unshard(unit, "on demand"); wait_unshard(unit); }
+  void prefetch(int unit, const char* why);
   void reshard(int unit);
+  static int next_in(const std::vector<int>& order, int unit);
   void post_backward(int unit);
+  void finish_reduction(int flat_param);
   void finish_reductions(size_t keep_in_flight);
   void reshard_all();
   void broadcast_buffers();
@@ -105,6 +120,16 @@ class Runtime {
   bool final_callback_queued_ = false;
   std::vector<int> reduce_order_;  // flat params with a reduction in flight, in issue order
   std::string pending_error_;
+
+  // Execution order, for prefetching: forward_first_order_ lists units in the order this
+  // iteration's forward first used them (forward prefetch uses the previous iteration's list);
+  // forward_post_order_ in the order they were last used, whose reverse is the backward order.
+  std::vector<int> forward_first_order_, previous_forward_order_, forward_post_order_, backward_order_;
+  bool backward_started_ = false;
+  int deferred_prefetch_ = -1;  // held back by the rate limiter until a reshard makes room
+  const char* deferred_why_ = "";
+  Tracer tracer_;
+  IterationTrace last_trace_;
 };
 
 }  // namespace fsdp
