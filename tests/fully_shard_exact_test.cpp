@@ -35,6 +35,7 @@ std::shared_ptr<torch::nn::Module> make_model(const std::string& model, at::Scal
   torch::manual_seed(7);
   std::shared_ptr<torch::nn::Module> m;
   if (model == "mlp") m = MLP(6, 10, 3, 3).ptr();
+  else if (model == "gpt4") m = TinyTransformer(32, 16, 2, 4, 8).ptr();
   else m = TinyTransformer(32, 16, 2, 2, 8).ptr();
   m->to(dtype);
   return m;
@@ -42,6 +43,7 @@ std::shared_ptr<torch::nn::Module> make_model(const std::string& model, at::Scal
 
 at::Tensor forward_loss(const std::string& model, torch::nn::Module& m, const Batch& b) {
   if (model == "mlp") return torch::mse_loss(m.as<MLPImpl>()->forward(b.x), b.y);
+  // gpt, gpt4
   auto logits = m.as<TinyTransformerImpl>()->forward(b.x);
   return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), b.y.reshape({-1}));
 }
@@ -51,8 +53,20 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
   return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
 }
 
-fsdp::Options options_for(const std::string& model, const std::string& strategy, std::shared_ptr<torch::nn::Module> m) {
+// overlap: "" (library defaults) or '+'-separated: pre|post|none (backward prefetch), fwd
+// (forward prefetch), lim<K> (rate limiter with K) or nolim.
+fsdp::Options options_for(const std::string& model, const std::string& strategy, std::shared_ptr<torch::nn::Module> m,
+                          const std::string& overlap = "") {
   auto opts = fsdp::Options().sharding_strategy(fsdp::parse_sharding_strategy(strategy));
+  for (const auto& o : split(overlap, '+')) {
+    if (o == "pre") opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPre);
+    else if (o == "post") opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPost);
+    else if (o == "none") opts.backward_prefetch(fsdp::BackwardPrefetch::kNone);
+    else if (o == "fwd") opts.forward_prefetch(true);
+    else if (o == "nolim") opts.limit_all_gathers(false);
+    else if (o.rfind("lim", 0) == 0) opts.limit_all_gathers(true).all_gather_limit(std::stoi(o.substr(3)));
+    else throw std::runtime_error("unknown overlap option " + o);
+  }
   if (strategy == "HYBRID_SHARD") opts.sharding_factor(2);
   if (model == "mlp") {
     opts.auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
@@ -65,7 +79,8 @@ fsdp::Options options_for(const std::string& model, const std::string& strategy,
   return opts;
 }
 
-// args: combos "model:strategy:optimizer:dtype", e.g. "mlp:FULL_SHARD:sgd:f32"
+// args: combos "model:strategy:optimizer:dtype[:overlap]", e.g. "mlp:FULL_SHARD:sgd:f32",
+// "gpt4:FULL_SHARD:adamw:f32:post+fwd+lim1"
 FSDP_WORKER(exact_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const int steps = 5, per_rank = 2;
@@ -77,7 +92,7 @@ FSDP_WORKER(exact_worker) {
 
     auto reference = make_model(model, dtype);
     auto sharded_model = make_model(model, dtype);
-    auto sharded = fsdp::fully_shard(sharded_model, pg, options_for(model, strategy, sharded_model));
+    auto sharded = fsdp::fully_shard(sharded_model, pg, options_for(model, strategy, sharded_model, f.size() > 4 ? f[4] : ""));
     // LibTorch's parameters() lists a tied weight once per module that registers it; an optimizer
     // over that list would step it twice. Local training means each parameter once.
     std::vector<at::Tensor> unique;
@@ -125,6 +140,10 @@ std::vector<std::string> combos_for(int world) {
     for (const auto& s : strategies)
       for (const char* o : {"sgd", "adamw"})
         for (const char* d : {"f32", "f64"}) out.push_back(std::string(model) + ":" + s + ":" + o + ":" + d);
+  if (world == 4) {  // hybrid with the overlap options (FULL_SHARD's are covered in overlap_test)
+    out.push_back("gpt4:HYBRID_SHARD:adamw:f32:post+fwd+lim1");
+    out.push_back("gpt4:HYBRID_SHARD:sgd:f64:pre+fwd+nolim");
+  }
   return out;
 }
 

@@ -132,12 +132,14 @@ void Runtime::begin_backward() {
 
 void Runtime::touch(int u) {
   InternalOpGuard internal;
-  if (u == last_touched_) {  // the common case: another op of the current unit
+  const bool backward = in_backward();
+  // The common case: another op of the current unit. The first op of backward takes the full
+  // path even in the unit forward ended in, so that backward prefetching starts there.
+  if (u == last_touched_ && (backward_started_ || !backward)) {
     if (unit_needs_gather(u)) issue_unshard(u, "on demand");
     wait_unshard(u);
     return;
   }
-  const bool backward = in_backward();
   if (backward && !backward_started_) begin_backward();
   tracer_.leave_compute();
   // The computation moved to unit u: units it left, other than u's ancestors (whose forward

@@ -1,0 +1,157 @@
+// Overlap options: exact results with every combination of backward prefetch, forward prefetch
+// and rate limiter, and the event trace showing the promised ordering.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+
+#include "harness.h"
+#include "models.h"
+
+namespace fsdp_test {
+namespace {
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+TEST(OverlapExact, EveryPrefetchAndLimiterCombinationMatchesLocalTraining) {
+  // exact_worker (fully_shard_exact_test.cpp) compares 5 steps with local training on the global
+  // batch. World 3 forces padding; a 4-block transformer gives prefetching a chain to follow.
+  std::vector<std::string> combos;
+  for (const char* backward : {"none", "pre", "post"})
+    for (const char* forward : {"", "+fwd"})
+      for (const char* limit : {"+nolim", "+lim1", "+lim2"})
+        combos.push_back(std::string("gpt4:FULL_SHARD:adamw:f32:") + backward + forward + limit);
+  combos.push_back("gpt4:SHARD_GRAD_OP:adamw:f32:pre+fwd+lim1");
+  combos.push_back("gpt4:SHARD_GRAD_OP:sgd:f64:post+fwd+nolim");
+  combos.push_back("gpt4:NO_SHARD:adamw:f32:pre+fwd+lim2");
+  combos.push_back("mlp:FULL_SHARD:sgd:f64:pre+fwd+lim2");
+  auto r = launch("exact_worker", 3, combos);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  for (const auto& c : combos) EXPECT_TRUE(contains(r.ranks[0].output, c + " ok")) << c << "\n" << r.report();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trace ordering. The MLP's units are its Linear layers (the root holds no parameters), run in
+// module order, so backward visits them in reverse.
+
+struct Found {
+  int index = -1;  // position in the recorded event list
+  double start_us = 0;
+};
+
+Found find_event(const fsdp::IterationTrace& t, fsdp::TraceEvent::Kind kind, int unit, const std::string& label_part = "") {
+  for (size_t i = 0; i < t.events.size(); ++i) {
+    const auto& e = t.events[i];
+    if (e.kind == kind && e.unit == unit && contains(e.label, label_part)) return {int(i), e.start_us};
+  }
+  return {};
+}
+
+// Replays the trace's instants: units unsharded or being gathered at once (root excluded).
+int replayed_max_unsharded(const fsdp::IterationTrace& t) {
+  std::set<int> live;
+  size_t most = 0;
+  for (const auto& e : t.events) {
+    if (e.unit <= 0) continue;
+    if (e.kind == fsdp::TraceEvent::Kind::kUnshardIssued) live.insert(e.unit);
+    if (e.kind == fsdp::TraceEvent::Kind::kReshard) live.erase(e.unit);
+    most = std::max(most, live.size());
+  }
+  return int(most);
+}
+
+FSDP_WORKER(trace_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string mode = ctx.args.at(0);
+  auto opts = fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()).trace(true);
+  if (mode == "pre") opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPre).limit_all_gathers(false);
+  if (mode == "post") opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPost).limit_all_gathers(false);
+  if (mode == "none") opts.backward_prefetch(fsdp::BackwardPrefetch::kNone).limit_all_gathers(false);
+  if (mode == "forward") opts.backward_prefetch(fsdp::BackwardPrefetch::kNone).forward_prefetch(true).limit_all_gathers(false);
+  if (mode == "limit1") opts.forward_prefetch(true).all_gather_limit(1);
+  if (mode == "limit2") opts.forward_prefetch(true).all_gather_limit(2);
+  torch::manual_seed(1);
+  MLP model(8, 32, 4, 5);  // 6 Linear units
+  auto sharded = fsdp::fully_shard(model, pg, opts);
+  torch::optim::SGD opt(sharded->parameters(), 0.01);
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    model->forward(torch::randn({4, 8})).pow(2).mean().backward();
+    opt.step();
+  }
+  const fsdp::IterationTrace t = sharded->last_trace();
+  const int n = int(sharded->units().size());
+  WORKER_CHECK(n == 7 && sharded->units()[0].padded_bytes == 0, "expected an empty root and 6 Linear units, got ", n);
+  WORKER_CHECK(!t.events.empty() && t.iteration == 2, "no trace of the third iteration");
+  using K = fsdp::TraceEvent::Kind;
+  for (int u = 1; u < n; ++u) {
+    WORKER_CHECK(find_event(t, K::kReduceIssued, u).index >= 0, "unit ", u, ": no reduce-scatter issued");
+    WORKER_CHECK(find_event(t, K::kReduce, u).index >= 0, "unit ", u, ": no reduce-scatter span");
+    WORKER_CHECK(find_event(t, K::kCompute, u).index >= 0, "unit ", u, ": no compute span");
+  }
+  // Backward visits units n-1, ..., 1; "next" after unit u is u - 1.
+  for (int u = n - 1; u >= 2; --u) {
+    const Found reduce = find_event(t, K::kReduceIssued, u);
+    const Found reshard = find_event(t, K::kReshard, u);
+    const Found pre = find_event(t, K::kUnshardIssued, u - 1, "backward pre");
+    const Found post = find_event(t, K::kUnshardIssued, u - 1, "backward post");
+    if (mode == "pre") {
+      WORKER_CHECK(pre.index >= 0 && pre.index < reduce.index, "BACKWARD_PRE: unit ", u - 1,
+                   "'s all-gather must be issued before unit ", u, "'s reduce-scatter (", pre.index, " vs ", reduce.index, ")");
+    } else if (mode == "post") {
+      WORKER_CHECK(post.index > reshard.index && post.index < reduce.index, "BACKWARD_POST: unit ", u - 1,
+                   "'s all-gather must be issued after unit ", u, " is resharded and before its reduce-scatter");
+    } else if (mode == "none" || mode == "forward") {
+      WORKER_CHECK(pre.index < 0 && post.index < 0, "no backward prefetch expected");
+    }
+  }
+  if (mode == "forward" || mode == "limit2") {
+    // Forward prefetch (previous iteration's order): unit u+1's gather is issued before unit u computes.
+    for (int u = 1; u + 1 < n; ++u) {
+      const Found next = find_event(t, K::kUnshardIssued, u + 1, "prefetch forward");
+      const Found compute = find_event(t, K::kCompute, u);
+      WORKER_CHECK(next.index >= 0 && next.start_us <= compute.start_us, "forward prefetch: unit ", u + 1,
+                   " must be issued before unit ", u, " computes");
+    }
+  }
+  const int replayed = replayed_max_unsharded(t);
+  WORKER_CHECK(replayed == t.max_unsharded_units, "trace reports ", t.max_unsharded_units,
+               " units unsharded at most, its events show ", replayed);
+  if (mode == "limit1") WORKER_CHECK(t.max_unsharded_units == 1, "limit 1: at most 1 unit unsharded, saw ", t.max_unsharded_units);
+  if (mode == "limit2") WORKER_CHECK(t.max_unsharded_units == 2, "limit 2: at most 2 units unsharded, saw ", t.max_unsharded_units);
+  if (mode == "limit1") {  // held back, not dropped: prefetches still happen after reshards
+    bool any = false;
+    for (const auto& e : t.events) any |= e.kind == K::kUnshardIssued && contains(e.label, "prefetch");
+    WORKER_CHECK(any, "limit 1: prefetches must be deferred, not dropped");
+  }
+  WORKER_CHECK(t.comm_us > 0 && t.duration_us > 0 && t.exposed_comm_us >= 0, "empty summary figures");
+  // The Chrome trace parses and has spans on the compute thread and a communicator thread.
+  const std::string path = "/tmp/fsdp_trace_test_" + std::to_string(::getpid()) + ".json";
+  t.write_chrome_json(path);
+  std::ifstream in(path);
+  const auto json = nlohmann::json::parse(in);
+  std::remove(path.c_str());
+  int compute_spans = 0, comm_spans = 0;
+  for (const auto& e : json.at("traceEvents")) {
+    if (e.at("ph") != "X") continue;
+    (e.at("tid") == 0 ? compute_spans : comm_spans)++;
+  }
+  WORKER_CHECK(compute_spans >= n - 1 && comm_spans >= 2 * (n - 1), "chrome trace: ", compute_spans,
+               " compute spans, ", comm_spans, " communicator spans");
+  if (ctx.rank == 0) std::cout << "trace " << mode << " ok, max unsharded " << t.max_unsharded_units << std::endl;
+}
+
+class TraceOrder : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TraceOrder, ShowsThePromisedOrdering) {
+  auto r = launch("trace_worker", 2, {GetParam()});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "trace " + GetParam() + " ok")) << r.report();
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TraceOrder, ::testing::Values("pre", "post", "none", "forward", "limit1", "limit2"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace fsdp_test
