@@ -141,8 +141,11 @@ std::vector<std::string> combos_for(int world) {
       for (const char* o : {"sgd", "adamw"})
         for (const char* d : {"f32", "f64"}) out.push_back(std::string(model) + ":" + s + ":" + o + ":" + d);
   if (world == 4) {  // hybrid with the overlap options (FULL_SHARD's are covered in overlap_test)
-    out.push_back("gpt4:HYBRID_SHARD:adamw:f32:post+fwd+lim1");
-    out.push_back("gpt4:HYBRID_SHARD:sgd:f64:pre+fwd+nolim");
+    // Not adamw:f32 here: on this 4-block model at world 4, AdamW in float32 ends 1.16e-5 (rel)
+    // from local training with or without the overlap options (summation order; Adam rescales
+    // near-zero gradients); the same run in float64 agrees to 1e-12.
+    out.push_back("gpt4:HYBRID_SHARD:sgd:f32:post+fwd+lim1");
+    out.push_back("gpt4:HYBRID_SHARD:adamw:f64:pre+fwd+nolim");
   }
   return out;
 }
