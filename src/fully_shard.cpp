@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "fsdp/check.h"
+#include "fsdp/sharded.h"
 #include "runtime/internal_guard.h"
 #include "runtime/runtime.h"
 
@@ -169,7 +170,8 @@ void Runtime::build_units() {
       return 0;
     }
     const bool policy = options_.auto_wrap_policy() && options_.auto_wrap_policy()(nodes[i].name, *nodes[i].module, unwrapped);
-    if (policy || annotated.count(nodes[i].module)) {
+    const bool explicit_unit = dynamic_cast<const ExplicitUnit*>(nodes[i].module) != nullptr;
+    if (policy || explicit_unit || annotated.count(nodes[i].module)) {
       is_unit[i] = 1;
       return 0;
     }
@@ -256,6 +258,7 @@ void Runtime::build_units() {
   for (size_t u = 0; u < unit_node.size(); ++u) {
     if (u != 0 && count[u] == 0) continue;
     new_index[u] = static_cast<int>(units_.size());
+    unit_of_module_[nodes[unit_node[u]].module] = new_index[u];
     Unit unit;
     unit.name = nodes[unit_node[u]].name;
     int p = unit_parent[u];

@@ -6,5 +6,6 @@
 #include "fsdp/memory.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
+#include "fsdp/sharded.h"
 #include "fsdp/trace.h"
 #include "fsdp/wrap_policy.h"

@@ -69,6 +69,80 @@ void unregister_runtime(Runtime* runtime) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The explicit form (fsdp::Sharded, include/fsdp/sharded.h).
+
+namespace {
+// The runtime and unit of a Sharded module, if fully_shard made it a unit.
+std::pair<Runtime*, int> find_unit(const torch::nn::Module& module) {
+  std::shared_ptr<const RuntimeList> runtimes = std::atomic_load(&g_runtimes);
+  for (Runtime* r : *runtimes) {
+    const int u = r->unit_of_module(&module);
+    if (u >= 0) return {r, u};
+  }
+  return {nullptr, -1};
+}
+}  // namespace
+
+namespace detail {
+
+void enter_unit(const torch::nn::Module& module) {
+  auto [runtime, unit] = find_unit(module);
+  if (runtime) runtime->enter_unit(unit);
+}
+
+void exit_unit(const torch::nn::Module& module) {
+  auto [runtime, unit] = find_unit(module);
+  if (runtime) runtime->exit_unit(unit);
+}
+
+at::Tensor attach_pre_backward(const torch::nn::Module& module, at::Tensor output) {
+  if (!output.defined() || !output.requires_grad() || !at::GradMode::is_enabled()) return output;
+  if (find_unit(module).first == nullptr) return output;
+  // The hook holds the module weakly: a graph may outlive the model.
+  std::weak_ptr<const torch::nn::Module> weak;
+  try {
+    weak = module.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    return output;  // not owned by a shared_ptr: the interception gathers it in backward
+  }
+  output.register_hook([weak](const at::Tensor& grad) {
+    if (auto m = weak.lock()) {
+      auto [runtime, unit] = find_unit(*m);
+      if (runtime) runtime->pre_backward(unit);
+    }
+    return grad;
+  });
+  return output;
+}
+
+}  // namespace detail
+
+int Runtime::unit_of_module(const torch::nn::Module* module) const {
+  auto it = unit_of_module_.find(module);
+  return it == unit_of_module_.end() ? -1 : it->second;
+}
+
+void Runtime::enter_unit(int u) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  rethrow_pending_error();
+  touch(u);
+}
+
+void Runtime::exit_unit(int u) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (!reshard_after_forward_ || units_[u].parent < 0 || in_backward()) return;
+  InternalOpGuard internal;
+  tracer_.leave_compute();
+  reshard(u);
+  if (last_touched_ == u) last_touched_ = -1;
+}
+
+void Runtime::pre_backward(int u) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  touch(u);
+}
+
 void Runtime::on_op(const at::RecordFunction& fn) {
   // RecordFunction catches and only logs what a callback throws, so errors found here are kept
   // and rethrown from the next autograd hook or API call (rethrow_pending_error).

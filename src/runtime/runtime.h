@@ -61,6 +61,11 @@ class Runtime {
   int sharding_factor() const { return sharding_factor_; }
   int world_size() const { return pg_->size(); }
   std::shared_ptr<torch::nn::Module> module() const { return module_; }
+  // The explicit form (fsdp::Sharded): -1 if `module` is not one of this runtime's units.
+  int unit_of_module(const torch::nn::Module* module) const;
+  void enter_unit(int unit);
+  void exit_unit(int unit);
+  void pre_backward(int unit);
   void enable_trace(bool on);
   IterationTrace last_trace() const;
 
@@ -114,6 +119,7 @@ class Runtime {
   // Read-only after construction, so the interception can read them from any thread.
   std::unordered_map<const c10::StorageImpl*, int> flat_param_of_storage_;
   std::unordered_map<const c10::TensorImpl*, std::pair<int, int>> slot_of_param_;
+  std::unordered_map<const torch::nn::Module*, int> unit_of_module_;
 
   std::recursive_mutex mu_;
   int last_touched_ = -1;

@@ -1,0 +1,250 @@
+// Overlap benchmark (paper 3.3, 3.4, Fig. 5): one model, trained under a *modeled* network whose
+// bandwidth is chosen so that communication time ~ computation time, for each prefetch / rate
+// limiter configuration, interleaved in one run. Reports step time, exposed communication (time
+// the compute thread waited for collectives, from the runtime's trace) and peak parameter memory,
+// each against prefetch NONE measured in the same run.
+//
+//   build/tools/fsdp-run --nproc-per-node 2 build/bench/fsdp_bench_overlap [--layers 8 --width 384 ...]
+//
+// Calibration: the model first runs without a network model and without prefetch; its compute
+// time per iteration (iteration time minus the time spent waiting on collectives, max over ranks)
+// and the bytes its collectives move set the modeled bandwidth: bandwidth = bytes on the wire per
+// iteration / (comm_ratio x compute time). --gbps fixes it instead.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "fsdp/fsdp.h"
+
+namespace {
+
+// A residual MLP stack with an input and an output projection in the root unit.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(int d) {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    fc1 = register_module("fc1", torch::nn::Linear(d, 4 * d));
+    fc2 = register_module("fc2", torch::nn::Linear(4 * d, d));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::gelu(fc1(ln(x)))); }
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct StackImpl : torch::nn::Module {
+  StackImpl(int d, int layers) {
+    in = register_module("in", torch::nn::Linear(d, d));
+    for (int i = 0; i < layers; ++i) blocks->push_back(Block(d));
+    register_module("blocks", blocks);
+    out = register_module("out", torch::nn::Linear(d, d));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = in(x);
+    for (auto& b : *blocks) x = b->as<BlockImpl>()->forward(x);
+    return out(x);
+  }
+  torch::nn::Linear in{nullptr}, out{nullptr};
+  torch::nn::Sequential blocks;
+};
+TORCH_MODULE(Stack);
+
+struct Config {
+  std::string name;
+  fsdp::BackwardPrefetch backward;
+  bool forward;
+  int limit;  // 0: limiter off
+};
+
+struct Sample {
+  double step_ms, comm_ms, exposed_ms, peak_param_mb;
+  int max_unsharded;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+}
+
+// Max over ranks of a per-rank figure (the communicator only sums: gather every rank's value).
+double max_over_ranks(fsdp::ProcessGroup& pg, double v) {
+  at::Tensor mine = torch::tensor({v}, torch::kDouble);
+  at::Tensor all = torch::zeros({pg.size()}, torch::kDouble);
+  pg.world()->all_gather_into(all, mine)->wait();
+  return all.max().item<double>();
+}
+
+struct Args {
+  int layers = 8, width = 384, batch = 32, steps = 6, warmup = 2, reps = 3;
+  double gbps = 0, comm_ratio = 1.0, latency_us = 10;
+  int ranks_per_host = 0;
+  std::string trace_path;
+};
+
+std::vector<Sample> run_config(fsdp::ProcessGroupPtr pg, const Args& a, const Config& c, int iterations,
+                               const std::string& trace_path = "") {
+  torch::manual_seed(1234);
+  Stack model(a.width, a.layers);
+  auto sharded = fsdp::fully_shard(model, pg,
+                                   fsdp::Options()
+                                       .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>())
+                                       .backward_prefetch(c.backward)
+                                       .forward_prefetch(c.forward)
+                                       .limit_all_gathers(c.limit > 0)
+                                       .all_gather_limit(std::max(1, c.limit))
+                                       .trace(true));
+  torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(1e-4));
+  auto gen = at::detail::createCPUGenerator(77 + pg->rank());
+  std::vector<Sample> out;
+  for (int it = 0; it < iterations; ++it) {
+    at::Tensor x = at::randn({a.batch, a.width}, gen);
+    sharded->reset_peak_memory_stats();
+    const auto t0 = std::chrono::steady_clock::now();
+    opt.zero_grad();
+    model->forward(x).pow(2).mean().backward();
+    opt.step();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const auto trace = sharded->last_trace();
+    out.push_back({ms, trace.comm_us / 1e3, trace.exposed_comm_us / 1e3,
+                   sharded->memory_stats().param_peak_bytes / 1048576.0, trace.max_unsharded_units});
+    if (!trace_path.empty() && it == iterations - 1 && pg->rank() == 0) trace.write_chrome_json(trace_path);
+  }
+  return out;
+}
+
+// Bytes each rank sends per iteration for one configuration's collectives (ring formulas, the
+// same as the network model's): two all-gathers (forward, backward) and one reduce-scatter per
+// non-root unit; the root unit is gathered once and reduced once.
+double wire_bytes_per_iteration(const fsdp::FullyShardedModule& sharded) {
+  const int n = sharded.world_size();
+  double bytes = 0;
+  for (size_t u = 0; u < sharded.units().size(); ++u) {
+    const double unit_bytes = double(sharded.units()[u].padded_bytes) * (n - 1) / n;
+    bytes += unit_bytes * (u == 0 ? 2 : 3);
+  }
+  return bytes;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"libfsdp overlap benchmark: prefetch and rate limiter under a modeled network"};
+  Args a;
+  app.add_option("--layers", a.layers, "blocks (one unit each)")->check(CLI::Range(1, 256));
+  app.add_option("--width", a.width, "model width d (block: d -> 4d -> d)")->check(CLI::Range(8, 16384));
+  app.add_option("--batch", a.batch, "rows per rank")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--steps", a.steps, "measured iterations per configuration and repetition")->check(CLI::Range(1, 10000));
+  app.add_option("--warmup", a.warmup, "unmeasured iterations first")->check(CLI::Range(0, 1000));
+  app.add_option("--reps", a.reps, "repetitions; configurations are interleaved")->check(CLI::Range(1, 1000));
+  app.add_option("--gbps", a.gbps, "modeled bandwidth in GB/s (0: calibrate so that comm = comm-ratio x compute)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--comm-ratio", a.comm_ratio, "calibration target: modeled comm time / compute time")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--latency-us", a.latency_us, "modeled latency per ring step")->check(CLI::NonNegativeNumber);
+  app.add_option("--trace", a.trace_path, "write rank 0's last BACKWARD_PRE+forward trace (Chrome JSON) here");
+  CLI11_PARSE(app, argc, argv);
+  at::set_num_threads(1);
+
+  try {
+    auto pg = fsdp::ProcessGroup::from_env();
+    const bool root = pg->rank() == 0;
+    const Config none{"NONE", fsdp::BackwardPrefetch::kNone, false, 2};
+
+    // Calibration: real (loopback) communication, no prefetch.
+    double compute_ms = 0, wire_bytes = 0;
+    {
+      auto samples = run_config(pg, a, none, a.warmup + a.steps);
+      samples.erase(samples.begin(), samples.begin() + a.warmup);
+      std::vector<double> compute;
+      for (const auto& s : samples) compute.push_back(s.step_ms - s.exposed_ms);
+      compute_ms = max_over_ranks(*pg, median(compute));
+      torch::manual_seed(1234);
+      Stack probe(a.width, a.layers);
+      auto sharded = fsdp::fully_shard(probe, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>()));
+      wire_bytes = wire_bytes_per_iteration(*sharded);
+    }
+    double gbps = a.gbps;
+    if (gbps == 0) gbps = wire_bytes / (a.comm_ratio * compute_ms * 1e-3) / 1e9;
+    gbps = max_over_ranks(*pg, gbps);  // one value on every rank
+    const auto model = fsdp::NetworkModel()
+                           .intra(fsdp::Link().bandwidth_gbps(gbps).latency_us(a.latency_us))
+                           .inter(fsdp::Link().bandwidth_gbps(gbps).latency_us(a.latency_us))
+                           .ranks_per_host(pg->size());
+    pg->set_network_model(model);
+
+    if (root) {
+      std::cout << "# libfsdp overlap benchmark (communication MODELED, computation real)\n"
+                << "# world " << pg->size() << ", " << a.layers << " blocks of width " << a.width << " (+ root in/out), batch "
+                << a.batch << "/rank, AdamW, FULL_SHARD, one unit per block\n"
+                << "# calibration (no prefetch, loopback Gloo): compute " << std::fixed << std::setprecision(1)
+                << compute_ms << " ms/iteration, " << wire_bytes / 1e6 << " MB on the wire per rank per iteration\n"
+                << "# " << model.describe() << "  => modeled comm " << wire_bytes / (gbps * 1e9) * 1e3
+                << " ms/iteration (~" << std::setprecision(2) << wire_bytes / (gbps * 1e9) * 1e3 / compute_ms
+                << "x compute)\n"
+                << "# " << a.reps << " repetitions x " << a.steps << " iterations (after " << a.warmup
+                << " warm-up) per configuration, interleaved; medians\n";
+    }
+
+    const std::vector<Config> configs{
+        none,
+        {"BACKWARD_POST", fsdp::BackwardPrefetch::kBackwardPost, false, 2},
+        {"BACKWARD_PRE", fsdp::BackwardPrefetch::kBackwardPre, false, 2},
+        {"BACKWARD_PRE+forward", fsdp::BackwardPrefetch::kBackwardPre, true, 2},
+        {"BACKWARD_PRE+forward, no limiter", fsdp::BackwardPrefetch::kBackwardPre, true, 0},
+        {"BACKWARD_PRE+forward, limit 1", fsdp::BackwardPrefetch::kBackwardPre, true, 1},
+    };
+    std::map<std::string, std::vector<Sample>> results;
+    for (int rep = 0; rep < a.reps; ++rep)
+      for (const auto& c : configs) {
+        const bool traced = rep == a.reps - 1 && c.name == "BACKWARD_PRE+forward";
+        auto s = run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_path : "");
+        results[c.name].insert(results[c.name].end(), s.begin() + a.warmup, s.end());
+      }
+
+    struct Row {
+      double step, comm, exposed, peak;
+      int max_unsharded;
+    };
+    std::map<std::string, Row> rows;
+    for (const auto& c : configs) {
+      std::vector<double> step, comm, exposed, peak;
+      int most = 0;
+      for (const auto& s : results[c.name]) {
+        step.push_back(s.step_ms);
+        comm.push_back(s.comm_ms);
+        exposed.push_back(s.exposed_ms);
+        peak.push_back(s.peak_param_mb);
+        most = std::max(most, s.max_unsharded);
+      }
+      // The slowest rank sets the pace; report it.
+      rows[c.name] = {max_over_ranks(*pg, median(step)), max_over_ranks(*pg, median(comm)),
+                      max_over_ranks(*pg, median(exposed)), max_over_ranks(*pg, median(peak)),
+                      int(max_over_ranks(*pg, most))};
+    }
+    if (root) {
+      const Row& base = rows.at("NONE");
+      std::printf("\n%-34s %9s %7s %11s %11s %9s %11s %7s %9s\n", "configuration", "step ms", "vs NONE", "comm ms*",
+                  "exposed ms", "exposed%", "exp vs NONE", "peak MB", "unsharded");
+      for (const auto& c : configs) {
+        const Row& r = rows.at(c.name);
+        std::printf("%-34s %9.1f %7.3f %11.1f %11.1f %8.1f%% %11.3f %7.2f %9d\n", c.name.c_str(), r.step, r.step / base.step,
+                    r.comm, r.exposed, 100.0 * r.exposed / std::max(1e-9, r.comm), r.exposed / std::max(1e-9, base.exposed),
+                    r.peak, r.max_unsharded);
+      }
+      std::printf("# * comm ms: sum of the collectives' durations per iteration as the modeled network completed them "
+                  "(MODELED); exposed ms: time the compute thread waited for collectives (measured); peak MB: FSDP "
+                  "parameter storage; unsharded: most non-root units unsharded at once\n");
+    }
+    pg->world()->barrier();
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp_bench_overlap: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
