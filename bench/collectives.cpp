@@ -13,7 +13,8 @@
 //
 // Every path is checked for correctness (one run, every element compared) before it is timed.
 // Times are per rank, from leaving a barrier to completion; the slowest rank's time counts; the
-// median over --iters interleaved iterations (round-robin over paths) is reported. algbw =
+// median over interleaved iterations (round-robin over paths) is reported: at least --iters,
+// more for small sizes until a path's runs take about --min-seconds (at most --max-iters). algbw =
 // bytes / time; busbw follows nccl-tests: all-gather and reduce-scatter algbw * (n-1)/n,
 // all-reduce algbw * 2(n-1)/n. "vs best raw" = our busbw / the best busbw among the raw gloo and
 // c10d reference paths at the same size. The program exits 1 if any #wrong > 0.
@@ -59,11 +60,14 @@ struct Flags {
   int factor = 4;
   int iters = 5;
   int warmup = 2;
+  double min_seconds = 0.25;  // per path and size: more iterations for small sizes (up to max_iters)
+  int max_iters = 200;
   std::vector<int64_t> uneven_shift{1, 1000000};
   uint64_t split_total = uint64_t(1) << 28;  // elements
   uint64_t split_min = uint64_t(1) << 14;    // elements per collective
   uint64_t split_max = uint64_t(1) << 28;
   int split_iters = 3;
+  int split_warmup = 0;  // the correctness pass already warms every path up
   uint64_t memcpy_bytes = 256 << 20;
   std::string model;  // a network model spec; default: FSDP_NETWORK_MODEL, else kDefaultModel
   uint64_t model_min_bytes = 64 << 10;
@@ -172,17 +176,25 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Check every path once, then time them interleaved. Sets total_wrong and seconds.
-void measure(Bench& b, std::vector<Path>& paths, int warmup, int iters) {
+// Check every path once, then time them interleaved. Sets total_wrong and seconds. Runs at least
+// `iters` timed iterations, more (up to max_iters) while the slowest path's correctness run says
+// they fit in min_seconds: small collectives are noisy on a shared machine.
+int measure(Bench& b, std::vector<Path>& paths, int warmup, int iters, double min_seconds = 0, int max_iters = 0) {
   const int P = static_cast<int>(paths.size());
   at::Tensor wrong = torch::zeros({P}, at::kLong);
+  at::Tensor first = torch::zeros({1}, at::kDouble);
   for (int p = 0; p < P; ++p) {
     if (paths[p].prepare) paths[p].prepare();
     b.barrier();
+    const auto t0 = Clock::now();
     paths[p].run();
+    first[0] = std::max(first[0].item<double>(), seconds_since(t0));
     wrong[p] = paths[p].wrong();
   }
   b.reduce(wrong, c10d::ReduceOp::SUM);
+  b.reduce(first, c10d::ReduceOp::MAX);  // every rank must run the same number of iterations
+  if (min_seconds > 0 && max_iters > iters)
+    iters = std::clamp(static_cast<int>(min_seconds / std::max(first[0].item<double>(), 1e-9)), iters, max_iters);
   for (int p = 0; p < P; ++p) {
     paths[p].total_wrong = wrong[p].item<int64_t>();
     if (paths[p].total_wrong) b.any_wrong = true;
@@ -208,16 +220,17 @@ void measure(Bench& b, std::vector<Path>& paths, int warmup, int iters) {
     for (int i = 0; i < iters; ++i) v[i] = times[p][i].item<double>();
     paths[p].seconds = median(v);
   }
+  return iters;
 }
 
-void print_header(Bench& b, const char* extra = "") {
-  b.print("%14s %12s %6s  %-34s %11s %8s %8s %7s %s\n", "size(B)", "count", "type", "path", "time(us)", "algbw",
-          "busbw", "#wrong", extra);
-  b.print("%14s %12s %6s  %-34s %11s %8s %8s %7s\n", "", "(elements)", "", "", "", "(GB/s)", "(GB/s)", "");
+void print_header(Bench& b, const char* iters_title, const char* extra) {
+  b.print("%14s %12s %6s  %-34s %11s %8s %8s %7s %5s  %s\n", "size(B)", "count", "type", "path", "time(us)", "algbw",
+          "busbw", "#wrong", iters_title, extra);
+  b.print("%14s %12s %6s  %-34s %11s %8s %8s %7s\n", "", "(elements)", "", "", "(median)", "(GB/s)", "(GB/s)", "");
 }
 
 // Prints one row per path at a size of `bytes` (count elements); ours get "vs best raw".
-void print_rows(Bench& b, int64_t bytes, int64_t count, const std::vector<Path>& paths) {
+void print_rows(Bench& b, int64_t bytes, int64_t count, const std::vector<Path>& paths, int iters) {
   double best_raw = 0;
   std::string best_name;
   for (const auto& p : paths) {
@@ -228,8 +241,8 @@ void print_rows(Bench& b, int64_t bytes, int64_t count, const std::vector<Path>&
     const double alg = bytes / p.seconds / 1e9, bus = alg * p.bus_factor;
     char vs[96] = "";
     if (p.ours && best_raw > 0) std::snprintf(vs, sizeof(vs), "  %.2f of %s", bus / best_raw, best_name.c_str());
-    b.print("%14lld %12lld %6s  %-34s %11.1f %8.3f %8.3f %7lld%s\n", (long long)bytes, (long long)count, "float",
-            p.name.c_str(), p.seconds * 1e6, alg, bus, (long long)p.total_wrong, vs);
+    b.print("%14lld %12lld %6s  %-34s %11.1f %8.3f %8.3f %7lld %5d%s\n", (long long)bytes, (long long)count, "float",
+            p.name.c_str(), p.seconds * 1e6, alg, bus, (long long)p.total_wrong, iters, vs);
   }
   b.flush();
 }
@@ -275,10 +288,10 @@ void memcpy_section(Bench& b) {
 
 void allgather_section(Bench& b) {
   const int W = b.world, r = b.rank;
-  b.print("\n## all-gather (paper Fig. 2a): one buffer vs list vs uneven; %d ranks; iters %d, warmup %d\n", W,
-          b.flags.iters, b.flags.warmup);
+  b.print("\n## all-gather (paper Fig. 2a): one buffer vs list vs uneven; %d ranks; iters >= %d (>= %.2f s per path, <= %d), warmup %d\n",
+          W, b.flags.iters, b.flags.min_seconds, b.flags.max_iters, b.flags.warmup);
   b.print("# size = total output bytes; busbw = algbw*(n-1)/n. Uneven: +d elements on rank 0, -d on rank 1 (same total).\n");
-  print_header(b, "vs best raw");
+  print_header(b, "iters", "vs best raw");
   for (uint64_t target : sweep(b.flags.min_bytes, b.flags.max_bytes, b.flags.factor)) {
     const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(target / (4 * W)));  // per rank
     const int64_t total = n * W;
@@ -343,17 +356,18 @@ void allgather_section(Bench& b) {
                        },
                        check_uneven});
     }
-    measure(b, paths, b.flags.warmup, b.flags.iters);
-    print_rows(b, total * 4, total, paths);
+    const int iters = measure(b, paths, b.flags.warmup, b.flags.iters, b.flags.min_seconds, b.flags.max_iters);
+    print_rows(b, total * 4, total, paths, iters);
   }
 }
 
 void reduce_scatter_section(Bench& b) {
   const int W = b.world, r = b.rank;
-  b.print("\n## reduce-scatter vs raw references; %d ranks; iters %d, warmup %d\n", W, b.flags.iters, b.flags.warmup);
+  b.print("\n## reduce-scatter vs raw references; %d ranks; iters >= %d (>= %.2f s per path, <= %d), warmup %d\n", W,
+          b.flags.iters, b.flags.min_seconds, b.flags.max_iters, b.flags.warmup);
   b.print("# size = total input bytes. busbw: reduce-scatter rows algbw*(n-1)/n (the +slice rows are all-reduces\n"
           "# counted as the reduce-scatter they stand in for), all-reduce rows algbw*2(n-1)/n.\n");
-  print_header(b, "vs best raw");
+  print_header(b, "iters", "vs best raw");
   const int64_t sum_scale = int64_t(W) * (W + 1) / 2;
   for (uint64_t target : sweep(b.flags.min_bytes, b.flags.max_bytes, b.flags.factor)) {
     const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(target / (4 * W)));  // output per rank
@@ -390,21 +404,21 @@ void reduce_scatter_section(Bench& b) {
                      [&b, in] { raw_allreduce(b, in); }, check_full});
     paths.push_back({"c10d allreduce [all-reduce]", true, false, ar_bus, restore,
                      [c10d_allreduce, in] { c10d_allreduce(in); }, check_full});
-    measure(b, paths, b.flags.warmup, b.flags.iters);
-    print_rows(b, total * 4, total, paths);
+    const int iters = measure(b, paths, b.flags.warmup, b.flags.iters, b.flags.min_seconds, b.flags.max_iters);
+    print_rows(b, total * 4, total, paths, iters);
   }
 }
 
 void split_section(Bench& b) {
   const int W = b.world, r = b.rank;
-  b.print("\n## fixed total, varying all-gather size (paper Fig. 2b); %d ranks; iters %d, warmup 1\n", W,
-          b.flags.split_iters);
+  b.print("\n## fixed total, varying all-gather size (paper Fig. 2b); %d ranks; iters %d, warmup %d\n", W,
+          b.flags.split_iters, b.flags.split_warmup);
   const int64_t total_target = static_cast<int64_t>(b.flags.split_total);
   b.print("# %lld float elements (%.3f GiB) of output per rank in total, gathered by collectives of `count`\n"
           "# elements each (total/count of them, issued back to back; ours asynchronously, then all waited).\n"
           "# time = per collective (total time / number of collectives); busbw = algbw*(n-1)/n.\n",
           (long long)total_target, total_target * 4.0 / (1 << 30));
-  print_header(b, "collectives  total(s)  vs best raw");
+  print_header(b, "iters", "collectives  total(s)  vs best raw");
   const int64_t in_total = total_target / W;
   at::Tensor in = gather_values(r, 0, in_total);
   at::Tensor out = torch::empty({in_total * W});
@@ -439,7 +453,7 @@ void split_section(Bench& b) {
                          raw_allgather(b, out.narrow(0, i * count, count), in.narrow(0, i * piece, piece));
                      },
                      check});
-    measure(b, paths, 1, b.flags.split_iters);
+    measure(b, paths, b.flags.split_warmup, b.flags.split_iters);
     double best_raw = 0;
     for (auto& p : paths) best_raw = std::max(best_raw, p.raw_reference ? 1 / p.seconds : 0.0);
     for (auto& p : paths) {
@@ -447,9 +461,9 @@ void split_section(Bench& b) {
       const double alg = count * 4.0 / per_call / 1e9;
       char vs[64] = "";
       if (p.ours) std::snprintf(vs, sizeof(vs), "  %.2f", (1 / p.seconds) / best_raw);
-      b.print("%14lld %12lld %6s  %-34s %11.1f %8.3f %8.3f %7lld %11lld %9.3f%s\n", (long long)(count * 4),
+      b.print("%14lld %12lld %6s  %-34s %11.1f %8.3f %8.3f %7lld %5d  %11lld %9.3f%s\n", (long long)(count * 4),
               (long long)count, "float", p.name.c_str(), per_call * 1e6, alg, alg * bus, (long long)p.total_wrong,
-              (long long)calls, p.seconds, vs);
+              b.flags.split_iters, (long long)calls, p.seconds, vs);
     }
     b.flush();
   }
@@ -471,7 +485,7 @@ void model_section(Bench& b) {
           "# transport, the same through the model, and the model's formula (n-1)*latency + (n-1)/n*size/bandwidth.\n"
           "# The model is a floor: where the real transport is slower than the formula, it sets the time.\n",
           W, link.link.c_str());
-  print_header(b, "measured/formula");
+  print_header(b, "iters", "measured/formula");
   for (uint64_t target : sweep(b.flags.model_min_bytes, b.flags.model_max_bytes, b.flags.model_factor)) {
     const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(target / (4 * W)));
     const int64_t total = n * W;
@@ -489,12 +503,12 @@ void model_section(Bench& b) {
                      [&b, out, in] { b.ours->all_gather_into(out, in)->wait(); }, check});
     paths.push_back({"fsdp all_gather_into (MODELED)", false, false, bus, fill_nan,
                      [modeled, out, in] { modeled->all_gather_into(out, in)->wait(); }, check});
-    measure(b, paths, b.flags.warmup, b.flags.iters);
-    print_rows(b, total * 4, total, paths);
+    const int iters = measure(b, paths, b.flags.warmup, b.flags.iters, b.flags.min_seconds, b.flags.max_iters);
+    print_rows(b, total * 4, total, paths, iters);
     const double formula = fsdp::modeled_seconds(fsdp::Collective::kAllGather, total * 4, W, link.params);
     const double fa = total * 4 / formula / 1e9;
-    b.print("%14lld %12lld %6s  %-34s %11.1f %8.3f %8.3f %7s  %.3f\n", (long long)(total * 4), (long long)total,
-            "float", "model formula (MODELED)", formula * 1e6, fa, fa * bus, "-", paths[1].seconds / formula);
+    b.print("%14lld %12lld %6s  %-34s %11.1f %8.3f %8.3f %7s %5s  %.3f\n", (long long)(total * 4), (long long)total,
+            "float", "model formula (MODELED)", formula * 1e6, fa, fa * bus, "-", "-", paths[1].seconds / formula);
     b.flush();
   }
   const auto s = *fsdp::modeled_link_stats(*modeled);
@@ -536,6 +550,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20))->capture_default_str();
   app.add_option("-w,--warmup", f.warmup, "untimed iterations per path and size")->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
+  app.add_option("--min-seconds", f.min_seconds,
+                 "more iterations (up to --max-iters) until a path's timed runs take about this long")
+      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+  app.add_option("--max-iters", f.max_iters)->check(CLI::Range(1, 1 << 20))->capture_default_str();
   app.add_option("--uneven-shift", f.uneven_shift, "elements moved from rank 1 to rank 0 for the uneven paths")
       ->delimiter(',')->capture_default_str();
   app.add_option("--split-total", f.split_total, "Fig. 2b: total output elements per rank (K/M/G suffixes = 2^10..)")
@@ -546,6 +564,8 @@ int main(int argc, char** argv) {
       ->transform(CLI::AsSizeValue(false))->capture_default_str();
   app.add_option("--split-iters", f.split_iters, "Fig. 2b: timed passes per size")->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  app.add_option("--split-warmup", f.split_warmup, "Fig. 2b: untimed passes per size (the correctness pass is one more)")
+      ->check(CLI::Range(0, 1 << 20))->capture_default_str();
   app.add_option("--memcpy-bytes", f.memcpy_bytes, "buffer for the memcpy reference")
       ->transform(CLI::AsSizeValue(false))->capture_default_str();
   app.add_option("--model", f.model,
