@@ -127,6 +127,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   pg->options_ = options;
   if (const char* t = env_or_null("FSDP_TIMEOUT_S"))
     pg->options_.timeout = std::chrono::milliseconds(int64_t(1000) * parse_int("FSDP_TIMEOUT_S", t, 1, 1 << 24));
+  if (!pg->options_.network_model) pg->options_.network_model = NetworkModel::from_env();
+  if (auto& model = pg->options_.network_model) {
+    if (model->ranks_per_host() == 0) model->ranks_per_host(env.local_world_size);
+    model->validate();
+  }
   pg->impl_ = std::make_shared<Impl>();
 
   c10d::TCPStoreOptions so;
@@ -196,6 +201,7 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
               "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
   }
   auto comm = make_gloo_communicator(std::move(ctx), id.str(), options_.timeout);
+  if (options_.network_model) comm = with_network_model(std::move(comm), ranks, *options_.network_model);
   groups_[id.str()] = comm;
   return comm;
 }

@@ -4,6 +4,7 @@
 #include "fsdp/comm.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
+#include "fsdp/network_model.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
 #include "fsdp/sharded.h"

@@ -6,10 +6,12 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "fsdp/comm.h"
+#include "fsdp/network_model.h"
 
 namespace c10d {
 class Store;
@@ -39,6 +41,11 @@ struct ProcessGroupOptions {
   // Local address the Gloo transport binds to. Empty: the address this host uses to reach
   // master_addr (loopback for a single host). GLOO_SOCKET_IFNAME / FSDP_BIND_ADDR override.
   std::string bind_addr;
+  // A modeled network (see network_model.h): when set, every communicator this process group
+  // creates (world() and new_group()) is wrapped in it, so collectives complete no earlier than
+  // the model says. Unset: FSDP_NETWORK_MODEL is consulted (unset/"off": no model).
+  // ranks_per_host = 0 resolves to LOCAL_WORLD_SIZE; options() shows the resolved model.
+  std::optional<NetworkModel> network_model;
 };
 
 class ProcessGroup {

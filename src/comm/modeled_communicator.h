@@ -1,0 +1,48 @@
+#pragma once
+// The network-model decorator (see include/fsdp/network_model.h for the model itself).
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "fsdp/comm.h"
+#include "fsdp/network_model.h"
+
+namespace fsdp {
+
+class ModeledCommunicator : public Communicator {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  ModeledCommunicator(CommunicatorPtr inner, std::string link_name, Link link);
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string name() const override;
+
+  WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) override;
+  WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) override;
+  WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) override;
+  WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) override;
+  void barrier() override;
+
+  ModeledLinkStats stats() const;
+  const CommunicatorPtr& inner() const { return inner_; }
+
+ private:
+  // Books the link for one collective issued at `issued`; returns its modeled completion.
+  Clock::time_point schedule(Collective c, int64_t bytes, Clock::time_point issued);
+  WorkPtr wrap(Collective c, int64_t bytes, Clock::time_point issued, WorkPtr real);
+
+  CommunicatorPtr inner_;
+  std::string link_name_;
+  Link link_;
+  mutable std::mutex mu_;
+  Clock::time_point link_free_{};  // modeled completion of the last collective issued
+  ModeledLinkStats stats_;
+  // Shared with the Work handles, which may outlive the communicator.
+  std::shared_ptr<std::atomic<int64_t>> real_exceeded_;
+};
+
+}  // namespace fsdp
