@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <iomanip>
@@ -50,7 +51,7 @@ struct StackImpl : torch::nn::Module {
     return out(x);
   }
   torch::nn::Linear in{nullptr}, out{nullptr};
-  torch::nn::Sequential blocks;
+  torch::nn::ModuleList blocks;
 };
 TORCH_MODULE(Stack);
 
@@ -84,8 +85,14 @@ struct Args {
   int layers = 8, width = 384, batch = 32, steps = 6, warmup = 2, reps = 3;
   double gbps = 0, comm_ratio = 1.0, latency_us = 10;
   int ranks_per_host = 0;
-  std::string trace_path;
+  std::string trace_dir;
 };
+
+std::string slug(const std::string& name) {
+  std::string out;
+  for (char c : name) out += std::isalnum(static_cast<unsigned char>(c)) ? char(std::tolower(c)) : '_';
+  return out;
+}
 
 std::vector<Sample> run_config(fsdp::ProcessGroupPtr pg, const Args& a, const Config& c, int iterations,
                                const std::string& trace_path = "") {
@@ -147,7 +154,7 @@ int main(int argc, char** argv) {
   app.add_option("--comm-ratio", a.comm_ratio, "calibration target: modeled comm time / compute time")
       ->check(CLI::PositiveNumber);
   app.add_option("--latency-us", a.latency_us, "modeled latency per ring step")->check(CLI::NonNegativeNumber);
-  app.add_option("--trace", a.trace_path, "write rank 0's last BACKWARD_PRE+forward trace (Chrome JSON) here");
+  app.add_option("--trace-dir", a.trace_dir, "write rank 0's last iteration of each configuration as Chrome JSON here");
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(1);
 
@@ -157,13 +164,16 @@ int main(int argc, char** argv) {
     const Config none{"NONE", fsdp::BackwardPrefetch::kNone, false, 2};
 
     // Calibration: real (loopback) communication, no prefetch.
-    double compute_ms = 0, wire_bytes = 0;
+    double compute_ms = 0, wire_bytes = 0, calib_step_ms = 0;
     {
       auto samples = run_config(pg, a, none, a.warmup + a.steps);
       samples.erase(samples.begin(), samples.begin() + a.warmup);
       std::vector<double> compute;
       for (const auto& s : samples) compute.push_back(s.step_ms - s.exposed_ms);
       compute_ms = max_over_ranks(*pg, median(compute));
+      std::vector<double> steps;
+      for (const auto& s : samples) steps.push_back(s.step_ms);
+      calib_step_ms = max_over_ranks(*pg, median(steps));
       torch::manual_seed(1234);
       Stack probe(a.width, a.layers);
       auto sharded = fsdp::fully_shard(probe, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>()));
@@ -182,8 +192,8 @@ int main(int argc, char** argv) {
       std::cout << "# libfsdp overlap benchmark (communication MODELED, computation real)\n"
                 << "# world " << pg->size() << ", " << a.layers << " blocks of width " << a.width << " (+ root in/out), batch "
                 << a.batch << "/rank, AdamW, FULL_SHARD, one unit per block\n"
-                << "# calibration (no prefetch, loopback Gloo): compute " << std::fixed << std::setprecision(1)
-                << compute_ms << " ms/iteration, " << wire_bytes / 1e6 << " MB on the wire per rank per iteration\n"
+                << "# calibration (no prefetch, real loopback Gloo): step " << std::fixed << std::setprecision(1)
+                << calib_step_ms << " ms, of which compute (not waiting on collectives) " << compute_ms << " ms; " << wire_bytes / 1e6 << " MB on the wire per rank per iteration\n"
                 << "# " << model.describe() << "  => modeled comm " << wire_bytes / (gbps * 1e9) * 1e3
                 << " ms/iteration (~" << std::setprecision(2) << wire_bytes / (gbps * 1e9) * 1e3 / compute_ms
                 << "x compute)\n"
@@ -202,8 +212,8 @@ int main(int argc, char** argv) {
     std::map<std::string, std::vector<Sample>> results;
     for (int rep = 0; rep < a.reps; ++rep)
       for (const auto& c : configs) {
-        const bool traced = rep == a.reps - 1 && c.name == "BACKWARD_PRE+forward";
-        auto s = run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_path : "");
+        const bool traced = rep == a.reps - 1 && !a.trace_dir.empty();
+        auto s = run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_dir + "/overlap_" + slug(c.name) + ".json" : "");
         results[c.name].insert(results[c.name].end(), s.begin() + a.warmup, s.end());
       }
 

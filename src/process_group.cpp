@@ -170,6 +170,18 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
 
 ProcessGroup::~ProcessGroup() = default;
 
+void ProcessGroup::set_network_model(std::optional<NetworkModel> model) {
+  if (model) {
+    if (model->ranks_per_host() == 0) model->ranks_per_host(env_.local_world_size);
+    model->validate();
+  }
+  options_.network_model = std::move(model);
+  groups_.clear();  // handed-out communicators keep their model; new requests get the new one
+  std::vector<int> all(env_.world_size);
+  for (int i = 0; i < env_.world_size; ++i) all[i] = i;
+  world_ = new_group(all, "world");
+}
+
 c10::intrusive_ptr<c10d::Store> ProcessGroup::store() const { return impl_->store; }
 
 CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std::string& key) {
@@ -186,6 +198,11 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
   id << "]";
   FSDP_CHECK(my_index >= 0, "new_group: this rank (", rank(), ") is not a member of ", id.str());
   if (auto it = groups_.find(id.str()); it != groups_.end()) return it->second;
+  if (auto it = raw_groups_.find(id.str()); it != raw_groups_.end()) {  // created before the model changed
+    auto comm = options_.network_model ? with_network_model(it->second, ranks, *options_.network_model) : it->second;
+    groups_[id.str()] = comm;
+    return comm;
+  }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/" + id.str(), impl_->store);
   c10d::ProcessGroupGloo::GlooStore gloo_store(prefixed);
   auto ctx = std::make_shared<gloo::rendezvous::Context>(my_index, static_cast<int>(ranks.size()));
@@ -201,6 +218,7 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
               "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
   }
   auto comm = make_gloo_communicator(std::move(ctx), id.str(), options_.timeout);
+  raw_groups_[id.str()] = comm;
   if (options_.network_model) comm = with_network_model(std::move(comm), ranks, *options_.network_model);
   groups_[id.str()] = comm;
   return comm;

@@ -67,6 +67,10 @@ class ProcessGroup {
   // call it with the same list and key; a second call with the same ranks and key returns the
   // same communicator.
   CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& key);
+  // Replaces the network model (nullopt: none) for communicators requested from now on, world()
+  // included; those handed out before keep theirs. Local: call it with the same model on every
+  // rank. Used by benchmarks that calibrate the model after start-up.
+  void set_network_model(std::optional<NetworkModel> model);
   // A counter that advances identically on every rank; used to name per-call store keys.
   int64_t next_sequence() { return sequence_++; }
 
@@ -77,7 +81,8 @@ class ProcessGroup {
   struct Impl;
   std::shared_ptr<Impl> impl_;
   CommunicatorPtr world_;
-  std::map<std::string, CommunicatorPtr> groups_;  // by identity: a group is created once
+  std::map<std::string, CommunicatorPtr> groups_;      // as handed out (with the current model)
+  std::map<std::string, CommunicatorPtr> raw_groups_;  // the Gloo communicators themselves
   int64_t sequence_ = 0;
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;

@@ -59,9 +59,12 @@ Formula formula(Collective c, int n) {
 
 class ModeledWork : public Work {
  public:
-  ModeledWork(WorkPtr real, ModeledCommunicator::Clock::time_point done_at,
+  ModeledWork(WorkPtr real, ModeledCommunicator::Clock::time_point start, ModeledCommunicator::Clock::time_point done_at,
               std::shared_ptr<std::atomic<int64_t>> real_exceeded)
-      : real_(std::move(real)), done_at_(done_at), real_exceeded_(std::move(real_exceeded)) {}
+      : real_(std::move(real)), start_(start), done_at_(done_at), real_exceeded_(std::move(real_exceeded)) {}
+
+  // The modeled span on the link; it ends later if the real collective did.
+  WorkTiming timing() const override { return {start_, std::max(done_at_, real_->timing().end)}; }
 
   void wait() override {
     using Clock = ModeledCommunicator::Clock;
@@ -87,7 +90,7 @@ class ModeledWork : public Work {
 
  private:
   WorkPtr real_;
-  ModeledCommunicator::Clock::time_point done_at_;
+  ModeledCommunicator::Clock::time_point start_, done_at_;
   std::shared_ptr<std::atomic<int64_t>> real_exceeded_;
   mutable std::atomic<bool> counted_{false};
 };
@@ -218,8 +221,8 @@ std::string ModeledCommunicator::name() const {
          " GB/s, " + fmt_number(link_.latency_us()) + " us/step)";
 }
 
-ModeledCommunicator::Clock::time_point ModeledCommunicator::schedule(Collective c, int64_t bytes,
-                                                                     Clock::time_point issued) {
+std::pair<ModeledCommunicator::Clock::time_point, ModeledCommunicator::Clock::time_point> ModeledCommunicator::schedule(
+    Collective c, int64_t bytes, Clock::time_point issued) {
   const double seconds = modeled_seconds(c, bytes, size(), link_);
   const auto duration = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   std::lock_guard<std::mutex> lock(mu_);
@@ -228,11 +231,12 @@ ModeledCommunicator::Clock::time_point ModeledCommunicator::schedule(Collective 
   stats_.collectives += 1;
   stats_.wire_bytes += static_cast<int64_t>(modeled_wire_bytes(c, bytes, size()));
   stats_.modeled_busy_s += seconds;
-  return link_free_;
+  return {start, link_free_};
 }
 
 WorkPtr ModeledCommunicator::wrap(Collective c, int64_t bytes, Clock::time_point issued, WorkPtr real) {
-  return std::make_shared<ModeledWork>(std::move(real), schedule(c, bytes, issued), real_exceeded_);
+  const auto [start, done_at] = schedule(c, bytes, issued);
+  return std::make_shared<ModeledWork>(std::move(real), start, done_at, real_exceeded_);
 }
 
 // The real collective is issued first: if it rejects its arguments, nothing is booked on the link.
@@ -261,7 +265,7 @@ WorkPtr ModeledCommunicator::broadcast(at::Tensor t, int root, CollectiveOptions
 }
 
 void ModeledCommunicator::barrier() {
-  const auto done_at = schedule(Collective::kBarrier, 0, Clock::now());
+  const auto done_at = schedule(Collective::kBarrier, 0, Clock::now()).second;
   inner_->barrier();
   if (Clock::now() > done_at) real_exceeded_->fetch_add(1);
   std::this_thread::sleep_until(done_at);

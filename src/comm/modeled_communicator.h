@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "fsdp/comm.h"
 #include "fsdp/network_model.h"
@@ -31,8 +32,8 @@ class ModeledCommunicator : public Communicator {
   const CommunicatorPtr& inner() const { return inner_; }
 
  private:
-  // Books the link for one collective issued at `issued`; returns its modeled completion.
-  Clock::time_point schedule(Collective c, int64_t bytes, Clock::time_point issued);
+  // Books the link for one collective issued at `issued`; returns its modeled start and completion.
+  std::pair<Clock::time_point, Clock::time_point> schedule(Collective c, int64_t bytes, Clock::time_point issued);
   WorkPtr wrap(Collective c, int64_t bytes, Clock::time_point issued, WorkPtr real);
 
   CommunicatorPtr inner_;

@@ -244,7 +244,10 @@ void Runtime::touch(int u) {
   if (backward) {
     if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch(next_in(backward_order_, u), "prefetch backward pre");
   } else if (options_.forward_prefetch()) {
-    prefetch(next_in(previous_forward_order_, u), "prefetch forward");
+    // Only units this forward has not run yet: a unit used again later (e.g. the root's output
+    // layer) must not re-gather what already ran.
+    const int next = next_in(previous_forward_order_, u);
+    if (next >= 0 && !units_[next].forward_seen) prefetch(next, "prefetch forward");
   }
   wait_unshard(u);
   tracer_.enter_compute(u);
