@@ -12,6 +12,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
@@ -63,6 +64,28 @@ std::string local_address_towards(const std::string& peer, int port) {
   return result;
 }
 
+// Slurm's per-node task counts, compressed as in "2(x3),1" (three nodes with 2 tasks, then one
+// with 1): the count on node `node`, or -1 if `spec` does not have that form or is too short.
+int slurm_tasks_on_node(const std::string& spec, int node) {
+  std::istringstream entries(spec);
+  std::string entry;
+  int first_node = 0;
+  while (std::getline(entries, entry, ',')) {
+    int tasks = 0, repeat = 1;
+    char tail = 0;
+    if (std::sscanf(entry.c_str(), "%d(x%d%c", &tasks, &repeat, &tail) == 3 && tail == ')') {
+    } else if (std::sscanf(entry.c_str(), "%d%c", &tasks, &tail) == 1) {
+      repeat = 1;
+    } else {
+      return -1;
+    }
+    if (tasks < 1 || repeat < 1) return -1;
+    if (node < first_node + repeat) return tasks;
+    first_node += repeat;
+  }
+  return -1;
+}
+
 }  // namespace
 
 RankEnv RankEnv::from_env() {
@@ -95,6 +118,21 @@ RankEnv RankEnv::from_env() {
              "; ranks are numbered 0..", world_name, "-1");
   local_rank = env_or_null(lr_name);
   local_world = env_or_null(lw_name);
+  // srun sets SLURM_NTASKS_PER_NODE only when --ntasks-per-node was given; the step's task count
+  // on each node is always in SLURM_STEP_TASKS_PER_NODE, indexed by SLURM_NODEID.
+  std::string slurm_local_world;
+  if (e.source == "srun" && !local_world) {
+    const char* spec = env_or_null("SLURM_STEP_TASKS_PER_NODE");
+    const char* node = env_or_null("SLURM_NODEID");
+    if (spec && node) {
+      const int tasks = slurm_tasks_on_node(spec, parse_int("SLURM_NODEID", node, 0, 1 << 20));
+      FSDP_CHECK(tasks > 0, "cannot read this node's task count from SLURM_STEP_TASKS_PER_NODE='", spec,
+                 "' (SLURM_NODEID=", node, "); export SLURM_NTASKS_PER_NODE to give it");
+      slurm_local_world = std::to_string(tasks);
+      local_world = slurm_local_world.c_str();
+      lw_name = "SLURM_STEP_TASKS_PER_NODE";
+    }
+  }
   e.local_world_size = local_world ? parse_int(lw_name, local_world, 1, e.world_size) : e.world_size;
   e.local_rank = local_rank ? parse_int(lr_name, local_rank, 0, 1 << 20) : e.rank % e.local_world_size;
   FSDP_CHECK(e.local_rank < e.local_world_size, lr_name, "=", e.local_rank, " is not below ", lw_name, "=",
@@ -130,7 +168,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   pg->impl_ = std::make_shared<Impl>();
 
   c10d::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(env.master_port);
+  // A world of one needs no rendezvous port: take any free one, so that a single process does not
+  // fail when another job holds MASTER_PORT (29500 by default).
+  so.port = env.world_size == 1 ? 0 : static_cast<uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
   so.numWorkers = env.world_size;
   so.waitWorkers = true;

@@ -219,9 +219,12 @@ std::string fixed(double v, int digits) {
 
 std::string mib(int64_t bytes) { return fixed(bytes / (1024.0 * 1024.0), 2) + " MiB"; }
 
-bool stdout_is_terminal() {
+bool stdout_is_terminal(const fsdp::RankEnv& env) {
   const char* forced = std::getenv("FSDP_RUN_STDOUT_IS_TTY");  // set by fsdp-run, which pipes our stdout
-  return isatty(1) || (forced && std::string(forced) == "1");
+  if (forced && std::string(forced) == "1") return true;
+  // Open MPI gives every rank a pseudo-terminal even when mpirun's own output goes to a file, so
+  // isatty() says nothing there; print no progress bar under mpirun.
+  return env.source != "mpirun" && isatty(1);
 }
 
 // A one-line progress bar redrawn in place; log lines clear it first so they are not interleaved.
@@ -327,11 +330,15 @@ std::string generate(gpt::GPT& model, const std::string& prompt, const TrainConf
   return gpt::decode(tokens);
 }
 
+// " [rank R]" once the rank is known, for error messages (under any launcher, not only those setting RANK).
+std::string g_rank_label;
+
 int run(int argc, char** argv) {
   const auto program_start = Clock::now();
   fsdp::RankEnv env;
   try {
     env = fsdp::RankEnv::from_env();
+    if (env.world_size > 1) g_rank_label = " [rank " + std::to_string(env.rank) + "]";
   } catch (const fsdp::Error&) {
     // A broken launcher environment: parse flags as a single process; ProcessGroup::from_env
     // below reports the problem.
@@ -451,7 +458,7 @@ int run(int argc, char** argv) {
   const double val_loss_start = validation_loss(model, splits.validation, config);
   if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;
 
-  ProgressBar progress(is_main && stdout_is_terminal(), config.steps);
+  ProgressBar progress(is_main && stdout_is_terminal(pg->env()), config.steps);
   sharded->reset_peak_memory_stats();
   double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0, last_logged_loss = 0.0;
   int window_steps = 0;
@@ -554,9 +561,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     // Errors after start-up can differ between ranks (a lost peer, a bad file on one host), so
     // every rank reports its own.
-    const char* rank = std::getenv("RANK");
-    std::cerr << "fsdp_gpt" << (rank ? std::string(" [rank ") + rank + "]" : std::string()) << ": error: " << e.what()
-              << "\n";
+    std::cerr << "fsdp_gpt" << g_rank_label << ": error: " << e.what() << "\n";
     return 1;
   }
 }
