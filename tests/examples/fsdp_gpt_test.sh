@@ -66,9 +66,10 @@ expect_regex() { grep -qE -- "$2" "$TMP/$1" || fail "no line matching '$2' in $1
 less_than() { awk -v x="$1" -v y="$2" 'BEGIN { exit !(x + 0 < y + 0) }'; }
 
 # Checks everything rank 0 promises to print, in $TMP/out with prefix $1 ("[rank 0] " under
-# fsdp-run, "" otherwise), for a run of $STEPS steps on world size $2.
+# fsdp-run, "" otherwise), for a run of $STEPS steps on world size $2, ranks told by launcher
+# convention $3 (the end of the world size row).
 check_training_output() {
-  local prefix=$1 world=$2 out="$TMP/out.rank0"
+  local prefix=$1 world=$2 source=$3 out="$TMP/out.rank0"
   # Only rank 0 prints.
   if [ -n "$prefix" ]; then
     grep -qv "^\[rank 0\] " "$TMP/out" && fail "lines from ranks other than 0 on stdout"
@@ -84,6 +85,7 @@ check_training_output() {
   done
   grep -qx "fsdp_gpt configuration" "$out" || fail "no configuration header"
   grep -qE "^  world size +$world \(" "$out" || fail "world size is not $world"
+  grep -qE "^  world size .*; $source\)$" "$out" || fail "the rank variables did not come from $source"
   grep -qE "^  model +2 layers, width 64, 4 heads, context 32" "$out" || fail "model row does not match the flags"
 
   # One line per logged step: 1, 10, 20, 30, 40.
@@ -132,7 +134,7 @@ test_train_two_ranks() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" \
       --metrics-file "$TMP/metrics.jsonl" --show-memory
   expect_rc 0
-  check_training_output "[rank 0] " 2
+  check_training_output "[rank 0] " 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
   expect_text out "model-state memory per rank"
   expect_regex out "FULL_SHARD \(this run, F=2\)"
   expect_regex out "^\[rank 0\] rank 0 FSDP peak during training: parameters [0-9.]+ MiB, gradients [0-9.]+ MiB$"
@@ -192,7 +194,7 @@ test_data_file_single_process() {
   for i in $(seq 3000); do echo "Line $i: the quick brown fox jumps over the lazy dog."; done >"$TMP/text.txt"
   run "$TRAINER" "${TINY[@]}" --data "$TMP/text.txt"
   expect_rc 0
-  check_training_output "" 1
+  check_training_output "" 1 "no launcher"
   grep -qE "^  data +$TMP/text.txt$" "$TMP/out.rank0" || fail "the data row does not name the file"
 }
 
@@ -212,7 +214,7 @@ test_slurm_environment() {
   cat "$TMP/err.0" "$TMP/err.1" >"$TMP/err"
   [ "${codes[*]}" = "0 0" ] || fail "exit codes ${codes[*]}"
   [ ! -s "$TMP/out.1" ] || fail "rank 1 printed to stdout"
-  check_training_output "" 2
+  check_training_output "" 2 "SLURM_\* from srun"
   grep -qE "^  world size +2 \(1 on this host" "$TMP/out" || fail "SLURM_STEP_TASKS_PER_NODE was not read"
 }
 
@@ -221,7 +223,21 @@ test_mpirun() {
   run mpirun --allow-run-as-root --oversubscribe -np 2 -x MASTER_PORT="$PORT" -x OMP_NUM_THREADS \
       "$TRAINER" "${TINY[@]}"
   expect_rc 0
-  check_training_output "" 2
+  check_training_output "" 2 "OMPI_COMM_WORLD_\* from mpirun"
+}
+
+# torchrun from Debian's python3-torch (1.13). Its default '--redirects 0 --tee 0' crash on
+# Python 3.11 (Std.from_str("0") returns None: 3.11 no longer iterates the zero flag), so pass
+# '--redirects 1 --tee 1' (stdout also to a log file in a temporary directory, and to the console).
+test_torchrun() {
+  command -v torchrun >/dev/null || { echo "SKIP: torchrun is not installed (apt-get install python3-torch)"; exit 77; }
+  run torchrun --standalone --nproc_per_node 2 --redirects 1 --tee 1 --log_dir "$TMP/torchrun_logs" \
+      --no_python "$TRAINER" "${TINY[@]}"
+  expect_rc 0
+  # torchrun prefixes each line of local rank 0 with "[default0]:".
+  grep '^\[default0\]:' "$TMP/out" | sed 's/^\[default0\]://' >"$TMP/out.torchrun"
+  mv "$TMP/out.torchrun" "$TMP/out"
+  check_training_output "" 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
 }
 
 if [ $# -eq 0 ]; then
