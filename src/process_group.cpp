@@ -1,6 +1,7 @@
 #include "fsdp/process_group.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -41,26 +42,33 @@ bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
 }
 
-// The local address this host uses to reach `peer`: connecting a UDP socket sends nothing but
-// makes the kernel pick the route, and getsockname() tells the source address.
+// The local address this host uses to reach `peer` (an address or a host name): connecting a
+// UDP socket sends nothing but makes the kernel pick the route, and getsockname() tells the
+// source address. "" if no address of `peer` is routable from here.
 std::string local_address_towards(const std::string& peer, int port) {
   if (is_loopback(peer)) return "127.0.0.1";
-  sockaddr_in dst{};
-  dst.sin_family = AF_INET;
-  dst.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, peer.c_str(), &dst.sin_addr) != 1) return "";  // a host name: let gloo resolve
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd < 0) return "";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(peer.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return "";
   std::string result;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&dst), sizeof(dst)) == 0) {
-    sockaddr_in self{};
+  for (addrinfo* a = found; a && result.empty(); a = a->ai_next) {
+    if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
+    const int fd = socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage self{};
     socklen_t len = sizeof(self);
-    char buf[INET_ADDRSTRLEN] = {0};
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0 &&
-        inet_ntop(AF_INET, &self.sin_addr, buf, sizeof(buf)))
-      result = buf;
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0) {
+      const void* addr = self.ss_family == AF_INET
+                             ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&self)->sin_addr)
+                             : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&self)->sin6_addr);
+      if (inet_ntop(self.ss_family, addr, buf, sizeof(buf))) result = buf;
+    }
+    close(fd);
   }
-  close(fd);
+  freeaddrinfo(found);
   return result;
 }
 

@@ -256,6 +256,45 @@ class ProgressBar {
   bool shown_ = false;
 };
 
+// The sample for printing: the model emits arbitrary bytes, and invalid UTF-8 or control
+// characters garble terminals and break log readers that decode UTF-8 (torchrun's log tailer
+// stops at the first bad byte). Each such byte becomes U+FFFD; valid UTF-8, newlines and tabs stay.
+std::string printable(const std::string& bytes) {
+  const std::string replacement = "\xEF\xBF\xBD";  // U+FFFD
+  std::string out;
+  size_t i = 0;
+  auto byte = [&](size_t k) { return k < bytes.size() ? static_cast<unsigned char>(bytes[k]) : 0u; };
+  while (i < bytes.size()) {
+    const unsigned c = byte(i);
+    if (c < 0x80) {
+      out += (c >= 0x20 && c != 0x7f) || c == '\n' || c == '\t' ? std::string(1, static_cast<char>(c)) : replacement;
+      ++i;
+      continue;
+    }
+    // Length and the allowed range of the second byte (which rules out overlong forms and
+    // surrogates); later bytes are 0x80-0xBF.
+    size_t length = 0;
+    unsigned low = 0x80, high = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) length = 2;
+    else if (c == 0xE0) length = 3, low = 0xA0;
+    else if (c == 0xED) length = 3, high = 0x9F;
+    else if (c >= 0xE1 && c <= 0xEF) length = 3;
+    else if (c == 0xF0) length = 4, low = 0x90;
+    else if (c >= 0xF1 && c <= 0xF3) length = 4;
+    else if (c == 0xF4) length = 4, high = 0x8F;
+    bool valid = length > 0 && byte(i + 1) >= low && byte(i + 1) <= high;
+    for (size_t k = 2; valid && k < length; ++k) valid = byte(i + k) >= 0x80 && byte(i + k) <= 0xBF;
+    if (valid) {
+      out.append(bytes, i, length);
+      i += length;
+    } else {
+      out += replacement;
+      ++i;
+    }
+  }
+  return out;
+}
+
 // Which launcher convention told this process its rank (fsdp::RankEnv::source).
 std::string launcher_variables(const fsdp::RankEnv& env) {
   if (env.source == "torchrun") return "RANK, WORLD_SIZE from fsdp-run or torchrun";
@@ -558,7 +597,8 @@ int run(int argc, char** argv) {
     if (config.show_memory)
       std::cout << "rank 0 FSDP peak during training: parameters " << mib(run_param_peak) << ", gradients "
                 << mib(run_grad_peak) << "\n";
-    if (!sample.empty()) std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << sample << "\n---\n\n";
+    if (!sample.empty())
+      std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << printable(sample) << "\n---\n\n";
     std::cout << "done: " << config.steps << " steps in " << fixed(seconds_since(program_start), 1) << " s ("
               << fixed(train_seconds, 1) << " s training) | final train loss " << fixed(last_logged_loss, 4)
               << " | val loss " << fixed(val_loss_start, 4) << " -> " << fixed(val_loss_end, 4) << " | mean "
