@@ -9,6 +9,7 @@
 // unit's parameters from all ranks when an operation reads them, so a forward is collective.
 #include <ATen/CPUGeneratorImpl.h>
 #include <fsdp/fsdp.h>
+#include <dlfcn.h>
 #include <sched.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -159,6 +160,14 @@ int usable_cpus() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
   return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+// OpenBLAS (Debian's LibTorch calls it for matmuls) keeps its own thread pool, sized from
+// OMP_NUM_THREADS when it loads and left alone by torch::set_num_threads; without this, every
+// rank started without OMP_NUM_THREADS (mpirun, srun) would run one BLAS thread per core.
+void set_openblas_threads(int threads) {
+  using SetThreads = void (*)(int);
+  if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(threads);
 }
 
 // Resident set size of this process, from /proc/self/status (0 where unavailable).
@@ -402,7 +411,11 @@ int run(int argc, char** argv) {
   // Ranks on one host share its cores. OMP_NUM_THREADS, if set, is the user's choice (LibTorch
   // already applied it); otherwise split the usable cores between the local ranks, since more
   // threads than cores makes every rank slower.
-  if (!std::getenv("OMP_NUM_THREADS")) torch::set_num_threads(std::max(1, usable_cpus() / env.local_world_size));
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const int threads = std::max(1, usable_cpus() / env.local_world_size);
+    torch::set_num_threads(threads);
+    set_openblas_threads(threads);
+  }
   const int threads_per_rank = torch::get_num_threads();
 
   auto pg = fsdp::ProcessGroup::from_env();
