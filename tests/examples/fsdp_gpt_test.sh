@@ -161,7 +161,6 @@ test_bad_flags() {
     "--width 64 --heads 5|--heads"
     "--steps 10 --warmup 20|--warmup"
     "--no-such-flag|--no-such-flag"
-    "--lr -1|--lr"
   )
   for c in "${cases[@]}"; do
     local flags=${c%|*} name=${c#*|}
