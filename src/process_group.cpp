@@ -60,7 +60,8 @@ std::string local_address_towards(const std::string& peer, int port) {
     sockaddr_storage self{};
     socklen_t len = sizeof(self);
     char buf[INET6_ADDRSTRLEN] = {0};
-    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0) {
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0) {
       const void* addr = self.ss_family == AF_INET
                              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&self)->sin_addr)
                              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&self)->sin6_addr);
@@ -81,11 +82,10 @@ int slurm_tasks_on_node(const std::string& spec, int node) {
   while (std::getline(entries, entry, ',')) {
     int tasks = 0, repeat = 1;
     char tail = 0;
-    if (std::sscanf(entry.c_str(), "%d(x%d%c", &tasks, &repeat, &tail) == 3 && tail == ')') {
-    } else if (std::sscanf(entry.c_str(), "%d%c", &tasks, &tail) == 1) {
+    const bool repeated = std::sscanf(entry.c_str(), "%d(x%d%c", &tasks, &repeat, &tail) == 3 && tail == ')';
+    if (!repeated) {
       repeat = 1;
-    } else {
-      return -1;
+      if (std::sscanf(entry.c_str(), "%d%c", &tasks, &tail) != 1) return -1;  // one number, nothing after
     }
     if (tasks < 1 || repeat < 1) return -1;
     if (node < first_node + repeat) return tasks;
