@@ -1,6 +1,7 @@
 #include "fsdp/process_group.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
@@ -40,27 +42,56 @@ bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
 }
 
-// The local address this host uses to reach `peer`: connecting a UDP socket sends nothing but
-// makes the kernel pick the route, and getsockname() tells the source address.
+// The local address this host uses to reach `peer` (an address or a host name): connecting a
+// UDP socket sends nothing but makes the kernel pick the route, and getsockname() tells the
+// source address. "" if no address of `peer` is routable from here.
 std::string local_address_towards(const std::string& peer, int port) {
   if (is_loopback(peer)) return "127.0.0.1";
-  sockaddr_in dst{};
-  dst.sin_family = AF_INET;
-  dst.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, peer.c_str(), &dst.sin_addr) != 1) return "";  // a host name: let gloo resolve
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd < 0) return "";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(peer.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return "";
   std::string result;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&dst), sizeof(dst)) == 0) {
-    sockaddr_in self{};
+  for (addrinfo* a = found; a && result.empty(); a = a->ai_next) {
+    if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
+    const int fd = socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage self{};
     socklen_t len = sizeof(self);
-    char buf[INET_ADDRSTRLEN] = {0};
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0 &&
-        inet_ntop(AF_INET, &self.sin_addr, buf, sizeof(buf)))
-      result = buf;
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0) {
+      const void* addr = self.ss_family == AF_INET
+                             ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&self)->sin_addr)
+                             : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&self)->sin6_addr);
+      if (inet_ntop(self.ss_family, addr, buf, sizeof(buf))) result = buf;
+    }
+    close(fd);
   }
-  close(fd);
+  freeaddrinfo(found);
   return result;
+}
+
+// Slurm's per-node task counts, compressed as in "2(x3),1" (three nodes with 2 tasks, then one
+// with 1): the count on node `node`, or -1 if `spec` does not have that form or is too short.
+int slurm_tasks_on_node(const std::string& spec, int node) {
+  std::istringstream entries(spec);
+  std::string entry;
+  int first_node = 0;
+  while (std::getline(entries, entry, ',')) {
+    int tasks = 0, repeat = 1;
+    char tail = 0;
+    const bool repeated = std::sscanf(entry.c_str(), "%d(x%d%c", &tasks, &repeat, &tail) == 3 && tail == ')';
+    if (!repeated) {
+      repeat = 1;
+      if (std::sscanf(entry.c_str(), "%d%c", &tasks, &tail) != 1) return -1;  // one number, nothing after
+    }
+    if (tasks < 1 || repeat < 1) return -1;
+    if (node < first_node + repeat) return tasks;
+    first_node += repeat;
+  }
+  return -1;
 }
 
 }  // namespace
@@ -95,6 +126,21 @@ RankEnv RankEnv::from_env() {
              "; ranks are numbered 0..", world_name, "-1");
   local_rank = env_or_null(lr_name);
   local_world = env_or_null(lw_name);
+  // srun sets SLURM_NTASKS_PER_NODE only when --ntasks-per-node was given; the step's task count
+  // on each node is always in SLURM_STEP_TASKS_PER_NODE, indexed by SLURM_NODEID.
+  std::string slurm_local_world;
+  if (e.source == "srun" && !local_world) {
+    const char* spec = env_or_null("SLURM_STEP_TASKS_PER_NODE");
+    const char* node = env_or_null("SLURM_NODEID");
+    if (spec && node) {
+      const int tasks = slurm_tasks_on_node(spec, parse_int("SLURM_NODEID", node, 0, 1 << 20));
+      FSDP_CHECK(tasks > 0, "cannot read this node's task count from SLURM_STEP_TASKS_PER_NODE='", spec,
+                 "' (SLURM_NODEID=", node, "); export SLURM_NTASKS_PER_NODE to give it");
+      slurm_local_world = std::to_string(tasks);
+      local_world = slurm_local_world.c_str();
+      lw_name = "SLURM_STEP_TASKS_PER_NODE";
+    }
+  }
   e.local_world_size = local_world ? parse_int(lw_name, local_world, 1, e.world_size) : e.world_size;
   e.local_rank = local_rank ? parse_int(lr_name, local_rank, 0, 1 << 20) : e.rank % e.local_world_size;
   FSDP_CHECK(e.local_rank < e.local_world_size, lr_name, "=", e.local_rank, " is not below ", lw_name, "=",
@@ -135,7 +181,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   pg->impl_ = std::make_shared<Impl>();
 
   c10d::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(env.master_port);
+  // A world of one needs no rendezvous port: take any free one, so that a single process does not
+  // fail when another job holds MASTER_PORT (29500 by default).
+  so.port = env.world_size == 1 ? 0 : static_cast<uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
   so.numWorkers = env.world_size;
   so.waitWorkers = true;

@@ -9,6 +9,7 @@
 // unit's parameters from all ranks when an operation reads them, so a forward is collective.
 #include <ATen/CPUGeneratorImpl.h>
 #include <fsdp/fsdp.h>
+#include <dlfcn.h>
 #include <sched.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -161,6 +162,14 @@ int usable_cpus() {
   return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
 }
 
+// OpenBLAS (Debian's LibTorch calls it for matmuls) keeps its own thread pool, sized from
+// OMP_NUM_THREADS when it loads and left alone by torch::set_num_threads; without this, every
+// rank started without OMP_NUM_THREADS (mpirun, srun) would run one BLAS thread per core.
+void set_openblas_threads(int threads) {
+  using SetThreads = void (*)(int);
+  if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(threads);
+}
+
 // Resident set size of this process, from /proc/self/status (0 where unavailable).
 int64_t resident_bytes() {
   std::ifstream status("/proc/self/status");
@@ -175,14 +184,20 @@ int64_t resident_bytes() {
 // sharing a host also share its cores as they will while training, and the sum over ranks is the
 // job's peak:  peak = sum over ranks r of 2 * n^3 * reps / seconds_r
 //                   (= per-rank rate x ranks per host x hosts, for identical hosts).
-// MFU = achieved model FLOP/s / peak.
+// MFU = achieved model FLOP/s / peak. The fastest of several matmuls counts: a peak is what the
+// hardware can do, and a slower one was interrupted (other processes on a shared machine),
+// which would understate the peak and overstate MFU.
 double measure_matmul_flops() {
-  const int64_t n = 1024, reps = 4;
+  const int64_t n = 1024, reps = 8;
   auto a = torch::randn({n, n}), b = torch::randn({n, n});
   auto c = torch::mm(a, b);  // warm-up: thread pool start, page faults
-  const auto start = Clock::now();
-  for (int i = 0; i < reps; ++i) c = torch::mm(a, b);
-  return 2.0 * n * n * n * reps / seconds_since(start);
+  double fastest = 1e30;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = Clock::now();
+    c = torch::mm(a, b);
+    fastest = std::min(fastest, seconds_since(start));
+  }
+  return 2.0 * n * n * n / fastest;
 }
 
 // Model FLOPs per trained token (forward + backward, PaLM's estimate): 6 per parameter (a
@@ -219,9 +234,12 @@ std::string fixed(double v, int digits) {
 
 std::string mib(int64_t bytes) { return fixed(bytes / (1024.0 * 1024.0), 2) + " MiB"; }
 
-bool stdout_is_terminal() {
+bool stdout_is_terminal(const fsdp::RankEnv& env) {
   const char* forced = std::getenv("FSDP_RUN_STDOUT_IS_TTY");  // set by fsdp-run, which pipes our stdout
-  return isatty(1) || (forced && std::string(forced) == "1");
+  if (forced && std::string(forced) == "1") return true;
+  // Open MPI gives every rank a pseudo-terminal even when mpirun's own output goes to a file, so
+  // isatty() says nothing there; print no progress bar under mpirun.
+  return env.source != "mpirun" && isatty(1);
 }
 
 // A one-line progress bar redrawn in place; log lines clear it first so they are not interleaved.
@@ -246,6 +264,53 @@ class ProgressBar {
   int total_;
   bool shown_ = false;
 };
+
+// The sample for printing: the model emits arbitrary bytes, and invalid UTF-8 or control
+// characters garble terminals and break log readers that decode UTF-8 (torchrun's log tailer
+// stops at the first bad byte). Each such byte becomes U+FFFD; valid UTF-8, newlines and tabs stay.
+std::string printable(const std::string& bytes) {
+  const std::string replacement = "\xEF\xBF\xBD";  // U+FFFD
+  std::string out;
+  size_t i = 0;
+  auto byte = [&](size_t k) { return k < bytes.size() ? static_cast<unsigned char>(bytes[k]) : 0u; };
+  while (i < bytes.size()) {
+    const unsigned c = byte(i);
+    if (c < 0x80) {
+      out += (c >= 0x20 && c != 0x7f) || c == '\n' || c == '\t' ? std::string(1, static_cast<char>(c)) : replacement;
+      ++i;
+      continue;
+    }
+    // Length and the allowed range of the second byte (which rules out overlong forms and
+    // surrogates); later bytes are 0x80-0xBF.
+    size_t length = 0;
+    unsigned low = 0x80, high = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) length = 2;
+    else if (c == 0xE0) length = 3, low = 0xA0;
+    else if (c == 0xED) length = 3, high = 0x9F;
+    else if (c >= 0xE1 && c <= 0xEF) length = 3;
+    else if (c == 0xF0) length = 4, low = 0x90;
+    else if (c >= 0xF1 && c <= 0xF3) length = 4;
+    else if (c == 0xF4) length = 4, high = 0x8F;
+    bool valid = length > 0 && byte(i + 1) >= low && byte(i + 1) <= high;
+    for (size_t k = 2; valid && k < length; ++k) valid = byte(i + k) >= 0x80 && byte(i + k) <= 0xBF;
+    if (valid) {
+      out.append(bytes, i, length);
+      i += length;
+    } else {
+      out += replacement;
+      ++i;
+    }
+  }
+  return out;
+}
+
+// Which launcher convention told this process its rank (fsdp::RankEnv::source).
+std::string launcher_variables(const fsdp::RankEnv& env) {
+  if (env.source == "torchrun") return "RANK, WORLD_SIZE from fsdp-run or torchrun";
+  if (env.source == "mpirun") return "OMPI_COMM_WORLD_* from mpirun";
+  if (env.source == "srun") return "SLURM_* from srun";
+  return "no launcher";
+}
 
 void print_table(const std::vector<std::pair<std::string, std::string>>& rows) {
   size_t key_width = 0;
@@ -327,11 +392,15 @@ std::string generate(gpt::GPT& model, const std::string& prompt, const TrainConf
   return gpt::decode(tokens);
 }
 
+// " [rank R]" once the rank is known, for error messages (under any launcher, not only those setting RANK).
+std::string g_rank_label;
+
 int run(int argc, char** argv) {
   const auto program_start = Clock::now();
   fsdp::RankEnv env;
   try {
     env = fsdp::RankEnv::from_env();
+    if (env.world_size > 1) g_rank_label = " [rank " + std::to_string(env.rank) + "]";
   } catch (const fsdp::Error&) {
     // A broken launcher environment: parse flags as a single process; ProcessGroup::from_env
     // below reports the problem.
@@ -342,7 +411,11 @@ int run(int argc, char** argv) {
   // Ranks on one host share its cores. OMP_NUM_THREADS, if set, is the user's choice (LibTorch
   // already applied it); otherwise split the usable cores between the local ranks, since more
   // threads than cores makes every rank slower.
-  if (!std::getenv("OMP_NUM_THREADS")) torch::set_num_threads(std::max(1, usable_cpus() / env.local_world_size));
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const int threads = std::max(1, usable_cpus() / env.local_world_size);
+    torch::set_num_threads(threads);
+    set_openblas_threads(threads);
+  }
   const int threads_per_rank = torch::get_num_threads();
 
   auto pg = fsdp::ProcessGroup::from_env();
@@ -411,7 +484,7 @@ int run(int argc, char** argv) {
     print_table({
         {"world size", std::to_string(world) + " (" + std::to_string(pg->env().local_world_size) + " on this host, " +
                            std::to_string(threads_per_rank) + " thread" + (threads_per_rank == 1 ? "" : "s") +
-                           " per rank)"},
+                           " per rank; " + launcher_variables(pg->env()) + ")"},
         {"strategy", fsdp::to_string(sharded->sharding_strategy())},
         {"sharding factor", std::to_string(sharded->sharding_factor())},
         {"wrap", config.wrap == "block" ? "block (every BlockImpl is a unit, plus the root)"
@@ -435,7 +508,8 @@ int run(int argc, char** argv) {
         {"seed", std::to_string(config.seed)},
         {"FLOPs per token", fixed(flops_per_token / 1e6, 2) + " M (6N + 12 L T W)"},
         {"matmul peak", fixed(peak_flops / 1e12, 4) + " TFLOP/s for the job (rank 0: " +
-                            fixed(rank0_matmul_flops / 1e9, 1) + " GFLOP/s, measured with all ranks running)"},
+                            fixed(rank0_matmul_flops / 1e9, 1) +
+                            " GFLOP/s: fastest of 8 1024x1024 matmuls, all ranks running)"},
     });
     std::cout << sharded->describe();
     if (config.show_memory) print_memory_comparison(*sharded, parameter_count);
@@ -451,7 +525,7 @@ int run(int argc, char** argv) {
   const double val_loss_start = validation_loss(model, splits.validation, config);
   if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;
 
-  ProgressBar progress(is_main && stdout_is_terminal(), config.steps);
+  ProgressBar progress(is_main && stdout_is_terminal(pg->env()), config.steps);
   sharded->reset_peak_memory_stats();
   double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0, last_logged_loss = 0.0;
   int window_steps = 0;
@@ -536,7 +610,8 @@ int run(int argc, char** argv) {
     if (config.show_memory)
       std::cout << "rank 0 FSDP peak during training: parameters " << mib(run_param_peak) << ", gradients "
                 << mib(run_grad_peak) << "\n";
-    if (!sample.empty()) std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << sample << "\n---\n\n";
+    if (!sample.empty())
+      std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << printable(sample) << "\n---\n\n";
     std::cout << "done: " << config.steps << " steps in " << fixed(seconds_since(program_start), 1) << " s ("
               << fixed(train_seconds, 1) << " s training) | final train loss " << fixed(last_logged_loss, 4)
               << " | val loss " << fixed(val_loss_start, 4) << " -> " << fixed(val_loss_end, 4) << " | mean "
@@ -554,9 +629,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     // Errors after start-up can differ between ranks (a lost peer, a bad file on one host), so
     // every rank reports its own.
-    const char* rank = std::getenv("RANK");
-    std::cerr << "fsdp_gpt" << (rank ? std::string(" [rank ") + rank + "]" : std::string()) << ": error: " << e.what()
-              << "\n";
+    std::cerr << "fsdp_gpt" << g_rank_label << ": error: " << e.what() << "\n";
     return 1;
   }
 }

@@ -30,7 +30,10 @@ struct RankEnv {
   std::string source;  // which convention supplied it: "torchrun", "mpirun", "srun"
 
   // Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun,
-  // fsdp-run), else OMPI_COMM_WORLD_* (mpirun), else SLURM_PROCID/SLURM_NTASKS (srun).
+  // fsdp-run), else OMPI_COMM_WORLD_* (mpirun), else SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun;
+  // ranks on this node from SLURM_NTASKS_PER_NODE or SLURM_STEP_TASKS_PER_NODE + SLURM_NODEID).
+  // MASTER_ADDR (default 127.0.0.1, required when the job spans hosts) and MASTER_PORT (default
+  // 29500) are read under every launcher.
   // Throws fsdp::Error naming the missing or inconsistent variable.
   static RankEnv from_env();
 };
