@@ -77,6 +77,7 @@ struct Flags {
   uint64_t model_min_bytes = 64 << 10;
   uint64_t model_max_bytes = 16 << 20;
   int model_factor = 16;
+  bool inject_wrong = false;  // self-test of the #wrong check: corrupt one element of ours
 };
 constexpr const char* kDefaultModel = "gbps=0.25,latency_us=20";
 
@@ -363,7 +364,11 @@ void allgather_section(Bench& b) {
     const double bus = double(W - 1) / W;
     std::vector<Path> paths;
     paths.push_back({"fsdp all_gather_into (one buffer)", false, true, bus, fill_nan,
-                     [&b, out, in] { b.ours->all_gather_into(out, in)->wait(); }, check_even});
+                     [&b, out, in] {
+                       b.ours->all_gather_into(out, in)->wait();
+                       if (b.flags.inject_wrong && b.rank == 0) out[0].add_(1);
+                     },
+                     check_even});
     paths.push_back({"gloo allgather (raw, one buffer)", true, false, bus, fill_nan,
                      [&b, out, in] { b.raw_thread.run([&] { raw_allgather(b, out, in); }); }, check_even});
     std::vector<at::Tensor> views;
@@ -635,6 +640,9 @@ int main(int argc, char** argv) {
   app.add_option("--model-min-bytes", f.model_min_bytes)->transform(CLI::AsSizeValue(false))->capture_default_str();
   app.add_option("--model-max-bytes", f.model_max_bytes)->transform(CLI::AsSizeValue(false))->capture_default_str();
   app.add_option("--model-factor", f.model_factor)->check(CLI::Range(2, 1 << 20))->capture_default_str();
+  app.add_flag("--inject-wrong", f.inject_wrong,
+               "self-test: corrupt one element of our all-gather's output on rank 0, so #wrong > 0 and the "
+               "benchmark fails (used by ctest to show the check works)");
   CLI11_PARSE(app, argc, argv);
 
   auto has = [&](const char* s) { return std::find(f.sections.begin(), f.sections.end(), s) != f.sections.end(); };
