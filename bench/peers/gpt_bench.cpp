@@ -57,7 +57,7 @@ struct BenchConfig {
   double lr = 3e-4, weight_decay = 0.1;
   uint64_t seed = 1;
   int threads = 0;  // 0: keep LibTorch's (OMP_NUM_THREADS)
-  std::string write_inputs, result, label;
+  std::string write_inputs, inputs, result, label;
   int64_t memory_cap_mib = 0;
   bool count_allocations = false;
 };
@@ -170,6 +170,15 @@ class MemoryWatchdog {
   std::thread thread_;
 };
 
+// Restarts the kernel's resident-set high-water mark (VmHWM) at the current RSS; false where the
+// kernel does not allow it.
+bool reset_high_water_mark() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Model and inputs
 
@@ -233,6 +242,31 @@ void write_inputs(const BenchConfig& c) {
   auto b = batches.contiguous();
   out.write(static_cast<const char*>(b.data_ptr()), b.nbytes());
   if (!out) throw std::runtime_error("short write to " + c.write_inputs);
+}
+
+// The batches of an inputs file (write_inputs), checked against this run's configuration.
+torch::Tensor read_global_batches(const BenchConfig& c) {
+  std::ifstream in(c.inputs, std::ios::binary);
+  std::string line;
+  if (!in || !std::getline(in, line)) throw std::runtime_error("cannot read --inputs " + c.inputs);
+  const json header = json::parse(line);
+  const json& cfg = header.at("config");
+  const auto& b = header.at("batches");
+  const auto shape = b.at("shape").get<std::vector<int64_t>>();
+  if (cfg.at("context").get<int>() != c.context || cfg.at("global_batch").get<int>() != c.global_batch ||
+      cfg.at("seed").get<uint64_t>() != c.seed || shape.size() != 3 || shape[0] < c.warmup + c.steps)
+    throw std::runtime_error("--inputs " + c.inputs + " was written for context " + cfg.at("context").dump() +
+                             ", global batch " + cfg.at("global_batch").dump() + ", seed " + cfg.at("seed").dump() +
+                             " and " + std::to_string(shape.empty() ? 0 : shape[0]) +
+                             " steps; this run needs context " + std::to_string(c.context) + ", global batch " +
+                             std::to_string(c.global_batch) + ", seed " + std::to_string(c.seed) + " and " +
+                             std::to_string(c.warmup + c.steps) + " steps");
+  auto batches = torch::empty({c.warmup + c.steps, shape[1], shape[2]}, torch::kLong);
+  const std::streamoff data_start = in.tellg();
+  in.seekg(data_start + b.at("offset").get<std::streamoff>());
+  in.read(static_cast<char*>(batches.data_ptr()), batches.nbytes());
+  if (!in) throw std::runtime_error("--inputs " + c.inputs + " is truncated");
+  return batches;
 }
 
 // AdamW as the example trainer builds it: weight decay on matrices and embeddings only, betas
@@ -303,6 +337,9 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
       ->check(CLI::Range(0, 1024))->capture_default_str();
   app.add_option("--write-inputs", c.write_inputs, "Write the initial weights and all global batches to this file "
                  "(for ddp_gpt.py) and exit");
+  app.add_option("--inputs", c.inputs, "Read the batches from a file --write-inputs wrote (same context, global "
+                 "batch and seed; at least as many steps) instead of drawing them from the corpus")
+      ->check(CLI::ExistingFile);
   app.add_option("--result", c.result, "Rank 0 writes the result as JSON to this file");
   app.add_option("--label", c.label, "Name of this contender in the result");
   app.add_option("--memory-cap-mib", c.memory_cap_mib, "Abort a rank whose resident set passes this many MiB")
@@ -350,7 +387,9 @@ int run(int argc, char** argv) {
   }
   const int rows = c.global_batch / world;
 
-  const auto batches = draw_global_batches(c).narrow(1, int64_t(rank) * rows, rows).contiguous();
+  const auto batches = (c.inputs.empty() ? draw_global_batches(c) : read_global_batches(c))
+                           .narrow(1, int64_t(rank) * rows, rows)
+                           .contiguous();
   const int64_t batch_bytes = batches.nbytes();
 
   torch::manual_seed(c.seed);
@@ -394,7 +433,10 @@ int run(int argc, char** argv) {
     std::cout << std::flush;
   }
 
-  const int64_t hwm_after_init = proc_status_bytes("VmHWM");
+  // The initialization peak (the whole model is built on every rank before fully_shard shards
+  // it), then the high-water mark restarts (clear_refs "5") so the steps' own peak is seen too.
+  const int64_t hwm_init = proc_status_bytes("VmHWM");
+  const bool hwm_reset = reset_high_water_mark();
   const int total_steps = c.warmup + c.steps;
   std::vector<double> step_seconds, losses;
   fsdp::MemoryStats memory;
@@ -428,13 +470,14 @@ int run(int argc, char** argv) {
   if (sharded) memory = sharded->memory_stats();
   if (counting) alloc_peak = counting->peak();
   const int64_t adam_bytes = optimizer_state_bytes(*optimizer);
-  const int64_t hwm = proc_status_bytes("VmHWM");
+  const int64_t hwm_train = proc_status_bytes("VmHWM");
+  const int64_t hwm = std::max(hwm_init, hwm_train);
 
   // Every rank's figures, and the loss averaged over ranks (each rank's loss is the mean over its
   // rows, and the rows are equal in number).
-  constexpr int kFields = 12;
+  constexpr int kFields = 13;
   auto per_rank = torch::zeros({world, kFields}, torch::kDouble);
-  const double fields[kFields] = {double(hwm_after_init), double(hwm), double(memory.param_peak_bytes),
+  const double fields[kFields] = {double(hwm_init), double(hwm_reset ? hwm_train : 0), double(hwm), double(memory.param_peak_bytes),
                                   double(memory.grad_peak_bytes), double(memory.param_bytes), double(memory.grad_bytes),
                                   double(adam_bytes), double(piece_bytes), double(alloc_live_rest), double(alloc_peak),
                                   double(batch_bytes), median(step_seconds)};
@@ -467,7 +510,7 @@ int run(int argc, char** argv) {
     result["tokens_per_s"] = c.global_batch * double(c.context) / med;
     result["losses"] = std::vector<double>(loss_sum.data_ptr<double>(), loss_sum.data_ptr<double>() + loss_sum.numel());
     result["memory_cap_bytes"] = cap_bytes;
-    const char* names[kFields] = {"vmhwm_after_init_bytes", "vmhwm_bytes", "fsdp_param_peak_bytes",
+    const char* names[kFields] = {"vmhwm_init_bytes", "vmhwm_train_bytes", "vmhwm_bytes", "fsdp_param_peak_bytes",
                                   "fsdp_grad_peak_bytes", "fsdp_param_bytes", "fsdp_grad_bytes",
                                   "adamw_state_bytes", "optimizer_param_bytes", "alloc_live_at_rest_bytes",
                                   "alloc_peak_bytes", "batch_bytes", "median_step_s"};
