@@ -57,7 +57,7 @@ PRESETS = {
         "threads_per_rank": 1,
         "memory": {"world": 4, "size": "comm-bound", "wraps": ["none", "block", "sublayer", "linear"], "reps": 3},
         "largest": {"world": 4, "cap_mib": 1024, "width": 512, "heads": 8, "context": 32, "batch_per_rank": 1,
-                    "max_layers": 256, "criteria": ["whole", "steps"]},
+                    "max_layers": 256, "criteria": ["whole", "steps"], "malloc": ["default", "mmap"]},
     },
     "ci": {
         "sizes": [{"name": "tiny", "layers": 2, "width": 64, "heads": 4, "context": 32, "batch_per_rank": 2}],
@@ -68,11 +68,21 @@ PRESETS = {
         "threads_per_rank": 1,
         "memory": {"world": 2, "size": "tiny", "wraps": ["none", "block"], "reps": 1},
         "largest": {"world": 2, "cap_mib": 0, "cap_over_baseline_mib": 16, "width": 256, "heads": 4, "context": 16,
-                    "batch_per_rank": 1, "max_layers": 2, "criteria": ["whole"]},
+                    "batch_per_rank": 1, "max_layers": 2, "criteria": ["whole"], "malloc": ["default"]},
     },
 }
 
 FSDP_STRATEGIES = ["NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
+
+# glibc malloc settings for the largest-model search. "default": glibc's dynamic mmap threshold,
+# which rises to the size of the largest block freed so far (up to 32 MiB), after which blocks of
+# that size come from the heap and freed ones often stay resident. "mmap": a fixed 1 MiB threshold
+# (glibc's MALLOC_MMAP_THRESHOLD_ tunable), so every large tensor is mapped and unmapped on its own
+# and the resident set follows the live tensors.
+MALLOC_MODES = {
+    "default": {},
+    "mmap": {"MALLOC_MMAP_THRESHOLD_": "1048576"},
+}
 
 
 def log(msg):
@@ -162,7 +172,8 @@ class Bench:
         self.python = args.python
         self.ddp_available, self.ddp_reason = self.check_ddp()
         self.raw = []  # every run, as recorded
-        self.unlimited_probes = {}  # (strategy, layers) -> a largest-model probe run without a cap
+        # (strategy, layers, malloc) -> (result or None, rc, log tail, wall s, watchdog limit passed)
+        self.probe_cache = {}
         self.counter = 0
         # Every contender gets the same environment: threads per rank via the launcher (and
         # --threads), and a passive OpenMP wait policy. On this shared machine a 2-thread process
@@ -195,7 +206,7 @@ class Bench:
             sys.exit(f"run.py: writing inputs failed: {shlex.join(argv)}\n{r.stderr}")
         return path
 
-    def launch(self, argv, world, threads, label, timeout, extra=None):
+    def launch(self, argv, world, threads, label, timeout, extra=None, env=None):
         """Runs one contender; returns (result dict or None, return code, stderr tail, wall s)."""
         self.counter += 1
         result_path = os.path.join(self.work, f"run-{self.counter:04d}.json")
@@ -213,7 +224,7 @@ class Bench:
                 logf.write("$ " + shlex.join(argv) + "\n")
                 logf.flush()
                 rc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout,
-                                    env=self.env).returncode
+                                    env=dict(self.env, **(env or {}))).returncode
         except subprocess.TimeoutExpired:
             rc = 124
         wall = time.monotonic() - start
@@ -228,6 +239,8 @@ class Bench:
             result["command"] = shlex.join(argv)
             if extra:
                 result.update(extra)
+            if env:
+                result["env"] = env
             self.raw.append(result)
         return result, rc, tail, wall
 
@@ -321,28 +334,29 @@ class Bench:
         baseline = None
         if not cap:
             # CI: a cap just above the process's own footprint, so a tiny search exercises the logic.
-            res, rc, tail, wall = self.probe(dict(size0, layers=1), "NO_SHARD", world, 0)
-            self.unlimited_probes[("NO_SHARD", 1)] = (res, rc, tail, wall)
+            res, rc, tail, wall = self.probe(dict(size0, layers=1), "NO_SHARD", world, 0, "default")
+            self.probe_cache[("NO_SHARD", 1, "default")] = (res, rc, tail, wall, 0)
             if res is None:
                 sys.exit(f"run.py: baseline probe failed (exit {rc}):\n{tail}")
             baseline = max(r["vmhwm_bytes"] for r in res["ranks"])
             cap = int(math.ceil(baseline / MiB)) + L["cap_over_baseline_mib"]
         searches = []
-        for criterion in L["criteria"]:
-            for strategy in ("NO_SHARD", "FULL_SHARD"):
-                log(f"largest: {strategy}, cap {cap} MiB per rank ({criterion})")
-                searches.append(self.search(size0, strategy, world, cap, criterion, L["max_layers"]))
+        for malloc in L["malloc"]:
+            for criterion in L["criteria"]:
+                for strategy in ("NO_SHARD", "FULL_SHARD"):
+                    log(f"largest: {strategy}, cap {cap} MiB per rank ({criterion}, malloc {malloc})")
+                    searches.append(self.search(size0, strategy, world, cap, criterion, L["max_layers"], malloc))
         return {"world": world, "cap_mib": cap, "size": size0, "searches": searches, "baseline_bytes": baseline}
 
-    def probe(self, size, strategy, world, watchdog_mib):
+    def probe(self, size, strategy, world, watchdog_mib, malloc):
         argv = [self.gpt_bench, "--mode", "fsdp", "--strategy", strategy, "--wrap", "block", "--threads",
                 str(self.preset["threads_per_rank"]), "--inputs", self.largest_inputs] + self.model_args(size, world, 1, 1)
         if watchdog_mib:
             argv += ["--memory-cap-mib", str(watchdog_mib)]
         return self.launch(argv, world, self.preset["threads_per_rank"], f"{strategy} probe L={size['layers']}",
-                           1800, extra={"section": "largest"})
+                           1800, extra={"section": "largest", "malloc": malloc}, env=MALLOC_MODES[malloc])
 
-    def search(self, size0, strategy, world, cap_mib, criterion, max_layers):
+    def search(self, size0, strategy, world, cap_mib, criterion, max_layers, malloc):
         """Deepest model whose peak resident set stays within cap_mib on every rank. criterion
         'whole': the whole process (initialization included); 'steps': the training steps only
         (VmHWM restarted after initialization). The watchdog aborts a rank that passes the cap
@@ -352,26 +366,33 @@ class Bench:
         key = "vmhwm_bytes" if criterion == "whole" else "vmhwm_train_bytes"
 
         def fits(layers):
+            # A completed probe answers every criterion (it reports both peaks), whatever its
+            # watchdog; an aborted one only says that the peak passed the watchdog's limit.
+            cache_key = (strategy, layers, malloc)
             for attempt in range(2):
-                cached = self.unlimited_probes.get((strategy, layers))
-                if cached:  # a run without a watchdog is valid for any cap
-                    res, rc, tail, wall = cached
+                cached = self.probe_cache.get(cache_key)
+                if cached and (cached[0] is not None or cached[4] >= watchdog):
+                    res, rc, tail, wall, aborted_over = cached
                 else:
-                    res, rc, tail, wall = self.probe(dict(size0, layers=layers), strategy, world, watchdog)
+                    res, rc, tail, wall = self.probe(dict(size0, layers=layers), strategy, world, watchdog, malloc)
+                    aborted_over = watchdog if res is None and "exceeds the cap" in tail else 0
+                    if res is not None or aborted_over:
+                        self.probe_cache[cache_key] = (res, rc, tail, wall, aborted_over)
                 if res is not None:
                     peak = max(r[key] for r in res["ranks"])
                     ok = peak <= cap_mib * MiB
                     probes.append({"layers": layers, "parameters": res["parameters"], "ok": ok, "peak_bytes": peak,
                                    "init_bytes": max(r["vmhwm_init_bytes"] for r in res["ranks"]),
                                    "steps_bytes": max(r["vmhwm_train_bytes"] for r in res["ranks"]),
-                                   "aborted": False, "wall_s": wall})
+                                   "aborted": False, "wall_s": wall, "reused": bool(cached)})
                     log(f"  L={layers:<4} {res['parameters'] / 1e6:8.1f} M params  peak {peak / MiB:8.1f} MiB  "
-                        f"{'fits' if ok else 'over the cap'}  ({wall:.0f} s)")
+                        f"{'fits' if ok else 'over the cap'}  ({'earlier probe' if cached else f'{wall:.0f} s'})")
                     return ok
-                if "exceeds the cap" in tail:
+                if aborted_over:
                     probes.append({"layers": layers, "parameters": None, "ok": False, "peak_bytes": None,
-                                   "aborted": True, "wall_s": wall})
-                    log(f"  L={layers:<4} aborted by the watchdog (over {watchdog} MiB)  ({wall:.0f} s)")
+                                   "aborted": True, "wall_s": wall, "reused": bool(cached)})
+                    log(f"  L={layers:<4} aborted by the watchdog (over {aborted_over} MiB)  "
+                        f"({'earlier probe' if cached else f'{wall:.0f} s'})")
                     return False
                 log(f"  L={layers}: probe failed (exit {rc}), attempt {attempt + 1}:\n{tail[-800:]}")
             sys.exit("run.py: a largest-model probe failed twice for a reason other than memory")
@@ -395,7 +416,7 @@ class Bench:
             else:
                 hi = mid
         best = next((p for p in probes if p["layers"] == lo and p["ok"]), None)
-        return {"strategy": strategy, "criterion": criterion, "largest_layers": lo,
+        return {"strategy": strategy, "criterion": criterion, "malloc": malloc, "largest_layers": lo,
                 "largest_parameters": best["parameters"] if best else 0, "best": best, "probes": probes,
                 "capped_by_search_limit": hi > max_layers}
 
@@ -690,24 +711,32 @@ def report_largest(bench, lg):
     by = {}
     for s in lg["searches"]:
         b = s["best"]
-        by[(s["strategy"], s["criterion"])] = s
-        rows.append([s["strategy"], s["criterion"], s["largest_layers"],
+        by[(s["strategy"], s["criterion"], s["malloc"])] = s
+        fresh = sum(1 for p in s["probes"] if not p.get("reused"))
+        rows.append([s["strategy"], s["criterion"], s["malloc"], s["largest_layers"],
                      f"{s['largest_parameters'] / 1e6:.1f}" if s["largest_parameters"] else "0",
                      mib(b["peak_bytes"]) if b else "n/a", mib(b["init_bytes"]) if b else "n/a",
-                     mib(b["steps_bytes"]) if b else "n/a", len(s["probes"]),
+                     mib(b["steps_bytes"]) if b else "n/a", f"{len(s['probes'])} ({fresh} new)",
                      "yes" if s["capped_by_search_limit"] else "no"])
-    lines.append(table(["strategy", "criterion", "largest depth", "parameters (M)", "peak MiB (criterion)",
-                        "init peak MiB", "steps peak MiB", "probes", "hit search limit"], rows))
+    lines.append(table(["strategy", "criterion", "malloc", "largest depth", "parameters (M)",
+                        "peak MiB (criterion)", "init peak MiB", "steps peak MiB", "probes",
+                        "hit search limit"], rows))
     lines.append("")
     ratios = []
-    for crit in ("whole", "steps"):
-        n, f = by.get(("NO_SHARD", crit)), by.get(("FULL_SHARD", crit))
-        if n and f and n["largest_parameters"]:
-            ratios.append([crit, f"{n['largest_parameters'] / 1e6:.1f}", f"{f['largest_parameters'] / 1e6:.1f}",
-                           f"{f['largest_parameters'] / n['largest_parameters']:.2f}"])
+    for malloc in dict.fromkeys(s["malloc"] for s in lg["searches"]):
+        for crit in ("whole", "steps"):
+            n, f = by.get(("NO_SHARD", crit, malloc)), by.get(("FULL_SHARD", crit, malloc))
+            if n and f and n["largest_parameters"]:
+                ratios.append([crit, malloc, f"{n['largest_parameters'] / 1e6:.1f}",
+                               f"{f['largest_parameters'] / 1e6:.1f}",
+                               f"{f['largest_parameters'] / n['largest_parameters']:.2f}"])
     if ratios:
         lines += ["Largest trainable model, FULL_SHARD / NO_SHARD (parameters):", "",
-                  table(["criterion", "NO_SHARD M params", "FULL_SHARD M params", "ratio"], ratios), ""]
+                  table(["criterion", "malloc", "NO_SHARD M params", "FULL_SHARD M params", "ratio"], ratios), ""]
+    lines += ["malloc 'default': glibc as it comes (its mmap threshold rises to the largest block freed so far, "
+              "up to 32 MiB; later blocks of that size come from the heap, and freed ones often stay resident). "
+              "'mmap': `MALLOC_MMAP_THRESHOLD_=1048576` in every rank's environment, so every tensor of 1 MiB or "
+              "more is mapped and unmapped on its own and the resident set follows the live tensors.", ""]
     lines += ["Criterion 'whole': the whole process, initialization included (every rank builds the full model "
               "before `fully_shard` shards it). 'steps': the training steps only (VmHWM restarted after "
               "initialization), i.e. what the model needs once it is sharded.", "",
@@ -808,12 +837,12 @@ plot 'memory_wrap.dat' using 2:xtic(1) title 'parameters peak', '' using 3 title
 def plot_largest(bench, lg):
     data = ""
     for i, s in enumerate(lg["searches"]):
-        data += f"# {s['strategy']} {s['criterion']}\n"
+        data += f"# {s['strategy']} {s['criterion']} {s['malloc']}\n"
         for p in sorted(s["probes"], key=lambda p: p["layers"]):
             if p["parameters"] is not None and p["peak_bytes"] is not None:
                 data += f"{p['parameters'] / 1e6:.3f} {p['peak_bytes'] / MiB:.1f} {1 if p['ok'] else 0}\n"
         data += "\n\n"
-    titles = [f"{s['strategy']} ({s['criterion']})" for s in lg["searches"]]
+    titles = [f"{s['strategy']} ({s['criterion']}, malloc {s['malloc']})" for s in lg["searches"]]
     plots = ", ".join(f"'largest.dat' index {i} using 1:2 with linespoints pt 7 title '{t}'"
                       for i, t in enumerate(titles))
     script = PNG + f"""set output '../largest.png'
@@ -893,8 +922,9 @@ def check_outputs(bench, groups, sections):
         if t is None or {row[0] for row in t[1:]} != {"NO_SHARD", "FULL_SHARD"}:
             problems.append("largest.md lacks the NO_SHARD / FULL_SHARD rows")
         else:
+            depth = t[0].index("largest depth")
             for row in t[1:]:
-                if int(row[2]) < 1:
+                if int(row[depth]) < 1:
                     problems.append(f"largest.md: {row[0]} found no depth that fits")
     return problems
 
