@@ -200,7 +200,14 @@ def main():
     except OSError:
         hwm_reset = False
     step_seconds, losses = [], []
+    def cpu_seconds():
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+
+    cpu_at_timed_start = 0.0
     for step in range(total_steps):
+        if step == args.warmup:
+            cpu_at_timed_start = cpu_seconds()
         window = batches[step]
         inputs, targets = window[:, :context], window[:, 1:context + 1]
         start = time.perf_counter()
@@ -219,11 +226,12 @@ def main():
             print(f"step {step + 1}/{total_steps}{tag} | loss {value:.6f} (rank 0) | {seconds * 1000:.1f} ms",
                   flush=True)
 
+    cpu_per_step = (cpu_seconds() - cpu_at_timed_start) / args.steps
     adam_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values()
                      for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     hwm_train = status_bytes("VmHWM") if hwm_reset else 0
     hwm = max(hwm_init, hwm_train)
-    fields = [hwm_init, hwm_train, hwm, adam_bytes, statistics.median(step_seconds)]
+    fields = [hwm_init, hwm_train, hwm, adam_bytes, statistics.median(step_seconds), cpu_per_step]
     per_rank = torch.zeros(world, len(fields), dtype=torch.float64)
     per_rank[rank] = torch.tensor(fields, dtype=torch.float64)
     dist.all_reduce(per_rank)
@@ -250,8 +258,10 @@ def main():
             "losses": loss_sum.tolist(),
             "ranks": [{"rank": r, "vmhwm_init_bytes": per_rank[r, 0].item(),
                        "vmhwm_train_bytes": per_rank[r, 1].item(), "vmhwm_bytes": per_rank[r, 2].item(),
-                       "adamw_state_bytes": per_rank[r, 3].item(), "median_step_s": per_rank[r, 4].item()}
+                       "adamw_state_bytes": per_rank[r, 3].item(), "median_step_s": per_rank[r, 4].item(),
+                       "cpu_s_per_step": per_rank[r, 5].item()}
                       for r in range(world)],
+            "cpu_s_per_step": per_rank[:, 5].sum().item(),
             "ru_maxrss_bytes_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
         print(f"median step {med * 1000:.2f} ms, {result['tokens_per_s']:.0f} tokens/s, "

@@ -170,6 +170,13 @@ class MemoryWatchdog {
   std::thread thread_;
 };
 
+// CPU time (user + system) of every thread of this process, in seconds.
+double process_cpu_seconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_utime.tv_sec + usage.ru_stime.tv_sec + 1e-6 * (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+}
+
 // Restarts the kernel's resident-set high-water mark (VmHWM) at the current RSS; false where the
 // kernel does not allow it.
 bool reset_high_water_mark() {
@@ -441,8 +448,10 @@ int run(int argc, char** argv) {
   std::vector<double> step_seconds, losses;
   fsdp::MemoryStats memory;
   int64_t alloc_live_rest = 0, alloc_peak = 0;
+  double cpu_at_timed_start = 0.0;
   for (int step = 0; step < total_steps; ++step) {
     if (step == c.warmup) {
+      cpu_at_timed_start = process_cpu_seconds();
       // Peaks from here on cover the timed, steady-state steps (gradients and AdamW state exist).
       if (sharded) sharded->reset_peak_memory_stats();
       if (counting) {
@@ -467,6 +476,7 @@ int run(int argc, char** argv) {
                 << std::fixed << std::setprecision(6) << value << " (rank 0) | " << std::setprecision(1)
                 << seconds * 1000 << " ms" << std::defaultfloat << "\n" << std::flush;
   }
+  const double cpu_per_step = (process_cpu_seconds() - cpu_at_timed_start) / c.steps;
   if (sharded) memory = sharded->memory_stats();
   if (counting) alloc_peak = counting->peak();
   const int64_t adam_bytes = optimizer_state_bytes(*optimizer);
@@ -475,12 +485,12 @@ int run(int argc, char** argv) {
 
   // Every rank's figures, and the loss averaged over ranks (each rank's loss is the mean over its
   // rows, and the rows are equal in number).
-  constexpr int kFields = 13;
+  constexpr int kFields = 14;
   auto per_rank = torch::zeros({world, kFields}, torch::kDouble);
   const double fields[kFields] = {double(hwm_init), double(hwm_reset ? hwm_train : 0), double(hwm), double(memory.param_peak_bytes),
                                   double(memory.grad_peak_bytes), double(memory.param_bytes), double(memory.grad_bytes),
                                   double(adam_bytes), double(piece_bytes), double(alloc_live_rest), double(alloc_peak),
-                                  double(batch_bytes), median(step_seconds)};
+                                  double(batch_bytes), median(step_seconds), cpu_per_step};
   for (int k = 0; k < kFields; ++k) per_rank[rank][k] = fields[k];
   auto loss_sum = torch::tensor(losses, torch::kDouble);
   if (!local) {
@@ -508,12 +518,15 @@ int run(int argc, char** argv) {
     const double med = median(step_seconds);
     result["median_step_s"] = med;
     result["tokens_per_s"] = c.global_batch * double(c.context) / med;
+    // CPU seconds per timed step, summed over ranks: the work a step costs, which other jobs on a
+    // shared machine disturb much less than the wall time.
+    result["cpu_s_per_step"] = per_rank.select(1, kFields - 1).sum().item<double>();
     result["losses"] = std::vector<double>(loss_sum.data_ptr<double>(), loss_sum.data_ptr<double>() + loss_sum.numel());
     result["memory_cap_bytes"] = cap_bytes;
     const char* names[kFields] = {"vmhwm_init_bytes", "vmhwm_train_bytes", "vmhwm_bytes", "fsdp_param_peak_bytes",
                                   "fsdp_grad_peak_bytes", "fsdp_param_bytes", "fsdp_grad_bytes",
                                   "adamw_state_bytes", "optimizer_param_bytes", "alloc_live_at_rest_bytes",
-                                  "alloc_peak_bytes", "batch_bytes", "median_step_s"};
+                                  "alloc_peak_bytes", "batch_bytes", "median_step_s", "cpu_s_per_step"};
     for (int r = 0; r < world; ++r) {
       json row{{"rank", r}};
       for (int k = 0; k < kFields; ++k) row[names[k]] = per_rank[r][k].item<double>();

@@ -537,7 +537,8 @@ def report_peers(bench, groups):
              "largest over ranks, for the whole process (initialization included) and for the steps alone "
              "(VmHWM restarted after initialization). FSDP-managed peak: `memory_stats()` parameter peak + "
              "gradient peak during the timed steps (largest over ranks). Loss check: largest relative "
-             "difference of any step's loss (mean over ranks) from local training's; "
+             "difference of any step's loss (mean over ranks) from local training's; CPU s per step: user + "
+             "system time of the timed steps summed over all ranks' processes (getrusage), per step; "
              f"tolerance {LOSS_TOLERANCE:g}.", ""]
     if not bench.ddp_available:
         lines += [f"**PyTorch DDP was not run: {bench.ddp_reason}.**", ""]
@@ -545,6 +546,7 @@ def report_peers(bench, groups):
     for g in groups:
         size, world = g["size"], g["world"]
         ddp = median_of(g["runs"].get("ddp", []))
+        ddp_cpu = median_of(g["runs"].get("ddp", []), "cpu_s_per_step")
         params = next((r["parameters"] for runs in g["runs"].values() for r in runs), 0)
         lines += [f"## {size['name']}, world {world}", "",
                   f"{size['layers']} layers, width {size['width']}, {size['heads']} heads, context "
@@ -556,13 +558,15 @@ def report_peers(bench, groups):
             runs = g["runs"][c["key"]]
             med = median_of(runs)
             if med is None:
-                rows.append([c["label"], 0] + ["failed"] * 9)
+                rows.append([c["label"], 0] + ["failed"] * 11)
                 continue
             lo = min(r["median_step_s"] for r in runs)
             hi = max(r["median_step_s"] for r in runs)
             tps = runs[0]["tokens_per_step"] / med
             ratio = med / ddp if ddp else None
             tratio = ddp / med if ddp else None
+            cpu = median_of(runs, "cpu_s_per_step")
+            cpu_ratio = cpu / ddp_cpu if ddp_cpu else None
             rss = statistics.median(max(x["vmhwm_bytes"] for x in r["ranks"]) for r in runs)
             rss_steps = statistics.median(max(x["vmhwm_train_bytes"] for x in r["ranks"]) for r in runs)
             if c["kind"] == "fsdp":
@@ -575,11 +579,14 @@ def report_peers(bench, groups):
             wrong = sum(1 for r in runs if loss_check([r], g["runs"]["local"]) > LOSS_TOLERANCE) \
                 if worst is not None else "n/a"
             rows.append([c["label"], len(runs), f"{med * 1000:.1f} [{lo * 1000:.0f}-{hi * 1000:.0f}]",
-                         f"{tps:.0f}", fmt(ratio), fmt(tratio), mib(rss), mib(rss_steps), fsdp_col,
+                         f"{tps:.0f}", fmt(ratio), fmt(tratio), f"{cpu:.3f}", fmt(cpu_ratio),
+                         mib(rss), mib(rss_steps), fsdp_col,
                          "n/a" if worst is None else f"{worst:.1e}", wrong])
-            summary_rows.setdefault(c["key"], {"label": c["label"].split(" (F=")[0]})[(size["name"], world)] = ratio
+            row = summary_rows.setdefault(c["key"], {"label": c["label"].split(" (F=")[0], "cpu": {}})
+            row[(size["name"], world)] = ratio
+            row["cpu"][(size["name"], world)] = cpu_ratio
         lines.append(table(["contender", "runs", "step ms", "tokens/s", "step time / DDP", "tokens/s / DDP",
-                            "peak RSS MiB", "peak RSS, steps only", "FSDP-managed peak MiB",
+                            "CPU s per step (all ranks)", "CPU / DDP", "peak RSS MiB", "peak RSS, steps only", "FSDP-managed peak MiB",
                             "loss vs local", "#wrong"], rows))
         fails = {k: v for k, v in g["failures"].items() if v}
         if fails:
@@ -592,7 +599,15 @@ def report_peers(bench, groups):
     for key, row in summary_rows.items():
         rows.append([row["label"]] + [fmt(row.get(col)) for col in cols])
     lines.append(table(["contender"] + [f"{s}, world {w}" for s, w in cols], rows))
-    lines += ["", "![step time / DDP](peers_step_ratio.png)", "", "![peak RSS](peers_rss.png)", ""]
+    lines += ["", "## Summary: CPU time per step / PyTorch DDP (all ranks' user + system time; lower is cheaper)",
+              "", "Other jobs on the machine change the wall time of a step far more than the CPU time it "
+              "consumes, so this is the steadier comparison of the work each contender does per step.", ""]
+    rows = []
+    for key, row in summary_rows.items():
+        rows.append([row["label"]] + [fmt(row["cpu"].get(col)) for col in cols])
+    lines.append(table(["contender"] + [f"{s}, world {w}" for s, w in cols], rows))
+    lines += ["", "![step time / DDP](peers_step_ratio.png)", "", "![CPU time / DDP](peers_cpu_ratio.png)", "",
+              "![peak RSS](peers_rss.png)", ""]
     targets = []
     for g in groups:
         if g["size"]["name"] != "compute-bound":
@@ -602,11 +617,12 @@ def report_peers(bench, groups):
             if r is None:
                 continue
             verdict = "met" if r <= goal else f"missed by {100 * (r / goal - 1):.0f}%"
+            cpu_r = summary_rows[key]["cpu"].get((g["size"]["name"], g["world"]))
             targets.append([f"{key} step time / DDP, {g['size']['name']}, world {g['world']}", f"<= {goal}",
-                            fmt(r), verdict])
+                            fmt(r), verdict, fmt(cpu_r)])
     if targets:
-        lines += ["## Targets", "", table(["target", "goal", "measured", "verdict"], targets,
-                                          ["l", "r", "r", "l"]), ""]
+        lines += ["## Targets", "", table(["target", "goal", "measured", "verdict", "CPU time / DDP (same runs)"],
+                                          targets, ["l", "r", "r", "l", "r"]), ""]
     return lines, summary_rows, cols
 
 
@@ -784,6 +800,16 @@ set grid ytics
 plot for [i=2:{len(keys) + 1}] 'peers_step_ratio.dat' using i:xtic(1) title columnhead(i), 1 with lines lc 'black' dt 2 notitle
 """
     ok = gnuplot(bench, "peers_step_ratio", script, data)
+    data = "group " + " ".join(f'"{summary_rows[k]["label"]}"' for k in keys) + "\n"
+    for s, w in cols:
+        data += f'"{s}, w{w}" ' + " ".join(
+            "NaN" if summary_rows[k]["cpu"].get((s, w)) is None else f"{summary_rows[k]['cpu'][(s, w)]:.4f}"
+            for k in keys) + "\n"
+    script = script.replace("peers_step_ratio", "peers_cpu_ratio").replace(
+        "Step time / PyTorch DDP (median of interleaved runs; lower is faster)",
+        "CPU time per step (all ranks) / PyTorch DDP (median of interleaved runs; lower is cheaper)").replace(
+        "ylabel 'step time / DDP'", "ylabel 'CPU time / DDP'")
+    ok = gnuplot(bench, "peers_cpu_ratio", script, data) and ok
     # Peak RSS per contender and group.
     data = "group " + " ".join(f'"{summary_rows[k]["label"]}"' for k in keys) + "\n"
     for g in groups:
