@@ -202,9 +202,10 @@ def main():
     step_seconds, losses = [], []
     def cpu_seconds():
         u = resource.getrusage(resource.RUSAGE_SELF)
-        return u.ru_utime + u.ru_stime
+        return u.ru_utime, u.ru_stime
 
-    cpu_at_timed_start = 0.0
+    cpu_at_timed_start = (0.0, 0.0)
+    phases = {"zero_grad": [], "forward": [], "backward": [], "optimizer": []}
     for step in range(total_steps):
         if step == args.warmup:
             cpu_at_timed_start = cpu_seconds()
@@ -212,26 +213,36 @@ def main():
         inputs, targets = window[:, :context], window[:, 1:context + 1]
         start = time.perf_counter()
         optimizer.zero_grad()
+        zeroed = time.perf_counter()
         logits = ddp(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        forwarded = time.perf_counter()
         loss.backward()
+        backwarded = time.perf_counter()
         optimizer.step()
         value = loss.item()
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
         losses.append(value)
         if step >= args.warmup:
             step_seconds.append(seconds)
+            for name, a, b in (("zero_grad", start, zeroed), ("forward", zeroed, forwarded),
+                               ("backward", forwarded, backwarded), ("optimizer", backwarded, end)):
+                phases[name].append(b - a)
         if rank == 0:
             tag = " (warm-up)" if step < args.warmup else ""
             print(f"step {step + 1}/{total_steps}{tag} | loss {value:.6f} (rank 0) | {seconds * 1000:.1f} ms",
                   flush=True)
 
-    cpu_per_step = (cpu_seconds() - cpu_at_timed_start) / args.steps
+    cpu_at_end = cpu_seconds()
+    user_per_step = (cpu_at_end[0] - cpu_at_timed_start[0]) / args.steps
+    system_per_step = (cpu_at_end[1] - cpu_at_timed_start[1]) / args.steps
     adam_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values()
                      for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     hwm_train = status_bytes("VmHWM") if hwm_reset else 0
     hwm = max(hwm_init, hwm_train)
-    fields = [hwm_init, hwm_train, hwm, adam_bytes, statistics.median(step_seconds), cpu_per_step]
+    fields = [hwm_init, hwm_train, hwm, adam_bytes, statistics.median(step_seconds), user_per_step,
+              system_per_step]
     per_rank = torch.zeros(world, len(fields), dtype=torch.float64)
     per_rank[rank] = torch.tensor(fields, dtype=torch.float64)
     dist.all_reduce(per_rank)
@@ -259,9 +270,13 @@ def main():
             "ranks": [{"rank": r, "vmhwm_init_bytes": per_rank[r, 0].item(),
                        "vmhwm_train_bytes": per_rank[r, 1].item(), "vmhwm_bytes": per_rank[r, 2].item(),
                        "adamw_state_bytes": per_rank[r, 3].item(), "median_step_s": per_rank[r, 4].item(),
-                       "cpu_s_per_step": per_rank[r, 5].item()}
+                       "cpu_user_s_per_step": per_rank[r, 5].item(),
+                       "cpu_system_s_per_step": per_rank[r, 6].item()}
                       for r in range(world)],
-            "cpu_s_per_step": per_rank[:, 5].sum().item(),
+            "cpu_user_s_per_step": per_rank[:, 5].sum().item(),
+            "cpu_system_s_per_step": per_rank[:, 6].sum().item(),
+            "cpu_s_per_step": per_rank[:, 5:7].sum().item(),
+            "phase_median_s": {k: statistics.median(v) for k, v in phases.items()},
             "ru_maxrss_bytes_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
         print(f"median step {med * 1000:.2f} ms, {result['tokens_per_s']:.0f} tokens/s, "

@@ -170,11 +170,12 @@ class MemoryWatchdog {
   std::thread thread_;
 };
 
-// CPU time (user + system) of every thread of this process, in seconds.
-double process_cpu_seconds() {
+// CPU time of every thread of this process, in seconds: {user, system}. System time is where
+// loopback TCP (Gloo) copies and page faults of freshly mapped memory show up.
+std::pair<double, double> process_cpu_seconds() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_utime.tv_sec + usage.ru_stime.tv_sec + 1e-6 * (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+  return {usage.ru_utime.tv_sec + 1e-6 * usage.ru_utime.tv_usec, usage.ru_stime.tv_sec + 1e-6 * usage.ru_stime.tv_usec};
 }
 
 // Restarts the kernel's resident-set high-water mark (VmHWM) at the current RSS; false where the
@@ -448,7 +449,9 @@ int run(int argc, char** argv) {
   std::vector<double> step_seconds, losses;
   fsdp::MemoryStats memory;
   int64_t alloc_live_rest = 0, alloc_peak = 0;
-  double cpu_at_timed_start = 0.0;
+  std::pair<double, double> cpu_at_timed_start{0.0, 0.0};
+  // Wall time of each phase of the timed steps (rank 0 reports them): where a step's time goes.
+  std::vector<double> zero_grad_s, forward_s, backward_s, optimizer_s;
   for (int step = 0; step < total_steps; ++step) {
     if (step == c.warmup) {
       cpu_at_timed_start = process_cpu_seconds();
@@ -463,20 +466,33 @@ int run(int argc, char** argv) {
     auto inputs = window.narrow(1, 0, c.context), targets = window.narrow(1, 1, c.context);
     const auto start = Clock::now();
     optimizer->zero_grad();
+    const auto zeroed = Clock::now();
     auto logits = model->forward(inputs);
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+    const auto forwarded = Clock::now();
     loss.backward();
+    const auto backwarded = Clock::now();
     optimizer->step();
     const double value = loss.item<double>();
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    const auto end = Clock::now();
+    auto secs = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+    const double seconds = secs(start, end);
     losses.push_back(value);
-    if (step >= c.warmup) step_seconds.push_back(seconds);
+    if (step >= c.warmup) {
+      step_seconds.push_back(seconds);
+      zero_grad_s.push_back(secs(start, zeroed));
+      forward_s.push_back(secs(zeroed, forwarded));
+      backward_s.push_back(secs(forwarded, backwarded));
+      optimizer_s.push_back(secs(backwarded, end));
+    }
     if (rank == 0)
       std::cout << "step " << step + 1 << "/" << total_steps << (step < c.warmup ? " (warm-up)" : "") << " | loss "
                 << std::fixed << std::setprecision(6) << value << " (rank 0) | " << std::setprecision(1)
                 << seconds * 1000 << " ms" << std::defaultfloat << "\n" << std::flush;
   }
-  const double cpu_per_step = (process_cpu_seconds() - cpu_at_timed_start) / c.steps;
+  const auto cpu_at_end = process_cpu_seconds();
+  const double user_per_step = (cpu_at_end.first - cpu_at_timed_start.first) / c.steps;
+  const double system_per_step = (cpu_at_end.second - cpu_at_timed_start.second) / c.steps;
   if (sharded) memory = sharded->memory_stats();
   if (counting) alloc_peak = counting->peak();
   const int64_t adam_bytes = optimizer_state_bytes(*optimizer);
@@ -485,12 +501,12 @@ int run(int argc, char** argv) {
 
   // Every rank's figures, and the loss averaged over ranks (each rank's loss is the mean over its
   // rows, and the rows are equal in number).
-  constexpr int kFields = 14;
+  constexpr int kFields = 15;
   auto per_rank = torch::zeros({world, kFields}, torch::kDouble);
   const double fields[kFields] = {double(hwm_init), double(hwm_reset ? hwm_train : 0), double(hwm), double(memory.param_peak_bytes),
                                   double(memory.grad_peak_bytes), double(memory.param_bytes), double(memory.grad_bytes),
                                   double(adam_bytes), double(piece_bytes), double(alloc_live_rest), double(alloc_peak),
-                                  double(batch_bytes), median(step_seconds), cpu_per_step};
+                                  double(batch_bytes), median(step_seconds), user_per_step, system_per_step};
   for (int k = 0; k < kFields; ++k) per_rank[rank][k] = fields[k];
   auto loss_sum = torch::tensor(losses, torch::kDouble);
   if (!local) {
@@ -520,13 +536,18 @@ int run(int argc, char** argv) {
     result["tokens_per_s"] = c.global_batch * double(c.context) / med;
     // CPU seconds per timed step, summed over ranks: the work a step costs, which other jobs on a
     // shared machine disturb much less than the wall time.
-    result["cpu_s_per_step"] = per_rank.select(1, kFields - 1).sum().item<double>();
+    result["cpu_user_s_per_step"] = per_rank.select(1, kFields - 2).sum().item<double>();
+    result["cpu_system_s_per_step"] = per_rank.select(1, kFields - 1).sum().item<double>();
+    result["cpu_s_per_step"] = result["cpu_user_s_per_step"].get<double>() + result["cpu_system_s_per_step"].get<double>();
+    result["phase_median_s"] = {{"zero_grad", median(zero_grad_s)}, {"forward", median(forward_s)},
+                                {"backward", median(backward_s)}, {"optimizer", median(optimizer_s)}};
     result["losses"] = std::vector<double>(loss_sum.data_ptr<double>(), loss_sum.data_ptr<double>() + loss_sum.numel());
     result["memory_cap_bytes"] = cap_bytes;
     const char* names[kFields] = {"vmhwm_init_bytes", "vmhwm_train_bytes", "vmhwm_bytes", "fsdp_param_peak_bytes",
                                   "fsdp_grad_peak_bytes", "fsdp_param_bytes", "fsdp_grad_bytes",
                                   "adamw_state_bytes", "optimizer_param_bytes", "alloc_live_at_rest_bytes",
-                                  "alloc_peak_bytes", "batch_bytes", "median_step_s", "cpu_s_per_step"};
+                                  "alloc_peak_bytes", "batch_bytes", "median_step_s", "cpu_user_s_per_step",
+                                  "cpu_system_s_per_step"};
     for (int r = 0; r < world; ++r) {
       json row{{"rank", r}};
       for (int k = 0; k < kFields; ++k) row[names[k]] = per_rank[r][k].item<double>();

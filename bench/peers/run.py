@@ -588,6 +588,22 @@ def report_peers(bench, groups):
         lines.append(table(["contender", "runs", "step ms", "tokens/s", "step time / DDP", "tokens/s / DDP",
                             "CPU s per step (all ranks)", "CPU / DDP", "peak RSS MiB", "peak RSS, steps only", "FSDP-managed peak MiB",
                             "loss vs local", "#wrong"], rows))
+        # Where the time goes: per-phase wall time (rank 0) and user / system CPU time (all ranks).
+        prow = []
+        for c in g["contenders"]:
+            runs = g["runs"][c["key"]]
+            if not runs:
+                continue
+            ph = {k: statistics.median(r["phase_median_s"][k] for r in runs)
+                  for k in ("zero_grad", "forward", "backward", "optimizer")}
+            prow.append([c["label"]] + [f"{ph[k] * 1000:.1f}" for k in ph] +
+                        [f"{median_of(runs, 'cpu_user_s_per_step'):.3f}",
+                         f"{median_of(runs, 'cpu_system_s_per_step'):.3f}"])
+        lines += ["", "Where the time goes (medians over the runs): wall time of each phase of a step on rank 0, "
+                  "and CPU time per step summed over ranks, user and system (system time is mostly loopback TCP "
+                  "copies of the collectives and page faults of newly mapped memory).", "",
+                  table(["contender", "zero_grad ms", "forward + loss ms", "backward ms", "optimizer step ms",
+                         "CPU user s", "CPU system s"], prow)]
         fails = {k: v for k, v in g["failures"].items() if v}
         if fails:
             lines += ["", "Failed runs: " + "; ".join(f"{k}: {len(v)}" for k, v in fails.items())]
