@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Installs everything libfsdp needs on a fresh Debian bookworm machine (run as root) and builds it.
-# Usage: scripts/setup.sh [build-dir]   (default: build)
+# Usage: scripts/setup.sh [--bench] [build-dir]   (default: build)
+#   --bench  also installs what the peer benchmark (bench/peers/run.py) needs beyond the build:
+#            python3-torch (PyTorch 1.13 for the DDP baseline, ~30 MB of packages) and gnuplot-nox
+#            (its plots). scripts/test.sh passes it so CI runs the benchmark's CI-sized variant.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+BENCH=0
+if [ "${1:-}" = "--bench" ]; then
+  BENCH=1
+  shift
+fi
 BUILD_DIR=${1:-build}
 PKGS=(
   cmake g++ make pkg-config
@@ -13,6 +21,9 @@ PKGS=(
   fortunes-min fortunes             # real English text for the example trainer
   iproute2 procps
 )
+if [ "$BENCH" = 1 ]; then
+  PKGS+=(python3-torch gnuplot-nox)
+fi
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

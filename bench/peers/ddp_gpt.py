@@ -1,0 +1,291 @@
+#!/usr/bin/python3
+"""PyTorch DDP contender of the peer benchmark: the example GPT (examples/gpt/model.cpp) in
+Python, trained with torch.nn.parallel.DistributedDataParallel over Gloo on the CPU.
+
+Runs with Debian's python3-torch (1.13). Launch one process per rank with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set (bench/peers/run.py uses build/tools/fsdp-run; torchrun is broken
+on Debian's Python 3.11). The initial weights and every step's global batch come from the file
+that `gpt_bench --write-inputs` writes, so this run starts from the same model and sees the same
+tokens as the LibTorch and libfsdp contenders; rank r trains on rows [r*B/W, (r+1)*B/W).
+
+The timed step matches gpt_bench's: zero_grad, forward, loss, backward (DDP all-reduces
+gradient buckets during it), AdamW step and reading the loss. DDP runs with its defaults.
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: the same modules, names, layer order and operations as examples/gpt/model.cpp.
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        assert width % heads == 0
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        batch, time_, width = x.shape
+        head_dim = width // self.heads
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+
+        def split_heads(t):
+            return t.view(batch, time_, self.heads, head_dim).transpose(1, 2)
+
+        q, k, v = split_heads(q), split_heads(k), split_heads(v)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(head_dim)
+        future = torch.ones(time_, time_, dtype=torch.bool).triu(diagonal=1)
+        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        mixed = torch.matmul(weights, v).transpose(1, 2).reshape(batch, time_, width)
+        return self.proj(mixed)
+
+
+class MLP(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln_mlp = nn.LayerNorm(width)
+        self.mlp = MLP(width)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class TiedLMHead(nn.Module):
+    """Logits from the token embedding's weight (weight tying), as TiedLMHeadImpl."""
+
+    def __init__(self, embedding_weight):
+        super().__init__()
+        self.weight = embedding_weight
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, context, width, layers, heads):
+        super().__init__()
+        self.context = context
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.position_embedding = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList([Block(width, heads) for _ in range(layers)])
+        self.ln_final = nn.LayerNorm(width)
+        self.lm_head = TiedLMHead(self.token_embedding.weight)
+
+    def forward(self, tokens):
+        time_ = tokens.shape[1]
+        assert time_ <= self.context
+        positions = torch.arange(time_, dtype=torch.long)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_final(x))
+
+
+# ---------------------------------------------------------------------------------------------
+
+def read_inputs(path):
+    """The file gpt_bench --write-inputs wrote: a JSON header line, then raw tensors."""
+    with open(path, "rb") as f:
+        header = json.loads(f.readline())
+        data = f.read()
+
+    def tensor(entry, dtype, itemsize):
+        count = math.prod(entry["shape"])
+        start = entry["offset"]
+        t = torch.frombuffer(bytearray(data[start:start + count * itemsize]), dtype=dtype)
+        return t.reshape(entry["shape"])
+
+    params = {p["name"]: tensor(p, torch.float32, 4) for p in header["parameters"]}
+    batches = tensor(header["batches"], torch.int64, 8)
+    return header["config"], params, batches
+
+
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--inputs", required=True, help="file written by gpt_bench --write-inputs")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: OMP_NUM_THREADS)")
+    ap.add_argument("--result", help="rank 0 writes the result as JSON here")
+    ap.add_argument("--label", default="pytorch-ddp")
+    args = ap.parse_args()
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    config, params, batches = read_inputs(args.inputs)
+    total_steps = args.warmup + args.steps
+    if batches.shape[0] < total_steps:
+        sys.exit(f"ddp_gpt: the inputs file has {batches.shape[0]} steps of batches, fewer than "
+                 f"--warmup + --steps = {total_steps}")
+    if config["global_batch"] % world:
+        sys.exit(f"ddp_gpt: global batch {config['global_batch']} is not divisible by the world size {world}")
+    rows = config["global_batch"] // world
+    context = config["context"]
+    batches = batches[:total_steps, rank * rows:(rank + 1) * rows].contiguous()
+
+    model = GPT(256, context, config["width"], config["layers"], config["heads"])
+    with torch.no_grad():
+        named = dict(model.named_parameters())  # the tied weight once, as token_embedding.weight
+        missing = set(named) - set(params)
+        if missing:
+            sys.exit(f"ddp_gpt: the inputs file lacks parameters {sorted(missing)}")
+        for name, p in named.items():
+            if tuple(p.shape) != tuple(params[name].shape):
+                sys.exit(f"ddp_gpt: parameter {name} has shape {tuple(params[name].shape)} in the inputs "
+                         f"file but {tuple(p.shape)} here")
+            p.copy_(params[name])
+    del params
+    parameter_count = sum(p.numel() for p in model.parameters())
+    dims = {name: p.dim() for name, p in model.named_parameters()}
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    decayed = [p for n, p in ddp.module.named_parameters() if dims[n] >= 2]
+    not_decayed = [p for n, p in ddp.module.named_parameters() if dims[n] < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": args.weight_decay}, {"params": not_decayed, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.99))
+
+    if rank == 0:
+        print(f"ddp_gpt {args.label}: PyTorch {torch.__version__} DDP over Gloo, world {world}, "
+              f"{torch.get_num_threads()} threads per process; model {config['layers']} layers, width "
+              f"{config['width']}, {config['heads']} heads, context {context}, {parameter_count} parameters; "
+              f"global batch {config['global_batch']} x {context} tokens; steps {args.warmup} warm-up + "
+              f"{args.steps} timed", flush=True)
+
+    # The initialization peak, then the high-water mark restarts so the steps' own peak is seen.
+    hwm_init = status_bytes("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        hwm_reset = True
+    except OSError:
+        hwm_reset = False
+    step_seconds, losses = [], []
+    def cpu_seconds():
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime, u.ru_stime
+
+    cpu_at_timed_start = (0.0, 0.0)
+    phases = {"zero_grad": [], "forward": [], "backward": [], "optimizer": []}
+    for step in range(total_steps):
+        if step == args.warmup:
+            cpu_at_timed_start = cpu_seconds()
+        window = batches[step]
+        inputs, targets = window[:, :context], window[:, 1:context + 1]
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        zeroed = time.perf_counter()
+        logits = ddp(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        forwarded = time.perf_counter()
+        loss.backward()
+        backwarded = time.perf_counter()
+        optimizer.step()
+        value = loss.item()
+        end = time.perf_counter()
+        seconds = end - start
+        losses.append(value)
+        if step >= args.warmup:
+            step_seconds.append(seconds)
+            for name, a, b in (("zero_grad", start, zeroed), ("forward", zeroed, forwarded),
+                               ("backward", forwarded, backwarded), ("optimizer", backwarded, end)):
+                phases[name].append(b - a)
+        if rank == 0:
+            tag = " (warm-up)" if step < args.warmup else ""
+            print(f"step {step + 1}/{total_steps}{tag} | loss {value:.6f} (rank 0) | {seconds * 1000:.1f} ms",
+                  flush=True)
+
+    cpu_at_end = cpu_seconds()
+    user_per_step = (cpu_at_end[0] - cpu_at_timed_start[0]) / args.steps
+    system_per_step = (cpu_at_end[1] - cpu_at_timed_start[1]) / args.steps
+    adam_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    hwm_train = status_bytes("VmHWM") if hwm_reset else 0
+    hwm = max(hwm_init, hwm_train)
+    fields = [hwm_init, hwm_train, hwm, adam_bytes, statistics.median(step_seconds), user_per_step,
+              system_per_step]
+    per_rank = torch.zeros(world, len(fields), dtype=torch.float64)
+    per_rank[rank] = torch.tensor(fields, dtype=torch.float64)
+    dist.all_reduce(per_rank)
+    loss_sum = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(loss_sum)
+    loss_sum /= world
+
+    if rank == 0:
+        med = statistics.median(step_seconds)
+        result = {
+            "label": args.label,
+            "implementation": "pytorch-ddp",
+            "mode": "ddp",
+            "strategy": "DDP",
+            "world": world,
+            "threads_per_process": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+            "config": dict(config, warmup=args.warmup, steps=args.steps, lr=args.lr),
+            "parameters": parameter_count,
+            "tokens_per_step": config["global_batch"] * context,
+            "step_seconds": step_seconds,
+            "median_step_s": med,
+            "tokens_per_s": config["global_batch"] * context / med,
+            "losses": loss_sum.tolist(),
+            "ranks": [{"rank": r, "vmhwm_init_bytes": per_rank[r, 0].item(),
+                       "vmhwm_train_bytes": per_rank[r, 1].item(), "vmhwm_bytes": per_rank[r, 2].item(),
+                       "adamw_state_bytes": per_rank[r, 3].item(), "median_step_s": per_rank[r, 4].item(),
+                       "cpu_user_s_per_step": per_rank[r, 5].item(),
+                       "cpu_system_s_per_step": per_rank[r, 6].item()}
+                      for r in range(world)],
+            "cpu_user_s_per_step": per_rank[:, 5].sum().item(),
+            "cpu_system_s_per_step": per_rank[:, 6].sum().item(),
+            "cpu_s_per_step": per_rank[:, 5:7].sum().item(),
+            "phase_median_s": {k: statistics.median(v) for k, v in phases.items()},
+            "ru_maxrss_bytes_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        print(f"median step {med * 1000:.2f} ms, {result['tokens_per_s']:.0f} tokens/s, "
+              f"peak RSS (rank 0) {hwm / 1048576:.1f} MiB", flush=True)
+        if args.result:
+            with open(args.result, "w") as f:
+                json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
