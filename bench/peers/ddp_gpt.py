@@ -200,15 +200,16 @@ def main():
     except OSError:
         hwm_reset = False
     step_seconds, losses = [], []
-    def cpu_seconds():
+    def resource_use():
+        """CPU seconds (user, system), minor page faults, voluntary and involuntary switches."""
         u = resource.getrusage(resource.RUSAGE_SELF)
-        return u.ru_utime, u.ru_stime
+        return [u.ru_utime, u.ru_stime, u.ru_minflt, u.ru_nvcsw, u.ru_nivcsw]
 
-    cpu_at_timed_start = (0.0, 0.0)
+    use_at_timed_start = resource_use()
     phases = {"zero_grad": [], "forward": [], "backward": [], "optimizer": []}
     for step in range(total_steps):
         if step == args.warmup:
-            cpu_at_timed_start = cpu_seconds()
+            use_at_timed_start = resource_use()
         window = batches[step]
         inputs, targets = window[:, :context], window[:, 1:context + 1]
         start = time.perf_counter()
@@ -234,15 +235,12 @@ def main():
             print(f"step {step + 1}/{total_steps}{tag} | loss {value:.6f} (rank 0) | {seconds * 1000:.1f} ms",
                   flush=True)
 
-    cpu_at_end = cpu_seconds()
-    user_per_step = (cpu_at_end[0] - cpu_at_timed_start[0]) / args.steps
-    system_per_step = (cpu_at_end[1] - cpu_at_timed_start[1]) / args.steps
+    use = [(b - a) / args.steps for a, b in zip(use_at_timed_start, resource_use())]
     adam_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values()
                      for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     hwm_train = status_bytes("VmHWM") if hwm_reset else 0
     hwm = max(hwm_init, hwm_train)
-    fields = [hwm_init, hwm_train, hwm, adam_bytes, statistics.median(step_seconds), user_per_step,
-              system_per_step]
+    fields = [hwm_init, hwm_train, hwm, adam_bytes, statistics.median(step_seconds)] + use
     per_rank = torch.zeros(world, len(fields), dtype=torch.float64)
     per_rank[rank] = torch.tensor(fields, dtype=torch.float64)
     dist.all_reduce(per_rank)
@@ -276,6 +274,9 @@ def main():
             "cpu_user_s_per_step": per_rank[:, 5].sum().item(),
             "cpu_system_s_per_step": per_rank[:, 6].sum().item(),
             "cpu_s_per_step": per_rank[:, 5:7].sum().item(),
+            "minor_faults_per_step": per_rank[:, 7].sum().item(),
+            "voluntary_switches_per_step": per_rank[:, 8].sum().item(),
+            "involuntary_switches_per_step": per_rank[:, 9].sum().item(),
             "phase_median_s": {k: statistics.median(v) for k, v in phases.items()},
             "ru_maxrss_bytes_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }

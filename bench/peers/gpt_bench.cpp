@@ -170,13 +170,19 @@ class MemoryWatchdog {
   std::thread thread_;
 };
 
-// CPU time of every thread of this process, in seconds: {user, system}. System time is where
-// loopback TCP (Gloo) copies and page faults of freshly mapped memory show up.
-std::pair<double, double> process_cpu_seconds() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return {usage.ru_utime.tv_sec + 1e-6 * usage.ru_utime.tv_usec, usage.ru_stime.tv_sec + 1e-6 * usage.ru_stime.tv_usec};
-}
+// Resource use of every thread of this process: CPU seconds (user, system), minor page faults
+// and context switches. System time is where loopback TCP (Gloo) copies and the page faults of
+// freshly mapped memory show up; voluntary context switches count the times a thread blocked.
+struct ResourceUse {
+  double user_s = 0, system_s = 0;
+  double minor_faults = 0, voluntary_switches = 0, involuntary_switches = 0;
+  static ResourceUse now() {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return {u.ru_utime.tv_sec + 1e-6 * u.ru_utime.tv_usec, u.ru_stime.tv_sec + 1e-6 * u.ru_stime.tv_usec,
+            double(u.ru_minflt), double(u.ru_nvcsw), double(u.ru_nivcsw)};
+  }
+};
 
 // Restarts the kernel's resident-set high-water mark (VmHWM) at the current RSS; false where the
 // kernel does not allow it.
@@ -449,12 +455,12 @@ int run(int argc, char** argv) {
   std::vector<double> step_seconds, losses;
   fsdp::MemoryStats memory;
   int64_t alloc_live_rest = 0, alloc_peak = 0;
-  std::pair<double, double> cpu_at_timed_start{0.0, 0.0};
+  ResourceUse use_at_timed_start;
   // Wall time of each phase of the timed steps (rank 0 reports them): where a step's time goes.
   std::vector<double> zero_grad_s, forward_s, backward_s, optimizer_s;
   for (int step = 0; step < total_steps; ++step) {
     if (step == c.warmup) {
-      cpu_at_timed_start = process_cpu_seconds();
+      use_at_timed_start = ResourceUse::now();
       // Peaks from here on cover the timed, steady-state steps (gradients and AdamW state exist).
       if (sharded) sharded->reset_peak_memory_stats();
       if (counting) {
@@ -490,9 +496,8 @@ int run(int argc, char** argv) {
                 << std::fixed << std::setprecision(6) << value << " (rank 0) | " << std::setprecision(1)
                 << seconds * 1000 << " ms" << std::defaultfloat << "\n" << std::flush;
   }
-  const auto cpu_at_end = process_cpu_seconds();
-  const double user_per_step = (cpu_at_end.first - cpu_at_timed_start.first) / c.steps;
-  const double system_per_step = (cpu_at_end.second - cpu_at_timed_start.second) / c.steps;
+  const ResourceUse use_at_end = ResourceUse::now();
+  auto per_step = [&](double ResourceUse::*field) { return (use_at_end.*field - use_at_timed_start.*field) / c.steps; };
   if (sharded) memory = sharded->memory_stats();
   if (counting) alloc_peak = counting->peak();
   const int64_t adam_bytes = optimizer_state_bytes(*optimizer);
@@ -501,12 +506,15 @@ int run(int argc, char** argv) {
 
   // Every rank's figures, and the loss averaged over ranks (each rank's loss is the mean over its
   // rows, and the rows are equal in number).
-  constexpr int kFields = 15;
+  constexpr int kFields = 18;
   auto per_rank = torch::zeros({world, kFields}, torch::kDouble);
   const double fields[kFields] = {double(hwm_init), double(hwm_reset ? hwm_train : 0), double(hwm), double(memory.param_peak_bytes),
                                   double(memory.grad_peak_bytes), double(memory.param_bytes), double(memory.grad_bytes),
                                   double(adam_bytes), double(piece_bytes), double(alloc_live_rest), double(alloc_peak),
-                                  double(batch_bytes), median(step_seconds), user_per_step, system_per_step};
+                                  double(batch_bytes), median(step_seconds), per_step(&ResourceUse::minor_faults),
+                                  per_step(&ResourceUse::voluntary_switches),
+                                  per_step(&ResourceUse::involuntary_switches), per_step(&ResourceUse::user_s),
+                                  per_step(&ResourceUse::system_s)};
   for (int k = 0; k < kFields; ++k) per_rank[rank][k] = fields[k];
   auto loss_sum = torch::tensor(losses, torch::kDouble);
   if (!local) {
@@ -539,6 +547,9 @@ int run(int argc, char** argv) {
     result["cpu_user_s_per_step"] = per_rank.select(1, kFields - 2).sum().item<double>();
     result["cpu_system_s_per_step"] = per_rank.select(1, kFields - 1).sum().item<double>();
     result["cpu_s_per_step"] = result["cpu_user_s_per_step"].get<double>() + result["cpu_system_s_per_step"].get<double>();
+    result["minor_faults_per_step"] = per_rank.select(1, kFields - 5).sum().item<double>();
+    result["voluntary_switches_per_step"] = per_rank.select(1, kFields - 4).sum().item<double>();
+    result["involuntary_switches_per_step"] = per_rank.select(1, kFields - 3).sum().item<double>();
     result["phase_median_s"] = {{"zero_grad", median(zero_grad_s)}, {"forward", median(forward_s)},
                                 {"backward", median(backward_s)}, {"optimizer", median(optimizer_s)}};
     result["losses"] = std::vector<double>(loss_sum.data_ptr<double>(), loss_sum.data_ptr<double>() + loss_sum.numel());
@@ -546,8 +557,9 @@ int run(int argc, char** argv) {
     const char* names[kFields] = {"vmhwm_init_bytes", "vmhwm_train_bytes", "vmhwm_bytes", "fsdp_param_peak_bytes",
                                   "fsdp_grad_peak_bytes", "fsdp_param_bytes", "fsdp_grad_bytes",
                                   "adamw_state_bytes", "optimizer_param_bytes", "alloc_live_at_rest_bytes",
-                                  "alloc_peak_bytes", "batch_bytes", "median_step_s", "cpu_user_s_per_step",
-                                  "cpu_system_s_per_step"};
+                                  "alloc_peak_bytes", "batch_bytes", "median_step_s", "minor_faults_per_step",
+                                  "voluntary_switches_per_step", "involuntary_switches_per_step",
+                                  "cpu_user_s_per_step", "cpu_system_s_per_step"};
     for (int r = 0; r < world; ++r) {
       json row{{"rank", r}};
       for (int k = 0; k < kFields; ++k) row[names[k]] = per_rank[r][k].item<double>();

@@ -51,7 +51,7 @@ PRESETS = {
             {"name": "comm-bound", "layers": 4, "width": 512, "heads": 8, "context": 32, "batch_per_rank": 1},
         ],
         "worlds": [2, 4],
-        "reps": 5,
+        "reps": 7,
         "warmup": 2,
         "steps": 6,
         "threads_per_rank": 1,
@@ -374,6 +374,7 @@ class Bench:
                 if cached and (cached[0] is not None or cached[4] >= watchdog):
                     res, rc, tail, wall, aborted_over = cached
                 else:
+                    cached = None
                     res, rc, tail, wall = self.probe(dict(size0, layers=layers), strategy, world, watchdog, malloc)
                     aborted_over = watchdog if res is None and "exceeds the cap" in tail else 0
                     if res is not None or aborted_over:
@@ -598,12 +599,16 @@ def report_peers(bench, groups):
                   for k in ("zero_grad", "forward", "backward", "optimizer")}
             prow.append([c["label"]] + [f"{ph[k] * 1000:.1f}" for k in ph] +
                         [f"{median_of(runs, 'cpu_user_s_per_step'):.3f}",
-                         f"{median_of(runs, 'cpu_system_s_per_step'):.3f}"])
-        lines += ["", "Where the time goes (medians over the runs): wall time of each phase of a step on rank 0, "
-                  "and CPU time per step summed over ranks, user and system (system time is mostly loopback TCP "
-                  "copies of the collectives and page faults of newly mapped memory).", "",
+                         f"{median_of(runs, 'cpu_system_s_per_step'):.3f}",
+                         f"{median_of(runs, 'minor_faults_per_step'):.0f}",
+                         f"{median_of(runs, 'voluntary_switches_per_step'):.0f}"])
+        lines += ["", "Where the time goes (medians over the runs): wall time of each phase of a step on rank 0; "
+                  "per step, summed over ranks: CPU time (user, system), minor page faults (each a freshly "
+                  "mapped 4 KiB page the kernel zeroes) and voluntary context switches (a thread blocked, "
+                  "e.g. waiting for a peer). System time is mostly loopback TCP copies of the collectives "
+                  "and those page faults.", "",
                   table(["contender", "zero_grad ms", "forward + loss ms", "backward ms", "optimizer step ms",
-                         "CPU user s", "CPU system s"], prow)]
+                         "CPU user s", "CPU system s", "page faults", "voluntary switches"], prow)]
         fails = {k: v for k, v in g["failures"].items() if v}
         if fails:
             lines += ["", "Failed runs: " + "; ".join(f"{k}: {len(v)}" for k, v in fails.items())]
@@ -649,77 +654,81 @@ def report_memory(bench, mem):
              f"context {size['context']}, {size['batch_per_rank']} sequences per rank), AdamW. Measured per rank "
              "during the timed steps (peaks reset after the warm-up steps, so gradients and AdamW state exist): "
              "`memory_stats()` parameter and gradient peaks, and the bytes of the optimizer's exp_avg and "
-             "exp_avg_sq tensors. Formula: from `units()` (padded and shard bytes of each unit) as in "
-             "`memory_formula()` of bench/peers/run.py:", "",
+             "exp_avg_sq tensors. Formula, from `units()` (padded and shard bytes of each unit; "
+             "`memory_formula()` in bench/peers/run.py), per rank:", "",
              "- parameters: sum of the shards + the root unit (unsharded from forward until the end of "
-             "backward, paper 3.3.1) + the largest other unit (units are gathered one at a time);",
-             "- gradients: this rank's shard-piece gradients + the root's unsharded gradient buffer (its "
-             "ln_final gradient arrives first in backward, its tied-embedding gradient last) + the unit whose "
-             "reduction is being issued (unsharded gradient + reduce-scatter output) + up to k earlier units "
-             "still being reduced; the runtime bounds k at 2 (`finish_reductions(2)`), so the formula uses k = 2;",
+             "backward, paper 3.3.1) + the largest other unit (units are gathered one at a time): the paper's "
+             "sum of psi_i / F + max psi_i, with the root held as well;",
+             "- gradients: this rank's shard-piece gradients (kept between steps: LibTorch 1.13's `zero_grad()` "
+             "zeroes them in place) + the root's unsharded gradient buffer (its ln_final gradient arrives first in "
+             "backward, its tied-embedding gradient last) + the unit whose reduction is being issued (unsharded "
+             "gradient + reduce-scatter output) + k = 1 earlier unit's pair. Why exactly one: the runtime lets up "
+             "to 2 reductions stay in flight (`finish_reductions(2)`), but under FULL_SHARD each unit's backward "
+             "first all-gathers its parameters on the same first-in-first-out communicator that runs the previous "
+             "unit's reduce-scatter, and waits for it, so that reduce-scatter has completed; the runtime releases "
+             "its buffers only after issuing the next reduction. The table also shows the runtime's bound (k = 2) "
+             "and which k each measured peak corresponds to;",
              "- AdamW: 2 x this rank's shard-piece bytes (padding excluded).", "",
-             "Rank 0's figures; the ratio column is the worst over all ranks. 'At rest' compares the live "
-             "tensor bytes after the warm-up steps, counted by a wrapping CPU allocator (`--count-allocations`), "
-             "with shards + piece gradients + AdamW + the rank's batches: an independent check of the "
-             "library's accounting. 'All tensors at peak' is that allocator's peak (activations, "
+             "Rank 0's figures; the ratio columns are the worst over all ranks and runs. 'At rest' compares the "
+             "live tensor bytes after the warm-up steps, counted by a wrapping CPU allocator "
+             "(`--count-allocations`), with shards + piece gradients + AdamW + the rank's batches: an independent "
+             "check of the library's accounting. 'All tensors at peak' is that allocator's peak (activations, "
              "communication scratch and the model state together).", ""]
     rows, plot = [], []
     block_time = median_of(mem["runs"].get("block", []))
     for wrap, runs in mem["runs"].items():
         r0 = runs[0]
         units = r0["units"]
-        # Worst deviation over every run and rank, against the bound (k = 2) and against the
-        # formula with the in-flight count k that reproduces the measured gradient peak.
-        worst_bound, worst_matched, worst_rest = 0.0, 0.0, 0.0
-        ks, unexplained = [], 0
+        worst = {"formula": 0.0, "bound": 0.0, "rest": 0.0}
+        implied = set()
         for run in runs:
             for st in run["ranks"]:
                 rank = int(st["rank"])
                 measured = st["fsdp_param_peak_bytes"] + st["fsdp_grad_peak_bytes"] + st["adamw_state_bytes"]
                 by_k = {k: memory_formula(units, world, rank, k) for k in (0, 1, 2)}
-                matching = [k for k in (0, 1, 2) if by_k[k]["grads_peak"] == st["fsdp_grad_peak_bytes"]]
-                k = max(matching) if matching else 2
-                if matching:
-                    ks.append(k)
-                else:
-                    unexplained += 1
-                for f, which in ((by_k[2], "bound"), (by_k[k], "matched")):
-                    dev = measured / (f["params_peak"] + f["grads_peak"] + f["adamw"]) - 1
-                    if which == "bound" and abs(dev) > abs(worst_bound):
-                        worst_bound = dev
-                    if which == "matched" and abs(dev) > abs(worst_matched):
-                        worst_matched = dev
-                f = by_k[2]
+                implied.update(k for k in (0, 1, 2) if by_k[k]["grads_peak"] == st["fsdp_grad_peak_bytes"])
+                if not any(by_k[k]["grads_peak"] == st["fsdp_grad_peak_bytes"] for k in (0, 1, 2)):
+                    implied.add("none")
+                f = by_k[1]
                 rest = f["params_rest"] + f["grads_rest"] + f["adamw"] + st["batch_bytes"]
-                dev = st["alloc_live_at_rest_bytes"] / rest - 1
-                if abs(dev) > abs(worst_rest):
-                    worst_rest = dev
+                for key, value in (("formula", measured / (f["params_peak"] + f["grads_peak"] + f["adamw"])),
+                                   ("bound", measured / (by_k[2]["params_peak"] + by_k[2]["grads_peak"] +
+                                                         by_k[2]["adamw"])),
+                                   ("rest", st["alloc_live_at_rest_bytes"] / rest)):
+                    if abs(value - 1) > abs(worst[key] - 1) or worst[key] == 0.0:
+                        worst[key] = value
         s0 = r0["ranks"][0]
-        f0 = memory_formula(units, world, 0, 2)
+        f0 = memory_formula(units, world, 0, 1)
         med = median_of(runs)
         n = len(units)
         meas_total = s0["fsdp_param_peak_bytes"] + s0["fsdp_grad_peak_bytes"] + s0["adamw_state_bytes"]
         form_total = f0["params_peak"] + f0["grads_peak"] + f0["adamw"]
-        k_col = (f"{min(ks)}-{max(ks)}" if ks and min(ks) != max(ks) else (str(ks[0]) if ks else "-")) + \
-            (f" ({unexplained} rank-runs match no k)" if unexplained else "")
+        k_col = ", ".join(str(k) for k in sorted(implied, key=str))
+        if n == 1:
+            k_col += " (one unit: k plays no part)"
         rows.append([wrap, n, mib(f0["largest_unit_bytes"], 2),
                      f"{mib(s0['fsdp_param_peak_bytes'], 2)} / {mib(f0['params_peak'], 2)}",
                      f"{mib(s0['fsdp_grad_peak_bytes'], 2)} / {mib(f0['grads_peak'], 2)}",
                      f"{mib(s0['adamw_state_bytes'], 2)} / {mib(f0['adamw'], 2)}",
                      f"{mib(meas_total, 2)} / {mib(form_total, 2)}",
-                     f"{1 + worst_bound:.4f}", k_col, f"{1 + worst_matched:.4f}",
-                     f"{1 + worst_rest:.4f}", mib(s0["alloc_peak_bytes"], 1),
+                     f"{worst['formula']:.4f}", k_col, f"{worst['bound']:.4f}",
+                     f"{worst['rest']:.4f}", mib(s0["alloc_peak_bytes"], 1),
                      f"{2 * n - 1} + {n}", f"{med * 1000:.1f}",
                      fmt(med / block_time) if block_time else "n/a"])
         plot.append((wrap, n, f0["params_peak"], f0["grads_peak"], f0["adamw"], meas_total, form_total, med))
     lines.append(table(["wrap", "units", "largest unit MiB", "params peak MiB (meas. / formula)",
-                        "grads peak MiB (meas. / formula, k = 2)", "AdamW MiB (meas. / formula)",
-                        "model state MiB (meas. / formula, k = 2)", "measured / formula, k = 2 (worst rank)",
-                        "in-flight k that reproduces the grads peak", "measured / formula at that k (worst rank)",
+                        "grads peak MiB (meas. / formula)", "AdamW MiB (meas. / formula)",
+                        "model state MiB (meas. / formula)", "measured / formula (worst rank)",
+                        "k the measured grads peak corresponds to", "measured / runtime bound k = 2",
                         "at rest: allocator / formula", "all tensors at peak MiB",
                         "collectives per step (all-gather + reduce-scatter)", "step ms (median)",
                         "step time / block"], rows))
-    lines += ["", "![memory and step time per wrap granularity](memory_wrap.png)", ""]
+    lines += ["", "Model state is the sum of the three peaks (parameters, gradients, AdamW), which do not all "
+              "occur at the same instant; each is compared with its own formula. Collectives per step: every "
+              "unit is all-gathered in forward and, except the root (kept unsharded until backward ends), "
+              "again in backward: 2N - 1 all-gathers and N reduce-scatters for N units (the counts "
+              "`FSDP_DEBUG_COMM=1` prints).", "",
+              "![memory and step time per wrap granularity](memory_wrap.png)", ""]
     return lines, plot
 
 
@@ -952,7 +961,7 @@ def check_outputs(bench, groups, sections):
         if t is None:
             problems.append("memory.md has no wrap table")
         else:
-            col = t[0].index("measured / formula at that k (worst rank)")
+            col = t[0].index("measured / formula (worst rank)")
             rest = t[0].index("at rest: allocator / formula")
             for row in t[1:]:
                 float(row[col])
