@@ -72,7 +72,7 @@ PRESETS = {
         "steps": 2,
         "threads_per_rank": 1,
         "memory": {"world": 2, "size": "tiny", "wraps": ["none", "block"], "reps": 1},
-        "malloc_diagnosis": {"world": 2, "size": "tiny", "contenders": ["ddp", "FULL_SHARD"], "reps": 1},
+        "malloc_diagnosis": {"world": 2, "size": "tiny", "contenders": ["FULL_SHARD"], "reps": 1},
         "largest": {"world": 2, "cap_mib": 0, "cap_over_baseline_mib": 16, "width": 256, "heads": 4, "context": 16,
                     "batch_per_rank": 1, "max_layers": 2, "criteria": ["whole"], "malloc": ["default"]},
     },
@@ -152,7 +152,9 @@ def machine_description(python):
     except OSError:
         pass
     commit = command_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"])
-    dirty = command_output(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])
+    # Earlier results in bench/results do not change what runs.
+    dirty = command_output(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)bench/results"])
     return {
         "cpu": lines,
         "usable_cpus": usable_cpus(),
@@ -885,7 +887,7 @@ set title 'Step time / PyTorch DDP (median of interleaved runs; lower is faster)
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.8 border -1
-set key outside right top
+set key below
 set ylabel 'step time / DDP'
 set yrange [0:*]
 set grid ytics
@@ -916,7 +918,7 @@ set title 'Peak resident memory per rank (VmHWM, largest over ranks, MiB)'
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.8 border -1
-set key outside right top
+set key below
 set ylabel 'MiB'
 set yrange [0:*]
 set grid ytics
@@ -953,24 +955,35 @@ plot 'memory_wrap.dat' using 2:xtic(1) title 'parameters peak', '' using 3 title
 
 
 def plot_largest(bench, lg):
-    data = ""
-    for i, s in enumerate(lg["searches"]):
-        data += f"# {s['strategy']} {s['criterion']} {s['malloc']}\n"
-        for p in sorted(s["probes"], key=lambda p: p["layers"]):
-            if p["parameters"] is not None and p["peak_bytes"] is not None:
-                data += f"{p['parameters'] / 1e6:.3f} {p['peak_bytes'] / MiB:.1f} {1 if p['ok'] else 0}\n"
+    """Every completed probe (from any search) of each strategy and malloc mode: the whole
+    process's peak (solid) and the steps' own peak (dashed) per rank, largest over ranks."""
+    series = {}
+    for r in bench.raw:
+        if r.get("section") != "largest" or not r.get("malloc"):
+            continue
+        key = (r["label"].split()[0], r["malloc"])
+        series.setdefault(key, {})[r["parameters"]] = (max(x["vmhwm_bytes"] for x in r["ranks"]),
+                                                       max(x["vmhwm_train_bytes"] for x in r["ranks"]))
+    data, plots, colors = "", [], ["'#1f77b4'", "'#d62728'", "'#2ca02c'", "'#ff7f0e'"]
+    for i, (key, points) in enumerate(sorted(series.items())):
+        data += f"# {key[0]} malloc {key[1]}: parameters (M), whole-process peak MiB, steps peak MiB\n"
+        for n in sorted(points):
+            data += f"{n / 1e6:.3f} {points[n][0] / MiB:.1f} {points[n][1] / MiB:.1f}\n"
         data += "\n\n"
-    titles = [f"{s['strategy']} ({s['criterion']}, malloc {s['malloc']})" for s in lg["searches"]]
-    plots = ", ".join(f"'largest.dat' index {i} using 1:2 with linespoints pt 7 title '{t}'"
-                      for i, t in enumerate(titles))
+        color = colors[i % len(colors)]
+        plots.append(f"'largest.dat' index {i} using 1:2 with linespoints pt 7 lc rgb {color} "
+                     f"title '{key[0]}, malloc {key[1]}: whole process'")
+        plots.append(f"'largest.dat' index {i} using 1:3 with linespoints pt 6 dt 2 lc rgb {color} "
+                     f"title '{key[0]}, malloc {key[1]}: steps only'")
     script = PNG + f"""set output '../largest.png'
-set title 'Largest-model search, world {lg["world"]}: peak resident memory per rank (max over ranks) per probe'
+set title 'Largest-model search, world {lg["world"]}: peak resident memory per rank (largest over ranks) of every probe'
 set xlabel 'parameters (millions)'
 set ylabel 'peak RSS per rank (MiB)'
 set logscale x
 set grid
 set key left top
-plot {plots}, {lg['cap_mib']} with lines lw 2 lc 'black' dt 2 title 'cap ({lg['cap_mib']} MiB)'
+set yrange [0:{2 * lg['cap_mib']}]
+plot {", ".join(plots)}, {lg['cap_mib']} with lines lw 2 lc 'black' dt 3 title 'cap ({lg['cap_mib']} MiB)'
 """
     return gnuplot(bench, "largest", script, data)
 
@@ -1112,10 +1125,14 @@ def main():
         with open(os.path.join(bench.out, "largest.md"), "w") as f:
             f.write("\n".join(header_block(bench, "Largest trainable model under a per-rank memory cap",
                                            started, datetime.datetime.utcnow()) + lines) + "\n")
-    with open(os.path.join(bench.out, "raw.jsonl"), "w") as f:
-        for r in bench.raw:
-            f.write(json.dumps(r) + "\n")
-    log(f"wrote {', '.join(s + '.md' for s in sections)} and raw.jsonl to {bench.out}")
+    # Every run's full result, one file per section, so that running one section again leaves the
+    # others' raw data alone.
+    for section in sections:
+        with open(os.path.join(bench.out, f"raw-{section}.jsonl"), "w") as f:
+            for r in bench.raw:
+                if r.get("section") == section:
+                    f.write(json.dumps(r) + "\n")
+    log(f"wrote {', '.join(s + '.md' for s in sections)} and raw-*.jsonl to {bench.out}")
 
     if args.check:
         problems = check_outputs(bench, groups, sections)
