@@ -148,6 +148,12 @@ def main():
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        sys.exit(f"ddp_gpt: {', '.join(missing)} not set; launch one process per rank, e.g. "
+                 "build/tools/fsdp-run --nproc-per-node 2 /usr/bin/python3 bench/peers/ddp_gpt.py --inputs FILE")
+    if not os.path.isfile(args.inputs):
+        sys.exit(f"ddp_gpt: --inputs {args.inputs} does not exist; write it with gpt_bench --write-inputs")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
 

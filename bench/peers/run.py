@@ -17,6 +17,9 @@ Sections (--sections, default all):
   memory   FULL_SHARD at one world size for several wrap granularities: measured peak
            parameter, gradient and AdamW-state bytes per rank against the formula computed from
            the units (FullyShardedModule::units()), and the step time of each granularity.
+  malloc   Diagnosis of the step-time gap: the compute-bound model at world 4, DDP, NO_SHARD and
+           FULL_SHARD, each with glibc's default malloc and with one that keeps freed memory
+           resident (no page faults when a freed buffer is allocated again).
   largest  With a fixed per-rank memory cap, the deepest GPT (fixed width) that trains under
            NO_SHARD and under FULL_SHARD, found by doubling then bisection, one short run per probe.
 
@@ -56,6 +59,8 @@ PRESETS = {
         "steps": 6,
         "threads_per_rank": 1,
         "memory": {"world": 4, "size": "comm-bound", "wraps": ["none", "block", "sublayer", "linear"], "reps": 3},
+        "malloc_diagnosis": {"world": 4, "size": "compute-bound", "contenders": ["ddp", "NO_SHARD", "FULL_SHARD"],
+                             "reps": 5},
         "largest": {"world": 4, "cap_mib": 1024, "width": 512, "heads": 8, "context": 32, "batch_per_rank": 1,
                     "max_layers": 256, "criteria": ["whole", "steps"], "malloc": ["default", "mmap"]},
     },
@@ -67,6 +72,7 @@ PRESETS = {
         "steps": 2,
         "threads_per_rank": 1,
         "memory": {"world": 2, "size": "tiny", "wraps": ["none", "block"], "reps": 1},
+        "malloc_diagnosis": {"world": 2, "size": "tiny", "contenders": ["FULL_SHARD"], "reps": 1},
         "largest": {"world": 2, "cap_mib": 0, "cap_over_baseline_mib": 16, "width": 256, "heads": 4, "context": 16,
                     "batch_per_rank": 1, "max_layers": 2, "criteria": ["whole"], "malloc": ["default"]},
     },
@@ -82,6 +88,10 @@ FSDP_STRATEGIES = ["NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
 MALLOC_MODES = {
     "default": {},
     "mmap": {"MALLOC_MMAP_THRESHOLD_": "1048576"},
+    # Diagnosis only (section "malloc"): large blocks come from the heap and freed memory is never
+    # returned to the kernel, so a buffer freed and allocated again reuses resident pages instead
+    # of faulting in freshly zeroed ones.
+    "keep": {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"},
 }
 
 
@@ -142,7 +152,9 @@ def machine_description(python):
     except OSError:
         pass
     commit = command_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"])
-    dirty = command_output(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"])
+    # Earlier results in bench/results do not change what runs.
+    dirty = command_output(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)bench/results"])
     return {
         "cpu": lines,
         "usable_cpus": usable_cpus(),
@@ -259,18 +271,18 @@ class Bench:
             c["threads"] = usable_cpus() if c["kind"] == "local" else threads
         return cs
 
-    def run_contender(self, c, size, world, inputs, warmup, steps, timeout=900, wrap="block"):
+    def run_contender(self, c, size, world, inputs, warmup, steps, timeout=900, wrap="block", env=None):
         margs = self.model_args(size, world, warmup, steps)
         if c["kind"] == "local":
             argv = [self.gpt_bench, "--mode", "local", "--threads", str(c["threads"]), "--inputs", inputs] + margs
-            return self.launch(argv, None, None, c["label"], timeout)
+            return self.launch(argv, None, None, c["label"], timeout, env=env)
         if c["kind"] == "ddp":
             argv = [self.python, os.path.join(ROOT, "bench", "peers", "ddp_gpt.py"), "--inputs", inputs,
                     "--warmup", str(warmup), "--steps", str(steps), "--threads", str(c["threads"])]
-            return self.launch(argv, world, c["threads"], c["label"], timeout)
+            return self.launch(argv, world, c["threads"], c["label"], timeout, env=env)
         argv = [self.gpt_bench, "--mode", "fsdp", "--strategy", c["strategy"], "--sharding-factor",
                 str(c["factor"]), "--wrap", wrap, "--threads", str(c["threads"]), "--inputs", inputs] + margs
-        return self.launch(argv, world, c["threads"], c["label"], timeout)
+        return self.launch(argv, world, c["threads"], c["label"], timeout, env=env)
 
     # -----------------------------------------------------------------------------------------
     def section_peers(self):
@@ -297,6 +309,30 @@ class Bench:
                             f"{wall:.0f} s)")
                 groups.append({"size": size, "world": world, "contenders": cs, "runs": runs, "failures": failures})
         return groups
+
+    def section_malloc(self):
+        """Diagnosis of the step-time gap on the compute-bound model: every contender with glibc's
+        default malloc and with one that keeps freed memory resident ("keep"), interleaved."""
+        m = self.preset["malloc_diagnosis"]
+        size = next(s for s in self.preset["sizes"] if s["name"] == m["size"])
+        world, warmup, steps = m["world"], self.preset["warmup"], self.preset["steps"]
+        inputs = self.write_inputs(size, world, warmup, steps)
+        cs = [c for c in self.contenders(world) if c["key"] in m["contenders"]]
+        variants = [(c, mode) for mode in ("default", "keep") for c in cs]
+        runs = {(c["key"], mode): [] for c, mode in variants}
+        for rep in range(m["reps"]):
+            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+            for c, mode in order:
+                res, rc, tail, wall = self.run_contender(c, size, world, inputs, warmup, steps,
+                                                         env=MALLOC_MODES[mode])
+                if res is None:
+                    log(f"malloc w{world}: {c['label']} ({mode}) FAILED (exit {rc})")
+                    continue
+                res.update({"section": "malloc", "size": size["name"], "rep": rep, "key": c["key"], "malloc": mode})
+                runs[(c["key"], mode)].append(res)
+                log(f"malloc w{world} rep {rep + 1}/{m['reps']}: {c['label']:<24} {mode:<8} "
+                    f"{res['median_step_s'] * 1000:8.1f} ms/step  (load {res['load_before'][0]:.1f})")
+        return {"size": size, "world": world, "contenders": cs, "runs": runs}
 
     def section_memory(self):
         m = self.preset["memory"]
@@ -732,6 +768,39 @@ def report_memory(bench, mem):
     return lines, plot
 
 
+def report_malloc(bench, md):
+    size, world = md["size"], md["world"]
+    ddp = median_of(md["runs"].get(("ddp", "default"), []))
+    lines = [f"Model {size['name']} ({size['layers']} layers, width {size['width']}, context {size['context']}, "
+             f"{size['batch_per_rank']} sequences per rank), world {world}, the same runs as in peers.md otherwise. "
+             "Each contender runs with glibc's default malloc and with `MALLOC_MMAP_THRESHOLD_=1073741824 "
+             "MALLOC_TRIM_THRESHOLD_=4294967296` ('keep': large blocks come from the heap and freed memory stays "
+             "resident, so a buffer freed and allocated again does not fault in fresh zeroed pages). The "
+             "libfsdp runtime frees every unsharded parameter buffer when it reshards a unit and every unsharded "
+             "gradient buffer after its reduction, and allocates them again at the next use; PyTorch DDP keeps "
+             "its gradient buckets. This is a diagnosis of where libfsdp's extra system time comes from, not a "
+             f"setting the other tables use. Medians over {bench.preset['malloc_diagnosis']['reps']} interleaved "
+             "runs; ratios to DDP with the default malloc.", ""]
+    rows = []
+    for c in md["contenders"]:
+        for mode in ("default", "keep"):
+            runs = md["runs"].get((c["key"], mode), [])
+            med = median_of(runs)
+            if med is None:
+                rows.append([c["label"], mode, 0] + ["failed"] * 6)
+                continue
+            rows.append([c["label"], mode, len(runs), f"{med * 1000:.1f}", fmt(med / ddp) if ddp else "n/a",
+                         f"{median_of(runs, 'cpu_user_s_per_step'):.3f}",
+                         f"{median_of(runs, 'cpu_system_s_per_step'):.3f}",
+                         f"{median_of(runs, 'minor_faults_per_step'):.0f}",
+                         f"{statistics.median(max(x['vmhwm_bytes'] for x in r['ranks']) for r in runs) / MiB:.1f}"])
+    lines.append(table(["contender", "malloc", "runs", "step ms", "step time / DDP (default malloc)",
+                        "CPU user s per step", "CPU system s per step", "page faults per step",
+                        "peak RSS MiB"], rows))
+    lines.append("")
+    return lines
+
+
 def report_largest(bench, lg):
     cap = lg["cap_mib"]
     size = lg["size"]
@@ -818,7 +887,7 @@ set title 'Step time / PyTorch DDP (median of interleaved runs; lower is faster)
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.8 border -1
-set key outside right top
+set key below
 set ylabel 'step time / DDP'
 set yrange [0:*]
 set grid ytics
@@ -849,7 +918,7 @@ set title 'Peak resident memory per rank (VmHWM, largest over ranks, MiB)'
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.8 border -1
-set key outside right top
+set key below
 set ylabel 'MiB'
 set yrange [0:*]
 set grid ytics
@@ -886,24 +955,35 @@ plot 'memory_wrap.dat' using 2:xtic(1) title 'parameters peak', '' using 3 title
 
 
 def plot_largest(bench, lg):
-    data = ""
-    for i, s in enumerate(lg["searches"]):
-        data += f"# {s['strategy']} {s['criterion']} {s['malloc']}\n"
-        for p in sorted(s["probes"], key=lambda p: p["layers"]):
-            if p["parameters"] is not None and p["peak_bytes"] is not None:
-                data += f"{p['parameters'] / 1e6:.3f} {p['peak_bytes'] / MiB:.1f} {1 if p['ok'] else 0}\n"
+    """Every completed probe (from any search) of each strategy and malloc mode: the whole
+    process's peak (solid) and the steps' own peak (dashed) per rank, largest over ranks."""
+    series = {}
+    for r in bench.raw:
+        if r.get("section") != "largest" or not r.get("malloc"):
+            continue
+        key = (r["label"].split()[0], r["malloc"])
+        series.setdefault(key, {})[r["parameters"]] = (max(x["vmhwm_bytes"] for x in r["ranks"]),
+                                                       max(x["vmhwm_train_bytes"] for x in r["ranks"]))
+    data, plots, colors = "", [], ["'#1f77b4'", "'#d62728'", "'#2ca02c'", "'#ff7f0e'"]
+    for i, (key, points) in enumerate(sorted(series.items())):
+        data += f"# {key[0]} malloc {key[1]}: parameters (M), whole-process peak MiB, steps peak MiB\n"
+        for n in sorted(points):
+            data += f"{n / 1e6:.3f} {points[n][0] / MiB:.1f} {points[n][1] / MiB:.1f}\n"
         data += "\n\n"
-    titles = [f"{s['strategy']} ({s['criterion']}, malloc {s['malloc']})" for s in lg["searches"]]
-    plots = ", ".join(f"'largest.dat' index {i} using 1:2 with linespoints pt 7 title '{t}'"
-                      for i, t in enumerate(titles))
+        color = colors[i % len(colors)]
+        plots.append(f"'largest.dat' index {i} using 1:2 with linespoints pt 7 lc rgb {color} "
+                     f"title '{key[0]}, malloc {key[1]}: whole process'")
+        plots.append(f"'largest.dat' index {i} using 1:3 with linespoints pt 6 dt 2 lc rgb {color} "
+                     f"title '{key[0]}, malloc {key[1]}: steps only'")
     script = PNG + f"""set output '../largest.png'
-set title 'Largest-model search, world {lg["world"]}: peak resident memory per rank (max over ranks) per probe'
+set title 'Largest-model search, world {lg["world"]}: peak resident memory per rank (largest over ranks) of every probe'
 set xlabel 'parameters (millions)'
 set ylabel 'peak RSS per rank (MiB)'
 set logscale x
 set grid
 set key left top
-plot {plots}, {lg['cap_mib']} with lines lw 2 lc 'black' dt 2 title 'cap ({lg['cap_mib']} MiB)'
+set yrange [0:{2 * lg['cap_mib']}]
+plot {", ".join(plots)}, {lg['cap_mib']} with lines lw 2 lc 'black' dt 3 title 'cap ({lg['cap_mib']} MiB)'
 """
     return gnuplot(bench, "largest", script, data)
 
@@ -955,6 +1035,11 @@ def check_outputs(bench, groups, sections):
                     float(row[2].split()[0])  # the step time parses
         if not bench.ddp_available:
             problems.append("skip: " + bench.ddp_reason)
+    if "malloc" in sections:
+        tables = parse_markdown_tables(os.path.join(bench.out, "malloc.md"))
+        t = next((t for t in tables if t[0][0] == "contender"), None)
+        if t is None or any(row[2] == "0" for row in t[1:]) or len(t) < 3:
+            problems.append("malloc.md: missing or failed rows")
     if "memory" in sections:
         tables = parse_markdown_tables(os.path.join(bench.out, "memory.md"))
         t = next((t for t in tables if t[0][0] == "wrap"), None)
@@ -984,7 +1069,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    ap.add_argument("--sections", default="peers,memory,largest", help="comma-separated: peers,memory,largest")
+    ap.add_argument("--sections", default="peers,malloc,memory,largest",
+                    help="comma-separated: peers,malloc,memory,largest")
     ap.add_argument("--reps", type=int, help="override the preset's repetitions (peers section)")
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -997,8 +1083,8 @@ def main():
         preset["reps"] = args.reps
     sections = [s for s in args.sections.split(",") if s]
     for s in sections:
-        if s not in ("peers", "memory", "largest"):
-            sys.exit(f"run.py: unknown section {s!r}; choose from peers, memory, largest")
+        if s not in ("peers", "malloc", "memory", "largest"):
+            sys.exit(f"run.py: unknown section {s!r}; choose from peers, malloc, memory, largest")
 
     bench = Bench(args, preset)
     argv = sys.argv[1:]
@@ -1020,6 +1106,11 @@ def main():
         with open(os.path.join(bench.out, "peers.md"), "w") as f:
             f.write("\n".join(header_block(bench, "libfsdp against PyTorch DDP and local training", started,
                                            datetime.datetime.utcnow()) + lines) + "\n")
+    if "malloc" in sections:
+        md = bench.section_malloc()
+        with open(os.path.join(bench.out, "malloc.md"), "w") as f:
+            f.write("\n".join(header_block(bench, "Diagnosis: libfsdp's step-time gap and glibc malloc", started,
+                                           datetime.datetime.utcnow()) + report_malloc(bench, md)) + "\n")
     if "memory" in sections:
         mem = bench.section_memory()
         lines, plot = report_memory(bench, mem)
@@ -1034,10 +1125,14 @@ def main():
         with open(os.path.join(bench.out, "largest.md"), "w") as f:
             f.write("\n".join(header_block(bench, "Largest trainable model under a per-rank memory cap",
                                            started, datetime.datetime.utcnow()) + lines) + "\n")
-    with open(os.path.join(bench.out, "raw.jsonl"), "w") as f:
-        for r in bench.raw:
-            f.write(json.dumps(r) + "\n")
-    log(f"wrote {', '.join(s + '.md' for s in sections)} and raw.jsonl to {bench.out}")
+    # Every run's full result, one file per section, so that running one section again leaves the
+    # others' raw data alone.
+    for section in sections:
+        with open(os.path.join(bench.out, f"raw-{section}.jsonl"), "w") as f:
+            for r in bench.raw:
+                if r.get("section") == section:
+                    f.write(json.dumps(r) + "\n")
+    log(f"wrote {', '.join(s + '.md' for s in sections)} and raw-*.jsonl to {bench.out}")
 
     if args.check:
         problems = check_outputs(bench, groups, sections)

@@ -4,7 +4,7 @@ set title 'CPU time per step (all ranks) / PyTorch DDP (median of interleaved ru
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.8 border -1
-set key outside right top
+set key below
 set ylabel 'CPU time / DDP'
 set yrange [0:*]
 set grid ytics

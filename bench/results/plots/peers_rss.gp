@@ -4,7 +4,7 @@ set title 'Peak resident memory per rank (VmHWM, largest over ranks, MiB)'
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.8 border -1
-set key outside right top
+set key below
 set ylabel 'MiB'
 set yrange [0:*]
 set grid ytics

@@ -4,7 +4,7 @@ set title 'Step time / PyTorch DDP (median of interleaved runs; lower is faster)
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.8 border -1
-set key outside right top
+set key below
 set ylabel 'step time / DDP'
 set yrange [0:*]
 set grid ytics
