@@ -29,9 +29,17 @@ std::string to_string(ShardingStrategy s) {
   return "?";
 }
 
-ShardingStrategy parse_sharding_strategy(const std::string& name) {
+namespace {
+// "backward-pre" -> "BACKWARD_PRE": option names are accepted in any case, with '-' or '_'.
+std::string normalize_option_name(const std::string& name) {
   std::string n;
   for (char c : name) n += (c == '-') ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return n;
+}
+}  // namespace
+
+ShardingStrategy parse_sharding_strategy(const std::string& name) {
+  const std::string n = normalize_option_name(name);
   for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
                  ShardingStrategy::kHybridShard})
     if (n == to_string(s)) return s;
@@ -48,8 +56,7 @@ std::string to_string(BackwardPrefetch p) {
 }
 
 BackwardPrefetch parse_backward_prefetch(const std::string& name) {
-  std::string n;
-  for (char c : name) n += (c == '-') ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const std::string n = normalize_option_name(name);
   for (auto p : {BackwardPrefetch::kBackwardPre, BackwardPrefetch::kBackwardPost, BackwardPrefetch::kNone})
     if (n == to_string(p)) return p;
   FSDP_FAIL("unknown backward prefetch '", name, "'; use BACKWARD_PRE, BACKWARD_POST or NONE");
