@@ -1,15 +1,13 @@
 #include "flat_param.h"
 
-#include <ATen/native/Resize.h>
-
 #include "fsdp/check.h"
 #include "runtime/internal_guard.h"
 
 namespace fsdp {
 
 FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const FlatParamGroup& group,
-                     MemoryTracker* memory)
-    : id_(id), unit_(unit), slots_(std::move(slots)), group_(group), memory_(memory) {
+                     MemoryTracker* memory, BufferPool* buffers)
+    : id_(id), unit_(unit), slots_(std::move(slots)), group_(group), memory_(memory), buffers_(buffers) {
   FSDP_CHECK(!slots_.empty(), "internal: empty FlatParameter");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
@@ -74,7 +72,10 @@ WorkPtr FlatParam::start_unshard() {
   InternalOpGuard internal;
   if (gather_work_) wait_unshard();  // a gather of older shard values: let it land first
   if (!unsharded_) {
-    at::native::resize_bytes_cpu(storage_, padded_numel_ * element_size_);
+    // Same StorageImpl (the parameters' views and autograd's saved views point at it), new memory.
+    const size_t bytes = static_cast<size_t>(padded_numel_ * element_size_);
+    storage_->set_data_ptr_noswap(buffers_->allocate(bytes));
+    storage_->set_nbytes(bytes);
     memory_->add_param(padded_numel_ * element_size_);
     unsharded_ = true;
   }
@@ -95,7 +96,8 @@ void FlatParam::wait_unshard() {
 void FlatParam::reshard() {
   if (group_.keep_unsharded || !unsharded_) return;
   wait_unshard();  // never free memory a communicator is writing into
-  at::native::resize_bytes_cpu(storage_, 0);
+  storage_->set_data_ptr_noswap(at::DataPtr(nullptr, at::Device(at::kCPU)));  // back to the pool
+  storage_->set_nbytes(0);
   memory_->add_param(-padded_numel_ * element_size_);
   unsharded_ = false;
 }
@@ -111,7 +113,7 @@ std::string FlatParam::reduce_track() const {
 void FlatParam::ensure_grad_buffer() {
   if (full_grad_.defined()) return;
   InternalOpGuard internal;
-  full_grad_ = at::zeros({padded_numel_}, full_.options());
+  full_grad_ = buffers_->empty(padded_numel_, full_.options()).zero_();
   memory_->add_grad(padded_numel_ * element_size_);
   for (auto& s : slots_)
     if (s.param.requires_grad()) s.param.mutable_grad() = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
@@ -126,7 +128,7 @@ void FlatParam::start_reduce() {
     reduced_ = full_grad_;
     pending_work_ = group_.world_comm->all_reduce(full_grad_);
   } else {
-    reduced_ = at::empty({shard_numel_}, full_grad_.options());
+    reduced_ = buffers_->empty(shard_numel_, full_grad_.options());
     memory_->add_grad(shard_numel_ * element_size_);
     pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_);
     if (group_.replicate_comm && group_.replicate_comm->size() > 1) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fsdp/comm.h"
+#include "buffer_pool.h"
 #include "fsdp/memory.h"
 
 namespace fsdp {
@@ -43,7 +44,8 @@ struct FlatParamGroup {
 
 class FlatParam {
  public:
-  FlatParam(int id, int unit, std::vector<ParamSlot> slots, const FlatParamGroup& group, MemoryTracker* memory);
+  FlatParam(int id, int unit, std::vector<ParamSlot> slots, const FlatParamGroup& group, MemoryTracker* memory,
+            BufferPool* buffers);
 
   int id() const { return id_; }
   int unit() const { return unit_; }
@@ -98,6 +100,7 @@ class FlatParam {
   std::vector<ParamSlot> slots_;
   FlatParamGroup group_;
   MemoryTracker* memory_;
+  BufferPool* buffers_;  // transient buffers (unsharded storage, flat gradient, reduction output)
   bool requires_grad_ = false;
   at::ScalarType dtype_;
   int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, element_size_ = 0;

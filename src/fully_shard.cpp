@@ -85,6 +85,7 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, 
   FSDP_CHECK(module_ != nullptr, "fully_shard: the module is null");
   FSDP_CHECK(pg_ != nullptr, "fully_shard: the process group is null; create one with ProcessGroup::from_env()");
   const int W = pg_->size();
+  pool_.set_enabled(options_.reuse_buffers());
   const auto strategy = options_.sharding_strategy();
   FSDP_CHECK(!options_.limit_all_gathers() || options_.all_gather_limit() >= 1, "all_gather_limit must be at least 1, got ",
              options_.all_gather_limit(), "; to turn the rate limiter off use limit_all_gathers(false)");
@@ -356,7 +357,7 @@ void Runtime::build_flat_params() {
     info.parent = units_[u].parent;
     for (auto& g : groups) {
       const int id = static_cast<int>(flat_params_.size());
-      flat_params_.push_back(std::make_unique<FlatParam>(id, static_cast<int>(u), std::move(g.second), group_, &memory_));
+      flat_params_.push_back(std::make_unique<FlatParam>(id, static_cast<int>(u), std::move(g.second), group_, &memory_, &pool_));
       FlatParam& fp = *flat_params_.back();
       units_[u].flat_params.push_back(id);
       flat_param_of_storage_[fp.storage()] = id;
@@ -435,8 +436,19 @@ MemoryStats Runtime::memory_stats() const {
   auto* self = const_cast<Runtime*>(this);
   std::lock_guard<std::recursive_mutex> lock(self->mu_);
   self->update_sharded_grad_bytes();
-  return memory_.stats();
+  MemoryStats stats = memory_.stats();
+  stats.cached_bytes = pool_.cached_bytes();
+  stats.system_allocations = pool_.system_allocations();
+  std::vector<const Communicator*> seen;
+  for (const auto* comm : {group_.shard_comm.get(), group_.replicate_comm.get(), group_.world_comm.get()}) {
+    if (!comm || std::find(seen.begin(), seen.end(), comm) != seen.end()) continue;
+    seen.push_back(comm);
+    stats.comm_scratch_bytes += comm->scratch_bytes();
+  }
+  return stats;
 }
+
+void Runtime::release_cached_memory() { pool_.release_cached(); }
 
 void Runtime::reset_peak_memory_stats() {
   std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -479,6 +491,7 @@ void FullyShardedModule::load_full_state_dict(const std::unordered_map<std::stri
 }
 MemoryStats FullyShardedModule::memory_stats() const { return runtime_->memory_stats(); }
 void FullyShardedModule::reset_peak_memory_stats() { runtime_->reset_peak_memory_stats(); }
+void FullyShardedModule::release_cached_memory() { runtime_->release_cached_memory(); }
 const std::vector<UnitInfo>& FullyShardedModule::units() const { return runtime_->unit_infos(); }
 ShardingStrategy FullyShardedModule::sharding_strategy() const { return runtime_->options().sharding_strategy(); }
 int FullyShardedModule::sharding_factor() const { return runtime_->sharding_factor(); }

@@ -60,6 +60,10 @@ struct BenchConfig {
   std::string write_inputs, inputs, result, label;
   int64_t memory_cap_mib = 0;
   bool count_allocations = false;
+  std::string backward_prefetch = "BACKWARD_PRE";
+  bool forward_prefetch = false;
+  int all_gather_limit = 2;  // 0: no rate limiter
+  bool reuse_buffers = true;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -358,6 +362,12 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
   app.add_option("--label", c.label, "Name of this contender in the result");
   app.add_option("--memory-cap-mib", c.memory_cap_mib, "Abort a rank whose resident set passes this many MiB")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--backward-prefetch", c.backward_prefetch, "FSDP: BACKWARD_PRE, BACKWARD_POST or NONE")
+      ->capture_default_str();
+  app.add_flag("--forward-prefetch", c.forward_prefetch, "FSDP: gather the next unit before computing the current one");
+  app.add_option("--all-gather-limit", c.all_gather_limit, "FSDP: rate limiter, units unsharded at once (0: off)")
+      ->check(CLI::Range(0, 1000))->capture_default_str();
+  app.add_flag("!--no-reuse-buffers", c.reuse_buffers, "FSDP: free transient buffers instead of reusing them");
   app.add_flag("--count-allocations", c.count_allocations, "Count live tensor bytes through a wrapping CPU allocator");
   try {
     app.parse(argc, argv);
@@ -419,7 +429,12 @@ int run(int argc, char** argv) {
   } else {
     auto options = fsdp::Options()
                        .sharding_strategy(fsdp::parse_sharding_strategy(c.strategy))
-                       .sharding_factor(c.sharding_factor);
+                       .sharding_factor(c.sharding_factor)
+                       .backward_prefetch(fsdp::parse_backward_prefetch(c.backward_prefetch))
+                       .forward_prefetch(c.forward_prefetch)
+                       .limit_all_gathers(c.all_gather_limit > 0)
+                       .all_gather_limit(std::max(1, c.all_gather_limit))
+                       .reuse_buffers(c.reuse_buffers);
     if (c.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
     if (c.wrap == "sublayer")
       options.auto_wrap_policy(fsdp::wrap::by_type<gpt::CausalSelfAttentionImpl, gpt::MLPImpl>());
@@ -437,7 +452,10 @@ int run(int argc, char** argv) {
     if (!local)
       std::cout << ", " << fsdp::to_string(sharded->sharding_strategy()) << " (sharding factor "
                 << sharded->sharding_factor() << "), wrap " << wrap_description(c.wrap) << ", " << sharded->units().size()
-                << " units";
+                << " units; backward prefetch " << c.backward_prefetch << ", forward prefetch "
+                << (c.forward_prefetch ? "on" : "off") << ", all-gather limit "
+                << (c.all_gather_limit > 0 ? std::to_string(c.all_gather_limit) : std::string("off"))
+                << ", buffer reuse " << (c.reuse_buffers ? "on" : "off");
     std::cout << "\n  world " << world << ", " << torch::get_num_threads() << " threads per process; model "
               << c.layers << " layers, width " << c.width << ", " << c.heads << " heads, context " << c.context << ", "
               << parameter_count << " parameters; global batch " << c.global_batch << " x " << c.context
@@ -455,6 +473,7 @@ int run(int argc, char** argv) {
   std::vector<double> step_seconds, losses;
   fsdp::MemoryStats memory;
   int64_t alloc_live_rest = 0, alloc_peak = 0;
+  int64_t cached_rest = 0, comm_scratch_rest = 0;  // FSDP's reuse cache and communicator scratch, at rest
   ResourceUse use_at_timed_start;
   // Wall time of each phase of the timed steps (rank 0 reports them): where a step's time goes.
   std::vector<double> zero_grad_s, forward_s, backward_s, optimizer_s;
@@ -462,7 +481,12 @@ int run(int argc, char** argv) {
     if (step == c.warmup) {
       use_at_timed_start = ResourceUse::now();
       // Peaks from here on cover the timed, steady-state steps (gradients and AdamW state exist).
-      if (sharded) sharded->reset_peak_memory_stats();
+      if (sharded) {
+        sharded->reset_peak_memory_stats();
+        const auto at_rest = sharded->memory_stats();
+        cached_rest = at_rest.cached_bytes;
+        comm_scratch_rest = at_rest.comm_scratch_bytes;
+      }
       if (counting) {
         alloc_live_rest = counting->live();
         counting->reset_peak();
@@ -506,11 +530,12 @@ int run(int argc, char** argv) {
 
   // Every rank's figures, and the loss averaged over ranks (each rank's loss is the mean over its
   // rows, and the rows are equal in number).
-  constexpr int kFields = 18;
+  constexpr int kFields = 20;
   auto per_rank = torch::zeros({world, kFields}, torch::kDouble);
   const double fields[kFields] = {double(hwm_init), double(hwm_reset ? hwm_train : 0), double(hwm), double(memory.param_peak_bytes),
                                   double(memory.grad_peak_bytes), double(memory.param_bytes), double(memory.grad_bytes),
                                   double(adam_bytes), double(piece_bytes), double(alloc_live_rest), double(alloc_peak),
+                                  double(cached_rest), double(comm_scratch_rest),
                                   double(batch_bytes), median(step_seconds), per_step(&ResourceUse::minor_faults),
                                   per_step(&ResourceUse::voluntary_switches),
                                   per_step(&ResourceUse::involuntary_switches), per_step(&ResourceUse::user_s),
@@ -531,6 +556,9 @@ int run(int argc, char** argv) {
     result["strategy"] = local ? "" : fsdp::to_string(sharded->sharding_strategy());
     result["sharding_factor"] = local ? 0 : sharded->sharding_factor();
     result["wrap"] = local ? "" : c.wrap;
+    if (!local)
+      result["overlap"] = {{"backward_prefetch", c.backward_prefetch}, {"forward_prefetch", c.forward_prefetch},
+                           {"all_gather_limit", c.all_gather_limit}, {"reuse_buffers", c.reuse_buffers}};
     result["world"] = world;
     result["threads_per_process"] = torch::get_num_threads();
     result["config"] = {{"layers", c.layers}, {"width", c.width}, {"heads", c.heads}, {"context", c.context},
@@ -557,7 +585,7 @@ int run(int argc, char** argv) {
     const char* names[kFields] = {"vmhwm_init_bytes", "vmhwm_train_bytes", "vmhwm_bytes", "fsdp_param_peak_bytes",
                                   "fsdp_grad_peak_bytes", "fsdp_param_bytes", "fsdp_grad_bytes",
                                   "adamw_state_bytes", "optimizer_param_bytes", "alloc_live_at_rest_bytes",
-                                  "alloc_peak_bytes", "batch_bytes", "median_step_s", "minor_faults_per_step",
+                                  "alloc_peak_bytes", "fsdp_cached_at_rest_bytes", "comm_scratch_at_rest_bytes", "batch_bytes", "median_step_s", "minor_faults_per_step",
                                   "voluntary_switches_per_step", "involuntary_switches_per_step",
                                   "cpu_user_s_per_step", "cpu_system_s_per_step"};
     for (int r = 0; r < world; ++r) {

@@ -464,7 +464,9 @@ class Bench:
 def memory_formula(units, world, rank, in_flight):
     """Bytes the libfsdp runtime holds at its peaks (see src/flat_param.cpp, src/runtime/*):
     parameters: every unit's shard + the root (unsharded from forward until the end of backward)
-      + the largest other unit, gathered one at a time;
+      + the largest two consecutive other units: with BACKWARD_PRE (the default) the next unit's
+      all-gather is issued when the current unit's backward starts, and the rate limiter (default 2)
+      allows exactly that pair; without prefetch it would be the largest single unit;
     gradients: the shard pieces' gradients (kept between steps: LibTorch 1.13's zero_grad() zeroes
       them in place) + the root's unsharded gradient buffer (its ln_final gradient arrives first
       in backward, its tied embedding gradient last) + for the unit whose reduction is being
@@ -490,6 +492,15 @@ def memory_formula(units, world, rank, in_flight):
             u = units[u["parent"]]
 
     params_peak = shards + max(chain(i) for i in range(len(units)))
+    # Backward prefetch: unit b (and its enclosing units) unsharded while the unit before it in
+    # forward order, next in backward, is being gathered.
+    for a, b in zip(range(1, len(units)), range(2, len(units))):
+        ancestors, u = set(), units[b]
+        while u["parent"] >= 0:
+            ancestors.add(u["parent"])
+            u = units[u["parent"]]
+        if a not in ancestors:
+            params_peak = max(params_peak, shards + chain(b) + units[a]["padded_bytes"])
     # Backward issues the non-root units' reductions in reverse forward order, then the root's.
     pending, current, grads_transient = [], root["padded_bytes"], root["padded_bytes"]
     for u in list(reversed(others)) + [root]:
@@ -693,8 +704,10 @@ def report_memory(bench, mem):
              "exp_avg_sq tensors. Formula, from `units()` (padded and shard bytes of each unit; "
              "`memory_formula()` in bench/peers/run.py), per rank:", "",
              "- parameters: sum of the shards + the root unit (unsharded from forward until the end of "
-             "backward, paper 3.3.1) + the largest other unit (units are gathered one at a time): the paper's "
-             "sum of psi_i / F + max psi_i, with the root held as well;",
+             "backward, paper 3.3.1) + the largest two consecutive other units (BACKWARD_PRE, the default, issues "
+             "the next unit's all-gather when the current unit's backward starts; the rate limiter's default of 2 "
+             "allows exactly that pair): the paper's sum of psi_i / F + max psi_i, with the root held as well and "
+             "max psi_i taken over prefetched pairs;",
              "- gradients: this rank's shard-piece gradients (kept between steps: LibTorch 1.13's `zero_grad()` "
              "zeroes them in place) + the root's unsharded gradient buffer (its ln_final gradient arrives first in "
              "backward, its tied-embedding gradient last) + the unit whose reduction is being issued (unsharded "
@@ -707,9 +720,13 @@ def report_memory(bench, mem):
              "- AdamW: 2 x this rank's shard-piece bytes (padding excluded).", "",
              "Rank 0's figures; the ratio columns are the worst over all ranks and runs. 'At rest' compares the "
              "live tensor bytes after the warm-up steps, counted by a wrapping CPU allocator "
-             "(`--count-allocations`), with shards + piece gradients + AdamW + the rank's batches: an independent "
+             "(`--count-allocations`), with shards + piece gradients + AdamW + the rank's batches + the communicators' "
+             "reduce-scatter receive ring (`memory_stats().comm_scratch_bytes`, at most 2 MiB per communicator): an "
+             "independent "
              "check of the library's accounting. 'All tensors at peak' is that allocator's peak (activations, "
-             "communication scratch and the model state together).", ""]
+             "communication scratch and the model state together). 'Cached' is `memory_stats().cached_bytes` at rest: "
+             "released unsharded parameter and gradient buffers that `reuse_buffers` keeps for the next "
+             "iteration (outside the allocator's count and the peaks above).", ""]
     rows, plot = [], []
     block_time = median_of(mem["runs"].get("block", []))
     for wrap, runs in mem["runs"].items():
@@ -726,7 +743,9 @@ def report_memory(bench, mem):
                 if not any(by_k[k]["grads_peak"] == st["fsdp_grad_peak_bytes"] for k in (0, 1, 2)):
                     implied.add("none")
                 f = by_k[1]
-                rest = f["params_rest"] + f["grads_rest"] + f["adamw"] + st["batch_bytes"]
+                # + the communicators' reduce-scatter receive ring, which the library reports
+                rest = (f["params_rest"] + f["grads_rest"] + f["adamw"] + st["batch_bytes"] +
+                        st.get("comm_scratch_at_rest_bytes", 0))
                 for key, value in (("formula", measured / (f["params_peak"] + f["grads_peak"] + f["adamw"])),
                                    ("bound", measured / (by_k[2]["params_peak"] + by_k[2]["grads_peak"] +
                                                          by_k[2]["adamw"])),
@@ -748,7 +767,8 @@ def report_memory(bench, mem):
                      f"{mib(s0['adamw_state_bytes'], 2)} / {mib(f0['adamw'], 2)}",
                      f"{mib(meas_total, 2)} / {mib(form_total, 2)}",
                      f"{worst['formula']:.4f}", k_col, f"{worst['bound']:.4f}",
-                     f"{worst['rest']:.4f}", mib(s0["alloc_peak_bytes"], 1),
+                     f"{worst['rest']:.4f}", mib(s0.get("fsdp_cached_at_rest_bytes", 0), 2),
+                     mib(s0["alloc_peak_bytes"], 1),
                      f"{2 * n - 1} + {n}", f"{med * 1000:.1f}",
                      fmt(med / block_time) if block_time else "n/a"])
         plot.append((wrap, n, f0["params_peak"], f0["grads_peak"], f0["adamw"], meas_total, form_total, med))
@@ -756,7 +776,7 @@ def report_memory(bench, mem):
                         "grads peak MiB (meas. / formula)", "AdamW MiB (meas. / formula)",
                         "model state MiB (meas. / formula)", "measured / formula (worst rank)",
                         "k the measured grads peak corresponds to", "measured / runtime bound k = 2",
-                        "at rest: allocator / formula", "all tensors at peak MiB",
+                        "at rest: allocator / formula", "cached MiB", "all tensors at peak MiB",
                         "collectives per step (all-gather + reduce-scatter)", "step ms (median)",
                         "step time / block"], rows))
     lines += ["", "Model state is the sum of the three peaks (parameters, gradients, AdamW), which do not all "

@@ -62,6 +62,8 @@ struct TrainConfig {
   std::string strategy = "FULL_SHARD";
   int sharding_factor = 0;  // 0: the library's default for the strategy
   std::string wrap = "block";
+  std::string backward_prefetch = "BACKWARD_PRE";
+  bool forward_prefetch = false;
   std::string data;  // empty: the fortunes corpus
   int log_interval = 25;
   int eval_batches = 8;
@@ -105,6 +107,10 @@ int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& co
   app.add_option("--wrap", config.wrap, "FSDP units: 'block' makes every transformer block a unit, 'none' makes "
                  "the whole model one unit")->transform(CLI::IsMember({"block", "none"}, CLI::ignore_case))
       ->capture_default_str();
+  app.add_option("--backward-prefetch", config.backward_prefetch, "When to gather the next unit in backward: "
+                 "BACKWARD_PRE, BACKWARD_POST or NONE")->capture_default_str();
+  app.add_flag("--forward-prefetch", config.forward_prefetch, "Gather the next unit before computing the current "
+               "one in forward (one more unit of memory)");
   app.add_option("--data", config.data, std::string("Text file to train on (default: the fortunes in ") +
                  gpt::kFortunesDir + ")")->check(CLI::ExistingFile);
   app.add_option("--log-interval", config.log_interval, "Steps between log lines")
@@ -456,7 +462,9 @@ int run(int argc, char** argv) {
 
   auto options = fsdp::Options()
                      .sharding_strategy(fsdp::parse_sharding_strategy(config.strategy))
-                     .sharding_factor(config.sharding_factor);
+                     .sharding_factor(config.sharding_factor)
+                     .backward_prefetch(fsdp::parse_backward_prefetch(config.backward_prefetch))
+                     .forward_prefetch(config.forward_prefetch);
   if (config.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
   auto sharded = fsdp::fully_shard(model, pg, options);
 
@@ -490,6 +498,8 @@ int run(int argc, char** argv) {
         {"wrap", config.wrap == "block" ? "block (every BlockImpl is a unit, plus the root)"
                                         : "none (the whole model is one unit)"},
         {"units", std::to_string(units)},
+        {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
+                         ", forward " + (config.forward_prefetch ? "on" : "off")},
         {"parameters", with_commas(parameter_count) + " (tied embedding and head counted once)"},
         {"model", std::to_string(config.layers) + " layers, width " + std::to_string(config.width) + ", " +
                       std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +

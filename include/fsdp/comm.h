@@ -53,6 +53,8 @@ class Communicator {
   virtual WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) = 0;
   virtual WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) = 0;
   virtual void barrier() = 0;
+  // Working memory the communicator keeps between collectives (e.g. a receive buffer).
+  virtual int64_t scratch_bytes() const { return 0; }
 };
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 

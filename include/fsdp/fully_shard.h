@@ -64,6 +64,9 @@ class FullyShardedModule {
 
   MemoryStats memory_stats() const;
   void reset_peak_memory_stats();
+  // Frees the idle buffers kept for reuse (MemoryStats::cached_bytes), e.g. before evaluation
+  // with another model. Not collective.
+  void release_cached_memory();
 
   const std::vector<UnitInfo>& units() const;
   ShardingStrategy sharding_strategy() const;

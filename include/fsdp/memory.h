@@ -11,6 +11,16 @@ struct MemoryStats {
   int64_t param_peak_bytes = 0;
   int64_t grad_bytes = 0;
   int64_t grad_peak_bytes = 0;
+  // Memory FSDP holds idle for reuse (Options::reuse_buffers): released unsharded parameter and
+  // gradient buffers, kept so the next unit or iteration of the same size need not allocate.
+  // Not part of the figures above; FullyShardedModule::release_cached_memory() frees it.
+  int64_t cached_bytes = 0;
+  // Transient buffers FSDP has had to obtain from the system so far (cumulative). With
+  // reuse_buffers it stops growing once every buffer size has been seen.
+  int64_t system_allocations = 0;
+  // Working memory FSDP's communicators keep between collectives (the reduce-scatter receive
+  // ring: at most 2 MiB per communicator). Not part of the figures above.
+  int64_t comm_scratch_bytes = 0;
 };
 
 class MemoryTracker {

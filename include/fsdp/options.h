@@ -68,6 +68,11 @@ struct Options {
   // memory prefetching can take. Gathers a computation needs now are never held back.
   TORCH_ARG(bool, limit_all_gathers) = true;
   TORCH_ARG(int, all_gather_limit) = 2;
+  // Keep released unsharded parameter and gradient buffers and reuse them for the next unit or
+  // iteration of the same size, instead of returning them to the system and mapping fresh,
+  // zero-filled pages every time (MemoryStats::cached_bytes). Off: every buffer is freed when
+  // released, so idle memory is returned at once, at the cost of page faults on every gather.
+  TORCH_ARG(bool, reuse_buffers) = true;
   // Record an event trace of every iteration (FullyShardedModule::last_trace()).
   TORCH_ARG(bool, trace) = false;
 };

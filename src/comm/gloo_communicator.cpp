@@ -8,6 +8,7 @@
 #include <gloo/math.h>
 #include <gloo/types.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -111,6 +112,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   }
 
   int rank() const override { return ctx_->rank; }
+  int64_t scratch_bytes() const override { return scratch_bytes_; }
   int size() const override { return ctx_->size; }
   std::string name() const override { return name_; }
 
@@ -215,7 +217,20 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   // Ring reduce-scatter in place over `in`: in step s, rank r sends its partial sum of chunk
   // (r - 1 - s) mod W to r + 1 and adds the partial sum of chunk (r - 2 - s) mod W received from
   // r - 1. After W - 1 steps chunk r is complete on rank r. Traffic per rank: (W-1)/W of the
-  // input, like a ring all-gather; scratch: one chunk.
+  // input, like a ring all-gather.
+  //
+  // Its receive ring (at most kDepth x kSegmentBytes, 2 MiB) is kept between calls (scratch_bytes()),
+  // so reduce-scatters do not map fresh pages every time.
+  //
+  // Pipelined by segments: a segment is forwarded as soon as it is summed, and up to kDepth
+  // receives are posted ahead into a small scratch ring, so the additions overlap the transfers
+  // instead of alternating with them. Each chunk is summed into exactly once per rank (at one
+  // step), and chunk r - 1 is only ever sent, so a segment in flight is never written to.
+  // Messages between two ranks on one slot match receives in posting order, which is the order
+  // the previous rank sends them (step by step, segment by segment).
+  static constexpr int kDepth = 4;
+  static constexpr size_t kSegmentBytes = size_t(512) << 10;
+
   void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, uint32_t tag) {
     const int W = size(), r = rank();
     const int64_t n = out.numel();
@@ -224,23 +239,46 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       return;
     }
     if (n == 0) return;
-    at::Tensor chunks = in.view({W, n});
-    at::Tensor scratch = at::empty({n}, in.options());
-    const size_t chunk_bytes = static_cast<size_t>(n) * in.element_size();
+    const int64_t elem = in.element_size();
+    const int64_t seg = std::max<int64_t>(1, std::min<int64_t>(n, static_cast<int64_t>(kSegmentBytes) / elem));
+    const int64_t segments = (n + seg - 1) / seg;
+    const int64_t receives = segments * (W - 1);
+    const int64_t depth = std::min<int64_t>(kDepth, receives);
+    // Kept between calls: this thread runs one collective at a time.
+    if (scratch_.numel() < depth * seg || scratch_.scalar_type() != in.scalar_type()) {
+      scratch_ = at::Tensor();
+      scratch_ = at::empty({depth * seg}, in.options());
+      scratch_bytes_ = scratch_.nbytes();
+    }
+    at::Tensor flat = in.view({W * n});
     auto send_buf = ctx_->createUnboundBuffer(in.data_ptr(), in.nbytes());
-    auto recv_buf = ctx_->createUnboundBuffer(scratch.data_ptr(), scratch.nbytes());
+    auto recv_buf = ctx_->createUnboundBuffer(scratch_.data_ptr(), scratch_.nbytes());
     const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
     const int next = (r + 1) % W, prev = (r + W - 1) % W;
-    for (int s = 0; s < W - 1; ++s) {
-      const int send_chunk = ((r - 1 - s) % W + W) % W;
-      const int recv_chunk = ((r - 2 - s) % W + W) % W;
-      send_buf->send(next, slot, static_cast<size_t>(send_chunk) * chunk_bytes, chunk_bytes);
-      recv_buf->recv(prev, slot, 0, chunk_bytes);
+    auto chunk_at = [&](int64_t step, int shift) { return ((r - shift - step) % W + W) % W; };
+    auto seg_len = [&](int64_t k) { return std::min(seg, n - k * seg); };
+    // Receive j is segment j % segments of step j / segments, into scratch slot j % depth.
+    auto post_recv = [&](int64_t j) {
+      recv_buf->recv(prev, slot, static_cast<size_t>((j % depth) * seg * elem), static_cast<size_t>(seg_len(j % segments) * elem));
+    };
+    int64_t sends = 0;
+    auto send_segment = [&](int chunk, int64_t k) {
+      send_buf->send(next, slot, static_cast<size_t>((chunk * n + k * seg) * elem), static_cast<size_t>(seg_len(k) * elem));
+      ++sends;
+    };
+    for (int64_t j = 0; j < depth; ++j) post_recv(j);
+    for (int64_t k = 0; k < segments; ++k) send_segment(chunk_at(0, 1), k);
+    for (int64_t j = 0; j < receives; ++j) {
       FSDP_CHECK(recv_buf->waitRecv(nullptr, timeout_), "reduce_scatter receive was aborted");
-      FSDP_CHECK(send_buf->waitSend(nullptr, timeout_), "reduce_scatter send was aborted");
-      chunks[recv_chunk].add_(scratch);
+      const int64_t step = j / segments, k = j % segments, len = seg_len(k);
+      const int chunk = chunk_at(step, 2);
+      flat.narrow(0, chunk * n + k * seg, len).add_(scratch_.narrow(0, (j % depth) * seg, len));
+      if (j + depth < receives) post_recv(j + depth);
+      if (step + 1 < W - 1) send_segment(chunk, k);  // this partial sum is the next step's send
     }
-    out.copy_(chunks[r]);
+    for (int64_t i = 0; i < sends; ++i)
+      FSDP_CHECK(send_buf->waitSend(nullptr, timeout_), "reduce_scatter send was aborted");
+    out.copy_(flat.narrow(0, r * n, n));
   }
 
   WorkPtr enqueue(const char* op, std::function<void()> body) {
@@ -300,6 +338,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
   std::string failure_;  // only touched by the worker thread
+  at::Tensor scratch_;   // reduce-scatter receive ring, only touched by the worker thread
+  std::atomic<int64_t> scratch_bytes_{0};  // its size, for memory_stats() on other threads
   std::thread worker_;
 };
 

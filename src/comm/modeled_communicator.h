@@ -27,6 +27,7 @@ class ModeledCommunicator : public Communicator {
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) override;
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) override;
   void barrier() override;
+  int64_t scratch_bytes() const override { return inner_->scratch_bytes(); }
 
   ModeledLinkStats stats() const;
   const CommunicatorPtr& inner() const { return inner_; }

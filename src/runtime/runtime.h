@@ -56,6 +56,7 @@ class Runtime {
   void load_full_state_dict(const std::unordered_map<std::string, at::Tensor>& state);
   MemoryStats memory_stats() const;
   void reset_peak_memory_stats();
+  void release_cached_memory();
   const std::vector<UnitInfo>& unit_infos() const { return unit_infos_; }
   const Options& options() const { return options_; }
   int sharding_factor() const { return sharding_factor_; }
@@ -102,6 +103,7 @@ class Runtime {
   bool reshard_after_forward_ = true;
   FlatParamGroup group_;
   MemoryTracker memory_;
+  BufferPool pool_;
 
   // Assignment of the module's parameters to units, before the FlatParameters exist.
   struct PlannedParam {

@@ -1,0 +1,52 @@
+#pragma once
+// Reuse of FSDP's transient buffers (unsharded parameters, unsharded gradients, reduction
+// outputs) across units and iterations. Without it every all-gather and every backward allocated
+// fresh memory that the kernel had to map and zero page by page (measured: ~16,000 page faults
+// per step for a 3 M-parameter GPT at world 4, against ~500 for DDP), and returned it when the
+// unit was resharded. The pool keeps released blocks by exact byte size (units of a model mostly
+// repeat a few sizes) and hands them out again; like a GPU caching allocator, memory it holds idle
+// counts as "cached", and release_cached() gives it back to the system.
+//
+// Large blocks are mapped directly (mmap), not taken from malloc: malloc's heap would keep them
+// fragmented after release, and freeing large malloc chunks raises glibc's mmap threshold, which
+// moves the model's own large allocations onto that heap.
+#include <c10/core/Allocator.h>
+#include <ATen/ATen.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace fsdp {
+
+class BufferPool {
+ public:
+  explicit BufferPool(bool enabled = true);
+  ~BufferPool();
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+
+  // `bytes` of CPU memory (uninitialized); the block returns to the pool when the DataPtr (or the
+  // last tensor over it) is destroyed, from any thread.
+  at::DataPtr allocate(size_t bytes);
+  // A 1-D tensor of `numel` elements over a pooled block (uninitialized).
+  at::Tensor empty(int64_t numel, const at::TensorOptions& options);
+
+  // Frees every idle block.
+  void release_cached();
+  int64_t cached_bytes() const;
+  // Blocks obtained from the system so far (not from the pool).
+  int64_t system_allocations() const;
+  bool enabled() const;
+  void set_enabled(bool on);  // off: released blocks are freed at once
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace fsdp
