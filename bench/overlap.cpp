@@ -10,6 +10,7 @@
 // time per iteration (iteration time minus the time spent waiting on collectives, max over ranks)
 // and the bytes its collectives move set the modeled bandwidth: bandwidth = bytes on the wire per
 // iteration / (comm_ratio x compute time). --gbps fixes it instead.
+#include <filesystem>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -156,6 +157,7 @@ int main(int argc, char** argv) {
   app.add_option("--latency-us", a.latency_us, "modeled latency per ring step")->check(CLI::NonNegativeNumber);
   app.add_option("--trace-dir", a.trace_dir, "write rank 0's last iteration of each configuration as Chrome JSON here");
   CLI11_PARSE(app, argc, argv);
+  if (!a.trace_dir.empty()) std::filesystem::create_directories(a.trace_dir);  // every rank: same path
   at::set_num_threads(1);
 
   try {

@@ -271,6 +271,10 @@ TEST(BadInput, RanksWithDifferentModelsFailWithTheFirstDifference) {
 
 FSDP_WORKER(hybrid_factor_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
+  // Every rank finishes connecting before any of them fails: rank 0 hosts the store, and a rank
+  // still connecting when it exits would report the lost connection instead of the check (seen
+  // once on a loaded machine).
+  pg->world()->barrier();
   MLP model(6, 10, 3, 2);
   fsdp::fully_shard(model, pg, fsdp::Options().sharding_strategy(fsdp::ShardingStrategy::kHybridShard).sharding_factor(2));
 }
