@@ -256,6 +256,9 @@ void Runtime::build_units() {
                "' requires grad but has dtype ", p.scalar_type());
     FSDP_CHECK(p.device() == seen[0].param.device(), "parameter '", s.name, "' is on ", p.device(),
                " but '", seen[0].name, "' is on ", seen[0].param.device(), "; move the model to one device first");
+    FSDP_CHECK(p.device().is_cpu(), "parameter '", s.name, "' is on ", p.device(),
+               "; this build of libfsdp shards CPU models only (Gloo communicators, CPU buffer pool): "
+               "move the model to the CPU before fully_shard");
     planned_.push_back({s.name, std::vector<std::string>(s.names.begin() + 1, s.names.end()), p, unit});
   }
 
