@@ -58,6 +58,7 @@ struct BenchConfig {
   uint64_t seed = 1;
   int threads = 0;  // 0: keep LibTorch's (OMP_NUM_THREADS)
   std::string write_inputs, inputs, result, label;
+  std::string trace;  // rank 0 writes the last iteration's FSDP event trace (Chrome JSON) here
   int64_t memory_cap_mib = 0;
   bool count_allocations = false;
   std::string backward_prefetch = "BACKWARD_PRE";
@@ -362,6 +363,7 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
   app.add_option("--label", c.label, "Name of this contender in the result");
   app.add_option("--memory-cap-mib", c.memory_cap_mib, "Abort a rank whose resident set passes this many MiB")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--trace", c.trace, "FSDP: rank 0 writes the last step's event trace here (Chrome JSON, Perfetto)");
   app.add_option("--backward-prefetch", c.backward_prefetch, "FSDP: BACKWARD_PRE, BACKWARD_POST or NONE")
       ->capture_default_str();
   app.add_flag("--forward-prefetch", c.forward_prefetch, "FSDP: gather the next unit before computing the current one");
@@ -439,6 +441,7 @@ int run(int argc, char** argv) {
     if (c.wrap == "sublayer")
       options.auto_wrap_policy(fsdp::wrap::by_type<gpt::CausalSelfAttentionImpl, gpt::MLPImpl>());
     if (c.wrap == "linear") options.auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
+    options.trace(!c.trace.empty());
     sharded = fsdp::fully_shard(model, pg, options);
     trained = sharded->named_parameters();
   }
@@ -548,6 +551,14 @@ int run(int argc, char** argv) {
   }
   loss_sum.div_(world);
 
+  if (sharded && rank == 0 && !c.trace.empty()) {
+    const auto trace = sharded->last_trace();
+    std::ofstream out(c.trace);
+    trace.write_chrome_json(out);
+    if (!out) throw std::runtime_error("cannot write --trace " + c.trace);
+    std::cout << "trace of the last step: " << c.trace << " (at most " << trace.max_unsharded_units
+              << " non-root units unsharded at once)\n";
+  }
   if (rank == 0) {
     json result;
     result["label"] = c.label.empty() ? c.mode : c.label;

@@ -111,10 +111,11 @@ void Runtime::on_grad_post(int f, int s) {
 void Runtime::post_backward(int u) {
   // All of u's gradients are in: its parameters are no longer needed in this backward.
   tracer_.leave_compute();
+  units_[u].backward_done = true;
   if (options_.sharding_strategy() != ShardingStrategy::kNoShard) reshard(u);
   if (last_touched_ == u) last_touched_ = -1;
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && backward_started_)
-    prefetch(next_in(backward_order_, u), "prefetch backward post");
+    prefetch(next_pending_in_backward(u), "prefetch backward post");
   for (int f : units_[u].flat_params) {
     FlatParam& fp = *flat_params_[f];
     if (!fp.has_grad_buffer() || fp.reduce_pending()) continue;
@@ -168,7 +169,7 @@ void Runtime::on_backward_end() {
   for (auto& unit : units_) {
     unit.counted = false;
     unit.expected_grads = unit.ready_grads = 0;
-    unit.forward_seen = unit.prefetched = false;
+    unit.forward_seen = unit.prefetched = unit.backward_done = false;
   }
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;

@@ -242,7 +242,7 @@ void Runtime::touch(int u) {
   if (unit_needs_gather(u)) issue_unshard(u, "on demand");
   // Issue the next unit's gather before waiting for this one, so it overlaps this unit's compute.
   if (backward) {
-    if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch(next_in(backward_order_, u), "prefetch backward pre");
+    if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch(next_pending_in_backward(u), "prefetch backward pre");
   } else if (options_.forward_prefetch()) {
     // Only units this forward has not run yet: a unit used again later (e.g. the root's output
     // layer) must not re-gather what already ran.
@@ -306,6 +306,14 @@ void Runtime::wait_unshard(int u) {
   }
 }
 
+int Runtime::next_pending_in_backward(int u) const {
+  auto it = std::find(backward_order_.begin(), backward_order_.end(), u);
+  if (it == backward_order_.end()) return -1;
+  for (++it; it != backward_order_.end(); ++it)
+    if (!units_[*it].backward_done) return *it;
+  return -1;
+}
+
 int Runtime::next_in(const std::vector<int>& order, int u) {
   auto it = std::find(order.begin(), order.end(), u);
   if (it == order.end() || ++it == order.end()) return -1;
@@ -314,6 +322,7 @@ int Runtime::next_in(const std::vector<int>& order, int u) {
 
 void Runtime::prefetch(int v, const char* why) {
   if (v < 0 || !unit_needs_gather(v)) return;
+  if (backward_started_ && units_[v].backward_done) return;  // e.g. a deferred prefetch overtaken by events
   if (options_.limit_all_gathers() && unsharded_unit_count() >= options_.all_gather_limit()) {
     deferred_prefetch_ = v;  // issued by the next reshard that makes room
     deferred_why_ = why;

@@ -33,6 +33,7 @@ struct Unit {
   bool counted = false;    // expected_grads computed for this backward
   bool prefetched = false;   // gathered ahead of use and not used since: the touch rule keeps it
   bool forward_seen = false; // took part in this iteration's forward
+  bool backward_done = false; // its gradients are complete in this iteration's backward
 };
 
 class Runtime {
@@ -89,6 +90,9 @@ class Runtime {
   void prefetch(int unit, const char* why);
   void reshard(int unit);
   static int next_in(const std::vector<int>& order, int unit);
+  // The first unit after `unit` in this backward's order whose backward has not finished. A unit
+  // touched again after later units finished (the root, between blocks) must not re-gather them.
+  int next_pending_in_backward(int unit) const;
   void post_backward(int unit);
   void finish_reduction(int flat_param);
   void finish_reductions(size_t keep_in_flight);

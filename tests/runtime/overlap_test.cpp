@@ -153,5 +153,67 @@ TEST_P(TraceOrder, ShowsThePromisedOrdering) {
 INSTANTIATE_TEST_SUITE_P(Modes, TraceOrder, ::testing::Values("pre", "post", "none", "forward", "limit1", "limit2"),
                          [](const auto& info) { return info.param; });
 
+// The root's own parameters are used between units (like a transformer's root-level LayerNorms):
+// backward touches the root again after each unit has finished. BACKWARD_PRE must then prefetch
+// the next unit still to run, never re-gather one whose backward is done (seen on the GPT: the
+// last block's MLP gathered a third time and held until the end of backward).
+struct RootBetweenImpl : torch::nn::Module {
+  RootBetweenImpl() {
+    scale = register_parameter("scale", torch::ones({16}));
+    for (int i = 0; i < 4; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(16, 16)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& l : layers) x = torch::tanh(l(x)) * scale;
+    return x;
+  }
+  at::Tensor scale;
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(RootBetween);
+
+FSDP_WORKER(root_between_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  for (auto prefetch : {fsdp::BackwardPrefetch::kBackwardPre, fsdp::BackwardPrefetch::kBackwardPost}) {
+    torch::manual_seed(2);
+    RootBetween ref;
+    torch::manual_seed(2);
+    RootBetween model;
+    auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>())
+                                                    .backward_prefetch(prefetch).trace(true));
+    torch::optim::SGD ref_opt(ref->parameters(), 0.05), opt(sharded->parameters(), 0.05);
+    for (int step = 0; step < 3; ++step) {
+      auto x = torch::randn({2 * ctx.world, 16}, at::detail::createCPUGenerator(7 + step));
+      ref_opt.zero_grad();
+      ref->forward(x).pow(2).mean().backward();
+      ref_opt.step();
+      opt.zero_grad();
+      model->forward(x.narrow(0, 2 * ctx.rank, 2)).pow(2).mean().backward();
+      opt.step();
+    }
+    const auto t = sharded->last_trace();
+    const int n = int(sharded->units().size());
+    WORKER_CHECK(n == 5, "expected the root and 4 Linear units, got ", n);
+    for (int u = 1; u < n; ++u) {
+      int gathers = 0;
+      for (const auto& e : t.events) gathers += e.kind == fsdp::TraceEvent::Kind::kUnshardIssued && e.unit == u;
+      WORKER_CHECK(gathers <= 2, fsdp::to_string(prefetch), ": unit ", u, " was gathered ", gathers,
+                   " times in one iteration (forward and backward: at most 2)");
+    }
+    WORKER_CHECK(t.max_unsharded_units <= 2, "at most 2 non-root units unsharded, saw ", t.max_unsharded_units);
+    auto full = sharded->full_state_dict();
+    for (const auto& kv : ref->named_parameters()) {
+      const double d = rel_diff(full.at(kv.key()), kv.value().detach());
+      WORKER_CHECK(d <= 1e-5, "parameter ", kv.key(), " differs from local training by rel ", d);
+    }
+  }
+  if (ctx.rank == 0) std::cout << "root between ok" << std::endl;
+}
+
+TEST(TraceOrder, BackwardPrefetchNeverRegathersAFinishedUnit) {
+  auto r = launch("root_between_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "root between ok")) << r.report();
+}
+
 }  // namespace
 }  // namespace fsdp_test
