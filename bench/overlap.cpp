@@ -61,10 +61,11 @@ struct Config {
   fsdp::BackwardPrefetch backward;
   bool forward;
   int limit;  // 0: limiter off
+  int reductions = 2;  // Options::reductions_in_flight
 };
 
 struct Sample {
-  double step_ms, comm_ms, exposed_ms, peak_param_mb;
+  double step_ms, comm_ms, exposed_ms, peak_param_mb, peak_grad_mb;
   int max_unsharded;
 };
 
@@ -106,6 +107,7 @@ std::vector<Sample> run_config(fsdp::ProcessGroupPtr pg, const Args& a, const Co
                                        .forward_prefetch(c.forward)
                                        .limit_all_gathers(c.limit > 0)
                                        .all_gather_limit(std::max(1, c.limit))
+                                       .reductions_in_flight(c.reductions)
                                        .trace(true));
   torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(1e-4));
   auto gen = at::detail::createCPUGenerator(77 + pg->rank());
@@ -120,7 +122,8 @@ std::vector<Sample> run_config(fsdp::ProcessGroupPtr pg, const Args& a, const Co
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const auto trace = sharded->last_trace();
     out.push_back({ms, trace.comm_us / 1e3, trace.exposed_comm_us / 1e3,
-                   sharded->memory_stats().param_peak_bytes / 1048576.0, trace.max_unsharded_units});
+                   sharded->memory_stats().param_peak_bytes / 1048576.0,
+                   sharded->memory_stats().grad_peak_bytes / 1048576.0, trace.max_unsharded_units});
     if (!trace_path.empty() && it == iterations - 1 && pg->rank() == 0) trace.write_chrome_json(trace_path);
   }
   return out;
@@ -210,6 +213,7 @@ int main(int argc, char** argv) {
         {"BACKWARD_PRE+forward", fsdp::BackwardPrefetch::kBackwardPre, true, 2},
         {"BACKWARD_PRE+forward, no limiter", fsdp::BackwardPrefetch::kBackwardPre, true, 0},
         {"BACKWARD_PRE+forward, limit 1", fsdp::BackwardPrefetch::kBackwardPre, true, 1},
+        {"BACKWARD_PRE+forward, 1 reduction", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 1},
     };
     std::map<std::string, std::vector<Sample>> results;
     for (int rep = 0; rep < a.reps; ++rep)
@@ -220,38 +224,39 @@ int main(int argc, char** argv) {
       }
 
     struct Row {
-      double step, comm, exposed, peak;
+      double step, comm, exposed, peak, grad_peak;
       int max_unsharded;
     };
     std::map<std::string, Row> rows;
     for (const auto& c : configs) {
-      std::vector<double> step, comm, exposed, peak;
+      std::vector<double> step, comm, exposed, peak, grad_peak;
       int most = 0;
       for (const auto& s : results[c.name]) {
         step.push_back(s.step_ms);
         comm.push_back(s.comm_ms);
         exposed.push_back(s.exposed_ms);
         peak.push_back(s.peak_param_mb);
+        grad_peak.push_back(s.peak_grad_mb);
         most = std::max(most, s.max_unsharded);
       }
       // The slowest rank sets the pace; report it.
       rows[c.name] = {max_over_ranks(*pg, median(step)), max_over_ranks(*pg, median(comm)),
                       max_over_ranks(*pg, median(exposed)), max_over_ranks(*pg, median(peak)),
-                      int(max_over_ranks(*pg, most))};
+                      max_over_ranks(*pg, median(grad_peak)), int(max_over_ranks(*pg, most))};
     }
     if (root) {
       const Row& base = rows.at("NONE");
-      std::printf("\n%-34s %9s %7s %11s %11s %9s %11s %7s %9s\n", "configuration", "step ms", "vs NONE", "comm ms*",
-                  "exposed ms", "exposed%", "exp vs NONE", "peak MB", "unsharded");
+      std::printf("\n%-36s %9s %7s %11s %11s %9s %11s %7s %7s %9s\n", "configuration", "step ms", "vs NONE", "comm ms*",
+                  "exposed ms", "exposed%", "exp vs NONE", "peak MB", "grad MB", "unsharded");
       for (const auto& c : configs) {
         const Row& r = rows.at(c.name);
-        std::printf("%-34s %9.1f %7.3f %11.1f %11.1f %8.1f%% %11.3f %7.2f %9d\n", c.name.c_str(), r.step, r.step / base.step,
-                    r.comm, r.exposed, 100.0 * r.exposed / std::max(1e-9, r.comm), r.exposed / std::max(1e-9, base.exposed),
-                    r.peak, r.max_unsharded);
+        std::printf("%-36s %9.1f %7.3f %11.1f %11.1f %8.1f%% %11.3f %7.2f %7.2f %9d\n", c.name.c_str(), r.step,
+                    r.step / base.step, r.comm, r.exposed, 100.0 * r.exposed / std::max(1e-9, r.comm),
+                    r.exposed / std::max(1e-9, base.exposed), r.peak, r.grad_peak, r.max_unsharded);
       }
       std::printf("# * comm ms: sum of the collectives' durations per iteration as the modeled network completed them "
                   "(MODELED); exposed ms: time the compute thread waited for collectives (measured); peak MB: FSDP "
-                  "parameter storage; unsharded: most non-root units unsharded at once\n");
+                  "parameter storage; grad MB: FSDP gradient storage (shards and unsharded buffers); unsharded: most non-root units unsharded at once\n");
     }
     pg->world()->barrier();
   } catch (const std::exception& e) {

@@ -141,8 +141,6 @@ void FlatParam::start_reduce() {
   }
 }
 
-bool FlatParam::reduce_completed() const { return pending_work_ && pending_work_->completed(); }
-
 void FlatParam::finish_reduce() {
   if (!pending_work_) return;
   InternalOpGuard internal;

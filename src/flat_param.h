@@ -86,7 +86,6 @@ class FlatParam {
   bool reduce_pending() const { return pending_work_ != nullptr; }
   const WorkPtr& reduce_work() const { return pending_work_; }
   bool reduce_is_synchronous() const { return group_.replicate_comm && group_.replicate_comm->size() > 1; }
-  bool reduce_completed() const;
   void finish_reduce();
 
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).

@@ -89,6 +89,8 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, 
   const auto strategy = options_.sharding_strategy();
   FSDP_CHECK(!options_.limit_all_gathers() || options_.all_gather_limit() >= 1, "all_gather_limit must be at least 1, got ",
              options_.all_gather_limit(), "; to turn the rate limiter off use limit_all_gathers(false)");
+  FSDP_CHECK(options_.reductions_in_flight() >= 0, "reductions_in_flight must be 0 or more, got ",
+             options_.reductions_in_flight());
   reshard_after_forward_ = strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
   group_.world_size = W;
   group_.world_comm = pg_->world();

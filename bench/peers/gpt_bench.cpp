@@ -64,6 +64,7 @@ struct BenchConfig {
   std::string backward_prefetch = "BACKWARD_PRE";
   bool forward_prefetch = false;
   int all_gather_limit = 2;  // 0: no rate limiter
+  int reductions_in_flight = 2;
   bool reuse_buffers = true;
 };
 
@@ -369,6 +370,10 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
   app.add_flag("--forward-prefetch", c.forward_prefetch, "FSDP: gather the next unit before computing the current one");
   app.add_option("--all-gather-limit", c.all_gather_limit, "FSDP: rate limiter, units unsharded at once (0: off)")
       ->check(CLI::Range(0, 1000))->capture_default_str();
+  app.add_option("--reductions-in-flight", c.reductions_in_flight,
+                 "FSDP: gradient reductions left running while backward goes on")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
   app.add_flag("!--no-reuse-buffers", c.reuse_buffers, "FSDP: free transient buffers instead of reusing them");
   app.add_flag("--count-allocations", c.count_allocations, "Count live tensor bytes through a wrapping CPU allocator");
   try {
@@ -436,6 +441,7 @@ int run(int argc, char** argv) {
                        .forward_prefetch(c.forward_prefetch)
                        .limit_all_gathers(c.all_gather_limit > 0)
                        .all_gather_limit(std::max(1, c.all_gather_limit))
+                       .reductions_in_flight(c.reductions_in_flight)
                        .reuse_buffers(c.reuse_buffers);
     if (c.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
     if (c.wrap == "sublayer")
@@ -458,7 +464,8 @@ int run(int argc, char** argv) {
                 << " units; backward prefetch " << c.backward_prefetch << ", forward prefetch "
                 << (c.forward_prefetch ? "on" : "off") << ", all-gather limit "
                 << (c.all_gather_limit > 0 ? std::to_string(c.all_gather_limit) : std::string("off"))
-                << ", buffer reuse " << (c.reuse_buffers ? "on" : "off");
+                << ", reductions in flight " << c.reductions_in_flight << ", buffer reuse "
+                << (c.reuse_buffers ? "on" : "off");
     std::cout << "\n  world " << world << ", " << torch::get_num_threads() << " threads per process; model "
               << c.layers << " layers, width " << c.width << ", " << c.heads << " heads, context " << c.context << ", "
               << parameter_count << " parameters; global batch " << c.global_batch << " x " << c.context
@@ -569,7 +576,8 @@ int run(int argc, char** argv) {
     result["wrap"] = local ? "" : c.wrap;
     if (!local)
       result["overlap"] = {{"backward_prefetch", c.backward_prefetch}, {"forward_prefetch", c.forward_prefetch},
-                           {"all_gather_limit", c.all_gather_limit}, {"reuse_buffers", c.reuse_buffers}};
+                           {"all_gather_limit", c.all_gather_limit},
+                           {"reductions_in_flight", c.reductions_in_flight}, {"reuse_buffers", c.reuse_buffers}};
     result["world"] = world;
     result["threads_per_process"] = torch::get_num_threads();
     result["config"] = {{"layers", c.layers}, {"width", c.width}, {"heads", c.heads}, {"context", c.context},

@@ -469,9 +469,11 @@ def memory_formula(units, world, rank, in_flight):
       allows exactly that pair; without prefetch it would be the largest single unit;
     gradients: the shard pieces' gradients (kept between steps: LibTorch 1.13's zero_grad() zeroes
       them in place) + the root's unsharded gradient buffer (its ln_final gradient arrives first
-      in backward, its tied embedding gradient last) + for the unit whose reduction is being
-      issued, its unsharded gradient and its reduce-scatter output, plus up to `in_flight` earlier
-      units' pairs still being reduced (the runtime bounds that at 2);
+      in backward, its tied embedding gradient last) + the unit computing its gradients (its
+      unsharded gradient buffer) + the `in_flight` (Options::reductions_in_flight) reductions
+      issued before it (unsharded gradient and reduce-scatter output each). Before issuing a
+      reduction the runtime waits for and frees the oldest ones until fewer than `in_flight`
+      remain, then allocates the new one's output; it frees them at no other time;
     AdamW: exp_avg and exp_avg_sq for every shard piece."""
     F = world
     shard_real = []
@@ -502,14 +504,19 @@ def memory_formula(units, world, rank, in_flight):
         if a not in ancestors:
             params_peak = max(params_peak, shards + chain(b) + units[a]["padded_bytes"])
     # Backward issues the non-root units' reductions in reverse forward order, then the root's.
-    pending, current, grads_transient = [], root["padded_bytes"], root["padded_bytes"]
+    pending, current = [], root["padded_bytes"]
+    grads_transient = current
     for u in list(reversed(others)) + [root]:
         if u is not root:
-            current += u["padded_bytes"]
+            current += u["padded_bytes"]  # its gradient buffer, from its first gradient on
+            grads_transient = max(grads_transient, current)
+        while pending and len(pending) > max(in_flight - 1, 0):
+            done = pending.pop(0)
+            current -= done["padded_bytes"] + done["shard_bytes"]
         current += u["shard_bytes"]  # the reduce-scatter output
         grads_transient = max(grads_transient, current)
         pending.append(u)
-        while len(pending) > in_flight:
+        if in_flight == 0:
             done = pending.pop(0)
             current -= done["padded_bytes"] + done["shard_bytes"]
     return {
@@ -710,13 +717,11 @@ def report_memory(bench, mem):
              "max psi_i taken over prefetched pairs;",
              "- gradients: this rank's shard-piece gradients (kept between steps: LibTorch 1.13's `zero_grad()` "
              "zeroes them in place) + the root's unsharded gradient buffer (its ln_final gradient arrives first in "
-             "backward, its tied-embedding gradient last) + the unit whose reduction is being issued (unsharded "
-             "gradient + reduce-scatter output) + k = 1 earlier unit's pair. Why exactly one: the runtime lets up "
-             "to 2 reductions stay in flight (`finish_reductions(2)`), but under FULL_SHARD each unit's backward "
-             "first all-gathers its parameters on the same first-in-first-out communicator that runs the previous "
-             "unit's reduce-scatter, and waits for it, so that reduce-scatter has completed; the runtime releases "
-             "its buffers only after issuing the next reduction. The table also shows the runtime's bound (k = 2) "
-             "and which k each measured peak corresponds to;",
+             "backward, its tied-embedding gradient last) + the unsharded gradient buffer of the unit computing its "
+             "gradients + the k earlier units' reductions still in flight (unsharded gradient + reduce-scatter "
+             "output each), k = `Options::reductions_in_flight` (default 2). Before issuing a reduction the "
+             "runtime waits for the oldest ones until fewer than k remain and frees their buffers then, never "
+             "earlier, so the gradient peak does not depend on when a reduce-scatter happens to finish;",
              "- AdamW: 2 x this rank's shard-piece bytes (padding excluded).", "",
              "Rank 0's figures; the ratio columns are the worst over all ranks and runs. 'At rest' compares the "
              "live tensor bytes after the warm-up steps, counted by a wrapping CPU allocator "
@@ -732,41 +737,32 @@ def report_memory(bench, mem):
     for wrap, runs in mem["runs"].items():
         r0 = runs[0]
         units = r0["units"]
-        worst = {"formula": 0.0, "bound": 0.0, "rest": 0.0}
-        implied = set()
+        k = r0.get("overlap", {}).get("reductions_in_flight", 2)
+        worst = {"formula": 0.0, "rest": 0.0}
         for run in runs:
             for st in run["ranks"]:
                 rank = int(st["rank"])
                 measured = st["fsdp_param_peak_bytes"] + st["fsdp_grad_peak_bytes"] + st["adamw_state_bytes"]
-                by_k = {k: memory_formula(units, world, rank, k) for k in (0, 1, 2)}
-                implied.update(k for k in (0, 1, 2) if by_k[k]["grads_peak"] == st["fsdp_grad_peak_bytes"])
-                if not any(by_k[k]["grads_peak"] == st["fsdp_grad_peak_bytes"] for k in (0, 1, 2)):
-                    implied.add("none")
-                f = by_k[1]
+                f = memory_formula(units, world, rank, k)
                 # + the communicators' reduce-scatter receive ring, which the library reports
                 rest = (f["params_rest"] + f["grads_rest"] + f["adamw"] + st["batch_bytes"] +
                         st.get("comm_scratch_at_rest_bytes", 0))
                 for key, value in (("formula", measured / (f["params_peak"] + f["grads_peak"] + f["adamw"])),
-                                   ("bound", measured / (by_k[2]["params_peak"] + by_k[2]["grads_peak"] +
-                                                         by_k[2]["adamw"])),
                                    ("rest", st["alloc_live_at_rest_bytes"] / rest)):
                     if abs(value - 1) > abs(worst[key] - 1) or worst[key] == 0.0:
                         worst[key] = value
         s0 = r0["ranks"][0]
-        f0 = memory_formula(units, world, 0, 1)
+        f0 = memory_formula(units, world, 0, k)
         med = median_of(runs)
         n = len(units)
         meas_total = s0["fsdp_param_peak_bytes"] + s0["fsdp_grad_peak_bytes"] + s0["adamw_state_bytes"]
         form_total = f0["params_peak"] + f0["grads_peak"] + f0["adamw"]
-        k_col = ", ".join(str(k) for k in sorted(implied, key=str))
-        if n == 1:
-            k_col += " (one unit: k plays no part)"
         rows.append([wrap, n, mib(f0["largest_unit_bytes"], 2),
                      f"{mib(s0['fsdp_param_peak_bytes'], 2)} / {mib(f0['params_peak'], 2)}",
                      f"{mib(s0['fsdp_grad_peak_bytes'], 2)} / {mib(f0['grads_peak'], 2)}",
                      f"{mib(s0['adamw_state_bytes'], 2)} / {mib(f0['adamw'], 2)}",
                      f"{mib(meas_total, 2)} / {mib(form_total, 2)}",
-                     f"{worst['formula']:.4f}", k_col, f"{worst['bound']:.4f}",
+                     f"{worst['formula']:.4f}",
                      f"{worst['rest']:.4f}", mib(s0.get("fsdp_cached_at_rest_bytes", 0), 2),
                      mib(s0["alloc_peak_bytes"], 1),
                      f"{2 * n - 1} + {n}", f"{med * 1000:.1f}",
@@ -774,8 +770,7 @@ def report_memory(bench, mem):
         plot.append((wrap, n, f0["params_peak"], f0["grads_peak"], f0["adamw"], meas_total, form_total, med))
     lines.append(table(["wrap", "units", "largest unit MiB", "params peak MiB (meas. / formula)",
                         "grads peak MiB (meas. / formula)", "AdamW MiB (meas. / formula)",
-                        "model state MiB (meas. / formula)", "measured / formula (worst rank)",
-                        "k the measured grads peak corresponds to", "measured / runtime bound k = 2",
+                        "model state MiB (meas. / formula)", "measured / formula (worst rank and run)",
                         "at rest: allocator / formula", "cached MiB", "all tensors at peak MiB",
                         "collectives per step (all-gather + reduce-scatter)", "step ms (median)",
                         "step time / block"], rows))
@@ -1066,10 +1061,11 @@ def check_outputs(bench, groups, sections):
         if t is None:
             problems.append("memory.md has no wrap table")
         else:
-            col = t[0].index("measured / formula (worst rank)")
+            col = t[0].index("measured / formula (worst rank and run)")
             rest = t[0].index("at rest: allocator / formula")
             for row in t[1:]:
-                float(row[col])
+                if abs(float(row[col]) - 1) > 1e-9:
+                    problems.append(f"memory.md wrap {row[0]}: peak model state differs from the formula")
                 if abs(float(row[rest]) - 1) > 1e-9:
                     problems.append(f"memory.md wrap {row[0]}: live tensor bytes at rest differ from the formula")
     if "largest" in sections:

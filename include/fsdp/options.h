@@ -68,6 +68,15 @@ struct Options {
   // memory prefetching can take. Gathers a computation needs now are never held back.
   TORCH_ARG(bool, limit_all_gathers) = true;
   TORCH_ARG(int, all_gather_limit) = 2;
+  // Reductions (reduce-scatter, or all-reduce for NO_SHARD) left in flight while backward goes on.
+  // Before a unit's reduction is issued, the runtime waits for the oldest ones until fewer than
+  // this many remain (a communicator runs its collectives in order, so waiting then costs no
+  // overlap), and it frees a reduction's buffers only then, never earlier, so gradient memory is
+  // the same in every run: the current unit's unsharded gradient plus this many reductions'
+  // (unsharded gradient and output). 2 lets a reduction that finishes late overlap the next two
+  // units' backward; 1 saves one unsharded gradient buffer and exposes more communication when
+  // communication takes as long as computation; 0 waits for each reduction when it is issued.
+  TORCH_ARG(int, reductions_in_flight) = 2;
   // Keep released unsharded parameter and gradient buffers and reuse them for the next unit or
   // iteration of the same size, instead of returning them to the system and mapping fresh,
   // zero-filled pages every time (MemoryStats::cached_bytes). Off: every buffer is freed when

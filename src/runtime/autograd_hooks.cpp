@@ -116,9 +116,14 @@ void Runtime::post_backward(int u) {
   if (last_touched_ == u) last_touched_ = -1;
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && backward_started_)
     prefetch(next_pending_in_backward(u), "prefetch backward post");
+  // Bound the unsharded gradient buffers in flight. Waiting before issuing (not after) frees the
+  // oldest buffer before this reduction's output is allocated; the communicator would run this
+  // reduction only after the older ones anyway.
+  const size_t in_flight = static_cast<size_t>(options_.reductions_in_flight());
   for (int f : units_[u].flat_params) {
     FlatParam& fp = *flat_params_[f];
     if (!fp.has_grad_buffer() || fp.reduce_pending()) continue;
+    finish_reductions(in_flight > 0 ? in_flight - 1 : 0);
     const auto start = Tracer::Clock::now();
     fp.start_reduce();
     const char* op = fp.keep_unsharded() ? "all-reduce" : "reduce-scatter";
@@ -127,9 +132,7 @@ void Runtime::post_backward(int u) {
     if (fp.reduce_is_synchronous()) tracer_.wait(u, "hybrid reduction", start, Tracer::Clock::now());
     reduce_order_.push_back(f);
   }
-  // Bound the unsharded gradient buffers in flight; the communicator overlaps the rest with the
-  // backward computation.
-  finish_reductions(2);
+  finish_reductions(in_flight);
 }
 
 void Runtime::finish_reduction(int f) {
@@ -141,8 +144,8 @@ void Runtime::finish_reduction(int f) {
 }
 
 void Runtime::finish_reductions(size_t keep_in_flight) {
-  while (!reduce_order_.empty() &&
-         (reduce_order_.size() > keep_in_flight || flat_params_[reduce_order_.front()]->reduce_completed())) {
+  // By count only, not as soon as one completes: gradient memory must not depend on timing.
+  while (reduce_order_.size() > keep_in_flight) {
     const int f = reduce_order_.front();
     reduce_order_.erase(reduce_order_.begin());
     finish_reduction(f);
