@@ -152,14 +152,15 @@ void FlatParam::finish_reduce() {
     full_grad_ = at::Tensor();
     memory_->add_grad(-padded_numel_ * element_size_);
   }
-  reduced_.div_(group_.world_size);
+  // Averaging is fused into the one pass that moves the sum into the pieces' gradients.
+  const double scale = 1.0 / group_.world_size;
   for (auto& s : slots_) {
     if (!s.piece.defined() || !s.got_grad) continue;  // unused parameters keep no gradient, as in local training
     at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
     at::Tensor& g = s.piece.mutable_grad();
     // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
-    if (g.defined()) g.add_(part);  // accumulate, as AccumulateGrad does when .grad was not cleared
-    else g = part.clone();
+    if (g.defined()) g.add_(part, scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
+    else g = part.mul(scale);
   }
   if (group_.keep_unsharded) {
     full_grad_ = at::Tensor();
