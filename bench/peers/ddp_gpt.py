@@ -134,6 +134,16 @@ def status_bytes(field):
     return 0
 
 
+class _Plain:
+    """The model called directly, with DDP's `.module` attribute."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--inputs", required=True, help="file written by gpt_bench --write-inputs")
@@ -144,6 +154,9 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: OMP_NUM_THREADS)")
     ap.add_argument("--result", help="rank 0 writes the result as JSON here")
     ap.add_argument("--label", default="pytorch-ddp")
+    ap.add_argument("--no-ddp", action="store_true",
+                    help="train the plain model without the DDP wrapper (world size 1 only): the same model "
+                         "and step in Python, for comparing eager Python with the C++ frontend")
     args = ap.parse_args()
 
     if args.threads > 0:
@@ -155,6 +168,8 @@ def main():
     if not os.path.isfile(args.inputs):
         sys.exit(f"ddp_gpt: --inputs {args.inputs} does not exist; write it with gpt_bench --write-inputs")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.no_ddp and world != 1:
+        sys.exit(f"ddp_gpt: --no-ddp trains without communication and needs WORLD_SIZE=1, got {world}")
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
     config, params, batches = read_inputs(args.inputs)
@@ -183,7 +198,7 @@ def main():
     parameter_count = sum(p.numel() for p in model.parameters())
     dims = {name: p.dim() for name, p in model.named_parameters()}
 
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = _Plain(model) if args.no_ddp else nn.parallel.DistributedDataParallel(model)
     decayed = [p for n, p in ddp.module.named_parameters() if dims[n] >= 2]
     not_decayed = [p for n, p in ddp.module.named_parameters() if dims[n] < 2]
     optimizer = torch.optim.AdamW(
@@ -191,7 +206,8 @@ def main():
         lr=args.lr, betas=(0.9, 0.99))
 
     if rank == 0:
-        print(f"ddp_gpt {args.label}: PyTorch {torch.__version__} DDP over Gloo, world {world}, "
+        how = "without DDP (plain model)" if args.no_ddp else "DDP over Gloo"
+        print(f"ddp_gpt {args.label}: PyTorch {torch.__version__} {how}, world {world}, "
               f"{torch.get_num_threads()} threads per process; model {config['layers']} layers, width "
               f"{config['width']}, {config['heads']} heads, context {context}, {parameter_count} parameters; "
               f"global batch {config['global_batch']} x {context} tokens; steps {args.warmup} warm-up + "
@@ -258,9 +274,9 @@ def main():
         med = statistics.median(step_seconds)
         result = {
             "label": args.label,
-            "implementation": "pytorch-ddp",
-            "mode": "ddp",
-            "strategy": "DDP",
+            "implementation": "pytorch-local" if args.no_ddp else "pytorch-ddp",
+            "mode": "local" if args.no_ddp else "ddp",
+            "strategy": "" if args.no_ddp else "DDP",
             "world": world,
             "threads_per_process": torch.get_num_threads(),
             "torch_version": torch.__version__,

@@ -11,6 +11,7 @@
 // The step is what every contender times: zero_grad, forward, loss, backward, optimizer step and
 // reading the loss. Batches are drawn before the first step.
 #include <c10/core/Allocator.h>
+#include <ATen/record_function.h>
 #include <c10/core/CPUAllocator.h>
 #include <fsdp/fsdp.h>
 #include <sys/resource.h>
@@ -61,6 +62,7 @@ struct BenchConfig {
   std::string trace;  // rank 0 writes the last iteration's FSDP event trace (Chrome JSON) here
   int64_t memory_cap_mib = 0;
   bool count_allocations = false;
+  bool operator_callback = false;  // local mode: an operator callback like libfsdp's interception
   std::string backward_prefetch = "BACKWARD_PRE";
   bool forward_prefetch = false;
   int all_gather_limit = 2;  // 0: no rate limiter
@@ -85,6 +87,26 @@ int64_t proc_status_bytes(const char* field) {
 // the benchmark can check the library's own accounting against what was really allocated.
 // LibTorch requires CPU data pointers to be their own deleter context (raw_allocate), so sizes
 // are remembered by address.
+// --operator-callback: the per-operator work of libfsdp's interception (src/runtime/interception.cpp)
+// without the rest of FSDP: RecordFunction boxes every operator's inputs for the callback, which
+// looks each tensor input's storage up in a table of the parameters' storages.
+std::unordered_set<const c10::StorageImpl*> g_parameter_storages;
+std::atomic<int64_t> g_parameter_inputs{0};
+
+std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
+  int64_t hits = 0;
+  auto visit = [&](const at::Tensor& t) {
+    if (t.defined() && t.has_storage()) hits += g_parameter_storages.count(t.storage().unsafeGetStorageImpl());
+  };
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) visit(v.toTensor());
+    else if (v.isTensorList())
+      for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
+  }
+  g_parameter_inputs.fetch_add(hits, std::memory_order_relaxed);
+  return nullptr;
+}
+
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner), inner_deleter_(inner->raw_deleter()) {
@@ -375,6 +397,10 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_flag("!--no-reuse-buffers", c.reuse_buffers, "FSDP: free transient buffers instead of reusing them");
+  app.add_flag("--operator-callback", c.operator_callback,
+               "Local mode: install a global operator callback that does what libfsdp's interception does for "
+               "every operator (box the inputs, look each tensor's storage up among the parameters'), to "
+               "measure that cost without FSDP");
   app.add_flag("--count-allocations", c.count_allocations, "Count live tensor bytes through a wrapping CPU allocator");
   try {
     app.parse(argc, argv);
@@ -407,6 +433,10 @@ int run(int argc, char** argv) {
   if (c.threads > 0) torch::set_num_threads(c.threads);
 
   const bool local = c.mode == "local";
+  if (c.operator_callback && !local) {
+    std::cerr << "gpt_bench: error: --operator-callback is for --mode local (FSDP installs its own)\n";
+    return 2;
+  }
   fsdp::ProcessGroupPtr pg;
   if (!local) pg = fsdp::ProcessGroup::from_env();
   const int world = local ? 1 : pg->size(), rank = local ? 0 : pg->rank();
@@ -433,6 +463,11 @@ int run(int argc, char** argv) {
   std::vector<std::pair<std::string, torch::Tensor>> trained;  // what the optimizer steps
   if (local) {
     trained = unique_named_parameters(*model);
+    if (c.operator_callback) {
+      for (const auto& [name, p] : trained) g_parameter_storages.insert(p.storage().unsafeGetStorageImpl());
+      at::addGlobalCallback(
+          at::RecordFunctionCallback(&on_operator).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+    }
   } else {
     auto options = fsdp::Options()
                        .sharding_strategy(fsdp::parse_sharding_strategy(c.strategy))

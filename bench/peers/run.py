@@ -17,9 +17,10 @@ Sections (--sections, default all):
   memory   FULL_SHARD at one world size for several wrap granularities: measured peak
            parameter, gradient and AdamW-state bytes per rank against the formula computed from
            the units (FullyShardedModule::units()), and the step time of each granularity.
-  malloc   Diagnosis of the step-time gap: the compute-bound model at world 4, DDP, NO_SHARD and
-           FULL_SHARD, each with glibc's default malloc and with one that keeps freed memory
-           resident (no page faults when a freed buffer is allocated again).
+  malloc   Diagnosis of the step-time gap, in one process (world 1, no communication): the
+           compute-bound model in eager Python, in the LibTorch C++ frontend, in the C++ frontend
+           with an operator callback like libfsdp's interception, and under libfsdp NO_SHARD, each
+           with glibc's default malloc and with the steady setting every other section uses.
   largest  With a fixed per-rank memory cap, the deepest GPT (fixed width) that trains under
            NO_SHARD and under FULL_SHARD, found by doubling then bisection, one short run per probe.
 
@@ -59,8 +60,9 @@ PRESETS = {
         "steps": 6,
         "threads_per_rank": 1,
         "memory": {"world": 4, "size": "comm-bound", "wraps": ["none", "block", "sublayer", "linear"], "reps": 3},
-        "malloc_diagnosis": {"world": 4, "size": "compute-bound", "contenders": ["ddp", "NO_SHARD", "FULL_SHARD"],
-                             "reps": 5},
+        "malloc_diagnosis": {"size": "compute-bound", "batch_per_rank": 4,
+                             "contenders": ["pylocal", "local1", "local_callback", "NO_SHARD"], "reps": 7},
+        "contender_malloc": "steady",
         "largest": {"world": 4, "cap_mib": 1024, "width": 512, "heads": 8, "context": 32, "batch_per_rank": 1,
                     "max_layers": 256, "criteria": ["whole", "steps"], "malloc": ["default", "mmap"]},
     },
@@ -72,7 +74,9 @@ PRESETS = {
         "steps": 2,
         "threads_per_rank": 1,
         "memory": {"world": 2, "size": "tiny", "wraps": ["none", "block"], "reps": 1},
-        "malloc_diagnosis": {"world": 2, "size": "tiny", "contenders": ["FULL_SHARD"], "reps": 1},
+        "malloc_diagnosis": {"size": "tiny", "batch_per_rank": 2,
+                             "contenders": ["pylocal", "local1", "local_callback", "NO_SHARD"], "reps": 1},
+        "contender_malloc": "steady",
         "largest": {"world": 2, "cap_mib": 0, "cap_over_baseline_mib": 16, "width": 256, "heads": 4, "context": 16,
                     "batch_per_rank": 1, "max_layers": 2, "criteria": ["whole"], "malloc": ["default"]},
     },
@@ -87,6 +91,13 @@ FSDP_STRATEGIES = ["NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
 # and the resident set follows the live tensors.
 MALLOC_MODES = {
     "default": {},
+    # Every contender of the peers section (DDP's Python process too): glibc's mmap threshold fixed
+    # at 32 MiB (the most its dynamic threshold reaches) and the heap trimmed only when more than
+    # 64 MiB at its top are free. With glibc's defaults a LibTorch C++ process returns the top of
+    # its heap to the kernel after every backward and faults it in again, zero-filled, in the next
+    # step (about 4,000 page faults per step on the compute-bound model); the Python process does
+    # not (its own small objects keep the heap top in use). See malloc.md.
+    "steady": {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "67108864"},
     "mmap": {"MALLOC_MMAP_THRESHOLD_": "1048576"},
     # Diagnosis only (section "malloc"): large blocks come from the heap and freed memory is never
     # returned to the kernel, so a buffer freed and allocated again reuses resident pages instead
@@ -272,10 +283,18 @@ class Bench:
         return cs
 
     def run_contender(self, c, size, world, inputs, warmup, steps, timeout=900, wrap="block", env=None):
+        if env is None:
+            env = MALLOC_MODES[self.preset["contender_malloc"]]
         margs = self.model_args(size, world, warmup, steps)
         if c["kind"] == "local":
             argv = [self.gpt_bench, "--mode", "local", "--threads", str(c["threads"]), "--inputs", inputs] + margs
+            if c.get("callback"):
+                argv.append("--operator-callback")
             return self.launch(argv, None, None, c["label"], timeout, env=env)
+        if c["kind"] == "pylocal":
+            argv = [self.python, os.path.join(ROOT, "bench", "peers", "ddp_gpt.py"), "--no-ddp", "--inputs", inputs,
+                    "--warmup", str(warmup), "--steps", str(steps), "--threads", str(c["threads"])]
+            return self.launch(argv, 1, c["threads"], c["label"], timeout, env=env)
         if c["kind"] == "ddp":
             argv = [self.python, os.path.join(ROOT, "bench", "peers", "ddp_gpt.py"), "--inputs", inputs,
                     "--warmup", str(warmup), "--steps", str(steps), "--threads", str(c["threads"])]
@@ -311,28 +330,41 @@ class Bench:
         return groups
 
     def section_malloc(self):
-        """Diagnosis of the step-time gap on the compute-bound model: every contender with glibc's
-        default malloc and with one that keeps freed memory resident ("keep"), interleaved."""
+        """Diagnosis of the step-time gap without communication: one process, one thread, the
+        per-rank batch of the peers section; Python eager, the C++ frontend, the C++ frontend with
+        an operator callback, libfsdp NO_SHARD at world 1; glibc default and steady malloc;
+        interleaved."""
         m = self.preset["malloc_diagnosis"]
-        size = next(s for s in self.preset["sizes"] if s["name"] == m["size"])
-        world, warmup, steps = m["world"], self.preset["warmup"], self.preset["steps"]
-        inputs = self.write_inputs(size, world, warmup, steps)
-        cs = [c for c in self.contenders(world) if c["key"] in m["contenders"]]
-        variants = [(c, mode) for mode in ("default", "keep") for c in cs]
+        size = dict(next(s for s in self.preset["sizes"] if s["name"] == m["size"]), batch_per_rank=m["batch_per_rank"])
+        warmup, steps = self.preset["warmup"], self.preset["steps"]
+        inputs = self.write_inputs(size, 1, warmup, steps)
+        catalog = {
+            "pylocal": {"key": "pylocal", "label": "PyTorch eager (Python, no DDP)", "kind": "pylocal"},
+            "local1": {"key": "local1", "label": "LibTorch C++ frontend", "kind": "local"},
+            "local_callback": {"key": "local_callback", "label": "LibTorch C++ + operator callback", "kind": "local",
+                               "callback": True},
+            "NO_SHARD": {"key": "NO_SHARD", "label": "libfsdp NO_SHARD (world 1)", "kind": "fsdp",
+                         "strategy": "NO_SHARD", "factor": 0},
+        }
+        cs = []
+        for key in m["contenders"]:
+            if key == "pylocal" and not self.ddp_available:
+                continue
+            cs.append(dict(catalog[key], threads=1))
+        variants = [(c, mode) for mode in ("default", "steady") for c in cs]
         runs = {(c["key"], mode): [] for c, mode in variants}
         for rep in range(m["reps"]):
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for c, mode in order:
-                res, rc, tail, wall = self.run_contender(c, size, world, inputs, warmup, steps,
-                                                         env=MALLOC_MODES[mode])
+                res, rc, tail, wall = self.run_contender(c, size, 1, inputs, warmup, steps, env=MALLOC_MODES[mode])
                 if res is None:
-                    log(f"malloc w{world}: {c['label']} ({mode}) FAILED (exit {rc})")
+                    log(f"malloc: {c['label']} ({mode}) FAILED (exit {rc}): {tail[-300:]}")
                     continue
                 res.update({"section": "malloc", "size": size["name"], "rep": rep, "key": c["key"], "malloc": mode})
                 runs[(c["key"], mode)].append(res)
-                log(f"malloc w{world} rep {rep + 1}/{m['reps']}: {c['label']:<24} {mode:<8} "
+                log(f"malloc rep {rep + 1}/{m['reps']}: {c['label']:<34} {mode:<8} "
                     f"{res['median_step_s'] * 1000:8.1f} ms/step  (load {res['load_before'][0]:.1f})")
-        return {"size": size, "world": world, "contenders": cs, "runs": runs}
+        return {"size": size, "contenders": cs, "runs": runs}
 
     def section_memory(self):
         m = self.preset["memory"]
@@ -583,7 +615,10 @@ def report_peers(bench, groups):
              "and batches that the Python DDP contender loads. Per rank: "
              f"{p['threads_per_rank']} intra-op thread (`--threads-per-rank` of `fsdp-run`, "
              "`torch.set_num_threads`); the local contender is one process with all usable CPUs. "
-             "All use `OMP_WAIT_POLICY=PASSIVE`. Launcher for every distributed contender: "
+             "All use `OMP_WAIT_POLICY=PASSIVE` and glibc malloc's 'steady' setting `" +
+             " ".join(f"{k}={v}" for k, v in MALLOC_MODES[p["contender_malloc"]].items()) +
+             "` (fixed mmap threshold, heap trimmed only past 64 MiB free; see malloc.md for why and what it "
+             "changes). Launcher for every distributed contender: "
              "`build/tools/fsdp-run`.", "",
              f"Each run: {p['warmup']} warm-up steps, then {p['steps']} timed steps; a step is zero_grad, "
              "forward, loss, backward, optimizer step and reading the loss. Per run the median step time; "
@@ -784,34 +819,41 @@ def report_memory(bench, mem):
 
 
 def report_malloc(bench, md):
-    size, world = md["size"], md["world"]
-    ddp = median_of(md["runs"].get(("ddp", "default"), []))
-    lines = [f"Model {size['name']} ({size['layers']} layers, width {size['width']}, context {size['context']}, "
-             f"{size['batch_per_rank']} sequences per rank), world {world}, the same runs as in peers.md otherwise. "
-             "Each contender runs with glibc's default malloc and with `MALLOC_MMAP_THRESHOLD_=1073741824 "
-             "MALLOC_TRIM_THRESHOLD_=4294967296` ('keep': large blocks come from the heap and freed memory stays "
-             "resident, so a buffer freed and allocated again does not fault in fresh zeroed pages). The "
-             "libfsdp runtime frees every unsharded parameter buffer when it reshards a unit and every unsharded "
-             "gradient buffer after its reduction, and allocates them again at the next use; PyTorch DDP keeps "
-             "its gradient buckets. This is a diagnosis of where libfsdp's extra system time comes from, not a "
-             f"setting the other tables use. Medians over {bench.preset['malloc_diagnosis']['reps']} interleaved "
-             "runs; ratios to DDP with the default malloc.", ""]
+    size = md["size"]
+    steady = " ".join(f"{k}={v}" for k, v in MALLOC_MODES["steady"].items())
+    base_key = "pylocal" if any(c["key"] == "pylocal" for c in md["contenders"]) else md["contenders"][0]["key"]
+    base = median_of(md["runs"].get((base_key, "default"), []))
+    base_label = next(c["label"] for c in md["contenders"] if c["key"] == base_key)
+    lines = [f"Model {size['name']} ({size['layers']} layers, width {size['width']}, context {size['context']}), "
+             f"{size['batch_per_rank']} sequences per step: the per-rank work of the peers section's world-2 runs, "
+             "in one process with one thread and no communication, so that what remains is the cost of the "
+             "language, the allocator and the FSDP runtime. Contenders: the same model and step in eager Python "
+             "(`ddp_gpt.py --no-ddp`), in the LibTorch C++ frontend (`gpt_bench --mode local`), in the C++ frontend "
+             "with a global operator callback that does what libfsdp's interception does for every operator "
+             "(`--operator-callback`: boxes the inputs, looks each tensor's storage up among the parameters'), and "
+             "under libfsdp NO_SHARD at world 1 (interception, autograd hooks, flat gradient buffers; its "
+             "all-reduce over one rank moves nothing). Each with glibc's default malloc and with the 'steady' "
+             f"setting every contender of peers.md runs with (`{steady}`). Medians over "
+             f"{bench.preset['malloc_diagnosis']['reps']} interleaved runs; ratios to {base_label} with the default "
+             "malloc.", ""]
     rows = []
     for c in md["contenders"]:
-        for mode in ("default", "keep"):
+        for mode in ("default", "steady"):
             runs = md["runs"].get((c["key"], mode), [])
             med = median_of(runs)
             if med is None:
-                rows.append([c["label"], mode, 0] + ["failed"] * 6)
+                rows.append([c["label"], mode, 0] + ["failed"] * 10)
                 continue
-            rows.append([c["label"], mode, len(runs), f"{med * 1000:.1f}", fmt(med / ddp) if ddp else "n/a",
+            ph = lambda k: f"{statistics.median(r['phase_median_s'].get(k, 0) for r in runs) * 1000:.1f}"
+            rows.append([c["label"], mode, len(runs), f"{med * 1000:.1f}", fmt(med / base) if base else "n/a",
+                         ph("forward"), ph("backward"), ph("optimizer"),
                          f"{median_of(runs, 'cpu_user_s_per_step'):.3f}",
                          f"{median_of(runs, 'cpu_system_s_per_step'):.3f}",
                          f"{median_of(runs, 'minor_faults_per_step'):.0f}",
                          f"{statistics.median(max(x['vmhwm_bytes'] for x in r['ranks']) for r in runs) / MiB:.1f}"])
-    lines.append(table(["contender", "malloc", "runs", "step ms", "step time / DDP (default malloc)",
-                        "CPU user s per step", "CPU system s per step", "page faults per step",
-                        "peak RSS MiB"], rows))
+    lines.append(table(["contender", "malloc", "runs", "step ms", f"step time / {base_label} (default malloc)",
+                        "forward + loss ms", "backward ms", "optimizer ms", "CPU user s per step",
+                        "CPU system s per step", "page faults per step", "peak RSS MiB"], rows))
     lines.append("")
     return lines
 
@@ -1125,7 +1167,7 @@ def main():
     if "malloc" in sections:
         md = bench.section_malloc()
         with open(os.path.join(bench.out, "malloc.md"), "w") as f:
-            f.write("\n".join(header_block(bench, "Diagnosis: libfsdp's step-time gap and glibc malloc", started,
+            f.write("\n".join(header_block(bench, "Diagnosis of the step-time gap: language, allocator and FSDP runtime, without communication", started,
                                            datetime.datetime.utcnow()) + report_malloc(bench, md)) + "\n")
     if "memory" in sections:
         mem = bench.section_memory()
