@@ -64,7 +64,7 @@ struct BenchConfig {
   bool count_allocations = false;
   bool operator_callback = false;  // local mode: an operator callback like libfsdp's interception
   std::string backward_prefetch = "BACKWARD_PRE";
-  bool forward_prefetch = false;
+  bool forward_prefetch = true;
   int all_gather_limit = 2;  // 0: no rate limiter
   int reductions_in_flight = 2;
   bool reuse_buffers = true;
@@ -389,7 +389,7 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
   app.add_option("--trace", c.trace, "FSDP: rank 0 writes the last step's event trace here (Chrome JSON, Perfetto)");
   app.add_option("--backward-prefetch", c.backward_prefetch, "FSDP: BACKWARD_PRE, BACKWARD_POST or NONE")
       ->capture_default_str();
-  app.add_flag("--forward-prefetch", c.forward_prefetch, "FSDP: gather the next unit before computing the current one");
+  app.add_flag("--forward-prefetch,!--no-forward-prefetch", c.forward_prefetch, "FSDP: gather the next unit before computing the current one");
   app.add_option("--all-gather-limit", c.all_gather_limit, "FSDP: rate limiter, units unsharded at once (0: off)")
       ->check(CLI::Range(0, 1000))->capture_default_str();
   app.add_option("--reductions-in-flight", c.reductions_in_flight,

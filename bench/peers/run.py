@@ -290,7 +290,9 @@ class Bench:
             argv = [self.gpt_bench, "--mode", "local", "--threads", str(c["threads"]), "--inputs", inputs] + margs
             if c.get("callback"):
                 argv.append("--operator-callback")
-            return self.launch(argv, None, None, c["label"], timeout, env=env)
+            # As fsdp-run does for every rank: OpenBLAS sizes its own thread pool from this, not from
+            # torch::set_num_threads.
+            return self.launch(argv, None, None, c["label"], timeout, env=dict(env, OMP_NUM_THREADS=str(c["threads"])))
         if c["kind"] == "pylocal":
             argv = [self.python, os.path.join(ROOT, "bench", "peers", "ddp_gpt.py"), "--no-ddp", "--inputs", inputs,
                     "--warmup", str(warmup), "--steps", str(steps), "--threads", str(c["threads"])]

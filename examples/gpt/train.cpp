@@ -63,7 +63,7 @@ struct TrainConfig {
   int sharding_factor = 0;  // 0: the library's default for the strategy
   std::string wrap = "block";
   std::string backward_prefetch = "BACKWARD_PRE";
-  bool forward_prefetch = false;
+  bool forward_prefetch = true;
   std::string data;  // empty: the fortunes corpus
   int log_interval = 25;
   int eval_batches = 8;
@@ -109,7 +109,7 @@ int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& co
       ->capture_default_str();
   app.add_option("--backward-prefetch", config.backward_prefetch, "When to gather the next unit in backward: "
                  "BACKWARD_PRE, BACKWARD_POST or NONE")->capture_default_str();
-  app.add_flag("--forward-prefetch", config.forward_prefetch, "Gather the next unit before computing the current "
+  app.add_flag("--forward-prefetch,!--no-forward-prefetch", config.forward_prefetch, "Gather the next unit before computing the current "
                "one in forward (one more unit of memory)");
   app.add_option("--data", config.data, std::string("Text file to train on (default: the fortunes in ") +
                  gpt::kFortunesDir + ")")->check(CLI::ExistingFile);
