@@ -303,13 +303,8 @@ FSDP_WORKER(mixed_dtype_worker) {
   auto sharded = fsdp::fully_shard(model, pg);  // one unit holding float and double parameters
   torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(sharded->parameters(), 0.1);
   for (int step = 0; step < 3; ++step) {
-    auto x = at::randn({2 * ctx.world, 4}, at::detail::createCPUGenerator(step));
-    ref_opt.zero_grad();
-    ref->forward(x).pow(2).mean().backward();
-    ref_opt.step();
-    opt.zero_grad();
-    model->forward(x.narrow(0, 2 * ctx.rank, 2)).pow(2).mean().backward();
-    opt.step();
+    const auto x = at::randn({2 * ctx.world, 4}, at::detail::createCPUGenerator(step));
+    step_side_by_side(ref, ref_opt, model, opt, x, ctx.rank, 2);
   }
   auto full = sharded->full_state_dict();
   for (const auto& kv : ref->named_parameters())

@@ -54,4 +54,17 @@ LaunchResult launch(const std::string& name, int world, const std::vector<std::s
 // Relative difference max|a-b| / max|b| (0 when both are zero).
 double rel_diff(const at::Tensor& a, const at::Tensor& b);
 
+// One step of local training of `ref` on the global batch x and of sharded training of `model` on
+// this rank's `rows` rows of it, both on the loss mean(forward(x)^2).
+template <class Ref, class Model>
+void step_side_by_side(Ref& ref, torch::optim::Optimizer& ref_opt, Model& model, torch::optim::Optimizer& opt,
+                       const at::Tensor& x, int rank, int rows) {
+  ref_opt.zero_grad();
+  ref->forward(x).pow(2).mean().backward();
+  ref_opt.step();
+  opt.zero_grad();
+  model->forward(x.narrow(0, int64_t(rank) * rows, rows)).pow(2).mean().backward();
+  opt.step();
+}
+
 }  // namespace fsdp_test

@@ -182,13 +182,8 @@ FSDP_WORKER(root_between_worker) {
                                                     .backward_prefetch(prefetch).trace(true));
     torch::optim::SGD ref_opt(ref->parameters(), 0.05), opt(sharded->parameters(), 0.05);
     for (int step = 0; step < 3; ++step) {
-      auto x = torch::randn({2 * ctx.world, 16}, at::detail::createCPUGenerator(7 + step));
-      ref_opt.zero_grad();
-      ref->forward(x).pow(2).mean().backward();
-      ref_opt.step();
-      opt.zero_grad();
-      model->forward(x.narrow(0, 2 * ctx.rank, 2)).pow(2).mean().backward();
-      opt.step();
+      const auto x = torch::randn({2 * ctx.world, 16}, at::detail::createCPUGenerator(7 + step));
+      step_side_by_side(ref, ref_opt, model, opt, x, ctx.rank, 2);
     }
     const auto t = sharded->last_trace();
     const int n = int(sharded->units().size());
