@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "deferred_init_impl.h"
 #include "fsdp/check.h"
 #include "fsdp/sharded.h"
 #include "runtime/internal_guard.h"
@@ -84,6 +85,7 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, 
     : module_(std::move(module)), pg_(std::move(pg)), options_(std::move(options)) {
   FSDP_CHECK(module_ != nullptr, "fully_shard: the module is null");
   FSDP_CHECK(pg_ != nullptr, "fully_shard: the process group is null; create one with ProcessGroup::from_env()");
+  detail::check_not_deferring("fully_shard");
   const int W = pg_->size();
   pool_.set_enabled(options_.reuse_buffers());
   const auto strategy = options_.sharding_strategy();
@@ -256,9 +258,8 @@ void Runtime::build_units() {
                "' is not a dense tensor; FSDP shards dense parameters only");
     FSDP_CHECK(!p.requires_grad() || p.is_floating_point() || p.is_complex(), "parameter '", s.name,
                "' requires grad but has dtype ", p.scalar_type());
-    FSDP_CHECK(p.device() == seen[0].param.device(), "parameter '", s.name, "' is on ", p.device(),
-               " but '", seen[0].name, "' is on ", seen[0].param.device(), "; move the model to one device first");
-    FSDP_CHECK(p.device().is_cpu(), "parameter '", s.name, "' is on ", p.device(),
+    // Meta parameters (built under fsdp::DeferredInit) are materialized on the CPU below.
+    FSDP_CHECK(p.device().is_cpu() || p.is_meta(), "parameter '", s.name, "' is on ", p.device(),
                "; this build of libfsdp shards CPU models only (Gloo communicators, CPU buffer pool): "
                "move the model to the CPU before fully_shard");
     planned_.push_back({s.name, std::vector<std::string>(s.names.begin() + 1, s.names.end()), p, unit});
@@ -329,47 +330,90 @@ void Runtime::check_same_model_on_all_ranks() {
 void Runtime::build_flat_params() {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
-  if (options_.sync_module_states() && pg_->size() > 1) {
-    std::vector<at::Tensor> tensors;
-    for (const auto& pp : planned_) tensors.push_back(pp.param);
-    for (const auto& kv : module_->named_buffers(true)) tensors.push_back(kv.value());
-    for (auto& t : tensors) {
-      if (!t.defined() || t.numel() == 0) continue;
-      at::Tensor c = t.detach().contiguous();
-      pg_->world()->broadcast(c, 0)->wait();
-      if (!c.is_same(t)) t.detach().copy_(c);
-    }
-  }
+  const bool sync = options_.sync_module_states() && pg_->size() > 1;
+  auto broadcast_from_rank0 = [&](const at::Tensor& t) {
+    if (!t.defined() || t.numel() == 0) return;
+    at::Tensor c = t.detach().contiguous();
+    pg_->world()->broadcast(c, 0)->wait();
+    if (!c.is_same(t)) t.detach().copy_(c);
+  };
+
+  // Plan every FlatParameter first (ids in unit order): one per (dtype, requires_grad) group of a
+  // unit's parameters, in module order.
+  struct PlannedFlat {
+    int unit;
+    std::vector<ParamSlot> slots;
+  };
+  std::vector<PlannedFlat> plan;
   for (size_t u = 0; u < units_.size(); ++u) {
-    // One FlatParameter per (dtype, requires_grad) group, in module order.
-    std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<ParamSlot>>> groups;
+    const size_t first = plan.size();
     for (const auto& pp : planned_) {
       if (pp.unit != static_cast<int>(u)) continue;
-      auto key = std::make_pair(pp.param.scalar_type(), pp.param.requires_grad());
-      auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == key; });
-      if (it == groups.end()) {
-        groups.push_back({key, {}});
-        it = groups.end() - 1;
+      auto it = std::find_if(plan.begin() + first, plan.end(), [&](const PlannedFlat& f) {
+        const at::Tensor& q = f.slots[0].param;
+        return q.scalar_type() == pp.param.scalar_type() && q.requires_grad() == pp.param.requires_grad();
+      });
+      if (it == plan.end()) {
+        plan.push_back({static_cast<int>(u), {}});
+        it = plan.end() - 1;
       }
       ParamSlot slot;
       slot.name = pp.name;
       slot.aliases = pp.aliases;
       slot.param = pp.param;
-      it->second.push_back(std::move(slot));
+      it->slots.push_back(std::move(slot));
     }
+    for (size_t id = first; id < plan.size(); ++id) units_[u].flat_params.push_back(static_cast<int>(id));
+  }
+  flat_params_.resize(plan.size());
+
+  // Flattens and shards one FlatParameter, then frees its unsharded storage at once, so building
+  // the model's FlatParameters never holds more than one unsharded copy.
+  auto build = [&](size_t id) {
+    if (sync)
+      for (const auto& slot : plan[id].slots) broadcast_from_rank0(slot.param);
+    flat_params_[id] = std::make_unique<FlatParam>(static_cast<int>(id), plan[id].unit, std::move(plan[id].slots),
+                                                   group_, &memory_, &pool_);
+    FlatParam& fp = *flat_params_[id];
+    flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
+    for (size_t s = 0; s < fp.slots().size(); ++s)
+      slot_of_param_[fp.slots()[s].param.unsafeGetTensorImpl()] = {static_cast<int>(id), static_cast<int>(s)};
+    fp.reshard();
+  };
+
+  if (!has_deferred_tensors(*module_)) {
+    for (size_t id = 0; id < plan.size(); ++id) build(id);
+  } else {
+    // Deferred initialization: visit the modules in pre-order, materializing and initializing each
+    // one's own meta tensors, and build each FlatParameter right after the last module that
+    // registers one of its parameters (so no later initializer can write into it once sharded).
+    const auto visits = detail::modules_in_preorder(*module_);
+    std::unordered_map<const c10::TensorImpl*, size_t> flat_of_param;
+    for (size_t id = 0; id < plan.size(); ++id)
+      for (const auto& slot : plan[id].slots) flat_of_param[slot.param.unsafeGetTensorImpl()] = id;
+    std::vector<size_t> last_registrant(plan.size(), 0);
+    for (size_t i = 0; i < visits.size(); ++i)
+      for (const auto& p : visits[i].module->parameters(/*recurse=*/false)) {
+        auto it = flat_of_param.find(p.unsafeGetTensorImpl());
+        if (it != flat_of_param.end()) last_registrant[it->second] = i;
+      }
+    std::vector<std::vector<size_t>> ready_after(visits.size());
+    for (size_t id = 0; id < plan.size(); ++id) ready_after[last_registrant[id]].push_back(id);
+    for (size_t i = 0; i < visits.size(); ++i) {
+      detail::materialize_own_tensors(visits[i], options_.param_init_fn());
+      for (size_t id : ready_after[i]) build(id);
+    }
+  }
+  if (sync)
+    for (const auto& kv : module_->named_buffers(/*recurse=*/true)) broadcast_from_rank0(kv.value());
+
+  for (size_t u = 0; u < units_.size(); ++u) {
     UnitInfo info;
     info.name = units_[u].name;
     info.parent = units_[u].parent;
-    for (auto& g : groups) {
-      const int id = static_cast<int>(flat_params_.size());
-      flat_params_.push_back(std::make_unique<FlatParam>(id, static_cast<int>(u), std::move(g.second), group_, &memory_, &pool_));
-      FlatParam& fp = *flat_params_.back();
-      units_[u].flat_params.push_back(id);
-      flat_param_of_storage_[fp.storage()] = id;
-      for (size_t s = 0; s < fp.slots().size(); ++s) {
-        slot_of_param_[fp.slots()[s].param.unsafeGetTensorImpl()] = {id, static_cast<int>(s)};
-        info.parameters.push_back(fp.slots()[s].name);
-      }
+    for (int id : units_[u].flat_params) {
+      const FlatParam& fp = *flat_params_[id];
+      for (const auto& slot : fp.slots()) info.parameters.push_back(slot.name);
       info.numel += fp.numel();
       info.padded_numel += fp.padded_numel();
       info.padded_bytes += fp.padded_numel() * fp.element_size();

@@ -93,12 +93,7 @@ FSDP_WORKER(exact_worker) {
     auto reference = make_model(model, dtype);
     auto sharded_model = make_model(model, dtype);
     auto sharded = fsdp::fully_shard(sharded_model, pg, options_for(model, strategy, sharded_model, f.size() > 4 ? f[4] : ""));
-    // LibTorch's parameters() lists a tied weight once per module that registers it; an optimizer
-    // over that list would step it twice. Local training means each parameter once.
-    std::vector<at::Tensor> unique;
-    for (const auto& p : reference->parameters())
-      if (std::none_of(unique.begin(), unique.end(), [&](const at::Tensor& q) { return q.is_same(p); })) unique.push_back(p);
-    auto ref_opt = make_optimizer(optim, unique);
+    auto ref_opt = make_optimizer(optim, unique_parameters(*reference));
     auto opt = make_optimizer(optim, sharded->parameters());
     sharded->check_optimizer(*opt);
 

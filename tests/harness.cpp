@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -42,6 +43,13 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b) {
   const double scale = b.abs().max().item<double>();
   const double diff = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
   return scale == 0 ? diff : diff / scale;
+}
+
+std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> unique;
+  for (const auto& p : module.parameters())
+    if (std::none_of(unique.begin(), unique.end(), [&](const at::Tensor& q) { return q.is_same(p); })) unique.push_back(p);
+  return unique;
 }
 
 namespace {

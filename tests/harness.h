@@ -54,6 +54,10 @@ LaunchResult launch(const std::string& name, int world, const std::vector<std::s
 // Relative difference max|a-b| / max|b| (0 when both are zero).
 double rel_diff(const at::Tensor& a, const at::Tensor& b);
 
+// Each parameter of `module` once: LibTorch's parameters() lists a tied weight once per module
+// that registers it, and an optimizer over that list would step it twice.
+std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
+
 // One step of local training of `ref` on the global batch x and of sharded training of `model` on
 // this rank's `rows` rows of it, both on the loss mean(forward(x)^2).
 template <class Ref, class Model>

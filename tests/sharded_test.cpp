@@ -56,10 +56,7 @@ FSDP_WORKER(sharded_exact_worker) {
     auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().sharding_strategy(strategy));  // no policy
     WORKER_CHECK(sharded->units().size() == 4 && sharded->units()[1].name == "blocks.0",
                  "the Sharded blocks must be units: ", sharded->describe());
-    std::vector<at::Tensor> unique;
-    for (const auto& p : reference->parameters())
-      if (std::none_of(unique.begin(), unique.end(), [&](const at::Tensor& q) { return q.is_same(p); })) unique.push_back(p);
-    torch::optim::AdamW ref_opt(unique, torch::optim::AdamWOptions(0.01));
+    torch::optim::AdamW ref_opt(unique_parameters(*reference), torch::optim::AdamWOptions(0.01));
     torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
     const int per_rank = 2;
     for (int step = 0; step < 5; ++step) {

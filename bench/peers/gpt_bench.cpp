@@ -38,6 +38,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "counting_allocator.h"
 #include "data.h"
 #include "model.h"
 
@@ -45,6 +46,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
+using fsdp_bench::CountingAllocator;
 
 struct BenchConfig {
   std::string mode = "fsdp";
@@ -62,6 +64,7 @@ struct BenchConfig {
   std::string trace;  // rank 0 writes the last iteration's FSDP event trace (Chrome JSON) here
   int64_t memory_cap_mib = 0;
   bool count_allocations = false;
+  std::string init = "deferred";  // deferred: built under fsdp::DeferredInit, initialized unit by unit
   bool operator_callback = false;  // local mode: an operator callback like libfsdp's interception
   std::string backward_prefetch = "BACKWARD_PRE";
   bool forward_prefetch = true;
@@ -106,65 +109,6 @@ std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
   g_parameter_inputs.fetch_add(hits, std::memory_order_relaxed);
   return nullptr;
 }
-
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner), inner_deleter_(inner->raw_deleter()) {
-    TORCH_CHECK(inner_deleter_ != nullptr, "the CPU allocator has no raw deleter to wrap");
-    instance_ = this;
-  }
-
-  c10::DataPtr allocate(size_t bytes) const override {
-    c10::DataPtr inner = inner_->allocate(bytes);
-    void* data = inner.get();
-    TORCH_CHECK(inner.get_context() == data && inner.get_deleter() == inner_deleter_,
-                "unexpected CPU allocation layout");
-    inner.release_context();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      sizes_[data] = bytes;
-      live_ += static_cast<int64_t>(bytes);
-      peak_ = std::max(peak_, live_);
-    }
-    return {data, data, &CountingAllocator::release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
-
-  int64_t live() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return live_;
-  }
-  int64_t peak() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return peak_;
-  }
-  void reset_peak() {
-    std::lock_guard<std::mutex> lock(mu_);
-    peak_ = live_;
-  }
-
- private:
-  static void release(void* data) {
-    CountingAllocator* self = instance_;
-    if (data == nullptr) return;
-    {
-      std::lock_guard<std::mutex> lock(self->mu_);
-      auto it = self->sizes_.find(data);
-      if (it != self->sizes_.end()) {
-        self->live_ -= static_cast<int64_t>(it->second);
-        self->sizes_.erase(it);
-      }
-    }
-    self->inner_deleter_(data);
-  }
-
-  static inline CountingAllocator* instance_ = nullptr;
-  c10::Allocator* inner_;
-  c10::DeleterFnPtr inner_deleter_;
-  mutable std::mutex mu_;
-  mutable std::unordered_map<void*, size_t> sizes_;
-  mutable int64_t live_ = 0, peak_ = 0;
-};
 
 // Aborts the process as soon as its resident set passes the cap (sampled every millisecond), so
 // an over-budget probe of the largest-model search stops early. The verdict itself uses VmHWM,
@@ -401,6 +345,12 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
                "Local mode: install a global operator callback that does what libfsdp's interception does for "
                "every operator (box the inputs, look each tensor's storage up among the parameters'), to "
                "measure that cost without FSDP");
+  app.add_option("--init", c.init,
+                 "Model construction: deferred (fsdp::DeferredInit; FSDP allocates and initializes one unit at a "
+                 "time, local mode materializes the whole model) or eager (every rank builds the whole model "
+                 "first); the weights are the same")
+      ->check(CLI::IsMember({"deferred", "eager"}))
+      ->capture_default_str();
   app.add_flag("--count-allocations", c.count_allocations, "Count live tensor bytes through a wrapping CPU allocator");
   try {
     app.parse(argc, argv);
@@ -454,7 +404,18 @@ int run(int argc, char** argv) {
   const int64_t batch_bytes = batches.nbytes();
 
   torch::manual_seed(c.seed);
-  gpt::GPT model(model_config(c));
+  const auto gpt_config = model_config(c);
+  gpt::GPT model(nullptr);
+  if (c.init == "deferred") {
+    fsdp::DeferredInit deferred;
+    model = gpt::GPT(gpt_config);
+  } else {
+    model = gpt::GPT(gpt_config);
+  }
+  const fsdp::ParamInitFn init_module = [&](const std::string& name, torch::nn::Module& module) {
+    gpt::initialize(gpt_config, name, module);
+  };
+  if (local) fsdp::materialize(*model, init_module);
   const int64_t parameter_count = gpt::count_parameters(*model);
   std::map<std::string, int64_t> dims;
   for (const auto& item : model->named_parameters()) dims[item.key()] = item.value().dim();
@@ -477,7 +438,8 @@ int run(int argc, char** argv) {
                        .limit_all_gathers(c.all_gather_limit > 0)
                        .all_gather_limit(std::max(1, c.all_gather_limit))
                        .reductions_in_flight(c.reductions_in_flight)
-                       .reuse_buffers(c.reuse_buffers);
+                       .reuse_buffers(c.reuse_buffers)
+                       .param_init_fn(init_module);
     if (c.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
     if (c.wrap == "sublayer")
       options.auto_wrap_policy(fsdp::wrap::by_type<gpt::CausalSelfAttentionImpl, gpt::MLPImpl>());
@@ -510,8 +472,8 @@ int run(int argc, char** argv) {
     std::cout << std::flush;
   }
 
-  // The initialization peak (the whole model is built on every rank before fully_shard shards
-  // it), then the high-water mark restarts (clear_refs "5") so the steps' own peak is seen too.
+  // The initialization peak (with --init eager the whole model is built on every rank before
+  // fully_shard shards it), then the high-water mark restarts (clear_refs "5") so the steps' own peak is seen too.
   const int64_t hwm_init = proc_status_bytes("VmHWM");
   const bool hwm_reset = reset_high_water_mark();
   const int total_steps = c.warmup + c.steps;
@@ -617,7 +579,7 @@ int run(int argc, char** argv) {
     result["threads_per_process"] = torch::get_num_threads();
     result["config"] = {{"layers", c.layers}, {"width", c.width}, {"heads", c.heads}, {"context", c.context},
                         {"global_batch", c.global_batch}, {"warmup", c.warmup}, {"steps", c.steps},
-                        {"lr", c.lr}, {"seed", c.seed}};
+                        {"lr", c.lr}, {"seed", c.seed}, {"init", c.init}};
     result["parameters"] = parameter_count;
     result["tokens_per_step"] = int64_t(c.global_batch) * c.context;
     result["step_seconds"] = step_seconds;

@@ -1,7 +1,11 @@
 #include "model.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <string>
 #include <unordered_set>
 
 namespace gpt {
@@ -53,30 +57,50 @@ TiedLMHeadImpl::TiedLMHeadImpl(torch::Tensor embedding_weight) {
 torch::Tensor TiedLMHeadImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
 
 GPTImpl::GPTImpl(const GPTConfig& cfg) : config(cfg) {
+  // The module constructors below draw LibTorch's default initializations from the global
+  // generator. Rewind it afterwards, so the weights depend on the seed and `initialize` alone: the
+  // same whether the model is built eagerly or deferred (meta tensors draw nothing, and FSDP calls
+  // `initialize` module by module in this same pre-order).
+  auto generator = at::detail::getDefaultCPUGenerator();
+  at::Tensor seed_state;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    seed_state = generator.get_state();
+  }
   token_embedding = register_module("token_embedding", torch::nn::Embedding(config.vocab_size, config.width));
   position_embedding = register_module("position_embedding", torch::nn::Embedding(config.context, config.width));
   for (int64_t i = 0; i < config.layers; ++i) blocks->push_back(Block(config));
   register_module("blocks", blocks);
   ln_final = register_module("ln_final", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.width})));
   lm_head = register_module("lm_head", TiedLMHead(token_embedding->weight));
+  if (token_embedding->weight.is_meta()) return;  // deferred: initialized when materialized
 
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(seed_state);
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& item : named_modules(/*name_prefix=*/"", /*include_self=*/false))
+    initialize(config, item.key(), *item.value());
+}
+
+void initialize(const GPTConfig& config, const std::string& name, torch::nn::Module& module) {
   // GPT-2's initialization: small normal weights, zero biases, and the projections that write into
   // the residual stream scaled down by sqrt(2 * layers) so the stream's variance does not grow
   // with depth. LibTorch's default N(0, 1) embedding would give the tied head huge initial logits.
-  torch::NoGradGuard no_grad;
-  for (auto& module : modules(/*include_self=*/false)) {
-    if (auto* linear = module->as<torch::nn::Linear>()) {
-      linear->weight.normal_(0.0, 0.02);
-      if (linear->bias.defined()) linear->bias.zero_();
-    } else if (auto* embedding = module->as<torch::nn::Embedding>()) {
-      embedding->weight.normal_(0.0, 0.02);
-    }
+  auto ends_with = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (auto* linear = module.as<torch::nn::Linear>()) {
+    const bool residual = ends_with("attn.proj") || ends_with("mlp.proj");
+    linear->weight.normal_(0.0, residual ? 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers)) : 0.02);
+    if (linear->bias.defined()) linear->bias.zero_();
+  } else if (auto* embedding = module.as<torch::nn::Embedding>()) {
+    embedding->weight.normal_(0.0, 0.02);
+  } else if (auto* norm = module.as<torch::nn::LayerNorm>()) {
+    norm->reset_parameters();  // gain 1, bias 0
   }
-  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers));
-  for (const auto& block : *blocks) {
-    block->as<BlockImpl>()->attn->proj->weight.normal_(0.0, residual_std);
-    block->as<BlockImpl>()->mlp->proj->weight.normal_(0.0, residual_std);
-  }
+  // The other modules register no tensors of their own (the head's weight is the embedding's).
 }
 
 torch::Tensor GPTImpl::forward(const torch::Tensor& tokens) {

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <string>
 
 namespace gpt {
 
@@ -70,6 +71,11 @@ struct GPTImpl : torch::nn::Module {
   TiedLMHead lm_head{nullptr};
 };
 TORCH_MODULE(GPT);
+
+// Initializes the tensors `module` registers itself (not its children's), `name` being its
+// qualified name in a GPT: the constructor applies it to every module in pre-order, and a model
+// built under fsdp::DeferredInit gets the same values when FSDP applies it (Options::param_init_fn).
+void initialize(const GPTConfig& config, const std::string& name, torch::nn::Module& module);
 
 // Parameter elements, counting a tensor registered in several modules (the tied weight) once.
 int64_t count_parameters(torch::nn::Module& module);

@@ -64,6 +64,7 @@ struct TrainConfig {
   std::string wrap = "block";
   std::string backward_prefetch = "BACKWARD_PRE";
   bool forward_prefetch = true;
+  std::string init = "deferred";
   std::string data;  // empty: the fortunes corpus
   int log_interval = 25;
   int eval_batches = 8;
@@ -111,6 +112,9 @@ int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& co
                  "BACKWARD_PRE, BACKWARD_POST or NONE")->capture_default_str();
   app.add_flag("--forward-prefetch,!--no-forward-prefetch", config.forward_prefetch, "Gather the next unit before computing the current "
                "one in forward (one more unit of memory)");
+  app.add_option("--init", config.init, "deferred: build the model on the meta device and let FSDP allocate, "
+                 "initialize and shard one unit at a time; eager: build the whole model on every rank first "
+                 "(same weights)")->check(CLI::IsMember({"deferred", "eager"}))->capture_default_str();
   app.add_option("--data", config.data, std::string("Text file to train on (default: the fortunes in ") +
                  gpt::kFortunesDir + ")")->check(CLI::ExistingFile);
   app.add_option("--log-interval", config.log_interval, "Steps between log lines")
@@ -446,14 +450,20 @@ int run(int argc, char** argv) {
   if (world > 1) pg->world()->all_reduce(peak)->wait();
   const double peak_flops = peak.item<double>();
 
-  // The model, exactly as it would be built without FSDP.
+  // The model, as it would be built without FSDP (under DeferredInit its constructor allocates nothing).
   torch::manual_seed(config.seed);
   gpt::GPTConfig model_config;
   model_config.context = config.context;
   model_config.width = config.width;
   model_config.layers = config.layers;
   model_config.heads = config.heads;
-  gpt::GPT model(model_config);
+  gpt::GPT model(nullptr);
+  if (config.init == "deferred") {
+    fsdp::DeferredInit deferred;  // no parameter memory until fully_shard materializes each unit
+    model = gpt::GPT(model_config);
+  } else {
+    model = gpt::GPT(model_config);
+  }
   const int64_t parameter_count = gpt::count_parameters(*model);
   // Weight decay applies to matrices (weights, embeddings), not to biases or LayerNorm gains. The
   // shard pieces are 1-D, so remember each parameter's original rank by name.
@@ -464,7 +474,10 @@ int run(int argc, char** argv) {
                      .sharding_strategy(fsdp::parse_sharding_strategy(config.strategy))
                      .sharding_factor(config.sharding_factor)
                      .backward_prefetch(fsdp::parse_backward_prefetch(config.backward_prefetch))
-                     .forward_prefetch(config.forward_prefetch);
+                     .forward_prefetch(config.forward_prefetch)
+                     .param_init_fn([&](const std::string& name, torch::nn::Module& module) {
+                       gpt::initialize(model_config, name, module);
+                     });
   if (config.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
   auto sharded = fsdp::fully_shard(model, pg, options);
 
@@ -500,7 +513,8 @@ int run(int argc, char** argv) {
         {"units", std::to_string(units)},
         {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
                          ", forward " + (config.forward_prefetch ? "on" : "off")},
-        {"parameters", with_commas(parameter_count) + " (tied embedding and head counted once)"},
+        {"parameters", with_commas(parameter_count) + " (tied embedding and head counted once); initialization " +
+                           (config.init == "deferred" ? "deferred (unit by unit in fully_shard)" : "eager")},
         {"model", std::to_string(config.layers) + " layers, width " + std::to_string(config.width) + ", " +
                       std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +
                       ", vocab 256 (bytes)"},

@@ -2,6 +2,7 @@
 // libfsdp: Fully Sharded Data Parallel training for the PyTorch C++ frontend.
 #include "fsdp/check.h"
 #include "fsdp/comm.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
 #include "fsdp/network_model.h"

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/deferred_init.h"
 #include "fsdp/wrap_policy.h"
 
 namespace fsdp {
@@ -57,6 +58,10 @@ struct Options {
   // Broadcast rank 0's buffers (e.g. BatchNorm running stats) at the end of every backward, so
   // buffers stay replicated (DistributedDataParallel's broadcast_buffers).
   TORCH_ARG(bool, broadcast_buffers) = true;
+  // For a model built under fsdp::DeferredInit (meta parameters): initializes each module's own
+  // parameters and buffers once fully_shard has given them CPU storage, one unit at a time (see
+  // deferred_init.h). Null: fsdp::reset_parameters (the standard LibTorch modules).
+  TORCH_ARG(ParamInitFn, param_init_fn) = nullptr;
 
   // Overlap of communication with computation (paper 3.3, 3.4).
   TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;

@@ -153,6 +153,22 @@ test_train_two_ranks() {
   echo "trained 2 ranks in $((SECONDS - start)) s"
 }
 
+# Deferred initialization (the default) and an eager build give the same weights, so the same
+# losses step for step; the deferred run says so in its configuration.
+test_init_deferred_matches_eager() {
+  local short=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 6 --log-interval 1
+               --eval-batches 1 --sample-bytes 8 --prompt "The ")
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${short[@]}" --init eager
+  expect_rc 0
+  grep -E "^\[rank 0\] step +[0-9]+/" "$TMP/out" | sed -E 's/.*(\| loss [0-9.]+) \|.*/\1/' >"$TMP/eager.loss"
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${short[@]}"
+  expect_rc 0
+  expect_regex out "initialization deferred \(unit by unit in fully_shard\)"
+  grep -E "^\[rank 0\] step +[0-9]+/" "$TMP/out" | sed -E 's/.*(\| loss [0-9.]+) \|.*/\1/' >"$TMP/deferred.loss"
+  [ "$(wc -l <"$TMP/eager.loss")" -eq 6 ] || fail "expected 6 logged steps, got $(wc -l <"$TMP/eager.loss")"
+  diff "$TMP/eager.loss" "$TMP/deferred.loss" >&2 || fail "deferred and eager initialization train differently"
+}
+
 test_bad_flags() {
   # Each bad value gets a message naming the flag and a non-zero exit; nothing trains.
   local cases=(

@@ -1,0 +1,27 @@
+#pragma once
+// Pieces of deferred initialization shared by fully_shard and fsdp::materialize.
+#include <string>
+#include <vector>
+
+#include "fsdp/deferred_init.h"
+
+namespace fsdp::detail {
+
+struct ModuleVisit {
+  torch::nn::Module* module;
+  std::string name;  // qualified; "" for the root
+};
+
+// Every module once (a module registered twice is visited at its first place), parents first,
+// children in registration order.
+std::vector<ModuleVisit> modules_in_preorder(torch::nn::Module& root);
+
+// Gives the module's own meta parameters and buffers fresh CPU storage in place and runs `init`
+// (null: reset_parameters) on the module; throws if it left one of them unwritten. Returns false,
+// without calling init, if the module had no meta tensor of its own.
+bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init);
+
+bool deferring();  // a DeferredInit scope is open on this thread
+void check_not_deferring(const char* what);
+
+}  // namespace fsdp::detail
