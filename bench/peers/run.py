@@ -64,7 +64,8 @@ PRESETS = {
                              "contenders": ["pylocal", "local1", "local_callback", "NO_SHARD"], "reps": 7},
         "contender_malloc": "steady",
         "largest": {"world": 4, "cap_mib": 1024, "width": 512, "heads": 8, "context": 32, "batch_per_rank": 1,
-                    "max_layers": 256, "criteria": ["whole", "steps"], "malloc": ["default", "mmap"]},
+                    "max_layers": 256, "criteria": ["whole", "steps"], "malloc": ["default", "mmap"],
+                    "init": "deferred"},
     },
     "ci": {
         "sizes": [{"name": "tiny", "layers": 2, "width": 64, "heads": 4, "context": 32, "batch_per_rank": 2}],
@@ -86,9 +87,11 @@ FSDP_STRATEGIES = ["NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
 
 # glibc malloc settings for the largest-model search. "default": glibc's dynamic mmap threshold,
 # which rises to the size of the largest block freed so far (up to 32 MiB), after which blocks of
-# that size come from the heap and freed ones often stay resident. "mmap": a fixed 1 MiB threshold
-# (glibc's MALLOC_MMAP_THRESHOLD_ tunable), so every large tensor is mapped and unmapped on its own
-# and the resident set follows the live tensors.
+# that size come from the heap and freed ones often stay resident. "mmap": a fixed 512 KiB threshold
+# (glibc's MALLOC_MMAP_THRESHOLD_ tunable), so every parameter-sized tensor is mapped and unmapped
+# on its own and the resident set follows the live tensors. (1 MiB, used before, left one rank's
+# AdamW state of a 1,043,968-byte shard piece on the heap, where it fragmented: +50 MiB on that
+# rank only at width 512, world 4.)
 MALLOC_MODES = {
     "default": {},
     # Every contender of the peers section (DDP's Python process too): glibc's mmap threshold fixed
@@ -98,7 +101,7 @@ MALLOC_MODES = {
     # step (about 4,000 page faults per step on the compute-bound model); the Python process does
     # not (its own small objects keep the heap top in use). See malloc.md.
     "steady": {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "67108864"},
-    "mmap": {"MALLOC_MMAP_THRESHOLD_": "1048576"},
+    "mmap": {"MALLOC_MMAP_THRESHOLD_": "524288"},
     # Diagnosis only (section "malloc"): large blocks come from the heap and freed memory is never
     # returned to the kernel, so a buffer freed and allocated again reuses resident pages instead
     # of faulting in freshly zeroed ones.
@@ -416,11 +419,13 @@ class Bench:
                 for strategy in ("NO_SHARD", "FULL_SHARD"):
                     log(f"largest: {strategy}, cap {cap} MiB per rank ({criterion}, malloc {malloc})")
                     searches.append(self.search(size0, strategy, world, cap, criterion, L["max_layers"], malloc))
-        return {"world": world, "cap_mib": cap, "size": size0, "searches": searches, "baseline_bytes": baseline}
+        return {"world": world, "cap_mib": cap, "size": size0, "searches": searches, "baseline_bytes": baseline,
+                "init": L.get("init", "deferred")}
 
     def probe(self, size, strategy, world, watchdog_mib, malloc):
         argv = [self.gpt_bench, "--mode", "fsdp", "--strategy", strategy, "--wrap", "block", "--threads",
-                str(self.preset["threads_per_rank"]), "--inputs", self.largest_inputs] + self.model_args(size, world, 1, 1)
+                str(self.preset["threads_per_rank"]), "--inputs", self.largest_inputs,
+                "--init", self.preset["largest"].get("init", "deferred")] + self.model_args(size, world, 1, 1)
         if watchdog_mib:
             argv += ["--memory-cap-mib", str(watchdog_mib)]
         return self.launch(argv, world, self.preset["threads_per_rank"], f"{strategy} probe L={size['layers']}",
@@ -904,11 +909,15 @@ def report_largest(bench, lg):
                   table(["criterion", "malloc", "NO_SHARD M params", "FULL_SHARD M params", "ratio"], ratios), ""]
     lines += ["malloc 'default': glibc as it comes (its mmap threshold rises to the largest block freed so far, "
               "up to 32 MiB; later blocks of that size come from the heap, and freed ones often stay resident). "
-              "'mmap': `MALLOC_MMAP_THRESHOLD_=1048576` in every rank's environment, so every tensor of 1 MiB or "
-              "more is mapped and unmapped on its own and the resident set follows the live tensors.", ""]
-    lines += ["Criterion 'whole': the whole process, initialization included (every rank builds the full model "
-              "before `fully_shard` shards it). 'steps': the training steps only (VmHWM restarted after "
-              "initialization), i.e. what the model needs once it is sharded.", "",
+              "'mmap': `MALLOC_MMAP_THRESHOLD_=524288` in every rank's environment, so every tensor of 512 KiB or "
+              "more (every parameter-sized one here) is mapped and unmapped on its own and the resident set "
+              "follows the live tensors.", ""]
+    init = lg.get("init", "eager")
+    how = ("the model is built under `fsdp::DeferredInit` and `fully_shard` allocates, initializes and shards "
+           "it one unit at a time (`gpt_bench --init deferred`)" if init == "deferred" else
+           "every rank builds the whole model before `fully_shard` shards it (`gpt_bench --init eager`)")
+    lines += [f"Criterion 'whole': the whole process, initialization included ({how}). 'steps': the training "
+              "steps only (VmHWM restarted after initialization), i.e. what the model needs once it is sharded.", "",
               "![probes](largest.png)", ""]
     return lines
 
