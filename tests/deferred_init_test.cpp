@@ -217,7 +217,7 @@ FSDP_WORKER(deferred_fully_shard_worker) {
 }
 
 TEST(DeferredInit, FullyShardMaterializesUnitByUnitAndTrainsLikeLocal) {
-  for (const char* strategy : {"FULL_SHARD", "NO_SHARD"}) {
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}) {
     auto r = launch("deferred_fully_shard_worker", 3, {strategy});  // 3 ranks: every unit is padded
     ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
     EXPECT_TRUE(contains(r.ranks[0].output, std::string(strategy) + " init peak")) << r.report();
