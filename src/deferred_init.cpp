@@ -9,6 +9,7 @@
 
 #include "deferred_init_impl.h"
 #include "fsdp/check.h"
+#include "fsdp/sharded.h"
 
 namespace fsdp {
 
@@ -135,11 +136,15 @@ bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init) 
   collect("buffer", module.named_buffers(/*recurse=*/false));
   if (fresh.empty()) return false;
   {
+    // fsdp::Sharded<M> registers M's tensors as its own: initialize them as M's.
+    torch::nn::Module* target = &module;
+    if (auto* unit = dynamic_cast<ExplicitUnit*>(&module))
+      if (torch::nn::Module* wrapped = unit->wrapped_module()) target = wrapped;
     at::NoGradGuard no_grad;
     if (init)
-      init(visit.name, module);
+      init(visit.name, *target);
     else
-      reset_parameters(visit.name, module);
+      reset_parameters(visit.name, *target);
   }
   for (const auto& f : fresh)
     FSDP_CHECK(f.tensor._version() != f.version, "deferred initialization: the init function left ", f.kind, " '",

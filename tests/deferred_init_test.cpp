@@ -84,6 +84,31 @@ TEST(DeferredInit, StandardModulesMaterializeToTheValuesOfAnEagerBuild) {
     EXPECT_TRUE(torch::equal(kv.value(), deferred->named_parameters()[kv.key()])) << "after a step: " << kv.key();
 }
 
+// fsdp::Sharded<M> takes over M's tensors; deferred initialization initializes them as M's.
+struct ShardedLinearsImpl : torch::nn::Module {
+  ShardedLinearsImpl() {
+    a = register_module("a", fsdp::Sharded<torch::nn::Linear>(torch::nn::Linear(5, 4)));
+    b = register_module("b", fsdp::Sharded<torch::nn::Linear>(torch::nn::Linear(4, 3)));
+  }
+  fsdp::Sharded<torch::nn::Linear> a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(ShardedLinears);
+
+TEST(DeferredInit, ShardedWrappersAreInitializedAsTheModuleTheyWrap) {
+  torch::manual_seed(4);
+  ShardedLinears eager;
+  torch::manual_seed(4);
+  ShardedLinears deferred(nullptr);
+  {
+    fsdp::DeferredInit scope;
+    deferred = ShardedLinears();
+  }
+  fsdp::materialize(*deferred);
+  const auto deferred_params = deferred->named_parameters();
+  for (const auto& kv : eager->named_parameters())
+    EXPECT_TRUE(torch::equal(kv.value(), deferred_params[kv.key()])) << "parameter " << kv.key();
+}
+
 // A module type fsdp::reset_parameters does not know, with its own parameter.
 struct CustomImpl : torch::nn::Module {
   CustomImpl() {

@@ -29,6 +29,10 @@ namespace fsdp {
 class ExplicitUnit {
  public:
   virtual ~ExplicitUnit() = default;
+  // The module whose parameters and buffers this one registers as its own, if it wraps one:
+  // deferred initialization hands that module to the initializer (e.g. a Linear's
+  // reset_parameters() for fsdp::Sharded<torch::nn::Linear>).
+  virtual torch::nn::Module* wrapped_module() { return nullptr; }
 };
 
 namespace detail {
@@ -71,6 +75,8 @@ class ShardedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Module,
     detail::UnitScope unit(*this);
     return detail::attach_pre_backward(*this, inner_->forward(std::forward<Args>(args)...));
   }
+
+  torch::nn::Module* wrapped_module() override { return inner_.ptr().get(); }
 
   Holder& inner() { return inner_; }
   const Holder& inner() const { return inner_; }
