@@ -3,6 +3,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <functional>
 #include <set>
@@ -13,6 +14,7 @@
 
 namespace fsdp {
 
+#ifdef FSDP_HAVE_DEFERRED_INIT_KEY
 namespace {
 
 // A dispatch key nothing else uses in this process (PyTorch reserves it for out-of-core deferred
@@ -42,6 +44,23 @@ DeferredInit::DeferredInit() : previous_(c10::impl::tls_is_dispatch_key_included
 }
 
 DeferredInit::~DeferredInit() { c10::impl::tls_set_dispatch_key_included(kDeferredKey, previous_); }
+bool DeferredInit::supported() { return true; }
+
+namespace detail {
+bool deferring() { return c10::impl::tls_is_dispatch_key_included(kDeferredKey); }
+}  // namespace detail
+#else
+DeferredInit::DeferredInit() : previous_(false) {
+  FSDP_FAIL("fsdp::DeferredInit needs LibTorch's DispatchKey::DeferredInit, which this LibTorch (", TORCH_VERSION,
+            ") does not have; construct the model without DeferredInit");
+}
+DeferredInit::~DeferredInit() = default;
+bool DeferredInit::supported() { return false; }
+
+namespace detail {
+bool deferring() { return false; }
+}  // namespace detail
+#endif  // FSDP_HAVE_DEFERRED_INIT_KEY
 
 void reset_parameters(const std::string& name, torch::nn::Module& module) {
   namespace nn = torch::nn;
@@ -93,8 +112,6 @@ void materialize(torch::nn::Module& module, const ParamInitFn& init) {
 }
 
 namespace detail {
-
-bool deferring() { return c10::impl::tls_is_dispatch_key_included(kDeferredKey); }
 
 void check_not_deferring(const char* what) {
   FSDP_CHECK(!deferring(), what, " was called inside a fsdp::DeferredInit scope, where every new tensor is a meta "

@@ -37,6 +37,7 @@ struct StandardImpl : torch::nn::Module {
 TORCH_MODULE(Standard);
 
 TEST(DeferredInit, StandardModulesMaterializeToTheValuesOfAnEagerBuild) {
+  if (!fsdp::DeferredInit::supported()) GTEST_SKIP() << "this LibTorch has no DispatchKey::DeferredInit";
   torch::manual_seed(11);
   Standard eager;
   torch::manual_seed(11);
@@ -95,6 +96,7 @@ struct ShardedLinearsImpl : torch::nn::Module {
 TORCH_MODULE(ShardedLinears);
 
 TEST(DeferredInit, ShardedWrappersAreInitializedAsTheModuleTheyWrap) {
+  if (!fsdp::DeferredInit::supported()) GTEST_SKIP() << "this LibTorch has no DispatchKey::DeferredInit";
   torch::manual_seed(4);
   ShardedLinears eager;
   torch::manual_seed(4);
@@ -121,6 +123,7 @@ struct CustomImpl : torch::nn::Module {
 TORCH_MODULE(Custom);
 
 TEST(DeferredInit, ErrorsNameTheModuleAndTheFix) {
+  if (!fsdp::DeferredInit::supported()) GTEST_SKIP() << "this LibTorch has no DispatchKey::DeferredInit";
   auto deferred_custom = [] {
     fsdp::DeferredInit deferred;
     return Custom();
@@ -242,6 +245,7 @@ FSDP_WORKER(deferred_fully_shard_worker) {
 }
 
 TEST(DeferredInit, FullyShardMaterializesUnitByUnitAndTrainsLikeLocal) {
+  if (!fsdp::DeferredInit::supported()) GTEST_SKIP() << "this LibTorch has no DispatchKey::DeferredInit";
   for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}) {
     auto r = launch("deferred_fully_shard_worker", 3, {strategy});  // 3 ranks: every unit is padded
     ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
@@ -256,6 +260,7 @@ FSDP_WORKER(deferred_bad_init_worker) {
 }
 
 TEST(DeferredInit, FullyShardWithoutAnInitializerForACustomModuleFailsOnEveryRank) {
+  if (!fsdp::DeferredInit::supported()) GTEST_SKIP() << "this LibTorch has no DispatchKey::DeferredInit";
   auto r = launch("deferred_bad_init_worker", 2, {}, 120);
   ASSERT_FALSE(r.timed_out) << r.report();
   for (const auto& rank : r.ranks) {

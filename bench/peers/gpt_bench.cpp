@@ -406,6 +406,10 @@ int run(int argc, char** argv) {
   torch::manual_seed(c.seed);
   const auto gpt_config = model_config(c);
   gpt::GPT model(nullptr);
+  if (c.init == "deferred" && !fsdp::DeferredInit::supported()) {
+    if (rank == 0) std::cerr << "gpt_bench: this LibTorch cannot defer initialization; building the model eagerly\n";
+    c.init = "eager";
+  }
   if (c.init == "deferred") {
     fsdp::DeferredInit deferred;
     model = gpt::GPT(gpt_config);

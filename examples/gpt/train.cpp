@@ -458,6 +458,10 @@ int run(int argc, char** argv) {
   model_config.layers = config.layers;
   model_config.heads = config.heads;
   gpt::GPT model(nullptr);
+  if (config.init == "deferred" && !fsdp::DeferredInit::supported()) {
+    if (rank == 0) std::cerr << "fsdp_gpt: this LibTorch cannot defer initialization; building the model eagerly\n";
+    config.init = "eager";
+  }
   if (config.init == "deferred") {
     fsdp::DeferredInit deferred;  // no parameter memory until fully_shard materializes each unit
     model = gpt::GPT(model_config);

@@ -38,6 +38,8 @@ class DeferredInit {
   ~DeferredInit();
   DeferredInit(const DeferredInit&) = delete;
   DeferredInit& operator=(const DeferredInit&) = delete;
+  // False if this LibTorch lacks the dispatch key it relies on (then the constructor throws).
+  static bool supported();
 
  private:
   bool previous_;
