@@ -110,20 +110,73 @@ std::string FlatParam::reduce_track() const {
   return group_.keep_unsharded ? group_.world_comm->name() : group_.shard_comm->name();
 }
 
-void FlatParam::ensure_grad_buffer() {
-  if (full_grad_.defined()) return;
+bool FlatParam::is_grad_alias(const ParamSlot& s, const at::Tensor& g) const {
+  return full_grad_.defined() && g.defined() && g.storage().unsafeGetStorageImpl() == full_grad_.storage().unsafeGetStorageImpl() &&
+         g.storage_offset() == s.piece_offset && g.dim() == 1 && g.numel() == s.piece_numel && g.is_contiguous();
+}
+
+bool FlatParam::ensure_grad_buffer() {
+  if (full_grad_.defined()) return false;
   InternalOpGuard internal;
-  full_grad_ = buffers_->empty(padded_numel_, full_.options()).zero_();
-  memory_->add_grad(padded_numel_ * element_size_);
-  for (auto& s : slots_)
-    if (s.param.requires_grad()) s.param.mutable_grad() = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
+  at::NoGradGuard no_grad;
+  written_.assign(slots_.size(), 0);
+  kept_.assign(slots_.size(), 0);
+  if (!group_.keep_unsharded) {
+    // Uninitialized: take_grad() writes every region a gradient reaches, start_reduce() the rest.
+    full_grad_ = buffers_->empty(padded_numel_, full_.options());
+    memory_->add_grad(padded_numel_ * element_size_);
+    return false;
+  }
+  auto store = grad_store_.lock();
+  const bool fresh = !store;
+  if (fresh) {
+    full_grad_ = buffers_->empty(padded_numel_, full_.options());
+    grad_store_ = full_grad_.storage().getWeakStorageImpl();
+  } else {
+    full_grad_ = at::empty({0}, full_.options()).set_(c10::Storage(std::move(store)), 0, {padded_numel_}, {1});
+  }
+  // A piece gradient that aliases the store keeps its values (accumulation; after LibTorch 1.13's
+  // zero_grad(), which zeroes in place, they are zeros, and adding to them costs what a copy
+  // would). One the user replaced by their own tensor is copied in and aliased again.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    ParamSlot& s = slots_[i];
+    if (!s.piece.defined()) continue;
+    at::Tensor& g = s.piece.mutable_grad();
+    if (!g.defined()) continue;
+    if (!is_grad_alias(s, g)) {
+      full_grad_.narrow(0, s.piece_offset, s.piece_numel).copy_(g);
+      g = at::empty({0}, full_.options()).set_(full_grad_.storage(), s.piece_offset, {s.piece_numel}, {1});
+    }
+    kept_[i] = 1;
+  }
+  return fresh;
+}
+
+void FlatParam::take_grad(int slot) {
+  ParamSlot& s = slots_[slot];
+  at::Tensor& g = s.param.mutable_grad();
+  if (!g.defined()) return;
+  FSDP_CHECK(full_grad_.defined(), "internal: gradient of '", s.name, "' arrived without a gradient buffer");
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  at::Tensor region = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
+  if (written_[slot] || kept_[slot]) region.add_(g);
+  else region.copy_(g);
+  written_[slot] = 1;
+  g.reset();
 }
 
 void FlatParam::start_reduce() {
   FSDP_CHECK(full_grad_.defined() && !pending_work_, "internal: start_reduce without a gradient buffer");
   InternalOpGuard internal;
-  // The parameters' .grad views would keep the flat buffer alive and show pre-reduction values.
-  for (auto& s : slots_) s.param.mutable_grad().reset();
+  at::NoGradGuard no_grad;
+  // Regions no gradient reached, and the padding, enter the reduction as zeros.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    ParamSlot& s = slots_[i];
+    if (s.param.grad().defined()) take_grad(static_cast<int>(i));  // not through the post-hook (defensive)
+    if (!written_[i] && !kept_[i]) full_grad_.narrow(0, s.offset, s.numel).zero_();
+  }
+  if (padded_numel_ > numel_) full_grad_.narrow(0, numel_, padded_numel_ - numel_).zero_();
   if (group_.keep_unsharded) {
     reduced_ = full_grad_;
     pending_work_ = group_.world_comm->all_reduce(full_grad_);
@@ -148,12 +201,25 @@ void FlatParam::finish_reduce() {
   WorkPtr work = std::move(pending_work_);
   pending_work_ = nullptr;
   work->wait();
-  if (!group_.keep_unsharded) {
-    full_grad_ = at::Tensor();
-    memory_->add_grad(-padded_numel_ * element_size_);
-  }
-  // Averaging is fused into the one pass that moves the sum into the pieces' gradients.
   const double scale = 1.0 / group_.world_size;
+  if (group_.keep_unsharded) {
+    // The sum is in the store: average in place (a kept gradient, the same on every rank, comes
+    // back as world * g / world), then give the pieces that got a gradient their alias.
+    if (group_.world_size > 1) full_grad_.mul_(scale);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      ParamSlot& s = slots_[i];
+      if (!s.piece.defined() || !(s.got_grad || kept_[i])) continue;  // unused: no gradient, as in local training
+      at::Tensor& g = s.piece.mutable_grad();
+      if (!is_grad_alias(s, g))
+        g = at::empty({0}, full_.options()).set_(full_grad_.storage(), s.piece_offset, {s.piece_numel}, {1});
+    }
+    full_grad_ = at::Tensor();  // the pieces' gradients keep the store alive
+    reduced_ = at::Tensor();
+    return;
+  }
+  full_grad_ = at::Tensor();
+  memory_->add_grad(-padded_numel_ * element_size_);
+  // Averaging is fused into the one pass that moves the sum into the pieces' gradients.
   for (auto& s : slots_) {
     if (!s.piece.defined() || !s.got_grad) continue;  // unused parameters keep no gradient, as in local training
     at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
@@ -162,16 +228,15 @@ void FlatParam::finish_reduce() {
     if (g.defined()) g.add_(part, scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
     else g = part.mul(scale);
   }
-  if (group_.keep_unsharded) {
-    full_grad_ = at::Tensor();
-    memory_->add_grad(-padded_numel_ * element_size_);
-  } else {
-    memory_->add_grad(-shard_numel_ * element_size_);
-  }
+  memory_->add_grad(-shard_numel_ * element_size_);
   reduced_ = at::Tensor();
 }
 
 int64_t FlatParam::sharded_grad_bytes() const {
+  if (group_.keep_unsharded) {  // the store, while any piece's gradient (or a backward) holds it
+    const auto store = grad_store_.lock();
+    return store ? padded_numel_ * element_size_ : 0;
+  }
   int64_t bytes = 0;
   for (const auto& s : slots_)
     if (s.piece.defined() && s.piece.grad().defined()) bytes += s.piece.grad().nbytes();

@@ -75,10 +75,16 @@ class FlatParam {
   std::string gather_track() const;
   std::string reduce_track() const;
 
-  // The flat gradient buffer exists during backward; the parameters' .grad are views of it so
-  // AccumulateGrad adds into it in place.
+  // The flat gradient buffer exists during backward. AccumulateGrad gives a parameter its
+  // gradient as usual (stealing autograd's tensor, no copy); take_grad() then moves it into the
+  // parameter's region of the buffer (a copy the first time, an add for a later gradient) and
+  // clears the parameter's .grad. A region no gradient reached is zeroed before the reduction.
+  // Kept unsharded (NO_SHARD): the buffer persists between iterations and the pieces' .grad are
+  // aliases of it, so a reduction writes the gradients in place and accumulation across backward
+  // passes needs no copy. Returns true if it allocated storage that outlives this backward.
   bool has_grad_buffer() const { return full_grad_.defined(); }
-  void ensure_grad_buffer();
+  bool ensure_grad_buffer();
+  void take_grad(int slot);
   // Issue the reduction of the flat gradient (asynchronous, except for hybrid sharding, see the
   // definition), then finish it: average over ranks and add into the shard pieces' .grad (only
   // pieces of parameters that got a gradient).
@@ -109,6 +115,12 @@ class FlatParam {
   bool unsharded_ = true;
   int64_t gathered_version_ = 0;
   at::Tensor full_grad_;
+  // Per slot, for the current buffer: its region holds a gradient of this backward / a gradient
+  // kept from earlier ones (NO_SHARD accumulation), which later gradients add to.
+  std::vector<uint8_t> written_, kept_;
+  // NO_SHARD: the storage the pieces' gradients alias (alive while any of them is).
+  c10::weak_intrusive_ptr<c10::StorageImpl> grad_store_{c10::intrusive_ptr<c10::StorageImpl>()};
+  bool is_grad_alias(const ParamSlot& s, const at::Tensor& g) const;
   at::Tensor reduced_;  // the reduction's output
   WorkPtr pending_work_;  // reduce-scatter (or all-reduce) in flight
   WorkPtr gather_work_;   // all-gather in flight into full_

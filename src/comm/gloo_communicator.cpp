@@ -287,8 +287,11 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     if (debug) std::fprintf(stderr, "[comm] %s #%u %s\n", name_.c_str(), debug_count_++, op);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back([this, op, body = std::move(body), work] {
+      // The job drops its tensors before it reports completion: once wait() returns, the caller
+      // holds the only references (a buffer freed after the wait is free, not still in use here).
+      queue_.push_back([this, op, body = std::move(body), work]() mutable {
         if (!failure_.empty()) {
+          body = nullptr;
           work->finish(compose(op, " on ", name_, " was not run: an earlier collective failed: ", failure_));
           return;
         }
@@ -296,8 +299,10 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
           at::NoGradGuard no_grad;
           work->started();
           body();
+          body = nullptr;
           work->finish("");
         } catch (const std::exception& e) {
+          body = nullptr;
           failure_ = e.what();
           work->finish(compose(
               "collective ", op, " on ", name_, " failed on rank ", rank(), " of ", size(), ": ", e.what(),

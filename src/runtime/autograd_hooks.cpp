@@ -1,7 +1,7 @@
-// Backward: AccumulateGrad pre-hooks give each parameter a .grad view into its flat gradient
-// buffer (so accumulation lands in the reduce-scatter input with no copy), post-hooks count a
-// unit's gradients and, once all arrived, reshard it and issue its reduction; a callback queued on
-// the autograd engine finishes everything at the end of backward.
+// Backward: AccumulateGrad pre-hooks make sure the flat gradient buffer exists; AccumulateGrad
+// hands the parameter autograd's own gradient tensor; post-hooks move it into the buffer (one
+// copy, no zero-fill), count a unit's gradients and, once all arrived, reshard the unit and issue
+// its reduction; a callback queued on the autograd engine finishes everything at the end of backward.
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 
@@ -85,13 +85,16 @@ void Runtime::on_grad_pre(int f, int s) {
     finish_reduction(f);
     reduce_order_.erase(std::remove(reduce_order_.begin(), reduce_order_.end(), f), reduce_order_.end());
   }
-  fp.ensure_grad_buffer();
+  if (fp.ensure_grad_buffer()) update_sharded_grad_bytes();
+  // AccumulateGrad then steals autograd's gradient tensor; the post-hook moves it into the buffer.
+  fp.slots()[s].param.mutable_grad().reset();
 }
 
 void Runtime::on_grad_post(int f, int s) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   InternalOpGuard internal;
   FlatParam& fp = *flat_params_[f];
+  fp.take_grad(s);
   ParamSlot& slot = fp.slots()[s];
   Unit& unit = units_[fp.unit()];
   if (!unit.counted) {
