@@ -160,8 +160,14 @@ void FlatParam::take_grad(int slot) {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   at::Tensor region = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
-  if (written_[slot] || kept_[slot]) region.add_(g);
-  else region.copy_(g);
+  if (written_[slot] || kept_[slot]) {
+    region.add_(g);
+  } else if (g.is_sparse()) {  // e.g. Embedding(sparse): copy_ takes no sparse source
+    region.zero_();
+    region.add_(g);
+  } else {
+    region.copy_(g);
+  }
   written_[slot] = 1;
   g.reset();
 }

@@ -1,8 +1,8 @@
 // Exactness on the standard LibTorch modules beyond Linear/LayerNorm/Embedding: convolutions with
-// group norm, LSTM and GRU (whose forward reads a cached list of weight tensors), the built-in
-// TransformerEncoderLayer (MultiheadAttention's fused in-projection), EmbeddingBag, and a frozen
-// submodule. Each is trained with FSDP at world 3 (every unit padded) and compared with
-// single-process training on the same global batch.
+// group norm, a sparse Embedding feeding LSTM and GRU (whose forward reads a cached list of weight
+// tensors), the built-in TransformerEncoderLayer (MultiheadAttention's fused in-projection),
+// EmbeddingBag, and a frozen submodule. Each is trained with FSDP at world 3 (every unit padded)
+// and compared with single-process training on the same global batch.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -32,7 +32,8 @@ TORCH_MODULE(ConvNet);
 
 struct RecurrentImpl : nn::Module {
   RecurrentImpl() {
-    embed = register_module("embed", nn::Embedding(11, 6));
+    // Sparse gradients: FSDP turns them into its dense flat gradient.
+    embed = register_module("embed", nn::Embedding(nn::EmbeddingOptions(11, 6).sparse(true)));
     lstm = register_module("lstm", nn::LSTM(nn::LSTMOptions(6, 7).num_layers(2).batch_first(true)));
     gru = register_module("gru", nn::GRU(nn::GRUOptions(7, 5).bidirectional(true).batch_first(true)));
     head = register_module("head", nn::Linear(10, 3));
