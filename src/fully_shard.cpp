@@ -17,7 +17,7 @@
 
 namespace fsdp {
 
-void register_runtime(Runtime* runtime);
+void register_runtime(Runtime* runtime, bool intercept);
 void unregister_runtime(Runtime* runtime);
 
 std::string to_string(ShardingStrategy s) {
@@ -137,7 +137,9 @@ Runtime::Runtime(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, 
   for (const auto& kv : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(kv.key(), kv.value());
   register_hooks();
   tracer_.enable(options_.trace());
-  register_runtime(this);
+  // Only sharded FlatParameters need gathering when an operator reads them.
+  intercepting_ = !group_.keep_unsharded;
+  register_runtime(this, intercepting_);
 }
 
 Runtime::~Runtime() {

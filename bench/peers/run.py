@@ -733,10 +733,10 @@ def report_peers(bench, groups):
             r = summary_rows.get(key, {}).get((g["size"]["name"], g["world"]))
             if r is None:
                 continue
-            verdict = "met" if r <= goal else f"missed by {100 * (r / goal - 1):.0f}%"
+            verdict = "met" if r <= goal else f"missed by {100 * (r / goal - 1):.1f}%"
             cpu_r = summary_rows[key]["cpu"].get((g["size"]["name"], g["world"]))
             targets.append([f"{key} step time / DDP, {g['size']['name']}, world {g['world']}", f"<= {goal}",
-                            fmt(r), verdict, fmt(cpu_r)])
+                            fmt(r, 3), verdict, fmt(cpu_r)])
     if targets:
         lines += ["## Targets", "", table(["target", "goal", "measured", "verdict", "CPU time / DDP (same runs)"],
                                           targets, ["l", "r", "r", "l", "r"]), ""]

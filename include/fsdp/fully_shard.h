@@ -14,6 +14,10 @@
 //    original parameters' .grad is undefined and the gradients live on those pieces.
 //  * Modify parameters through the shards (optimizer) or load_full_state_dict(), never in place
 //    on the module's parameters: FSDP refuses that with an error (it would be lost).
+//  * NO_SHARD (and any strategy on a world of one) has nothing to gather: like DDP it works through
+//    autograd hooks alone, without the operator interception, and expects every parameter that
+//    requires grad to get a gradient; a unit whose gradients do not all arrive is reduced at the
+//    end of backward instead of during it.
 #include <torch/torch.h>
 
 #include <memory>

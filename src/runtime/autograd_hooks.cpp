@@ -100,12 +100,13 @@ void Runtime::on_grad_post(int f, int s) {
   if (!unit.counted) {
     unit.expected_grads = 0;
     for (int g : unit.flat_params)
-      for (const auto& sl : flat_params_[g]->slots()) unit.expected_grads += (sl.used && sl.param.requires_grad());
+      for (const auto& sl : flat_params_[g]->slots())
+        unit.expected_grads += ((sl.used || !intercepting_) && sl.param.requires_grad());
     unit.counted = true;
   }
   if (!slot.used) {  // reached without our seeing a forward read: count it now
     slot.used = true;
-    ++unit.expected_grads;
+    if (intercepting_) ++unit.expected_grads;  // otherwise it was counted already
   }
   slot.got_grad = true;
   if (++unit.ready_grads >= unit.expected_grads) post_backward(fp.unit());

@@ -24,15 +24,20 @@ bool& internal_op_flag() {
 
 namespace {
 
-// The live runtimes, replaced copy-on-write so the callback reads them without a lock.
+// The live runtimes, replaced copy-on-write so the callback reads them without a lock: all of
+// them (the explicit form looks its units up there), and those that intercept operators. A
+// runtime whose FlatParameters are never sharded (NO_SHARD, or a world of one) has nothing to
+// gather, so, like DDP, it relies on autograd hooks alone and does not pay for the operator
+// callback (which makes every operator box its inputs: about 4% of a compute-bound step).
 using RuntimeList = std::vector<Runtime*>;
 std::mutex g_registry_mu;
 std::shared_ptr<const RuntimeList> g_runtimes = std::make_shared<RuntimeList>();
+std::shared_ptr<const RuntimeList> g_intercepting = std::make_shared<RuntimeList>();
 at::CallbackHandle g_callback = 0;
 
 std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   if (internal_op_flag()) return nullptr;
-  std::shared_ptr<const RuntimeList> runtimes = std::atomic_load(&g_runtimes);
+  std::shared_ptr<const RuntimeList> runtimes = std::atomic_load(&g_intercepting);
   for (Runtime* r : *runtimes) r->on_op(fn);
   return nullptr;
 }
@@ -44,13 +49,21 @@ bool is_inplace_op(const char* name) {
   return std::strcmp(name, "aten::requires_grad_") != 0 && std::strcmp(name, "aten::detach_") != 0;
 }
 
+std::shared_ptr<const RuntimeList> with(const std::shared_ptr<const RuntimeList>& list, Runtime* add, Runtime* remove) {
+  auto next = std::make_shared<RuntimeList>();
+  for (Runtime* r : *list)
+    if (r != remove) next->push_back(r);
+  if (add) next->push_back(add);
+  return next;
+}
+
 }  // namespace
 
-void register_runtime(Runtime* runtime) {
+void register_runtime(Runtime* runtime, bool intercept) {
   std::lock_guard<std::mutex> lock(g_registry_mu);
-  auto next = std::make_shared<RuntimeList>(*g_runtimes);
-  next->push_back(runtime);
-  std::atomic_store(&g_runtimes, std::shared_ptr<const RuntimeList>(std::move(next)));
+  std::atomic_store(&g_runtimes, with(g_runtimes, runtime, nullptr));
+  if (!intercept) return;
+  std::atomic_store(&g_intercepting, with(g_intercepting, runtime, nullptr));
   if (g_callback == 0)
     g_callback = at::addGlobalCallback(
         at::RecordFunctionCallback(&on_op_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
@@ -58,12 +71,9 @@ void register_runtime(Runtime* runtime) {
 
 void unregister_runtime(Runtime* runtime) {
   std::lock_guard<std::mutex> lock(g_registry_mu);
-  auto next = std::make_shared<RuntimeList>();
-  for (Runtime* r : *g_runtimes)
-    if (r != runtime) next->push_back(r);
-  const bool empty = next->empty();
-  std::atomic_store(&g_runtimes, std::shared_ptr<const RuntimeList>(std::move(next)));
-  if (empty && g_callback != 0) {
+  std::atomic_store(&g_runtimes, with(g_runtimes, nullptr, runtime));
+  std::atomic_store(&g_intercepting, with(g_intercepting, nullptr, runtime));
+  if (std::atomic_load(&g_intercepting)->empty() && g_callback != 0) {
     at::removeCallback(g_callback);
     g_callback = 0;
   }

@@ -127,6 +127,9 @@ class Runtime {
   std::unordered_map<const c10::TensorImpl*, std::pair<int, int>> slot_of_param_;
   std::unordered_map<const torch::nn::Module*, int> unit_of_module_;
 
+  // False if nothing is ever sharded (NO_SHARD, world of one): no operator interception; every
+  // parameter that requires grad is then expected to get a gradient in backward.
+  bool intercepting_ = true;
   std::recursive_mutex mu_;
   int last_touched_ = -1;
   bool final_callback_queued_ = false;
