@@ -187,6 +187,7 @@ class Bench:
         self.preset = preset
         self.build = os.path.abspath(args.build_dir)
         self.gpt_bench = os.path.join(self.build, "bench", "gpt_bench")
+        self.largest_fsdp_args = shlex.split(args.largest_fsdp_args)
         self.launcher = os.path.join(self.build, "tools", "fsdp-run")
         self.out = os.path.abspath(args.out)
         self.work = os.path.join(self.out, "work")
@@ -426,6 +427,7 @@ class Bench:
         argv = [self.gpt_bench, "--mode", "fsdp", "--strategy", strategy, "--wrap", "block", "--threads",
                 str(self.preset["threads_per_rank"]), "--inputs", self.largest_inputs,
                 "--init", self.preset["largest"].get("init", "deferred")] + self.model_args(size, world, 1, 1)
+        argv += self.largest_fsdp_args
         if watchdog_mib:
             argv += ["--memory-cap-mib", str(watchdog_mib)]
         return self.launch(argv, world, self.preset["threads_per_rank"], f"{strategy} probe L={size['layers']}",
@@ -878,6 +880,8 @@ def report_largest(bench, lg):
              "The cap is enforced on measured peaks, not by the kernel (no cgroup or rlimit: the machine's "
              "memory cgroups belong to its sandbox, and RLIMIT_AS/RLIMIT_DATA count reserved address space, "
              "not memory).", ""]
+    if bench.largest_fsdp_args:
+        lines += [f"FSDP options of every probe (both strategies): `{' '.join(bench.largest_fsdp_args)}`.", ""]
     if lg.get("baseline_bytes"):
         lines += [f"CI variant: the cap is the 1-layer NO_SHARD footprint ({mib(lg['baseline_bytes'])} MiB) "
                   "plus a small margin.", ""]
@@ -1141,6 +1145,9 @@ def main():
     ap.add_argument("--sections", default="peers,malloc,memory,largest",
                     help="comma-separated: peers,malloc,memory,largest")
     ap.add_argument("--reps", type=int, help="override the preset's repetitions (peers section)")
+    ap.add_argument("--largest-fsdp-args", default="",
+                    help="extra gpt_bench options for every probe of the largest section, e.g. "
+                         "'--reductions-in-flight 1 --all-gather-limit 1' (FSDP's memory-saving settings)")
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--python", default="/usr/bin/python3", help="Python with python3-torch, for DDP")
