@@ -84,6 +84,8 @@ struct Options {
   // (unsharded gradient and output). 2 lets a reduction that finishes late overlap the next two
   // units' backward; 1 saves one unsharded gradient buffer and exposes more communication when
   // communication takes as long as computation; 0 waits for each reduction when it is issued.
+  // NO_SHARD reduces in place in the persistent flat gradient the pieces' .grad alias, so there the
+  // setting bounds the overlap only, not memory.
   TORCH_ARG(int, reductions_in_flight) = 2;
   // Keep released unsharded parameter and gradient buffers and reuse them for the next unit or
   // iteration of the same size, instead of returning them to the system and mapping fresh,
