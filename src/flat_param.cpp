@@ -115,6 +115,11 @@ bool FlatParam::is_grad_alias(const ParamSlot& s, const at::Tensor& g) const {
          g.storage_offset() == s.piece_offset && g.dim() == 1 && g.numel() == s.piece_numel && g.is_contiguous();
 }
 
+at::Tensor FlatParam::grad_alias(const ParamSlot& s) const {
+  // set_, not narrow: not an autograd view, so optimizers' zero_grad() may detach_() it.
+  return at::empty({0}, full_.options()).set_(full_grad_.storage(), s.piece_offset, {s.piece_numel}, {1});
+}
+
 bool FlatParam::ensure_grad_buffer() {
   if (full_grad_.defined()) return false;
   InternalOpGuard internal;
@@ -145,7 +150,7 @@ bool FlatParam::ensure_grad_buffer() {
     if (!g.defined()) continue;
     if (!is_grad_alias(s, g)) {
       full_grad_.narrow(0, s.piece_offset, s.piece_numel).copy_(g);
-      g = at::empty({0}, full_.options()).set_(full_grad_.storage(), s.piece_offset, {s.piece_numel}, {1});
+      g = grad_alias(s);
     }
     kept_[i] = 1;
   }
@@ -217,7 +222,7 @@ void FlatParam::finish_reduce() {
       if (!s.piece.defined() || !(s.got_grad || kept_[i])) continue;  // unused: no gradient, as in local training
       at::Tensor& g = s.piece.mutable_grad();
       if (!is_grad_alias(s, g))
-        g = at::empty({0}, full_.options()).set_(full_grad_.storage(), s.piece_offset, {s.piece_numel}, {1});
+        g = grad_alias(s);
     }
     full_grad_ = at::Tensor();  // the pieces' gradients keep the store alive
     reduced_ = at::Tensor();

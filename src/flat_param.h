@@ -120,6 +120,8 @@ class FlatParam {
   std::vector<uint8_t> written_, kept_;
   // NO_SHARD: the storage the pieces' gradients alias (alive while any of them is).
   c10::weak_intrusive_ptr<c10::StorageImpl> grad_store_{c10::intrusive_ptr<c10::StorageImpl>()};
+  // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
+  at::Tensor grad_alias(const ParamSlot& s) const;
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g) const;
   at::Tensor reduced_;  // the reduction's output
   WorkPtr pending_work_;  // reduce-scatter (or all-reduce) in flight
