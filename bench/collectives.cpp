@@ -1,5 +1,6 @@
-// Collectives benchmark in nccl-tests form (size, count, type, time, algbw, busbw, #wrong), on
-// Gloo over TCP (loopback on one machine), launched with fsdp-run:
+// Collectives benchmark in nccl-tests form (size, count, type, time, algbw, busbw, #wrong): libfsdp's
+// communicator (shared memory within a host unless FSDP_TRANSPORT=tcp) against Gloo over TCP
+// (loopback on one machine), launched with fsdp-run:
 //
 //   build/tools/fsdp-run --nproc-per-node 4 build/bench/fsdp_bench_collectives [flags]
 //
@@ -676,8 +677,11 @@ int main(int argc, char** argv) {
     b.raw->setTimeout(b.pg->options().timeout);
     b.raw->connectFullMesh(raw_store, device);
 
-    b.print("# libfsdp collectives benchmark: %d ranks, Gloo over TCP (%s)\n", b.world,
-            loopback ? "loopback" : host.c_str());
+    // "fsdp" rows run on the process group's communicator (FSDP_TRANSPORT: shared memory within a
+    // host by default); the raw and c10d reference rows always run Gloo over TCP.
+    const bool fsdp_shm = b.pg->world()->shared_memory_bytes() > 0;
+    b.print("# libfsdp collectives benchmark: %d ranks; fsdp rows on %s, reference rows on Gloo over TCP (%s)\n",
+            b.world, fsdp_shm ? "shared memory" : "Gloo over TCP", loopback ? "loopback" : host.c_str());
     b.print("# cpu:%s, %ld online cores; load average at start: %s\n",
             read_first_line_with("/proc/cpuinfo", "model name").c_str(), sysconf(_SC_NPROCESSORS_ONLN),
             read_all("/proc/loadavg").c_str());

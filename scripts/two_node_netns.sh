@@ -19,6 +19,9 @@
 # The namespaces, and everything still running in them, are removed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Network namespaces share /dev/shm, so libfsdp's default transport would find that the two
+# "hosts" can share memory and use it; real separate hosts cannot, so Gloo over TCP it is.
+export FSDP_TRANSPORT=${FSDP_TRANSPORT:-tcp}
 BUILD_DIR=${BUILD_DIR:-build}
 BIND=${BIND:-default}
 MASTER=${MASTER:-addr}

@@ -495,6 +495,7 @@ MemoryStats Runtime::memory_stats() const {
     if (!comm || std::find(seen.begin(), seen.end(), comm) != seen.end()) continue;
     seen.push_back(comm);
     stats.comm_scratch_bytes += comm->scratch_bytes();
+    stats.comm_shared_bytes += comm->shared_memory_bytes();
   }
   return stats;
 }

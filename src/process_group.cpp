@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "comm/gloo_communicator.h"
+#include "comm/shm_communicator.h"
 #include "fsdp/check.h"
 
 namespace fsdp {
@@ -156,6 +157,23 @@ RankEnv RankEnv::from_env() {
   return e;
 }
 
+Transport parse_transport(const std::string& name, const char* source) {
+  if (name == "auto") return Transport::kAuto;
+  if (name == "tcp") return Transport::kTcp;
+  if (name == "shm") return Transport::kSharedMemory;
+  FSDP_FAIL(source, "=", name, " is not a transport; use auto (shared memory within a host, TCP across hosts), "
+            "tcp (Gloo over TCP) or shm (shared memory)");
+}
+
+const char* to_string(Transport transport) {
+  switch (transport) {
+    case Transport::kAuto: return "auto";
+    case Transport::kTcp: return "tcp";
+    case Transport::kSharedMemory: return "shm";
+  }
+  return "?";
+}
+
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   gloo::transport::tcp::attr attr;  // where each communicator's own transport device binds
@@ -174,6 +192,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   if (const char* t = env_or_null("FSDP_TIMEOUT_S"))
     pg->options_.timeout = std::chrono::milliseconds(int64_t(1000) * parse_int("FSDP_TIMEOUT_S", t, 1, 1 << 24));
   if (!pg->options_.network_model) pg->options_.network_model = NetworkModel::from_env();
+  if (pg->options_.transport == Transport::kAuto)
+    if (const char* t = env_or_null("FSDP_TRANSPORT")) pg->options_.transport = parse_transport(t, "FSDP_TRANSPORT");
   if (auto& model = pg->options_.network_model) {
     if (model->ranks_per_host() == 0) model->ranks_per_host(env.local_world_size);
     model->validate();
@@ -252,8 +272,21 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
     return comm;
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/" + id.str(), impl_->store);
+  CommunicatorPtr comm;
+  if (ranks.size() > 1 && options_.transport != Transport::kTcp)
+    comm = make_shm_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
+                                 options_.transport == Transport::kSharedMemory);
+  if (!comm) comm = connect_gloo(prefixed, my_index, static_cast<int>(ranks.size()), id.str());
+  raw_groups_[id.str()] = comm;
+  if (options_.network_model) comm = with_network_model(std::move(comm), ranks, *options_.network_model);
+  groups_[id.str()] = comm;
+  return comm;
+}
+
+CommunicatorPtr ProcessGroup::connect_gloo(const c10::intrusive_ptr<c10d::Store>& prefixed, int my_index, int size,
+                                           const std::string& id) {
   c10d::ProcessGroupGloo::GlooStore gloo_store(prefixed);
-  auto ctx = std::make_shared<gloo::rendezvous::Context>(my_index, static_cast<int>(ranks.size()));
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(my_index, size);
   ctx->setTimeout(options_.timeout);
   try {
     // One transport device per communicator, as c10d does per process group: contexts that share
@@ -261,15 +294,11 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
     auto device = gloo::transport::tcp::CreateDevice(impl_->attr);
     ctx->connectFullMesh(gloo_store, device);
   } catch (const std::exception& e) {
-    FSDP_FAIL("rank ", rank(), " could not connect ", id.str(), ": ", e.what(),
+    FSDP_FAIL("rank ", rank(), " could not connect ", id, ": ", e.what(),
               ". Check that every member rank is alive and that their addresses are reachable "
               "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
   }
-  auto comm = make_gloo_communicator(std::move(ctx), id.str(), options_.timeout);
-  raw_groups_[id.str()] = comm;
-  if (options_.network_model) comm = with_network_model(std::move(comm), ranks, *options_.network_model);
-  groups_[id.str()] = comm;
-  return comm;
+  return make_gloo_communicator(std::move(ctx), id, options_.timeout);
 }
 
 }  // namespace fsdp

@@ -504,7 +504,8 @@ TEST(BadInput, UnknownStrategyName) {
   }
 }
 
-// A rank that dies mid-training makes the others fail fast (connection closed), not hang.
+// A rank that dies mid-training makes the others fail fast (TCP: the connection closes; shared
+// memory: its liveness lock is released by the kernel), not hang.
 FSDP_WORKER(dead_rank_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
@@ -518,9 +519,11 @@ FSDP_WORKER(dead_rank_worker) {
   }
 }
 
-TEST(BadInput, DeadRankMakesTheOthersFailFast) {
+class DeadRankTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DeadRankTest, MakesTheOthersFailFast) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = launch("dead_rank_worker", 3, {}, 60);
+  auto r = launch("dead_rank_worker", 3, {}, 60, {"FSDP_TRANSPORT=" + GetParam()});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_FALSE(r.timed_out) << r.report();
   EXPECT_EQ(r.ranks[1].exit_code, 3);
@@ -528,6 +531,9 @@ TEST(BadInput, DeadRankMakesTheOthersFailFast) {
   EXPECT_NE(r.ranks[2].exit_code, 0) << r.report();
   EXPECT_LT(seconds, 30) << r.report();
 }
+
+INSTANTIATE_TEST_SUITE_P(BadInput, DeadRankTest, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace fsdp_test

@@ -159,5 +159,21 @@ TEST_P(ExactTest, MatchesLocalTrainingForEveryStrategyOptimizerAndDtype) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ExactTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
+// The same over Gloo's TCP transport (the runs above use shared memory, the default within a host):
+// world 3 (padding) and world 4 (hybrid sharding's two groups).
+class ExactOverTcpTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ExactOverTcpTest, MatchesLocalTrainingForEveryStrategyOptimizerAndDtype) {
+  const int world = GetParam();
+  auto r = launch("exact_worker", world, combos_for(world), 300, {"FSDP_TRANSPORT=tcp"});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_NE(r.ranks[0].output.find("gpt:" + std::string(world == 4 ? "HYBRID_SHARD" : "NO_SHARD") + ":adamw:f64 ok"),
+            std::string::npos)
+      << r.report();
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ExactOverTcpTest, ::testing::Values(3, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
 }  // namespace
 }  // namespace fsdp_test

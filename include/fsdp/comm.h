@@ -1,6 +1,6 @@
 #pragma once
 // Communicator: the collectives FSDP needs, behind a small interface so Gloo (CPU), NCCL (GPU
-// builds) and a network-model decorator can be swapped. Every collective is asynchronous: it
+// builds), shared memory (ranks on one host) and a network-model decorator can be swapped. Every collective is asynchronous: it
 // returns a Work handle, and tensors passed in stay alive until the work completes.
 #include <torch/torch.h>
 
@@ -53,8 +53,11 @@ class Communicator {
   virtual WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) = 0;
   virtual WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) = 0;
   virtual void barrier() = 0;
-  // Working memory the communicator keeps between collectives (e.g. a receive buffer).
+  // Working memory the communicator keeps between collectives from the CPU allocator (e.g. a
+  // receive buffer).
   virtual int64_t scratch_bytes() const { return 0; }
+  // Shared memory it maps (the shared-memory transport's staging segment), outside the allocator.
+  virtual int64_t shared_memory_bytes() const { return 0; }
 };
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 

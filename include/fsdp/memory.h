@@ -18,9 +18,13 @@ struct MemoryStats {
   // Transient buffers FSDP has had to obtain from the system so far (cumulative). With
   // reuse_buffers it stops growing once every buffer size has been seen.
   int64_t system_allocations = 0;
-  // Working memory FSDP's communicators keep between collectives (the reduce-scatter receive
-  // ring: at most 2 MiB per communicator). Not part of the figures above.
+  // Working memory FSDP's communicators keep between collectives from the CPU allocator (the
+  // Gloo reduce-scatter receive ring: at most 2 MiB per communicator). Not part of the figures above.
   int64_t comm_scratch_bytes = 0;
+  // Shared memory FSDP's communicators map (the shared-memory transport's staging segment:
+  // 2 MiB per member plus a page, per communicator), outside the CPU allocator. Not part of the
+  // figures above.
+  int64_t comm_shared_bytes = 0;
 };
 
 class MemoryTracker {

@@ -1,6 +1,7 @@
 #pragma once
 // Process-group bootstrap: rank environment (torchrun, mpirun, srun), a c10d TCPStore rendezvous,
-// and Gloo communicators for the whole world and for sub-groups (hybrid sharding).
+// and communicators (shared memory within a host, Gloo over TCP across hosts) for the whole world
+// and for sub-groups (hybrid sharding).
 #include <torch/torch.h>
 
 #include <chrono>
@@ -38,6 +39,16 @@ struct RankEnv {
   static RankEnv from_env();
 };
 
+// How a communicator's collectives travel between its members.
+enum class Transport {
+  kAuto,          // shared memory when all members are on this host, Gloo over TCP otherwise
+  kTcp,           // always Gloo over TCP
+  kSharedMemory,  // always shared memory; an error when the members cannot share a segment
+};
+// "auto", "tcp", "shm"; throws fsdp::Error naming the accepted values.
+Transport parse_transport(const std::string& name, const char* source);
+const char* to_string(Transport transport);
+
 struct ProcessGroupOptions {
   // How long a collective or rendezvous may wait for a peer before failing.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
@@ -49,6 +60,10 @@ struct ProcessGroupOptions {
   // the model says. Unset: FSDP_NETWORK_MODEL is consulted (unset/"off": no model).
   // ranks_per_host = 0 resolves to LOCAL_WORLD_SIZE; options() shows the resolved model.
   std::optional<NetworkModel> network_model;
+  // Decided per communicator (world() and each new_group()), identically on every member: kAuto
+  // tries a shared-memory segment and falls back to Gloo when some member cannot map it. With
+  // kAuto, FSDP_TRANSPORT=auto|tcp|shm in the environment decides. A group of one uses Gloo.
+  Transport transport = Transport::kAuto;
 };
 
 class ProcessGroup {
@@ -79,6 +94,8 @@ class ProcessGroup {
 
  private:
   ProcessGroup() = default;
+  CommunicatorPtr connect_gloo(const c10::intrusive_ptr<c10d::Store>& prefixed, int my_index, int size,
+                               const std::string& id);
   RankEnv env_;
   ProcessGroupOptions options_;
   struct Impl;

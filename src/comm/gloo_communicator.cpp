@@ -10,14 +10,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <deque>
 #include <functional>
-#include <mutex>
-#include <thread>
-#include <cstdio>
-#include <cstdlib>
 
+#include "comm/collective_queue.h"
 #include "fsdp/check.h"
 
 namespace fsdp {
@@ -29,44 +24,6 @@ constexpr uint8_t kReduceScatterSlotPrefix = 0x10;
 // explicit tags, which must stay below 2^31.
 constexpr uint32_t kAutoTagBit = 0x80000000u;
 constexpr uint32_t kTagStride = 64;
-
-class GlooWork : public Work {
- public:
-  void wait() override {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return done_; });
-    if (!error_.empty()) throw Error(error_);
-  }
-  bool completed() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return done_;
-  }
-  WorkTiming timing() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return timing_;
-  }
-  void started() {
-    std::lock_guard<std::mutex> lock(mu_);
-    timing_.start = std::chrono::steady_clock::now();
-  }
-  void finish(std::string error) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      timing_.end = std::chrono::steady_clock::now();
-      if (timing_.start.time_since_epoch().count() == 0) timing_.start = timing_.end;
-      done_ = true;
-      error_ = std::move(error);
-    }
-    cv_.notify_all();
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::string error_;
-  WorkTiming timing_;
-};
 
 void bf16_sum(void* c, const void* a, const void* b, size_t n) {
   auto* out = static_cast<c10::BFloat16*>(c);
@@ -89,27 +46,13 @@ gloo::AllreduceOptions::Func sum_function(at::ScalarType type) {
   }
 }
 
-void check_dense_cpu(const at::Tensor& t, const char* op, const char* what) {
-  FSDP_CHECK(t.defined(), op, ": ", what, " is undefined");
-  FSDP_CHECK(t.device().is_cpu(), op, ": ", what, " is on ", t.device(),
-             "; the Gloo communicator works on CPU tensors");
-  FSDP_CHECK(t.is_contiguous(), op, ": ", what, " must be contiguous");
-}
-
 class GlooCommunicator : public Communicator, public std::enable_shared_from_this<GlooCommunicator> {
  public:
   GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::string name, std::chrono::milliseconds timeout)
-      : ctx_(std::move(ctx)), name_(std::move(name)), timeout_(timeout) {
-    worker_ = std::thread([this] { run(); });
-  }
-  ~GlooCommunicator() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
+      : ctx_(std::move(ctx)), name_(std::move(name)), timeout_(timeout),
+        queue_(std::make_unique<CollectiveQueue>(name_, ctx_->rank, ctx_->size, timeout_)) {}
+  // The queue is declared last, so its worker finishes the queued jobs before the scratch and the
+  // context go.
 
   int rank() const override { return ctx_->rank; }
   int64_t scratch_bytes() const override { return scratch_bytes_; }
@@ -117,18 +60,14 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::string name() const override { return name_; }
 
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
-    check_dense_cpu(out, "all_gather_into", "output");
-    check_dense_cpu(in, "all_gather_into", "input");
-    FSDP_CHECK(out.scalar_type() == in.scalar_type(), "all_gather_into: output dtype ", out.scalar_type(),
-               " differs from input dtype ", in.scalar_type());
-    FSDP_CHECK(out.numel() == in.numel() * size(), "all_gather_into: output has ", out.numel(),
-               " elements, expected world size ", size(), " x input ", in.numel());
+    check_all_gather_args(out, in, size(), "Gloo");
     const uint32_t tag = resolve_tag(opts);
     return enqueue("all_gather_into", [this, out, in, tag] {
       if (size() == 1) {
         out.copy_(in);
         return;
       }
+      if (in.numel() == 0) return;  // gloo divides by the input size
       gloo::AllgatherOptions o(ctx_);
       o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
       o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
@@ -139,18 +78,13 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   }
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
-    check_dense_cpu(out, "reduce_scatter", "output");
-    check_dense_cpu(in, "reduce_scatter", "input");
-    FSDP_CHECK(out.scalar_type() == in.scalar_type(), "reduce_scatter: output dtype ", out.scalar_type(),
-               " differs from input dtype ", in.scalar_type());
-    FSDP_CHECK(in.numel() == out.numel() * size(), "reduce_scatter: input has ", in.numel(),
-               " elements, expected world size ", size(), " x output ", out.numel());
+    check_reduce_scatter_args(out, in, size(), "Gloo");
     const uint32_t tag = resolve_tag(opts);
     return enqueue("reduce_scatter", [this, out, in, tag] { ring_reduce_scatter(out, in, tag); });
   }
 
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
-    check_dense_cpu(t, "all_reduce", "tensor");
+    check_dense_cpu(t, "all_reduce", "tensor", "Gloo");
     auto fn = sum_function(t.scalar_type());
     const uint32_t tag = resolve_tag(opts);
     return enqueue("all_reduce", [this, t, tag, fn] {
@@ -178,7 +112,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   }
 
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts) override {
-    check_dense_cpu(t, "broadcast", "tensor");
+    check_dense_cpu(t, "broadcast", "tensor", "Gloo");
     FSDP_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is outside [0, ", size(), ")");
     const uint32_t tag = resolve_tag(opts);
     return enqueue("broadcast", [this, t, root, tag] {
@@ -281,71 +215,15 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     out.copy_(flat.narrow(0, r * n, n));
   }
 
-  WorkPtr enqueue(const char* op, std::function<void()> body) {
-    auto work = std::make_shared<GlooWork>();
-    static const bool debug = std::getenv("FSDP_DEBUG_COMM") != nullptr;
-    if (debug) std::fprintf(stderr, "[comm] %s #%u %s\n", name_.c_str(), debug_count_++, op);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      // The job drops its tensors before it reports completion: once wait() returns, the caller
-      // holds the only references (a buffer freed after the wait is free, not still in use here).
-      queue_.push_back([this, op, body = std::move(body), work]() mutable {
-        if (!failure_.empty()) {
-          body = nullptr;
-          work->finish(compose(op, " on ", name_, " was not run: an earlier collective failed: ", failure_));
-          return;
-        }
-        try {
-          at::NoGradGuard no_grad;
-          work->started();
-          body();
-          body = nullptr;
-          work->finish("");
-        } catch (const std::exception& e) {
-          body = nullptr;
-          failure_ = e.what();
-          work->finish(compose(
-              "collective ", op, " on ", name_, " failed on rank ", rank(), " of ", size(), ": ", e.what(),
-              ". A peer rank has probably died, issued a different collective (ranks diverged), or did "
-              "not arrive within the timeout (", timeout_.count() / 1000.0,
-              " s; set ProcessGroupOptions::timeout or FSDP_TIMEOUT_S)."));
-        }
-      });
-    }
-    cv_.notify_one();
-    return work;
-  }
-
-  template <typename... P>
-  static std::string compose(const P&... p) { return detail::compose(p...); }
-
-  void run() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        job = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      job();
-    }
-  }
+  WorkPtr enqueue(const char* op, std::function<void()> body) { return queue_->enqueue(op, std::move(body)); }
 
   std::shared_ptr<gloo::Context> ctx_;
   std::string name_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint32_t> next_tag_{1};
-  uint32_t debug_count_ = 0;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
-  std::string failure_;  // only touched by the worker thread
   at::Tensor scratch_;   // reduce-scatter receive ring, only touched by the worker thread
   std::atomic<int64_t> scratch_bytes_{0};  // its size, for memory_stats() on other threads
-  std::thread worker_;
+  std::unique_ptr<CollectiveQueue> queue_;
 };
 
 }  // namespace

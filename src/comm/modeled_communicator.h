@@ -28,6 +28,7 @@ class ModeledCommunicator : public Communicator {
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) override;
   void barrier() override;
   int64_t scratch_bytes() const override { return inner_->scratch_bytes(); }
+  int64_t shared_memory_bytes() const override { return inner_->shared_memory_bytes(); }
 
   ModeledLinkStats stats() const;
   const CommunicatorPtr& inner() const { return inner_; }

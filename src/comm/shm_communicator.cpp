@@ -1,0 +1,474 @@
+#include "comm/shm_communicator.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstring>
+#include <new>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include "comm/collective_queue.h"
+#include "fsdp/check.h"
+
+namespace fsdp {
+namespace {
+
+// How the segment works
+// ---------------------
+// Every member owns two staging buffers of kSlotBytes in the segment and a control block. A
+// collective is a sequence of rounds; all members run the same rounds in the same order. In round
+// g a member writes its data into its buffer g % 2, publishes a descriptor of the collective, sets
+// its `posted` counter to g + 1 and then waits until every member has posted g + 1; then it reads
+// what it needs from the other members' buffers g % 2. A member can only write buffer g % 2 again
+// in round g + 2, after every member posted g + 1, which each does only after finishing its reads
+// of round g: two buffers make one counter per member enough, without acknowledgements.
+//
+// Waiting spins briefly, then sleeps on the peer's counter (a futex shared between processes).
+// While asleep it checks, every kLivenessPeriod, that the peer is alive: each member's worker
+// thread holds a robust process-shared mutex for as long as it runs, so a member that died (or
+// destroyed its communicator) is seen at once, not at the timeout.
+constexpr uint64_t kMagic = 0x316d68737064736full;  // "fsdpshm1"
+constexpr int64_t kSlotBytes = int64_t(1) << 20;
+constexpr int kSpins = 256;
+constexpr auto kSleepSlice = std::chrono::milliseconds(20);
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
+
+enum Op : uint32_t { kAllGather = 1, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
+const char* op_name(uint32_t op) {
+  switch (op) {
+    case kAllGather: return "all_gather_into";
+    case kReduceScatter: return "reduce_scatter";
+    case kAllReduce: return "all_reduce";
+    case kBroadcast: return "broadcast";
+    case kBarrier: return "barrier";
+    default: return "an unknown collective";
+  }
+}
+
+// What a member is doing in a round; every member must be doing the same.
+struct Descriptor {
+  uint32_t op = 0;
+  uint32_t round_in_op = 0;
+  uint64_t collective = 0;  // how many collectives this member issued before
+  int64_t bytes = 0;        // the collective's whole payload per member
+  int32_t dtype = 0;
+  int32_t root = 0;
+  bool operator==(const Descriptor& o) const {
+    return op == o.op && round_in_op == o.round_in_op && collective == o.collective && bytes == o.bytes &&
+           dtype == o.dtype && root == o.root;
+  }
+};
+
+struct alignas(64) MemberControl {
+  std::atomic<uint32_t> posted;   // rounds this member has posted (a futex word)
+  std::atomic<uint32_t> waiters;  // members asleep on `posted`
+  int32_t pid;
+  Descriptor descriptor[2];       // per buffer, like the data
+  pthread_mutex_t alive;          // held by the member's worker thread while it runs (robust)
+};
+
+struct alignas(64) Header {
+  std::atomic<uint64_t> magic;  // written last by the creator
+  uint64_t nonce;
+  int32_t size;
+  int64_t slot_bytes;
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain 32-bit integers");
+
+int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+int64_t controls_offset() { return round_up(sizeof(Header), 64); }
+int64_t data_offset(int size) { return round_up(controls_offset() + int64_t(sizeof(MemberControl)) * size, 4096); }
+int64_t segment_bytes(int size) { return data_offset(size) + int64_t(2) * size * kSlotBytes; }
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Shared (not process-private) futex operations: the word lives in a segment mapped by several processes.
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::milliseconds slice) {
+  timespec ts{};
+  ts.tv_sec = slice.count() / 1000;
+  ts.tv_nsec = (slice.count() % 1000) * 1000000;
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+// One mapping of the segment; the creator also owns the name until every member has mapped it.
+class Segment {
+ public:
+  ~Segment() {
+    if (base_ != nullptr) munmap(base_, bytes_);
+  }
+  // Creates and initializes a fresh segment for `size` members; on failure returns the reason.
+  std::string create(const std::string& name, uint64_t nonce, int size) {
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) return "shm_open(" + name + ") failed: " + errno_text(errno);
+    const int64_t bytes = segment_bytes(size);
+    if (ftruncate(fd, bytes) != 0) {
+      const int err = errno;
+      close(fd);
+      shm_unlink(name.c_str());
+      return "ftruncate of " + name + " to " + std::to_string(bytes) + " bytes failed: " + errno_text(err);
+    }
+    std::string error = map(fd, bytes, name);
+    close(fd);
+    if (!error.empty()) {
+      shm_unlink(name.c_str());
+      return error;
+    }
+    auto* h = new (base_) Header;
+    h->nonce = nonce;
+    h->size = size;
+    h->slot_bytes = kSlotBytes;
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    for (int m = 0; m < size; ++m) {
+      auto* c = new (control(m)) MemberControl;
+      c->posted.store(0);
+      c->waiters.store(0);
+      c->pid = 0;
+      pthread_mutex_init(&c->alive, &attr);
+    }
+    pthread_mutexattr_destroy(&attr);
+    h->magic.store(kMagic, std::memory_order_release);
+    return "";
+  }
+  // Maps an existing segment and checks that it is the one the creator announced.
+  std::string open(const std::string& name, uint64_t nonce, int size) {
+    const int fd = shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) return "shm_open(" + name + ") failed: " + errno_text(errno);
+    std::string error = map(fd, segment_bytes(size), name);
+    close(fd);
+    if (!error.empty()) return error;
+    const auto* h = header();
+    if (h->magic.load(std::memory_order_acquire) != kMagic || h->nonce != nonce || h->size != size)
+      return name + " is not the segment the group's first member created (another host or /dev/shm namespace)";
+    return "";
+  }
+  Header* header() const { return static_cast<Header*>(base_); }
+  MemberControl* control(int m) const {
+    return reinterpret_cast<MemberControl*>(static_cast<char*>(base_) + controls_offset()) + m;
+  }
+  uint8_t* buffer(int m, uint32_t round) const {
+    return static_cast<uint8_t*>(base_) + data_offset(header()->size) + (int64_t(m) * 2 + round % 2) * kSlotBytes;
+  }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  std::string map(int fd, int64_t bytes, const std::string& name) {
+    struct stat st {};
+    if (fstat(fd, &st) != 0) return "fstat of " + name + " failed: " + errno_text(errno);
+    if (st.st_size < bytes) return name + " has " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return "mmap of " + name + " failed: " + errno_text(errno);
+    base_ = p;
+    bytes_ = bytes;
+    return "";
+  }
+  void* base_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+class ShmCommunicator : public Communicator {
+ public:
+  ShmCommunicator(std::unique_ptr<Segment> segment, int index, int size, std::string name,
+                  std::chrono::milliseconds timeout)
+      : segment_(std::move(segment)), rank_(index), size_(size), name_(std::move(name)), timeout_(timeout) {
+    auto* me = segment_->control(rank_);
+    queue_ = std::make_unique<CollectiveQueue>(
+        name_, rank_, size_, timeout_,
+        [me] {
+          me->pid = static_cast<int32_t>(getpid());
+          pthread_mutex_lock(&me->alive);
+        },
+        [me] { pthread_mutex_unlock(&me->alive); });
+    queue_->enqueue("start", [] {})->wait();  // the liveness lock is held from here on
+  }
+  ~ShmCommunicator() override { queue_.reset(); }  // joins the worker (which releases the lock) before unmapping
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return name_; }
+  int64_t shared_memory_bytes() const override { return segment_->bytes(); }
+
+  WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions) override {
+    check_all_gather_args(out, in, size_, "shared-memory");
+    return queue_->enqueue("all_gather_into", [this, out, in] {
+      const int64_t n = in.nbytes();
+      auto* dst = static_cast<uint8_t*>(out.data_ptr());
+      const auto* src = static_cast<const uint8_t*>(in.data_ptr());
+      if (dst + rank_ * n != src) std::memmove(dst + rank_ * n, src, n);
+      Descriptor d = describe(kAllGather, n, in);
+      for_each_piece(n, kSlotBytes, d, [&](int64_t off, int64_t len) {
+        std::memcpy(segment_->buffer(rank_, round_), src + off, len);
+        exchange(d);
+        for (int p = 0; p < size_; ++p)
+          if (p != rank_) std::memcpy(dst + p * n + off, segment_->buffer(p, round_), len);
+      });
+    });
+  }
+
+  WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions) override {
+    check_reduce_scatter_args(out, in, size_, "shared-memory");
+    return queue_->enqueue("reduce_scatter", [this, out, in] {
+      const int64_t n = out.numel(), elem = in.element_size();
+      // Per round, a member stages one piece for each destination member.
+      const int64_t piece = std::max<int64_t>(1, kSlotBytes / (size_ * elem));
+      auto* src = static_cast<const uint8_t*>(in.data_ptr());
+      const at::Tensor flat_in = in.view({-1}), flat_out = out.view({-1});
+      Descriptor d = describe(kReduceScatter, in.nbytes(), in);
+      for_each_piece(n, piece, d, [&](int64_t off, int64_t len) {
+        uint8_t* mine = segment_->buffer(rank_, round_);
+        for (int q = 0; q < size_; ++q)
+          if (q != rank_) std::memcpy(mine + q * piece * elem, src + (q * n + off) * elem, len * elem);
+        exchange(d);
+        at::Tensor sum = flat_out.narrow(0, off, len);
+        sum.copy_(flat_in.narrow(0, rank_ * n + off, len));
+        for (int p = 0; p < size_; ++p)
+          if (p != rank_) sum.add_(staged(p, rank_ * piece * elem, len, out));
+      });
+    });
+  }
+
+  WorkPtr all_reduce(at::Tensor t, CollectiveOptions) override {
+    check_dense_cpu(t, "all_reduce", "tensor", "shared-memory");
+    return queue_->enqueue("all_reduce", [this, t] {
+      // Per chunk: a reduce-scatter round (member m sums part m of the chunk), then an all-gather
+      // round of the sums; each part is summed once, so every member ends with the same bits.
+      const int64_t elem = t.element_size();
+      auto* data = static_cast<uint8_t*>(t.data_ptr());
+      const at::Tensor flat = t.view({-1});
+      Descriptor d = describe(kAllReduce, t.nbytes(), t);
+      for_each_piece(t.numel(), kSlotBytes / elem, d, [&](int64_t off, int64_t len) {
+        auto part = [&](int m) { return std::make_pair(len * m / size_, len * (m + 1) / size_); };
+        const auto [lo, hi] = part(rank_);
+        std::memcpy(segment_->buffer(rank_, round_), data + off * elem, len * elem);
+        exchange(d);
+        at::Tensor sum = flat.narrow(0, off + lo, hi - lo);
+        for (int p = 0; p < size_; ++p)
+          if (p != rank_) sum.add_(staged(p, lo * elem, hi - lo, t));
+        end_round(d);
+        std::memcpy(segment_->buffer(rank_, round_) + lo * elem, data + (off + lo) * elem, (hi - lo) * elem);
+        exchange(d);
+        for (int p = 0; p < size_; ++p) {
+          if (p == rank_) continue;
+          const auto [plo, phi] = part(p);
+          std::memcpy(data + (off + plo) * elem, segment_->buffer(p, round_) + plo * elem, (phi - plo) * elem);
+        }
+      });
+    });
+  }
+
+  WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions) override {
+    check_dense_cpu(t, "broadcast", "tensor", "shared-memory");
+    FSDP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is outside [0, ", size_, ")");
+    return queue_->enqueue("broadcast", [this, t, root] {
+      auto* data = static_cast<uint8_t*>(t.data_ptr());
+      Descriptor d = describe(kBroadcast, t.nbytes(), t);
+      d.root = root;
+      for_each_piece(t.nbytes(), kSlotBytes, d, [&](int64_t off, int64_t len) {
+        if (rank_ == root) std::memcpy(segment_->buffer(rank_, round_), data + off, len);
+        exchange(d);
+        if (rank_ != root) std::memcpy(data + off, segment_->buffer(root, round_), len);
+      });
+    });
+  }
+
+  void barrier() override {
+    queue_->enqueue("barrier", [this] {
+      Descriptor d = describe(kBarrier, 0, at::Tensor());
+      for_each_piece(0, 1, d, [&](int64_t, int64_t) { exchange(d); });
+    })->wait();
+  }
+
+ private:
+  Descriptor describe(Op op, int64_t bytes, const at::Tensor& t) {
+    Descriptor d;
+    d.op = op;
+    d.collective = collectives_++;
+    d.bytes = bytes;
+    d.dtype = t.defined() ? static_cast<int32_t>(t.scalar_type()) : -1;
+    return d;
+  }
+
+  // Runs body(offset, length) over [0, total) in pieces of at most `piece`, one round each; a
+  // collective of nothing still takes one (empty) round, so every collective is matched.
+  template <typename Body>
+  void for_each_piece(int64_t total, int64_t piece, Descriptor& d, Body&& body) {
+    int64_t off = 0;
+    do {
+      const int64_t len = std::min(piece, total - off);
+      body(off, len);
+      end_round(d);
+      off += len;
+    } while (off < total);
+  }
+
+  void end_round(Descriptor& d) {
+    ++round_;
+    ++d.round_in_op;
+  }
+
+  // A member's staged elements as a tensor of `like`'s dtype (no copy).
+  at::Tensor staged(int member, int64_t byte_offset, int64_t numel, const at::Tensor& like) {
+    return at::from_blob(segment_->buffer(member, round_) + byte_offset, {numel}, like.options());
+  }
+
+  // Posts this member's round and waits until every member has posted it; then checks that all
+  // are running the same collective.
+  void exchange(const Descriptor& d) {
+    MemberControl* me = segment_->control(rank_);
+    me->descriptor[round_ % 2] = d;
+    const uint32_t target = round_ + 1;
+    me->posted.store(target, std::memory_order_seq_cst);
+    if (me->waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&me->posted);
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_) wait_for(p, target);
+    for (int p = 0; p < size_; ++p) {
+      const Descriptor& other = segment_->control(p)->descriptor[round_ % 2];
+      FSDP_CHECK(other == d, "ranks diverged: member ", rank_, " of ", name_, " issued ", explain(d), " while member ",
+                 p, " issued ", explain(other),
+                 ". Every rank must issue the same collectives in the same order (same model, same "
+                 "FSDP options, same number of steps and micro-batches)");
+    }
+  }
+
+  static std::string explain(const Descriptor& d) {
+    std::ostringstream s;
+    s << op_name(d.op) << " #" << d.collective << " of " << d.bytes << " bytes";
+    if (d.dtype >= 0) s << " (" << static_cast<at::ScalarType>(d.dtype) << ")";
+    if (d.op == kBroadcast) s << " from root " << d.root;
+    return s.str();
+  }
+
+  static bool reached(const MemberControl* c, uint32_t target) {
+    return static_cast<int32_t>(c->posted.load(std::memory_order_acquire) - target) >= 0;
+  }
+
+  void wait_for(int member, uint32_t target) {
+    MemberControl* c = segment_->control(member);
+    for (int i = 0; i < kSpins; ++i) {
+      if (reached(c, target)) return;
+      cpu_relax();
+    }
+    const auto start = std::chrono::steady_clock::now();
+    auto next_check = start + kLivenessPeriod;
+    for (;;) {
+      c->waiters.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t seen = c->posted.load(std::memory_order_seq_cst);
+      if (static_cast<int32_t>(seen - target) < 0) futex_wait(&c->posted, seen, kSleepSlice);
+      c->waiters.fetch_sub(1, std::memory_order_seq_cst);
+      if (reached(c, target)) return;
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= next_check) {
+        check_alive(member);
+        next_check = now + kLivenessPeriod;
+      }
+      FSDP_CHECK(now - start < timeout_, "member ", member, " of ", name_, " (pid ", c->pid,
+                 ") did not arrive within ", timeout_.count() / 1000.0, " s");
+    }
+  }
+
+  void check_alive(int member) {
+    MemberControl* c = segment_->control(member);
+    const int rc = pthread_mutex_trylock(&c->alive);
+    if (rc == EBUSY) return;
+    if (rc == 0) {
+      pthread_mutex_unlock(&c->alive);
+      FSDP_FAIL("member ", member, " of ", name_, " (pid ", c->pid,
+                ") left the group: its communicator was destroyed before this collective completed");
+    }
+    // EOWNERDEAD (we are the first to notice) or ENOTRECOVERABLE (another member was): unlocking
+    // without marking it consistent leaves it unrecoverable, so every member keeps seeing it.
+    if (rc == EOWNERDEAD) pthread_mutex_unlock(&c->alive);
+    FSDP_FAIL("member ", member, " of ", name_, " (pid ", c->pid, ") died");
+  }
+
+  std::unique_ptr<Segment> segment_;
+  int rank_, size_;
+  std::string name_;
+  std::chrono::milliseconds timeout_;
+  uint32_t round_ = 0;        // worker thread only
+  uint64_t collectives_ = 0;  // worker thread only
+  std::unique_ptr<CollectiveQueue> queue_;
+};
+
+std::string bytes_to_string(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> string_to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+}  // namespace
+
+CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& store, int index, int size,
+                                      std::string name, std::chrono::milliseconds timeout, bool required) {
+  FSDP_CHECK(size >= 1 && index >= 0 && index < size, "make_shm_communicator: member ", index, " of ", size);
+  auto segment = std::make_unique<Segment>();
+  // The first member creates the segment and announces "<name> <nonce>" (or "!<why>").
+  std::string shm_name;
+  uint64_t nonce = 0;
+  if (index == 0) {
+    std::random_device rd;
+    nonce = (uint64_t(rd()) << 32) ^ rd();
+    std::ostringstream n;
+    n << "/fsdp-" << getpid() << "-" << std::hex << nonce;
+    shm_name = n.str();
+    const std::string error = segment->create(shm_name, nonce, size);
+    store->set("shm/segment", string_to_bytes(error.empty() ? shm_name + " " + std::to_string(nonce) : "!" + error));
+  }
+  const std::string announced = bytes_to_string(store->get("shm/segment"));
+  std::string my_status;
+  if (announced.rfind('!', 0) == 0) {
+    my_status = announced.substr(1);
+  } else if (index != 0) {
+    std::istringstream in(announced);
+    in >> shm_name >> nonce;
+    my_status = segment->open(shm_name, nonce, size);
+  }
+  store->set("shm/status/" + std::to_string(index), string_to_bytes(my_status.empty() ? "ok" : my_status));
+  std::string failure;
+  for (int m = 0; m < size && failure.empty(); ++m) {
+    const std::string s = bytes_to_string(store->get("shm/status/" + std::to_string(m)));
+    if (s != "ok") failure = "member " + std::to_string(m) + ": " + s;
+  }
+  // Everyone has mapped it (or given up): the name is no longer needed, and unlinking now means
+  // the segment cannot outlive the job however the processes end.
+  if (index == 0 && !shm_name.empty() && announced.rfind('!', 0) != 0) shm_unlink(shm_name.c_str());
+  if (!failure.empty()) {
+    FSDP_CHECK(!required, "the shared-memory transport was requested (FSDP_TRANSPORT=shm or "
+               "ProcessGroupOptions::transport) for ", name, " but its members cannot share a segment (", failure,
+               "). Use FSDP_TRANSPORT=auto (or tcp) when the group spans hosts or /dev/shm namespaces");
+    return nullptr;
+  }
+  auto comm = std::make_shared<ShmCommunicator>(std::move(segment), index, size, std::move(name), timeout);
+  // Every member's liveness lock is held before any member starts a collective.
+  store->set("shm/ready/" + std::to_string(index), string_to_bytes("1"));
+  std::vector<std::string> keys;
+  for (int m = 0; m < size; ++m) keys.push_back("shm/ready/" + std::to_string(m));
+  store->wait(keys);
+  return comm;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,190 @@
+// Both CPU transports (Gloo over TCP and shared memory) against values computed locally: every
+// collective, several dtypes, sizes of zero, odd and larger than the shared-memory staging buffers;
+// and the shared-memory transport's failure paths (diverged ranks, a member that died or left).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include "harness.h"
+
+namespace fsdp_test {
+namespace {
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// What rank r contributes: distinct per rank and element, exact in every dtype tested.
+at::Tensor contribution(int rank, int64_t numel, at::ScalarType dtype) {
+  return (torch::arange(numel, torch::kLong).remainder(97) + 7 * rank).to(dtype);
+}
+
+FSDP_WORKER(transport_worker) {
+  const std::string expected_transport = ctx.args.at(0);
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto comm = pg->world();
+  const int W = ctx.world, r = ctx.rank;
+  WORKER_CHECK((comm->shared_memory_bytes() > 0) == (expected_transport == "shm"), "world() uses the wrong transport (",
+               comm->shared_memory_bytes(), " shared bytes, expected ", expected_transport, ")");
+  // 0, 1, odd, one staging buffer exactly (1 MiB of float), and several buffers plus a remainder.
+  const std::vector<int64_t> sizes{0, 1, 1001, 262144, 700001};
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong}) {
+    for (int64_t n : sizes) {
+      if (dtype == at::kBFloat16 && n > 1001) continue;  // sums stay exact only for small values
+      at::Tensor sum = contribution(0, n * W, dtype).zero_();
+      for (int p = 0; p < W; ++p) sum.add_(contribution(p, n * W, dtype));
+      // all_gather_into
+      at::Tensor out = torch::full({n * W}, -1, dtype);
+      comm->all_gather_into(out, contribution(r, n, dtype))->wait();
+      for (int p = 0; p < W; ++p)
+        WORKER_CHECK(out.narrow(0, p * n, n).equal(contribution(p, n, dtype)), "all_gather_into ", dtype, " n=", n,
+                     ": rank ", p, "'s part is wrong");
+      // reduce_scatter
+      at::Tensor mine = torch::full({n}, -1, dtype);
+      comm->reduce_scatter(mine, contribution(r, n * W, dtype))->wait();
+      WORKER_CHECK(mine.equal(sum.narrow(0, r * n, n)), "reduce_scatter ", dtype, " n=", n, " is wrong");
+      // all_reduce, in place
+      at::Tensor t = contribution(r, n * W, dtype);
+      comm->all_reduce(t)->wait();
+      WORKER_CHECK(t.equal(sum), "all_reduce ", dtype, " n=", n, " is wrong");
+      // broadcast from the last rank
+      at::Tensor b = r == W - 1 ? contribution(r, n, dtype) : torch::full({n}, -1, dtype);
+      comm->broadcast(b, W - 1)->wait();
+      WORKER_CHECK(b.equal(contribution(W - 1, n, dtype)), "broadcast ", dtype, " n=", n, " is wrong");
+    }
+  }
+  // Several collectives in flight at once complete in issue order with the right values.
+  std::vector<at::Tensor> ts;
+  std::vector<fsdp::WorkPtr> works;
+  for (int i = 0; i < 6; ++i) {
+    ts.push_back(contribution(r + i, 300000, at::kFloat));
+    works.push_back(comm->all_reduce(ts.back()));
+  }
+  for (int i = 0; i < 6; ++i) {
+    works[i]->wait();
+    at::Tensor expect = torch::zeros({300000});
+    for (int p = 0; p < W; ++p) expect.add_(contribution(p + i, 300000, at::kFloat));
+    WORKER_CHECK(ts[i].equal(expect), "all_reduce #", i, " in flight is wrong");
+  }
+  comm->barrier();
+  // A sub-group gets its own communicator on the same transport.
+  if (W >= 3) {
+    std::vector<int> ranks{0, 2};
+    if (r == 0 || r == 2) {
+      auto sub = pg->new_group(ranks, "pair");
+      WORKER_CHECK((sub->shared_memory_bytes() > 0) == (expected_transport == "shm"), "sub-group transport");
+      at::Tensor t = torch::full({5}, double(r + 1), at::kDouble);
+      sub->all_reduce(t)->wait();
+      WORKER_CHECK(t.equal(torch::full({5}, 4.0, at::kDouble)), "sub-group all_reduce is wrong");
+    }
+  }
+  comm->barrier();
+  if (r == 0) std::cout << "transport " << expected_transport << " ok" << std::endl;
+}
+
+class TransportTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TransportTest, CollectivesMatchLocalResultsAtWorld3) {
+  const std::string transport = GetParam();
+  auto r = launch("transport_worker", 3, {transport}, 300, {"FSDP_TRANSPORT=" + transport});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "transport " + transport + " ok")) << r.report();
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, TransportTest, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+// Rank 1 issues a different collective from the others: every rank fails at once, naming both.
+FSDP_WORKER(diverged_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto comm = pg->world();
+  at::Tensor t = torch::ones({10});
+  comm->all_reduce(t)->wait();  // in step
+  try {
+    if (ctx.rank == 1) {
+      at::Tensor out = torch::empty({10 * ctx.world});
+      comm->all_gather_into(out, torch::ones({10}))->wait();
+    } else {
+      comm->all_reduce(t)->wait();
+    }
+  } catch (const fsdp::Error& e) {
+    std::cout << "caught: " << e.what() << std::endl;
+    return;
+  }
+  throw std::runtime_error("diverged collectives did not fail");
+}
+
+TEST(SharedMemory, DivergedRanksFailFastNamingBothCollectives) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = launch("diverged_worker", 3, {}, 120, {"FSDP_TRANSPORT=shm"});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_TRUE(contains(r.ranks[rank].output, "ranks diverged")) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, "all_gather_into #1 of 40 bytes")) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, "all_reduce #1 of 40 bytes")) << r.report();
+  }
+  EXPECT_LT(seconds, 30) << r.report();  // the timeout is 60 s
+}
+
+// A member dies inside a collective, or destroys its communicator while the others wait in one:
+// the others fail within about the liveness period, naming the member, not at the timeout.
+FSDP_WORKER(member_gone_worker) {
+  const std::string how = ctx.args.at(0);
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto comm = pg->world();
+  at::Tensor t = torch::ones({1000});
+  comm->all_reduce(t)->wait();
+  if (ctx.rank == 1) {
+    if (how == "dies") _exit(3);
+    pg.reset();
+    comm.reset();  // the last reference: the communicator is destroyed
+    std::this_thread::sleep_for(std::chrono::seconds(20));
+    return;
+  }
+  try {
+    comm->all_reduce(t)->wait();
+  } catch (const fsdp::Error& e) {
+    std::cout << "caught: " << e.what() << std::endl;
+    return;
+  }
+  throw std::runtime_error("a collective without member 1 completed");
+}
+
+class MemberGoneTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MemberGoneTest, OthersFailFastNamingTheMember) {
+  const std::string how = GetParam();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = launch("member_gone_worker", 3, {how}, 120, {"FSDP_TRANSPORT=shm"});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(r.timed_out) << r.report();
+  EXPECT_EQ(r.ranks[1].exit_code, how == "dies" ? 3 : 0) << r.report();
+  const std::string expected = how == "dies" ? ") died" : ") left the group";
+  for (int rank : {0, 2}) {
+    EXPECT_EQ(r.ranks[rank].exit_code, 0) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, "member 1 of world[0,1,2] (pid ")) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, expected)) << r.report();
+  }
+  // The timeout is 60 s; "left" includes member 1's 20 s sleep.
+  EXPECT_LT(seconds, how == "dies" ? 15 : 35) << r.report();
+}
+
+INSTANTIATE_TEST_SUITE_P(Ways, MemberGoneTest, ::testing::Values("dies", "leaves"),
+                         [](const auto& info) { return info.param; });
+
+TEST(Transport, ParsesNamesAndRejectsOthersWithTheFix) {
+  EXPECT_EQ(fsdp::parse_transport("auto", "x"), fsdp::Transport::kAuto);
+  EXPECT_EQ(fsdp::parse_transport("tcp", "x"), fsdp::Transport::kTcp);
+  EXPECT_EQ(fsdp::parse_transport("shm", "x"), fsdp::Transport::kSharedMemory);
+  try {
+    fsdp::parse_transport("nccl", "FSDP_TRANSPORT");
+    FAIL();
+  } catch (const fsdp::Error& e) {
+    EXPECT_TRUE(contains(e.what(), "FSDP_TRANSPORT=nccl is not a transport; use auto")) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_test
