@@ -59,6 +59,7 @@ PRESETS = {
         "warmup": 2,
         "steps": 6,
         "threads_per_rank": 1,
+        "tcp_strategies": ["NO_SHARD", "FULL_SHARD"],
         "memory": {"world": 4, "size": "comm-bound", "wraps": ["none", "block", "sublayer", "linear"], "reps": 3},
         "malloc_diagnosis": {"size": "compute-bound", "batch_per_rank": 4,
                              "contenders": ["pylocal", "local1", "local_callback", "NO_SHARD"], "reps": 7},
@@ -74,6 +75,7 @@ PRESETS = {
         "warmup": 1,
         "steps": 2,
         "threads_per_rank": 1,
+        "tcp_strategies": ["FULL_SHARD"],
         "memory": {"world": 2, "size": "tiny", "wraps": ["none", "block"], "reps": 1},
         "malloc_diagnosis": {"size": "tiny", "batch_per_rank": 2,
                              "contenders": ["pylocal", "local1", "local_callback", "NO_SHARD"], "reps": 1},
@@ -282,6 +284,11 @@ class Bench:
                 c["factor"] = max(1, world // 2)
                 c["label"] = f"libfsdp HYBRID_SHARD (F={c['factor']})"
             cs.append(c)
+        # The same two strategies on Gloo over TCP, DDP's transport: how much of the difference
+        # to DDP is libfsdp's default shared-memory transport.
+        for s in self.preset.get("tcp_strategies", []):
+            cs.append({"key": f"{s}_tcp", "label": f"libfsdp {s} (Gloo TCP)", "kind": "fsdp", "strategy": s,
+                       "factor": 0, "env": {"FSDP_TRANSPORT": "tcp"}})
         for c in cs:
             c["threads"] = usable_cpus() if c["kind"] == "local" else threads
         return cs
@@ -307,7 +314,7 @@ class Bench:
             return self.launch(argv, world, c["threads"], c["label"], timeout, env=env)
         argv = [self.gpt_bench, "--mode", "fsdp", "--strategy", c["strategy"], "--sharding-factor",
                 str(c["factor"]), "--wrap", wrap, "--threads", str(c["threads"]), "--inputs", inputs] + margs
-        return self.launch(argv, world, c["threads"], c["label"], timeout, env=env)
+        return self.launch(argv, world, c["threads"], c["label"], timeout, env=dict(env, **c.get("env", {})))
 
     # -----------------------------------------------------------------------------------------
     def section_peers(self):
@@ -628,7 +635,9 @@ def report_peers(bench, groups):
              " ".join(f"{k}={v}" for k, v in MALLOC_MODES[p["contender_malloc"]].items()) +
              "` (fixed mmap threshold, heap trimmed only past 64 MiB free; see malloc.md for why and what it "
              "changes). Launcher for every distributed contender: "
-             "`build/tools/fsdp-run`.", "",
+             "`build/tools/fsdp-run`. Transport: PyTorch DDP runs Gloo over TCP (loopback); libfsdp runs its "
+             "default, shared memory between the ranks of one host (`FSDP_TRANSPORT=auto`), and the "
+             "'(Gloo TCP)' rows run the same strategy with `FSDP_TRANSPORT=tcp`, DDP's transport.", "",
              f"Each run: {p['warmup']} warm-up steps, then {p['steps']} timed steps; a step is zero_grad, "
              "forward, loss, backward, optimizer step and reading the loss. Per run the median step time; "
              f"per contender the median over {p['reps']} interleaved runs (min-max of the runs' medians in "
