@@ -8,4 +8,4 @@ set key below
 set ylabel 'CPU time / DDP'
 set yrange [0:*]
 set grid ytics
-plot for [i=2:7] 'peers_cpu_ratio.dat' using i:xtic(1) title columnhead(i), 1 with lines lc 'black' dt 2 notitle
+plot for [i=2:9] 'peers_cpu_ratio.dat' using i:xtic(1) title columnhead(i), 1 with lines lc 'black' dt 2 notitle

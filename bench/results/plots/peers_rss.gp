@@ -8,4 +8,4 @@ set key below
 set ylabel 'MiB'
 set yrange [0:*]
 set grid ytics
-plot for [i=2:7] 'peers_rss.dat' using i:xtic(1) title columnhead(i)
+plot for [i=2:9] 'peers_rss.dat' using i:xtic(1) title columnhead(i)
