@@ -3,7 +3,9 @@
 # fsdp-run per namespace (--nnodes 2, 2 ranks each), against a 4-rank run inside one namespace
 # with the same configuration. Prints both runs' per-step losses and the largest difference,
 # shows which addresses the ranks' Gloo connections use and the bytes that crossed the veth link,
-# and fails if the losses differ by more than 1e-6 or any Gloo connection avoids the link.
+# and fails if the losses differ by more than 1e-6, any Gloo connection avoids the link, or the
+# two-node world communicator did not fall back from shared memory to Gloo (node 1 has its own
+# /dev/shm, as a second host would).
 #
 #   scripts/two_node_netns.sh [TRAINER ARGS...]       (as root; needs iproute2 and a built tree)
 #
@@ -19,9 +21,10 @@
 # The namespaces, and everything still running in them, are removed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Network namespaces share /dev/shm, so libfsdp's default transport would find that the two
-# "hosts" can share memory and use it; real separate hosts cannot, so Gloo over TCP it is.
-export FSDP_TRANSPORT=${FSDP_TRANSPORT:-tcp}
+# Network namespaces share /dev/shm, so node 1 also gets a /dev/shm of its own (a private mount
+# namespace): like a real second host, its ranks cannot map node 0's shared-memory segments, and
+# libfsdp's default transport (auto) must find that out and fall back to Gloo over TCP. The
+# one-node run uses Gloo too (FSDP_TRANSPORT=tcp), so both runs sum in the same order.
 BUILD_DIR=${BUILD_DIR:-build}
 BIND=${BIND:-default}
 MASTER=${MASTER:-addr}
@@ -115,7 +118,10 @@ for node in 0 1; do
   ns=$NS0
   [ "$node" = 1 ] && ns=$NS1
   # shellcheck disable=SC2046  # bind_env prints zero or one NAME=VALUE word
-  ip netns exec "$ns" env $(bind_env "$node") "$LAUNCHER" --nnodes 2 --node-rank "$node" --nproc-per-node 2 \
+  own_shm=()
+  [ "$node" = 1 ] && own_shm=(unshare --mount --propagation private sh -c \
+    'mount -t tmpfs -o size=64m fsdp-node1-shm /dev/shm && exec "$@"' own-shm)
+  ip netns exec "$ns" "${own_shm[@]}" env $(bind_env "$node") "$LAUNCHER" --nnodes 2 --node-rank "$node" --nproc-per-node 2 \
     --master-addr "$MASTER_ADDR" --master-port "$PORT" \
     "$TRAINER" "${TRAIN_ARGS[@]}" --metrics-file "$WORK/two_nodes.jsonl" >"$WORK/node$node.log" 2>&1 &
   PIDS+=($!)
@@ -164,7 +170,7 @@ cat "$WORK/node1.log"
 
 # --- one node, four ranks, same configuration ------------------------------------------------
 start=$SECONDS
-ip netns exec "$NS0" "$LAUNCHER" --nproc-per-node 4 --master-addr 127.0.0.1 --master-port "$PORT" \
+ip netns exec "$NS0" env FSDP_TRANSPORT=tcp "$LAUNCHER" --nproc-per-node 4 --master-addr 127.0.0.1 --master-port "$PORT" \
   "$TRAINER" "${TRAIN_ARGS[@]}" --metrics-file "$WORK/one_node.jsonl" >"$WORK/one_node.log" 2>&1 ||
   { echo "two_node_netns: one-node run failed" >&2; tail -n 30 "$WORK/one_node.log" >&2; exit 1; }
 one_node_seconds=$((SECONDS - start))
@@ -209,6 +215,9 @@ cross=$(connections "$NS1" | awk -v a="$ADDR0" '$1 == "gloo" && $3 == a' | wc -l
 echo "Gloo connections from node 1 to node 0: $cross; rank connections not on the veth addresses: $off_link"
 echo "bytes sent by node 0 over $VETH0 during the two-node run: $((tx_after - tx_before))"
 
+echo "two-node run's communicators (auto transport):"
+sed -nE 's/^\[rank 0\]   ((world|shard group|replica group) [a-z]+\[.*)/  \1/p' "$WORK/node0.log"
+
 maxdiff=$(cat "$WORK/maxdiff")
 if ! awk -v d="$maxdiff" 'BEGIN { exit !(d <= 1e-6) }'; then
   echo "FAIL: two-node and one-node losses differ by $maxdiff" >&2
@@ -216,6 +225,10 @@ if ! awk -v d="$maxdiff" 'BEGIN { exit !(d <= 1e-6) }'; then
 fi
 if [ "$off_link" -ne 0 ] || [ "$cross" -eq 0 ]; then
   echo "FAIL: the ranks' connections did not all use the veth addresses" >&2
+  exit 1
+fi
+if ! grep -qE '^\[rank 0\]   world world\[0,1,2,3\]: Gloo over TCP' "$WORK/node0.log"; then
+  echo "FAIL: the two-node run did not report its world communicator on Gloo over TCP" >&2
   exit 1
 fi
 echo "OK"

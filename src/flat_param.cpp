@@ -196,11 +196,11 @@ void FlatParam::start_reduce() {
     memory_->add_grad(shard_numel_ * element_size_);
     pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_);
     if (group_.replicate_comm && group_.replicate_comm->size() > 1) {
-      // Hybrid: finish the reduce-scatter and the all-reduce across replicas now, so no
-      // collective of another group runs concurrently with them. With both in flight on
-      // different communicators, 4-rank runs deadlocked intermittently (open issue).
-      pending_work_->wait();
-      group_.replicate_comm->all_reduce(reduced_)->wait();
+      // Hybrid: the shard's sum across replicas, chained after the reduce-scatter on the replica
+      // group's thread, so both overlap the rest of backward.
+      CollectiveOptions after_scatter;
+      after_scatter.after = pending_work_;
+      pending_work_ = group_.replicate_comm->all_reduce(reduced_, after_scatter);
     }
   }
 }

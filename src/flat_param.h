@@ -85,13 +85,11 @@ class FlatParam {
   bool has_grad_buffer() const { return full_grad_.defined(); }
   bool ensure_grad_buffer();
   void take_grad(int slot);
-  // Issue the reduction of the flat gradient (asynchronous, except for hybrid sharding, see the
-  // definition), then finish it: average over ranks and add into the shard pieces' .grad (only
+  // Issue the reduction of the flat gradient (asynchronous), then finish it: average over ranks and add into the shard pieces' .grad (only
   // pieces of parameters that got a gradient).
   void start_reduce();
   bool reduce_pending() const { return pending_work_ != nullptr; }
   const WorkPtr& reduce_work() const { return pending_work_; }
-  bool reduce_is_synchronous() const { return group_.replicate_comm && group_.replicate_comm->size() > 1; }
   void finish_reduce();
 
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).

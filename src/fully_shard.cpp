@@ -500,6 +500,21 @@ MemoryStats Runtime::memory_stats() const {
   return stats;
 }
 
+std::string Runtime::describe_communicators() const {
+  std::ostringstream o;
+  std::vector<const Communicator*> seen;
+  const std::pair<const char*, const Communicator*> roles[] = {{"world", group_.world_comm.get()},
+                                                               {"shard group", group_.shard_comm.get()},
+                                                               {"replica group", group_.replicate_comm.get()}};
+  for (const auto& [role, comm] : roles) {
+    if (!comm || comm->size() < 2 || std::find(seen.begin(), seen.end(), comm) != seen.end()) continue;
+    seen.push_back(comm);
+    o << "  " << role << " " << comm->name() << ": "
+      << (comm->shared_memory_bytes() > 0 ? "shared memory" : "Gloo over TCP") << "\n";
+  }
+  return o.str();
+}
+
 void Runtime::release_cached_memory() { pool_.release_cached(); }
 
 void Runtime::reset_peak_memory_stats() {
@@ -562,6 +577,7 @@ std::string FullyShardedModule::describe() const {
     o << "  " << std::left << std::setw(28) << (u.name.empty() ? "<root>" : u.name) << std::right << std::setw(8)
       << u.parameters.size() << std::setw(14) << u.numel << std::setw(14) << u.padded_numel << std::setw(14)
       << u.shard_bytes << "\n";
+  o << runtime_->describe_communicators();
   return o.str();
 }
 

@@ -33,6 +33,11 @@ struct CollectiveOptions {
   // Ranks match collectives by tag. 0 means "the next sequence number of this communicator",
   // which is right whenever all ranks issue collectives in the same order.
   uint32_t tag = 0;
+  // Run only once this work has completed (waited for on the communicator's own thread, so the
+  // caller does not block); if it failed, this collective fails too. Chains collectives of
+  // different communicators, e.g. hybrid sharding's reduce-scatter in the shard group followed by
+  // the all-reduce of its result across replicas.
+  WorkPtr after;
 };
 
 class Communicator {

@@ -77,7 +77,7 @@ class FullyShardedModule {
   int sharding_factor() const;  // ranks a FlatParameter is split over (1 for kNoShard)
   int world_size() const;
   std::shared_ptr<torch::nn::Module> module() const;
-  // A table of units, sizes and the strategy, for logs.
+  // A table of units, sizes and the strategy, then the communicators and their transports, for logs.
   std::string describe() const;
 
   // Event trace (also Options::trace): when on, every backward completes an iteration's trace,

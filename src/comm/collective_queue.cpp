@@ -82,26 +82,36 @@ CollectiveQueue::~CollectiveQueue() {
   worker_.join();
 }
 
-WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body) {
+WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body, WorkPtr after) {
   auto work = std::make_shared<QueuedWork>();
   static const bool debug = std::getenv("FSDP_DEBUG_COMM") != nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   if (debug) std::fprintf(stderr, "[comm] %s #%u %s\n", name_.c_str(), debug_count_++, op);
-  queue_.push_back([this, op, body = std::move(body), work]() mutable {
+  queue_.push_back([this, op, body = std::move(body), after = std::move(after), work]() mutable {
     if (!failure_.empty()) {
       body = nullptr;
+      after = nullptr;
       work->finish(detail::compose(op, " on ", name_, " was not run: an earlier collective failed: ", failure_));
       return;
     }
     try {
       at::NoGradGuard no_grad;
       InternalOpGuard internal;  // the op interception must not take our copies for parameter reads
+      if (after) {
+        try {
+          after->wait();
+        } catch (const std::exception& e) {
+          FSDP_FAIL("the collective it depends on failed: ", e.what());
+        }
+        after = nullptr;
+      }
       work->started();
       body();
       body = nullptr;
       work->finish("");
     } catch (const std::exception& e) {
       body = nullptr;
+      after = nullptr;
       failure_ = e.what();
       work->finish(detail::compose(
           "collective ", op, " on ", name_, " failed on rank ", rank_, " of ", size_, ": ", e.what(),

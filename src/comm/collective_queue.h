@@ -52,7 +52,8 @@ class CollectiveQueue {
 
   // The job runs under NoGradGuard and drops its captures before the Work completes, so once
   // wait() returns the caller holds the only references to the tensors it passed.
-  WorkPtr enqueue(const char* op, std::function<void()> body);
+  // With `after`, the job first waits for that work (see CollectiveOptions::after).
+  WorkPtr enqueue(const char* op, std::function<void()> body, WorkPtr after = nullptr);
 
  private:
   void run();

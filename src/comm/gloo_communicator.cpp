@@ -74,13 +74,13 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       o.setTag(tag);
       o.setTimeout(timeout_);
       gloo::allgather(o);
-    });
+    }, opts.after);
   }
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_reduce_scatter_args(out, in, size(), "Gloo");
     const uint32_t tag = resolve_tag(opts);
-    return enqueue("reduce_scatter", [this, out, in, tag] { ring_reduce_scatter(out, in, tag); });
+    return enqueue("reduce_scatter", [this, out, in, tag] { ring_reduce_scatter(out, in, tag); }, opts.after);
   }
 
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
@@ -98,7 +98,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
         case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
         default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
       }
-    });
+    }, opts.after);
   }
 
   template <typename T>
@@ -124,7 +124,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       o.setTag(tag);
       o.setTimeout(timeout_);
       gloo::broadcast(o);
-    });
+    }, opts.after);
   }
 
   void barrier() override {
@@ -215,7 +215,9 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     out.copy_(flat.narrow(0, r * n, n));
   }
 
-  WorkPtr enqueue(const char* op, std::function<void()> body) { return queue_->enqueue(op, std::move(body)); }
+  WorkPtr enqueue(const char* op, std::function<void()> body, WorkPtr after = nullptr) {
+    return queue_->enqueue(op, std::move(body), std::move(after));
+  }
 
   std::shared_ptr<gloo::Context> ctx_;
   std::string name_;

@@ -63,6 +63,7 @@ class ModeledWork : public Work {
               std::shared_ptr<std::atomic<int64_t>> real_exceeded)
       : real_(std::move(real)), start_(start), done_at_(done_at), real_exceeded_(std::move(real_exceeded)) {}
 
+  ModeledCommunicator::Clock::time_point done_at() const { return done_at_; }
   // The modeled span on the link; it ends later if the real collective did.
   WorkTiming timing() const override { return {start_, std::max(done_at_, real_->timing().end)}; }
 
@@ -239,27 +240,35 @@ WorkPtr ModeledCommunicator::wrap(Collective c, int64_t bytes, Clock::time_point
   return std::make_shared<ModeledWork>(std::move(real), start, done_at, real_exceeded_);
 }
 
+// A collective chained after another (CollectiveOptions::after) starts on the link no earlier
+// than that one's modeled completion.
+ModeledCommunicator::Clock::time_point ModeledCommunicator::issue_time(const CollectiveOptions& opts) {
+  auto issued = Clock::now();
+  if (const auto* before = dynamic_cast<const ModeledWork*>(opts.after.get())) issued = std::max(issued, before->done_at());
+  return issued;
+}
+
 // The real collective is issued first: if it rejects its arguments, nothing is booked on the link.
 WorkPtr ModeledCommunicator::all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) {
-  const auto issued = Clock::now();
+  const auto issued = issue_time(opts);
   auto real = inner_->all_gather_into(out, in, opts);
   return wrap(Collective::kAllGather, static_cast<int64_t>(out.nbytes()), issued, std::move(real));
 }
 
 WorkPtr ModeledCommunicator::reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) {
-  const auto issued = Clock::now();
+  const auto issued = issue_time(opts);
   auto real = inner_->reduce_scatter(out, in, opts);
   return wrap(Collective::kReduceScatter, static_cast<int64_t>(in.nbytes()), issued, std::move(real));
 }
 
 WorkPtr ModeledCommunicator::all_reduce(at::Tensor t, CollectiveOptions opts) {
-  const auto issued = Clock::now();
+  const auto issued = issue_time(opts);
   auto real = inner_->all_reduce(t, opts);
   return wrap(Collective::kAllReduce, static_cast<int64_t>(t.nbytes()), issued, std::move(real));
 }
 
 WorkPtr ModeledCommunicator::broadcast(at::Tensor t, int root, CollectiveOptions opts) {
-  const auto issued = Clock::now();
+  const auto issued = issue_time(opts);
   auto real = inner_->broadcast(t, root, opts);
   return wrap(Collective::kBroadcast, static_cast<int64_t>(t.nbytes()), issued, std::move(real));
 }

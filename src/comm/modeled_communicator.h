@@ -34,6 +34,7 @@ class ModeledCommunicator : public Communicator {
   const CommunicatorPtr& inner() const { return inner_; }
 
  private:
+  static Clock::time_point issue_time(const CollectiveOptions& opts);
   // Books the link for one collective issued at `issued`; returns its modeled start and completion.
   std::pair<Clock::time_point, Clock::time_point> schedule(Collective c, int64_t bytes, Clock::time_point issued);
   WorkPtr wrap(Collective c, int64_t bytes, Clock::time_point issued, WorkPtr real);

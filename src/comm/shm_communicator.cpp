@@ -126,11 +126,13 @@ class Segment {
     const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) return "shm_open(" + name + ") failed: " + errno_text(errno);
     const int64_t bytes = segment_bytes(size);
-    if (ftruncate(fd, bytes) != 0) {
-      const int err = errno;
+    // Reserve the pages now: a size-limited /dev/shm (containers often have 64 MiB) would otherwise
+    // accept the size and raise SIGBUS at the first page touched beyond its limit.
+    if (const int err = posix_fallocate(fd, 0, bytes); err != 0) {
       close(fd);
       shm_unlink(name.c_str());
-      return "ftruncate of " + name + " to " + std::to_string(bytes) + " bytes failed: " + errno_text(err);
+      return "reserving " + std::to_string(bytes) + " bytes for " + name + " failed: " + errno_text(err) +
+             " (is /dev/shm full or too small?)";
     }
     std::string error = map(fd, bytes, name);
     close(fd);
@@ -215,7 +217,7 @@ class ShmCommunicator : public Communicator {
   std::string name() const override { return name_; }
   int64_t shared_memory_bytes() const override { return segment_->bytes(); }
 
-  WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions) override {
+  WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_gather_args(out, in, size_, "shared-memory");
     return queue_->enqueue("all_gather_into", [this, out, in] {
       const int64_t n = in.nbytes();
@@ -229,10 +231,10 @@ class ShmCommunicator : public Communicator {
         for (int p = 0; p < size_; ++p)
           if (p != rank_) std::memcpy(dst + p * n + off, segment_->buffer(p, round_), len);
       });
-    });
+    }, opts.after);
   }
 
-  WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions) override {
+  WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_reduce_scatter_args(out, in, size_, "shared-memory");
     return queue_->enqueue("reduce_scatter", [this, out, in] {
       const int64_t n = out.numel(), elem = in.element_size();
@@ -251,10 +253,10 @@ class ShmCommunicator : public Communicator {
         for (int p = 0; p < size_; ++p)
           if (p != rank_) sum.add_(staged(p, rank_ * piece * elem, len, out));
       });
-    });
+    }, opts.after);
   }
 
-  WorkPtr all_reduce(at::Tensor t, CollectiveOptions) override {
+  WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
     check_dense_cpu(t, "all_reduce", "tensor", "shared-memory");
     return queue_->enqueue("all_reduce", [this, t] {
       // Per chunk: a reduce-scatter round (member m sums part m of the chunk), then an all-gather
@@ -280,10 +282,10 @@ class ShmCommunicator : public Communicator {
           std::memcpy(data + (off + plo) * elem, segment_->buffer(p, round_) + plo * elem, (phi - plo) * elem);
         }
       });
-    });
+    }, opts.after);
   }
 
-  WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions) override {
+  WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts) override {
     check_dense_cpu(t, "broadcast", "tensor", "shared-memory");
     FSDP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is outside [0, ", size_, ")");
     return queue_->enqueue("broadcast", [this, t, root] {
@@ -295,7 +297,7 @@ class ShmCommunicator : public Communicator {
         exchange(d);
         if (rank_ != root) std::memcpy(data + off, segment_->buffer(root, round_), len);
       });
-    });
+    }, opts.after);
   }
 
   void barrier() override {

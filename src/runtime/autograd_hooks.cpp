@@ -128,12 +128,10 @@ void Runtime::post_backward(int u) {
     FlatParam& fp = *flat_params_[f];
     if (!fp.has_grad_buffer() || fp.reduce_pending()) continue;
     finish_reductions(in_flight > 0 ? in_flight - 1 : 0);
-    const auto start = Tracer::Clock::now();
     fp.start_reduce();
     const char* op = fp.keep_unsharded() ? "all-reduce" : "reduce-scatter";
     tracer_.collective(TraceEvent::Kind::kReduce, u, op, fp.reduce_track(), fp.reduce_work());
     tracer_.instant(TraceEvent::Kind::kReduceIssued, u, op);
-    if (fp.reduce_is_synchronous()) tracer_.wait(u, "hybrid reduction", start, Tracer::Clock::now());
     reduce_order_.push_back(f);
   }
   finish_reductions(in_flight);

@@ -56,6 +56,8 @@ class Runtime {
   std::unordered_map<std::string, at::Tensor> full_state_dict();
   void load_full_state_dict(const std::unordered_map<std::string, at::Tensor>& state);
   MemoryStats memory_stats() const;
+  // One line per distinct communicator: its role, name and transport.
+  std::string describe_communicators() const;
   void reset_peak_memory_stats();
   void release_cached_memory();
   const std::vector<UnitInfo>& unit_infos() const { return unit_infos_; }

@@ -78,6 +78,21 @@ FSDP_WORKER(transport_worker) {
       sub->all_reduce(t)->wait();
       WORKER_CHECK(t.equal(torch::full({5}, 4.0, at::kDouble)), "sub-group all_reduce is wrong");
     }
+    // Chained (CollectiveOptions::after), as hybrid sharding does: a world reduce-scatter, then the
+    // pair all-reduces its two results without waiting in between.
+    const int64_t n = 4;
+    at::Tensor sum = torch::zeros({n * W}, at::kDouble);
+    for (int p = 0; p < W; ++p) sum.add_(contribution(p, n * W, at::kDouble));
+    at::Tensor mine = torch::empty({n}, at::kDouble);
+    auto scattered = comm->reduce_scatter(mine, contribution(r, n * W, at::kDouble));
+    if (r == 0 || r == 2) {
+      fsdp::CollectiveOptions chained;
+      chained.after = scattered;
+      pg->new_group(ranks, "pair")->all_reduce(mine, chained)->wait();
+      WORKER_CHECK(mine.equal(sum.narrow(0, 0, n) + sum.narrow(0, 2 * n, n)), "chained all_reduce is wrong");
+    } else {
+      scattered->wait();
+    }
   }
   comm->barrier();
   if (r == 0) std::cout << "transport " << expected_transport << " ok" << std::endl;
