@@ -21,8 +21,9 @@ struct MemoryStats {
   // Working memory FSDP's communicators keep between collectives from the CPU allocator (the
   // Gloo reduce-scatter receive ring: at most 2 MiB per communicator). Not part of the figures above.
   int64_t comm_scratch_bytes = 0;
-  // Shared memory FSDP's communicators map (the shared-memory transport's staging segment:
-  // 2 MiB per member plus a page, per communicator), outside the CPU allocator. Not part of the
+  // Shared memory FSDP's communicators map (the shared-memory transport's staging segment: 2 MiB
+  // per member up to 8 members, 16 MiB beyond, plus a page, per communicator), outside the CPU
+  // allocator. Every member touches all of it, so it counts in each rank's RSS. Not part of the
   // figures above.
   int64_t comm_shared_bytes = 0;
 };

@@ -28,7 +28,7 @@ namespace {
 
 // How the segment works
 // ---------------------
-// Every member owns two staging buffers of kSlotBytes in the segment and a control block. A
+// Every member owns two staging buffers of slot_bytes(size) in the segment and a control block. A
 // collective is a sequence of rounds; all members run the same rounds in the same order. In round
 // g a member writes its data into its buffer g % 2, publishes a descriptor of the collective, sets
 // its `posted` counter to g + 1 and then waits until every member has posted g + 1; then it reads
@@ -41,7 +41,13 @@ namespace {
 // thread holds a robust process-shared mutex for as long as it runs, so a member that died (or
 // destroyed its communicator) is seen at once, not at the timeout.
 constexpr uint64_t kMagic = 0x316d68737064736full;  // "fsdpshm1"
-constexpr int64_t kSlotBytes = int64_t(1) << 20;
+// Staging buffers: 1 MiB each up to 8 members, smaller beyond, so a segment stays at 16 MiB
+// (containers often give /dev/shm 64 MiB) whatever the number of ranks per host.
+constexpr int64_t kMaxSlotBytes = int64_t(1) << 20, kMinSlotBytes = int64_t(64) << 10;
+constexpr int64_t kSegmentDataBytes = int64_t(16) << 20;
+int64_t slot_bytes(int size) {
+  return std::max(kMinSlotBytes, std::min(kMaxSlotBytes, kSegmentDataBytes / (2 * size) / 4096 * 4096));
+}
 constexpr int kSpins = 256;
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
@@ -92,7 +98,7 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be p
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 int64_t controls_offset() { return round_up(sizeof(Header), 64); }
 int64_t data_offset(int size) { return round_up(controls_offset() + int64_t(sizeof(MemberControl)) * size, 4096); }
-int64_t segment_bytes(int size) { return data_offset(size) + int64_t(2) * size * kSlotBytes; }
+int64_t segment_bytes(int size) { return data_offset(size) + int64_t(2) * size * slot_bytes(size); }
 
 void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -143,7 +149,7 @@ class Segment {
     auto* h = new (base_) Header;
     h->nonce = nonce;
     h->size = size;
-    h->slot_bytes = kSlotBytes;
+    h->slot_bytes = slot_bytes(size);
     pthread_mutexattr_t attr;
     pthread_mutexattr_init(&attr);
     pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
@@ -167,7 +173,8 @@ class Segment {
     close(fd);
     if (!error.empty()) return error;
     const auto* h = header();
-    if (h->magic.load(std::memory_order_acquire) != kMagic || h->nonce != nonce || h->size != size)
+    if (h->magic.load(std::memory_order_acquire) != kMagic || h->nonce != nonce || h->size != size ||
+        h->slot_bytes != slot_bytes(size))
       return name + " is not the segment the group's first member created (another host or /dev/shm namespace)";
     return "";
   }
@@ -176,7 +183,7 @@ class Segment {
     return reinterpret_cast<MemberControl*>(static_cast<char*>(base_) + controls_offset()) + m;
   }
   uint8_t* buffer(int m, uint32_t round) const {
-    return static_cast<uint8_t*>(base_) + data_offset(header()->size) + (int64_t(m) * 2 + round % 2) * kSlotBytes;
+    return static_cast<uint8_t*>(base_) + data_offset(header()->size) + (int64_t(m) * 2 + round % 2) * header()->slot_bytes;
   }
   int64_t bytes() const { return bytes_; }
 
@@ -199,7 +206,12 @@ class ShmCommunicator : public Communicator {
  public:
   ShmCommunicator(std::unique_ptr<Segment> segment, int index, int size, std::string name,
                   std::chrono::milliseconds timeout)
-      : segment_(std::move(segment)), rank_(index), size_(size), name_(std::move(name)), timeout_(timeout) {
+      : segment_(std::move(segment)),
+        rank_(index),
+        size_(size),
+        slot_(segment_->header()->slot_bytes),
+        name_(std::move(name)),
+        timeout_(timeout) {
     auto* me = segment_->control(rank_);
     queue_ = std::make_unique<CollectiveQueue>(
         name_, rank_, size_, timeout_,
@@ -225,7 +237,7 @@ class ShmCommunicator : public Communicator {
       const auto* src = static_cast<const uint8_t*>(in.data_ptr());
       if (dst + rank_ * n != src) std::memmove(dst + rank_ * n, src, n);
       Descriptor d = describe(kAllGather, n, in);
-      for_each_piece(n, kSlotBytes, d, [&](int64_t off, int64_t len) {
+      for_each_piece(n, slot_, d, [&](int64_t off, int64_t len) {
         std::memcpy(segment_->buffer(rank_, round_), src + off, len);
         exchange(d);
         for (int p = 0; p < size_; ++p)
@@ -239,7 +251,7 @@ class ShmCommunicator : public Communicator {
     return queue_->enqueue("reduce_scatter", [this, out, in] {
       const int64_t n = out.numel(), elem = in.element_size();
       // Per round, a member stages one piece for each destination member.
-      const int64_t piece = std::max<int64_t>(1, kSlotBytes / (size_ * elem));
+      const int64_t piece = std::max<int64_t>(1, slot_ / (size_ * elem));
       auto* src = static_cast<const uint8_t*>(in.data_ptr());
       const at::Tensor flat_in = in.view({-1}), flat_out = out.view({-1});
       Descriptor d = describe(kReduceScatter, in.nbytes(), in);
@@ -265,7 +277,7 @@ class ShmCommunicator : public Communicator {
       auto* data = static_cast<uint8_t*>(t.data_ptr());
       const at::Tensor flat = t.view({-1});
       Descriptor d = describe(kAllReduce, t.nbytes(), t);
-      for_each_piece(t.numel(), kSlotBytes / elem, d, [&](int64_t off, int64_t len) {
+      for_each_piece(t.numel(), slot_ / elem, d, [&](int64_t off, int64_t len) {
         auto part = [&](int m) { return std::make_pair(len * m / size_, len * (m + 1) / size_); };
         const auto [lo, hi] = part(rank_);
         std::memcpy(segment_->buffer(rank_, round_), data + off * elem, len * elem);
@@ -292,7 +304,7 @@ class ShmCommunicator : public Communicator {
       auto* data = static_cast<uint8_t*>(t.data_ptr());
       Descriptor d = describe(kBroadcast, t.nbytes(), t);
       d.root = root;
-      for_each_piece(t.nbytes(), kSlotBytes, d, [&](int64_t off, int64_t len) {
+      for_each_piece(t.nbytes(), slot_, d, [&](int64_t off, int64_t len) {
         if (rank_ == root) std::memcpy(segment_->buffer(rank_, round_), data + off, len);
         exchange(d);
         if (rank_ != root) std::memcpy(data + off, segment_->buffer(root, round_), len);
@@ -412,6 +424,7 @@ class ShmCommunicator : public Communicator {
 
   std::unique_ptr<Segment> segment_;
   int rank_, size_;
+  int64_t slot_;  // bytes of each staging buffer
   std::string name_;
   std::chrono::milliseconds timeout_;
   uint32_t round_ = 0;        // worker thread only

@@ -15,8 +15,10 @@ namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-// What rank r contributes: distinct per rank and element, exact in every dtype tested.
+// What rank r contributes: distinct per rank and element, and small enough that every sum is exact
+// whatever the order (bfloat16: integers up to 256, so smaller values that repeat across ranks).
 at::Tensor contribution(int rank, int64_t numel, at::ScalarType dtype) {
+  if (dtype == at::kBFloat16) return (torch::arange(numel, torch::kLong).remainder(5) + rank % 3).to(dtype);
   return (torch::arange(numel, torch::kLong).remainder(97) + 7 * rank).to(dtype);
 }
 
@@ -27,11 +29,13 @@ FSDP_WORKER(transport_worker) {
   const int W = ctx.world, r = ctx.rank;
   WORKER_CHECK((comm->shared_memory_bytes() > 0) == (expected_transport == "shm"), "world() uses the wrong transport (",
                comm->shared_memory_bytes(), " shared bytes, expected ", expected_transport, ")");
-  // 0, 1, odd, one staging buffer exactly (1 MiB of float), and several buffers plus a remainder.
-  const std::vector<int64_t> sizes{0, 1, 1001, 262144, 700001};
+  // 0, 1, odd, one staging buffer exactly (1 MiB of float up to 8 ranks), and several buffers
+  // plus a remainder; "small": fewer and smaller, for many ranks.
+  const bool small = ctx.args.size() > 1 && ctx.args[1] == "small";
+  const std::vector<int64_t> sizes = small ? std::vector<int64_t>{0, 1, 1001, 70001}
+                                           : std::vector<int64_t>{0, 1, 1001, 262144, 700001};
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong}) {
     for (int64_t n : sizes) {
-      if (dtype == at::kBFloat16 && n > 1001) continue;  // sums stay exact only for small values
       at::Tensor sum = contribution(0, n * W, dtype).zero_();
       for (int p = 0; p < W; ++p) sum.add_(contribution(p, n * W, dtype));
       // all_gather_into
@@ -58,13 +62,13 @@ FSDP_WORKER(transport_worker) {
   std::vector<at::Tensor> ts;
   std::vector<fsdp::WorkPtr> works;
   for (int i = 0; i < 6; ++i) {
-    ts.push_back(contribution(r + i, 300000, at::kFloat));
+    ts.push_back(contribution(r + i, small ? 30000 : 300000, at::kFloat));
     works.push_back(comm->all_reduce(ts.back()));
   }
   for (int i = 0; i < 6; ++i) {
     works[i]->wait();
-    at::Tensor expect = torch::zeros({300000});
-    for (int p = 0; p < W; ++p) expect.add_(contribution(p + i, 300000, at::kFloat));
+    at::Tensor expect = torch::zeros({small ? 30000 : 300000});
+    for (int p = 0; p < W; ++p) expect.add_(contribution(p + i, small ? 30000 : 300000, at::kFloat));
     WORKER_CHECK(ts[i].equal(expect), "all_reduce #", i, " in flight is wrong");
   }
   comm->barrier();
@@ -109,6 +113,13 @@ TEST_P(TransportTest, CollectivesMatchLocalResultsAtWorld3) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, TransportTest, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
+
+// Beyond 8 ranks per host the staging buffers shrink (the segment stays at 16 MiB): more rounds.
+TEST(SharedMemory, CollectivesMatchLocalResultsAtWorld10) {
+  auto r = launch("transport_worker", 10, {"shm", "small"}, 300, {"FSDP_TRANSPORT=shm"});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "transport shm ok")) << r.report();
+}
 
 // Rank 1 issues a different collective from the others: every rank fails at once, naming both.
 FSDP_WORKER(diverged_worker) {
