@@ -1,5 +1,6 @@
 #include "buffer_pool.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <sys/mman.h>
 
@@ -79,7 +80,11 @@ struct Block {
 BufferPool::BufferPool(bool enabled) : state_(std::make_shared<State>()) { state_->enabled = enabled; }
 BufferPool::~BufferPool() { state_->clear(); }
 
-at::DataPtr BufferPool::allocate(size_t bytes) {
+at::DataPtr BufferPool::allocate(size_t bytes, c10::Device device) {
+  if (!device.is_cpu()) {
+    c10::DeviceGuard guard(device);
+    return c10::GetAllocator(device.type())->allocate(bytes);
+  }
   const at::Device cpu(at::kCPU);
   if (bytes == 0) return at::DataPtr(nullptr, cpu);
   void* p = state_->take(bytes);
@@ -98,7 +103,8 @@ at::DataPtr BufferPool::allocate(size_t bytes) {
 
 at::Tensor BufferPool::empty(int64_t numel, const at::TensorOptions& options) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), bytes, allocate(bytes),
+  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), bytes,
+                                                       allocate(bytes, options.device()),
                                                        /*allocator=*/nullptr, /*resizable=*/false);
   return at::empty({0}, options).set_(at::Storage(std::move(storage)), 0, {numel}, {1});
 }

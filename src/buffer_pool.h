@@ -30,8 +30,10 @@ class BufferPool {
   BufferPool& operator=(const BufferPool&) = delete;
 
   // `bytes` of CPU memory (uninitialized); the block returns to the pool when the DataPtr (or the
-  // last tensor over it) is destroyed, from any thread.
-  at::DataPtr allocate(size_t bytes);
+  // last tensor over it) is destroyed, from any thread. On another device (CUDA) the block comes
+  // from that device's allocator (PyTorch's caching allocator already pools, stream-ordered: a
+  // block freed on the stream that allocated it is reused there at once) and is not counted here.
+  at::DataPtr allocate(size_t bytes, c10::Device device = c10::Device(c10::kCPU));
   // A 1-D tensor of `numel` elements over a pooled block (uninitialized).
   at::Tensor empty(int64_t numel, const at::TensorOptions& options);
 

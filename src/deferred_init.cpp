@@ -106,9 +106,10 @@ bool has_deferred_tensors(const torch::nn::Module& module) {
   return false;
 }
 
-void materialize(torch::nn::Module& module, const ParamInitFn& init) {
+void materialize(torch::nn::Module& module, const ParamInitFn& init, c10::Device device) {
   detail::check_not_deferring("fsdp::materialize");
-  for (const auto& visit : detail::modules_in_preorder(module)) detail::materialize_own_tensors(visit, init);
+  for (const auto& visit : detail::modules_in_preorder(module))
+    detail::materialize_own_tensors(visit, init, device);
 }
 
 namespace detail {
@@ -131,7 +132,7 @@ std::vector<ModuleVisit> modules_in_preorder(torch::nn::Module& root) {
   return out;
 }
 
-bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init) {
+bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init, c10::Device device) {
   torch::nn::Module& module = *visit.module;
   struct Fresh {
     std::string kind, name;
@@ -143,9 +144,9 @@ bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init) 
     for (const auto& kv : tensors) {
       const at::Tensor& t = kv.value();
       if (!t.defined() || !t.is_meta()) continue;
-      // Same TensorImpl (identity, name, requires_grad, version counter), now over CPU memory.
-      at::Tensor cpu = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kCPU));
-      t.unsafeGetTensorImpl()->shallow_copy_from(cpu.getIntrusivePtr());
+      // Same TensorImpl (identity, name, requires_grad, version counter), now over real memory.
+      at::Tensor real = at::empty_strided(t.sizes(), t.strides(), t.options().device(device));
+      t.unsafeGetTensorImpl()->shallow_copy_from(real.getIntrusivePtr());
       fresh.push_back({kind, visit.name.empty() ? kv.key() : visit.name + "." + kv.key(), t, t._version()});
     }
   };

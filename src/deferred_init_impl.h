@@ -19,7 +19,8 @@ std::vector<ModuleVisit> modules_in_preorder(torch::nn::Module& root);
 // Gives the module's own meta parameters and buffers fresh CPU storage in place and runs `init`
 // (null: reset_parameters) on the module; throws if it left one of them unwritten. Returns false,
 // without calling init, if the module had no meta tensor of its own.
-bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init);
+bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init,
+                             c10::Device device = c10::Device(c10::kCPU));
 
 bool deferring();  // a DeferredInit scope is open on this thread
 void check_not_deferring(const char* what);

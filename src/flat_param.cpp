@@ -74,7 +74,7 @@ WorkPtr FlatParam::start_unshard() {
   if (!unsharded_) {
     // Same StorageImpl (the parameters' views and autograd's saved views point at it), new memory.
     const size_t bytes = static_cast<size_t>(padded_numel_ * element_size_);
-    storage_->set_data_ptr_noswap(buffers_->allocate(bytes));
+    storage_->set_data_ptr_noswap(buffers_->allocate(bytes, full_.device()));
     storage_->set_nbytes(bytes);
     memory_->add_param(padded_numel_ * element_size_);
     unsharded_ = true;
@@ -96,7 +96,7 @@ void FlatParam::wait_unshard() {
 void FlatParam::reshard() {
   if (group_.keep_unsharded || !unsharded_) return;
   wait_unshard();  // never free memory a communicator is writing into
-  storage_->set_data_ptr_noswap(at::DataPtr(nullptr, at::Device(at::kCPU)));  // back to the pool
+  storage_->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));  // back to the pool
   storage_->set_nbytes(0);
   memory_->add_param(-padded_numel_ * element_size_);
   unsharded_ = false;

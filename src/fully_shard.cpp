@@ -260,10 +260,13 @@ void Runtime::build_units() {
                "' is not a dense tensor; FSDP shards dense parameters only");
     FSDP_CHECK(!p.requires_grad() || p.is_floating_point() || p.is_complex(), "parameter '", s.name,
                "' requires grad but has dtype ", p.scalar_type());
-    // Meta parameters (built under fsdp::DeferredInit) are materialized on the CPU below.
-    FSDP_CHECK(p.device().is_cpu() || p.is_meta(), "parameter '", s.name, "' is on ", p.device(),
-               "; this build of libfsdp shards CPU models only (Gloo communicators, CPU buffer pool): "
-               "move the model to the CPU before fully_shard");
+    // Meta parameters (built under fsdp::DeferredInit) are materialized on the communicators' device below.
+    const c10::Device comm_device = pg_->world()->device();
+    FSDP_CHECK(p.device() == comm_device || p.is_meta(), "parameter '", s.name, "' is on ", p.device(),
+               " but the process group's communicators move tensors of ", comm_device,
+               comm_device.is_cpu() ? "; move the model to the CPU before fully_shard, or create the process group "
+                                      "with ProcessGroupOptions::device set to the model's CUDA device"
+                                    : "; move the model to that device (module->to(device)) before fully_shard");
     planned_.push_back({s.name, std::vector<std::string>(s.names.begin() + 1, s.names.end()), p, unit});
   }
 
@@ -402,7 +405,7 @@ void Runtime::build_flat_params() {
     std::vector<std::vector<size_t>> ready_after(visits.size());
     for (size_t id = 0; id < plan.size(); ++id) ready_after[last_registrant[id]].push_back(id);
     for (size_t i = 0; i < visits.size(); ++i) {
-      detail::materialize_own_tensors(visits[i], options_.param_init_fn());
+      detail::materialize_own_tensors(visits[i], options_.param_init_fn(), pg_->world()->device());
       for (size_t id : ready_after[i]) build(id);
     }
   }
@@ -507,10 +510,10 @@ std::string Runtime::describe_communicators() const {
                                                                {"shard group", group_.shard_comm.get()},
                                                                {"replica group", group_.replicate_comm.get()}};
   for (const auto& [role, comm] : roles) {
-    if (!comm || comm->size() < 2 || std::find(seen.begin(), seen.end(), comm) != seen.end()) continue;
+    if (!comm || (comm->size() < 2 && comm->device().is_cpu()) || std::find(seen.begin(), seen.end(), comm) != seen.end()) continue;
     seen.push_back(comm);
     o << "  " << role << " " << comm->name() << ": "
-      << (comm->shared_memory_bytes() > 0 ? "shared memory" : "Gloo over TCP") << "\n";
+      << comm->transport() << "\n";
   }
   return o.str();
 }

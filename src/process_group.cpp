@@ -7,18 +7,26 @@
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef FSDP_WITH_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
+#endif
 
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
 
-#include "comm/gloo_communicator.h"
+#include "comm/self_communicator.h"
 #include "comm/shm_communicator.h"
+#ifdef FSDP_WITH_GLOO
+#include "comm/gloo_communicator.h"
+#endif
+#ifdef FSDP_WITH_NCCL
+#include "comm/nccl_communicator.h"
+#endif
 #include "fsdp/check.h"
 
 namespace fsdp {
@@ -174,9 +182,27 @@ const char* to_string(Transport transport) {
   return "?";
 }
 
+bool built_with_nccl() {
+#ifdef FSDP_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool built_with_gloo() {
+#ifdef FSDP_WITH_GLOO
+  return true;
+#else
+  return false;
+#endif
+}
+
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
+#ifdef FSDP_WITH_GLOO
   gloo::transport::tcp::attr attr;  // where each communicator's own transport device binds
+#endif
 };
 
 std::shared_ptr<ProcessGroup> ProcessGroup::from_env(const ProcessGroupOptions& options) {
@@ -194,6 +220,30 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   if (!pg->options_.network_model) pg->options_.network_model = NetworkModel::from_env();
   if (pg->options_.transport == Transport::kAuto)
     if (const char* t = env_or_null("FSDP_TRANSPORT")) pg->options_.transport = parse_transport(t, "FSDP_TRANSPORT");
+  if (pg->options_.device.is_cpu()) {
+    if (const char* d = env_or_null("FSDP_DEVICE")) {
+      const std::string dev = d;
+      if (dev == "cuda") {
+        pg->options_.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+      } else {
+        try {
+          pg->options_.device = c10::Device(dev);
+        } catch (const std::exception&) {
+          FSDP_FAIL("FSDP_DEVICE=", dev, " is not a device; use cpu, cuda (cuda:LOCAL_RANK) or cuda:<index>");
+        }
+      }
+    }
+  }
+  if (pg->options_.device.is_cuda()) {
+    FSDP_CHECK(built_with_nccl(), "the process group's device is ", pg->options_.device,
+               " but this build of libfsdp has no NCCL communicator; build it against a CUDA LibTorch "
+               "(cmake -DCMAKE_PREFIX_PATH=<LibTorch with CUDA>) or use the CPU");
+    if (!pg->options_.device.has_index())
+      pg->options_.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  } else {
+    FSDP_CHECK(pg->options_.device.is_cpu(), "the process group's device ", pg->options_.device,
+               " is not supported; communicators move CPU tensors (shared memory, Gloo) or CUDA tensors (NCCL)");
+  }
   if (auto& model = pg->options_.network_model) {
     if (model->ranks_per_host() == 0) model->ranks_per_host(env.local_world_size);
     model->validate();
@@ -216,6 +266,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
               "is free, and every rank got the same WORLD_SIZE=", env.world_size);
   }
 
+#ifdef FSDP_WITH_GLOO
   gloo::transport::tcp::attr attr;
   std::string bind = options.bind_addr;
   if (bind.empty()) {
@@ -228,6 +279,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
     attr.hostname = bind.empty() ? env.master_addr : bind;
   }
   pg->impl_->attr = attr;
+#endif
   pg->world_ = pg->new_group([&] {
     std::vector<int> all(env.world_size);
     for (int i = 0; i < env.world_size; ++i) all[i] = i;
@@ -273,10 +325,17 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/" + id.str(), impl_->store);
   CommunicatorPtr comm;
-  if (ranks.size() > 1 && options_.transport != Transport::kTcp)
-    comm = make_shm_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
-                                 options_.transport == Transport::kSharedMemory);
-  if (!comm) comm = connect_gloo(prefixed, my_index, static_cast<int>(ranks.size()), id.str());
+  if (options_.device.is_cuda()) {
+#ifdef FSDP_WITH_NCCL
+    comm = make_nccl_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
+                                  options_.device);
+#endif
+  } else {
+    if (ranks.size() > 1 && options_.transport != Transport::kTcp)
+      comm = make_shm_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
+                                   options_.transport == Transport::kSharedMemory);
+    if (!comm) comm = connect_gloo(prefixed, my_index, static_cast<int>(ranks.size()), id.str());
+  }
   raw_groups_[id.str()] = comm;
   if (options_.network_model) comm = with_network_model(std::move(comm), ranks, *options_.network_model);
   groups_[id.str()] = comm;
@@ -285,6 +344,12 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
 
 CommunicatorPtr ProcessGroup::connect_gloo(const c10::intrusive_ptr<c10d::Store>& prefixed, int my_index, int size,
                                            const std::string& id) {
+#ifndef FSDP_WITH_GLOO
+  if (size == 1) return make_self_communicator(id);
+  FSDP_FAIL("rank ", rank(), " cannot connect ", id, " over TCP: this build of libfsdp has no Gloo (PyTorch's own "
+            "LibTorch ships no Gloo headers). Within one host use the shared-memory transport (FSDP_TRANSPORT=shm), "
+            "or build against a LibTorch with Gloo (Debian's libtorch-dev + libgloo-dev)");
+#else
   c10d::ProcessGroupGloo::GlooStore gloo_store(prefixed);
   auto ctx = std::make_shared<gloo::rendezvous::Context>(my_index, size);
   ctx->setTimeout(options_.timeout);
@@ -299,6 +364,7 @@ CommunicatorPtr ProcessGroup::connect_gloo(const c10::intrusive_ptr<c10d::Store>
               "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
   }
   return make_gloo_communicator(std::move(ctx), id, options_.timeout);
+#endif
 }
 
 }  // namespace fsdp

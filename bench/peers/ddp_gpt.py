@@ -46,8 +46,12 @@ class CausalSelfAttention(nn.Module):
             return t.view(batch, time_, self.heads, head_dim).transpose(1, 2)
 
         q, k, v = split_heads(q), split_heads(k), split_heads(v)
+        if hasattr(F, "scaled_dot_product_attention"):
+            # PyTorch 2.x, as model.cpp on LibTorch 2.x: the fused kernel, same math.
+            mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(mixed.transpose(1, 2).reshape(batch, time_, width))
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(head_dim)
-        future = torch.ones(time_, time_, dtype=torch.bool).triu(diagonal=1)
+        future = torch.ones(time_, time_, dtype=torch.bool, device=x.device).triu(diagonal=1)
         weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         mixed = torch.matmul(weights, v).transpose(1, 2).reshape(batch, time_, width)
         return self.proj(mixed)
@@ -100,7 +104,7 @@ class GPT(nn.Module):
     def forward(self, tokens):
         time_ = tokens.shape[1]
         assert time_ <= self.context
-        positions = torch.arange(time_, dtype=torch.long)
+        positions = torch.arange(time_, dtype=torch.long, device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             x = block(x)

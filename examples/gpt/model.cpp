@@ -23,11 +23,18 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   auto split_heads = [&](const torch::Tensor& t) { return t.view({batch, time, heads, head_dim}).transpose(1, 2); };
   auto q = split_heads(q_k_v[0]), k = split_heads(q_k_v[1]), v = split_heads(q_k_v[2]);
 
+#if TORCH_VERSION_MAJOR >= 2
+  // LibTorch 2.x: the fused attention kernel (flash attention on a GPU), same math.
+  auto mixed = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true)
+                   .transpose(1, 2)
+                   .reshape({batch, time, width});
+#else
   auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
   // Entries above the diagonal are future positions: mask them out before the softmax.
-  auto future = torch::ones({time, time}, torch::TensorOptions().dtype(torch::kBool)).triu(/*diagonal=*/1);
+  auto future = torch::ones({time, time}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
   auto weights = torch::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), /*dim=*/-1);
   auto mixed = torch::matmul(weights, v).transpose(1, 2).reshape({batch, time, width});
+#endif
   return proj(mixed);
 }
 
@@ -106,7 +113,7 @@ void initialize(const GPTConfig& config, const std::string& name, torch::nn::Mod
 torch::Tensor GPTImpl::forward(const torch::Tensor& tokens) {
   const int64_t time = tokens.size(1);
   TORCH_CHECK(time <= config.context, "sequence of ", time, " tokens is longer than the context ", config.context);
-  auto positions = torch::arange(time, torch::TensorOptions().dtype(torch::kLong));
+  auto positions = torch::arange(time, torch::TensorOptions().dtype(torch::kLong).device(tokens.device()));
   auto x = token_embedding(tokens) + position_embedding(positions);
   for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
   return lm_head(ln_final(x));

@@ -1,7 +1,9 @@
 #pragma once
 // Communicator: the collectives FSDP needs, behind a small interface so Gloo (CPU), NCCL (GPU
-// builds), shared memory (ranks on one host) and a network-model decorator can be swapped. Every collective is asynchronous: it
-// returns a Work handle, and tensors passed in stay alive until the work completes.
+// builds), shared memory (ranks on one host) and a network-model decorator can be swapped. Every
+// collective is asynchronous: it returns a Work handle, and tensors passed in stay alive until the
+// work completes. On the CPU, wait() blocks until the collective finished; on a CUDA device it
+// orders the caller's current stream after the collective (see nccl_communicator.h).
 #include <torch/torch.h>
 
 #include <chrono>
@@ -63,6 +65,10 @@ class Communicator {
   virtual int64_t scratch_bytes() const { return 0; }
   // Shared memory it maps (the shared-memory transport's staging segment), outside the allocator.
   virtual int64_t shared_memory_bytes() const { return 0; }
+  // The device whose tensors its collectives take (CPU for Gloo and shared memory, a CUDA device
+  // for NCCL), and how they travel, for describe() and error messages.
+  virtual c10::Device device() const { return c10::Device(c10::kCPU); }
+  virtual std::string transport() const = 0;
 };
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 

@@ -55,7 +55,9 @@ void reset_parameters(const std::string& name, torch::nn::Module& module);
 bool has_deferred_tensors(const torch::nn::Module& module);
 
 // Single-process materialization (no sharding), with fully_shard's order and checks: e.g. the
-// local reference of a model built under DeferredInit. Null `init` means reset_parameters.
-void materialize(torch::nn::Module& module, const ParamInitFn& init = nullptr);
+// local reference of a model built under DeferredInit. Null `init` means reset_parameters. The
+// tensors are allocated on `device` and initialized there (fully_shard uses its communicators' device).
+void materialize(torch::nn::Module& module, const ParamInitFn& init = nullptr,
+                 c10::Device device = c10::Device(c10::kCPU));
 
 }  // namespace fsdp

@@ -45,3 +45,23 @@ class MemoryTracker {
 };
 
 }  // namespace fsdp
+
+#include <c10/core/Device.h>
+
+namespace fsdp {
+
+// What PyTorch's CUDA caching allocator reports for one device: every tensor on it, FSDP's and the
+// model's activations alike. `available` is false on the CPU and in builds without CUDA.
+struct DeviceMemoryStats {
+  bool available = false;
+  int64_t allocated_bytes = 0;
+  int64_t allocated_peak_bytes = 0;
+  int64_t reserved_bytes = 0;       // held by the allocator from the driver (allocated + cached)
+  int64_t reserved_peak_bytes = 0;
+  int64_t num_alloc_retries = 0;    // allocations that had to free cached blocks and retry (fragmentation)
+  int64_t num_ooms = 0;
+};
+DeviceMemoryStats device_memory_stats(c10::Device device);
+void reset_device_peak_memory_stats(c10::Device device);
+
+}  // namespace fsdp

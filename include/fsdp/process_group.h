@@ -64,7 +64,16 @@ struct ProcessGroupOptions {
   // tries a shared-memory segment and falls back to Gloo when some member cannot map it. With
   // kAuto, FSDP_TRANSPORT=auto|tcp|shm in the environment decides. A group of one uses Gloo.
   Transport transport = Transport::kAuto;
+  // The device whose tensors the communicators move. CPU (the default): shared memory or Gloo, as
+  // `transport` says. A CUDA device (give each rank its own, e.g. cuda:LOCAL_RANK): NCCL, in builds
+  // against a CUDA LibTorch (fsdp::built_with_nccl()); FSDP_DEVICE=cuda in the environment picks
+  // cuda:LOCAL_RANK when this is left at CPU.
+  c10::Device device = c10::Device(c10::kCPU);
 };
+
+// Whether this build of libfsdp has the NCCL communicator (built against a CUDA LibTorch), and Gloo.
+bool built_with_nccl();
+bool built_with_gloo();
 
 class ProcessGroup {
  public:

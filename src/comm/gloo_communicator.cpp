@@ -58,6 +58,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   int64_t scratch_bytes() const override { return scratch_bytes_; }
   int size() const override { return ctx_->size; }
   std::string name() const override { return name_; }
+  std::string transport() const override { return "Gloo over TCP"; }
 
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_gather_args(out, in, size(), "Gloo");

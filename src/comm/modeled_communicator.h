@@ -29,6 +29,8 @@ class ModeledCommunicator : public Communicator {
   void barrier() override;
   int64_t scratch_bytes() const override { return inner_->scratch_bytes(); }
   int64_t shared_memory_bytes() const override { return inner_->shared_memory_bytes(); }
+  c10::Device device() const override { return inner_->device(); }
+  std::string transport() const override { return inner_->transport(); }
 
   ModeledLinkStats stats() const;
   const CommunicatorPtr& inner() const { return inner_; }

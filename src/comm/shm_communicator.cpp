@@ -227,6 +227,7 @@ class ShmCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return name_; }
+  std::string transport() const override { return "shared memory"; }
   int64_t shared_memory_bytes() const override { return segment_->bytes(); }
 
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
