@@ -55,6 +55,8 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--result", default="")
     ap.add_argument("--label", default="PyTorch FSDP2")
+    ap.add_argument("--optimizer", choices=["adamw", "fused"], default="adamw",
+                    help="adamw: torch.optim.AdamW's default (foreach on CUDA); fused: AdamW(fused=True)")
     args = ap.parse_args()
 
     from torch.distributed.fsdp import fully_shard
@@ -76,7 +78,8 @@ def main():
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=True if args.optimizer == "fused" else None)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - built
 
@@ -109,7 +112,7 @@ def main():
     tflops = flops_per_token * tokens_per_s / 1e12
     peak = args.peak_tflops
     out = {"mode": "fsdp2", "label": args.label, "device": torch.cuda.get_device_name(device), "world": world,
-           "torch": torch.__version__, "strategy": "fully_shard", "dtype": args.dtype, "layers": args.layers,
+           "torch": torch.__version__, "strategy": "fully_shard", "dtype": args.dtype, "optimizer": args.optimizer, "layers": args.layers,
            "width": args.width, "heads": args.heads, "context": args.context, "batch": args.batch,
            "params": n_params, "warmup": args.warmup, "steps": args.steps, "build_s": build_s,
            "step_ms": step * 1e3, "step_ms_all": step_s, "tokens_per_s": tokens_per_s, "tflops": tflops,

@@ -59,6 +59,7 @@ double measured_peak_tflops(const torch::Device& device, int n, int reps) {
 int main(int argc, char** argv) {
   CLI::App app{"GPT training step on one CUDA device: plain LibTorch or libfsdp"};
   std::string mode = "fsdp", strategy = "FULL_SHARD", dtype_name = "bf16", result, label, init_mode = "deferred";
+  std::string optimizer_name = "adamw";
   int layers = 24, width = 2048, heads = 16, context = 1024, batch = 8, warmup = 3, steps = 10, seed = 1;
   int peak_n = 8192;
   double peak_tflops = 0;
@@ -74,6 +75,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps first");
   app.add_option("--steps", steps, "timed steps");
   app.add_option("--seed", seed);
+  app.add_option("--optimizer", optimizer_name, "adamw: torch::optim::AdamW; fused: fsdp::FusedAdamW (PyTorch's "
+                 "fused kernel, same math)")
+      ->check(CLI::IsMember({"adamw", "fused"}));
   app.add_option("--init", init_mode, "deferred: built on the meta device, initialized on the GPU (unit by unit "
                  "under FSDP); eager: built and initialized on the CPU, then moved")
       ->check(CLI::IsMember({"deferred", "eager"}));
@@ -133,7 +137,11 @@ int main(int argc, char** argv) {
       if (pg->rank() == 0) std::cerr << sharded->describe();
     }
     const int64_t n_params = gpt::count_parameters(*model);
-    torch::optim::AdamW optimizer(trained, torch::optim::AdamWOptions(3e-4).betas({0.9, 0.95}).weight_decay(0.1));
+    const auto adamw_options = torch::optim::AdamWOptions(3e-4).betas({0.9, 0.95}).weight_decay(0.1);
+    std::unique_ptr<torch::optim::Optimizer> optimizer_ptr;
+    if (optimizer_name == "fused") optimizer_ptr = std::make_unique<fsdp::FusedAdamW>(trained, adamw_options);
+    else optimizer_ptr = std::make_unique<torch::optim::AdamW>(trained, adamw_options);
+    torch::optim::Optimizer& optimizer = *optimizer_ptr;
     c10::cuda::device_synchronize();
     const double build_s = seconds_since(built);
 
@@ -168,7 +176,9 @@ int main(int argc, char** argv) {
     const double flops_per_token = 6.0 * double(n_params) + 12.0 * layers * double(context) * width;
     if (peak_tflops <= 0) peak_tflops = measured_peak_tflops(device, peak_n, 20);
     const double tflops = flops_per_token * tokens_per_s / 1e12;
-    out.update({{"strategy", mode == "fsdp" ? strategy : ""}, {"dtype", dtype_name}, {"layers", layers},
+    if (auto* fused = dynamic_cast<fsdp::FusedAdamW*>(&optimizer))
+      FSDP_CHECK(fused->last_step_fused(), "--optimizer fused did not run the fused kernel");
+    out.update({{"strategy", mode == "fsdp" ? strategy : ""}, {"dtype", dtype_name}, {"optimizer", optimizer_name}, {"layers", layers},
                 {"width", width}, {"heads", heads}, {"context", context}, {"batch", batch}, {"params", n_params},
                 {"warmup", warmup}, {"steps", steps}, {"build_s", build_s}, {"step_ms", step * 1e3},
                 {"step_ms_all", step_s}, {"tokens_per_s", tokens_per_s}, {"tflops", tflops},

@@ -6,6 +6,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/memory.h"
 #include "fsdp/network_model.h"
+#include "fsdp/optim.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
 #include "fsdp/sharded.h"
