@@ -86,7 +86,7 @@ def main():
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed + 1000)
     per_rank = args.batch // world
-    step_s, losses = [], []
+    step_s, losses, phases = [], [], []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             torch.cuda.reset_peak_memory_stats(device)
@@ -94,16 +94,23 @@ def main():
         tokens = tokens[rank * per_rank:(rank + 1) * per_rank]
         torch.cuda.synchronize()
         start = time.perf_counter()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]  # phase boundaries, device timeline
+        ev[0].record()
         optimizer.zero_grad()
         logits = model(tokens[:, :args.context])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256).float(), tokens[:, 1:].reshape(-1))
+        ev[1].record()
         loss.backward()
+        ev[2].record()
         optimizer.step()
+        ev[3].record()
         value = loss.item()
         secs = time.perf_counter() - start
         losses.append(value)
         if step >= args.warmup:
             step_s.append(secs)
+            ev[3].synchronize()
+            phases.append([ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])])
 
     stats = torch.cuda.memory_stats(device)
     step = statistics.median(step_s)
@@ -115,7 +122,9 @@ def main():
            "torch": torch.__version__, "strategy": "fully_shard", "dtype": args.dtype, "optimizer": args.optimizer, "layers": args.layers,
            "width": args.width, "heads": args.heads, "context": args.context, "batch": args.batch,
            "params": n_params, "warmup": args.warmup, "steps": args.steps, "build_s": build_s,
-           "step_ms": step * 1e3, "step_ms_all": step_s, "tokens_per_s": tokens_per_s, "tflops": tflops,
+           "step_ms": step * 1e3, "step_ms_all": step_s,
+           "forward_ms": statistics.median(p[0] for p in phases), "backward_ms": statistics.median(p[1] for p in phases),
+           "optimizer_ms": statistics.median(p[2] for p in phases), "tokens_per_s": tokens_per_s, "tflops": tflops,
            "peak_tflops": peak, "mfu": tflops / peak if peak > 0 else 0.0, "losses": losses,
            "allocated_peak_bytes": stats.get("allocated_bytes.all.peak", 0),
            "reserved_peak_bytes": stats.get("reserved_bytes.all.peak", 0),

@@ -12,6 +12,7 @@
 // for the device). Tokens are drawn on the device from a seeded generator, the same for every
 // contender; weights come from the same seed through fsdp::DeferredInit, initialized on the device.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <fsdp/fsdp.h>
@@ -150,23 +151,35 @@ int main(int argc, char** argv) {
     gen.set_current_seed(seed + 1000);
     const int per_rank = batch / pg->size();
     FSDP_CHECK(per_rank * pg->size() == batch, "--batch ", batch, " is not a multiple of the world size ", pg->size());
-    std::vector<double> step_s, losses;
+    std::vector<double> step_s, losses, forward_ms, backward_ms, optimizer_ms;
     for (int step = 0; step < warmup + steps; ++step) {
       if (step == warmup) fsdp::reset_device_peak_memory_stats(device);
       auto tokens = torch::randint(0, cfg.vocab_size, {batch, context + 1}, gen, torch::TensorOptions().dtype(torch::kLong).device(device))
                         .narrow(0, int64_t(pg->rank()) * per_rank, per_rank);
       c10::cuda::device_synchronize();
       const auto start = Clock::now();
+      // Phase boundaries as events on the device's timeline (no synchronization inside the step).
+      at::cuda::CUDAEvent e0(cudaEventDefault), e1(cudaEventDefault), e2(cudaEventDefault), e3(cudaEventDefault);
+      e0.record();
       optimizer.zero_grad();
       auto logits = model->forward(tokens.narrow(1, 0, context));
       auto loss = torch::cross_entropy_loss(logits.reshape({-1, cfg.vocab_size}).to(torch::kFloat),
                                             tokens.narrow(1, 1, context).reshape({-1}));
+      e1.record();
       loss.backward();
+      e2.record();
       optimizer.step();
+      e3.record();
       const double value = loss.item<double>();
       const double secs = seconds_since(start);
       losses.push_back(value);
-      if (step >= warmup) step_s.push_back(secs);
+      if (step >= warmup) {
+        step_s.push_back(secs);
+        e3.synchronize();
+        forward_ms.push_back(e0.elapsed_time(e1));
+        backward_ms.push_back(e1.elapsed_time(e2));
+        optimizer_ms.push_back(e2.elapsed_time(e3));
+      }
     }
     const auto mem = fsdp::device_memory_stats(device);
     const double step = median(step_s);
@@ -181,7 +194,8 @@ int main(int argc, char** argv) {
     out.update({{"strategy", mode == "fsdp" ? strategy : ""}, {"dtype", dtype_name}, {"optimizer", optimizer_name}, {"layers", layers},
                 {"width", width}, {"heads", heads}, {"context", context}, {"batch", batch}, {"params", n_params},
                 {"warmup", warmup}, {"steps", steps}, {"build_s", build_s}, {"step_ms", step * 1e3},
-                {"step_ms_all", step_s}, {"tokens_per_s", tokens_per_s}, {"tflops", tflops},
+                {"step_ms_all", step_s}, {"forward_ms", median(forward_ms)}, {"backward_ms", median(backward_ms)},
+                {"optimizer_ms", median(optimizer_ms)}, {"tokens_per_s", tokens_per_s}, {"tflops", tflops},
                 {"peak_tflops", peak_tflops}, {"mfu", tflops / peak_tflops}, {"losses", losses},
                 {"allocated_peak_bytes", mem.allocated_peak_bytes}, {"reserved_peak_bytes", mem.reserved_peak_bytes},
                 {"num_alloc_retries", mem.num_alloc_retries}});

@@ -100,11 +100,13 @@ def main():
         f"{args.reps} interleaved runs (min-max of the runs' medians in brackets). Ratios compare contenders "
         f"with the same optimizer setting. MFU against the measured bf16 "
         f"matmul peak, {peak['peak_tflops']:.0f} TFLOP/s ({peak['peak_n']}^3 products); FLOPs per token "
-        f"6N + 12 L T d. Peak memory: PyTorch's CUDA caching allocator during the timed steps.",
+        f"6N + 12 L T d. Phases: device time between CUDA events recorded at the phase boundaries (forward "
+        f"includes zero_grad and the loss). Peak memory: PyTorch's CUDA caching allocator during the timed steps.",
         "",
         "| contender | step ms | tokens/s | TFLOP/s | MFU | throughput / FSDP2 | throughput / plain LibTorch "
-        "| peak allocated GiB | peak reserved GiB | alloc retries | loss first -> last |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| forward + loss ms | backward ms | optimizer ms | peak allocated GiB | peak reserved GiB | alloc retries "
+        "| loss first -> last |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name in names:
         tag = ", fused AdamW" if name.endswith(", fused AdamW") else ""
@@ -116,6 +118,7 @@ def main():
         lines.append(
             f"| {name} | {med(name, 'step_ms'):.1f} [{min(steps):.1f}-{max(steps):.1f}] | {tps:,.0f} | "
             f"{med(name, 'tflops'):.0f} | {100 * med(name, 'mfu'):.1f}% | {tps / base_f2:.3f} | {tps / base_lt:.3f} | "
+            f"{med(name, 'forward_ms'):.1f} | {med(name, 'backward_ms'):.1f} | {med(name, 'optimizer_ms'):.1f} | "
             f"{med(name, 'allocated_peak_bytes') / 2**30:.2f} | {med(name, 'reserved_peak_bytes') / 2**30:.2f} | "
             f"{int(med(name, 'num_alloc_retries'))} | {r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} |")
     lines.append("")
