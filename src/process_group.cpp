@@ -47,6 +47,7 @@ int parse_int(const char* name, const char* value, int lo, int hi) {
   return static_cast<int>(v);
 }
 
+#ifdef FSDP_WITH_GLOO
 bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
 }
@@ -81,6 +82,7 @@ std::string local_address_towards(const std::string& peer, int port) {
   freeaddrinfo(found);
   return result;
 }
+#endif  // FSDP_WITH_GLOO
 
 // Slurm's per-node task counts, compressed as in "2(x3),1" (three nodes with 2 tasks, then one
 // with 1): the count on node `node`, or -1 if `spec` does not have that form or is too short.

@@ -42,6 +42,9 @@ ncclDataType_t nccl_type(at::ScalarType t) {
 struct Lane {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
+  // Re-recorded on the caller's stream before each collective; cudaStreamWaitEvent takes the
+  // record current at the call, so one event per lane serves every collective.
+  cudaEvent_t ready = nullptr;
   std::string name;
 };
 
@@ -139,6 +142,7 @@ class NcclCommunicator : public Communicator {
       if (l.stream) cudaStreamSynchronize(l.stream);
       if (l.comm) ncclCommDestroy(l.comm), l.comm = nullptr;
       if (l.stream) cudaStreamDestroy(l.stream), l.stream = nullptr;
+      if (l.ready) cudaEventDestroy(l.ready), l.ready = nullptr;
     }
   }
   int rank() const override { return rank_; }
@@ -205,11 +209,8 @@ class NcclCommunicator : public Communicator {
     const cudaStream_t current = c10::cuda::getCurrentCUDAStream(sh_->device.index()).stream();
     auto work = std::make_shared<NcclWork>(sh_, std::move(keep), std::string(what) + " on " + sh_->name);
     // The lane waits for the caller's stream: inputs written and the output's memory free there.
-    cudaEvent_t ready = nullptr;
-    FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "creating a CUDA event");
-    FSDP_CUDA_CHECK(cudaEventRecord(ready, current), "recording a CUDA event");
-    FSDP_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, ready, 0), "ordering a collective after its inputs");
-    cudaEventDestroy(ready);  // released once recorded work completes
+    FSDP_CUDA_CHECK(cudaEventRecord(lane.ready, current), "recording a CUDA event");
+    FSDP_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, lane.ready, 0), "ordering a collective after its inputs");
     if (opts.after) {
       if (auto* prior = dynamic_cast<NcclWork*>(opts.after.get())) {
         FSDP_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, prior->event(), 0), "chaining a collective");
@@ -308,6 +309,7 @@ CommunicatorPtr make_nccl_communicator(const c10::intrusive_ptr<c10d::Store>& st
     // Communication streams get the higher priority, as in PyTorch FSDP: their kernels are short
     // and everything else waits for them.
     FSDP_CUDA_CHECK(cudaStreamCreateWithPriority(&l.stream, cudaStreamNonBlocking, highest), "creating a CUDA stream");
+    FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&l.ready, cudaEventDisableTiming), "creating a CUDA event");
     check_nccl(sh, ncclCommInitRank(&l.comm, size, id, rank), "ncclCommInitRank (" + l.name + " lane)");
   }
   return std::make_shared<NcclCommunicator>(std::move(sh), rank, size);

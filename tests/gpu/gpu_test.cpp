@@ -170,6 +170,18 @@ Trained train(const std::string& strategy, torch::Dtype dtype, bool deferred, in
   return out;
 }
 
+// Every parameter both runs report (the tied weight may appear under one name only) within `tol`.
+void expect_same_parameters(const Trained& got, const Trained& expected, double tol) {
+  int compared = 0;
+  for (const auto& [name, p] : expected.params) {
+    auto it = got.params.find(name);
+    if (it == got.params.end()) continue;
+    EXPECT_LT(rel_diff(it->second, p), tol) << name;
+    ++compared;
+  }
+  EXPECT_GE(compared, 3 * 12) << "too few parameters compared";
+}
+
 class GpuStrategyTest : public ::testing::TestWithParam<std::string> {};
 
 // Every strategy at world 1 on the GPU trains exactly as plain LibTorch does on the same device.
@@ -181,14 +193,7 @@ TEST_P(GpuStrategyTest, MatchesLocalTrainingOnTheDevice) {
   for (size_t i = 0; i < local.losses.size(); ++i)
     EXPECT_NEAR(fsdp_run.losses[i], local.losses[i], 1e-5 * std::abs(local.losses[i])) << "step " << i;
   EXPECT_GT(local.losses.front() - local.losses.back(), 0.0) << "training did not lower the loss";
-  int compared = 0;
-  for (const auto& [name, p] : local.params) {
-    auto it = fsdp_run.params.find(name);
-    if (it == fsdp_run.params.end()) continue;
-    EXPECT_LT(rel_diff(it->second, p), 1e-5) << name;
-    ++compared;
-  }
-  EXPECT_GE(compared, 3 * 12) << "too few parameters compared";
+  expect_same_parameters(fsdp_run, local, 1e-5);
 }
 INSTANTIATE_TEST_SUITE_P(Strategies, GpuStrategyTest, ::testing::Values("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"));
 
@@ -202,14 +207,7 @@ TEST(Gpu, FusedAdamWOverShardsMatchesAdamW) {
   const auto fused = train("FULL_SHARD", torch::kDouble, /*deferred=*/false, /*steps=*/6, /*fused=*/true);
   for (size_t i = 0; i < local.losses.size(); ++i)
     EXPECT_NEAR(fused.losses[i], local.losses[i], 1e-10 * std::abs(local.losses[i])) << "step " << i;
-  int compared = 0;
-  for (const auto& [name, p] : local.params) {
-    auto it = fused.params.find(name);
-    if (it == fused.params.end()) continue;
-    EXPECT_LT(rel_diff(it->second, p), 1e-8) << name;
-    ++compared;
-  }
-  EXPECT_GE(compared, 3 * 12);
+  expect_same_parameters(fused, local, 1e-8);
 }
 
 // bf16 end to end with deferred initialization on the device: the same weights and losses as the
