@@ -1,11 +1,11 @@
 #include "flat_param.h"
 
 #include "fsdp/check.h"
-#include "runtime/internal_guard.h"
+#include "internal_op_guard.h"
 
 namespace fsdp {
 
-FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const FlatParamGroup& group,
+FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group,
                      MemoryTracker* memory, BufferPool* buffers)
     : id_(id), unit_(unit), slots_(std::move(slots)), group_(group), memory_(memory), buffers_(buffers) {
   FSDP_CHECK(!slots_.empty(), "internal: empty FlatParameter");

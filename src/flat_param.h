@@ -11,9 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/comm.h"
 #include "buffer_pool.h"
-#include "fsdp/memory.h"
+#include "fsdp/comm.h"
+#include "memory_tracker.h"
+#include "sharding_groups.h"
 
 namespace fsdp {
 
@@ -34,17 +35,10 @@ struct ParamSlot {
   bool got_grad = false;  // its AccumulateGrad ran in this backward
 };
 
-struct FlatParamGroup {
-  CommunicatorPtr shard_comm;      // the F ranks a FlatParameter is split over (all-gather, reduce-scatter)
-  CommunicatorPtr replicate_comm;  // hybrid: ranks holding the same shard (all-reduce); null otherwise
-  CommunicatorPtr world_comm;      // keep_unsharded: gradients are all-reduced over it
-  int world_size = 1;              // gradients are averaged over all ranks
-  bool keep_unsharded = false;     // F == 1 (NO_SHARD, world of one): no separate shard copy
-};
 
 class FlatParam {
  public:
-  FlatParam(int id, int unit, std::vector<ParamSlot> slots, const FlatParamGroup& group, MemoryTracker* memory,
+  FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group, MemoryTracker* memory,
             BufferPool* buffers);
 
   int id() const { return id_; }
@@ -101,7 +95,7 @@ class FlatParam {
   int64_t shard_version() const;
   int id_, unit_;
   std::vector<ParamSlot> slots_;
-  FlatParamGroup group_;
+  ShardingGroups group_;
   MemoryTracker* memory_;
   BufferPool* buffers_;  // transient buffers (unsharded storage, flat gradient, reduction output)
   bool requires_grad_ = false;

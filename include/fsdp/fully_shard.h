@@ -1,23 +1,7 @@
 #pragma once
-// Applying FSDP to an unmodified module tree, and the handle the user keeps.
-//
-//   auto pg = fsdp::ProcessGroup::from_env();
-//   auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>()));
-//   torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(1e-3));
-//   for (...) { opt.zero_grad(); auto loss = model->forward(x).mean(); loss.backward(); opt.step(); }
-//
-// The model keeps its parameters (names, shapes, identities); their storage is FSDP's: freed
-// while sharded and gathered just in time when an operation reads them (forward, backward, or
-// any other op). Rules that come with sharding:
-//  * SPMD: every rank runs the same operations on parameters (a read gathers, a collective).
-//  * Build the optimizer over sharded->parameters(), the local shard pieces; after backward the
-//    original parameters' .grad is undefined and the gradients live on those pieces.
-//  * Modify parameters through the shards (optimizer) or load_full_state_dict(), never in place
-//    on the module's parameters: FSDP refuses that with an error (it would be lost).
-//  * NO_SHARD (and any strategy on a world of one) has nothing to gather: like DDP it works through
-//    autograd hooks alone, without the operator interception, and expects every parameter that
-//    requires grad to get a gradient; a unit whose gradients do not all arrive is reduced at the
-//    end of backward instead of during it.
+// fully_shard(): apply FSDP to an unmodified module tree; FullyShardedModule: the handle the user
+// keeps. The model keeps its parameters (names, shapes, identities); their storage becomes FSDP's,
+// gathered just in time and freed after use. Rules: docs/usage.md ("Rules that come with sharding").
 #include <torch/torch.h>
 
 #include <memory>
@@ -32,7 +16,8 @@
 
 namespace fsdp {
 
-class Runtime;
+class FsdpState;
+class Hooks;
 
 // One unit as FSDP built it (for printing, tests and memory estimates).
 struct UnitInfo {
@@ -47,8 +32,9 @@ struct UnitInfo {
 
 class FullyShardedModule {
  public:
-  explicit FullyShardedModule(std::shared_ptr<Runtime> runtime);
   ~FullyShardedModule();
+  FullyShardedModule(const FullyShardedModule&) = delete;
+  FullyShardedModule& operator=(const FullyShardedModule&) = delete;
 
   // The local shard pieces, one leaf tensor per original parameter that overlaps this rank's
   // shard (1-D), for the optimizer. Frozen parameters' pieces are included with requires_grad
@@ -86,7 +72,12 @@ class FullyShardedModule {
   IterationTrace last_trace() const;
 
  private:
-  std::shared_ptr<Runtime> runtime_;
+  friend std::shared_ptr<FullyShardedModule> fully_shard(std::shared_ptr<torch::nn::Module>, ProcessGroupPtr, Options);
+  FullyShardedModule(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
+
+  std::unique_ptr<FsdpState> state_;
+  std::unique_ptr<Hooks> hooks_;  // removed before the state they call goes
+  std::vector<UnitInfo> units_;
 };
 
 // Applies FSDP to `module` in place. Collective over `pg`: every rank must call it with a model

@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "fsdp/check.h"
-#include "runtime/internal_guard.h"
+#include "internal_op_guard.h"
 
 namespace fsdp {
 

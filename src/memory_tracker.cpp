@@ -1,4 +1,4 @@
-#include "fsdp/memory.h"
+#include "memory_tracker.h"
 
 #include <algorithm>
 

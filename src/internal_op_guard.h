@@ -1,7 +1,11 @@
 #pragma once
-// Marks FSDP's own tensor operations on this thread, so the op interception ignores them.
+// InternalOpGuard: marks FSDP's own tensor operations on this thread, so the operator hook
+// ignores them (see Note [Internal operations] in docs/design.md).
 namespace fsdp {
+
+// True while an InternalOpGuard is alive on this thread.
 bool& internal_op_flag();
+
 class InternalOpGuard {
  public:
   InternalOpGuard() : previous_(internal_op_flag()) { internal_op_flag() = true; }
@@ -12,4 +16,5 @@ class InternalOpGuard {
  private:
   bool previous_;
 };
+
 }  // namespace fsdp

@@ -1,0 +1,211 @@
+#include "runtime/fsdp_state.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <algorithm>
+#include <sstream>
+
+#include "deferred_init_impl.h"
+#include "fsdp/check.h"
+#include "internal_op_guard.h"
+
+namespace fsdp {
+
+FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options)
+    : module_(std::move(module)), pg_(std::move(pg)), options_(std::move(options)) {
+  FSDP_CHECK(module_ != nullptr, "fully_shard: the module is null");
+  FSDP_CHECK(pg_ != nullptr, "fully_shard: the process group is null; create one with ProcessGroup::from_env()");
+  detail::check_not_deferring("fully_shard");
+  pool_.set_enabled(options_.reuse_buffers());
+  FSDP_CHECK(!options_.limit_all_gathers() || options_.all_gather_limit() >= 1, "all_gather_limit must be at least 1, got ",
+             options_.all_gather_limit(), "; to turn the rate limiter off use limit_all_gathers(false)");
+  FSDP_CHECK(options_.reductions_in_flight() >= 0, "reductions_in_flight must be 0 or more, got ",
+             options_.reductions_in_flight());
+  groups_ = ShardingGroups::create(*pg_, options_);
+
+  UnitPlan plan = plan_units(*module_, options_, pg_->world()->device());
+  check_same_model_on_all_ranks(plan);
+  build_flat_params(plan);
+  for (const auto& kv : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(kv.key(), kv.value());
+  tracer_.enable(options_.trace());
+  reducer_ = std::make_unique<GradientReducer>(units_, flat_params_, options_, /*every_param_expected=*/!intercepting(),
+                                               groups_.world_comm, tracer_, memory_);
+  scheduler_ = std::make_unique<Scheduler>(units_, options_,
+                                           ShardingGroups::reshards_after_forward(options_.sharding_strategy()),
+                                           pg_->rank(), tracer_, *reducer_);
+}
+
+void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
+  // Every rank publishes a description of the parameters and their units; each rank compares
+  // all of them, so a rank with a different model fails here instead of hanging in a collective.
+  std::ostringstream d;
+  d << "strategy " << to_string(options_.sharding_strategy()) << " factor " << groups_.sharding_factor << "\n"
+    << plan.describe();
+  const std::string mine = d.str();
+  if (pg_->size() == 1) return;
+  const std::string key = "fsdp/model/" + std::to_string(pg_->next_sequence()) + "/";
+  auto store = pg_->store();
+  store->set(key + std::to_string(pg_->rank()), std::vector<uint8_t>(mine.begin(), mine.end()));
+  for (int r = 0; r < pg_->size(); ++r) {
+    if (r == pg_->rank()) continue;
+    std::vector<uint8_t> raw;
+    try {
+      raw = store->get(key + std::to_string(r));
+    } catch (const std::exception& e) {
+      FSDP_FAIL("fully_shard: rank ", r, " did not publish its model within the timeout (", e.what(),
+                "); every rank must call fully_shard() on the same model");
+    }
+    const std::string theirs(raw.begin(), raw.end());
+    if (theirs == mine) continue;
+    std::istringstream a(mine), b(theirs);
+    std::string la, lb;
+    int line = 0;
+    while (true) {
+      const bool ga = static_cast<bool>(std::getline(a, la)), gb = static_cast<bool>(std::getline(b, lb));
+      ++line;
+      if (!ga && !gb) break;
+      if (!ga) la = "<nothing>";
+      if (!gb) lb = "<nothing>";
+      if (la != lb)
+        FSDP_FAIL("fully_shard: rank ", pg_->rank(), " and rank ", r, " built different models; first difference "
+                  "(line ", line, "): this rank has '", la, "', rank ", r, " has '", lb,
+                  "'. Every rank must construct the same model (same sizes, dtypes, frozen parameters) and pass the "
+                  "same Options");
+    }
+  }
+}
+
+void FsdpState::build_flat_params(UnitPlan& plan) {
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  const bool sync = options_.sync_module_states() && pg_->size() > 1;
+  auto broadcast_from_rank0 = [&](const at::Tensor& t) {
+    if (!t.defined() || t.numel() == 0) return;
+    at::Tensor c = t.detach().contiguous();
+    pg_->world()->broadcast(c, 0)->wait();
+    if (!c.is_same(t)) t.detach().copy_(c);
+  };
+
+  // Flattens and shards one FlatParameter, then frees its unsharded storage at once, so building
+  // the model's FlatParameters never holds more than one unsharded copy.
+  flat_params_.resize(plan.flat_params.size());
+  auto build = [&](size_t id) {
+    std::vector<ParamSlot> slots;
+    for (int i : plan.flat_params[id].params) {
+      ParamSlot slot;
+      slot.name = plan.params[i].name;
+      slot.aliases = plan.params[i].aliases;
+      slot.param = plan.params[i].param;
+      if (sync) broadcast_from_rank0(slot.param);
+      slots.push_back(std::move(slot));
+    }
+    flat_params_[id] = std::make_unique<FlatParam>(static_cast<int>(id), plan.flat_params[id].unit, std::move(slots),
+                                                   groups_, &memory_, &pool_);
+    FlatParam& fp = *flat_params_[id];
+    flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
+    for (size_t s = 0; s < fp.slots().size(); ++s)
+      slot_of_param_[fp.slots()[s].param.unsafeGetTensorImpl()] = {static_cast<int>(id), static_cast<int>(s)};
+    fp.reshard();
+  };
+
+  if (!has_deferred_tensors(*module_)) {
+    for (size_t id = 0; id < plan.flat_params.size(); ++id) build(id);
+  } else {
+    // Deferred initialization (Note [Deferred initialization]): visit the modules in pre-order,
+    // materializing and initializing each one's own meta tensors, and build each FlatParameter
+    // right after the last module registering one of its parameters, so no later initializer can
+    // write into it once sharded.
+    const auto visits = detail::modules_in_preorder(*module_);
+    std::unordered_map<const c10::TensorImpl*, size_t> flat_of_param;
+    for (size_t id = 0; id < plan.flat_params.size(); ++id)
+      for (int i : plan.flat_params[id].params) flat_of_param[plan.params[i].param.unsafeGetTensorImpl()] = id;
+    std::vector<size_t> last_registrant(plan.flat_params.size(), 0);
+    for (size_t i = 0; i < visits.size(); ++i)
+      for (const auto& p : visits[i].module->parameters(/*recurse=*/false)) {
+        auto it = flat_of_param.find(p.unsafeGetTensorImpl());
+        if (it != flat_of_param.end()) last_registrant[it->second] = i;
+      }
+    std::vector<std::vector<size_t>> ready_after(visits.size());
+    for (size_t id = 0; id < plan.flat_params.size(); ++id) ready_after[last_registrant[id]].push_back(id);
+    for (size_t i = 0; i < visits.size(); ++i) {
+      detail::materialize_own_tensors(visits[i], options_.param_init_fn(), pg_->world()->device());
+      for (size_t id : ready_after[i]) build(id);
+    }
+  }
+  if (sync)
+    for (const auto& kv : module_->named_buffers(/*recurse=*/true)) broadcast_from_rank0(kv.value());
+
+  units_.reserve(plan.units.size());
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    const UnitPlan::Unit& pu = plan.units[u];
+    std::vector<FlatParam*> fps;
+    for (int id : pu.flat_params) fps.push_back(flat_params_[id].get());
+    units_.emplace_back(static_cast<int>(u), pu.name, pu.parent, pu.ancestors, std::move(fps), &tracer_);
+    unit_of_module_[pu.module] = static_cast<int>(u);
+  }
+}
+
+int FsdpState::flat_param_of_storage(const c10::StorageImpl* storage) const {
+  auto it = flat_param_of_storage_.find(storage);
+  return it == flat_param_of_storage_.end() ? -1 : it->second;
+}
+
+const std::pair<int, int>* FsdpState::slot_of_param(const c10::TensorImpl* param) const {
+  auto it = slot_of_param_.find(param);
+  return it == slot_of_param_.end() ? nullptr : &it->second;
+}
+
+int FsdpState::unit_of_module(const torch::nn::Module* module) const {
+  auto it = unit_of_module_.find(module);
+  return it == unit_of_module_.end() ? -1 : it->second;
+}
+
+void FsdpState::set_pending_error(const std::string& message) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (pending_error_.empty()) pending_error_ = message;
+}
+
+void FsdpState::rethrow_pending_error() {
+  if (pending_error_.empty()) return;
+  const std::string message = pending_error_;
+  pending_error_.clear();
+  throw Error(message);
+}
+
+MemoryStats FsdpState::memory_stats() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  reducer_->update_sharded_grad_bytes();
+  MemoryStats stats = memory_.stats();
+  stats.cached_bytes = pool_.cached_bytes();
+  stats.system_allocations = pool_.system_allocations();
+  std::vector<const Communicator*> seen;
+  for (const auto* comm : {groups_.shard_comm.get(), groups_.replicate_comm.get(), groups_.world_comm.get()}) {
+    if (!comm || std::find(seen.begin(), seen.end(), comm) != seen.end()) continue;
+    seen.push_back(comm);
+    stats.comm_scratch_bytes += comm->scratch_bytes();
+    stats.comm_shared_bytes += comm->shared_memory_bytes();
+  }
+  return stats;
+}
+
+void FsdpState::reset_peak_memory_stats() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  memory_.reset_peaks();
+}
+
+std::string FsdpState::describe_communicators() const {
+  std::ostringstream o;
+  std::vector<const Communicator*> seen;
+  const std::pair<const char*, const Communicator*> roles[] = {{"world", groups_.world_comm.get()},
+                                                               {"shard group", groups_.shard_comm.get()},
+                                                               {"replica group", groups_.replicate_comm.get()}};
+  for (const auto& [role, comm] : roles) {
+    if (!comm || (comm->size() < 2 && comm->device().is_cpu()) || std::find(seen.begin(), seen.end(), comm) != seen.end())
+      continue;
+    seen.push_back(comm);
+    o << "  " << role << " " << comm->name() << ": " << comm->transport() << "\n";
+  }
+  return o.str();
+}
+
+}  // namespace fsdp

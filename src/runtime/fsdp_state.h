@@ -1,0 +1,96 @@
+#pragma once
+// FsdpState: the runtime of one sharded model. It is built by fully_shard() (strategy ->
+// communicators, unit plan, cross-rank model check, FlatParameters built unit by unit, deferred
+// modules materialized on the way) and owns the units, the Scheduler and the GradientReducer that
+// the hooks (runtime/hooks.cpp) drive.
+#include <torch/torch.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "buffer_pool.h"
+#include "flat_param.h"
+#include "fsdp/memory.h"
+#include "fsdp/options.h"
+#include "fsdp/process_group.h"
+#include "memory_tracker.h"
+#include "runtime/gradient_reducer.h"
+#include "runtime/scheduler.h"
+#include "runtime/tracer.h"
+#include "runtime/unit.h"
+#include "sharding_groups.h"
+#include "unit_plan.h"
+
+namespace fsdp {
+
+class FsdpState {
+ public:
+  FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
+  FsdpState(const FsdpState&) = delete;
+  FsdpState& operator=(const FsdpState&) = delete;
+
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+  ProcessGroup& process_group() const { return *pg_; }
+  const Options& options() const { return options_; }
+  const ShardingGroups& groups() const { return groups_; }
+  std::vector<Unit>& units() { return units_; }
+  const std::vector<Unit>& units() const { return units_; }
+  std::vector<std::unique_ptr<FlatParam>>& flat_params() { return flat_params_; }
+  const std::vector<std::unique_ptr<FlatParam>>& flat_params() const { return flat_params_; }
+  const std::vector<std::pair<std::string, at::Tensor>>& buffers() const { return buffers_; }
+  Scheduler& scheduler() { return *scheduler_; }
+  GradientReducer& reducer() { return *reducer_; }
+  // False if nothing is ever sharded (NO_SHARD, world of one): no operator interception
+  // (Note [NO_SHARD without interception]).
+  bool intercepting() const { return !groups_.keep_unsharded; }
+
+  // Lookups, read-only after construction (the operator hook reads them from any thread).
+  // -1 / nullptr when absent.
+  int flat_param_of_storage(const c10::StorageImpl* storage) const;
+  const std::pair<int, int>* slot_of_param(const c10::TensorImpl* param) const;  // {flat param, slot}
+  int unit_of_module(const torch::nn::Module* module) const;
+
+  // Held by every hook and API call that touches the runtime.
+  std::recursive_mutex& mutex() { return mu_; }
+  // Errors met where they cannot be thrown (the operator hook) are kept, first one wins, and
+  // thrown by the next hook or API call.
+  void set_pending_error(const std::string& message);
+  bool has_pending_error() const { return !pending_error_.empty(); }
+  void rethrow_pending_error();
+
+  MemoryStats memory_stats();
+  void reset_peak_memory_stats();
+  void release_cached_memory() { pool_.release_cached(); }
+  // One line per distinct communicator: its role, name and transport.
+  std::string describe_communicators() const;
+
+ private:
+  void check_same_model_on_all_ranks(const UnitPlan& plan) const;
+  void build_flat_params(UnitPlan& plan);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  ProcessGroupPtr pg_;
+  Options options_;
+  ShardingGroups groups_;
+  MemoryTracker memory_;
+  BufferPool pool_;
+  Tracer tracer_;
+  std::vector<std::unique_ptr<FlatParam>> flat_params_;
+  std::vector<Unit> units_;
+  std::vector<std::pair<std::string, at::Tensor>> buffers_;
+  std::unique_ptr<GradientReducer> reducer_;
+  std::unique_ptr<Scheduler> scheduler_;
+
+  std::unordered_map<const c10::StorageImpl*, int> flat_param_of_storage_;
+  std::unordered_map<const c10::TensorImpl*, std::pair<int, int>> slot_of_param_;
+  std::unordered_map<const torch::nn::Module*, int> unit_of_module_;
+
+  std::recursive_mutex mu_;
+  std::string pending_error_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,105 @@
+#include "runtime/gradient_reducer.h"
+
+#include <algorithm>
+
+
+namespace fsdp {
+
+GradientReducer::GradientReducer(std::vector<Unit>& units, std::vector<std::unique_ptr<FlatParam>>& flat_params,
+                                 const Options& options, bool every_param_expected, CommunicatorPtr world,
+                                 Tracer& tracer, MemoryTracker& memory)
+    : units_(units),
+      flat_params_(flat_params),
+      options_(options),
+      every_param_expected_(every_param_expected),
+      world_(std::move(world)),
+      tracer_(tracer),
+      memory_(memory) {}
+
+void GradientReducer::prepare_grad(int f, int s) {
+  FlatParam& fp = *flat_params_[f];
+  if (fp.reduce_pending()) {
+    finish_reduction(f);
+    reduce_order_.erase(std::remove(reduce_order_.begin(), reduce_order_.end(), f), reduce_order_.end());
+  }
+  if (fp.ensure_grad_buffer()) update_sharded_grad_bytes();
+  fp.slots()[s].param.mutable_grad().reset();
+}
+
+bool GradientReducer::take_grad(int f, int s) {
+  FlatParam& fp = *flat_params_[f];
+  fp.take_grad(s);
+  ParamSlot& slot = fp.slots()[s];
+  const bool complete = units_[fp.unit()].note_grad(every_param_expected_, !slot.used);
+  slot.used = true;
+  slot.got_grad = true;
+  return complete;
+}
+
+bool GradientReducer::has_unreduced(int u) const {
+  for (const FlatParam* fp : units_[u].flat_params())
+    if (fp->has_grad_buffer() && !fp->reduce_pending()) return true;
+  return false;
+}
+
+void GradientReducer::reduce(int u) {
+  // Waiting before issuing (not after) frees the oldest buffer before this reduction's output is
+  // allocated; the communicator would run this reduction only after the older ones anyway.
+  const size_t in_flight = static_cast<size_t>(options_.reductions_in_flight());
+  for (FlatParam* fp : units_[u].flat_params()) {
+    if (!fp->has_grad_buffer() || fp->reduce_pending()) continue;
+    finish_reductions(in_flight > 0 ? in_flight - 1 : 0);
+    fp->start_reduce();
+    const char* op = fp->keep_unsharded() ? "all-reduce" : "reduce-scatter";
+    tracer_.collective(TraceEvent::Kind::kReduce, u, op, fp->reduce_track(), fp->reduce_work());
+    tracer_.instant(TraceEvent::Kind::kReduceIssued, u, op);
+    reduce_order_.push_back(fp->id());
+  }
+  finish_reductions(in_flight);
+}
+
+void GradientReducer::finish_reduction(int f) {
+  FlatParam& fp = *flat_params_[f];
+  const bool done = !fp.reduce_pending() || fp.reduce_work()->completed();
+  const auto start = Tracer::Clock::now();
+  fp.finish_reduce();
+  if (!done) tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
+}
+
+void GradientReducer::finish_reductions(size_t keep_in_flight) {
+  // By count only, not as soon as one completes: gradient memory must not depend on timing.
+  while (reduce_order_.size() > keep_in_flight) {
+    const int f = reduce_order_.front();
+    reduce_order_.erase(reduce_order_.begin());
+    finish_reduction(f);
+  }
+}
+
+void GradientReducer::broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+  if (world_->size() == 1) return;
+  for (const auto& kv : buffers) {
+    at::Tensor b = kv.second;
+    if (!b.defined() || b.numel() == 0) continue;
+    const auto start = Tracer::Clock::now();
+    at::Tensor sent = b.is_contiguous() ? b : b.contiguous();
+    auto work = world_->broadcast(sent, 0);
+    tracer_.collective(TraceEvent::Kind::kReduce, -1, "broadcast " + kv.first, world_->name(), work);
+    work->wait();
+    if (!sent.is_same(b)) b.copy_(sent);
+    tracer_.wait(-1, "broadcast buffers", start, Tracer::Clock::now());
+  }
+}
+
+void GradientReducer::end_backward() {
+  for (auto& unit : units_) unit.reset_grad_count();
+  for (auto& fp : flat_params_)
+    for (auto& s : fp->slots()) s.used = s.got_grad = false;
+}
+
+void GradientReducer::update_sharded_grad_bytes() {
+  int64_t bytes = 0;
+  for (const auto& fp : flat_params_) bytes += fp->sharded_grad_bytes();
+  memory_.set_sharded_grad_bytes(bytes);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,64 @@
+#pragma once
+// GradientReducer: gradients from autograd into each FlatParameter's flat gradient buffer, counted
+// per unit, then reduce-scattered (all-reduced under NO_SHARD, plus the replica all-reduce under
+// HYBRID_SHARD) as soon as a unit's gradients are complete (paper 3.3), with a bound on the
+// reductions in flight; at the end of backward, every reduction finished into the shard pieces'
+// .grad and the buffers made equal across ranks.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flat_param.h"
+#include "fsdp/options.h"
+#include "memory_tracker.h"
+#include "runtime/tracer.h"
+#include "runtime/unit.h"
+
+namespace fsdp {
+
+class GradientReducer {
+ public:
+  // `every_param_expected`: no operator interception sees which parameters were read (NO_SHARD,
+  // world of one), so every parameter that requires grad is expected to get a gradient.
+  GradientReducer(std::vector<Unit>& units, std::vector<std::unique_ptr<FlatParam>>& flat_params,
+                  const Options& options, bool every_param_expected, CommunicatorPtr world, Tracer& tracer,
+                  MemoryTracker& memory);
+
+  // The first gradient hook of a backward: the user may have dropped the pieces' gradients.
+  void begin_backward() { update_sharded_grad_bytes(); }
+  // Before AccumulateGrad of slot `s` of FlatParameter `f`: finish a reduction of f already issued
+  // in this backward (a parameter used again), make sure its gradient buffer exists, and clear the
+  // parameter's .grad so AccumulateGrad hands it autograd's tensor (Note [Gradient stealing]).
+  void prepare_grad(int f, int s);
+  // After AccumulateGrad: moves the gradient into the buffer and counts it; true when all of the
+  // unit's expected gradients are in.
+  bool take_grad(int f, int s);
+  // Issues unit u's reductions, first finishing the oldest ones until fewer than
+  // Options::reductions_in_flight remain (Note [Reductions in flight]).
+  void reduce(int u);
+  // Unit u has a gradient buffer whose reduction was not issued (its gradients did not all arrive).
+  bool has_unreduced(int u) const;
+  // Waits for every reduction and averages it into the shard pieces' .grad.
+  void finish_all() { finish_reductions(0); }
+  // Broadcasts rank 0's module buffers (Options::broadcast_buffers).
+  void broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers);
+  // Clears the per-backward gradient counts and flags.
+  void end_backward();
+  void update_sharded_grad_bytes();
+
+ private:
+  void finish_reduction(int f);
+  void finish_reductions(size_t keep_in_flight);
+
+  std::vector<Unit>& units_;
+  std::vector<std::unique_ptr<FlatParam>>& flat_params_;
+  const Options& options_;
+  bool every_param_expected_;
+  CommunicatorPtr world_;
+  Tracer& tracer_;
+  MemoryTracker& memory_;
+  std::vector<int> reduce_order_;  // FlatParameters with a reduction in flight, in issue order
+};
+
+}  // namespace fsdp

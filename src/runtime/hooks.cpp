@@ -1,0 +1,278 @@
+#include "runtime/hooks.h"
+
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "fsdp/check.h"
+#include "fsdp/sharded.h"
+#include "internal_op_guard.h"
+
+namespace fsdp {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The live models, replaced copy-on-write so the operator callback reads them without a lock: all
+// of them (the explicit form looks its units up there), and those that intercept operators.
+
+using HooksList = std::vector<Hooks*>;
+std::mutex g_registry_mu;
+std::shared_ptr<const HooksList> g_all = std::make_shared<HooksList>();
+std::shared_ptr<const HooksList> g_intercepting = std::make_shared<HooksList>();
+at::CallbackHandle g_callback = 0;
+
+std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction& fn) {
+  if (internal_op_flag()) return nullptr;
+  std::shared_ptr<const HooksList> list = std::atomic_load(&g_intercepting);
+  for (Hooks* h : *list) h->on_operator(fn);
+  return nullptr;
+}
+
+std::shared_ptr<const HooksList> with(const std::shared_ptr<const HooksList>& list, Hooks* add, Hooks* remove) {
+  auto next = std::make_shared<HooksList>();
+  for (Hooks* h : *list)
+    if (h != remove) next->push_back(h);
+  if (add) next->push_back(add);
+  return next;
+}
+
+void register_model(Hooks* hooks, bool intercept) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  std::atomic_store(&g_all, with(g_all, hooks, nullptr));
+  if (!intercept) return;
+  std::atomic_store(&g_intercepting, with(g_intercepting, hooks, nullptr));
+  if (g_callback == 0)
+    g_callback = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_operator_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+}
+
+void unregister_model(Hooks* hooks) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  std::atomic_store(&g_all, with(g_all, nullptr, hooks));
+  std::atomic_store(&g_intercepting, with(g_intercepting, nullptr, hooks));
+  if (std::atomic_load(&g_intercepting)->empty() && g_callback != 0) {
+    at::removeCallback(g_callback);
+    g_callback = 0;
+  }
+}
+
+// The model and unit of a Sharded module, if fully_shard made it a unit.
+std::pair<Hooks*, int> find_unit(const torch::nn::Module& module) {
+  std::shared_ptr<const HooksList> list = std::atomic_load(&g_all);
+  for (Hooks* h : *list) {
+    const int u = h->state().unit_of_module(&module);
+    if (u >= 0) return {h, u};
+  }
+  return {nullptr, -1};
+}
+
+bool is_inplace_op(const char* name) {
+  const size_t n = std::strlen(name);
+  if (n < 2 || name[n - 1] != '_' || name[n - 2] == '_') return false;  // "add_" yes, "__iadd__" no
+  // Ops that change autograd metadata only, not values.
+  return std::strcmp(name, "aten::requires_grad_") != 0 && std::strcmp(name, "aten::detach_") != 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AccumulateGrad hooks.
+
+struct GradPreHook : torch::autograd::FunctionPreHook {
+  GradPreHook(Hooks* h, int f, int s) : hooks(h), flat_param(f), slot(s) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    hooks->on_grad_pre(flat_param, slot);
+    return grads;
+  }
+  Hooks* hooks;
+  int flat_param, slot;
+};
+
+struct GradPostHook : torch::autograd::FunctionPostHook {
+  GradPostHook(Hooks* h, int f, int s) : hooks(h), flat_param(f), slot(s) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    hooks->on_grad_post(flat_param, slot);
+    return outputs;
+  }
+  Hooks* hooks;
+  int flat_param, slot;
+};
+
+}  // namespace
+
+Hooks::Hooks(FsdpState& state) : state_(state) {
+  add_grad_hooks();
+  register_model(this, state_.intercepting());
+}
+
+Hooks::~Hooks() {
+  unregister_model(this);
+  remove_grad_hooks();
+}
+
+void Hooks::add_grad_hooks() {
+  // Autograd holds AccumulateGrad nodes weakly, so the slots keep them alive.
+  auto& flat_params = state_.flat_params();
+  for (size_t f = 0; f < flat_params.size(); ++f) {
+    auto& slots = flat_params[f]->slots();
+    for (size_t s = 0; s < slots.size(); ++s) {
+      if (!slots[s].param.requires_grad()) continue;
+      auto acc = torch::autograd::impl::grad_accumulator(slots[s].param);
+      FSDP_CHECK(acc, "internal: parameter '", slots[s].name, "' has no gradient accumulator");
+      acc->add_pre_hook(std::make_unique<GradPreHook>(this, int(f), int(s)));
+      acc->add_post_hook(std::make_unique<GradPostHook>(this, int(f), int(s)));
+      slots[s].grad_accumulator = std::move(acc);
+    }
+  }
+}
+
+void Hooks::remove_grad_hooks() {
+  for (auto& fp : state_.flat_params())
+    for (auto& slot : fp->slots()) {
+      if (!slot.grad_accumulator) continue;
+      auto& pre = slot.grad_accumulator->pre_hooks();
+      pre.erase(std::remove_if(pre.begin(), pre.end(),
+                               [](const auto& h) { return dynamic_cast<GradPreHook*>(h.get()) != nullptr; }),
+                pre.end());
+      auto& post = slot.grad_accumulator->post_hooks();
+      post.erase(std::remove_if(post.begin(), post.end(),
+                                [](const auto& h) { return dynamic_cast<GradPostHook*>(h.get()) != nullptr; }),
+                 post.end());
+      slot.grad_accumulator.reset();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The operator hook.
+
+void Hooks::on_operator(const at::RecordFunction& fn) {
+  // RecordFunction catches and only logs what a callback throws, so errors found here are kept
+  // and rethrown from the next autograd hook or API call.
+  try {
+    intercept(fn);
+  } catch (const std::exception& e) {
+    state_.set_pending_error(e.what());
+  }
+}
+
+void Hooks::intercept(const at::RecordFunction& fn) {
+  auto inputs = fn.inputs();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto visit = [&](const at::Tensor& t) {
+      if (!t.defined() || !t.has_storage()) return;
+      const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
+      if (f < 0) return;
+      std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+      if (const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl())) {
+        ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
+        if (i == 0 && is_inplace_op(fn.name()) && !state_.has_pending_error()) {
+          state_.set_pending_error(detail::compose(
+              "libfsdp: in-place operation ", fn.name(), " on parameter '", s.name,
+              "' of a sharded module: the change is lost at the next reshard. If this is an optimizer step, build "
+              "the optimizer over FullyShardedModule::parameters() (the shards), not module->parameters(); to set "
+              "values use load_full_state_dict(); to initialize, do it before fully_shard()."));
+        }
+        if (at::GradMode::is_enabled() && s.param.requires_grad()) s.used = true;
+      }
+      // Unshard even for a refused in-place op, so its kernel writes valid memory.
+      state_.scheduler().use(state_.flat_params()[f]->unit());
+    };
+    const c10::IValue& v = inputs[i];
+    if (v.isTensor()) {
+      visit(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+void Hooks::on_grad_pre(int f, int s) {
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  InternalOpGuard internal;
+  state_.rethrow_pending_error();
+  if (!final_callback_queued_) {
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
+    final_callback_queued_ = true;
+    state_.scheduler().begin_backward();
+    state_.reducer().begin_backward();
+  }
+  state_.reducer().prepare_grad(f, s);
+}
+
+void Hooks::on_grad_post(int f, int s) {
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  InternalOpGuard internal;
+  if (state_.reducer().take_grad(f, s)) state_.scheduler().post_backward(state_.flat_params()[f]->unit());
+}
+
+void Hooks::on_backward_end() {
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  InternalOpGuard internal;
+  final_callback_queued_ = false;
+  state_.rethrow_pending_error();
+  state_.scheduler().finalize_backward(state_.buffers());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The explicit form (fsdp::Sharded).
+
+void Hooks::on_unit_enter(int u) {
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  state_.rethrow_pending_error();
+  state_.scheduler().use(u);
+}
+
+void Hooks::on_unit_exit(int u) {
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  state_.scheduler().post_forward(u);
+}
+
+void Hooks::on_unit_backward(int u) {
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  state_.scheduler().use(u);
+}
+
+namespace detail {
+
+void enter_unit(const torch::nn::Module& module) {
+  auto [hooks, unit] = find_unit(module);
+  if (hooks) hooks->on_unit_enter(unit);
+}
+
+void exit_unit(const torch::nn::Module& module) {
+  auto [hooks, unit] = find_unit(module);
+  if (hooks) hooks->on_unit_exit(unit);
+}
+
+at::Tensor attach_pre_backward(const torch::nn::Module& module, at::Tensor output) {
+  if (!output.defined() || !output.requires_grad() || !at::GradMode::is_enabled()) return output;
+  if (find_unit(module).first == nullptr) return output;
+  // The hook holds the module weakly: a graph may outlive the model.
+  std::weak_ptr<const torch::nn::Module> weak;
+  try {
+    weak = module.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    return output;  // not owned by a shared_ptr: the operator hook gathers it in backward
+  }
+  output.register_hook([weak](const at::Tensor& grad) {
+    if (auto m = weak.lock()) {
+      auto [hooks, unit] = find_unit(*m);
+      if (hooks) hooks->on_unit_backward(unit);
+    }
+    return grad;
+  });
+  return output;
+}
+
+}  // namespace detail
+
+}  // namespace fsdp

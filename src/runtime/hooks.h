@@ -1,0 +1,43 @@
+#pragma once
+// Hooks: every way FSDP sees the computation of an unmodified model, registered in one place and
+// each calling the Scheduler or the GradientReducer, never one another:
+//  * the operator hook (a global RecordFunction callback): an operator reads a parameter of a
+//    sharded unit -> Scheduler::use (Note [Interception by storage]);
+//  * AccumulateGrad pre/post hooks on every parameter -> GradientReducer, and
+//    Scheduler::post_backward when a unit's gradients are complete;
+//  * a callback queued on the autograd engine at the end of backward -> Scheduler::finalize_backward;
+//  * fsdp::Sharded<M> (include/fsdp/sharded.h): entering, leaving and the backward of an explicit unit.
+#include "runtime/fsdp_state.h"
+
+namespace fsdp {
+
+class Hooks {
+ public:
+  // Registers every hook of `state` (which must outlive this object).
+  explicit Hooks(FsdpState& state);
+  // Removes them: a graph may keep an AccumulateGrad node alive longer than the model's state.
+  ~Hooks();
+  Hooks(const Hooks&) = delete;
+  Hooks& operator=(const Hooks&) = delete;
+
+  FsdpState& state() { return state_; }
+
+  // Called by the registered mechanisms.
+  void on_operator(const at::RecordFunction& fn);
+  void on_grad_pre(int flat_param, int slot);
+  void on_grad_post(int flat_param, int slot);
+  void on_backward_end();
+  void on_unit_enter(int unit);
+  void on_unit_exit(int unit);
+  void on_unit_backward(int unit);
+
+ private:
+  void intercept(const at::RecordFunction& fn);
+  void add_grad_hooks();
+  void remove_grad_hooks();
+
+  FsdpState& state_;
+  bool final_callback_queued_ = false;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,205 @@
+#include "runtime/scheduler.h"
+
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+
+#include "internal_op_guard.h"
+
+namespace fsdp {
+
+Scheduler::Scheduler(std::vector<Unit>& units, const Options& options, bool reshard_after_forward, int rank,
+                     Tracer& tracer, GradientReducer& reducer)
+    : units_(units),
+      options_(options),
+      reshard_after_forward_(reshard_after_forward),
+      rank_(rank),
+      tracer_(tracer),
+      reducer_(reducer) {}
+
+bool Scheduler::in_backward() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
+
+void Scheduler::use(int u) {
+  InternalOpGuard internal;
+  const bool backward = in_backward();
+  // Another operator of the current unit. The first operator of backward takes the full path
+  // even in the unit forward ended in, so that backward prefetching starts there.
+  if (u == last_used_ && (backward_started_ || !backward)) {
+    if (units_[u].needs_unshard()) unshard(u, "on demand");
+    units_[u].wait_for_unshard();
+    return;
+  }
+  if (backward) {
+    pre_backward(u);
+  } else {
+    pre_forward(u);
+  }
+}
+
+void Scheduler::pre_forward(int u) {
+  tracer_.leave_compute();
+  reshard_units_left(u);
+  Unit& unit = units_[u];
+  if (at::GradMode::is_enabled()) {
+    if (!unit.forward_seen()) forward_first_order_.push_back(u);
+    forward_last_order_.erase(std::remove(forward_last_order_.begin(), forward_last_order_.end(), u),
+                              forward_last_order_.end());
+    forward_last_order_.push_back(u);
+  }
+  unit.mark_used(/*in_backward=*/false, at::GradMode::is_enabled());
+  last_used_ = u;
+  if (held_back_prefetch_ == u) held_back_prefetch_ = -1;
+  if (unit.needs_unshard()) unshard(u, "on demand");
+  // Issue the next unit's gather before waiting for this one, so it overlaps this unit's compute.
+  // Only units this forward has not run yet: one used again later (e.g. the root's output layer)
+  // must not re-gather what already ran.
+  if (options_.forward_prefetch()) {
+    const int next = next_in(previous_forward_order_, u);
+    if (next >= 0 && !units_[next].forward_seen()) prefetch(next, "prefetch forward");
+  }
+  unit.wait_for_unshard();
+  tracer_.enter_compute(u);
+}
+
+void Scheduler::pre_backward(int u) {
+  begin_backward();
+  tracer_.leave_compute();
+  reshard_units_left(u);
+  Unit& unit = units_[u];
+  unit.mark_used(/*in_backward=*/true, at::GradMode::is_enabled());
+  last_used_ = u;
+  if (held_back_prefetch_ == u) held_back_prefetch_ = -1;
+  if (unit.needs_unshard()) unshard(u, "on demand");
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre)
+    prefetch(next_pending_in_backward(u), "prefetch backward pre");
+  unit.wait_for_unshard();
+  tracer_.enter_compute(u);
+}
+
+void Scheduler::reshard_units_left(int u) {
+  // Units other than u's ancestors (whose forward may still be running), the root (kept until
+  // backward, paper 3.3.1) and units gathered ahead of use.
+  if (!reshard_after_forward_) return;
+  const auto& anc = units_[u].ancestors();
+  for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
+    if (v == u || units_[v].prefetched() || !units_[v].is_unsharded()) continue;
+    if (std::find(anc.begin(), anc.end(), v) != anc.end()) continue;
+    reshard(v);
+  }
+}
+
+void Scheduler::post_forward(int u) {
+  if (!reshard_after_forward_ || units_[u].is_root() || in_backward()) return;
+  InternalOpGuard internal;
+  tracer_.leave_compute();
+  reshard(u);
+  if (last_used_ == u) last_used_ = -1;
+}
+
+void Scheduler::begin_backward() {
+  if (backward_started_) return;
+  backward_started_ = true;
+  backward_order_.assign(forward_last_order_.rbegin(), forward_last_order_.rend());
+}
+
+void Scheduler::post_backward(int u) {
+  tracer_.leave_compute();
+  units_[u].mark_backward_done();
+  if (options_.sharding_strategy() != ShardingStrategy::kNoShard) reshard(u);
+  if (last_used_ == u) last_used_ = -1;
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && backward_started_)
+    prefetch(next_pending_in_backward(u), "prefetch backward post");
+  reducer_.reduce(u);
+}
+
+void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::Tensor>>& buffers) {
+  // Units whose expected gradients did not all arrive (unused parameters, or parameters read
+  // without taking part in the loss) are reduced now, in unit order on every rank.
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (reducer_.has_unreduced(static_cast<int>(u))) post_backward(static_cast<int>(u));
+  reducer_.finish_all();
+  reducer_.update_sharded_grad_bytes();
+  reshard_all();
+  if (options_.broadcast_buffers()) reducer_.broadcast_buffers(buffers);
+  reducer_.end_backward();
+  for (auto& unit : units_) unit.reset();
+  last_used_ = -1;
+  // The next iteration prefetches along this one's forward order.
+  if (!forward_first_order_.empty()) previous_forward_order_ = std::move(forward_first_order_);
+  forward_first_order_.clear();
+  forward_last_order_.clear();
+  backward_started_ = false;
+  if (tracer_.enabled()) {
+    std::vector<std::string> names;
+    for (const auto& unit : units_) names.push_back(unit.name());
+    last_trace_ = tracer_.finish_iteration(rank_, names);
+  }
+}
+
+void Scheduler::unshard_now(int u) {
+  unshard(u, "on demand");
+  units_[u].wait_for_unshard();
+}
+
+void Scheduler::unshard(int u, const char* why) {
+  if (units_[u].unshard() && tracer_.enabled()) {
+    tracer_.instant(TraceEvent::Kind::kUnshardIssued, u, why);
+    tracer_.note_unsharded_units(unsharded_unit_count());
+  }
+}
+
+int Scheduler::unsharded_unit_count() const {
+  // Under SHARD_GRAD_OP units stay unsharded from their forward until backward by design; only
+  // those gathered ahead of use count against the limit.
+  int n = 0;
+  for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
+    if (!units_[v].is_unsharded()) continue;
+    if (!reshard_after_forward_ && units_[v].forward_seen() && !units_[v].prefetched()) continue;
+    ++n;
+  }
+  return n;
+}
+
+int Scheduler::next_pending_in_backward(int u) const {
+  auto it = std::find(backward_order_.begin(), backward_order_.end(), u);
+  if (it == backward_order_.end()) return -1;
+  for (++it; it != backward_order_.end(); ++it)
+    if (!units_[*it].backward_done()) return *it;
+  return -1;
+}
+
+int Scheduler::next_in(const std::vector<int>& order, int u) {
+  auto it = std::find(order.begin(), order.end(), u);
+  if (it == order.end() || ++it == order.end()) return -1;
+  return *it;
+}
+
+void Scheduler::prefetch(int v, const char* why) {
+  if (v < 0 || !units_[v].needs_unshard()) return;
+  if (backward_started_ && units_[v].backward_done()) return;  // e.g. a held-back prefetch overtaken by events
+  if (options_.limit_all_gathers() && unsharded_unit_count() >= options_.all_gather_limit()) {
+    held_back_prefetch_ = v;  // issued by the next reshard that makes room
+    held_back_why_ = why;
+    return;
+  }
+  if (held_back_prefetch_ == v) held_back_prefetch_ = -1;
+  unshard(v, why);
+  units_[v].mark_prefetched();
+}
+
+void Scheduler::reshard(int u) {
+  if (!units_[u].reshard()) return;
+  tracer_.instant(TraceEvent::Kind::kReshard, u, "");
+  if (held_back_prefetch_ >= 0) {
+    const int v = held_back_prefetch_;
+    held_back_prefetch_ = -1;
+    prefetch(v, held_back_why_);
+  }
+}
+
+void Scheduler::reshard_all() {
+  held_back_prefetch_ = -1;
+  for (size_t u = 0; u < units_.size(); ++u) reshard(static_cast<int>(u));
+}
+
+}  // namespace fsdp

@@ -1,0 +1,77 @@
+#pragma once
+// Scheduler: decides when units are unsharded and resharded (paper 3.3-3.4). Every use of a unit
+// (an operator reading its parameters, or fsdp::Sharded entering it) comes here: the unit is
+// gathered just in time, units the computation left are freed, the next unit's gather is issued
+// ahead (forward prefetch, BACKWARD_PRE / BACKWARD_POST), and the rate limiter holds prefetches
+// back while too many units are unsharded. Callers hold the FsdpState lock.
+#include <vector>
+
+#include "fsdp/options.h"
+#include "fsdp/trace.h"
+#include "runtime/gradient_reducer.h"
+#include "runtime/tracer.h"
+#include "runtime/unit.h"
+
+namespace fsdp {
+
+class Scheduler {
+ public:
+  Scheduler(std::vector<Unit>& units, const Options& options, bool reshard_after_forward, int rank, Tracer& tracer,
+            GradientReducer& reducer);
+
+  // The scheduling step: the computation (forward, backward, or any other) uses unit u now. On
+  // return u's parameters are unsharded and current.
+  void use(int u);
+  // The explicit form left u's forward: free it (FULL_SHARD / HYBRID_SHARD, not the root).
+  void post_forward(int u);
+  // Backward began (idempotent within one backward): its unit order is the reverse of forward's.
+  void begin_backward();
+  // All of u's gradients arrived: reshard u, prefetch (BACKWARD_POST) and reduce its gradients.
+  void post_backward(int u);
+  // The end of backward: reduce what is left, finish every reduction, reshard everything,
+  // broadcast buffers, and start the next iteration (its trace, its prefetch order).
+  void finalize_backward(const std::vector<std::pair<std::string, at::Tensor>>& buffers);
+
+  // Outside the step (state dicts): gather u now / free u / free every unit.
+  void unshard_now(int u);
+  void reshard(int u);
+  void reshard_all();
+  // The next use of any unit takes the full scheduling path (after parameters were reloaded).
+  void forget_last_used() { last_used_ = -1; }
+
+  void enable_trace(bool on) { tracer_.enable(on); }
+  const IterationTrace& last_trace() const { return last_trace_; }
+  // The calling thread runs a backward pass (the autograd engine's current graph task).
+  static bool in_backward();
+
+ private:
+  void pre_forward(int u);
+  void pre_backward(int u);
+  void reshard_units_left(int u);
+  void unshard(int u, const char* why);
+  void prefetch(int v, const char* why);
+  int unsharded_unit_count() const;  // what the rate limiter counts
+  // The first unit after u in this backward's order whose backward has not finished (a unit used
+  // again after later units finished, such as the root, must not re-gather them).
+  int next_pending_in_backward(int u) const;
+  static int next_in(const std::vector<int>& order, int u);
+
+  std::vector<Unit>& units_;
+  const Options& options_;
+  bool reshard_after_forward_;
+  int rank_;
+  Tracer& tracer_;
+  GradientReducer& reducer_;
+
+  int last_used_ = -1;
+  bool backward_started_ = false;
+  // Execution order (Note [Execution order]): units in the order this forward first used them
+  // (the next forward prefetches along it), and in the order they were last used in forward
+  // (reversed: this backward's order).
+  std::vector<int> forward_first_order_, previous_forward_order_, forward_last_order_, backward_order_;
+  int held_back_prefetch_ = -1;  // held back by the rate limiter until a reshard makes room
+  const char* held_back_why_ = "";
+  IterationTrace last_trace_;
+};
+
+}  // namespace fsdp

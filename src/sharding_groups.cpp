@@ -1,0 +1,54 @@
+#include "sharding_groups.h"
+
+#include "fsdp/check.h"
+
+namespace fsdp {
+
+bool ShardingGroups::reshards_after_forward(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
+}
+
+ShardingGroups ShardingGroups::create(ProcessGroup& pg, const Options& options) {
+  const int W = pg.size();
+  const auto strategy = options.sharding_strategy();
+  ShardingGroups g;
+  g.world_size = W;
+  g.world_comm = pg.world();
+  switch (strategy) {
+    case ShardingStrategy::kFullShard:
+    case ShardingStrategy::kShardGradOp:
+      FSDP_CHECK(options.sharding_factor() == 0 || options.sharding_factor() == W, to_string(strategy),
+                 " shards over the whole world (", W, " ranks), so sharding_factor must be 0 or ", W, ", got ",
+                 options.sharding_factor(), "; use HYBRID_SHARD to shard over fewer ranks");
+      g.sharding_factor = W;
+      g.shard_comm = pg.world();
+      break;
+    case ShardingStrategy::kNoShard:
+      FSDP_CHECK(options.sharding_factor() == 0 || options.sharding_factor() == 1,
+                 "NO_SHARD replicates parameters, so sharding_factor must be 0 or 1, got ", options.sharding_factor());
+      g.sharding_factor = 1;
+      break;
+    case ShardingStrategy::kHybridShard: {
+      const int F = options.sharding_factor() ? options.sharding_factor() : pg.env().local_world_size;
+      FSDP_CHECK(F >= 1 && F <= W, "HYBRID_SHARD sharding_factor ", F, " must be between 1 and the world size ", W);
+      FSDP_CHECK(W % F == 0, "HYBRID_SHARD: world size ", W, " is not divisible by the sharding factor ", F,
+                 "; choose a sharding_factor that divides ", W, " (shard groups are F consecutive ranks)");
+      g.sharding_factor = F;
+      const int r = pg.rank();
+      if (F > 1 && F < W) {
+        std::vector<int> shard_ranks, replica_ranks;
+        for (int i = 0; i < F; ++i) shard_ranks.push_back(r / F * F + i);
+        for (int i = r % F; i < W; i += F) replica_ranks.push_back(i);
+        g.shard_comm = pg.new_group(shard_ranks, "shard");
+        g.replicate_comm = pg.new_group(replica_ranks, "replicate");
+      } else if (F == W) {
+        g.shard_comm = pg.world();
+      }
+      break;
+    }
+  }
+  g.keep_unsharded = g.sharding_factor == 1;
+  return g;
+}
+
+}  // namespace fsdp

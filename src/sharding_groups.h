@@ -1,0 +1,24 @@
+#pragma once
+// ShardingGroups: the communicators a sharding strategy needs (paper 3.2.2): the F ranks a
+// FlatParameter is split over, the replicas that hold the same shard (hybrid), and the world.
+#include "fsdp/comm.h"
+#include "fsdp/options.h"
+#include "fsdp/process_group.h"
+
+namespace fsdp {
+
+struct ShardingGroups {
+  CommunicatorPtr shard_comm;      // the F ranks a FlatParameter is split over; null if F == 1
+  CommunicatorPtr replicate_comm;  // hybrid: ranks holding the same shard; null otherwise
+  CommunicatorPtr world_comm;      // all ranks (NO_SHARD's all-reduce, broadcasts)
+  int world_size = 1;              // gradients are averaged over all ranks
+  int sharding_factor = 1;         // F
+  bool keep_unsharded = false;     // F == 1 (NO_SHARD, world of one): no separate shard copy
+
+  // Validates the strategy's options against the world and creates its sub-groups (collective).
+  static ShardingGroups create(ProcessGroup& pg, const Options& options);
+  // Whether parameters are freed after forward (FULL_SHARD, HYBRID_SHARD).
+  static bool reshards_after_forward(ShardingStrategy strategy);
+};
+
+}  // namespace fsdp

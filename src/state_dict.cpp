@@ -1,0 +1,63 @@
+#include "state_dict.h"
+
+#include <sstream>
+
+#include "fsdp/check.h"
+#include "internal_op_guard.h"
+
+namespace fsdp {
+
+namespace {
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+}  // namespace
+
+std::unordered_map<std::string, at::Tensor> full_state_dict(FsdpState& state) {
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  state.rethrow_pending_error();
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  std::unordered_map<std::string, at::Tensor> out;
+  for (auto& unit : state.units()) {
+    const bool was_unsharded = unit.is_unsharded();
+    state.scheduler().unshard_now(unit.index());
+    for (const FlatParam* fp : unit.flat_params())
+      for (const auto& s : fp->slots()) {
+        out[s.name] = s.param.detach().clone();
+        for (const auto& alias : s.aliases) out[alias] = out[s.name];
+      }
+    if (!was_unsharded) state.scheduler().reshard(unit.index());
+  }
+  for (const auto& kv : state.buffers()) out[kv.first] = kv.second.detach().clone();
+  return out;
+}
+
+void load_full_state_dict(FsdpState& state, const std::unordered_map<std::string, at::Tensor>& values) {
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  state.scheduler().reshard_all();
+  state.scheduler().forget_last_used();
+  for (auto& fp : state.flat_params()) {
+    at::Tensor full = at::zeros({fp->padded_numel()}, at::TensorOptions().dtype(fp->dtype()));
+    for (const auto& s : fp->slots()) {
+      auto it = values.find(s.name);
+      FSDP_CHECK(it != values.end(), "load_full_state_dict: parameter '", s.name, "' is missing from the state");
+      FSDP_CHECK(it->second.sizes().vec() == s.shape, "load_full_state_dict: parameter '", s.name, "' has shape ",
+                 shape_str(it->second.sizes()), " in the state but ", shape_str(s.shape), " in the model");
+      full.narrow(0, s.offset, s.numel).copy_(it->second.reshape({-1}));
+    }
+    fp->copy_full_into_shard(full);
+  }
+  for (const auto& kv : state.buffers()) {
+    auto it = values.find(kv.first);
+    FSDP_CHECK(it != values.end(), "load_full_state_dict: buffer '", kv.first, "' is missing from the state");
+    at::Tensor b = kv.second;
+    b.copy_(it->second);
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,46 @@
+#pragma once
+// UnitPlan: which modules become FSDP units and which parameters each unit's FlatParameters hold
+// (paper 3.2.1), decided from the module tree, the wrap policy and the annotations alone: a pure
+// function of one rank's model, with no communication.
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "fsdp/options.h"
+
+namespace fsdp {
+
+struct UnitPlan {
+  struct Param {
+    std::string name;                  // first qualified name in the module tree
+    std::vector<std::string> aliases;  // further names of a shared (tied) parameter
+    at::Tensor param;
+    int unit = 0;
+  };
+  struct Unit {
+    std::string name;  // qualified module name; "" for the root
+    torch::nn::Module* module = nullptr;
+    int parent = -1;             // enclosing unit; -1 for the root (unit 0)
+    std::vector<int> ancestors;  // enclosing units, nearest first
+    std::vector<int> flat_params;
+  };
+  // One per (dtype, requires_grad) group of a unit's parameters, in module order; ids in unit order.
+  struct FlatParam {
+    int unit = 0;
+    std::vector<int> params;  // indices into `params`
+  };
+  std::vector<Unit> units;
+  std::vector<Param> params;
+  std::vector<FlatParam> flat_params;
+
+  // One line per parameter (name, shape, dtype, frozen, unit): equal on ranks with equal models.
+  std::string describe() const;
+};
+
+// Plans the units of `root`. Parameters must be dense, on `device` (or meta, for deferred
+// initialization), and floating point if they require grad; a parameter shared by modules of
+// several units goes to their lowest common ancestor unit, or is refused (Options::shared_parameters).
+UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device device);
+
+}  // namespace fsdp
