@@ -1,6 +1,6 @@
 #pragma once
 // The one error path of libfsdp: FSDP_CHECK(cond, parts...) throws fsdp::Error with a message
-// composed from the parts; every user-facing error names the problem and the fix.
+// composed from the parts, naming the problem and the fix. See Note [Errors] in docs/design.md.
 #include <sstream>
 #include <stdexcept>
 #include <string>

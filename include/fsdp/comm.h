@@ -1,9 +1,7 @@
 #pragma once
-// Communicator: the collectives FSDP needs, behind a small interface so Gloo (CPU), NCCL (GPU
-// builds), shared memory (ranks on one host) and a network-model decorator can be swapped. Every
-// collective is asynchronous: it returns a Work handle, and tensors passed in stay alive until the
-// work completes. On the CPU, wait() blocks until the collective finished; on a CUDA device it
-// orders the caller's current stream after the collective (see nccl_communicator.h).
+// Communicator: the collectives FSDP needs (Gloo, shared memory, NCCL, modeled network). Every
+// collective is asynchronous and returns a Work; tensors passed in stay alive until it completes.
+// See Note [Communicator contract] in docs/design.md.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -22,7 +20,8 @@ struct WorkTiming {
 class Work {
  public:
   virtual ~Work() = default;
-  // Blocks until the collective finished; rethrows its error (a dead peer, a timeout, ...).
+  // CPU: blocks until the collective finished. CUDA: orders the caller's current stream after it
+  // (no CPU block). Rethrows its error (a dead peer, a timeout, ...).
   virtual void wait() = 0;
   virtual bool completed() const = 0;
   // Valid once completed() is true; used by the runtime's trace.
@@ -32,13 +31,11 @@ using WorkPtr = std::shared_ptr<Work>;
 
 // Per-call options.
 struct CollectiveOptions {
-  // Ranks match collectives by tag. 0 means "the next sequence number of this communicator",
-  // which is right whenever all ranks issue collectives in the same order.
+  // Ranks match collectives by tag; 0: this communicator's next sequence number (right whenever
+  // all ranks issue collectives in the same order).
   uint32_t tag = 0;
-  // Run only once this work has completed (waited for on the communicator's own thread, so the
-  // caller does not block); if it failed, this collective fails too. Chains collectives of
-  // different communicators, e.g. hybrid sharding's reduce-scatter in the shard group followed by
-  // the all-reduce of its result across replicas.
+  // Run only once this work has completed (waited for on the communicator's thread, not the
+  // caller's); fail if it failed. Chains collectives of different communicators.
   WorkPtr after;
 };
 
@@ -60,13 +57,12 @@ class Communicator {
   virtual WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) = 0;
   virtual WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) = 0;
   virtual void barrier() = 0;
-  // Working memory the communicator keeps between collectives from the CPU allocator (e.g. a
-  // receive buffer).
+  // Working memory kept between collectives from the CPU allocator (e.g. a receive buffer).
   virtual int64_t scratch_bytes() const { return 0; }
   // Shared memory it maps (the shared-memory transport's staging segment), outside the allocator.
   virtual int64_t shared_memory_bytes() const { return 0; }
-  // The device whose tensors its collectives take (CPU for Gloo and shared memory, a CUDA device
-  // for NCCL), and how they travel, for describe() and error messages.
+  // The device whose tensors its collectives take (CPU; a CUDA device for NCCL), and how they
+  // travel (for describe() and error messages).
   virtual c10::Device device() const { return c10::Device(c10::kCPU); }
   virtual std::string transport() const = 0;
 };

@@ -1,20 +1,7 @@
 #pragma once
-// Deferred initialization: build a model without allocating its parameters, then let fully_shard
-// allocate, initialize and shard it one unit at a time, so no rank ever holds the whole model.
-//
-//   std::shared_ptr<GPTImpl> model;
-//   {
-//     fsdp::DeferredInit deferred;           // factory ops on this thread make meta tensors
-//     model = std::make_shared<GPTImpl>(config);  // unmodified constructor: allocates nothing
-//   }
-//   auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().param_init_fn(my_init));
-//
-// fully_shard walks the modules in pre-order (registration order). For each module with meta
-// parameters or buffers of its own it gives them fresh, uninitialized CPU storage (identities kept)
-// and calls the init function, which must write every one of them; each FlatParameter is built and
-// sharded as soon as the last module registering one of its parameters has been visited. With
-// standard modules and the default init (their reset_parameters()), the random draws happen in the
-// order a plain construction makes them, so a seeded deferred model equals a seeded eager one.
+// Deferred initialization: build a model without allocating it; fully_shard then allocates,
+// initializes and shards it one unit at a time (materialize: without sharding). Usage:
+// docs/usage.md; order and checks: Note [Deferred initialization] in docs/design.md.
 #include <torch/torch.h>
 
 #include <functional>
@@ -22,16 +9,13 @@
 
 namespace fsdp {
 
-// Initializes the parameters and buffers registered by `module` itself (not its children): every
-// meta tensor of the module has been given uninitialized CPU storage and must be written (an
-// in-place op such as normal_, zero_ or copy_; checked). `name` is the module's qualified name
-// ("" for the root). Runs under NoGradGuard. Must not touch other modules' tensors: an earlier
-// unit may already be sharded.
+// Initializes the tensors `module` registers itself (not its children's), freshly allocated and
+// uninitialized: must write every one in place (checked) and touch no other module's tensors.
+// `name`: qualified name ("" for the root). Runs under NoGradGuard.
 using ParamInitFn = std::function<void(const std::string& name, torch::nn::Module& module)>;
 
-// While alive, factory operations on this thread (empty, zeros, ones, randn, ...) create tensors
-// on the meta device: they have shapes and dtypes but no storage, and in-place ops on them
-// (initializers) do nothing and draw no random numbers. Nestable.
+// While alive, factory operations on this thread create meta tensors (no storage; initializers on
+// them do nothing and draw no random numbers). Nestable.
 class DeferredInit {
  public:
   DeferredInit();
@@ -54,9 +38,8 @@ void reset_parameters(const std::string& name, torch::nn::Module& module);
 // True if `module` or any submodule still has a parameter or buffer on the meta device.
 bool has_deferred_tensors(const torch::nn::Module& module);
 
-// Single-process materialization (no sharding), with fully_shard's order and checks: e.g. the
-// local reference of a model built under DeferredInit. Null `init` means reset_parameters. The
-// tensors are allocated on `device` and initialized there (fully_shard uses its communicators' device).
+// Materializes without sharding, in fully_shard's order and with its checks, on `device`.
+// Null `init`: reset_parameters.
 void materialize(torch::nn::Module& module, const ParamInitFn& init = nullptr,
                  c10::Device device = c10::Device(c10::kCPU));
 

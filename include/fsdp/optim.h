@@ -1,10 +1,6 @@
 #pragma once
-// FusedAdamW: LibTorch's AdamW (same options, parameter groups, state and state dict) whose step,
-// for CUDA parameters on LibTorch 2.x, runs PyTorch's fused multi-tensor AdamW kernel: one pass
-// over each parameter, gradient and moment tensor, against roughly ten elementwise kernels per
-// parameter in torch::optim::AdamW::step. Elsewhere (CPU parameters, sparse gradients, amsgrad,
-// LibTorch 1.x) it is torch::optim::AdamW::step itself. Use it over FSDP's shards
-// (FullyShardedModule::parameters()) or any model's parameters.
+// FusedAdamW: torch::optim::AdamW whose step runs PyTorch's fused AdamW kernel for CUDA parameters
+// on LibTorch 2.x, and AdamW's own step elsewhere. See Note [FusedAdamW] in docs/design.md.
 #include <torch/torch.h>
 
 #include <unordered_map>

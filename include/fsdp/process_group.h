@@ -1,7 +1,6 @@
 #pragma once
-// Process-group bootstrap: rank environment (torchrun, mpirun, srun), a c10d TCPStore rendezvous,
-// and communicators (shared memory within a host, Gloo over TCP across hosts) for the whole world
-// and for sub-groups (hybrid sharding).
+// Process-group bootstrap: rank environment, c10d TCPStore rendezvous, and communicators for the
+// world and sub-groups. See docs/launchers.md and docs/transports.md.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -30,12 +29,9 @@ struct RankEnv {
   int master_port = 29500;
   std::string source;  // which convention supplied it: "torchrun", "mpirun", "srun"
 
-  // Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun,
-  // fsdp-run), else OMPI_COMM_WORLD_* (mpirun), else SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun;
-  // ranks on this node from SLURM_NTASKS_PER_NODE or SLURM_STEP_TASKS_PER_NODE + SLURM_NODEID).
-  // MASTER_ADDR (default 127.0.0.1, required when the job spans hosts) and MASTER_PORT (default
-  // 29500) are read under every launcher.
-  // Throws fsdp::Error naming the missing or inconsistent variable.
+  // Reads torchrun/fsdp-run's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, else mpirun's
+  // OMPI_COMM_WORLD_*, else srun's SLURM_* (table in docs/launchers.md), and MASTER_ADDR (required
+  // when the job spans hosts) / MASTER_PORT. Throws fsdp::Error naming the bad variable.
   static RankEnv from_env();
 };
 
@@ -50,28 +46,23 @@ Transport parse_transport(const std::string& name, const char* source);
 const char* to_string(Transport transport);
 
 struct ProcessGroupOptions {
-  // How long a collective or rendezvous may wait for a peer before failing.
+  // How long a collective or rendezvous may wait for a peer. FSDP_TIMEOUT_S overrides it.
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
-  // Local address the Gloo transport binds to. Empty: the address this host uses to reach
-  // master_addr (loopback for a single host). GLOO_SOCKET_IFNAME / FSDP_BIND_ADDR override.
+  // Local address Gloo binds to. Empty: the one that routes to master_addr. GLOO_SOCKET_IFNAME /
+  // FSDP_BIND_ADDR override.
   std::string bind_addr;
-  // A modeled network (see network_model.h): when set, every communicator this process group
-  // creates (world() and new_group()) is wrapped in it, so collectives complete no earlier than
-  // the model says. Unset: FSDP_NETWORK_MODEL is consulted (unset/"off": no model).
-  // ranks_per_host = 0 resolves to LOCAL_WORLD_SIZE; options() shows the resolved model.
+  // A modeled network (network_model.h) wrapping every communicator this group creates. Unset:
+  // FSDP_NETWORK_MODEL decides. options() shows the resolved model.
   std::optional<NetworkModel> network_model;
-  // Decided per communicator (world() and each new_group()), identically on every member: kAuto
-  // tries a shared-memory segment and falls back to Gloo when some member cannot map it. With
-  // kAuto, FSDP_TRANSPORT=auto|tcp|shm in the environment decides. A group of one uses Gloo.
+  // Chosen per communicator, identically on every member. kAuto: FSDP_TRANSPORT if set, else
+  // shared memory where every member can map a segment and Gloo otherwise.
   Transport transport = Transport::kAuto;
-  // The device whose tensors the communicators move. CPU (the default): shared memory or Gloo, as
-  // `transport` says. A CUDA device (give each rank its own, e.g. cuda:LOCAL_RANK): NCCL, in builds
-  // against a CUDA LibTorch (fsdp::built_with_nccl()); FSDP_DEVICE=cuda in the environment picks
-  // cuda:LOCAL_RANK when this is left at CPU.
+  // The device whose tensors the communicators move: CPU (shared memory or Gloo), or a CUDA
+  // device per rank (NCCL; needs built_with_nccl()). Left at CPU: FSDP_DEVICE decides (docs/gpu.md).
   c10::Device device = c10::Device(c10::kCPU);
 };
 
-// Whether this build of libfsdp has the NCCL communicator (built against a CUDA LibTorch), and Gloo.
+// Whether this build has the NCCL communicator (CUDA LibTorch), and Gloo.
 bool built_with_nccl();
 bool built_with_gloo();
 
@@ -95,8 +86,7 @@ class ProcessGroup {
   // same communicator.
   CommunicatorPtr new_group(const std::vector<int>& ranks, const std::string& key);
   // Replaces the network model (nullopt: none) for communicators requested from now on, world()
-  // included; those handed out before keep theirs. Local: call it with the same model on every
-  // rank. Used by benchmarks that calibrate the model after start-up.
+  // included; those handed out keep theirs. Local: call it with the same model on every rank.
   void set_network_model(std::optional<NetworkModel> model);
   // A counter that advances identically on every rank; used to name per-call store keys.
   int64_t next_sequence() { return sequence_++; }

@@ -1,22 +1,8 @@
 #pragma once
-// The explicit form: a model author marks a submodule as an FSDP unit in the model's code.
-//
-//   struct GPTImpl : torch::nn::Module {
-//     GPTImpl() { for (int i = 0; i < 12; ++i) blocks->push_back(fsdp::Sharded<Block>(Block(768, 12))); ... }
-//
-// fsdp::Sharded<Block> is a module holder whose module takes over Block's children, parameters and
-// buffers under the same names (so named_parameters() is unchanged) and whose forward:
-//   1. gathers the unit's parameters when it is entered (and issues the forward prefetch),
-//   2. runs the wrapped module's forward,
-//   3. frees the parameters when it returns (FULL_SHARD / HYBRID_SHARD; not for the root unit),
-//   4. registers a hook on its output tensor that gathers the parameters again when the gradient
-//      reaches this unit in backward (and issues the backward prefetch).
-// fully_shard() makes every Sharded module a unit, in addition to the wrap policy's. Without
-// fully_shard (e.g. local training), Sharded<M> behaves exactly like M. The operation interception
-// of the implicit form stays active as a safety net (e.g. for a submodule called directly).
-//
-// Requirements: M's forward is a single, non-overloaded member function (no default arguments);
-// Sharded<M>::inner() gives access to the wrapped module.
+// The explicit form: fsdp::Sharded<M> marks a submodule as an FSDP unit in the model's code;
+// without fully_shard it behaves exactly like M. Requires M's forward to be a single,
+// non-overloaded member function without default arguments. See docs/usage.md (Explicit units)
+// and Note [Explicit units] in docs/design.md.
 #include <torch/torch.h>
 
 #include <memory>
@@ -29,9 +15,8 @@ namespace fsdp {
 class ExplicitUnit {
  public:
   virtual ~ExplicitUnit() = default;
-  // The module whose parameters and buffers this one registers as its own, if it wraps one:
-  // deferred initialization hands that module to the initializer (e.g. a Linear's
-  // reset_parameters() for fsdp::Sharded<torch::nn::Linear>).
+  // The wrapped module whose tensors this one registers, if any (handed to the deferred-init
+  // initializer).
   virtual torch::nn::Module* wrapped_module() { return nullptr; }
 };
 

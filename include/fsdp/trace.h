@@ -1,8 +1,6 @@
 #pragma once
-// A per-iteration event trace of the FSDP runtime (Options::trace): when units were gathered,
-// computed, resharded and reduced, on the compute thread and on each communicator, and how long
-// the compute thread waited for collectives ("exposed communication"). Exported as Chrome-trace
-// JSON (opens in Perfetto / chrome://tracing).
+// Per-iteration event trace of the FSDP runtime (Options::trace), exportable as Chrome-trace JSON
+// (Perfetto). See docs/usage.md (Tracing) and Note [Event trace] in docs/design.md.
 #include <cstdint>
 #include <ostream>
 #include <string>
