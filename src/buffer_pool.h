@@ -1,15 +1,8 @@
 #pragma once
-// Reuse of FSDP's transient buffers (unsharded parameters, unsharded gradients, reduction
-// outputs) across units and iterations. Without it every all-gather and every backward allocated
-// fresh memory that the kernel had to map and zero page by page (measured: ~16,000 page faults
-// per step for a 3 M-parameter GPT at world 4, against ~500 for DDP), and returned it when the
-// unit was resharded. The pool keeps released blocks by exact byte size (units of a model mostly
-// repeat a few sizes) and hands them out again; like a GPU caching allocator, memory it holds idle
-// counts as "cached", and release_cached() gives it back to the system.
-//
-// Large blocks are mapped directly (mmap), not taken from malloc: malloc's heap would keep them
-// fragmented after release, and freeing large malloc chunks raises glibc's mmap threshold, which
-// moves the model's own large allocations onto that heap.
+// BufferPool: reuse of FSDP's transient buffers (unsharded parameters, unsharded gradients,
+// reduction outputs) across units and iterations, kept by exact byte size; idle memory counts as
+// "cached" until release_cached(). Large blocks are mapped directly (Note [Buffer reuse] in
+// docs/design.md).
 #include <c10/core/Allocator.h>
 #include <ATen/ATen.h>
 
