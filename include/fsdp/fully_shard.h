@@ -18,6 +18,9 @@ namespace fsdp {
 
 class FsdpState;
 class Hooks;
+namespace detail {
+struct StateAccess;  // libfsdp's own code (src/) reaches the runtime behind a handle through it
+}
 
 // One unit as FSDP built it (for printing, tests and memory estimates).
 struct UnitInfo {
@@ -72,6 +75,7 @@ class FullyShardedModule {
   IterationTrace last_trace() const;
 
  private:
+  friend struct detail::StateAccess;
   friend std::shared_ptr<FullyShardedModule> fully_shard(std::shared_ptr<torch::nn::Module>, ProcessGroupPtr, Options);
   FullyShardedModule(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
 
