@@ -231,8 +231,9 @@ void FlatParam::finish_reduce() {
   full_grad_ = at::Tensor();
   memory_->add_grad(-padded_numel_ * element_size_);
   // Averaging is fused into the one pass that moves the sum into the pieces' gradients.
-  for (auto& s : slots_) {
-    if (!s.piece.defined() || !s.got_grad) continue;  // unused parameters keep no gradient, as in local training
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    ParamSlot& s = slots_[i];
+    if (!s.piece.defined() || !(s.got_grad || kept_[i])) continue;  // unused: no gradient, as in local training
     at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
     at::Tensor& g = s.piece.mutable_grad();
     // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
@@ -241,6 +242,14 @@ void FlatParam::finish_reduce() {
   }
   memory_->add_grad(-shard_numel_ * element_size_);
   reduced_ = at::Tensor();
+}
+
+void FlatParam::keep_grads_unreduced() {
+  if (!full_grad_.defined()) return;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    kept_[i] = kept_[i] || written_[i];
+    written_[i] = 0;
+  }
 }
 
 int64_t FlatParam::sharded_grad_bytes() const {

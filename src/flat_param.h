@@ -85,6 +85,9 @@ class FlatParam {
   bool reduce_pending() const { return pending_work_ != nullptr; }
   const WorkPtr& reduce_work() const { return pending_work_; }
   void finish_reduce();
+  // Gradient accumulation without communication: the buffer's gradients of this backward become
+  // kept values that later backwards add to, until a reduction takes them.
+  void keep_grads_unreduced();
 
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).
   void copy_full_into_shard(const at::Tensor& full);

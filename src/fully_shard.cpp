@@ -5,6 +5,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "clip_grad_norm.h"
 #include "fsdp/check.h"
 #include "runtime/fsdp_state.h"
 #include "runtime/hooks.h"
@@ -78,6 +79,20 @@ std::unordered_map<std::string, at::Tensor> FullyShardedModule::full_state_dict(
 
 void FullyShardedModule::load_full_state_dict(const std::unordered_map<std::string, at::Tensor>& state) {
   fsdp::load_full_state_dict(*state_, state);
+}
+
+double FullyShardedModule::clip_grad_norm_(double max_norm, double norm_type) {
+  return clip_grad_norm(*state_, max_norm, norm_type);
+}
+
+void FullyShardedModule::set_requires_gradient_sync(bool sync) {
+  std::lock_guard<std::recursive_mutex> lock(state_->mutex());
+  state_->reducer().set_sync(sync);
+}
+
+bool FullyShardedModule::requires_gradient_sync() const {
+  std::lock_guard<std::recursive_mutex> lock(state_->mutex());
+  return state_->reducer().sync();
 }
 
 MemoryStats FullyShardedModule::memory_stats() const { return state_->memory_stats(); }

@@ -55,6 +55,36 @@ class FullyShardedModule {
   // Collective: loads full tensors by name into the shards (and buffers); names must match.
   void load_full_state_dict(const std::unordered_map<std::string, at::Tensor>& state);
 
+  // Collective: clips the gradients of all ranks' pieces to a total `norm_type`-norm (p > 0, or
+  // infinity) of at most `max_norm`, as torch::nn::utils::clip_grad_norm_ would on the whole
+  // model; returns the total norm before clipping (equal on every rank).
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  // Gradient accumulation without communication: while off, backward keeps each unit's unsharded
+  // gradient and adds later backwards into it, with no reduction; the first backward with it on
+  // again reduces the sum. Not collective, but every rank must switch at the same backward.
+  void set_requires_gradient_sync(bool sync);
+  bool requires_gradient_sync() const;
+  // RAII form (FSDP's no_sync()): off while the guard lives.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(FullyShardedModule& module) : module_(&module), previous_(module.requires_gradient_sync()) {
+      module.set_requires_gradient_sync(false);
+    }
+    ~NoSyncGuard() {
+      if (module_) module_->set_requires_gradient_sync(previous_);
+    }
+    NoSyncGuard(NoSyncGuard&& other) noexcept : module_(other.module_), previous_(other.previous_) { other.module_ = nullptr; }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+
+   private:
+    FullyShardedModule* module_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
   MemoryStats memory_stats() const;
   void reset_peak_memory_stats();
   // Frees the idle buffers kept for reuse (MemoryStats::cached_bytes), e.g. before evaluation

@@ -43,6 +43,7 @@ bool GradientReducer::has_unreduced(int u) const {
 }
 
 void GradientReducer::reduce(int u) {
+  if (!sync_) return;  // accumulation without communication: the buffers stay for the next backward
   // Waiting before issuing (not after) frees the oldest buffer before this reduction's output is
   // allocated; the communicator would run this reduction only after the older ones anyway.
   const size_t in_flight = static_cast<size_t>(options_.reductions_in_flight());
@@ -91,6 +92,8 @@ void GradientReducer::broadcast_buffers(const std::vector<std::pair<std::string,
 }
 
 void GradientReducer::end_backward() {
+  if (!sync_)
+    for (auto& fp : flat_params_) fp->keep_grads_unreduced();
   for (auto& unit : units_) unit.reset_grad_count();
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;

@@ -43,8 +43,12 @@ class GradientReducer {
   void finish_all() { finish_reductions(0); }
   // Broadcasts rank 0's module buffers (Options::broadcast_buffers).
   void broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers);
-  // Clears the per-backward gradient counts and flags.
+  // Clears the per-backward gradient counts and flags; without sync, keeps the gradients for the
+  // next backward to add to.
   void end_backward();
+  // Whether backward reduces gradients (FullyShardedModule::set_requires_gradient_sync).
+  void set_sync(bool sync) { sync_ = sync; }
+  bool sync() const { return sync_; }
   void update_sharded_grad_bytes();
 
  private:
@@ -58,6 +62,7 @@ class GradientReducer {
   CommunicatorPtr world_;
   Tracer& tracer_;
   MemoryTracker& memory_;
+  bool sync_ = true;
   std::vector<int> reduce_order_;  // FlatParameters with a reduction in flight, in issue order
 };
 

@@ -120,7 +120,7 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
   reducer_.finish_all();
   reducer_.update_sharded_grad_bytes();
   reshard_all();
-  if (options_.broadcast_buffers()) reducer_.broadcast_buffers(buffers);
+  if (options_.broadcast_buffers() && reducer_.sync()) reducer_.broadcast_buffers(buffers);
   reducer_.end_backward();
   for (auto& unit : units_) unit.reset();
   last_used_ = -1;

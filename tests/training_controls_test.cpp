@@ -1,0 +1,127 @@
+// Training controls: gradient clipping across shards, and gradient accumulation without
+// communication (no_sync), each equal to local training of the same model on the same batches.
+#include <gtest/gtest.h>
+
+#include <limits>
+
+#include "harness.h"
+#include "models.h"
+
+namespace fsdp_test {
+namespace {
+
+// A transformer whose blocks are units (tied embedding, frozen table: every kind of piece), in f64.
+std::pair<TinyTransformer, TinyTransformer> make_pair_of_models() {
+  torch::manual_seed(3);
+  TinyTransformer ref(32, 16, 2, 3, 8);
+  torch::manual_seed(3);
+  TinyTransformer model(32, 16, 2, 3, 8);
+  ref->to(torch::kFloat64);
+  model->to(torch::kFloat64);
+  return {ref, model};
+}
+
+fsdp::Options options(const std::string& strategy) {
+  auto o = fsdp::Options()
+               .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+               .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>());
+  if (strategy == "HYBRID_SHARD") o.sharding_factor(2);
+  return o;
+}
+
+at::Tensor loss_of(TinyTransformer& m, const at::Tensor& x) {
+  auto logits = m->forward(x);
+  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), x.roll(1, 1).reshape({-1}));
+}
+
+void expect_same_parameters(TinyTransformer& ref, fsdp::FullyShardedModule& sharded, double tol, const char* what) {
+  auto full = sharded.full_state_dict();
+  for (const auto& kv : ref->named_parameters())
+    WORKER_CHECK(rel_diff(full.at(kv.key()), kv.value().detach()) <= tol, what, " parameter ", kv.key(), " differs by ",
+                 rel_diff(full.at(kv.key()), kv.value().detach()));
+}
+
+// args: strategy, norm type ("inf" or a number)
+FSDP_WORKER(clip_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0);
+  const double p = ctx.args.at(1) == "inf" ? std::numeric_limits<double>::infinity() : std::stod(ctx.args.at(1));
+  auto [ref, model] = make_pair_of_models();
+  auto sharded = fsdp::fully_shard(model, pg, options(strategy));
+  torch::optim::SGD ref_opt(unique_parameters(*ref), 0.5), opt(sharded->parameters(), 0.5);
+  const int rows = 2;
+  for (int step = 0; step < 3; ++step) {
+    const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(50 + step));
+    ref_opt.zero_grad();
+    loss_of(ref, x).backward();
+    // max_norm below the norm for the first steps, above it later: both branches run.
+    const double max_norm = step < 2 ? 0.05 : 1e6;
+    const double ref_norm = torch::nn::utils::clip_grad_norm_(unique_parameters(*ref), max_norm, p);
+    ref_opt.step();
+    opt.zero_grad();
+    loss_of(model, x.narrow(0, ctx.rank * rows, rows)).backward();
+    const double norm = sharded->clip_grad_norm_(max_norm, p);
+    opt.step();
+    WORKER_CHECK(std::abs(norm - ref_norm) <= 1e-12 * ref_norm, "norm ", norm, " vs local ", ref_norm, " at step ", step);
+    if (step == 0) WORKER_CHECK(ref_norm > 0.05, "the test must clip: local norm ", ref_norm);
+  }
+  expect_same_parameters(ref, *sharded, 1e-12, "clipped");
+  if (ctx.rank == 0) std::cout << strategy << " clip ok" << std::endl;
+}
+
+TEST(GradClip, EqualsLocalClippingForEveryStrategyAndNorm) {
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
+    for (const char* p : {"2", "1.5", "inf"}) {
+      auto r = launch("clip_worker", strategy == std::string("HYBRID_SHARD") ? 4 : 3, {strategy, p});
+      ASSERT_TRUE(r.all_ok()) << strategy << " p=" << p << "\n" << r.report();
+    }
+}
+
+// args: strategy. Two micro-batches under no_sync, one synced, then a step: equal to local training
+// that accumulates the three global micro-batches' gradients.
+FSDP_WORKER(no_sync_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0);
+  auto [ref, model] = make_pair_of_models();
+  auto sharded = fsdp::fully_shard(model, pg, options(strategy));
+  torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),
+      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+  const int rows = 2, micro = 3;
+  for (int step = 0; step < 2; ++step) {
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(100 * step + m));
+      loss_of(ref, x).backward();
+      const auto mine = x.narrow(0, ctx.rank * rows, rows);
+      if (m + 1 < micro) {
+        auto guard = sharded->no_sync();
+        loss_of(model, mine).backward();
+        WORKER_CHECK(!sharded->requires_gradient_sync(), "no_sync is on inside its scope");
+      } else {
+        WORKER_CHECK(sharded->requires_gradient_sync(), "no_sync is off after its scope");
+        loss_of(model, mine).backward();
+      }
+      if (m == 0 && strategy != "NO_SHARD") {
+        // Nothing reduced yet: the pieces have no gradient, and the unsharded gradients are held.
+        for (const auto& p : sharded->parameters())
+          WORKER_CHECK(!p.grad().defined() || p.grad().abs().sum().item<double>() == 0, "a piece got a gradient under no_sync");
+        WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "no_sync holds the unsharded gradients");
+      }
+    }
+    ref_opt.step();
+    opt.step();
+  }
+  expect_same_parameters(ref, *sharded, 1e-12, "accumulated");
+  if (ctx.rank == 0) std::cout << strategy << " no_sync ok" << std::endl;
+}
+
+TEST(NoSync, MicroBatchesWithoutCommunicationEqualLocalTraining) {
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
+    auto r = launch("no_sync_worker", strategy == std::string("HYBRID_SHARD") ? 4 : 3, {strategy});
+    ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_test
