@@ -13,8 +13,6 @@
 namespace fsdp_test {
 namespace {
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
 // Standard LibTorch modules, constructed in registration order, with parameters and buffers.
 struct StandardImpl : torch::nn::Module {
   StandardImpl() {

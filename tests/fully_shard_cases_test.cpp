@@ -9,8 +9,6 @@
 namespace fsdp_test {
 namespace {
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
 // ---------------------------------------------------------------------------------------------
 // Peak parameter storage: FULL_SHARD = sum of padded shards + largest padded unsharded unit.
 

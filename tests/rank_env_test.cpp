@@ -9,6 +9,7 @@
 
 #include "fsdp/check.h"
 #include "fsdp/process_group.h"
+#include "harness.h"
 
 namespace fsdp_test {
 namespace {
@@ -99,7 +100,6 @@ TEST(RankEnv, SrunNtasksPerNodeWins) {
 }
 
 TEST(RankEnv, SrunErrorsNameTheVariable) {
-  auto contains = [](const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; };
   // Several nodes and no MASTER_ADDR: refused instead of every node rendezvousing with itself.
   EXPECT_TRUE(contains(error_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"},
                                  {"SLURM_NODEID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "2(x2)"}}),

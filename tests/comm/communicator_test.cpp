@@ -13,8 +13,6 @@
 namespace fsdp_test {
 namespace {
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
 // What rank r contributes: distinct per rank and element, and small enough that every sum is exact
 // whatever the order (bfloat16: integers up to 256, so smaller values that repeat across ranks).
 at::Tensor contribution(int rank, int64_t numel, at::ScalarType dtype) {

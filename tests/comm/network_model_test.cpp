@@ -15,8 +15,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 double cpu_seconds() {

@@ -12,8 +12,6 @@
 namespace fsdp_test {
 namespace {
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
 TEST(OverlapExact, EveryPrefetchAndLimiterCombinationMatchesLocalTraining) {
   // exact_worker (fully_shard_exact_test.cpp) compares 5 steps with local training on the global
   // batch. World 3 forces padding; a 4-block transformer gives prefetching a chain to follow.
