@@ -42,6 +42,18 @@ std::string error_of(const std::vector<std::pair<const char*, const char*>>& var
   return "";
 }
 
+// fsdp-run's and torchrun's variables.
+TEST(BadInput, RankEnvironmentErrorsNameTheVariable) {
+  EXPECT_TRUE(contains(error_of({{"RANK", "0"}}), "WORLD_SIZE"));
+  EXPECT_TRUE(contains(error_of({{"WORLD_SIZE", "2"}}), "RANK is not"));
+  EXPECT_TRUE(contains(error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}), "RANK=2 is not below WORLD_SIZE=2"));
+  EXPECT_TRUE(contains(error_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}}), "RANK='x' is not an integer"));
+  EXPECT_TRUE(contains(error_of({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}}), "MASTER_ADDR is not set"));
+  EXPECT_TRUE(contains(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}), "MASTER_PORT"));
+  LauncherEnvironment none({});
+  EXPECT_EQ(fsdp::RankEnv::from_env().world_size, 1);  // no launcher: a world of one
+}
+
 TEST(RankEnv, Mpirun) {
   LauncherEnvironment scope({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
                              {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
