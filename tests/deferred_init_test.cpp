@@ -1,5 +1,6 @@
-// Deferred initialization: models built under fsdp::DeferredInit allocate nothing, materialize to
-// the values of an eager build, and fully_shard never holds more than one unit unsharded.
+// Deferred initialization: fsdp::DeferredInit, fsdp::materialize, and fully_shard of a deferred model.
+// Models built under fsdp::DeferredInit allocate nothing, materialize to the values of an eager
+// build, and fully_shard never holds more than one unit unsharded.
 #include <gtest/gtest.h>
 
 #include <c10/core/CPUAllocator.h>

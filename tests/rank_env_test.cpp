@@ -1,5 +1,6 @@
-// RankEnv::from_env under the launchers other than fsdp-run/torchrun: mpirun's OMPI_COMM_WORLD_*
-// and srun's SLURM_* variables, set by hand as those launchers set them.
+// Rank environment: RankEnv::from_env reads the launchers' variables, and its errors name the variable.
+// fsdp-run/torchrun's RANK and WORLD_SIZE, mpirun's OMPI_COMM_WORLD_* and srun's SLURM_* variables, set
+// by hand as those launchers set them.
 #include <gtest/gtest.h>
 
 #include <cstdlib>

@@ -1,6 +1,7 @@
-// Both CPU transports (Gloo over TCP and shared memory) against values computed locally: every
-// collective, several dtypes, sizes of zero, odd and larger than the shared-memory staging buffers;
-// and the shared-memory transport's failure paths (diverged ranks, a member that died or left).
+// CPU transports (Gloo over TCP, shared memory): collectives, failure paths and transport names.
+// Against values computed locally: every collective, several dtypes, sizes of zero, odd and larger
+// than the shared-memory staging buffers; the shared-memory transport's failure paths (diverged
+// ranks, a member that died or left); FSDP_TRANSPORT's names.
 #include <gtest/gtest.h>
 
 #include <unistd.h>

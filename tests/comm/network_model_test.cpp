@@ -1,6 +1,7 @@
-// The network model (include/fsdp/network_model.h): exact results, modeled completion times
-// (strict lower bound, loose upper bound: the machine is shared), link selection, no CPU burnt
-// while waiting, env parsing, and fully_shard running on a modeled hybrid network unchanged.
+// The network model (include/fsdp/network_model.h): communication slowed to a modeled network.
+// Exact results, modeled completion times (strict lower bound, loose upper bound: the machine is
+// shared), link selection, no CPU burnt while waiting, env parsing, and fully_shard running on a
+// modeled hybrid network unchanged.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 

@@ -1,5 +1,5 @@
-// Overlap options: exact results with every combination of backward prefetch, forward prefetch
-// and rate limiter, and the event trace showing the promised ordering.
+// Overlap options (backward and forward prefetch, rate limiter): exact, and ordered as promised.
+// Exact results with every combination of the options, and the event trace showing the ordering.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
