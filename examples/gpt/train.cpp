@@ -76,12 +76,8 @@ struct TrainConfig {
   bool show_memory = false;
 };
 
-// Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is
-// reported once, while every rank exits with the same code.
-int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config) {
-  CLI::App app{"Train a small GPT on text with libfsdp (Fully Sharded Data Parallel).", "fsdp_gpt"};
-  app.get_formatter()->column_width(32);
-
+// Declares every flag on `app`, each parsed into its field of `config`.
+void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--layers", config.layers, "Transformer blocks")->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--width", config.width, "Embedding width")->check(CLI::Range(8, 16384))->capture_default_str();
   app.add_option("--heads", config.heads, "Attention heads (must divide --width)")
@@ -129,30 +125,41 @@ int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& co
   app.add_option("--temperature", config.temperature, "Sampling temperature (0: greedy)")
       ->check(CLI::Range(0.0, 10.0))->capture_default_str();
   app.add_flag("--show-memory", config.show_memory, "Print per-rank model-state memory next to NO_SHARD's");
+}
 
+// Checks that involve several flags, thrown as CLI::ValidationError like CLI11's own; resolves --warmup.
+void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
+  if (config.width % config.heads != 0)
+    throw CLI::ValidationError("--heads", std::to_string(config.heads) + " does not divide --width " +
+                                               std::to_string(config.width));
+  if (config.warmup < 0) config.warmup = config.steps / 10;
+  if (config.warmup > config.steps)
+    throw CLI::ValidationError("--warmup", std::to_string(config.warmup) + " is more than --steps " +
+                                               std::to_string(config.steps));
+  if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
+  if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
+  const int world = env.world_size, factor = config.sharding_factor;
+  if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
+    throw CLI::ValidationError("--sharding-factor", std::to_string(factor) + " does not divide the world size " +
+                                                        std::to_string(world) + " (shard groups are " +
+                                                        "consecutive ranks)");
+  if ((config.strategy == "FULL_SHARD" || config.strategy == "SHARD_GRAD_OP") && factor != 0 && factor != world)
+    throw CLI::ValidationError("--sharding-factor", config.strategy + " shards over all " + std::to_string(world) +
+                                                        " ranks; use 0 or " + std::to_string(world) +
+                                                        ", or --strategy HYBRID_SHARD to shard over fewer");
+  if (config.strategy == "NO_SHARD" && factor > 1)
+    throw CLI::ValidationError("--sharding-factor", "NO_SHARD does not shard; use 0 or 1");
+}
+
+// Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is
+// reported once, while every rank exits with the same code.
+int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config) {
+  CLI::App app{"Train a small GPT on text with libfsdp (Fully Sharded Data Parallel).", "fsdp_gpt"};
+  app.get_formatter()->column_width(32);
+  add_flags(app, config);
   try {
     app.parse(argc, argv);
-    // Checks that involve several flags, reported the same way as CLI11's own.
-    if (config.width % config.heads != 0)
-      throw CLI::ValidationError("--heads", std::to_string(config.heads) + " does not divide --width " +
-                                                 std::to_string(config.width));
-    if (config.warmup < 0) config.warmup = config.steps / 10;
-    if (config.warmup > config.steps)
-      throw CLI::ValidationError("--warmup", std::to_string(config.warmup) + " is more than --steps " +
-                                                 std::to_string(config.steps));
-    if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
-    if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
-    const int world = env.world_size, factor = config.sharding_factor;
-    if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
-      throw CLI::ValidationError("--sharding-factor", std::to_string(factor) + " does not divide the world size " +
-                                                          std::to_string(world) + " (shard groups are " +
-                                                          "consecutive ranks)");
-    if ((config.strategy == "FULL_SHARD" || config.strategy == "SHARD_GRAD_OP") && factor != 0 && factor != world)
-      throw CLI::ValidationError("--sharding-factor", config.strategy + " shards over all " + std::to_string(world) +
-                                                          " ranks; use 0 or " + std::to_string(world) +
-                                                          ", or --strategy HYBRID_SHARD to shard over fewer");
-    if (config.strategy == "NO_SHARD" && factor > 1)
-      throw CLI::ValidationError("--sharding-factor", "NO_SHARD does not shard; use 0 or 1");
+    check_flag_combinations(env, config);
   } catch (const CLI::ParseError& e) {
     if (env.rank == 0) return app.exit(e);
     // Every rank fails alike; give rank 0 a moment to print before a launcher that stops all
