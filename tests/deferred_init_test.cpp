@@ -1,5 +1,6 @@
-// Deferred initialization: models built under fsdp::DeferredInit allocate nothing, materialize to
-// the values of an eager build, and fully_shard never holds more than one unit unsharded.
+// Deferred initialization: fsdp::DeferredInit, fsdp::materialize, and fully_shard of a deferred model.
+// Models built under fsdp::DeferredInit allocate nothing, materialize to the values of an eager
+// build, and fully_shard never holds more than one unit unsharded.
 #include <gtest/gtest.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -12,8 +13,6 @@
 
 namespace fsdp_test {
 namespace {
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // Standard LibTorch modules, constructed in registration order, with parameters and buffers.
 struct StandardImpl : torch::nn::Module {

@@ -1,5 +1,5 @@
-// Exactness: FSDP training equals single-process training of the same model on the same global
-// batch, for every strategy, world size (3 forces padding), optimizer and dtype.
+// Exactness: FSDP training equals single-process training of the same model on the same global batch.
+// Every strategy, world size (3 forces padding), optimizer and dtype, over shared memory and TCP.
 #include <gtest/gtest.h>
 
 #include <sstream>

@@ -51,6 +51,9 @@ LaunchResult launch(const std::string& name, int world, const std::vector<std::s
       throw std::runtime_error(::fsdp::detail::compose("check failed: " #cond " ", __VA_ARGS__)); \
   } while (0)
 
+// Whether `part` occurs in `s` (an error message, a rank's output).
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
 // Relative difference max|a-b| / max|b| (0 when both are zero).
 double rel_diff(const at::Tensor& a, const at::Tensor& b);
 

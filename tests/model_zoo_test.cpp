@@ -1,8 +1,8 @@
-// Exactness on the standard LibTorch modules beyond Linear/LayerNorm/Embedding: convolutions with
-// group norm, a sparse Embedding feeding LSTM and GRU (whose forward reads a cached list of weight
-// tensors), the built-in TransformerEncoderLayer (MultiheadAttention's fused in-projection),
-// EmbeddingBag, and a frozen submodule. Each is trained with FSDP at world 3 (every unit padded)
-// and compared with single-process training on the same global batch.
+// Model zoo: standard LibTorch modules beyond Linear/LayerNorm/Embedding train as locally.
+// Convolutions with group norm, a sparse Embedding feeding LSTM and GRU (whose forward reads a
+// cached list of weight tensors), the built-in TransformerEncoderLayer (MultiheadAttention's fused
+// in-projection), EmbeddingBag, and a frozen submodule. Each is trained with FSDP at world 3 (every
+// unit padded) and compared with single-process training on the same global batch.
 #include <gtest/gtest.h>
 
 #include <functional>

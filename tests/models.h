@@ -80,4 +80,18 @@ struct TinyTransformerImpl : torch::nn::Module {
 };
 TORCH_MODULE(TinyTransformer);
 
+// Two Linear layers the tests use in unusual ways, one never used, and a BatchNorm (buffers); no
+// forward: each test composes its own from the submodules.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() {
+    a = register_module("a", torch::nn::Linear(5, 5));
+    b = register_module("b", torch::nn::Linear(5, 5));
+    unused = register_module("unused", torch::nn::Linear(5, 5));
+    bn = register_module("bn", torch::nn::BatchNorm1d(5));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, unused{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(Branchy);
+
 }  // namespace fsdp_test

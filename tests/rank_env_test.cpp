@@ -1,5 +1,6 @@
-// RankEnv::from_env under the launchers other than fsdp-run/torchrun: mpirun's OMPI_COMM_WORLD_*
-// and srun's SLURM_* variables, set by hand as those launchers set them.
+// Rank environment: RankEnv::from_env reads the launchers' variables, and its errors name the variable.
+// fsdp-run/torchrun's RANK and WORLD_SIZE, mpirun's OMPI_COMM_WORLD_* and srun's SLURM_* variables, set
+// by hand as those launchers set them.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -9,6 +10,7 @@
 
 #include "fsdp/check.h"
 #include "fsdp/process_group.h"
+#include "harness.h"
 
 namespace fsdp_test {
 namespace {
@@ -39,6 +41,18 @@ std::string error_of(const std::vector<std::pair<const char*, const char*>>& var
     return e.what();
   }
   return "";
+}
+
+// fsdp-run's and torchrun's variables.
+TEST(BadInput, RankEnvironmentErrorsNameTheVariable) {
+  EXPECT_TRUE(contains(error_of({{"RANK", "0"}}), "WORLD_SIZE"));
+  EXPECT_TRUE(contains(error_of({{"WORLD_SIZE", "2"}}), "RANK is not"));
+  EXPECT_TRUE(contains(error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}), "RANK=2 is not below WORLD_SIZE=2"));
+  EXPECT_TRUE(contains(error_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}}), "RANK='x' is not an integer"));
+  EXPECT_TRUE(contains(error_of({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}}), "MASTER_ADDR is not set"));
+  EXPECT_TRUE(contains(error_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}), "MASTER_PORT"));
+  LauncherEnvironment none({});
+  EXPECT_EQ(fsdp::RankEnv::from_env().world_size, 1);  // no launcher: a world of one
 }
 
 TEST(RankEnv, Mpirun) {
@@ -99,7 +113,6 @@ TEST(RankEnv, SrunNtasksPerNodeWins) {
 }
 
 TEST(RankEnv, SrunErrorsNameTheVariable) {
-  auto contains = [](const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; };
   // Several nodes and no MASTER_ADDR: refused instead of every node rendezvousing with itself.
   EXPECT_TRUE(contains(error_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"},
                                  {"SLURM_NODEID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "2(x2)"}}),

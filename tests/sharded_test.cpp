@@ -1,5 +1,4 @@
-// The explicit form, fsdp::Sharded<M>: unchanged names, exact training, parameters freed when the
-// unit's forward returns.
+// fsdp::Sharded<M>, the explicit form of a unit: unchanged names, exact training, freed on return.
 #include <gtest/gtest.h>
 
 #include "harness.h"

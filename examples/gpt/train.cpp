@@ -26,6 +26,7 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -75,12 +76,8 @@ struct TrainConfig {
   bool show_memory = false;
 };
 
-// Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is
-// reported once, while every rank exits with the same code.
-int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config) {
-  CLI::App app{"Train a small GPT on text with libfsdp (Fully Sharded Data Parallel).", "fsdp_gpt"};
-  app.get_formatter()->column_width(32);
-
+// Declares every flag on `app`, each parsed into its field of `config`.
+void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--layers", config.layers, "Transformer blocks")->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--width", config.width, "Embedding width")->check(CLI::Range(8, 16384))->capture_default_str();
   app.add_option("--heads", config.heads, "Attention heads (must divide --width)")
@@ -128,30 +125,41 @@ int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& co
   app.add_option("--temperature", config.temperature, "Sampling temperature (0: greedy)")
       ->check(CLI::Range(0.0, 10.0))->capture_default_str();
   app.add_flag("--show-memory", config.show_memory, "Print per-rank model-state memory next to NO_SHARD's");
+}
 
+// Checks that involve several flags, thrown as CLI::ValidationError like CLI11's own; resolves --warmup.
+void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
+  if (config.width % config.heads != 0)
+    throw CLI::ValidationError("--heads", std::to_string(config.heads) + " does not divide --width " +
+                                               std::to_string(config.width));
+  if (config.warmup < 0) config.warmup = config.steps / 10;
+  if (config.warmup > config.steps)
+    throw CLI::ValidationError("--warmup", std::to_string(config.warmup) + " is more than --steps " +
+                                               std::to_string(config.steps));
+  if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
+  if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
+  const int world = env.world_size, factor = config.sharding_factor;
+  if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
+    throw CLI::ValidationError("--sharding-factor", std::to_string(factor) + " does not divide the world size " +
+                                                        std::to_string(world) + " (shard groups are " +
+                                                        "consecutive ranks)");
+  if ((config.strategy == "FULL_SHARD" || config.strategy == "SHARD_GRAD_OP") && factor != 0 && factor != world)
+    throw CLI::ValidationError("--sharding-factor", config.strategy + " shards over all " + std::to_string(world) +
+                                                        " ranks; use 0 or " + std::to_string(world) +
+                                                        ", or --strategy HYBRID_SHARD to shard over fewer");
+  if (config.strategy == "NO_SHARD" && factor > 1)
+    throw CLI::ValidationError("--sharding-factor", "NO_SHARD does not shard; use 0 or 1");
+}
+
+// Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is
+// reported once, while every rank exits with the same code.
+int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config) {
+  CLI::App app{"Train a small GPT on text with libfsdp (Fully Sharded Data Parallel).", "fsdp_gpt"};
+  app.get_formatter()->column_width(32);
+  add_flags(app, config);
   try {
     app.parse(argc, argv);
-    // Checks that involve several flags, reported the same way as CLI11's own.
-    if (config.width % config.heads != 0)
-      throw CLI::ValidationError("--heads", std::to_string(config.heads) + " does not divide --width " +
-                                                 std::to_string(config.width));
-    if (config.warmup < 0) config.warmup = config.steps / 10;
-    if (config.warmup > config.steps)
-      throw CLI::ValidationError("--warmup", std::to_string(config.warmup) + " is more than --steps " +
-                                                 std::to_string(config.steps));
-    if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
-    if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
-    const int world = env.world_size, factor = config.sharding_factor;
-    if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
-      throw CLI::ValidationError("--sharding-factor", std::to_string(factor) + " does not divide the world size " +
-                                                          std::to_string(world) + " (shard groups are " +
-                                                          "consecutive ranks)");
-    if ((config.strategy == "FULL_SHARD" || config.strategy == "SHARD_GRAD_OP") && factor != 0 && factor != world)
-      throw CLI::ValidationError("--sharding-factor", config.strategy + " shards over all " + std::to_string(world) +
-                                                          " ranks; use 0 or " + std::to_string(world) +
-                                                          ", or --strategy HYBRID_SHARD to shard over fewer");
-    if (config.strategy == "NO_SHARD" && factor > 1)
-      throw CLI::ValidationError("--sharding-factor", "NO_SHARD does not shard; use 0 or 1");
+    check_flag_combinations(env, config);
   } catch (const CLI::ParseError& e) {
     if (env.rank == 0) return app.exit(e);
     // Every rank fails alike; give rank 0 a moment to print before a launcher that stops all
@@ -405,19 +413,24 @@ std::string generate(gpt::GPT& model, const std::string& prompt, const TrainConf
 // " [rank R]" once the rank is known, for error messages (under any launcher, not only those setting RANK).
 std::string g_rank_label;
 
-int run(int argc, char** argv) {
-  const auto program_start = Clock::now();
+// ---------------------------------------------------------------------------------------------
+// Steps of a run, in order
+
+// The launcher's rank environment (and g_rank_label); a single process's where it is broken.
+fsdp::RankEnv read_rank_env() {
   fsdp::RankEnv env;
   try {
     env = fsdp::RankEnv::from_env();
     if (env.world_size > 1) g_rank_label = " [rank " + std::to_string(env.rank) + "]";
   } catch (const fsdp::Error&) {
     // A broken launcher environment: parse flags as a single process; ProcessGroup::from_env
-    // below reports the problem.
+    // reports the problem once the flags are parsed.
   }
-  TrainConfig config;
-  if (const int code = parse_flags(argc, argv, env, config); code >= 0) return code;
+  return env;
+}
 
+// Sets this rank's compute threads (unless OMP_NUM_THREADS did) and returns how many it uses.
+int set_threads_per_rank(const fsdp::RankEnv& env) {
   // Ranks on one host share its cores. OMP_NUM_THREADS, if set, is the user's choice (LibTorch
   // already applied it); otherwise split the usable cores between the local ranks, since more
   // threads than cores makes every rank slower.
@@ -426,67 +439,103 @@ int run(int argc, char** argv) {
     torch::set_num_threads(threads);
     set_openblas_threads(threads);
   }
-  const int threads_per_rank = torch::get_num_threads();
+  return torch::get_num_threads();
+}
 
-  auto pg = fsdp::ProcessGroup::from_env();
-  const int rank = pg->rank(), world = pg->size();
-  const bool is_main = rank == 0;
+struct TrainingData {
+  gpt::Corpus corpus;
+  gpt::TokenSplits splits;
+};
 
-  // Every rank reads the same corpus and splits it the same way.
-  const gpt::Corpus corpus = config.data.empty() ? gpt::load_fortunes() : gpt::load_text_file(config.data);
-  const auto splits = gpt::split_train_validation(gpt::encode(corpus.text));
+// The corpus, split the same way on every rank; nullopt (rank 0 says why) if too short for --context.
+std::optional<TrainingData> load_data(const TrainConfig& config, bool is_main) {
+  TrainingData data{config.data.empty() ? gpt::load_fortunes() : gpt::load_text_file(config.data), {}};
+  data.splits = gpt::split_train_validation(gpt::encode(data.corpus.text));
+  const auto& splits = data.splits;
   if (std::min(splits.train.numel(), splits.validation.numel()) <= config.context + 1) {
     if (is_main)
-      std::cerr << "error: the text has " << corpus.text.size() << " bytes, split into " << splits.train.numel()
+      std::cerr << "error: the text has " << data.corpus.text.size() << " bytes, split into " << splits.train.numel()
                 << " for training and " << splits.validation.numel() << " for validation; each must be longer "
                 << "than --context " << config.context << " + 1. Use a longer text or a shorter context.\n";
-    return 1;
+    return std::nullopt;
   }
+  return data;
+}
 
-  // Peak matmul rate, measured by all ranks at once (see measure_matmul_flops).
-  if (world > 1) pg->world()->barrier();
+struct MatmulPeak {
+  double rank0_flops = 0.0;  // this rank's own rate (printed by rank 0)
+  double job_flops = 0.0;    // the sum over all ranks
+};
+
+// Peak matmul rate, measured by all ranks at once (see measure_matmul_flops).
+MatmulPeak measure_peak(fsdp::ProcessGroup& pg) {
+  if (pg.size() > 1) pg.world()->barrier();
   auto peak = torch::tensor({measure_matmul_flops()}, torch::kDouble);
-  const double rank0_matmul_flops = peak.item<double>();
-  if (world > 1) pg->world()->all_reduce(peak)->wait();
-  const double peak_flops = peak.item<double>();
+  MatmulPeak result;
+  result.rank0_flops = peak.item<double>();
+  if (pg.size() > 1) pg.world()->all_reduce(peak)->wait();
+  result.job_flops = peak.item<double>();
+  return result;
+}
 
-  // The model, as it would be built without FSDP (under DeferredInit its constructor allocates nothing).
-  torch::manual_seed(config.seed);
-  gpt::GPTConfig model_config;
-  model_config.context = config.context;
-  model_config.width = config.width;
-  model_config.layers = config.layers;
-  model_config.heads = config.heads;
-  gpt::GPT model(nullptr);
+// Falls back to --init eager, saying so on rank 0, where this LibTorch cannot defer initialization.
+void resolve_init(TrainConfig& config, int rank) {
   if (config.init == "deferred" && !fsdp::DeferredInit::supported()) {
     if (rank == 0) std::cerr << "fsdp_gpt: this LibTorch cannot defer initialization; building the model eagerly\n";
     config.init = "eager";
   }
+}
+
+struct BuiltModel {
+  gpt::GPTConfig config;
+  gpt::GPT model{nullptr};
+  int64_t parameter_count = 0;
+  std::map<std::string, int64_t> original_dims;  // each parameter's rank, by name
+};
+
+// The model as it would be built without FSDP, seeded with --seed (deferred: no parameter memory).
+BuiltModel build_model(const TrainConfig& config) {
+  torch::manual_seed(config.seed);
+  BuiltModel built;
+  built.config.context = config.context;
+  built.config.width = config.width;
+  built.config.layers = config.layers;
+  built.config.heads = config.heads;
   if (config.init == "deferred") {
     fsdp::DeferredInit deferred;  // no parameter memory until fully_shard materializes each unit
-    model = gpt::GPT(model_config);
+    built.model = gpt::GPT(built.config);
   } else {
-    model = gpt::GPT(model_config);
+    built.model = gpt::GPT(built.config);
   }
-  const int64_t parameter_count = gpt::count_parameters(*model);
+  built.parameter_count = gpt::count_parameters(*built.model);
   // Weight decay applies to matrices (weights, embeddings), not to biases or LayerNorm gains. The
   // shard pieces are 1-D, so remember each parameter's original rank by name.
-  std::map<std::string, int64_t> original_dims;
-  for (const auto& item : model->named_parameters()) original_dims[item.key()] = item.value().dim();
+  for (const auto& item : built.model->named_parameters()) built.original_dims[item.key()] = item.value().dim();
+  return built;
+}
 
+// fully_shard with the flags' strategy, prefetching and wrapping; initializes deferred units.
+std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const TrainConfig& config,
+                                                      fsdp::ProcessGroupPtr pg) {
+  const gpt::GPTConfig model_config = built.config;
   auto options = fsdp::Options()
                      .sharding_strategy(fsdp::parse_sharding_strategy(config.strategy))
                      .sharding_factor(config.sharding_factor)
                      .backward_prefetch(fsdp::parse_backward_prefetch(config.backward_prefetch))
                      .forward_prefetch(config.forward_prefetch)
-                     .param_init_fn([&](const std::string& name, torch::nn::Module& module) {
+                     .param_init_fn([model_config](const std::string& name, torch::nn::Module& module) {
                        gpt::initialize(model_config, name, module);
                      });
   if (config.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
-  auto sharded = fsdp::fully_shard(model, pg, options);
+  return fsdp::fully_shard(built.model, std::move(pg), options);
+}
 
+// AdamW over the shard pieces, weight decay on the pieces of matrices only; checked by FSDP.
+std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded,
+                                                     const std::map<std::string, int64_t>& original_dims,
+                                                     const TrainConfig& config) {
   std::vector<torch::Tensor> decayed, not_decayed;
-  for (const auto& [name, piece] : sharded->named_parameters())
+  for (const auto& [name, piece] : sharded.named_parameters())
     (original_dims.at(name) >= 2 ? decayed : not_decayed).push_back(piece);
   // beta2 0.99 instead of 0.999 (nanoGPT's choice for small character-level runs): the
   // second-moment estimate then adapts within ~100 steps, a fraction of a run this short.
@@ -497,155 +546,247 @@ int run(int argc, char** argv) {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decayed, adamw(config.weight_decay));
   groups.emplace_back(not_decayed, adamw(0.0));
-  torch::optim::AdamW optimizer(std::move(groups), *adamw(config.weight_decay));
-  sharded->check_optimizer(optimizer);
+  auto optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), *adamw(config.weight_decay));
+  sharded.check_optimizer(*optimizer);
+  return optimizer;
+}
 
-  const int64_t tokens_per_step = static_cast<int64_t>(world) * config.batch_per_rank * config.context;
-  const double flops_per_token = training_flops_per_token(parameter_count, config);
+// Figures of the whole job that the configuration and the step log report.
+struct JobFigures {
+  int world = 1;
+  int threads_per_rank = 1;
+  int64_t tokens_per_step = 0;
+  double flops_per_token = 0.0;
+  MatmulPeak peak;
+};
 
-  if (is_main) {
-    const int64_t units = static_cast<int64_t>(sharded->units().size());
-    std::cout << "fsdp_gpt configuration\n";
-    print_table({
-        {"world size", std::to_string(world) + " (" + std::to_string(pg->env().local_world_size) + " on this host, " +
-                           std::to_string(threads_per_rank) + " thread" + (threads_per_rank == 1 ? "" : "s") +
-                           " per rank; " + launcher_variables(pg->env()) + ")"},
-        {"strategy", fsdp::to_string(sharded->sharding_strategy())},
-        {"sharding factor", std::to_string(sharded->sharding_factor())},
-        {"wrap", config.wrap == "block" ? "block (every BlockImpl is a unit, plus the root)"
-                                        : "none (the whole model is one unit)"},
-        {"units", std::to_string(units)},
-        {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
-                         ", forward " + (config.forward_prefetch ? "on" : "off")},
-        {"parameters", with_commas(parameter_count) + " (tied embedding and head counted once); initialization " +
-                           (config.init == "deferred" ? "deferred (unit by unit in fully_shard)" : "eager")},
-        {"model", std::to_string(config.layers) + " layers, width " + std::to_string(config.width) + ", " +
-                      std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +
-                      ", vocab 256 (bytes)"},
-        {"batch", std::to_string(config.batch_per_rank) + " sequences per rank; global " +
-                      std::to_string(world * config.batch_per_rank) + " x " + std::to_string(config.context) +
-                      " = " + with_commas(tokens_per_step) + " tokens per step"},
-        {"steps", std::to_string(config.steps) + " (log every " + std::to_string(config.log_interval) + ")"},
-        {"optimizer", "AdamW, lr " + fixed(config.lr, 6) + ", warm-up " + std::to_string(config.warmup) + ", then " +
-                          (config.schedule == "cosine" ? "cosine to " + fixed(config.min_lr, 6) : "constant") +
-                          ", weight decay " + fixed(config.weight_decay, 3)},
-        {"data", corpus.description},
-        {"tokens", with_commas(static_cast<int64_t>(corpus.text.size())) + " bytes: " +
-                       with_commas(splits.train.numel()) + " train, " + with_commas(splits.validation.numel()) +
-                       " validation"},
-        {"seed", std::to_string(config.seed)},
-        {"FLOPs per token", fixed(flops_per_token / 1e6, 2) + " M (6N + 12 L T W)"},
-        {"matmul peak", fixed(peak_flops / 1e12, 4) + " TFLOP/s for the job (rank 0: " +
-                            fixed(rank0_matmul_flops / 1e9, 1) +
-                            " GFLOP/s: fastest of 8 1024x1024 matmuls, all ranks running)"},
-    });
-    std::cout << sharded->describe();
-    if (config.show_memory) print_memory_comparison(*sharded, parameter_count);
-    std::cout << std::flush;
-  }
+// Rank 0: the resolved configuration table, the units, and (--show-memory) the memory comparison.
+void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, const JobFigures& job,
+                         const fsdp::FullyShardedModule& sharded, const BuiltModel& built, const TrainingData& data) {
+  const int world = job.world, threads_per_rank = job.threads_per_rank;
+  const int64_t units = static_cast<int64_t>(sharded.units().size());
+  std::cout << "fsdp_gpt configuration\n";
+  print_table({
+      {"world size", std::to_string(world) + " (" + std::to_string(env.local_world_size) + " on this host, " +
+                         std::to_string(threads_per_rank) + " thread" + (threads_per_rank == 1 ? "" : "s") +
+                         " per rank; " + launcher_variables(env) + ")"},
+      {"strategy", fsdp::to_string(sharded.sharding_strategy())},
+      {"sharding factor", std::to_string(sharded.sharding_factor())},
+      {"wrap", config.wrap == "block" ? "block (every BlockImpl is a unit, plus the root)"
+                                      : "none (the whole model is one unit)"},
+      {"units", std::to_string(units)},
+      {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
+                       ", forward " + (config.forward_prefetch ? "on" : "off")},
+      {"parameters", with_commas(built.parameter_count) + " (tied embedding and head counted once); initialization " +
+                         (config.init == "deferred" ? "deferred (unit by unit in fully_shard)" : "eager")},
+      {"model", std::to_string(config.layers) + " layers, width " + std::to_string(config.width) + ", " +
+                    std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +
+                    ", vocab 256 (bytes)"},
+      {"batch", std::to_string(config.batch_per_rank) + " sequences per rank; global " +
+                    std::to_string(world * config.batch_per_rank) + " x " + std::to_string(config.context) +
+                    " = " + with_commas(job.tokens_per_step) + " tokens per step"},
+      {"steps", std::to_string(config.steps) + " (log every " + std::to_string(config.log_interval) + ")"},
+      {"optimizer", "AdamW, lr " + fixed(config.lr, 6) + ", warm-up " + std::to_string(config.warmup) + ", then " +
+                        (config.schedule == "cosine" ? "cosine to " + fixed(config.min_lr, 6) : "constant") +
+                        ", weight decay " + fixed(config.weight_decay, 3)},
+      {"data", data.corpus.description},
+      {"tokens", with_commas(static_cast<int64_t>(data.corpus.text.size())) + " bytes: " +
+                     with_commas(data.splits.train.numel()) + " train, " +
+                     with_commas(data.splits.validation.numel()) + " validation"},
+      {"seed", std::to_string(config.seed)},
+      {"FLOPs per token", fixed(job.flops_per_token / 1e6, 2) + " M (6N + 12 L T W)"},
+      {"matmul peak", fixed(job.peak.job_flops / 1e12, 4) + " TFLOP/s for the job (rank 0: " +
+                          fixed(job.peak.rank0_flops / 1e9, 1) +
+                          " GFLOP/s: fastest of 8 1024x1024 matmuls, all ranks running)"},
+  });
+  std::cout << sharded.describe();
+  if (config.show_memory) print_memory_comparison(sharded, built.parameter_count);
+  std::cout << std::flush;
+}
 
+// Rank 0 with --metrics-file: the open file (throws if it cannot be written); otherwise not open.
+std::ofstream open_metrics(const TrainConfig& config, bool is_main) {
   std::ofstream metrics;
   if (is_main && !config.metrics_file.empty()) {
     metrics.open(config.metrics_file);
     if (!metrics) throw std::runtime_error("cannot write --metrics-file " + config.metrics_file);
   }
+  return metrics;
+}
 
-  const double val_loss_start = validation_loss(model, splits.validation, config);
-  if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;
+// What the training loop hands on to the report.
+struct TrainingResult {
+  double train_seconds = 0.0;
+  double last_logged_loss = 0.0;
+  int64_t param_peak_bytes = 0, grad_peak_bytes = 0;  // FSDP peaks over the logged windows
+};
 
-  ProgressBar progress(is_main && stdout_is_terminal(pg->env()), config.steps);
-  sharded->reset_peak_memory_stats();
-  double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0, last_logged_loss = 0.0;
-  int window_steps = 0;
-  int64_t run_param_peak = 0, run_grad_peak = 0;
+// What the training loop works with, set up before it.
+struct TrainingLoop {
+  const TrainConfig& config;
+  fsdp::ProcessGroup& pg;
+  gpt::GPT& model;
+  fsdp::FullyShardedModule& sharded;
+  torch::optim::AdamW& optimizer;
+  const torch::Tensor& train_tokens;
+  const JobFigures& job;
+  std::ofstream& metrics;  // open on rank 0 with --metrics-file only
+  Clock::time_point program_start;
+  bool is_main;
+};
+
+// The steps since the last log line: their time and their summed local losses.
+struct LogWindow {
+  double seconds = 0.0, loss = 0.0;
+  int steps = 0;
+};
+
+// One optimizer step at `lr` on this rank's rows of the step's global batch; returns the rank's loss.
+double train_step(const TrainingLoop& loop, int step, double lr) {
+  const TrainConfig& config = loop.config;
+  for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  const int64_t world = loop.pg.size(), rank = loop.pg.rank();
+  const auto batch = gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step),
+                                       world * config.batch_per_rank, rank * config.batch_per_rank,
+                                       config.batch_per_rank);
+  loop.optimizer.zero_grad();
+  auto loss = next_token_loss(loop.model, batch);
+  loss.backward();
+  loop.optimizer.step();
+  return loss.item<double>();
+}
+
+// Closes a log window (collective): rank 0 logs its mean loss, speed and memory; a new window starts.
+void log_window(const TrainingLoop& loop, int step, double lr, double local_loss, LogWindow& window,
+                TrainingResult& result, ProgressBar& progress) {
+  const TrainConfig& config = loop.config;
+  const int world = loop.pg.size();
+  // The logged loss is the mean over the window's steps and over all ranks' slices.
+  auto loss_sum = torch::tensor({window.loss}, torch::kDouble);
+  if (world > 1) loop.pg.world()->all_reduce(loss_sum)->wait();
+  const double mean_loss = loss_sum.item<double>() / (window.steps * world);
+  result.last_logged_loss = mean_loss;
+
+  const double ms_per_step = 1000.0 * window.seconds / window.steps;
+  const double tokens_per_s = loop.job.tokens_per_step * window.steps / window.seconds;
+  const double model_flops = loop.job.flops_per_token * tokens_per_s;
+  const double peak_flops = loop.job.peak.job_flops;
+  const auto memory = loop.sharded.memory_stats();
+  const int64_t fsdp_peak = memory.param_peak_bytes + memory.grad_peak_bytes;
+  result.param_peak_bytes = std::max(result.param_peak_bytes, memory.param_peak_bytes);
+  result.grad_peak_bytes = std::max(result.grad_peak_bytes, memory.grad_peak_bytes);
+  const int64_t rss = resident_bytes();
+  if (loop.is_main) {
+    progress.clear();
+    std::cout << "step " << std::setw(std::to_string(config.steps).size()) << step << "/" << config.steps
+              << " | loss " << fixed(mean_loss, 4) << " | lr " << std::scientific << std::setprecision(2) << lr
+              << std::defaultfloat << " | " << std::setw(7) << fixed(ms_per_step, 1) << " ms/step | "
+              << std::setw(7) << with_commas(std::llround(tokens_per_s)) << " tok/s | "
+              << fixed(model_flops / 1e12, 4) << " TFLOP/s | MFU " << fixed(100.0 * model_flops / peak_flops, 1)
+              << "% | fsdp peak " << mib(fsdp_peak) << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
+              << std::flush;
+    progress.draw(step, local_loss, result.train_seconds);
+    if (loop.metrics.is_open())
+      loop.metrics << nlohmann::json{{"step", step},
+                                     {"loss", mean_loss},
+                                     {"lr", lr},
+                                     {"ms_per_step", ms_per_step},
+                                     {"tokens_per_s", tokens_per_s},
+                                     {"model_tflops", model_flops / 1e12},
+                                     {"mfu", model_flops / peak_flops},
+                                     {"fsdp_param_peak_bytes", memory.param_peak_bytes},
+                                     {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
+                                     {"rss_bytes", rss},
+                                     {"elapsed_s", seconds_since(loop.program_start)}}
+                              .dump()
+                       << "\n"
+                       << std::flush;
+  }
+  loop.sharded.reset_peak_memory_stats();
+  window = LogWindow();
+}
+
+// Runs --steps optimizer steps, logging at step 1, every --log-interval steps and at the last.
+TrainingResult train(const TrainingLoop& loop) {
+  const TrainConfig& config = loop.config;
+  ProgressBar progress(loop.is_main && stdout_is_terminal(loop.pg.env()), config.steps);
+  loop.sharded.reset_peak_memory_stats();
+  TrainingResult result;
+  LogWindow window;
   for (int step = 1; step <= config.steps; ++step) {
     const auto step_start = Clock::now();
     const double lr = learning_rate(step, config);
-    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-
-    // This rank's rows of the global batch for this step.
-    const auto batch = gpt::sample_batch(splits.train, config.context, gpt::batch_key(config.seed, kTrainStream, step),
-                                         static_cast<int64_t>(world) * config.batch_per_rank,
-                                         static_cast<int64_t>(rank) * config.batch_per_rank, config.batch_per_rank);
-    optimizer.zero_grad();
-    auto loss = next_token_loss(model, batch);
-    loss.backward();
-    optimizer.step();
-
-    const double local_loss = loss.item<double>();
+    const double local_loss = train_step(loop, step, lr);
     const double step_seconds = seconds_since(step_start);
-    train_seconds += step_seconds;
-    window_seconds += step_seconds;
-    window_loss += local_loss;
-    ++window_steps;
-    progress.draw(step, local_loss, train_seconds);
-
-    if (step == 1 || step % config.log_interval == 0 || step == config.steps) {
-      // The logged loss is the mean over the window's steps and over all ranks' slices.
-      auto loss_sum = torch::tensor({window_loss}, torch::kDouble);
-      if (world > 1) pg->world()->all_reduce(loss_sum)->wait();
-      const double mean_loss = loss_sum.item<double>() / (window_steps * world);
-      last_logged_loss = mean_loss;
-
-      const double ms_per_step = 1000.0 * window_seconds / window_steps;
-      const double tokens_per_s = tokens_per_step * window_steps / window_seconds;
-      const double model_flops = flops_per_token * tokens_per_s;
-      const auto memory = sharded->memory_stats();
-      const int64_t fsdp_peak = memory.param_peak_bytes + memory.grad_peak_bytes;
-      run_param_peak = std::max(run_param_peak, memory.param_peak_bytes);
-      run_grad_peak = std::max(run_grad_peak, memory.grad_peak_bytes);
-      const int64_t rss = resident_bytes();
-      if (is_main) {
-        progress.clear();
-        std::cout << "step " << std::setw(std::to_string(config.steps).size()) << step << "/" << config.steps
-                  << " | loss " << fixed(mean_loss, 4) << " | lr " << std::scientific << std::setprecision(2) << lr
-                  << std::defaultfloat << " | " << std::setw(7) << fixed(ms_per_step, 1) << " ms/step | "
-                  << std::setw(7) << with_commas(std::llround(tokens_per_s)) << " tok/s | "
-                  << fixed(model_flops / 1e12, 4) << " TFLOP/s | MFU " << fixed(100.0 * model_flops / peak_flops, 1)
-                  << "% | fsdp peak " << mib(fsdp_peak) << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
-                  << std::flush;
-        progress.draw(step, local_loss, train_seconds);
-        if (metrics.is_open())
-          metrics << nlohmann::json{{"step", step},
-                                    {"loss", mean_loss},
-                                    {"lr", lr},
-                                    {"ms_per_step", ms_per_step},
-                                    {"tokens_per_s", tokens_per_s},
-                                    {"model_tflops", model_flops / 1e12},
-                                    {"mfu", model_flops / peak_flops},
-                                    {"fsdp_param_peak_bytes", memory.param_peak_bytes},
-                                    {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
-                                    {"rss_bytes", rss},
-                                    {"elapsed_s", seconds_since(program_start)}}
-                         .dump()
-                  << "\n"
-                  << std::flush;
-      }
-      sharded->reset_peak_memory_stats();
-      window_seconds = window_loss = 0.0;
-      window_steps = 0;
-    }
+    result.train_seconds += step_seconds;
+    window.seconds += step_seconds;
+    window.loss += local_loss;
+    ++window.steps;
+    progress.draw(step, local_loss, result.train_seconds);
+    if (step == 1 || step % config.log_interval == 0 || step == config.steps)
+      log_window(loop, step, lr, local_loss, window, result, progress);
   }
   progress.clear();
+  return result;
+}
 
-  const double val_loss_end = validation_loss(model, splits.validation, config);
+// Rank 0: validation losses, peak memory (--show-memory), the sample and the summary line.
+void print_report(const TrainConfig& config, const JobFigures& job, const TrainingResult& result, double val_loss_start,
+                  double val_loss_end, const std::string& sample, Clock::time_point program_start) {
+  std::cout << "validation loss after training: " << fixed(val_loss_end, 4) << " (before: " << fixed(val_loss_start, 4)
+            << ")\n";
+  if (config.show_memory)
+    std::cout << "rank 0 FSDP peak during training: parameters " << mib(result.param_peak_bytes) << ", gradients "
+              << mib(result.grad_peak_bytes) << "\n";
+  if (!sample.empty())
+    std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << printable(sample) << "\n---\n\n";
+  std::cout << "done: " << config.steps << " steps in " << fixed(seconds_since(program_start), 1) << " s ("
+            << fixed(result.train_seconds, 1) << " s training) | final train loss "
+            << fixed(result.last_logged_loss, 4) << " | val loss " << fixed(val_loss_start, 4) << " -> "
+            << fixed(val_loss_end, 4) << " | mean "
+            << with_commas(std::llround(job.tokens_per_step * config.steps / result.train_seconds)) << " tok/s\n"
+            << std::flush;
+}
+
+// The whole program on one rank: flags, set-up, training, evaluation and report; the exit code.
+int run(int argc, char** argv) {
+  const auto program_start = Clock::now();
+  const fsdp::RankEnv env = read_rank_env();
+  TrainConfig config;
+  if (const int code = parse_flags(argc, argv, env, config); code >= 0) return code;
+  JobFigures job;
+  job.threads_per_rank = set_threads_per_rank(env);
+
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int rank = pg->rank();
+  job.world = pg->size();
+  const bool is_main = rank == 0;
+
+  const std::optional<TrainingData> data = load_data(config, is_main);
+  if (!data) return 1;
+  job.peak = measure_peak(*pg);
+
+  resolve_init(config, rank);
+  BuiltModel built = build_model(config);
+  auto sharded = shard_model(built, config, pg);
+  auto optimizer = build_optimizer(*sharded, built.original_dims, config);
+
+  job.tokens_per_step = static_cast<int64_t>(job.world) * config.batch_per_rank * config.context;
+  job.flops_per_token = training_flops_per_token(built.parameter_count, config);
+  if (is_main) print_configuration(config, pg->env(), job, *sharded, built, *data);
+  std::ofstream metrics = open_metrics(config, is_main);
+
+  const double val_loss_start = validation_loss(built.model, data->splits.validation, config);
+  if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;
+
+  TrainingLoop loop{config, *pg, built.model, *sharded, *optimizer, data->splits.train, job, metrics, program_start,
+                    is_main};
+  const TrainingResult result = train(loop);
+
+  const double val_loss_end = validation_loss(built.model, data->splits.validation, config);
   std::string sample;
-  if (config.sample_bytes > 0) sample = generate(model, config.prompt, config);
-
-  if (is_main) {
-    std::cout << "validation loss after training: " << fixed(val_loss_end, 4) << " (before: " << fixed(val_loss_start, 4)
-              << ")\n";
-    if (config.show_memory)
-      std::cout << "rank 0 FSDP peak during training: parameters " << mib(run_param_peak) << ", gradients "
-                << mib(run_grad_peak) << "\n";
-    if (!sample.empty())
-      std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << printable(sample) << "\n---\n\n";
-    std::cout << "done: " << config.steps << " steps in " << fixed(seconds_since(program_start), 1) << " s ("
-              << fixed(train_seconds, 1) << " s training) | final train loss " << fixed(last_logged_loss, 4)
-              << " | val loss " << fixed(val_loss_start, 4) << " -> " << fixed(val_loss_end, 4) << " | mean "
-              << with_commas(std::llround(tokens_per_step * config.steps / train_seconds)) << " tok/s\n"
-              << std::flush;
-  }
+  if (config.sample_bytes > 0) sample = generate(built.model, config.prompt, config);
+  if (is_main) print_report(config, job, result, val_loss_start, val_loss_end, sample, program_start);
   return 0;
 }
 

@@ -1,6 +1,7 @@
-// Both CPU transports (Gloo over TCP and shared memory) against values computed locally: every
-// collective, several dtypes, sizes of zero, odd and larger than the shared-memory staging buffers;
-// and the shared-memory transport's failure paths (diverged ranks, a member that died or left).
+// CPU transports (Gloo over TCP, shared memory): collectives, failure paths and transport names.
+// Against values computed locally: every collective, several dtypes, sizes of zero, odd and larger
+// than the shared-memory staging buffers; the shared-memory transport's failure paths (diverged
+// ranks, a member that died or left); FSDP_TRANSPORT's names.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -12,8 +13,6 @@
 
 namespace fsdp_test {
 namespace {
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // What rank r contributes: distinct per rank and element, and small enough that every sum is exact
 // whatever the order (bfloat16: integers up to 256, so smaller values that repeat across ranks).

@@ -1,6 +1,7 @@
-// The network model (include/fsdp/network_model.h): exact results, modeled completion times
-// (strict lower bound, loose upper bound: the machine is shared), link selection, no CPU burnt
-// while waiting, env parsing, and fully_shard running on a modeled hybrid network unchanged.
+// The network model (include/fsdp/network_model.h): communication slowed to a modeled network.
+// Exact results, modeled completion times (strict lower bound, loose upper bound: the machine is
+// shared), link selection, no CPU burnt while waiting, env parsing, and fully_shard running on a
+// modeled hybrid network unchanged.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
@@ -14,8 +15,6 @@ namespace fsdp_test {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 

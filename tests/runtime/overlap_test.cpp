@@ -1,5 +1,5 @@
-// Overlap options: exact results with every combination of backward prefetch, forward prefetch
-// and rate limiter, and the event trace showing the promised ordering.
+// Overlap options (backward and forward prefetch, rate limiter): exact, and ordered as promised.
+// Exact results with every combination of the options, and the event trace showing the ordering.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -11,8 +11,6 @@
 
 namespace fsdp_test {
 namespace {
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 TEST(OverlapExact, EveryPrefetchAndLimiterCombinationMatchesLocalTraining) {
   // exact_worker (fully_shard_exact_test.cpp) compares 5 steps with local training on the global
