@@ -1,0 +1,67 @@
+# Build-wide options for libfsdp's own targets; included by the root CMakeLists.txt before any
+# target is defined. Nothing here reaches consumers of the installed package.
+#
+#   FSDP_WERROR=ON                      warnings are errors (via fsdp_warnings)
+#   FSDP_SANITIZE=address,undefined     or thread: -fsanitize=... for compile and link of every
+#                                       target of this project (scripts/sanitize.sh uses it)
+#   FSDP_CCACHE=ON (default)            compile through ccache when it is installed
+
+option(FSDP_WERROR "Treat compiler warnings as errors (libfsdp's own targets)" OFF)
+set(FSDP_SANITIZE "" CACHE STRING
+    "Sanitizers for every target, as for -fsanitize= (address,undefined or thread); empty: none")
+option(FSDP_CCACHE "Compile through ccache when it is found" ON)
+
+# --- fsdp_warnings: the warning flags of every target in this project -----------------------
+# Each target links it PRIVATE. The library takes it through its LINK_LIBRARIES property rather
+# than target_link_libraries(): for a static library, a PRIVATE link still lands in the exported
+# INTERFACE_LINK_LIBRARIES (as $<LINK_ONLY:...>), and the build-tree export would then need this
+# target in the export set. An INTERFACE library with only compile options has nothing to link,
+# so the library's own compile is all it has to reach.
+add_library(fsdp_warnings INTERFACE)
+if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  # -Wall -Wextra, minus unused parameters (virtual overrides and hooks keep their full
+  # signature); the rest is what the code is already clean for. Not clean, so not here:
+  # -Wmissing-declarations (src/runtime's hooks are declared where they are used),
+  # -Wlogical-op (errno == EAGAIN || errno == EWOULDBLOCK, equal on Linux), -Wformat=2 (the
+  # collectives benchmark's printf wrapper passes its format through).
+  target_compile_options(fsdp_warnings INTERFACE
+    -Wall -Wextra -Wno-unused-parameter
+    -Wnon-virtual-dtor -Woverloaded-virtual -Wvla)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    target_compile_options(fsdp_warnings INTERFACE -Wduplicated-cond)
+  endif()
+  if(FSDP_WERROR)
+    target_compile_options(fsdp_warnings INTERFACE -Werror)
+  endif()
+elseif(MSVC)
+  target_compile_options(fsdp_warnings INTERFACE /W4 $<$<BOOL:${FSDP_WERROR}>:/WX>)
+endif()
+
+# --- sanitizers ---------------------------------------------------------------------------------
+# Directory-wide (this directory and every subdirectory added after it), so that every target,
+# including test executables added later, is compiled and linked with the same -fsanitize=.
+set(FSDP_SANITIZE_FLAGS "")
+if(FSDP_SANITIZE)
+  string(REPLACE ";" "," _fsdp_sanitize "${FSDP_SANITIZE}")
+  if(_fsdp_sanitize MATCHES "thread" AND _fsdp_sanitize MATCHES "address")
+    message(FATAL_ERROR "FSDP_SANITIZE: thread cannot be combined with address")
+  endif()
+  set(FSDP_SANITIZE_FLAGS -fsanitize=${_fsdp_sanitize} -fno-omit-frame-pointer)
+  add_compile_options(${FSDP_SANITIZE_FLAGS})
+  add_link_options(-fsanitize=${_fsdp_sanitize})
+  message(STATUS "libfsdp: sanitizers ${_fsdp_sanitize}")
+endif()
+
+# --- ccache ---------------------------------------------------------------------------------
+# base_dir = the source tree, so that clones in other directories (CI's fresh clone, git
+# worktrees) share cache entries; hash_dir off for the same reason when -g is on (the working
+# directory then appears in the debug information only, not in the code).
+if(FSDP_CCACHE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
+  find_program(FSDP_CCACHE_PROGRAM ccache)
+  if(FSDP_CCACHE_PROGRAM)
+    set(CMAKE_CXX_COMPILER_LAUNCHER
+        ${CMAKE_COMMAND} -E env CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1
+        ${FSDP_CCACHE_PROGRAM})
+    message(STATUS "libfsdp: compiling through ${FSDP_CCACHE_PROGRAM}")
+  endif()
+endif()
