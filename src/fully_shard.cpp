@@ -43,6 +43,11 @@ FullyShardedModule::~FullyShardedModule() = default;
 
 std::shared_ptr<FullyShardedModule> fully_shard(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg,
                                                 Options options) {
+  FSDP_CHECK(module != nullptr, "fully_shard: the module is null");
+  const std::string managed = Hooks::managed_parameter(*module);
+  FSDP_CHECK(managed.empty(), "fully_shard: parameter '", managed, "' is already sharded by an earlier fully_shard() "
+             "whose handle is still alive; call fully_shard() once per model and keep the handle it returned (or "
+             "drop that handle first)");
   return std::shared_ptr<FullyShardedModule>(
       new FullyShardedModule(std::move(module), std::move(pg), std::move(options)));
 }

@@ -27,6 +27,22 @@ TEST(BadInput, RanksWithDifferentModelsFailWithTheFirstDifference) {
   }
 }
 
+FSDP_WORKER(fully_shard_twice_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  auto first = fsdp::fully_shard(model, pg);
+  auto second = fsdp::fully_shard(model, pg);
+}
+
+TEST(BadInput, FullyShardTwiceOnOneModelIsAClearErrorOnEveryRank) {
+  auto r = launch("fully_shard_twice_worker", 2, {}, 120);
+  ASSERT_FALSE(r.timed_out) << r.report();
+  for (const auto& rank : r.ranks) {
+    EXPECT_EQ(rank.exit_code, 1) << rank.output;  // an exception, not a signal
+    EXPECT_TRUE(contains(rank.output, "is already sharded by an earlier fully_shard()")) << rank.output;
+  }
+}
+
 FSDP_WORKER(hybrid_factor_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   // Every rank finishes connecting before any of them fails: rank 0 hosts the store, and a rank

@@ -106,6 +106,14 @@ struct GradPostHook : torch::autograd::FunctionPostHook {
 
 }  // namespace
 
+std::string Hooks::managed_parameter(torch::nn::Module& module) {
+  std::shared_ptr<const HooksList> list = std::atomic_load(&g_all);
+  for (Hooks* h : *list)
+    for (const auto& kv : module.named_parameters(/*recurse=*/true))
+      if (h->state().slot_of_param(kv.value().unsafeGetTensorImpl())) return kv.key();
+  return "";
+}
+
 Hooks::Hooks(FsdpState& state) : state_(state) {
   add_grad_hooks();
   register_model(this, state_.intercepting());

@@ -21,6 +21,8 @@ class Hooks {
   Hooks& operator=(const Hooks&) = delete;
 
   FsdpState& state() { return state_; }
+  // The qualified name of a parameter of `module` that a live model's hooks already manage, or "".
+  static std::string managed_parameter(torch::nn::Module& module);
 
   // Called by the registered mechanisms.
   void on_operator(const at::RecordFunction& fn);
