@@ -17,6 +17,8 @@
 #include <sstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "checkpoint/data_file.h"
 #include "checkpoint/manifest.h"
 #include "fsdp/checkpoint.h"
@@ -519,6 +521,52 @@ TEST(CheckpointKill, KilledSavesNeverLookCompleteAndThePreviousCheckpointLoads) 
   auto r = launch("ckpt_load_dirs", 1, latest_dirs);
   ASSERT_TRUE(r.all_ok()) << r.report();
   std::cout << trials << " trials, " << killed_during_save << " killed during a save (left a *.tmp-* directory)\n";
+}
+
+// --- Python interop (driven by tests/checkpoint_interop.py) ------------------------------------
+
+std::string hex_of(const at::Tensor& t) {
+  static const char* digits = "0123456789abcdef";
+  at::Tensor c = t.detach().contiguous();
+  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+  std::string out;
+  for (int64_t i = 0; i < static_cast<int64_t>(c.nbytes()); ++i) out += digits[p[i] >> 4], out += digits[p[i] & 15];
+  return out;
+}
+
+// args: safetensors file to write, JSON file for the reference values. Trains one step, exports,
+// and writes full_state_dict() (every name, aliases included): {name: {dtype, shape, hex}}.
+FSDP_WORKER(ckpt_interop_export) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto model = make_model("gpt", at::kFloat);
+  auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "block"));
+  auto opt = make_optimizer("adamw", sharded->parameters());
+  opt->zero_grad();
+  step_loss("gpt", *model, 0, ctx.rank, ctx.world, at::kFloat).backward();
+  opt->step();
+  ckpt::export_full(ctx.args.at(0), *sharded);
+  const auto full = sharded->full_state_dict();
+  if (ctx.rank != 0) return;
+  nlohmann::json ref = nlohmann::json::object();
+  for (const auto& [name, t] : full)
+    ref[name] = {{"dtype", t.scalar_type() == at::kFloat ? "F32" : "other"}, {"shape", t.sizes().vec()}, {"hex", hex_of(t)}};
+  std::ofstream(ctx.args.at(1)) << ref.dump();
+}
+
+// args: safetensors file written by Python, JSON of the values expected after load_full.
+FSDP_WORKER(ckpt_interop_load) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto model = make_model("gpt", at::kFloat);
+  auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "block"));
+  ckpt::load_full(ctx.args.at(0), *sharded);
+  std::ifstream in(ctx.args.at(1));
+  const auto expected = nlohmann::json::parse(in);
+  const auto full = sharded->full_state_dict();
+  for (const auto& [name, t] : full) {
+    WORKER_CHECK(expected.contains(name), "no expected value for ", name);
+    WORKER_CHECK(hex_of(t) == expected[name]["hex"].get<std::string>(), name, " differs from what Python wrote");
+  }
+  if (ctx.rank == 0) std::cout << "python file loaded: " << full.size() << " tensors equal" << std::endl;
 }
 
 }  // namespace

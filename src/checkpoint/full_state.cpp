@@ -56,7 +56,7 @@ void write_tensor(File& f, const at::Tensor& t) {
 }  // namespace
 
 void export_full(const std::string& file, FullyShardedModule& model) {
-  FsdpState& state = StateAccess::of(model);
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
   InternalOpGuard internal;
@@ -128,7 +128,7 @@ void export_full(const std::string& file, FullyShardedModule& model) {
 }
 
 void load_full(const std::string& file, FullyShardedModule& model) {
-  FsdpState& state = StateAccess::of(model);
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
   InternalOpGuard internal;

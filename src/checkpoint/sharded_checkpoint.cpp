@@ -470,7 +470,7 @@ bool complete_manifest(const std::string& dir, Manifest* out) {
 
 void save(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer, const Extra& extra,
           const SaveOptions& options) {
-  FsdpState& state = StateAccess::of(model);
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
   InternalOpGuard internal;
@@ -506,7 +506,7 @@ void save(const std::string& dir, FullyShardedModule& model, torch::optim::Optim
 }
 
 void load(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer, Extra* extra) {
-  FsdpState& state = StateAccess::of(model);
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
   InternalOpGuard internal;
