@@ -367,9 +367,9 @@ void load_local(const std::string& dir, FsdpState& state, torch::optim::Optimize
   if (optimizer) {
     FSDP_CHECK(m.optimizer_kind != "none", "checkpoint '", dir, "' was saved without optimizer state; pass no "
                "optimizer (nullptr) to load the model alone");
-    FSDP_CHECK(m.optimizer_kind == to_string(kind), "checkpoint '", dir, "' holds the state of a ", m.optimizer_kind,
-               " optimizer, but a ", to_string(kind), " optimizer was given; load it into a ", m.optimizer_kind,
-               " optimizer, or pass nullptr to load the model alone");
+    FSDP_CHECK(m.optimizer_kind == to_string(kind), "checkpoint '", dir, "' holds the state of an optimizer of kind '",
+               m.optimizer_kind, "', but the optimizer given is of kind '", to_string(kind), "'; load it into one of "
+               "kind '", m.optimizer_kind, "', or pass nullptr to load the model alone");
   }
   const auto groups = groups_by_tensor(optimizer);
 
