@@ -496,7 +496,7 @@ TEST(CheckpointKill, KilledSavesNeverLookCompleteAndThePreviousCheckpointLoads) 
     while (ckpt::latest(root).empty() && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     ASSERT_FALSE(ckpt::latest(root).empty()) << "no first checkpoint within 120 s";
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 400)(rng)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 150)(rng)));
     const int victim = std::uniform_int_distribution<int>(0, 1)(rng);
     for (int r = 0; r < 2; ++r)
       if (kill_all || r == victim) kill(running.pids[r], SIGKILL);
@@ -524,7 +524,9 @@ TEST(CheckpointKill, KilledSavesNeverLookCompleteAndThePreviousCheckpointLoads) 
   auto r = launch("ckpt_load_dirs", 1, latest_dirs);
   ASSERT_TRUE(r.all_ok()) << r.report();
   std::cout << trials << " trials, " << killed_during_save << " killed during a save (left a *.tmp-* directory)\n";
-  // Nearly all of the workers' time is spent saving: a run where no kill landed in a save tested nothing.
+  // Nearly all of the workers' time is spent saving: a run where no kill landed in a save tested
+  // nothing. (After a kill of one rank, rank 0 sees the failed collective and removes its *.tmp-*
+  // directory itself, so mostly the kills of all ranks leave one.)
   EXPECT_GT(killed_during_save, 0);
 }
 
