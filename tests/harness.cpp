@@ -77,19 +77,18 @@ std::string self_exe() {
 
 }  // namespace
 
-LaunchResult launch(const std::string& name, int world, const std::vector<std::string>& args, int timeout_s,
-                    const std::vector<std::string>& extra_env) {
-  LaunchResult result;
-  result.ranks.resize(world);
+RunningRanks start(const std::string& name, int world, const std::vector<std::string>& args,
+                   const std::vector<std::string>& extra_env) {
+  RunningRanks running;
   const int port = free_port();
   const std::string exe = self_exe();
-  std::vector<pid_t> pids(world);
-  std::vector<std::string> logs(world);
+  running.pids.resize(world);
+  running.logs.resize(world);
   for (int r = 0; r < world; ++r) {
-    logs[r] = "/tmp/fsdp_test_" + std::to_string(getpid()) + "_" + std::to_string(port) + "_" + std::to_string(r) + ".log";
+    running.logs[r] = "/tmp/fsdp_test_" + std::to_string(getpid()) + "_" + std::to_string(port) + "_" + std::to_string(r) + ".log";
     pid_t pid = fork();
     if (pid == 0) {
-      int fd = open(logs[r].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      int fd = open(running.logs[r].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
       setenv("RANK", std::to_string(r).c_str(), 1);
@@ -109,10 +108,19 @@ LaunchResult launch(const std::string& name, int world, const std::vector<std::s
       execv(exe.c_str(), argv.data());
       _exit(127);
     }
-    pids[r] = pid;
+    running.pids[r] = pid;
   }
+  return running;
+}
+
+LaunchResult wait_for(RunningRanks& running, int timeout_s) {
+  const int world = static_cast<int>(running.pids.size());
+  LaunchResult result;
+  result.ranks.resize(world);
+  auto& pids = running.pids;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
-  int remaining = world;
+  int remaining = 0;
+  for (int r = 0; r < world; ++r) remaining += pids[r] != 0;
   while (remaining > 0) {
     bool progressed = false;
     for (int r = 0; r < world; ++r) {
@@ -132,19 +140,26 @@ LaunchResult launch(const std::string& name, int world, const std::vector<std::s
         if (pids[r]) {
           kill(pids[r], SIGKILL);
           waitpid(pids[r], nullptr, 0);
+          pids[r] = 0;
         }
       break;
     }
     if (!progressed) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   for (int r = 0; r < world; ++r) {
-    std::ifstream in(logs[r]);
+    std::ifstream in(running.logs[r]);
     std::stringstream ss;
     ss << in.rdbuf();
     result.ranks[r].output = ss.str();
-    unlink(logs[r].c_str());
+    unlink(running.logs[r].c_str());
   }
   return result;
+}
+
+LaunchResult launch(const std::string& name, int world, const std::vector<std::string>& args, int timeout_s,
+                    const std::vector<std::string>& extra_env) {
+  RunningRanks running = start(name, world, args, extra_env);
+  return wait_for(running, timeout_s);
 }
 
 }  // namespace fsdp_test

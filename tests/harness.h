@@ -44,6 +44,16 @@ struct LaunchResult {
 LaunchResult launch(const std::string& name, int world, const std::vector<std::string>& args = {},
                     int timeout_s = 300, const std::vector<std::string>& extra_env = {});
 
+// The same in two halves, for tests that act on running ranks (e.g. kill them): start() returns
+// at once; wait_for() collects exit codes and output (killing what is left after timeout_s).
+struct RunningRanks {
+  std::vector<int> pids;  // process ids; 0 once collected
+  std::vector<std::string> logs;
+};
+RunningRanks start(const std::string& name, int world, const std::vector<std::string>& args = {},
+                   const std::vector<std::string>& extra_env = {});
+LaunchResult wait_for(RunningRanks& ranks, int timeout_s = 300);
+
 // Inside a worker: throws std::runtime_error (exit code 1) with the message.
 #define WORKER_CHECK(cond, ...)                                                                    \
   do {                                                                                             \

@@ -3,11 +3,13 @@
 //   fsdp-run --nproc-per-node 4 ./fsdp_gpt                  # fortunes corpus, FULL_SHARD
 //   fsdp-run --nproc-per-node 4 ./fsdp_gpt --strategy HYBRID_SHARD --sharding-factor 2
 //   ./fsdp_gpt --data my_text.txt --steps 1000              # a single process works too
+//   fsdp-run --nproc-per-node 4 ./fsdp_gpt --save-dir ckpt --save-every 50 [--resume]
 //
 // Every rank runs this same program (SPMD). Rank 0 alone prints and writes the metrics file, but
 // every forward pass (training, validation, sampling) is run by every rank: FSDP gathers each
 // unit's parameters from all ranks when an operation reads them, so a forward is collective.
 #include <ATen/CPUGeneratorImpl.h>
+#include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
 #include <dlfcn.h>
 #include <sched.h>
@@ -20,8 +22,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -74,6 +78,12 @@ struct TrainConfig {
   std::string prompt = "The ";
   double temperature = 0.8;
   bool show_memory = false;
+  // Checkpoints (docs/checkpoints.md).
+  std::string save_dir;
+  int save_every = 0;  // 0: only at the end (and at --stop-after / SIGTERM)
+  bool resume = false;
+  int stop_after = 0;  // 0: run to --steps
+  std::string export_file;
 };
 
 // Declares every flag on `app`, each parsed into its field of `config`.
@@ -125,6 +135,15 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--temperature", config.temperature, "Sampling temperature (0: greedy)")
       ->check(CLI::Range(0.0, 10.0))->capture_default_str();
   app.add_flag("--show-memory", config.show_memory, "Print per-rank model-state memory next to NO_SHARD's");
+  app.add_option("--save-dir", config.save_dir, "Save sharded checkpoints (model, AdamW state, data position) under "
+                 "this directory as step-NNNNNNNN, at the end and on SIGTERM");
+  app.add_option("--save-every", config.save_every, "Also save every N steps (needs --save-dir)")
+      ->check(CLI::Range(0, 100000000));
+  app.add_flag("--resume", config.resume, "Continue from the newest complete checkpoint under --save-dir (start "
+               "afresh if there is none)");
+  app.add_option("--stop-after", config.stop_after, "Save and exit after this step; the schedule still follows "
+                 "--steps (needs --save-dir)")->check(CLI::Range(1, 100000000));
+  app.add_option("--export", config.export_file, "Write the trained model as one safetensors file");
 }
 
 // Checks that involve several flags, thrown as CLI::ValidationError like CLI11's own; resolves --warmup.
@@ -138,6 +157,9 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
                                                std::to_string(config.steps));
   if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
   if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
+  for (const auto& [flag, used] : {std::pair<const char*, bool>{"--save-every", config.save_every > 0},
+                                   {"--resume", config.resume}, {"--stop-after", config.stop_after > 0}})
+    if (used && config.save_dir.empty()) throw CLI::ValidationError(flag, "needs --save-dir");
   const int world = env.world_size, factor = config.sharding_factor;
   if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
     throw CLI::ValidationError("--sharding-factor", std::to_string(factor) + " does not divide the world size " +
@@ -410,6 +432,104 @@ std::string generate(gpt::GPT& model, const std::string& prompt, const TrainConf
   return gpt::decode(tokens);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Checkpoints: --save-dir, --save-every, --resume, --stop-after, --export, and SIGTERM
+
+volatile std::sig_atomic_t g_stop_requested = 0;
+void request_stop(int) { g_stop_requested = 1; }
+
+// Preemption (Slurm, Kubernetes) sends SIGTERM before killing: finish the step, save, exit.
+void install_stop_handler() {
+  struct sigaction action {};
+  action.sa_handler = request_stop;
+  action.sa_flags = SA_RESTART;  // blocking calls in the communicators resume instead of failing
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+// True on every rank when any rank got SIGTERM, so that all stop after the same step.
+bool stop_requested_anywhere(fsdp::ProcessGroup& pg) {
+  auto flag = torch::tensor({static_cast<int64_t>(g_stop_requested)}, torch::kLong);
+  if (pg.size() > 1) pg.world()->all_reduce(flag)->wait();
+  return flag.item<int64_t>() > 0;
+}
+
+// What the trainer adds to a checkpoint to continue exactly: the step (batches and the learning
+// rate follow from it), each rank's unlogged loss window, and the default generator's state.
+struct Progress {
+  int step = 0;
+  double window_loss = 0.0;
+  int window_steps = 0;
+};
+
+fsdp::checkpoint::Extra progress_extra(fsdp::ProcessGroup& pg, const TrainConfig& c, const Progress& p) {
+  auto losses = torch::zeros({pg.size()}, torch::kDouble);
+  losses[pg.rank()] = p.window_loss;
+  if (pg.size() > 1) pg.world()->all_reduce(losses)->wait();  // every rank's, in rank order
+  auto generator = at::detail::getDefaultCPUGenerator();
+  at::Tensor rng;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    rng = generator.get_state();
+  }
+  return {{"step", std::to_string(p.step)},
+          {"window_steps", std::to_string(p.window_steps)},
+          {"window_loss", std::string(static_cast<const char*>(losses.data_ptr()), losses.nbytes())},
+          {"cpu_rng_state", std::string(static_cast<const char*>(rng.data_ptr()), rng.nbytes())},
+          {"seed", std::to_string(c.seed)},
+          {"world_size", std::to_string(pg.size())}};
+}
+
+void save_checkpoint(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullyShardedModule& sharded,
+                     torch::optim::Optimizer& optimizer, const Progress& p) {
+  const auto start = Clock::now();
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%08d", p.step);
+  const std::string dir = c.save_dir + "/" + name;
+  fsdp::checkpoint::save(dir, sharded, optimizer, progress_extra(pg, c, p), fsdp::checkpoint::SaveOptions().overwrite(true));
+  if (pg.rank() == 0) std::cout << "checkpoint: saved step " << p.step << " to " << dir << " in "
+                                << fixed(seconds_since(start), 2) << " s\n" << std::flush;
+}
+
+// --resume: loads the newest complete checkpoint under --save-dir; returns where to continue.
+Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullyShardedModule& sharded,
+                torch::optim::Optimizer& optimizer) {
+  const std::string dir = fsdp::checkpoint::latest(c.save_dir);
+  // Every rank must pick the same one (a shared file system): compare a hash of the path.
+  const double h = static_cast<double>(std::hash<std::string>{}(dir) % 1000003);
+  auto moments = torch::tensor({h, h * h}, torch::kDouble);
+  if (pg.size() > 1) pg.world()->all_reduce(moments)->wait();
+  if (moments[1].item<double>() * pg.size() != moments[0].item<double>() * moments[0].item<double>())
+    throw std::runtime_error("ranks found different checkpoints under --save-dir " + c.save_dir +
+                             "; put it on a file system every rank sees");
+  Progress p;
+  if (dir.empty()) {
+    if (pg.rank() == 0) std::cout << "checkpoint: none complete under " << c.save_dir << "; starting at step 1\n";
+    return p;
+  }
+  fsdp::checkpoint::Extra extra;
+  fsdp::checkpoint::load(dir, sharded, optimizer, &extra);
+  if (extra.at("seed") != std::to_string(c.seed))
+    throw std::runtime_error(dir + " was written with --seed " + extra.at("seed") + "; resume with the same flags");
+  p.step = std::stoi(extra.at("step"));
+  p.window_steps = std::stoi(extra.at("window_steps"));
+  const std::string& losses = extra.at("window_loss");
+  std::vector<double> per_rank(losses.size() / sizeof(double));
+  std::memcpy(per_rank.data(), losses.data(), per_rank.size() * sizeof(double));
+  if (static_cast<int>(per_rank.size()) == pg.size()) p.window_loss = per_rank[pg.rank()];
+  else if (pg.rank() == 0) for (double l : per_rank) p.window_loss += l;  // another world size: same sum
+  const std::string& rng = extra.at("cpu_rng_state");
+  auto state = torch::empty({static_cast<int64_t>(rng.size())}, torch::kByte);
+  std::memcpy(state.data_ptr(), rng.data(), rng.size());
+  auto generator = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(state);
+  }
+  if (pg.rank() == 0) std::cout << "checkpoint: resumed from " << dir << " at step " << p.step << "\n" << std::flush;
+  return p;
+}
+
 // " [rank R]" once the rank is known, for error messages (under any launcher, not only those setting RANK).
 std::string g_rank_label;
 
@@ -619,6 +739,7 @@ struct TrainingResult {
   double train_seconds = 0.0;
   double last_logged_loss = 0.0;
   int64_t param_peak_bytes = 0, grad_peak_bytes = 0;  // FSDP peaks over the logged windows
+  int stopped_after = 0;  // --stop-after or SIGTERM: the step after which it saved and stopped
 };
 
 // What the training loop works with, set up before it.
@@ -713,7 +834,10 @@ TrainingResult train(const TrainingLoop& loop) {
   loop.sharded.reset_peak_memory_stats();
   TrainingResult result;
   LogWindow window;
-  for (int step = 1; step <= config.steps; ++step) {
+  const Progress resumed = config.resume ? resume(loop.pg, config, loop.sharded, loop.optimizer) : Progress{};
+  window.loss = resumed.window_loss, window.steps = resumed.window_steps;
+  if (!config.save_dir.empty()) install_stop_handler();
+  for (int step = resumed.step + 1; step <= config.steps; ++step) {
     const auto step_start = Clock::now();
     const double lr = learning_rate(step, config);
     const double local_loss = train_step(loop, step, lr);
@@ -725,6 +849,17 @@ TrainingResult train(const TrainingLoop& loop) {
     progress.draw(step, local_loss, result.train_seconds);
     if (step == 1 || step % config.log_interval == 0 || step == config.steps)
       log_window(loop, step, lr, local_loss, window, result, progress);
+    if (!config.save_dir.empty()) {
+      const bool stop = step == config.stop_after || stop_requested_anywhere(loop.pg);
+      if (stop || step == config.steps || (config.save_every > 0 && step % config.save_every == 0)) {
+        progress.clear();
+        save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer, Progress{step, window.loss, window.steps});
+      }
+      if (stop && step < config.steps) {
+        result.stopped_after = step;
+        break;
+      }
+    }
   }
   progress.clear();
   return result;
@@ -782,11 +917,21 @@ int run(int argc, char** argv) {
   TrainingLoop loop{config, *pg, built.model, *sharded, *optimizer, data->splits.train, job, metrics, program_start,
                     is_main};
   const TrainingResult result = train(loop);
+  if (result.stopped_after > 0) {
+    if (is_main)
+      std::cout << "stopped after step " << result.stopped_after << " of " << config.steps
+                << "; continue with --resume\n" << std::flush;
+    return 0;
+  }
 
   const double val_loss_end = validation_loss(built.model, data->splits.validation, config);
   std::string sample;
   if (config.sample_bytes > 0) sample = generate(built.model, config.prompt, config);
   if (is_main) print_report(config, job, result, val_loss_start, val_loss_end, sample, program_start);
+  if (!config.export_file.empty()) {
+    fsdp::checkpoint::export_full(config.export_file, *sharded);
+    if (is_main) std::cout << "exported the model to " << config.export_file << " (safetensors)\n" << std::flush;
+  }
   return 0;
 }
 

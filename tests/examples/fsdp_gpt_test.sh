@@ -169,6 +169,62 @@ test_init_deferred_matches_eager() {
   diff "$TMP/eager.loss" "$TMP/deferred.loss" >&2 || fail "deferred and eager initialization train differently"
 }
 
+# Checkpoints: --steps 20 stopped with --stop-after 7 and resumed (new processes) logs exactly the
+# losses of an uninterrupted --steps 20, in full precision (metrics file), the window that spans the
+# interruption included; --export writes a safetensors file.
+test_stop_after_resume() {
+  local ck=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 20 --log-interval 5
+            --eval-batches 1 --sample-bytes 8 --prompt "The ")
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --save-dir "$TMP/whole" \
+      --metrics-file "$TMP/whole.jsonl" --export "$TMP/model.safetensors"
+  expect_rc 0
+  expect_regex out "checkpoint: saved step 20 to $TMP/whole/step-00000020"
+  expect_text out "exported the model to $TMP/model.safetensors (safetensors)"
+  [ -s "$TMP/model.safetensors" ] || fail "no export"
+  head -c 64 "$TMP/model.safetensors" | tail -c +9 | grep -q '^{"' || fail "the export does not start with a JSON header"
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --save-dir "$TMP/parts" \
+      --stop-after 7 --metrics-file "$TMP/part1.jsonl"
+  expect_rc 0
+  expect_text out "stopped after step 7 of 20; continue with --resume"
+  [ -f "$TMP/parts/step-00000007/manifest.json" ] || fail "no complete checkpoint for step 7"
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --save-dir "$TMP/parts" \
+      --resume --metrics-file "$TMP/part2.jsonl"
+  expect_rc 0
+  expect_text out "checkpoint: resumed from $TMP/parts/step-00000007 at step 7"
+  local pairs='s/.*"loss":([-0-9.eE+]+).*"step":([0-9]+).*/\2 \1/'
+  sed -E "$pairs" "$TMP/whole.jsonl" >"$TMP/whole.loss"
+  cat "$TMP/part1.jsonl" "$TMP/part2.jsonl" | sed -E "$pairs" >"$TMP/parts.loss"
+  [ "$(wc -l <"$TMP/whole.loss")" -eq 5 ] || fail "expected 5 logged steps, got $(cat "$TMP/whole.loss")"
+  diff "$TMP/whole.loss" "$TMP/parts.loss" >&2 || fail "the resumed run's losses differ from the uninterrupted run's"
+}
+
+# SIGTERM (preemption): every rank finishes its step, saves, and exits 0; --resume continues.
+test_sigterm_saves_and_exits() {
+  local ck=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 100000 --log-interval 1
+            --eval-batches 1 --sample-bytes 8 --prompt "The " --save-dir "$TMP/preempt")
+  "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" --grace-seconds 60 "$TRAINER" "${ck[@]}" \
+      >"$TMP/out" 2>"$TMP/err" &
+  local launcher=$!
+  for _ in $(seq 600); do
+    grep -qE "^\[rank 0\] step +3/" "$TMP/out" 2>/dev/null && break
+    sleep 0.1
+  done
+  grep -qE "^\[rank 0\] step +3/" "$TMP/out" || { kill -KILL "$launcher"; fail "training did not start"; }
+  kill -TERM "$launcher"
+  wait "$launcher"
+  RC=$?
+  expect_rc 143  # fsdp-run reports the signal it got; the ranks themselves exited 0
+  local stopped
+  stopped=$(sed -nE 's/^\[rank 0\] stopped after step ([0-9]+) of 100000; continue with --resume$/\1/p' "$TMP/out")
+  [ -n "$stopped" ] || fail "the ranks did not report a clean stop"
+  grep -qE "exited with code [1-9]|killed" "$TMP/err" && fail "a rank did not exit cleanly"
+  [ -f "$TMP/preempt/step-$(printf %08d "$stopped")/manifest.json" ] || fail "no checkpoint of step $stopped"
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --resume --stop-after $((stopped + 1))
+  expect_rc 0
+  expect_text out "resumed from $TMP/preempt/step-$(printf %08d "$stopped") at step $stopped"
+  expect_text out "stopped after step $((stopped + 1)) of 100000"
+}
+
 test_bad_flags() {
   # Each bad value gets a message naming the flag and a non-zero exit; nothing trains.
   local cases=(

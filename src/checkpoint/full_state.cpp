@@ -1,0 +1,215 @@
+// The full model as one safetensors file, without the memory spike: export_full gathers one unit
+// at a time and rank 0 writes it straight from the unsharded storage; load_full has rank 0 read
+// one FlatParameter at a time and broadcast it for every rank to copy its shard.
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/collective.h"
+#include "checkpoint/file_io.h"
+#include "checkpoint/safetensors.h"
+#include "fsdp/check.h"
+#include "fsdp/checkpoint.h"
+#include "internal_op_guard.h"
+#include "state_access.h"
+
+namespace fsdp::checkpoint {
+
+using namespace detail;
+
+namespace {
+
+void check_little_endian() {
+  const uint16_t probe = 1;
+  unsigned char first = 0;
+  std::memcpy(&first, &probe, 1);
+  FSDP_CHECK(first == 1, "safetensors files are little-endian and this host is not; convert on a little-endian host");
+}
+
+// Runs `fn` unless an earlier step failed; keeps the first error instead of throwing, so this
+// rank goes on taking part in the collectives of the others and reports at the end.
+struct FirstError {
+  std::string message;
+  template <class Fn>
+  void run(Fn&& fn) {
+    if (!message.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+  }
+  void rethrow() const {
+    if (!message.empty()) throw Error(message);
+  }
+};
+
+void write_tensor(File& f, const at::Tensor& t) {
+  at::Tensor c = t.device().is_cpu() ? t.detach().contiguous() : t.detach().to(at::kCPU).contiguous();
+  f.write_all(c.data_ptr(), c.nbytes());
+}
+
+}  // namespace
+
+void export_full(const std::string& file, FullyShardedModule& model) {
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  state.rethrow_pending_error();
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  Communicator& world = *state.groups().world_comm;
+  const bool writer = world.rank() == 0;
+  const std::string what = "checkpoint::export_full('" + file + "')";
+  const std::string tmp = temporary_name(file, shared_random(world));
+
+  // The header lists every tensor before any data: parameters unit by unit, then buffers.
+  std::vector<SafetensorsTensor> tensors;
+  nlohmann::json aliases = nlohmann::json::object();
+  uint64_t offset = 0;
+  run_agreed(world, what, [&] {
+    check_little_endian();
+    auto add = [&](const std::string& name, at::ScalarType dtype, std::vector<int64_t> shape, int64_t bytes) {
+      tensors.push_back({name, dtype_name(dtype), std::move(shape), offset, offset + static_cast<uint64_t>(bytes)});
+      offset += static_cast<uint64_t>(bytes);
+    };
+    for (const Unit& unit : state.units())
+      for (const FlatParam* fp : unit.flat_params())
+        for (const auto& s : fp->slots()) {
+          add(s.name, fp->dtype(), s.shape, s.numel * fp->element_size());
+          for (const auto& a : s.aliases) aliases[a] = s.name;
+        }
+    for (const auto& [name, t] : state.buffers()) add(name, t.scalar_type(), t.sizes().vec(), t.numel() * t.element_size());
+  });
+  std::map<std::string, std::string> metadata{{"format", "pt"}};
+  if (!aliases.empty()) metadata["libfsdp.aliases"] = aliases.dump();
+
+  state.scheduler().reshard_all();
+  state.scheduler().forget_last_used();
+  FirstError error;
+  std::optional<File> out;
+  if (writer)
+    error.run([&] {
+      make_dirs(parent_dir(file));
+      out.emplace(File::create(tmp));
+      const std::string header = make_safetensors_header(tensors, metadata);
+      out->write_all(header.data(), header.size());
+    });
+  for (const Unit& unit : state.units()) {
+    const bool was_unsharded = unit.is_unsharded();
+    state.scheduler().unshard_now(unit.index());  // collective: every rank gathers, rank 0 writes
+    if (writer)
+      error.run([&] {
+        for (const FlatParam* fp : unit.flat_params())
+          for (const auto& s : fp->slots()) write_tensor(*out, s.param);
+      });
+    if (!was_unsharded) state.scheduler().reshard(unit.index());
+  }
+  if (writer)
+    error.run([&] {
+      for (const auto& kv : state.buffers()) write_tensor(*out, kv.second);
+      out->sync();
+      out->close();
+      rename_path(tmp, file);
+      sync_dir(parent_dir(file));
+    });
+  try {
+    run_agreed(world, what, [&] { error.rethrow(); });
+  } catch (...) {
+    if (writer) {
+      std::error_code ec;
+      std::filesystem::remove(tmp, ec);
+    }
+    throw;
+  }
+}
+
+void load_full(const std::string& file, FullyShardedModule& model) {
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  state.rethrow_pending_error();
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  Communicator& world = *state.groups().world_comm;
+  const bool reader = world.rank() == 0;
+  const std::string what = "checkpoint::load_full('" + file + "')";
+
+  // Rank 0 reads and checks the header against the model before anything is changed.
+  std::optional<File> in;
+  SafetensorsHeader header;
+  std::map<std::string, const SafetensorsTensor*> by_name;
+  run_agreed(world, what, [&] {
+    if (!reader) return;
+    check_little_endian();
+    in.emplace(File::open_read(file));
+    const uint64_t size = in->size();
+    std::string prefix(8, '\0');
+    FSDP_CHECK(size >= 8, "safetensors file '", file, "' is shorter than 8 bytes; it is truncated or not a safetensors file");
+    in->pread_all(prefix.data(), 8, 0);
+    std::string text(static_cast<size_t>(safetensors_header_length(prefix, size, file)), '\0');
+    in->pread_all(text.data(), text.size(), 8);
+    header = parse_safetensors_header(text, size, file);
+    for (const auto& t : header.tensors) by_name[t.name] = &t;
+    const std::string hint = "; load a file written from this model (same parameter names and shapes)";
+    std::set<std::string> used;
+    auto check = [&](const std::vector<std::string>& names, const std::vector<int64_t>& shape, const char* kind) {
+      const SafetensorsTensor* found = nullptr;
+      for (const auto& n : names) {
+        auto it = by_name.find(n);
+        if (it == by_name.end()) continue;
+        FSDP_CHECK(!found, "safetensors file '", file, "' holds the tied ", kind, " '", names[0], "' twice (as '",
+                   found->name, "' and '", n, "'); keep one");
+        found = it->second;
+      }
+      FSDP_CHECK(found, "safetensors file '", file, "' has no ", kind, " '", names[0], "'", hint);
+      FSDP_CHECK(found->shape == shape, "safetensors file '", file, "': ", kind, " '", found->name, "' has shape ",
+                 at::IntArrayRef(found->shape), " but the model's is ", at::IntArrayRef(shape), hint);
+      used.insert(found->name);
+      by_name[names[0]] = found;  // look it up by the model's first name from now on
+    };
+    for (const auto& fp : state.flat_params())
+      for (const auto& s : fp->slots()) {
+        std::vector<std::string> names{s.name};
+        names.insert(names.end(), s.aliases.begin(), s.aliases.end());
+        check(names, s.shape, "parameter");
+      }
+    for (const auto& [name, t] : state.buffers()) check({name}, t.sizes().vec(), "buffer");
+    for (const auto& t : header.tensors)
+      FSDP_CHECK(used.count(t.name), "safetensors file '", file, "' has tensor '", t.name,
+                 "', which the model does not have", hint);
+  });
+
+  state.scheduler().reshard_all();
+  state.scheduler().forget_last_used();
+  FirstError error;
+  const auto device = world.device();
+  // Rank 0's copy of one tensor from the file, converted to `like`'s dtype, into `dest`.
+  auto read_into = [&](const std::string& name, at::Tensor dest) {
+    error.run([&] {
+      const SafetensorsTensor& t = *by_name.at(name);
+      at::Tensor raw = at::empty(t.shape, at::TensorOptions().dtype(scalar_type_of(t.dtype)));
+      in->pread_all(raw.data_ptr(), static_cast<size_t>(t.end - t.begin), header.data_start + t.begin);
+      dest.copy_(raw.reshape(dest.sizes()));
+    });
+  };
+  for (auto& fp : state.flat_params()) {
+    at::Tensor full = at::zeros({fp->padded_numel()}, at::TensorOptions().dtype(fp->dtype()).device(device));
+    if (reader)
+      for (const auto& s : fp->slots()) read_into(s.name, full.narrow(0, s.offset, s.numel));
+    if (world.size() > 1) world.broadcast(full, 0)->wait();
+    fp->copy_full_into_shard(full);
+  }
+  for (const auto& [name, t] : state.buffers()) {
+    at::Tensor value = at::empty(t.sizes(), t.options().device(device));
+    if (reader) read_into(name, value);
+    if (world.size() > 1) world.broadcast(value, 0)->wait();
+    at::Tensor b = t;
+    b.detach().copy_(value);
+  }
+  run_agreed(world, what, [&] { error.rethrow(); });
+}
+
+}  // namespace fsdp::checkpoint

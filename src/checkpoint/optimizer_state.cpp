@@ -1,0 +1,179 @@
+#include "checkpoint/optimizer_state.h"
+
+#include <c10/util/string_utils.h>
+
+#include "fsdp/check.h"
+
+namespace fsdp::checkpoint::detail {
+
+using nlohmann::json;
+namespace optim = torch::optim;
+
+namespace {
+
+std::string key_of(const at::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
+
+template <class Options>
+json adam_options(const Options& o) {
+  return {{"lr", o.lr()},
+          {"betas", {std::get<0>(o.betas()), std::get<1>(o.betas())}},
+          {"eps", o.eps()},
+          {"weight_decay", o.weight_decay()},
+          {"amsgrad", o.amsgrad()}};
+}
+
+double number(const json& saved, const char* key, const std::string& where) {
+  auto it = saved.find(key);
+  FSDP_CHECK(it != saved.end() && it->is_number(), "checkpoint '", where, "': optimizer option '", key,
+             "' is missing or not a number; the manifest is damaged");
+  return it->get<double>();
+}
+
+bool flag(const json& saved, const char* key, const std::string& where) {
+  auto it = saved.find(key);
+  FSDP_CHECK(it != saved.end() && it->is_boolean(), "checkpoint '", where, "': optimizer option '", key,
+             "' is missing or not a boolean; the manifest is damaged");
+  return it->get<bool>();
+}
+
+template <class Options>
+void restore_adam(const json& saved, Options& o, const std::string& where) {
+  auto betas = saved.find("betas");
+  FSDP_CHECK(betas != saved.end() && betas->is_array() && betas->size() == 2 && (*betas)[0].is_number() &&
+                 (*betas)[1].is_number(),
+             "checkpoint '", where, "': optimizer option 'betas' is missing or not two numbers; the manifest is damaged");
+  o.lr(number(saved, "lr", where));
+  o.betas(std::make_tuple((*betas)[0].get<double>(), (*betas)[1].get<double>()));
+  o.eps(number(saved, "eps", where));
+  o.weight_decay(number(saved, "weight_decay", where));
+  o.amsgrad(flag(saved, "amsgrad", where));
+}
+
+template <class State>
+PieceState adam_state(const State& s) {
+  PieceState out;
+  out.present = true;
+  out.step = s.step();
+  if (s.exp_avg().defined()) out.tensors["exp_avg"] = s.exp_avg();
+  if (s.exp_avg_sq().defined()) out.tensors["exp_avg_sq"] = s.exp_avg_sq();
+  if (s.max_exp_avg_sq().defined()) out.tensors["max_exp_avg_sq"] = s.max_exp_avg_sq();
+  return out;
+}
+
+template <class State>
+std::unique_ptr<optim::OptimizerParamState> make_adam_state(const PieceState& in) {
+  auto s = std::make_unique<State>();
+  s->step(in.step);
+  for (const auto& [name, t] : in.tensors) {
+    if (name == "exp_avg") s->exp_avg(t);
+    else if (name == "exp_avg_sq") s->exp_avg_sq(t);
+    else if (name == "max_exp_avg_sq") s->max_exp_avg_sq(t);
+    else FSDP_FAIL("checkpoint: state tensor '", name, "' does not belong to an Adam-type optimizer");
+  }
+  FSDP_CHECK(s->exp_avg().defined() && s->exp_avg_sq().defined(),
+             "checkpoint: Adam-type state without exp_avg / exp_avg_sq; the checkpoint is damaged");
+  return s;
+}
+
+}  // namespace
+
+OptimizerKind optimizer_kind(const optim::Optimizer* optimizer) {
+  if (!optimizer) return OptimizerKind::kNone;
+  if (dynamic_cast<const optim::AdamW*>(optimizer)) return OptimizerKind::kAdamW;
+  if (dynamic_cast<const optim::Adam*>(optimizer)) return OptimizerKind::kAdam;
+  if (dynamic_cast<const optim::SGD*>(optimizer)) return OptimizerKind::kSgd;
+  FSDP_FAIL("checkpoints carry the state of torch::optim::AdamW (and fsdp::FusedAdamW), Adam and SGD only; "
+            "save this optimizer's state yourself, or pass no optimizer to save the model alone");
+}
+
+std::string to_string(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kNone: return "none";
+    case OptimizerKind::kAdamW: return "adamw";
+    case OptimizerKind::kAdam: return "adam";
+    case OptimizerKind::kSgd: return "sgd";
+  }
+  return "none";
+}
+
+json group_options(OptimizerKind kind, const optim::OptimizerOptions& options) {
+  switch (kind) {
+    case OptimizerKind::kAdamW: return adam_options(static_cast<const optim::AdamWOptions&>(options));
+    case OptimizerKind::kAdam: return adam_options(static_cast<const optim::AdamOptions&>(options));
+    case OptimizerKind::kSgd: {
+      const auto& o = static_cast<const optim::SGDOptions&>(options);
+      return {{"lr", o.lr()}, {"momentum", o.momentum()}, {"dampening", o.dampening()},
+              {"weight_decay", o.weight_decay()}, {"nesterov", o.nesterov()}};
+    }
+    case OptimizerKind::kNone: break;
+  }
+  return json::object();
+}
+
+void restore_group_options(OptimizerKind kind, const json& saved, optim::OptimizerOptions& options,
+                           const std::string& where) {
+  switch (kind) {
+    case OptimizerKind::kAdamW: restore_adam(saved, static_cast<optim::AdamWOptions&>(options), where); break;
+    case OptimizerKind::kAdam: restore_adam(saved, static_cast<optim::AdamOptions&>(options), where); break;
+    case OptimizerKind::kSgd: {
+      auto& o = static_cast<optim::SGDOptions&>(options);
+      o.lr(number(saved, "lr", where));
+      o.momentum(number(saved, "momentum", where));
+      o.dampening(number(saved, "dampening", where));
+      o.weight_decay(number(saved, "weight_decay", where));
+      o.nesterov(flag(saved, "nesterov", where));
+      break;
+    }
+    case OptimizerKind::kNone: break;
+  }
+}
+
+PieceState get_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::Tensor& param) {
+  auto& states = optimizer.state();
+  auto it = states.find(key_of(param));
+  if (it == states.end() || !it->second) return {};
+  switch (kind) {
+    case OptimizerKind::kAdamW: return adam_state(static_cast<const optim::AdamWParamState&>(*it->second));
+    case OptimizerKind::kAdam: return adam_state(static_cast<const optim::AdamParamState&>(*it->second));
+    case OptimizerKind::kSgd: {
+      // LibTorch's SGD keeps state only for momentum, and steps on a state without a buffer would fail.
+      const auto& s = static_cast<const optim::SGDParamState&>(*it->second);
+      if (!s.momentum_buffer().defined()) return {};
+      PieceState out;
+      out.present = true;
+      out.tensors["momentum_buffer"] = s.momentum_buffer();
+      return out;
+    }
+    case OptimizerKind::kNone: break;
+  }
+  return {};
+}
+
+void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::Tensor& param, const PieceState& state) {
+  auto& states = optimizer.state();
+  const std::string key = key_of(param);
+  if (!state.present) {
+    states.erase(key);
+    return;
+  }
+  switch (kind) {
+    case OptimizerKind::kAdamW: states[key] = make_adam_state<optim::AdamWParamState>(state); break;
+    case OptimizerKind::kAdam: states[key] = make_adam_state<optim::AdamParamState>(state); break;
+    case OptimizerKind::kSgd: {
+      if (state.tensors.empty()) {
+        states.erase(key);
+        break;
+      }
+      auto s = std::make_unique<optim::SGDParamState>();
+      for (const auto& [name, t] : state.tensors) {
+        FSDP_CHECK(name == "momentum_buffer", "checkpoint: state tensor '", name, "' does not belong to SGD");
+        s->momentum_buffer(t);
+      }
+      states[key] = std::move(s);
+      break;
+    }
+    case OptimizerKind::kNone: break;
+  }
+}
+
+}  // namespace fsdp::checkpoint::detail

@@ -1,0 +1,34 @@
+#pragma once
+// The optimizers whose state a checkpoint carries (torch::optim::AdamW, fsdp::FusedAdamW as AdamW,
+// Adam, SGD): their kind, group options as JSON, and one parameter's state as named tensors plus
+// a step count. LibTorch keys an optimizer's state by the parameter's TensorImpl.
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace fsdp::checkpoint::detail {
+
+enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd };
+// Null: kNone. Throws for an optimizer of another kind, naming the supported ones.
+OptimizerKind optimizer_kind(const torch::optim::Optimizer* optimizer);
+std::string to_string(OptimizerKind kind);
+
+nlohmann::json group_options(OptimizerKind kind, const torch::optim::OptimizerOptions& options);
+// Sets the options saved by group_options; throws naming `where` if a field is missing or mistyped.
+void restore_group_options(OptimizerKind kind, const nlohmann::json& saved, torch::optim::OptimizerOptions& options,
+                           const std::string& where);
+
+struct PieceState {
+  bool present = false;  // false: the optimizer has no state for it (never stepped)
+  int64_t step = 0;      // Adam / AdamW
+  std::map<std::string, at::Tensor> tensors;  // exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer
+};
+PieceState get_piece_state(OptimizerKind kind, torch::optim::Optimizer& optimizer, const at::Tensor& param);
+// Replaces the parameter's state (removes it if !state.present).
+void set_piece_state(OptimizerKind kind, torch::optim::Optimizer& optimizer, const at::Tensor& param,
+                     const PieceState& state);
+
+}  // namespace fsdp::checkpoint::detail
