@@ -231,6 +231,8 @@ struct ResumeCase {
   int world;
 };
 
+void PrintTo(const ResumeCase& c, std::ostream* os) { *os << c.strategy << " " << c.optim << " world " << c.world; }
+
 class ResumeTest : public ::testing::TestWithParam<ResumeCase> {};
 
 TEST_P(ResumeTest, TrainingTwoNStepsEqualsNStepsSaveRestartLoadNSteps) {
