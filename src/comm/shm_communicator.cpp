@@ -45,6 +45,11 @@ constexpr uint64_t kMagic = 0x316d68737064736full;  // "fsdpshm1"
 // (containers often give /dev/shm 64 MiB) whatever the number of ranks per host.
 constexpr int64_t kMaxSlotBytes = int64_t(1) << 20, kMinSlotBytes = int64_t(64) << 10;
 constexpr int64_t kSegmentDataBytes = int64_t(16) << 20;
+// memcpy for the pieces of a collective: a collective of nothing still runs one empty round,
+// where the tensor's data_ptr() is null, and memcpy's pointers must not be null even for 0 bytes.
+void copy_bytes(void* dst, const void* src, int64_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
+}
 int64_t slot_bytes(int size) {
   return std::max(kMinSlotBytes, std::min(kMaxSlotBytes, kSegmentDataBytes / (2 * size) / 4096 * 4096));
 }
@@ -236,13 +241,13 @@ class ShmCommunicator : public Communicator {
       const int64_t n = in.nbytes();
       auto* dst = static_cast<uint8_t*>(out.data_ptr());
       const auto* src = static_cast<const uint8_t*>(in.data_ptr());
-      if (dst + rank_ * n != src) std::memmove(dst + rank_ * n, src, n);
+      if (n > 0 && dst + rank_ * n != src) std::memmove(dst + rank_ * n, src, n);
       Descriptor d = describe(kAllGather, n, in);
       for_each_piece(n, slot_, d, [&](int64_t off, int64_t len) {
-        std::memcpy(segment_->buffer(rank_, round_), src + off, len);
+        copy_bytes(segment_->buffer(rank_, round_), src + off, len);
         exchange(d);
         for (int p = 0; p < size_; ++p)
-          if (p != rank_) std::memcpy(dst + p * n + off, segment_->buffer(p, round_), len);
+          if (p != rank_) copy_bytes(dst + p * n + off, segment_->buffer(p, round_), len);
       });
     }, opts.after);
   }
@@ -259,7 +264,7 @@ class ShmCommunicator : public Communicator {
       for_each_piece(n, piece, d, [&](int64_t off, int64_t len) {
         uint8_t* mine = segment_->buffer(rank_, round_);
         for (int q = 0; q < size_; ++q)
-          if (q != rank_) std::memcpy(mine + q * piece * elem, src + (q * n + off) * elem, len * elem);
+          if (q != rank_) copy_bytes(mine + q * piece * elem, src + (q * n + off) * elem, len * elem);
         exchange(d);
         at::Tensor sum = flat_out.narrow(0, off, len);
         sum.copy_(flat_in.narrow(0, rank_ * n + off, len));
@@ -281,18 +286,18 @@ class ShmCommunicator : public Communicator {
       for_each_piece(t.numel(), slot_ / elem, d, [&](int64_t off, int64_t len) {
         auto part = [&](int m) { return std::make_pair(len * m / size_, len * (m + 1) / size_); };
         const auto [lo, hi] = part(rank_);
-        std::memcpy(segment_->buffer(rank_, round_), data + off * elem, len * elem);
+        copy_bytes(segment_->buffer(rank_, round_), data + off * elem, len * elem);
         exchange(d);
         at::Tensor sum = flat.narrow(0, off + lo, hi - lo);
         for (int p = 0; p < size_; ++p)
           if (p != rank_) sum.add_(staged(p, lo * elem, hi - lo, t));
         end_round(d);
-        std::memcpy(segment_->buffer(rank_, round_) + lo * elem, data + (off + lo) * elem, (hi - lo) * elem);
+        copy_bytes(segment_->buffer(rank_, round_) + lo * elem, data + (off + lo) * elem, (hi - lo) * elem);
         exchange(d);
         for (int p = 0; p < size_; ++p) {
           if (p == rank_) continue;
           const auto [plo, phi] = part(p);
-          std::memcpy(data + (off + plo) * elem, segment_->buffer(p, round_) + plo * elem, (phi - plo) * elem);
+          copy_bytes(data + (off + plo) * elem, segment_->buffer(p, round_) + plo * elem, (phi - plo) * elem);
         }
       });
     }, opts.after);
@@ -306,9 +311,9 @@ class ShmCommunicator : public Communicator {
       Descriptor d = describe(kBroadcast, t.nbytes(), t);
       d.root = root;
       for_each_piece(t.nbytes(), slot_, d, [&](int64_t off, int64_t len) {
-        if (rank_ == root) std::memcpy(segment_->buffer(rank_, round_), data + off, len);
+        if (rank_ == root) copy_bytes(segment_->buffer(rank_, round_), data + off, len);
         exchange(d);
-        if (rank_ != root) std::memcpy(data + off, segment_->buffer(root, round_), len);
+        if (rank_ != root) copy_bytes(data + off, segment_->buffer(root, round_), len);
       });
     }, opts.after);
   }

@@ -1,24 +1,59 @@
 #!/usr/bin/env bash
-# Installs libfsdp from a build tree into a temporary prefix, builds the quick start as a separate
-# project with find_package(fsdp), and runs it on 2 ranks.
+# libfsdp as a dependency of a separate CMake project: the quick start, built with nothing but
+#   find_package(fsdp 0.1 REQUIRED)  +  target_link_libraries(quickstart PRIVATE fsdp::fsdp)
+# twice, and each run on 2 ranks:
+#   1. against the build tree (-Dfsdp_DIR=BUILD_DIR: export(EXPORT) wrote fsdpTargets.cmake there)
+#   2. against an install prefix (cmake --install BUILD_DIR --prefix TMP; CMAKE_PREFIX_PATH=TMP)
+# Everything the static libfsdp.a needs at link time (LibTorch, Gloo, Threads) must come from the
+# package; libfsdp's own warning flags must not reach the consumer.
 #   find_package_test.sh BUILD_DIR SOURCE_DIR LAUNCHER
 set -euo pipefail
 BUILD=${1:?build dir}; SRC=${2:?source dir}; LAUNCHER=${3:?fsdp-run}
+BUILD=$(cd "$BUILD" && pwd)
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_install_test.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
-cmake --install "$BUILD" --prefix "$TMP/prefix" >/dev/null
+
 mkdir -p "$TMP/consumer"
 cat > "$TMP/consumer/CMakeLists.txt" <<CMAKE
 cmake_minimum_required(VERSION 3.18)
 project(consumer CXX)
 set(CMAKE_CXX_STANDARD 17)
 find_package(fsdp 0.1 REQUIRED)
+message(STATUS "consumer: fsdp from \${fsdp_DIR}")
 add_executable(quickstart "$SRC/examples/quickstart.cpp")
 target_link_libraries(quickstart PRIVATE fsdp::fsdp)
 CMAKE
-cmake -S "$TMP/consumer" -B "$TMP/consumer/build" -DCMAKE_PREFIX_PATH="$TMP/prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$TMP/consumer/build" >/dev/null
-out=$("$LAUNCHER" --nproc-per-node 2 --master-port $((20000 + RANDOM % 30000)) "$TMP/consumer/build/quickstart" 2>&1) || { echo "$out"; exit 1; }
-echo "$out" | tail -3
-echo "$out" | grep -q "FSDP memory" || { echo "FAIL: quickstart output incomplete"; exit 1; }
-echo "find_package(fsdp) consumer built and ran"
+
+# consume NAME CMAKE-ARGS...: configures, builds and runs the consumer against one package.
+consume() {
+  local name=$1; shift
+  local dir=$TMP/consumer-build-$name
+  echo "== $name"
+  cmake -S "$TMP/consumer" -B "$dir" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON "$@" \
+    >"$TMP/$name-configure.log" 2>&1 || { cat "$TMP/$name-configure.log"; echo "FAIL: $name: configure"; exit 1; }
+  grep "consumer: fsdp from" "$TMP/$name-configure.log"
+  cmake --build "$dir" >"$TMP/$name-build.log" 2>&1 || { cat "$TMP/$name-build.log"; echo "FAIL: $name: build"; exit 1; }
+  if grep -E -- '-Wextra|-Werror|-fsanitize' "$dir/compile_commands.json" >/dev/null; then
+    echo "FAIL: $name: libfsdp's own build flags reached the consumer's compile:"
+    grep '"command"' "$dir/compile_commands.json"
+    exit 1
+  fi
+  local out
+  out=$("$LAUNCHER" --nproc-per-node 2 --master-port $((20000 + RANDOM % 30000)) "$dir/quickstart" 2>&1) ||
+    { echo "$out"; echo "FAIL: $name: the consumer did not run"; exit 1; }
+  echo "$out" | tail -2
+  echo "$out" | grep -q "FSDP memory" || { echo "FAIL: $name: quickstart output incomplete"; exit 1; }
+  echo "$name: find_package(fsdp) consumer built and ran"
+}
+
+# 1. The build tree.
+[ -f "$BUILD/fsdpTargets.cmake" ] || { echo "FAIL: $BUILD/fsdpTargets.cmake is missing (export(EXPORT ...))"; exit 1; }
+consume build-tree -Dfsdp_DIR="$BUILD"
+
+# 2. An install prefix.
+cmake --install "$BUILD" --prefix "$TMP/prefix" >/dev/null
+targets=$(find "$TMP/prefix" -name fsdpTargets.cmake)
+if grep -q fsdp_warnings "$targets" "$BUILD/fsdpTargets.cmake"; then
+  echo "FAIL: the exported targets name fsdp_warnings"; exit 1
+fi
+consume install-prefix -DCMAKE_PREFIX_PATH="$TMP/prefix"
