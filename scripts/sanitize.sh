@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Sanitizer jobs: builds libfsdp and its tests with sanitizers in their own build directories and
+# runs the tests that exercise libfsdp's own concurrency and memory handling.
+#
+#   scripts/sanitize.sh [asan|tsan]...        (default: both, asan first)
+#
+#   asan  build-asan, FSDP_SANITIZE=address,undefined (ASan + LeakSanitizer + UBSan): the exactness
+#         tests, overlap and trace order, communicators (Gloo TCP and shared memory), the network
+#         model and the model zoo
+#   tsan  build-tsan, FSDP_SANITIZE=thread: the communicators and the overlap tests
+#
+# LibTorch (and Gloo, OpenMP, libstdc++) are not instrumented; what they report on their own is
+# suppressed in tools/sanitizers/*.supp, each entry with its reason. The options reach the rank
+# processes that the multi-rank tests start through the environment. ASan, LeakSanitizer and TSan
+# reports go to files (log_path) in <build>/sanitizer-logs, from the test processes and the ranks
+# alike; UBSan's go to stderr and stop the process. The job fails if any test failed or any
+# report file was written, and prints the reports.
+#
+# Needs what scripts/setup.sh installs (CI runs scripts/test.sh first; GCC's sanitizer runtimes
+# come with g++).
+# Environment: JOBS (parallel ctest jobs and compile jobs, default 2), ASAN_TESTS / TSAN_TESTS
+# (ctest -R regular expressions replacing the default selections below).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+SUPP=$ROOT/tools/sanitizers
+JOBS=${JOBS:-2}
+
+# ctest names are gtest's: [Instantiation/]Suite.Test[/Param]
+ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|ExactOverTcpTest\.|OverlapExact\.|TraceOrder\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel'}
+TSAN_TESTS=${TSAN_TESTS:-'TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|TraceOrder\.'}
+# Tests that also bound their own wall time (fail-fast within 15 or 30 s of launching the ranks,
+# a shared-memory step faster than a modeled 0.13 s): under a sanitizer, rank start-up alone
+# (loading LibTorch under ASan/TSan interceptors) can take most of that on 2 busy cores. They still
+# run, and their sanitizer reports still fail the job, but a failure on their own timing does not.
+ASAN_TIMING_BOUND='NetworkModel\.IntraAndInterHostLinksFromOptions|SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.'
+TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.'
+
+# Ranks run one OpenMP thread (the test harness sets it for them too): LibTorch's OpenMP runtime
+# (libgomp) is not instrumented, and TSan cannot see its barriers.
+export OMP_NUM_THREADS=1
+
+# Configures and builds fsdp_tests in $2 with FSDP_SANITIZE=$1.
+build() {
+  local sanitize=$1 dir=$2
+  if [ ! -f "$dir/CMakeCache.txt" ]; then
+    # -O1 -g1: line tables for the reports' stacks at a fraction of -g's compile time.
+    cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+      -DFSDP_SANITIZE="$sanitize" -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF >/dev/null
+  fi
+  # The build runs the test binary (gtest_discover_tests), so the options apply there too.
+  cmake --build "$dir" -j"$JOBS" --target fsdp_tests
+}
+
+# Runs the ctest selection $2 in build dir $1, except the timing-bound tests $3, which run after
+# them in a pass of their own (see TIMING_BOUND). Fails on a failed test of the first pass, and on
+# any report file of either.
+run_tests() {
+  local dir=$1 regex=$2 timing=$3 logs=$1/sanitizer-logs rc=0
+  rm -rf "$logs"
+  mkdir -p "$logs"
+  (cd "$dir" && ctest -R "$regex" -E "$timing" -j"$JOBS" --output-on-failure --timeout 1200) || rc=$?
+  # The selected tests that are timing-bound, as one regular expression of exact names.
+  local names
+  names=$(cd "$dir" && ctest -N -R "$regex" | sed -nE 's/^ *Test +#[0-9]+: (.*)$/\1/p' | grep -E "$timing" |
+    sed 's/[]\\.*^$()+?{}|[]/\\&/g' | paste -sd '|' || true)
+  if [ -n "$names" ]; then
+    echo "== timing-bound tests (failures on their wall-clock bounds are not counted here):"
+    local out=$dir/timing-bound.log
+    if (cd "$dir" && ctest -R "^($names)\$" -j"$JOBS" --output-on-failure --timeout 1200) >"$out" 2>&1; then
+      tail -n 3 "$out"
+    else
+      grep -E '^ *[0-9]+/[0-9]+ Test|Expected: \(seconds\)|check failed' "$out" || true
+      if grep -qE 'runtime error:|Sanitizer' "$out"; then
+        echo "a sanitizer reported in the timing-bound tests:"
+        cat "$out"
+        rc=1
+      fi
+    fi
+  fi
+  local reports
+  reports=$(find "$logs" -type f -size +0 | sort)
+  if [ -n "$reports" ]; then
+    echo "== sanitizer reports ($(echo "$reports" | wc -l) files in $logs):"
+    for f in $reports; do
+      echo "---- $f"
+      cat "$f"
+    done
+    rc=1
+  fi
+  return "$rc"
+}
+
+asan() {
+  local dir=build-asan logs
+  logs=$ROOT/$dir/sanitizer-logs
+  # Only where ASan itself needs it; everything else is at its default (halt on the first error).
+  export ASAN_OPTIONS="log_path=$logs/asan:suppressions=$SUPP/asan.supp:detect_leaks=1:check_initialization_order=1:strict_init_order=1:detect_stack_use_after_return=1"
+  export LSAN_OPTIONS="suppressions=$SUPP/lsan.supp:print_suppressions=0"
+  # UBSan (GCC 12's, inside the ASan runtime) prints its reports to stderr whatever log_path says;
+  # halt_on_error makes the process exit 1 there, so the test fails and ctest shows the report
+  # (the harness prints each rank's output when a rank fails).
+  export UBSAN_OPTIONS="suppressions=$SUPP/ubsan.supp:print_stacktrace=1:halt_on_error=1"
+  mkdir -p "$logs"
+  local start=$SECONDS
+  build address,undefined "$dir"
+  echo "sanitize: asan build $((SECONDS - start)) s"
+  start=$SECONDS
+  local rc=0
+  run_tests "$dir" "$ASAN_TESTS" "$ASAN_TIMING_BOUND" || rc=$?
+  echo "sanitize: asan tests $((SECONDS - start)) s"
+  unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
+  return "$rc"
+}
+
+tsan() {
+  local dir=build-tsan logs
+  logs=$ROOT/$dir/sanitizer-logs
+  # Uninstrumented libraries (LibTorch, Gloo) still synchronize through intercepted pthread calls,
+  # which TSan sees; what they report on their own is suppressed by library (called_from_lib).
+  export TSAN_OPTIONS="log_path=$logs/tsan:suppressions=$SUPP/tsan.supp:second_deadlock_stack=1:history_size=4"
+  mkdir -p "$logs"
+  local start=$SECONDS
+  build thread "$dir"
+  echo "sanitize: tsan build $((SECONDS - start)) s"
+  start=$SECONDS
+  local rc=0
+  run_tests "$dir" "$TSAN_TESTS" "$TSAN_TIMING_BOUND" || rc=$?
+  echo "sanitize: tsan tests $((SECONDS - start)) s"
+  unset TSAN_OPTIONS
+  return "$rc"
+}
+
+[ $# -gt 0 ] || set -- asan tsan
+status=0
+for job in "$@"; do
+  case $job in
+    asan | tsan)
+      echo "== sanitize: $job"
+      if "$job"; then echo "sanitize: $job passed"; else echo "sanitize: $job FAILED"; status=1; fi ;;
+    *) echo "usage: scripts/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
+  esac
+done
+exit "$status"
