@@ -100,12 +100,15 @@ int main(int argc, char** argv) {
   app.add_option("--batch-per-rank", batch)->capture_default_str();
   app.add_option("--steps", steps, "Timed training steps (after one warm-up)")->capture_default_str();
   app.add_option("--reps", reps, "Saves and loads timed")->capture_default_str();
-  app.add_option("--cadence", cadence, "Steps between saves, for the fraction of training time lost")->capture_default_str();
+  app.add_option("--cadence", cadence, "Steps between saves, for the fraction of training time lost")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   auto pg = fsdp::ProcessGroup::from_env();
   const int rank = pg->rank(), world = pg->size();
-  auto barrier = [&] { pg->world()->barrier(); };
+  auto barrier = [&] {
+    pg->world()->barrier();
+  };
   torch::manual_seed(1);
   gpt::GPTConfig config;
   config.layers = layers, config.width = width, config.heads = heads, config.context = context;
@@ -115,12 +118,11 @@ int main(int argc, char** argv) {
     model = gpt::GPT(config);
   }
   const int64_t parameter_count = gpt::count_parameters(*model);
-  auto sharded = fsdp::fully_shard(model, pg,
-                                   fsdp::Options()
-                                       .auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>())
-                                       .param_init_fn([&](const std::string& name, torch::nn::Module& m) {
-                                         gpt::initialize(config, name, m);
-                                       }));
+  auto sharded = fsdp::fully_shard(
+      model, pg,
+      fsdp::Options()
+          .auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>())
+          .param_init_fn([&](const std::string& name, torch::nn::Module& m) { gpt::initialize(config, name, m); }));
   torch::optim::AdamW optimizer(sharded->parameters(), torch::optim::AdamWOptions(1e-4));
 
   // Training steps: the time a save is compared with.
@@ -162,7 +164,8 @@ int main(int argc, char** argv) {
   for (int r = 0; r < reps; ++r) {
     const std::string d = dir + "/save" + std::to_string(r);
     if (rank == 0)
-      for (const auto& e : fs::directory_iterator(d)) resident_before_load = std::max(resident_before_load, evict(e.path()));
+      for (const auto& e : fs::directory_iterator(d))
+        resident_before_load = std::max(resident_before_load, evict(e.path()));
     barrier();
     start = Clock::now();
     fsdp::checkpoint::load(d, *sharded, optimizer);
@@ -176,8 +179,8 @@ int main(int argc, char** argv) {
   const int64_t dd_mib = std::max<int64_t>(64, ckpt_bytes >> 20);
   if (rank == 0) {
     const std::string f = dir + "/dd.bin";
-    dd_write_s = timed_shell("dd if=/dev/zero of=" + f + " bs=1M count=" + std::to_string(dd_mib) +
-                             " conv=fsync status=none");
+    dd_write_s =
+        timed_shell("dd if=/dev/zero of=" + f + " bs=1M count=" + std::to_string(dd_mib) + " conv=fsync status=none");
     dd_resident = evict(f);
     dd_read_s = timed_shell("dd if=" + f + " of=/dev/null bs=1M status=none");
     fs::remove(f);
@@ -200,26 +203,34 @@ int main(int argc, char** argv) {
     shard_bytes += u.shard_bytes;
     largest_unit = std::max(largest_unit, u.padded_bytes);
   }
-  for (const auto& p : model->named_parameters()) largest_tensor = std::max<int64_t>(largest_tensor, p.value().nbytes());
+  for (const auto& p : model->named_parameters())
+    largest_tensor = std::max<int64_t>(largest_tensor, p.value().nbytes());
   const int64_t bound = shard_bytes + largest_unit + largest_tensor;
 
   if (rank == 0) {
-    auto mean = [](const std::vector<double>& v) { double s = 0; for (double x : v) s += x; return s / v.size(); };
-    auto best = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
+    auto mean = [](const std::vector<double>& v) {
+      double s = 0;
+      for (double x : v) s += x;
+      return s / v.size();
+    };
+    auto best = [](const std::vector<double>& v) {
+      return *std::min_element(v.begin(), v.end());
+    };
     const double mib = 1024.0 * 1024.0;
     const double dd_w = dd_mib / dd_write_s, dd_r = dd_mib / dd_read_s;
     const double save_bw = ckpt_bytes / mib / mean(save_s), load_bw = ckpt_bytes / mib / mean(load_s);
     std::cout << std::fixed << std::setprecision(3);
-    std::cout << "model: " << parameter_count << " parameters (" << layers << " layers, width " << width
-              << "), world " << world << ", FULL_SHARD, per-block units, AdamW\n"
+    std::cout << "model: " << parameter_count << " parameters (" << layers << " layers, width " << width << "), world "
+              << world << ", FULL_SHARD, per-block units, AdamW\n"
               << "checkpoint: " << ckpt_bytes / mib << " MiB (" << world << " data files + manifest)\n"
               << "step: " << step_s << " s (mean of " << steps << ")\n"
-              << "save: " << mean(save_s) << " s mean, " << best(save_s) << " s best of " << reps << " -> "
-              << save_bw << " MiB/s = " << save_bw / dd_w << " x dd write (" << dd_w << " MiB/s, conv=fsync, "
-              << dd_mib << " MiB)\n"
-              << "load: " << mean(load_s) << " s mean, " << best(load_s) << " s best of " << reps << " -> "
-              << load_bw << " MiB/s = " << load_bw / dd_r << " x dd read (" << dd_r << " MiB/s); resident before "
-              << "read: checkpoint files <= " << 100 * resident_before_load << "%, dd file " << 100 * dd_resident << "%\n"
+              << "save: " << mean(save_s) << " s mean, " << best(save_s) << " s best of " << reps << " -> " << save_bw
+              << " MiB/s = " << save_bw / dd_w << " x dd write (" << dd_w << " MiB/s, conv=fsync, " << dd_mib
+              << " MiB)\n"
+              << "load: " << mean(load_s) << " s mean, " << best(load_s) << " s best of " << reps << " -> " << load_bw
+              << " MiB/s = " << load_bw / dd_r << " x dd read (" << dd_r << " MiB/s); resident before "
+              << "read: checkpoint files <= " << 100 * resident_before_load << "%, dd file " << 100 * dd_resident
+              << "%\n"
               << "synchronous save every " << cadence << " steps: " << 100.0 * mean(save_s) / (cadence * step_s)
               << "% of training time (" << mean(save_s) / step_s << " steps per save)\n"
               << "export_full: " << export_s << " s; rank 0 FSDP parameter peak " << after.param_peak_bytes / mib
@@ -227,12 +238,21 @@ int main(int argc, char** argv) {
               << " + largest tensor " << largest_tensor / mib << ") = " << bound / mib << " MiB; resident before "
               << before.param_bytes / mib << " MiB; RSS growth during export " << (hwm - rss_before) / mib
               << " MiB (one unit + one tensor = " << (largest_unit + largest_tensor) / mib << " MiB)\n";
-    nlohmann::json j{{"parameters", parameter_count}, {"world", world}, {"checkpoint_bytes", ckpt_bytes},
-                     {"step_s", step_s}, {"save_s", save_s}, {"load_s", load_s}, {"dd_write_mib_s", dd_w},
-                     {"dd_read_mib_s", dd_r}, {"save_fraction_of_dd", save_bw / dd_w},
-                     {"load_fraction_of_dd", load_bw / dd_r}, {"resident_before_load", resident_before_load},
-                     {"export_s", export_s}, {"export_param_peak_bytes", after.param_peak_bytes},
-                     {"export_bound_bytes", bound}, {"export_rss_growth_bytes", hwm - rss_before}};
+    nlohmann::json j{{"parameters", parameter_count},
+                     {"world", world},
+                     {"checkpoint_bytes", ckpt_bytes},
+                     {"step_s", step_s},
+                     {"save_s", save_s},
+                     {"load_s", load_s},
+                     {"dd_write_mib_s", dd_w},
+                     {"dd_read_mib_s", dd_r},
+                     {"save_fraction_of_dd", save_bw / dd_w},
+                     {"load_fraction_of_dd", load_bw / dd_r},
+                     {"resident_before_load", resident_before_load},
+                     {"export_s", export_s},
+                     {"export_param_peak_bytes", after.param_peak_bytes},
+                     {"export_bound_bytes", bound},
+                     {"export_rss_growth_bytes", hwm - rss_before}};
     std::cout << "json: " << j.dump() << "\n";
     fs::remove_all(dir);
   }

@@ -35,17 +35,17 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
-#include <exception>
-#include <mutex>
-#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <unistd.h>
@@ -218,11 +218,11 @@ void raw_allreduce(Bench& b, const at::Tensor& t) {
 // One path through a collective at one size.
 struct Path {
   std::string name;
-  bool raw_reference = false;    // counts as a raw gloo/c10d reference for "vs best raw"
-  bool ours = false;             // gets a "vs best raw" figure
-  double bus_factor = 1;         // busbw = algbw * bus_factor
-  std::function<void()> prepare; // untimed, before every run (e.g. restore an input used as scratch)
-  std::function<void()> run;     // timed
+  bool raw_reference = false;      // counts as a raw gloo/c10d reference for "vs best raw"
+  bool ours = false;               // gets a "vs best raw" figure
+  double bus_factor = 1;           // busbw = algbw * bus_factor
+  std::function<void()> prepare;   // untimed, before every run (e.g. restore an input used as scratch)
+  std::function<void()> run;       // timed
   std::function<int64_t()> wrong;  // this rank's wrong elements after one run
   // filled by measure():
   int64_t total_wrong = 0;
@@ -329,7 +329,8 @@ void memcpy_section(Bench& b) {
     }
     return median(rates);
   };
-  b.print("\n## memcpy bandwidth (physical reference; GB/s = 1e9 bytes copied per second, median of 5 copies of %lld bytes)\n",
+  b.print("\n## memcpy bandwidth (physical reference; GB/s = 1e9 bytes copied per second, median of 5 copies of %lld "
+          "bytes)\n",
           (long long)bytes);
   b.barrier();
   double alone = 0;
@@ -347,16 +348,20 @@ void memcpy_section(Bench& b) {
 
 void allgather_section(Bench& b) {
   const int W = b.world, r = b.rank;
-  b.print("\n## all-gather (paper Fig. 2a): one buffer vs list vs uneven; %d ranks; iters >= %d (>= %.2f s per path, <= %d), warmup %d\n",
+  b.print("\n## all-gather (paper Fig. 2a): one buffer vs list vs uneven; %d ranks; iters >= %d (>= %.2f s per path, "
+          "<= %d), warmup %d\n",
           W, b.flags.iters, b.flags.min_seconds, b.flags.max_iters, b.flags.warmup);
-  b.print("# size = total output bytes; busbw = algbw*(n-1)/n. Uneven: +d elements on rank 0, -d on rank 1 (same total).\n");
+  b.print("# size = total output bytes; busbw = algbw*(n-1)/n. Uneven: +d elements on rank 0, -d on rank 1 (same "
+          "total).\n");
   print_header(b, "iters", "vs best raw");
   for (uint64_t target : sweep(b.flags.min_bytes, b.flags.max_bytes, b.flags.factor)) {
     const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(target / (4 * W)));  // per rank
     const int64_t total = n * W;
     at::Tensor in = gather_values(r, 0, n);
     at::Tensor out = torch::empty({total});
-    auto fill_nan = [out] { out.fill_(std::numeric_limits<float>::quiet_NaN()); };
+    auto fill_nan = [out] {
+      out.fill_(std::numeric_limits<float>::quiet_NaN());
+    };
     auto check_even = [&b, out, n, W] {
       int64_t wrong = 0;
       for (int q = 0; q < W; ++q) wrong += wrong_gathered(out.narrow(0, q * n, n), q, 0);
@@ -443,8 +448,12 @@ void reduce_scatter_section(Bench& b) {
       in.copy_(pristine);
       out.fill_(std::numeric_limits<float>::quiet_NaN());
     };
-    auto check_out = [out, sum_scale, r, n] { return wrong_reduced(out, sum_scale, int64_t(r) * n); };
-    auto check_full = [in, sum_scale] { return wrong_reduced(in, sum_scale, 0); };
+    auto check_out = [out, sum_scale, r, n] {
+      return wrong_reduced(out, sum_scale, int64_t(r) * n);
+    };
+    auto check_full = [in, sum_scale] {
+      return wrong_reduced(in, sum_scale, 0);
+    };
     const double rs_bus = double(W - 1) / W, ar_bus = 2.0 * (W - 1) / W;
     auto c10d_allreduce = [&b](const at::Tensor& t) {
       std::vector<at::Tensor> v{t};
@@ -492,12 +501,13 @@ void split_section(Bench& b) {
     const int64_t calls = in_total / piece;
     if (calls < 1) break;
     const int64_t count = piece * W;
-    auto fill_nan = [out] { out.fill_(std::numeric_limits<float>::quiet_NaN()); };
+    auto fill_nan = [out] {
+      out.fill_(std::numeric_limits<float>::quiet_NaN());
+    };
     auto check = [out, calls, piece, W] {
       int64_t wrong = 0;
       for (int64_t i = 0; i < calls; ++i)
-        for (int q = 0; q < W; ++q)
-          wrong += wrong_gathered(out.narrow(0, (i * W + q) * piece, piece), q, i * piece);
+        for (int q = 0; q < W; ++q) wrong += wrong_gathered(out.narrow(0, (i * W + q) * piece, piece), q, i * piece);
       return wrong;
     };
     const double bus = double(W - 1) / W;
@@ -507,8 +517,8 @@ void split_section(Bench& b) {
                        std::vector<fsdp::WorkPtr> works;
                        works.reserve(calls);
                        for (int64_t i = 0; i < calls; ++i)
-                         works.push_back(b.ours->all_gather_into(out.narrow(0, i * count, count),
-                                                                 in.narrow(0, i * piece, piece)));
+                         works.push_back(
+                             b.ours->all_gather_into(out.narrow(0, i * count, count), in.narrow(0, i * piece, piece)));
                        for (auto& w : works) w->wait();
                      },
                      check});
@@ -538,9 +548,9 @@ void split_section(Bench& b) {
 
 void model_section(Bench& b) {
   const int W = b.world, r = b.rank;
-  fsdp::NetworkModel model = b.env_model ? *b.env_model
-                                         : fsdp::NetworkModel::parse(b.flags.model.empty() ? kDefaultModel : b.flags.model,
-                                                                     "--model");
+  fsdp::NetworkModel model =
+      b.env_model ? *b.env_model
+                  : fsdp::NetworkModel::parse(b.flags.model.empty() ? kDefaultModel : b.flags.model, "--model");
   const char* source = b.env_model ? "FSDP_NETWORK_MODEL" : (b.flags.model.empty() ? "default" : "--model");
   if (model.ranks_per_host() == 0) model.ranks_per_host(b.pg->env().local_world_size);
   std::vector<int> ranks(W);
@@ -558,7 +568,9 @@ void model_section(Bench& b) {
     const int64_t total = n * W;
     at::Tensor in = gather_values(r, 0, n);
     at::Tensor out = torch::empty({total});
-    auto fill_nan = [out] { out.fill_(std::numeric_limits<float>::quiet_NaN()); };
+    auto fill_nan = [out] {
+      out.fill_(std::numeric_limits<float>::quiet_NaN());
+    };
     auto check = [out, n, W] {
       int64_t wrong = 0;
       for (int q = 0; q < W; ++q) wrong += wrong_gathered(out.narrow(0, q * n, n), q, 0);
@@ -608,36 +620,51 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"memcpy", "allgather", "reduce_scatter", "split", "model"}))
       ->capture_default_str();
   app.add_option("-b,--min-bytes", f.min_bytes, "smallest collective, bytes (allgather, reduce_scatter)")
-      ->transform(CLI::AsSizeValue(false))->capture_default_str();
-  app.add_option("-e,--max-bytes", f.max_bytes, "largest collective, bytes")->transform(CLI::AsSizeValue(false))
+      ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
-  app.add_option("-f,--factor", f.factor, "size multiplier between rows")->check(CLI::Range(2, 1 << 20))
+  app.add_option("-e,--max-bytes", f.max_bytes, "largest collective, bytes")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("-f,--factor", f.factor, "size multiplier between rows")
+      ->check(CLI::Range(2, 1 << 20))
       ->capture_default_str();
   app.add_option("-n,--iters", f.iters, "timed iterations per path and size (median reported)")
-      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  app.add_option("-w,--warmup", f.warmup, "untimed iterations per path and size")->check(CLI::Range(0, 1 << 20))
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("-w,--warmup", f.warmup, "untimed iterations per path and size")
+      ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
   app.add_option("--min-seconds", f.min_seconds,
                  "more iterations (up to --max-iters) until a path's timed runs take about this long")
-      ->check(CLI::Range(0.0, 3600.0))->capture_default_str();
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
   app.add_option("--max-iters", f.max_iters)->check(CLI::Range(1, 1 << 20))->capture_default_str();
   app.add_option("--uneven-shift", f.uneven_shift, "elements moved from rank 1 to rank 0 for the uneven paths")
-      ->delimiter(',')->capture_default_str();
-  app.add_option("--split-total", f.split_total, "Fig. 2b: total output elements per rank (K/M/G suffixes = 2^10..)")
-      ->transform(CLI::AsSizeValue(false))->capture_default_str();
-  app.add_option("--split-min", f.split_min, "Fig. 2b: smallest collective, elements")
-      ->transform(CLI::AsSizeValue(false))->capture_default_str();
-  app.add_option("--split-max", f.split_max, "Fig. 2b: largest collective, elements")
-      ->transform(CLI::AsSizeValue(false))->capture_default_str();
-  app.add_option("--split-iters", f.split_iters, "Fig. 2b: timed passes per size")->check(CLI::Range(1, 1 << 20))
+      ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--split-warmup", f.split_warmup, "Fig. 2b: untimed passes per size (the correctness pass is one more)")
-      ->check(CLI::Range(0, 1 << 20))->capture_default_str();
+  app.add_option("--split-total", f.split_total, "Fig. 2b: total output elements per rank (K/M/G suffixes = 2^10..)")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--split-min", f.split_min, "Fig. 2b: smallest collective, elements")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--split-max", f.split_max, "Fig. 2b: largest collective, elements")
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
+  app.add_option("--split-iters", f.split_iters, "Fig. 2b: timed passes per size")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--split-warmup", f.split_warmup,
+                 "Fig. 2b: untimed passes per size (the correctness pass is one more)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
   app.add_option("--memcpy-bytes", f.memcpy_bytes, "buffer for the memcpy reference")
-      ->transform(CLI::AsSizeValue(false))->capture_default_str();
+      ->transform(CLI::AsSizeValue(false))
+      ->capture_default_str();
   app.add_option("--model", f.model,
                  std::string("network model for the model section (FSDP_NETWORK_MODEL syntax); default: "
-                             "FSDP_NETWORK_MODEL if set, else ") + kDefaultModel);
+                             "FSDP_NETWORK_MODEL if set, else ") +
+                     kDefaultModel);
   app.add_option("--model-min-bytes", f.model_min_bytes)->transform(CLI::AsSizeValue(false))->capture_default_str();
   app.add_option("--model-max-bytes", f.model_max_bytes)->transform(CLI::AsSizeValue(false))->capture_default_str();
   app.add_option("--model-factor", f.model_factor)->check(CLI::Range(2, 1 << 20))->capture_default_str();
@@ -646,10 +673,12 @@ int main(int argc, char** argv) {
                "benchmark fails (used by ctest to show the check works)");
   CLI11_PARSE(app, argc, argv);
 
-  auto has = [&](const char* s) { return std::find(f.sections.begin(), f.sections.end(), s) != f.sections.end(); };
+  auto has = [&](const char* s) {
+    return std::find(f.sections.begin(), f.sections.end(), s) != f.sections.end();
+  };
   try {
-    FSDP_CHECK(f.min_bytes >= 1 && f.min_bytes <= f.max_bytes, "--min-bytes ", f.min_bytes, " must be in [1, --max-bytes ",
-               f.max_bytes, "]");
+    FSDP_CHECK(f.min_bytes >= 1 && f.min_bytes <= f.max_bytes, "--min-bytes ", f.min_bytes,
+               " must be in [1, --max-bytes ", f.max_bytes, "]");
     FSDP_CHECK(f.split_min >= 1 && f.split_min <= f.split_max && f.split_min <= f.split_total, "--split-min ",
                f.split_min, " must be in [1, min(--split-max, --split-total)]");
     // The model section models explicitly; every other path must run on the real transport.
@@ -662,7 +691,7 @@ int main(int argc, char** argv) {
     b.world = b.pg->size();
     b.ours = b.pg->world();
     FSDP_CHECK(b.world >= 2, "the collectives benchmark needs at least 2 ranks; launch it with "
-               "fsdp-run --nproc-per-node 2 (or more)");
+                             "fsdp-run --nproc-per-node 2 (or more)");
     const std::string host = b.pg->env().master_addr;
     const bool loopback = host == "localhost" || host.rfind("127.", 0) == 0;
     auto device = loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")

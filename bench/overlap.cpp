@@ -10,8 +10,8 @@
 // time per iteration (iteration time minus the time spent waiting on collectives, max over ranks)
 // and the bytes its collectives move set the modeled bandwidth: bandwidth = bytes on the wire per
 // iteration / (comm_ratio x compute time). --gbps fixes it instead.
-#include <filesystem>
 #include <CLI/CLI.hpp>
+#include <filesystem>
 
 #include <algorithm>
 #include <cctype>
@@ -60,7 +60,7 @@ struct Config {
   std::string name;
   fsdp::BackwardPrefetch backward;
   bool forward;
-  int limit;  // 0: limiter off
+  int limit;           // 0: limiter off
   int reductions = 2;  // Options::reductions_in_flight
 };
 
@@ -150,7 +150,8 @@ int main(int argc, char** argv) {
   app.add_option("--layers", a.layers, "blocks (one unit each)")->check(CLI::Range(1, 256));
   app.add_option("--width", a.width, "model width d (block: d -> 4d -> d)")->check(CLI::Range(8, 16384));
   app.add_option("--batch", a.batch, "rows per rank")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--steps", a.steps, "measured iterations per configuration and repetition")->check(CLI::Range(1, 10000));
+  app.add_option("--steps", a.steps, "measured iterations per configuration and repetition")
+      ->check(CLI::Range(1, 10000));
   app.add_option("--warmup", a.warmup, "unmeasured iterations first")->check(CLI::Range(0, 1000));
   app.add_option("--reps", a.reps, "repetitions; configurations are interleaved")->check(CLI::Range(1, 1000));
   app.add_option("--gbps", a.gbps, "modeled bandwidth in GB/s (0: calibrate so that comm = comm-ratio x compute)")
@@ -195,10 +196,11 @@ int main(int argc, char** argv) {
 
     if (root) {
       std::cout << "# libfsdp overlap benchmark (communication MODELED, computation real)\n"
-                << "# world " << pg->size() << ", " << a.layers << " blocks of width " << a.width << " (+ root in/out), batch "
-                << a.batch << "/rank, AdamW, FULL_SHARD, one unit per block\n"
+                << "# world " << pg->size() << ", " << a.layers << " blocks of width " << a.width
+                << " (+ root in/out), batch " << a.batch << "/rank, AdamW, FULL_SHARD, one unit per block\n"
                 << "# calibration (no prefetch, real loopback Gloo): step " << std::fixed << std::setprecision(1)
-                << calib_step_ms << " ms, of which compute (not waiting on collectives) " << compute_ms << " ms; " << wire_bytes / 1e6 << " MB on the wire per rank per iteration\n"
+                << calib_step_ms << " ms, of which compute (not waiting on collectives) " << compute_ms << " ms; "
+                << wire_bytes / 1e6 << " MB on the wire per rank per iteration\n"
                 << "# " << model.describe() << "  => modeled comm " << wire_bytes / (gbps * 1e9) * 1e3
                 << " ms/iteration (~" << std::setprecision(2) << wire_bytes / (gbps * 1e9) * 1e3 / compute_ms
                 << "x compute)\n"
@@ -219,7 +221,8 @@ int main(int argc, char** argv) {
     for (int rep = 0; rep < a.reps; ++rep)
       for (const auto& c : configs) {
         const bool traced = rep == a.reps - 1 && !a.trace_dir.empty();
-        auto s = run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_dir + "/overlap_" + slug(c.name) + ".json" : "");
+        auto s =
+            run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_dir + "/overlap_" + slug(c.name) + ".json" : "");
         results[c.name].insert(results[c.name].end(), s.begin() + a.warmup, s.end());
       }
 
@@ -240,8 +243,8 @@ int main(int argc, char** argv) {
         most = std::max(most, s.max_unsharded);
       }
       // The slowest rank sets the pace; report it.
-      rows[c.name] = {max_over_ranks(*pg, median(step)), max_over_ranks(*pg, median(comm)),
-                      max_over_ranks(*pg, median(exposed)), max_over_ranks(*pg, median(peak)),
+      rows[c.name] = {max_over_ranks(*pg, median(step)),      max_over_ranks(*pg, median(comm)),
+                      max_over_ranks(*pg, median(exposed)),   max_over_ranks(*pg, median(peak)),
                       max_over_ranks(*pg, median(grad_peak)), int(max_over_ranks(*pg, most))};
     }
     if (root) {
@@ -256,7 +259,8 @@ int main(int argc, char** argv) {
       }
       std::printf("# * comm ms: sum of the collectives' durations per iteration as the modeled network completed them "
                   "(MODELED); exposed ms: time the compute thread waited for collectives (measured); peak MB: FSDP "
-                  "parameter storage; grad MB: FSDP gradient storage (shards and unsharded buffers); unsharded: most non-root units unsharded at once\n");
+                  "parameter storage; grad MB: FSDP gradient storage (shards and unsharded buffers); unsharded: most "
+                  "non-root units unsharded at once\n");
     }
     pg->world()->barrier();
   } catch (const std::exception& e) {

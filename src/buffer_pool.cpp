@@ -22,8 +22,10 @@ void* raw_alloc(size_t bytes) {
 }
 
 void raw_free(void* p, size_t bytes) {
-  if (bytes < kMapThreshold) c10::free_cpu(p);
-  else ::munmap(p, bytes);
+  if (bytes < kMapThreshold)
+    c10::free_cpu(p);
+  else
+    ::munmap(p, bytes);
 }
 
 }  // namespace
@@ -94,11 +96,16 @@ at::DataPtr BufferPool::allocate(size_t bytes, c10::Device device) {
     ++state_->system_allocations;
   }
   auto* ctx = new Block{p, bytes, state_};
-  return at::DataPtr(p, ctx, [](void* c) {
-    std::unique_ptr<Block> block(static_cast<Block*>(c));
-    if (auto pool = block->pool.lock()) pool->put(block->ptr, block->bytes);
-    else raw_free(block->ptr, block->bytes);
-  }, cpu);
+  return at::DataPtr(
+      p, ctx,
+      [](void* c) {
+        std::unique_ptr<Block> block(static_cast<Block*>(c));
+        if (auto pool = block->pool.lock())
+          pool->put(block->ptr, block->bytes);
+        else
+          raw_free(block->ptr, block->bytes);
+      },
+      cpu);
 }
 
 at::Tensor BufferPool::empty(int64_t numel, const at::TensorOptions& options) {

@@ -3,8 +3,8 @@
 // reduction outputs) across units and iterations, kept by exact byte size; idle memory counts as
 // "cached" until release_cached(). Large blocks are mapped directly (Note [Buffer reuse] in
 // docs/design.md).
-#include <c10/core/Allocator.h>
 #include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
 
 #include <cstddef>
 #include <cstdint>

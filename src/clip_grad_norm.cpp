@@ -29,8 +29,10 @@ double clip_grad_norm(FsdpState& state, double max_norm, double norm_type) {
     at::Tensor gd = g.to(at::kDouble);
     if (gd.is_sparse()) gd = gd.coalesce().values();
     if (gd.numel() == 0) continue;
-    if (inf) local = at::maximum(local, gd.abs().max().reshape({1}));
-    else local += gd.norm(norm_type).pow(norm_type).reshape({1});
+    if (inf)
+      local = at::maximum(local, gd.abs().max().reshape({1}));
+    else
+      local += gd.norm(norm_type).pow(norm_type).reshape({1});
   }
   // Pieces are disjoint within a shard group and identical across replicas (NO_SHARD's whole
   // model, HYBRID_SHARD's replica groups), so the parts are combined over the shard group only.

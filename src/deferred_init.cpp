@@ -35,9 +35,7 @@ void to_meta_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, t
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(_, DeferredInit, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&to_meta_fallback>());
-}
+TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&to_meta_fallback>()); }
 
 DeferredInit::DeferredInit() : previous_(c10::impl::tls_is_dispatch_key_included(kDeferredKey)) {
   c10::impl::tls_set_dispatch_key_included(kDeferredKey, true);
@@ -65,10 +63,10 @@ bool deferring() { return false; }
 void reset_parameters(const std::string& name, torch::nn::Module& module) {
   namespace nn = torch::nn;
 // The LibTorch modules whose reset_parameters() initializes everything they register.
-#define FSDP_RESET_IF(Type)                                    \
-  if (auto* m = module.as<nn::Type>()) {                       \
-    m->reset_parameters();                                     \
-    return;                                                    \
+#define FSDP_RESET_IF(Type)              \
+  if (auto* m = module.as<nn::Type>()) { \
+    m->reset_parameters();               \
+    return;                              \
   }
   FSDP_RESET_IF(Linear)
   FSDP_RESET_IF(Bilinear)
@@ -108,14 +106,14 @@ bool has_deferred_tensors(const torch::nn::Module& module) {
 
 void materialize(torch::nn::Module& module, const ParamInitFn& init, c10::Device device) {
   detail::check_not_deferring("fsdp::materialize");
-  for (const auto& visit : detail::modules_in_preorder(module))
-    detail::materialize_own_tensors(visit, init, device);
+  for (const auto& visit : detail::modules_in_preorder(module)) detail::materialize_own_tensors(visit, init, device);
 }
 
 namespace detail {
 
 void check_not_deferring(const char* what) {
-  FSDP_CHECK(!deferring(), what, " was called inside a fsdp::DeferredInit scope, where every new tensor is a meta "
+  FSDP_CHECK(!deferring(), what,
+             " was called inside a fsdp::DeferredInit scope, where every new tensor is a meta "
              "tensor; end the scope after constructing the model and call it outside");
 }
 

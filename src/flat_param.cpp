@@ -5,8 +5,8 @@
 
 namespace fsdp {
 
-FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group,
-                     MemoryTracker* memory, BufferPool* buffers)
+FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group, MemoryTracker* memory,
+                     BufferPool* buffers)
     : id_(id), unit_(unit), slots_(std::move(slots)), group_(group), memory_(memory), buffers_(buffers) {
   FSDP_CHECK(!slots_.empty(), "internal: empty FlatParameter");
   InternalOpGuard internal;
@@ -49,8 +49,8 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
     if (b >= e) continue;
     s.piece_offset = b - lo;
     s.piece_numel = e - b;
-    s.piece = at::empty({0}, shard_.options()).set_(shard_.storage(), shard_.storage_offset() + s.piece_offset,
-                                                      {s.piece_numel}, {1});
+    s.piece = at::empty({0}, shard_.options())
+                  .set_(shard_.storage(), shard_.storage_offset() + s.piece_offset, {s.piece_numel}, {1});
     s.piece.set_requires_grad(requires_grad_);
   }
   gathered_version_ = shard_version();
@@ -111,7 +111,8 @@ std::string FlatParam::reduce_track() const {
 }
 
 bool FlatParam::is_grad_alias(const ParamSlot& s, const at::Tensor& g) const {
-  return full_grad_.defined() && g.defined() && g.storage().unsafeGetStorageImpl() == full_grad_.storage().unsafeGetStorageImpl() &&
+  return full_grad_.defined() && g.defined() &&
+         g.storage().unsafeGetStorageImpl() == full_grad_.storage().unsafeGetStorageImpl() &&
          g.storage_offset() == s.piece_offset && g.dim() == 1 && g.numel() == s.piece_numel && g.is_contiguous();
 }
 
@@ -221,8 +222,7 @@ void FlatParam::finish_reduce() {
       ParamSlot& s = slots_[i];
       if (!s.piece.defined() || !(s.got_grad || kept_[i])) continue;  // unused: no gradient, as in local training
       at::Tensor& g = s.piece.mutable_grad();
-      if (!is_grad_alias(s, g))
-        g = grad_alias(s);
+      if (!is_grad_alias(s, g)) g = grad_alias(s);
     }
     full_grad_ = at::Tensor();  // the pieces' gradients keep the store alive
     reduced_ = at::Tensor();
@@ -237,8 +237,10 @@ void FlatParam::finish_reduce() {
     at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
     at::Tensor& g = s.piece.mutable_grad();
     // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
-    if (g.defined()) g.add_(part, scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
-    else g = part.mul(scale);
+    if (g.defined())
+      g.add_(part, scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
+    else
+      g = part.mul(scale);
   }
   memory_->add_grad(-shard_numel_ * element_size_);
   reduced_ = at::Tensor();

@@ -4,8 +4,8 @@
 // into F equal shards. The module's parameters become views of one flat storage that is freed
 // while sharded and refilled in place by an all-gather, so autograd's saved views, the
 // parameters' identities and their visible shapes survive every reshard.
-#include <torch/torch.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/torch.h>
 
 #include <memory>
 #include <string>
@@ -19,9 +19,9 @@
 namespace fsdp {
 
 struct ParamSlot {
-  std::string name;  // first qualified name in the module tree
+  std::string name;                  // first qualified name in the module tree
   std::vector<std::string> aliases;  // further names of a shared (tied) parameter
-  at::Tensor param;  // the module's own parameter (identity kept)
+  at::Tensor param;                  // the module's own parameter (identity kept)
   std::vector<int64_t> shape;
   int64_t offset = 0;  // in the unsharded flat buffer
   int64_t numel = 0;
@@ -31,10 +31,9 @@ struct ParamSlot {
   int64_t piece_offset = 0;  // in the shard
   int64_t piece_numel = 0;
   std::shared_ptr<torch::autograd::Node> grad_accumulator;  // kept alive: autograd holds it weakly
-  bool used = false;      // an op read it with grad mode on since the last backward
-  bool got_grad = false;  // its AccumulateGrad ran in this backward
+  bool used = false;                                        // an op read it with grad mode on since the last backward
+  bool got_grad = false;                                    // its AccumulateGrad ran in this backward
 };
-
 
 class FlatParam {
  public:
@@ -63,7 +62,10 @@ class FlatParam {
   bool unshard_pending() const { return gather_work_ != nullptr; }
   const WorkPtr& gather_work() const { return gather_work_; }
   void wait_unshard();
-  void unshard() { start_unshard(); wait_unshard(); }
+  void unshard() {
+    start_unshard();
+    wait_unshard();
+  }
   void reshard();  // free the flat storage (after waiting for a gather in flight into it)
   // The communicator the all-gather and the reduction run on (for traces).
   std::string gather_track() const;
@@ -118,7 +120,7 @@ class FlatParam {
   // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
   at::Tensor grad_alias(const ParamSlot& s) const;
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g) const;
-  at::Tensor reduced_;  // the reduction's output
+  at::Tensor reduced_;    // the reduction's output
   WorkPtr pending_work_;  // reduce-scatter (or all-reduce) in flight
   WorkPtr gather_work_;   // all-gather in flight into full_
 };

@@ -33,8 +33,7 @@ std::vector<UnitInfo> describe_units(const FsdpState& state) {
 }
 }  // namespace
 
-FullyShardedModule::FullyShardedModule(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg,
-                                       Options options)
+FullyShardedModule::FullyShardedModule(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options)
     : state_(std::make_unique<FsdpState>(std::move(module), std::move(pg), std::move(options))),
       hooks_(std::make_unique<Hooks>(*state_)),
       units_(describe_units(*state_)) {}
@@ -45,7 +44,8 @@ std::shared_ptr<FullyShardedModule> fully_shard(std::shared_ptr<torch::nn::Modul
                                                 Options options) {
   FSDP_CHECK(module != nullptr, "fully_shard: the module is null");
   const std::string managed = Hooks::managed_parameter(*module);
-  FSDP_CHECK(managed.empty(), "fully_shard: parameter '", managed, "' is already sharded by an earlier fully_shard() "
+  FSDP_CHECK(managed.empty(), "fully_shard: parameter '", managed,
+             "' is already sharded by an earlier fully_shard() "
              "whose handle is still alive; call fully_shard() once per model and keep the handle it returned (or "
              "drop that handle first)");
   return std::shared_ptr<FullyShardedModule>(
@@ -124,7 +124,8 @@ std::string FullyShardedModule::describe() const {
   o << "FSDP " << to_string(sharding_strategy()) << ", world " << world_size() << ", sharding factor "
     << sharding_factor() << ", " << units().size() << " units\n";
   o << "  " << std::left << std::setw(28) << "unit" << std::right << std::setw(8) << "params" << std::setw(14)
-    << "numel" << std::setw(14) << "padded" << std::setw(14) << "shard bytes" << "\n";
+    << "numel" << std::setw(14) << "padded" << std::setw(14) << "shard bytes"
+    << "\n";
   for (const auto& u : units())
     o << "  " << std::left << std::setw(28) << (u.name.empty() ? "<root>" : u.name) << std::right << std::setw(8)
       << u.parameters.size() << std::setw(14) << u.numel << std::setw(14) << u.padded_numel << std::setw(14)

@@ -48,9 +48,7 @@ int parse_int(const char* name, const char* value, int lo, int hi) {
 }
 
 #ifdef FSDP_WITH_GLOO
-bool is_loopback(const std::string& addr) {
-  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
-}
+bool is_loopback(const std::string& addr) { return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1"; }
 
 // The local address this host uses to reach `peer` (an address or a host name): connecting a
 // UDP socket sends nothing but makes the kernel pick the route, and getsockname() tells the
@@ -70,8 +68,7 @@ std::string local_address_towards(const std::string& peer, int port) {
     sockaddr_storage self{};
     socklen_t len = sizeof(self);
     char buf[INET6_ADDRSTRLEN] = {0};
-    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0) {
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0) {
       const void* addr = self.ss_family == AF_INET
                              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&self)->sin_addr)
                              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&self)->sin6_addr);
@@ -127,9 +124,11 @@ RankEnv RankEnv::from_env() {
   }
   rank = env_or_null(rank_name);
   world = env_or_null(world_name);
-  FSDP_CHECK(rank, world_name, " is set but ", rank_name, " is not; launch every rank with fsdp-run (or torchrun/"
+  FSDP_CHECK(rank, world_name, " is set but ", rank_name,
+             " is not; launch every rank with fsdp-run (or torchrun/"
              "mpirun/srun), which sets both");
-  FSDP_CHECK(world, rank_name, " is set but ", world_name, " is not; launch every rank with fsdp-run (or torchrun/"
+  FSDP_CHECK(world, rank_name, " is set but ", world_name,
+             " is not; launch every rank with fsdp-run (or torchrun/"
              "mpirun/srun), which sets both");
   e.world_size = parse_int(world_name, world, 1, 1 << 20);
   e.rank = parse_int(rank_name, rank, 0, 1 << 20);
@@ -171,7 +170,8 @@ Transport parse_transport(const std::string& name, const char* source) {
   if (name == "auto") return Transport::kAuto;
   if (name == "tcp") return Transport::kTcp;
   if (name == "shm") return Transport::kSharedMemory;
-  FSDP_FAIL(source, "=", name, " is not a transport; use auto (shared memory within a host, TCP across hosts), "
+  FSDP_FAIL(source, "=", name,
+            " is not a transport; use auto (shared memory within a host, TCP across hosts), "
             "tcp (Gloo over TCP) or shm (shared memory)");
 }
 
@@ -263,9 +263,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   try {
     pg->impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
   } catch (const std::exception& e) {
-    FSDP_FAIL("rank ", env.rank, " could not rendezvous at MASTER_ADDR=", env.master_addr, " MASTER_PORT=",
-              env.master_port, " (", e.what(), "). Check that rank 0 is running, the address is reachable, the port "
-              "is free, and every rank got the same WORLD_SIZE=", env.world_size);
+    FSDP_FAIL("rank ", env.rank, " could not rendezvous at MASTER_ADDR=", env.master_addr,
+              " MASTER_PORT=", env.master_port, " (", e.what(),
+              "). Check that rank 0 is running, the address is reachable, the port "
+              "is free, and every rank got the same WORLD_SIZE=",
+              env.world_size);
   }
 
 #ifdef FSDP_WITH_GLOO
@@ -282,11 +284,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   }
   pg->impl_->attr = attr;
 #endif
-  pg->world_ = pg->new_group([&] {
-    std::vector<int> all(env.world_size);
-    for (int i = 0; i < env.world_size; ++i) all[i] = i;
-    return all;
-  }(), "world");
+  pg->world_ = pg->new_group(
+      [&] {
+        std::vector<int> all(env.world_size);
+        for (int i = 0; i < env.world_size; ++i) all[i] = i;
+        return all;
+      }(),
+      "world");
   return pg;
 }
 
@@ -348,7 +352,8 @@ CommunicatorPtr ProcessGroup::connect_gloo(const c10::intrusive_ptr<c10d::Store>
                                            const std::string& id) {
 #ifndef FSDP_WITH_GLOO
   if (size == 1) return make_self_communicator(id);
-  FSDP_FAIL("rank ", rank(), " cannot connect ", id, " over TCP: this build of libfsdp has no Gloo (PyTorch's own "
+  FSDP_FAIL("rank ", rank(), " cannot connect ", id,
+            " over TCP: this build of libfsdp has no Gloo (PyTorch's own "
             "LibTorch ships no Gloo headers). Within one host use the shared-memory transport (FSDP_TRANSPORT=shm), "
             "or build against a LibTorch with Gloo (Debian's libtorch-dev + libgloo-dev)");
 #else

@@ -26,7 +26,7 @@ std::vector<Node> module_tree(torch::nn::Module& root) {
   std::vector<Node> nodes;
   std::set<torch::nn::Module*> seen;
   std::function<void(torch::nn::Module&, const std::string&, int)> walk = [&](torch::nn::Module& m,
-                                                                               const std::string& name, int parent) {
+                                                                              const std::string& name, int parent) {
     const int i = static_cast<int>(nodes.size());
     seen.insert(&m);
     nodes.push_back({&m, name, parent, {}});
@@ -45,7 +45,8 @@ std::vector<Node> module_tree(torch::nn::Module& root) {
 std::vector<char> choose_units(const std::vector<Node>& nodes, const Options& options) {
   std::set<torch::nn::Module*> annotated;
   for (const auto& m : options.wrap_modules()) {
-    const bool in_model = m && std::any_of(nodes.begin(), nodes.end(), [&](const Node& n) { return n.module == m.get(); });
+    const bool in_model =
+        m && std::any_of(nodes.begin(), nodes.end(), [&](const Node& n) { return n.module == m.get(); });
     FSDP_CHECK(in_model, "Options::wrap_modules lists a module that is not part of the model");
     annotated.insert(m.get());
   }
@@ -60,7 +61,8 @@ std::vector<char> choose_units(const std::vector<Node>& nodes, const Options& op
       is_unit[i] = 1;
       return 0;
     }
-    const bool policy = options.auto_wrap_policy() && options.auto_wrap_policy()(nodes[i].name, *nodes[i].module, unwrapped);
+    const bool policy =
+        options.auto_wrap_policy() && options.auto_wrap_policy()(nodes[i].name, *nodes[i].module, unwrapped);
     const bool explicit_unit = dynamic_cast<const ExplicitUnit*>(nodes[i].module) != nullptr;
     if (policy || explicit_unit || annotated.count(nodes[i].module)) {
       is_unit[i] = 1;
@@ -177,17 +179,19 @@ UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device
     for (size_t i = 0; i < plan.params.size(); ++i) {
       const at::Tensor& p = plan.params[i].param;
       if (plan.params[i].unit != static_cast<int>(u)) continue;
-      auto it = std::find_if(plan.flat_params.begin() + first, plan.flat_params.end(), [&](const UnitPlan::FlatParam& f) {
-        const at::Tensor& q = plan.params[f.params[0]].param;
-        return q.scalar_type() == p.scalar_type() && q.requires_grad() == p.requires_grad();
-      });
+      auto it =
+          std::find_if(plan.flat_params.begin() + first, plan.flat_params.end(), [&](const UnitPlan::FlatParam& f) {
+            const at::Tensor& q = plan.params[f.params[0]].param;
+            return q.scalar_type() == p.scalar_type() && q.requires_grad() == p.requires_grad();
+          });
       if (it == plan.flat_params.end()) {
         plan.flat_params.push_back({static_cast<int>(u), {}});
         it = plan.flat_params.end() - 1;
       }
       it->params.push_back(static_cast<int>(i));
     }
-    for (size_t id = first; id < plan.flat_params.size(); ++id) plan.units[u].flat_params.push_back(static_cast<int>(id));
+    for (size_t id = first; id < plan.flat_params.size(); ++id)
+      plan.units[u].flat_params.push_back(static_cast<int>(id));
   }
   return plan;
 }

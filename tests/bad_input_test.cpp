@@ -50,20 +50,24 @@ FSDP_WORKER(hybrid_factor_worker) {
   // once on a loaded machine).
   pg->world()->barrier();
   MLP model(6, 10, 3, 2);
-  fsdp::fully_shard(model, pg, fsdp::Options().sharding_strategy(fsdp::ShardingStrategy::kHybridShard).sharding_factor(2));
+  fsdp::fully_shard(model, pg,
+                    fsdp::Options().sharding_strategy(fsdp::ShardingStrategy::kHybridShard).sharding_factor(2));
 }
 
 TEST(BadInput, HybridFactorMustDivideWorldSize) {
   auto r = launch("hybrid_factor_worker", 3, {}, 120);
   ASSERT_FALSE(r.timed_out) << r.report();
-  for (const auto& rank : r.ranks) EXPECT_TRUE(contains(rank.output, "world size 3 is not divisible by the sharding factor 2")) << rank.output;
+  for (const auto& rank : r.ranks)
+    EXPECT_TRUE(contains(rank.output, "world size 3 is not divisible by the sharding factor 2")) << rank.output;
 }
 
 FSDP_WORKER(shared_param_error_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   TinyTransformer model(32, 16, 2, 1, 8);
-  fsdp::fully_shard(model, pg, fsdp::Options().wrap_modules({model->tok.ptr(), model->head.ptr()})
-                                   .shared_parameters(fsdp::SharedParameterPolicy::kError));
+  fsdp::fully_shard(model, pg,
+                    fsdp::Options()
+                        .wrap_modules({model->tok.ptr(), model->head.ptr()})
+                        .shared_parameters(fsdp::SharedParameterPolicy::kError));
 }
 
 TEST(BadInput, SharedParameterAcrossUnitsRefusedWhenAskedTo) {
@@ -75,7 +79,8 @@ TEST(BadInput, SharedParameterAcrossUnitsRefusedWhenAskedTo) {
 FSDP_WORKER(wrong_optimizer_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
-  auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
   torch::optim::SGD wrong(model->parameters(), 0.1);
   try {
     sharded->check_optimizer(wrong);
@@ -107,7 +112,8 @@ TEST(BadInput, OptimizerOverOriginalParametersIsDetected) {
 FSDP_WORKER(dead_rank_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
-  auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
   torch::optim::SGD opt(sharded->parameters(), 0.1);
   for (int step = 0; step < 50; ++step) {
     if (step == 2 && ctx.rank == 1) _exit(3);

@@ -66,8 +66,8 @@ FSDP_WORKER(buffer_reuse_worker) {
   for (bool reuse : {true, false}) {
     torch::manual_seed(3);
     MLP model(6, 24, 3, 4);
-    auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>())
-                                                    .reuse_buffers(reuse));
+    auto sharded = fsdp::fully_shard(
+        model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()).reuse_buffers(reuse));
     torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
     int64_t after_first = 0;
     for (int step = 0; step < 5; ++step) {
@@ -81,8 +81,8 @@ FSDP_WORKER(buffer_reuse_worker) {
     auto stats = sharded->memory_stats();
     const int units = static_cast<int>(sharded->units().size());
     if (reuse) {
-      WORKER_CHECK(stats.system_allocations == after_first, "with reuse_buffers, ", stats.system_allocations - after_first,
-                   " buffers were allocated after the second iteration");
+      WORKER_CHECK(stats.system_allocations == after_first, "with reuse_buffers, ",
+                   stats.system_allocations - after_first, " buffers were allocated after the second iteration");
       WORKER_CHECK(stats.cached_bytes > 0, "nothing cached after training with reuse_buffers");
       sharded->release_cached_memory();
       WORKER_CHECK(sharded->memory_stats().cached_bytes == 0, "release_cached_memory left bytes cached");
@@ -95,7 +95,8 @@ FSDP_WORKER(buffer_reuse_worker) {
     results.push_back(sharded->full_state_dict());
   }
   for (const auto& kv : results[0])
-    WORKER_CHECK(at::equal(kv.second, results[1].at(kv.first)), "parameter ", kv.first, " differs with reuse on and off");
+    WORKER_CHECK(at::equal(kv.second, results[1].at(kv.first)), "parameter ", kv.first,
+                 " differs with reuse on and off");
   if (ctx.rank == 0) std::cout << "reuse ok" << std::endl;
 }
 

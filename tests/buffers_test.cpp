@@ -13,7 +13,8 @@ FSDP_WORKER(buffers_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   torch::manual_seed(5);
   Branchy model;
-  auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
   torch::optim::SGD opt(sharded->parameters(), 0.1);
   for (int step = 0; step < 3; ++step) {
     opt.zero_grad();

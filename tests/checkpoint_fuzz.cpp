@@ -37,7 +37,8 @@ Manifest seed_manifest() {
   m.parameters = {w, b};
   m.buffers = {TensorEntry{"bn.running_mean", {}, {10}, "F64", 10, -1, {{0, 10, 0, 2500, false, 0, {}}}}};
   m.optimizer_kind = "adamw";
-  m.optimizer_groups = {json{{"lr", 0.001}, {"betas", {0.9, 0.99}}, {"eps", 1e-8}, {"weight_decay", 0.1}, {"amsgrad", false}}};
+  m.optimizer_groups = {
+      json{{"lr", 0.001}, {"betas", {0.9, 0.99}}, {"eps", 1e-8}, {"weight_decay", 0.1}, {"amsgrad", false}}};
   m.extra = {{"step", "12"}, {"rng", std::string("\0\xff\x10", 3)}};
   return m;
 }
@@ -64,8 +65,10 @@ void mutate_structure(json& j, std::mt19937_64& rng) {
     json* child = node->is_array() ? &(*node)[i] : &std::next(node->begin(), static_cast<long>(i)).value();
     if (rng() % 3 == 0) {
       if (rng() % 2 == 0) {
-        if (node->is_array()) node->erase(i);
-        else node->erase(std::next(node->begin(), static_cast<long>(i)).key());
+        if (node->is_array())
+          node->erase(i);
+        else
+          node->erase(std::next(node->begin(), static_cast<long>(i)).key());
       } else {
         *child = random_value(rng);
       }
@@ -99,7 +102,8 @@ bool extents_inside_files(const Manifest& m) {
       if (es == 0) return false;
       int64_t covered = 0;
       for (const auto& p : t.pieces) {
-        if (p.file < 0 || p.file >= static_cast<int>(m.files.size()) || p.begin != covered || p.end <= p.begin) return false;
+        if (p.file < 0 || p.file >= static_cast<int>(m.files.size()) || p.begin != covered || p.end <= p.begin)
+          return false;
         covered = p.end;
         const uint64_t bytes = static_cast<uint64_t>((p.end - p.begin) * es), size = m.files[p.file].bytes;
         if (p.offset > size || bytes > size - p.offset) return false;
@@ -124,8 +128,8 @@ int main(int argc, char** argv) {
     std::cerr << "the seed manifest does not round-trip\n";
     return 1;
   }
-  std::vector<SafetensorsTensor> tensors{{"a.weight", "F32", {4, 8}, 0, 128}, {"a.bias", "BF16", {8}, 128, 144},
-                                         {"b", "I64", {3}, 144, 168}};
+  std::vector<SafetensorsTensor> tensors{
+      {"a.weight", "F32", {4, 8}, 0, 128}, {"a.bias", "BF16", {8}, 128, 144}, {"b", "I64", {3}, 144, 168}};
   const std::string header = make_safetensors_header(tensors, {{"format", "pt"}, {"libfsdp.aliases", "{\"c\":\"b\"}"}});
   const uint64_t seed_file_bytes = header.size() + 168;
   parse_safetensors_header(header.substr(8), seed_file_bytes, "seed");
@@ -152,7 +156,8 @@ int main(int argc, char** argv) {
     } catch (const fsdp::Error&) {
       ++errors;
     } catch (const std::exception& e) {
-      std::cerr << "iteration " << i << ": manifest raised " << e.what() << " (not fsdp::Error) for:\n" << input << "\n";
+      std::cerr << "iteration " << i << ": manifest raised " << e.what() << " (not fsdp::Error) for:\n"
+                << input << "\n";
       return 1;
     }
 

@@ -65,10 +65,14 @@ std::string arg(const std::map<std::string, std::string>& a, const std::string& 
 std::shared_ptr<torch::nn::Module> make_model(const std::string& model, at::ScalarType dtype) {
   torch::manual_seed(11);
   std::shared_ptr<torch::nn::Module> m;
-  if (model == "mlp") m = MLP(16, 32, 8, 3).ptr();
-  else if (model == "big_mlp") m = MLP(64, 512, 64, 4).ptr();
-  else if (model == "gpt_wide") m = TinyTransformer(32, 24, 2, 4, 8).ptr();
-  else m = TinyTransformer(32, 16, 2, 4, 8).ptr();
+  if (model == "mlp")
+    m = MLP(16, 32, 8, 3).ptr();
+  else if (model == "big_mlp")
+    m = MLP(64, 512, 64, 4).ptr();
+  else if (model == "gpt_wide")
+    m = TinyTransformer(32, 24, 2, 4, 8).ptr();
+  else
+    m = TinyTransformer(32, 16, 2, 4, 8).ptr();
   m->to(dtype);
   return m;
 }
@@ -81,17 +85,20 @@ fsdp::Options make_options(const std::string& strategy, const std::string& wrap)
   return o;
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, const std::vector<at::Tensor>& params) {
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
+                                                        const std::vector<at::Tensor>& params) {
   if (name == "sgd")
     return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
-  if (name == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01).weight_decay(0.01));
+  if (name == "adam")
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01).weight_decay(0.01));
   if (name == "rmsprop") return std::make_unique<torch::optim::RMSprop>(params, torch::optim::RMSpropOptions(0.01));
   return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
 }
 
 constexpr int kGlobalRows = 12;  // divisible by every world size used here
 
-at::Tensor step_loss(const std::string& model, torch::nn::Module& m, int step, int rank, int world, at::ScalarType dtype) {
+at::Tensor step_loss(const std::string& model, torch::nn::Module& m, int step, int rank, int world,
+                     at::ScalarType dtype) {
   auto gen = at::detail::createCPUGenerator(500 + step);
   const int rows = kGlobalRows / world;
   if (model == "mlp" || model == "big_mlp") {
@@ -217,7 +224,8 @@ double max_rel_diff(const std::map<std::string, std::string>& a, const std::map<
     const size_t n = va.size() / sizeof(double);
     EXPECT_EQ(va.size(), it->second.size()) << key;
     double diff = 0, scale = 0;
-    for (size_t i = 0; i < n; ++i) diff = std::max(diff, std::abs(x[i] - y[i])), scale = std::max(scale, std::abs(y[i]));
+    for (size_t i = 0; i < n; ++i)
+      diff = std::max(diff, std::abs(x[i] - y[i])), scale = std::max(scale, std::abs(y[i]));
     const double d = scale == 0 ? diff : diff / scale;
     if (d > worst_d) worst_d = d, *worst = key;
   }
@@ -244,7 +252,8 @@ TEST_P(ResumeTest, TrainingTwoNStepsEqualsNStepsSaveRestartLoadNSteps) {
     extra.insert(extra.begin(), common.begin(), common.end());
     return extra;
   };
-  auto whole = launch("ckpt_train", c.world, with({"first=0", "steps=" + std::to_string(2 * N), "save=" + (tmp / "whole")}));
+  auto whole =
+      launch("ckpt_train", c.world, with({"first=0", "steps=" + std::to_string(2 * N), "save=" + (tmp / "whole")}));
   ASSERT_TRUE(whole.all_ok()) << whole.report();
   auto part1 = launch("ckpt_train", c.world, with({"first=0", "steps=" + std::to_string(N), "save=" + (tmp / "mid")}));
   ASSERT_TRUE(part1.all_ok()) << part1.report();
@@ -285,10 +294,12 @@ TEST(CheckpointReshard, SavedAtWorld4LoadsAtWorlds3And2And1WithOtherStrategiesAn
     extra.insert(extra.begin(), f64.begin(), f64.end());
     return extra;
   };
-  auto saved = launch("ckpt_train", 4, with({"strategy=FULL_SHARD", "wrap=block", "first=0", "steps=3", "save=" + (tmp / "w4")}));
+  auto saved = launch("ckpt_train", 4,
+                      with({"strategy=FULL_SHARD", "wrap=block", "first=0", "steps=3", "save=" + (tmp / "w4")}));
   ASSERT_TRUE(saved.all_ok()) << saved.report();
-  auto ref = launch("ckpt_train", 4, with({"strategy=FULL_SHARD", "wrap=block", "load=" + (tmp / "w4"), "first=3",
-                                           "steps=3", "save=" + (tmp / "ref")}));
+  auto ref = launch("ckpt_train", 4,
+                    with({"strategy=FULL_SHARD", "wrap=block", "load=" + (tmp / "w4"), "first=3", "steps=3",
+                          "save=" + (tmp / "ref")}));
   ASSERT_TRUE(ref.all_ok()) << ref.report();
   const auto saved_contents = logical_contents(tmp / "w4");
   const auto ref_contents = logical_contents(tmp / "ref");
@@ -299,13 +310,13 @@ TEST(CheckpointReshard, SavedAtWorld4LoadsAtWorlds3And2And1WithOtherStrategiesAn
     int world;
     std::string strategy, wrap;
   };
-  for (const Layout& l : {Layout{3, "FULL_SHARD", "block"}, Layout{2, "SHARD_GRAD_OP", "none"}, Layout{1, "FULL_SHARD", "none"},
-                          Layout{4, "HYBRID_SHARD", "none"}}) {
+  for (const Layout& l : {Layout{3, "FULL_SHARD", "block"}, Layout{2, "SHARD_GRAD_OP", "none"},
+                          Layout{1, "FULL_SHARD", "none"}, Layout{4, "HYBRID_SHARD", "none"}}) {
     SCOPED_TRACE("world " + std::to_string(l.world) + " " + l.strategy + " wrap " + l.wrap);
     const std::string tag = std::to_string(l.world) + l.strategy;
     auto r = launch("ckpt_train", l.world,
-                    with({"strategy=" + l.strategy, "wrap=" + l.wrap, "load=" + (tmp / "w4"), "resave=" + (tmp / ("re" + tag)),
-                          "first=3", "steps=3", "save=" + (tmp / ("end" + tag))}));
+                    with({"strategy=" + l.strategy, "wrap=" + l.wrap, "load=" + (tmp / "w4"),
+                          "resave=" + (tmp / ("re" + tag)), "first=3", "steps=3", "save=" + (tmp / ("end" + tag))}));
     ASSERT_TRUE(r.all_ok()) << r.report();
     // What was loaded, saved again at this layout, is what was saved at world 4, bit for bit.
     const auto reloaded = logical_contents(tmp / ("re" + tag));
@@ -358,7 +369,9 @@ void flip_byte(const std::string& path, uint64_t at) {
 FSDP_WORKER(ckpt_bad_inputs) {
   const std::string dir = ctx.args.at(0);
   auto pg = fsdp::ProcessGroup::from_env();
-  auto barrier = [&] { pg->world()->barrier(); };
+  auto barrier = [&] {
+    pg->world()->barrier();
+  };
   auto model = make_model("gpt", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "block"));
   auto opt = make_optimizer("adamw", sharded->parameters());
@@ -389,12 +402,15 @@ FSDP_WORKER(ckpt_bad_inputs) {
                "unfinished save");
   expect_error([&] { ckpt::load(dir + "/truncated", *sharded, *opt); }, "but the manifest says", "truncated file");
   expect_error([&] { ckpt::load(dir + "/corrupted", *sharded, *opt); }, "is corrupted", "corrupted file");
-  expect_error([&] { ckpt::load(dir + "/corrupted", *sharded, *opt); }, "failed on rank 1", "corrupted file (agreement)");
+  expect_error([&] { ckpt::load(dir + "/corrupted", *sharded, *opt); }, "failed on rank 1",
+               "corrupted file (agreement)");
   expect_error([&] { ckpt::load(dir + "/bad_manifest", *sharded, *opt); }, "manifest", "corrupted manifest");
   expect_error([&] { ckpt::load(dir + "/cut_manifest", *sharded, *opt); }, "not valid JSON", "truncated manifest");
-  expect_error([&] { ckpt::load(dir + "/model_only", *sharded, *opt); }, "without optimizer state", "no optimizer state");
+  expect_error([&] { ckpt::load(dir + "/model_only", *sharded, *opt); }, "without optimizer state",
+               "no optimizer state");
   auto sgd = make_optimizer("sgd", sharded->parameters());
-  expect_error([&] { ckpt::load(good, *sharded, *sgd); }, "of kind 'adamw', but the optimizer given is of kind 'sgd'", "other optimizer kind");
+  expect_error([&] { ckpt::load(good, *sharded, *sgd); }, "of kind 'adamw', but the optimizer given is of kind 'sgd'",
+               "other optimizer kind");
   auto rms = make_optimizer("rmsprop", sharded->parameters());
   expect_error([&] { ckpt::save(dir + "/rms", *sharded, *rms); }, "AdamW", "unsupported optimizer");
   WORKER_CHECK(!fs::exists(dir + "/rms"), "a failed save left its directory");
@@ -403,7 +419,8 @@ FSDP_WORKER(ckpt_bad_inputs) {
     auto other_sharded = fsdp::fully_shard(other, pg, make_options("FULL_SHARD", "block"));
     expect_error([&] { ckpt::load(good, *other_sharded, nullptr); }, "has shape", "another model's shapes");
     ckpt::export_full(dir + "/wide.safetensors", *other_sharded);
-    expect_error([&] { ckpt::load_full(dir + "/wide.safetensors", *sharded); }, "has shape", "load_full of another model");
+    expect_error([&] { ckpt::load_full(dir + "/wide.safetensors", *sharded); }, "has shape",
+                 "load_full of another model");
   }
   {
     auto mlp = make_model("mlp", at::kFloat);
@@ -420,7 +437,8 @@ FSDP_WORKER(ckpt_bad_inputs) {
   }
   barrier();
   expect_error([&] { ckpt::load_full(dir + "/none.safetensors", *sharded); }, "cannot open", "missing safetensors");
-  expect_error([&] { ckpt::load_full(dir + "/cut.safetensors", *sharded); }, "safetensors file", "truncated safetensors");
+  expect_error([&] { ckpt::load_full(dir + "/cut.safetensors", *sharded); }, "safetensors file",
+               "truncated safetensors");
   // After all that, good files still load, on every rank, with the right values.
   const auto before = sharded->full_state_dict();
   ckpt::Extra extra;
@@ -558,7 +576,8 @@ FSDP_WORKER(ckpt_interop_export) {
   if (ctx.rank != 0) return;
   nlohmann::json ref = nlohmann::json::object();
   for (const auto& [name, t] : full)
-    ref[name] = {{"dtype", t.scalar_type() == at::kFloat ? "F32" : "other"}, {"shape", t.sizes().vec()}, {"hex", hex_of(t)}};
+    ref[name] = {
+        {"dtype", t.scalar_type() == at::kFloat ? "F32" : "other"}, {"shape", t.sizes().vec()}, {"hex", hex_of(t)}};
   std::ofstream(ctx.args.at(1)) << ref.dump();
 }
 

@@ -43,9 +43,7 @@ TEST(DeferredInit, StandardModulesMaterializeToTheValuesOfAnEagerBuild) {
   Standard deferred(nullptr);
   {
     fsdp::DeferredInit outer;
-    {
-      fsdp::DeferredInit nested;
-    }
+    { fsdp::DeferredInit nested; }
     deferred = Standard();  // still deferred after the nested scope closed
   }
   EXPECT_TRUE(torch::ones({2}).device().is_cpu()) << "tensors made after the scope must be real";
@@ -147,8 +145,10 @@ TEST(DeferredInit, ErrorsNameTheModuleAndTheFix) {
   {
     auto model = deferred_custom();
     fsdp::materialize(*model, [](const std::string& name, torch::nn::Module& m) {
-      if (name.empty()) m.named_parameters(/*recurse=*/false)["scale"].fill_(2.0);
-      else fsdp::reset_parameters(name, m);
+      if (name.empty())
+        m.named_parameters(/*recurse=*/false)["scale"].fill_(2.0);
+      else
+        fsdp::reset_parameters(name, m);
     });
     EXPECT_TRUE(torch::equal(model->scale, torch::full({3}, 2.0)));
   }

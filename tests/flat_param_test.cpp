@@ -54,7 +54,8 @@ struct Fixture {
     a.set_requires_grad(true);
     b = torch::arange(5, torch::kFloat64) + 100;
     b.set_requires_grad(true);
-    at::Tensor full = torch::cat({a.detach().view(-1), b.detach(), torch::zeros({(11 + F - 1) / F * F - 11}, torch::kFloat64)});
+    at::Tensor full =
+        torch::cat({a.detach().view(-1), b.detach(), torch::zeros({(11 + F - 1) / F * F - 11}, torch::kFloat64)});
     comm = std::make_shared<StandInCommunicator>(rank, F, full);
     groups.shard_comm = comm;
     groups.world_comm = comm;

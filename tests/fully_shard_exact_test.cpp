@@ -26,17 +26,19 @@ struct Batch {
 // [r*b, (r+1)*b).
 Batch global_batch(const std::string& model, int step, int rows, at::ScalarType dtype) {
   auto gen = at::detail::createCPUGenerator(1000 + step);
-  if (model == "mlp")
-    return {at::randn({rows, 6}, gen).to(dtype), at::randn({rows, 3}, gen).to(dtype)};
+  if (model == "mlp") return {at::randn({rows, 6}, gen).to(dtype), at::randn({rows, 3}, gen).to(dtype)};
   return {at::randint(0, 32, {rows, 8}, gen), at::randint(0, 32, {rows, 8}, gen)};
 }
 
 std::shared_ptr<torch::nn::Module> make_model(const std::string& model, at::ScalarType dtype) {
   torch::manual_seed(7);
   std::shared_ptr<torch::nn::Module> m;
-  if (model == "mlp") m = MLP(6, 10, 3, 3).ptr();
-  else if (model == "gpt4") m = TinyTransformer(32, 16, 2, 4, 8).ptr();
-  else m = TinyTransformer(32, 16, 2, 2, 8).ptr();
+  if (model == "mlp")
+    m = MLP(6, 10, 3, 3).ptr();
+  else if (model == "gpt4")
+    m = TinyTransformer(32, 16, 2, 4, 8).ptr();
+  else
+    m = TinyTransformer(32, 16, 2, 2, 8).ptr();
   m->to(dtype);
   return m;
 }
@@ -49,7 +51,8 @@ at::Tensor forward_loss(const std::string& model, torch::nn::Module& m, const Ba
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params) {
-  if (name == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
+  if (name == "sgd")
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
   return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
 }
 
@@ -59,13 +62,20 @@ fsdp::Options options_for(const std::string& model, const std::string& strategy,
                           const std::string& overlap = "") {
   auto opts = fsdp::Options().sharding_strategy(fsdp::parse_sharding_strategy(strategy));
   for (const auto& o : split(overlap, '+')) {
-    if (o == "pre") opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPre);
-    else if (o == "post") opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPost);
-    else if (o == "none") opts.backward_prefetch(fsdp::BackwardPrefetch::kNone);
-    else if (o == "fwd") opts.forward_prefetch(true);
-    else if (o == "nolim") opts.limit_all_gathers(false);
-    else if (o.rfind("lim", 0) == 0) opts.limit_all_gathers(true).all_gather_limit(std::stoi(o.substr(3)));
-    else throw std::runtime_error("unknown overlap option " + o);
+    if (o == "pre")
+      opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPre);
+    else if (o == "post")
+      opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPost);
+    else if (o == "none")
+      opts.backward_prefetch(fsdp::BackwardPrefetch::kNone);
+    else if (o == "fwd")
+      opts.forward_prefetch(true);
+    else if (o == "nolim")
+      opts.limit_all_gathers(false);
+    else if (o.rfind("lim", 0) == 0)
+      opts.limit_all_gathers(true).all_gather_limit(std::stoi(o.substr(3)));
+    else
+      throw std::runtime_error("unknown overlap option " + o);
   }
   if (strategy == "HYBRID_SHARD") opts.sharding_factor(2);
   if (model == "mlp") {
@@ -92,7 +102,8 @@ FSDP_WORKER(exact_worker) {
 
     auto reference = make_model(model, dtype);
     auto sharded_model = make_model(model, dtype);
-    auto sharded = fsdp::fully_shard(sharded_model, pg, options_for(model, strategy, sharded_model, f.size() > 4 ? f[4] : ""));
+    auto sharded =
+        fsdp::fully_shard(sharded_model, pg, options_for(model, strategy, sharded_model, f.size() > 4 ? f[4] : ""));
     auto ref_opt = make_optimizer(optim, unique_parameters(*reference));
     auto opt = make_optimizer(optim, sharded->parameters());
     sharded->check_optimizer(*opt);

@@ -28,7 +28,7 @@ FSDP_WORKER(accumulation_worker) {
                                        .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
   const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
   torch::optim::SGD ref_opt(ref->parameters(), sgd), opt(sharded->parameters(), sgd);
-  auto for_each_grad = [&](const std::function<void(at::Tensor& param, at::Tensor& grad)>& fn) {
+  auto for_each_grad = [&](const std::function<void(at::Tensor & param, at::Tensor & grad)>& fn) {
     for (auto& p : ref->parameters()) fn(p, p.mutable_grad());
     for (auto& p : sharded->parameters()) fn(p, p.mutable_grad());
   };
@@ -42,14 +42,18 @@ FSDP_WORKER(accumulation_worker) {
       opt.zero_grad();
     } else if (clear == "set_to_none") {
       for_each_grad([](at::Tensor&, at::Tensor& g) { g.reset(); });
-      WORKER_CHECK(sharded->memory_stats().grad_bytes == 0, strategy, ": gradients dropped by the user are still held: ",
-                   sharded->memory_stats().grad_bytes, " bytes");
+      WORKER_CHECK(sharded->memory_stats().grad_bytes == 0, strategy,
+                   ": gradients dropped by the user are still held: ", sharded->memory_stats().grad_bytes, " bytes");
     } else if (clear == "user_tensor") {
       for_each_grad([](at::Tensor& p, at::Tensor& g) { g = p.detach() * 0.01; });
     }  // "keep": the previous step's gradients stay and the new ones add to them
     for (int micro = 0; micro < 2; ++micro) {
-      if (micro == 1 && step == 3) for_each_grad([](at::Tensor&, at::Tensor& g) { if (g.defined()) g.mul_(0.5); });
-      const auto gen_x = at::randn({per_rank * ctx.world, 6}, at::detail::createCPUGenerator(10 * step + micro)).to(at::kDouble);
+      if (micro == 1 && step == 3)
+        for_each_grad([](at::Tensor&, at::Tensor& g) {
+          if (g.defined()) g.mul_(0.5);
+        });
+      const auto gen_x =
+          at::randn({per_rank * ctx.world, 6}, at::detail::createCPUGenerator(10 * step + micro)).to(at::kDouble);
       at::AutoGradMode grad_on(true);
       ref->forward(gen_x).pow(2).mean().backward();
       model->forward(gen_x.narrow(0, ctx.rank * per_rank, per_rank)).pow(2).mean().backward();

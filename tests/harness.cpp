@@ -48,7 +48,8 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b) {
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
   std::vector<at::Tensor> unique;
   for (const auto& p : module.parameters())
-    if (std::none_of(unique.begin(), unique.end(), [&](const at::Tensor& q) { return q.is_same(p); })) unique.push_back(p);
+    if (std::none_of(unique.begin(), unique.end(), [&](const at::Tensor& q) { return q.is_same(p); }))
+      unique.push_back(p);
   return unique;
 }
 
@@ -85,7 +86,8 @@ RunningRanks start(const std::string& name, int world, const std::vector<std::st
   running.pids.resize(world);
   running.logs.resize(world);
   for (int r = 0; r < world; ++r) {
-    running.logs[r] = "/tmp/fsdp_test_" + std::to_string(getpid()) + "_" + std::to_string(port) + "_" + std::to_string(r) + ".log";
+    running.logs[r] =
+        "/tmp/fsdp_test_" + std::to_string(getpid()) + "_" + std::to_string(port) + "_" + std::to_string(r) + ".log";
     pid_t pid = fork();
     if (pid == 0) {
       int fd = open(running.logs[r].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);

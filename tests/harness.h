@@ -24,9 +24,9 @@ std::map<std::string, WorkerFn>& worker_registry();
 struct WorkerRegistrar {
   WorkerRegistrar(const std::string& name, WorkerFn fn) { worker_registry()[name] = std::move(fn); }
 };
-#define FSDP_WORKER(name)                                                          \
-  static void name(const ::fsdp_test::WorkerContext& ctx);                         \
-  static ::fsdp_test::WorkerRegistrar name##_registrar(#name, &name);              \
+#define FSDP_WORKER(name)                                             \
+  static void name(const ::fsdp_test::WorkerContext& ctx);            \
+  static ::fsdp_test::WorkerRegistrar name##_registrar(#name, &name); \
   static void name(const ::fsdp_test::WorkerContext& ctx)
 
 struct RankResult {
@@ -41,8 +41,8 @@ struct LaunchResult {
 };
 
 // Runs worker `name` on `world` ranks; extra_env entries are "KEY=VALUE" for every rank.
-LaunchResult launch(const std::string& name, int world, const std::vector<std::string>& args = {},
-                    int timeout_s = 300, const std::vector<std::string>& extra_env = {});
+LaunchResult launch(const std::string& name, int world, const std::vector<std::string>& args = {}, int timeout_s = 300,
+                    const std::vector<std::string>& extra_env = {});
 
 // The same in two halves, for tests that act on running ranks (e.g. kill them): start() returns
 // at once; wait_for() collects exit codes and output (killing what is left after timeout_s).
@@ -55,10 +55,9 @@ RunningRanks start(const std::string& name, int world, const std::vector<std::st
 LaunchResult wait_for(RunningRanks& ranks, int timeout_s = 300);
 
 // Inside a worker: throws std::runtime_error (exit code 1) with the message.
-#define WORKER_CHECK(cond, ...)                                                                    \
-  do {                                                                                             \
-    if (!(cond))                                                                                   \
-      throw std::runtime_error(::fsdp::detail::compose("check failed: " #cond " ", __VA_ARGS__)); \
+#define WORKER_CHECK(cond, ...)                                                                              \
+  do {                                                                                                       \
+    if (!(cond)) throw std::runtime_error(::fsdp::detail::compose("check failed: " #cond " ", __VA_ARGS__)); \
   } while (0)
 
 // Whether `part` occurs in `s` (an error message, a rank's output).

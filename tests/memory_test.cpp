@@ -85,8 +85,9 @@ FSDP_WORKER(memory_worker) {
       case fsdp::ShardingStrategy::kShardGradOp: expected = shards + all_padded; break;
       default: expected = all_padded; break;  // NO_SHARD: the flat buffer is the replica
     }
-    WORKER_CHECK(sharded->memory_stats().param_bytes == (c.strategy == fsdp::ShardingStrategy::kNoShard ? all_padded : shards),
-                 c.name, ": resting parameter bytes ", sharded->memory_stats().param_bytes);
+    WORKER_CHECK(
+        sharded->memory_stats().param_bytes == (c.strategy == fsdp::ShardingStrategy::kNoShard ? all_padded : shards),
+        c.name, ": resting parameter bytes ", sharded->memory_stats().param_bytes);
     for (int step = 0; step < 3; ++step) {  // forward prefetch starts in the second iteration
       sharded->reset_peak_memory_stats();
       opt.zero_grad();
@@ -98,8 +99,8 @@ FSDP_WORKER(memory_worker) {
                    ", largest adjacent pair ", largest_pair, ", all units ", all_padded, ")");
     }
     if (ctx.rank == 0)
-      std::cout << fsdp::to_string(c.strategy) << " " << c.name << " units " << sharded->units().size()
-                << " peak " << expected << " bytes ok" << std::endl;
+      std::cout << fsdp::to_string(c.strategy) << " " << c.name << " units " << sharded->units().size() << " peak "
+                << expected << " bytes ok" << std::endl;
   }
 }
 
@@ -169,8 +170,8 @@ FSDP_WORKER(grad_memory_worker) {
           const int64_t expected = m.grad_bytes + transient;
           WORKER_CHECK(m.grad_peak_bytes == expected, fsdp::to_string(strategy), ", ", in_flight,
                        " reductions in flight, ", slow_network ? "slow modeled" : "loopback", " network, step ", step,
-                       ": peak gradient bytes ", m.grad_peak_bytes, " != expected ", expected, " (pieces ", m.grad_bytes,
-                       " + transient ", transient, ")");
+                       ": peak gradient bytes ", m.grad_peak_bytes, " != expected ", expected, " (pieces ",
+                       m.grad_bytes, " + transient ", transient, ")");
         }
       }
   pg->set_network_model(std::nullopt);

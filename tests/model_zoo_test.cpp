@@ -55,7 +55,8 @@ struct EncoderImpl : nn::Module {
     bag = register_module("bag", nn::EmbeddingBag(nn::EmbeddingBagOptions(13, 8).mode(torch::kMean)));
     embed = register_module("embed", nn::Embedding(13, 8));
     for (int i = 0; i < 2; ++i)
-      layers->push_back(nn::TransformerEncoderLayer(nn::TransformerEncoderLayerOptions(8, 2).dim_feedforward(12).dropout(0.0)));
+      layers->push_back(
+          nn::TransformerEncoderLayer(nn::TransformerEncoderLayerOptions(8, 2).dim_feedforward(12).dropout(0.0)));
     register_module("layers", layers);
     // Frozen: no gradient, never changed by the optimizer, still sharded and gathered.
     frozen = register_module("frozen", nn::Linear(8, 8));
@@ -87,17 +88,23 @@ Zoo zoo(const std::string& name) {
   if (name == "conv")
     return {[] { return ConvNet().ptr(); },
             [](nn::Module& m, const at::Tensor& x) { return m.as<ConvNetImpl>()->forward(x); },
-            [](int64_t rows, at::Generator& g) { return at::randn({rows, 3, 8, 8}, g); },
+            [](int64_t rows, at::Generator& g) {
+              return at::randn({rows, 3, 8, 8}, g);
+            },
             fsdp::wrap::by_type<nn::Conv2dImpl, nn::ConvTranspose2dImpl>()};
   if (name == "recurrent")
     return {[] { return Recurrent().ptr(); },
             [](nn::Module& m, const at::Tensor& x) { return m.as<RecurrentImpl>()->forward(x); },
-            [](int64_t rows, at::Generator& g) { return at::randint(0, 11, {rows, 5}, g); },
+            [](int64_t rows, at::Generator& g) {
+              return at::randint(0, 11, {rows, 5}, g);
+            },
             fsdp::wrap::by_type<nn::LSTMImpl, nn::GRUImpl>()};
   if (name == "encoder")
     return {[] { return Encoder().ptr(); },
             [](nn::Module& m, const at::Tensor& x) { return m.as<EncoderImpl>()->forward(x); },
-            [](int64_t rows, at::Generator& g) { return at::randint(0, 13, {rows, 6}, g); },
+            [](int64_t rows, at::Generator& g) {
+              return at::randint(0, 13, {rows, 6}, g);
+            },
             fsdp::wrap::any_of({fsdp::wrap::by_type<nn::TransformerEncoderLayerImpl, nn::EmbeddingBagImpl>(),
                                 fsdp::wrap::by_names({"frozen"})})};
   throw std::runtime_error("unknown model " + name);
@@ -119,7 +126,8 @@ FSDP_WORKER(zoo_worker) {
     auto model = z.make();
     model->to(at::kDouble);
     auto sharded = fsdp::fully_shard(
-        model, pg, fsdp::Options().sharding_strategy(fsdp::parse_sharding_strategy(strategy)).auto_wrap_policy(z.policy));
+        model, pg,
+        fsdp::Options().sharding_strategy(fsdp::parse_sharding_strategy(strategy)).auto_wrap_policy(z.policy));
     WORKER_CHECK(sharded->units().size() > 2, combo, ": the policy should make several units, got ",
                  sharded->units().size());
     const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
@@ -134,7 +142,9 @@ FSDP_WORKER(zoo_worker) {
       torch::mse_loss(z.forward(*reference, x), target).backward();
       ref_opt.step();
       opt.zero_grad();
-      const auto rows = [&](const at::Tensor& t) { return t.narrow(0, ctx.rank * per_rank, per_rank); };
+      const auto rows = [&](const at::Tensor& t) {
+        return t.narrow(0, ctx.rank * per_rank, per_rank);
+      };
       torch::mse_loss(z.forward(*model, rows(x)), rows(target)).backward();
       opt.step();
     }

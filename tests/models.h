@@ -34,7 +34,9 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
     auto q_k_v = qkv(ln1(x)).chunk(3, -1);
-    auto split = [&](const torch::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
+    auto split = [&](const torch::Tensor& t) {
+      return t.view({B, T, heads, hd}).transpose(1, 2);
+    };
     auto q = split(q_k_v[0]), k = split(q_k_v[1]), v = split(q_k_v[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
     auto mask = torch::ones({T, T}, torch::kBool).triu(1);

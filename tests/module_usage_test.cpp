@@ -9,11 +9,11 @@ namespace {
 
 // Each case: a loss over (model, inputs) using the model in a particular way.
 at::Tensor case_loss(const std::string& name, BranchyImpl& m, const at::Tensor& x) {
-  if (name == "unused") return m.b(torch::tanh(m.a(x))).pow(2).mean();                    // 'unused' never read
+  if (name == "unused") return m.b(torch::tanh(m.a(x))).pow(2).mean();                      // 'unused' never read
   if (name == "two_forwards") return m.b(m.a(x)).pow(2).mean() + m.a(x * 2).pow(2).mean();  // a used in two graphs
-  if (name == "called_twice") return m.b(m.a(m.a(x))).pow(2).mean();                     // unit module twice
-  if (name == "direct_submodule") return m.a->forward(x).sin().mean();                    // only a submodule
-  if (name == "eval_bn") return m.b(m.bn(m.a(x))).pow(2).mean();                          // BN with running stats
+  if (name == "called_twice") return m.b(m.a(m.a(x))).pow(2).mean();                        // unit module twice
+  if (name == "direct_submodule") return m.a->forward(x).sin().mean();                      // only a submodule
+  if (name == "eval_bn") return m.b(m.bn(m.a(x))).pow(2).mean();                            // BN with running stats
   throw std::runtime_error("unknown case " + name);
 }
 
@@ -29,9 +29,11 @@ FSDP_WORKER(cases_worker) {
         ref->bn->eval();
         model->bn->eval();
       }
-      auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+      auto sharded =
+          fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
       auto make = [&](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
-        if (std::string(optim) == "sgd") return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.1));
+        if (std::string(optim) == "sgd")
+          return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.1));
         return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
       };
       auto ref_opt = make(ref->parameters());

@@ -60,13 +60,15 @@ FSDP_WORKER(sharded_exact_worker) {
     const int per_rank = 2;
     for (int step = 0; step < 5; ++step) {
       auto gen = at::detail::createCPUGenerator(500 + step);
-      at::Tensor x = at::randint(0, 32, {per_rank * ctx.world, 8}, gen), y = at::randint(0, 32, {per_rank * ctx.world, 8}, gen);
+      at::Tensor x = at::randint(0, 32, {per_rank * ctx.world, 8}, gen),
+                 y = at::randint(0, 32, {per_rank * ctx.world, 8}, gen);
       ref_opt.zero_grad();
       auto ref_loss = lm_loss(reference->forward(x), y);
       ref_loss.backward();
       ref_opt.step();
       opt.zero_grad();
-      auto loss = lm_loss(model->forward(x.narrow(0, ctx.rank * per_rank, per_rank)), y.narrow(0, ctx.rank * per_rank, per_rank));
+      auto loss = lm_loss(model->forward(x.narrow(0, ctx.rank * per_rank, per_rank)),
+                          y.narrow(0, ctx.rank * per_rank, per_rank));
       loss.backward();
       opt.step();
       at::Tensor mean = loss.detach().reshape({1}).clone();
@@ -83,7 +85,8 @@ FSDP_WORKER(sharded_exact_worker) {
 
 TEST(Sharded, KeepsNamesAndMatchesLocalTraining) {
   for (int world : {2, 3}) {
-    auto r = launch("sharded_exact_worker", world, {"FULL_SHARD:f32", "FULL_SHARD:f64", "SHARD_GRAD_OP:f64", "NO_SHARD:f32"});
+    auto r = launch("sharded_exact_worker", world,
+                    {"FULL_SHARD:f32", "FULL_SHARD:f64", "SHARD_GRAD_OP:f64", "NO_SHARD:f32"});
     ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
     EXPECT_NE(r.ranks[0].output.find("NO_SHARD:f32 ok"), std::string::npos) << r.report();
   }
@@ -114,7 +117,8 @@ FSDP_WORKER(sharded_free_worker) {
     const int64_t after_forward = sharded->memory_stats().param_bytes;
     const int64_t last_unit = sharded->units()[2].padded_bytes;
     if (explicit_form)
-      WORKER_CHECK(after_forward == resting, "explicit: after forward ", after_forward, " bytes, expected the shards ", resting);
+      WORKER_CHECK(after_forward == resting, "explicit: after forward ", after_forward, " bytes, expected the shards ",
+                   resting);
     else
       WORKER_CHECK(after_forward == resting + last_unit, "implicit: after forward ", after_forward, " bytes, expected ",
                    resting + last_unit);

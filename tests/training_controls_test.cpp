@@ -62,7 +62,8 @@ FSDP_WORKER(clip_worker) {
     loss_of(model, x.narrow(0, ctx.rank * rows, rows)).backward();
     const double norm = sharded->clip_grad_norm_(max_norm, p);
     opt.step();
-    WORKER_CHECK(std::abs(norm - ref_norm) <= 1e-12 * ref_norm, "norm ", norm, " vs local ", ref_norm, " at step ", step);
+    WORKER_CHECK(std::abs(norm - ref_norm) <= 1e-12 * ref_norm, "norm ", norm, " vs local ", ref_norm, " at step ",
+                 step);
     if (step == 0) WORKER_CHECK(ref_norm > 0.05, "the test must clip: local norm ", ref_norm);
   }
   expect_same_parameters(ref, *sharded, 1e-12, "clipped");
@@ -105,7 +106,8 @@ FSDP_WORKER(no_sync_worker) {
       if (m == 0 && strategy != "NO_SHARD") {
         // Nothing reduced yet: the pieces have no gradient, and the unsharded gradients are held.
         for (const auto& p : sharded->parameters())
-          WORKER_CHECK(!p.grad().defined() || p.grad().abs().sum().item<double>() == 0, "a piece got a gradient under no_sync");
+          WORKER_CHECK(!p.grad().defined() || p.grad().abs().sum().item<double>() == 0,
+                       "a piece got a gradient under no_sync");
         WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "no_sync holds the unsharded gradients");
       }
     }

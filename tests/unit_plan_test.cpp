@@ -46,21 +46,21 @@ TEST(UnitPlan, ByTypePolicyMakesEachBlockAUnitUnderTheRoot) {
 
 TEST(UnitPlan, TiedWeightGoesToTheLowestCommonAncestorOnceWithItsAlias) {
   TinyTransformer model(50, 16, 2, 1, 8);
-  auto policy = fsdp::wrap::by_predicate([](const std::string& name, const torch::nn::Module&) {
-    return name == "tok" || name == "head";
-  });
+  auto policy = fsdp::wrap::by_predicate(
+      [](const std::string& name, const torch::nn::Module&) { return name == "tok" || name == "head"; });
   auto plan = fsdp::plan_units(*model, fsdp::Options().auto_wrap_policy(policy), kCpu);
-  const auto it = std::find_if(plan.params.begin(), plan.params.end(), [](const auto& p) { return p.name == "tok.weight"; });
+  const auto it =
+      std::find_if(plan.params.begin(), plan.params.end(), [](const auto& p) { return p.name == "tok.weight"; });
   ASSERT_NE(it, plan.params.end());
   EXPECT_EQ(it->aliases, std::vector<std::string>{"head.weight"});
   EXPECT_EQ(it->unit, 0);  // tok and head are separate units: their common ancestor is the root
   // The head unit owns no parameter of its own, so it is dropped.
   EXPECT_EQ(unit_names(plan), (std::vector<std::string>{""}));
-  EXPECT_THROW(fsdp::plan_units(*model,
-                                fsdp::Options().auto_wrap_policy(policy).shared_parameters(
-                                    fsdp::SharedParameterPolicy::kError),
-                                kCpu),
-               fsdp::Error);
+  EXPECT_THROW(
+      fsdp::plan_units(*model,
+                       fsdp::Options().auto_wrap_policy(policy).shared_parameters(fsdp::SharedParameterPolicy::kError),
+                       kCpu),
+      fsdp::Error);
 }
 
 TEST(UnitPlan, FlatParamsGroupByDtypeAndRequiresGradInModuleOrder) {
@@ -86,7 +86,8 @@ TEST(UnitPlan, FlatParamsGroupByDtypeAndRequiresGradInModuleOrder) {
 TEST(UnitPlan, ExplicitUnitsAndAnnotationsBecomeUnitsAndNestedUnitsKnowTheirChain) {
   struct Net : torch::nn::Module {
     Net() {
-      outer = register_module("outer", torch::nn::Sequential(fsdp::Sharded<Block>(Block(8, 2)), torch::nn::Linear(8, 8)));
+      outer =
+          register_module("outer", torch::nn::Sequential(fsdp::Sharded<Block>(Block(8, 2)), torch::nn::Linear(8, 8)));
       last = register_module("last", torch::nn::Linear(8, 4));
     }
     torch::nn::Sequential outer{nullptr};

@@ -77,7 +77,9 @@ std::string format_seconds(double seconds) {
 
 // Returns an explanation of the first invalid setting, or "" if all are fine.
 std::string validate(const Options& o) {
-  auto s = [](auto v) { return std::to_string(v); };
+  auto s = [](auto v) {
+    return std::to_string(v);
+  };
   if (o.nproc_per_node < 1)
     return "--nproc-per-node must be at least 1 (got " + s(o.nproc_per_node) +
            "); pass the number of ranks to start on this node, e.g. --nproc-per-node 2";
@@ -85,10 +87,9 @@ std::string validate(const Options& o) {
     return "--nnodes must be at least 1 (got " + s(o.nnodes) +
            "); pass the number of machines taking part, or leave it out for a single machine";
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
-    return "--node-rank must be between 0 and --nnodes - 1 = " + s(o.nnodes - 1) + " (got " +
-           s(o.node_rank) + "); give every node a distinct rank below --nnodes";
-  if (o.master_addr.empty())
-    return "--master-addr must not be empty; pass the host name or IP address of node 0";
+    return "--node-rank must be between 0 and --nnodes - 1 = " + s(o.nnodes - 1) + " (got " + s(o.node_rank) +
+           "); give every node a distinct rank below --nnodes";
+  if (o.master_addr.empty()) return "--master-addr must not be empty; pass the host name or IP address of node 0";
   if (o.master_port < 1 || o.master_port > 65535)
     return "--master-port must be between 1 and 65535 (got " + s(o.master_port) +
            "); pick a free TCP port, e.g. --master-port 29500";
@@ -96,8 +97,8 @@ std::string validate(const Options& o) {
     return "--threads-per-rank must be at least 1 (got " + s(*o.threads_per_rank) +
            "); or leave it out to split the CPU cores evenly between the ranks";
   if (!std::isfinite(o.grace_seconds) || o.grace_seconds < 0)
-    return "--grace-seconds must be a non-negative number of seconds (got " +
-           format_seconds(o.grace_seconds) + "), e.g. --grace-seconds 5";
+    return "--grace-seconds must be a non-negative number of seconds (got " + format_seconds(o.grace_seconds) +
+           "), e.g. --grace-seconds 5";
   if (o.command.empty())
     return "no program given; usage: fsdp-run [OPTIONS] PROGRAM [ARGS...], "
            "e.g. fsdp-run --nproc-per-node 2 ./train --epochs 1";
@@ -120,34 +121,27 @@ class UsageFormatter : public CLI::Formatter {
 // Parses argv into `o`. Returns an exit code if the launcher should stop right
 // away (help printed, or bad input), nothing if it should go on.
 std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
-  CLI::App app{
-      "Start PROGRAM once per local rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
-      "GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT and OMP_NUM_THREADS set, forward the\n"
-      "ranks' output prefixed with '[rank R] ', and stop every rank as soon as one fails.\n",
-      "fsdp-run"};
+  CLI::App app{"Start PROGRAM once per local rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
+               "GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT and OMP_NUM_THREADS set, forward the\n"
+               "ranks' output prefixed with '[rank R] ', and stop every rank as soon as one fails.\n",
+               "fsdp-run"};
   // Everything from PROGRAM on belongs to the program, including its flags.
   app.prefix_command();
   app.formatter(std::make_shared<UsageFormatter>());
-  app.footer(
-      "Exit code: 0 if all ranks succeed, else the first failing rank's code\n"
-      "(128+N for a rank killed by signal N), 130/143 if fsdp-run got SIGINT/SIGTERM,\n"
-      "2 for bad options, 127 if PROGRAM cannot be executed.");
+  app.footer("Exit code: 0 if all ranks succeed, else the first failing rank's code\n"
+             "(128+N for a rank killed by signal N), 130/143 if fsdp-run got SIGINT/SIGTERM,\n"
+             "2 for bad options, 127 if PROGRAM cannot be executed.");
 
-  app.add_option("--nproc-per-node", o.nproc_per_node, "Ranks to start on this node")
-      ->capture_default_str();
+  app.add_option("--nproc-per-node", o.nproc_per_node, "Ranks to start on this node")->capture_default_str();
   app.add_option("--nnodes", o.nnodes, "Number of nodes taking part")->capture_default_str();
-  app.add_option("--node-rank", o.node_rank, "Index of this node, 0..nnodes-1")
-      ->capture_default_str();
-  app.add_option("--master-addr", o.master_addr, "Address of node 0 (MASTER_ADDR)")
-      ->capture_default_str();
-  app.add_option("--master-port", o.master_port, "Port on node 0 (MASTER_PORT)")
-      ->capture_default_str();
+  app.add_option("--node-rank", o.node_rank, "Index of this node, 0..nnodes-1")->capture_default_str();
+  app.add_option("--master-addr", o.master_addr, "Address of node 0 (MASTER_ADDR)")->capture_default_str();
+  app.add_option("--master-port", o.master_port, "Port on node 0 (MASTER_PORT)")->capture_default_str();
   app.add_flag("--no-prefix", o.no_prefix, "Do not prefix output lines with '[rank R] '");
   app.add_option("--threads-per-rank", o.threads_per_rank,
                  "OMP_NUM_THREADS for each rank (default: keep an existing OMP_NUM_THREADS,\n"
                  "else CPU cores / nproc-per-node, at least 1)");
-  app.add_option("--grace-seconds", o.grace_seconds,
-                 "Seconds between SIGTERM and SIGKILL when stopping ranks")
+  app.add_option("--grace-seconds", o.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
       ->capture_default_str();
 
   try {
@@ -324,9 +318,7 @@ class OutputMux {
   }
 
   // A message from the launcher itself, on stderr.
-  void say(const std::string& message) {
-    deliver(nullptr, STDERR_FILENO, "fsdp-run: " + message + "\n");
-  }
+  void say(const std::string& message) { deliver(nullptr, STDERR_FILENO, "fsdp-run: " + message + "\n"); }
 
   // Ends a progress bar left on the last line, so the shell prompt does not
   // overwrite it.
@@ -417,8 +409,8 @@ std::vector<std::string> base_environment(bool set_omp_threads) {
   for (char** e = environ; *e != nullptr; ++e) {
     std::string_view entry(*e);
     std::string_view name = entry.substr(0, entry.find('='));
-    bool overridden = std::any_of(std::begin(kOverridden), std::end(kOverridden),
-                                  [&](const char* v) { return name == v; });
+    bool overridden =
+        std::any_of(std::begin(kOverridden), std::end(kOverridden), [&](const char* v) { return name == v; });
     // An inherited OMP_NUM_THREADS is kept unless we set our own.
     if (name == "OMP_NUM_THREADS" && !set_omp_threads) overridden = false;
     if (!overridden) env.emplace_back(entry);
@@ -435,10 +427,11 @@ std::optional<int> omp_threads_per_rank(const Options& o) {
   return std::max(1, usable_cpu_count() / o.nproc_per_node);
 }
 
-std::vector<std::string> rank_environment(const Options& o, int local_rank,
-                                          const std::vector<std::string>& base,
+std::vector<std::string> rank_environment(const Options& o, int local_rank, const std::vector<std::string>& base,
                                           std::optional<int> omp_threads, bool stdout_is_tty) {
-  auto s = [](long long v) { return std::to_string(v); };
+  auto s = [](long long v) {
+    return std::to_string(v);
+  };
   std::vector<std::string> env = base;
   const long long n = o.nproc_per_node;
   env.push_back("RANK=" + s(o.node_rank * n + local_rank));
@@ -466,8 +459,8 @@ std::vector<char*> as_c_array(std::vector<std::string>& strings) {
 // Runs in the child between fork and exec; never returns. Only
 // async-signal-safe calls here (the launcher is single-threaded, but keep
 // the habit).
-[[noreturn]] void become_rank(char** argv, char** envp, int out_w, int err_w, int status_w,
-                              pid_t launcher_pid, const sigset_t& original_mask) {
+[[noreturn]] void become_rank(char** argv, char** envp, int out_w, int err_w, int status_w, pid_t launcher_pid,
+                              const sigset_t& original_mask) {
   // Own process group: SIGTERM to the group also reaches the rank's children,
   // and a Ctrl-C in the terminal reaches only the launcher, which then stops
   // the ranks in order.
@@ -504,8 +497,8 @@ int exit_code_of(int status) {
 std::string describe_exit(int status) {
   if (WIFSIGNALED(status)) {
     int sig = WTERMSIG(status);
-    return "was killed by signal " + std::to_string(sig) + " (" + ::strsignal(sig) +
-           "), exit code " + std::to_string(128 + sig);
+    return "was killed by signal " + std::to_string(sig) + " (" + ::strsignal(sig) + "), exit code " +
+           std::to_string(128 + sig);
   }
   return "exited with code " + std::to_string(exit_code_of(status));
 }
@@ -574,8 +567,7 @@ class Launcher {
     ::sigprocmask(SIG_BLOCK, &all, &original);
     const pid_t launcher_pid = ::getpid();
     const pid_t pid = ::fork();
-    if (pid == 0)
-      become_rank(argv, envp, out_pipe[1], err_pipe[1], status_pipe[1], launcher_pid, original);
+    if (pid == 0) become_rank(argv, envp, out_pipe[1], err_pipe[1], status_pipe[1], launcher_pid, original);
     const int fork_errno = errno;
     ::sigprocmask(SIG_SETMASK, &original, nullptr);
     ::close(out_pipe[1]);
@@ -584,9 +576,7 @@ class Launcher {
 
     if (pid < 0) {
       for (int fd : {out_pipe[0], err_pipe[0], status_pipe[0]}) ::close(fd);
-      fail("cannot start rank " + std::to_string(r.global_rank) +
-               ": fork: " + errno_text(fork_errno),
-           kExitInternal);
+      fail("cannot start rank " + std::to_string(r.global_rank) + ": fork: " + errno_text(fork_errno), kExitInternal);
       return;
     }
     // Also set the group from this side: whichever of parent and child runs
@@ -594,8 +584,7 @@ class Launcher {
     ::setpgid(pid, pid);
     r.pid = pid;
     r.running = true;
-    const std::string prefix =
-        opt_.no_prefix ? "" : "[rank " + std::to_string(r.global_rank) + "] ";
+    const std::string prefix = opt_.no_prefix ? "" : "[rank " + std::to_string(r.global_rank) + "] ";
     r.out.fd = out_pipe[0];
     r.out.dest = STDOUT_FILENO;
     r.err.fd = err_pipe[0];
@@ -616,8 +605,7 @@ class Launcher {
       while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
       }
       r.running = false;
-      fail("cannot execute '" + opt_.command.front() + "': " + errno_text(exec_errno),
-           kExitCannotExec);
+      fail("cannot execute '" + opt_.command.front() + "': " + errno_text(exec_errno), kExitCannotExec);
     }
   }
 
@@ -685,8 +673,8 @@ class Launcher {
     const char* name = signo == SIGINT ? "SIGINT" : "SIGTERM";
     if (!result_) result_ = 128 + signo;
     if (!stopping_) {
-      mux_.say(std::string("received ") + name + "; stopping " + count_ranks(running_count()) +
-               " (SIGKILL after " + grace_text() + "; signal again to kill now)");
+      mux_.say(std::string("received ") + name + "; stopping " + count_ranks(running_count()) + " (SIGKILL after " +
+               grace_text() + "; signal again to kill now)");
       begin_stopping();
     } else if (!killed_) {
       mux_.say(std::string("received ") + name + " while stopping; killing the ranks now");
@@ -713,10 +701,9 @@ class Launcher {
     // Show the rank's last words (usually its error) before our verdict.
     mux_.pump(r.out, /*until_empty=*/true);
     mux_.pump(r.err, /*until_empty=*/true);
-    std::string msg = "rank " + std::to_string(r.global_rank) + " (pid " + std::to_string(r.pid) +
-                      ") " + describe_exit(status);
-    if (int others = running_count(); others > 0)
-      msg += "; stopping the other " + count_ranks(others);
+    std::string msg =
+        "rank " + std::to_string(r.global_rank) + " (pid " + std::to_string(r.pid) + ") " + describe_exit(status);
+    if (int others = running_count(); others > 0) msg += "; stopping the other " + count_ranks(others);
     fail(msg, code);
   }
 
@@ -734,8 +721,8 @@ class Launcher {
     stopping_ = true;
     signal_all_groups(SIGTERM);
     signal_all_groups(SIGCONT);  // a stopped (SIGSTOP) rank must wake up to see SIGTERM
-    kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                  std::chrono::duration<double>(opt_.grace_seconds));
+    kill_at_ =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt_.grace_seconds));
   }
 
   void kill_all() {
@@ -769,12 +756,10 @@ class Launcher {
 
   bool any_running() const { return running_count() > 0; }
   int running_count() const {
-    return static_cast<int>(
-        std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; }));
+    return static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; }));
   }
   bool any_stream_open() const {
-    return std::any_of(ranks_.begin(), ranks_.end(),
-                       [](const Rank& r) { return r.out.fd >= 0 || r.err.fd >= 0; });
+    return std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.out.fd >= 0 || r.err.fd >= 0; });
   }
   std::string grace_text() const { return format_seconds(opt_.grace_seconds); }
 

@@ -76,10 +76,12 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps first");
   app.add_option("--steps", steps, "timed steps");
   app.add_option("--seed", seed);
-  app.add_option("--optimizer", optimizer_name, "adamw: torch::optim::AdamW; fused: fsdp::FusedAdamW (PyTorch's "
+  app.add_option("--optimizer", optimizer_name,
+                 "adamw: torch::optim::AdamW; fused: fsdp::FusedAdamW (PyTorch's "
                  "fused kernel, same math)")
       ->check(CLI::IsMember({"adamw", "fused"}));
-  app.add_option("--init", init_mode, "deferred: built on the meta device, initialized on the GPU (unit by unit "
+  app.add_option("--init", init_mode,
+                 "deferred: built on the meta device, initialized on the GPU (unit by unit "
                  "under FSDP); eager: built and initialized on the CPU, then moved")
       ->check(CLI::IsMember({"deferred", "eager"}));
   app.add_option("--peak-n", peak_n, "peak mode: matrix size");
@@ -96,8 +98,10 @@ int main(int argc, char** argv) {
   }());
   const torch::Device device = pg->options().device;
   c10::cuda::set_device(device.index());
-  json out = {{"mode", mode}, {"label", label.empty() ? (mode == "fsdp" ? "libfsdp " + strategy : mode) : label},
-              {"device", at::cuda::getDeviceProperties(device.index())->name}, {"world", pg->size()}};
+  json out = {{"mode", mode},
+              {"label", label.empty() ? (mode == "fsdp" ? "libfsdp " + strategy : mode) : label},
+              {"device", at::cuda::getDeviceProperties(device.index())->name},
+              {"world", pg->size()}};
   if (mode == "peak") {
     out["peak_tflops"] = measured_peak_tflops(device, peak_n, 20);
     out["peak_n"] = peak_n;
@@ -105,7 +109,9 @@ int main(int argc, char** argv) {
     const auto dtype = dtype_name == "bf16" ? torch::kBFloat16 : torch::kFloat;
     gpt::GPTConfig cfg;
     cfg.layers = layers, cfg.width = width, cfg.heads = heads, cfg.context = context;
-    auto init = [cfg](const std::string& name, torch::nn::Module& m) { gpt::initialize(cfg, name, m); };
+    auto init = [cfg](const std::string& name, torch::nn::Module& m) {
+      gpt::initialize(cfg, name, m);
+    };
     torch::manual_seed(seed);
     const auto built = Clock::now();
     gpt::GPT model{nullptr};
@@ -140,8 +146,10 @@ int main(int argc, char** argv) {
     const int64_t n_params = gpt::count_parameters(*model);
     const auto adamw_options = torch::optim::AdamWOptions(3e-4).betas({0.9, 0.95}).weight_decay(0.1);
     std::unique_ptr<torch::optim::Optimizer> optimizer_ptr;
-    if (optimizer_name == "fused") optimizer_ptr = std::make_unique<fsdp::FusedAdamW>(trained, adamw_options);
-    else optimizer_ptr = std::make_unique<torch::optim::AdamW>(trained, adamw_options);
+    if (optimizer_name == "fused")
+      optimizer_ptr = std::make_unique<fsdp::FusedAdamW>(trained, adamw_options);
+    else
+      optimizer_ptr = std::make_unique<torch::optim::AdamW>(trained, adamw_options);
     torch::optim::Optimizer& optimizer = *optimizer_ptr;
     c10::cuda::device_synchronize();
     const double build_s = seconds_since(built);
@@ -154,7 +162,8 @@ int main(int argc, char** argv) {
     std::vector<double> step_s, losses, forward_ms, backward_ms, optimizer_ms;
     for (int step = 0; step < warmup + steps; ++step) {
       if (step == warmup) fsdp::reset_device_peak_memory_stats(device);
-      auto tokens = torch::randint(0, cfg.vocab_size, {batch, context + 1}, gen, torch::TensorOptions().dtype(torch::kLong).device(device))
+      auto tokens = torch::randint(0, cfg.vocab_size, {batch, context + 1}, gen,
+                                   torch::TensorOptions().dtype(torch::kLong).device(device))
                         .narrow(0, int64_t(pg->rank()) * per_rank, per_rank);
       c10::cuda::device_synchronize();
       const auto start = Clock::now();
@@ -191,13 +200,30 @@ int main(int argc, char** argv) {
     const double tflops = flops_per_token * tokens_per_s / 1e12;
     if (auto* fused = dynamic_cast<fsdp::FusedAdamW*>(&optimizer))
       FSDP_CHECK(fused->last_step_fused(), "--optimizer fused did not run the fused kernel");
-    out.update({{"strategy", mode == "fsdp" ? strategy : ""}, {"dtype", dtype_name}, {"optimizer", optimizer_name}, {"layers", layers},
-                {"width", width}, {"heads", heads}, {"context", context}, {"batch", batch}, {"params", n_params},
-                {"warmup", warmup}, {"steps", steps}, {"build_s", build_s}, {"step_ms", step * 1e3},
-                {"step_ms_all", step_s}, {"forward_ms", median(forward_ms)}, {"backward_ms", median(backward_ms)},
-                {"optimizer_ms", median(optimizer_ms)}, {"tokens_per_s", tokens_per_s}, {"tflops", tflops},
-                {"peak_tflops", peak_tflops}, {"mfu", tflops / peak_tflops}, {"losses", losses},
-                {"allocated_peak_bytes", mem.allocated_peak_bytes}, {"reserved_peak_bytes", mem.reserved_peak_bytes},
+    out.update({{"strategy", mode == "fsdp" ? strategy : ""},
+                {"dtype", dtype_name},
+                {"optimizer", optimizer_name},
+                {"layers", layers},
+                {"width", width},
+                {"heads", heads},
+                {"context", context},
+                {"batch", batch},
+                {"params", n_params},
+                {"warmup", warmup},
+                {"steps", steps},
+                {"build_s", build_s},
+                {"step_ms", step * 1e3},
+                {"step_ms_all", step_s},
+                {"forward_ms", median(forward_ms)},
+                {"backward_ms", median(backward_ms)},
+                {"optimizer_ms", median(optimizer_ms)},
+                {"tokens_per_s", tokens_per_s},
+                {"tflops", tflops},
+                {"peak_tflops", peak_tflops},
+                {"mfu", tflops / peak_tflops},
+                {"losses", losses},
+                {"allocated_peak_bytes", mem.allocated_peak_bytes},
+                {"reserved_peak_bytes", mem.reserved_peak_bytes},
                 {"num_alloc_retries", mem.num_alloc_retries}});
     if (sharded) {
       const auto s = sharded->memory_stats();

@@ -10,8 +10,8 @@
 //
 // The step is what every contender times: zero_grad, forward, loss, backward, optimizer step and
 // reading the loss. Batches are drawn before the first step.
-#include <c10/core/Allocator.h>
 #include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <fsdp/fsdp.h>
 #include <sys/resource.h>
@@ -31,10 +31,10 @@
 #include <iostream>
 #include <map>
 #include <mutex>
-#include <unordered_map>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -64,7 +64,7 @@ struct BenchConfig {
   std::string trace;  // rank 0 writes the last iteration's FSDP event trace (Chrome JSON) here
   int64_t memory_cap_mib = 0;
   bool count_allocations = false;
-  std::string init = "deferred";  // deferred: built under fsdp::DeferredInit, initialized unit by unit
+  std::string init = "deferred";   // deferred: built under fsdp::DeferredInit, initialized unit by unit
   bool operator_callback = false;  // local mode: an operator callback like libfsdp's interception
   std::string backward_prefetch = "BACKWARD_PRE";
   bool forward_prefetch = true;
@@ -102,7 +102,8 @@ std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
     if (t.defined() && t.has_storage()) hits += g_parameter_storages.count(t.storage().unsafeGetStorageImpl());
   };
   for (const c10::IValue& v : fn.inputs()) {
-    if (v.isTensor()) visit(v.toTensor());
+    if (v.isTensor())
+      visit(v.toTensor());
     else if (v.isTensorList())
       for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
   }
@@ -194,8 +195,8 @@ torch::Tensor draw_global_batches(const BenchConfig& c) {
   const auto splits = gpt::split_train_validation(gpt::encode(corpus.text));
   std::vector<torch::Tensor> steps;
   for (int step = 1; step <= c.warmup + c.steps; ++step) {
-    auto b = gpt::sample_batch(splits.train, c.context, gpt::batch_key(c.seed, /*train stream*/ 1, step), c.global_batch,
-                               0, c.global_batch);
+    auto b = gpt::sample_batch(splits.train, c.context, gpt::batch_key(c.seed, /*train stream*/ 1, step),
+                               c.global_batch, 0, c.global_batch);
     // sample_batch returns inputs and targets as two views of the same windows.
     steps.push_back(torch::cat({b.inputs, b.targets.narrow(1, c.context - 1, 1)}, 1));
   }
@@ -210,11 +211,17 @@ void write_inputs(const BenchConfig& c) {
   const auto params = unique_named_parameters(*model);
   const auto batches = draw_global_batches(c);
   json header;
-  header["config"] = {{"layers", c.layers}, {"width", c.width}, {"heads", c.heads}, {"context", c.context},
-                      {"global_batch", c.global_batch}, {"steps", c.warmup + c.steps}, {"seed", c.seed}};
+  header["config"] = {{"layers", c.layers},
+                      {"width", c.width},
+                      {"heads", c.heads},
+                      {"context", c.context},
+                      {"global_batch", c.global_batch},
+                      {"steps", c.warmup + c.steps},
+                      {"seed", c.seed}};
   int64_t offset = 0;
   for (const auto& [name, p] : params) {
-    header["parameters"].push_back({{"name", name}, {"shape", p.sizes().vec()}, {"offset", offset}, {"dtype", "float32"}});
+    header["parameters"].push_back(
+        {{"name", name}, {"shape", p.sizes().vec()}, {"offset", offset}, {"dtype", "float32"}});
     offset += p.numel() * 4;
   }
   header["batches"] = {{"shape", batches.sizes().vec()}, {"offset", offset}, {"dtype", "int64"}};
@@ -299,31 +306,40 @@ std::string wrap_description(const std::string& wrap) {
 
 int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
   CLI::App app{"One contender of the libfsdp peer benchmark: the example GPT for a few steps.", "gpt_bench"};
-  app.add_option("--mode", c.mode, "local: one LibTorch process on the global batch; fsdp: libfsdp, one process per rank")
-      ->transform(CLI::IsMember({"local", "fsdp"}))->capture_default_str();
+  app.add_option("--mode", c.mode,
+                 "local: one LibTorch process on the global batch; fsdp: libfsdp, one process per rank")
+      ->transform(CLI::IsMember({"local", "fsdp"}))
+      ->capture_default_str();
   app.add_option("--strategy", c.strategy, "FSDP sharding strategy")
       ->transform(CLI::IsMember({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, CLI::ignore_case))
       ->capture_default_str();
   app.add_option("--sharding-factor", c.sharding_factor, "HYBRID_SHARD: ranks per shard group (0: ranks per host)")
-      ->check(CLI::Range(0, 1 << 20))->capture_default_str();
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
   app.add_option("--wrap", c.wrap, "FSDP units besides the root")
-      ->transform(CLI::IsMember({"none", "block", "sublayer", "linear"}))->capture_default_str();
+      ->transform(CLI::IsMember({"none", "block", "sublayer", "linear"}))
+      ->capture_default_str();
   app.add_option("--layers", c.layers, "Transformer blocks")->check(CLI::Range(1, 4096))->capture_default_str();
   app.add_option("--width", c.width, "Embedding width")->check(CLI::Range(8, 65536))->capture_default_str();
   app.add_option("--heads", c.heads, "Attention heads")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--context", c.context, "Tokens per sequence")->check(CLI::Range(2, 8192))->capture_default_str();
   app.add_option("--global-batch", c.global_batch, "Sequences per step over all ranks (divisible by the world size)")
-      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  app.add_option("--warmup", c.warmup, "Untimed steps before the timed ones")->check(CLI::Range(0, 1000000))
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--warmup", c.warmup, "Untimed steps before the timed ones")
+      ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
   app.add_option("--steps", c.steps, "Timed steps")->check(CLI::Range(1, 1000000))->capture_default_str();
   app.add_option("--lr", c.lr, "AdamW learning rate (constant)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seed", c.seed, "Seed for initialization and batches")->capture_default_str();
   app.add_option("--threads", c.threads, "Intra-op threads per process (0: OMP_NUM_THREADS / LibTorch's default)")
-      ->check(CLI::Range(0, 1024))->capture_default_str();
-  app.add_option("--write-inputs", c.write_inputs, "Write the initial weights and all global batches to this file "
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
+  app.add_option("--write-inputs", c.write_inputs,
+                 "Write the initial weights and all global batches to this file "
                  "(for ddp_gpt.py) and exit");
-  app.add_option("--inputs", c.inputs, "Read the batches from a file --write-inputs wrote (same context, global "
+  app.add_option("--inputs", c.inputs,
+                 "Read the batches from a file --write-inputs wrote (same context, global "
                  "batch and seed; at least as many steps) instead of drawing them from the corpus")
       ->check(CLI::ExistingFile);
   app.add_option("--result", c.result, "Rank 0 writes the result as JSON to this file");
@@ -333,9 +349,11 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
   app.add_option("--trace", c.trace, "FSDP: rank 0 writes the last step's event trace here (Chrome JSON, Perfetto)");
   app.add_option("--backward-prefetch", c.backward_prefetch, "FSDP: BACKWARD_PRE, BACKWARD_POST or NONE")
       ->capture_default_str();
-  app.add_flag("--forward-prefetch,!--no-forward-prefetch", c.forward_prefetch, "FSDP: gather the next unit before computing the current one");
+  app.add_flag("--forward-prefetch,!--no-forward-prefetch", c.forward_prefetch,
+               "FSDP: gather the next unit before computing the current one");
   app.add_option("--all-gather-limit", c.all_gather_limit, "FSDP: rate limiter, units unsharded at once (0: off)")
-      ->check(CLI::Range(0, 1000))->capture_default_str();
+      ->check(CLI::Range(0, 1000))
+      ->capture_default_str();
   app.add_option("--reductions-in-flight", c.reductions_in_flight,
                  "FSDP: gradient reductions left running while backward goes on")
       ->check(CLI::Range(0, 64))
@@ -355,7 +373,8 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
   try {
     app.parse(argc, argv);
     if (c.width % c.heads != 0)
-      throw CLI::ValidationError("--heads", std::to_string(c.heads) + " does not divide --width " + std::to_string(c.width));
+      throw CLI::ValidationError("--heads",
+                                 std::to_string(c.heads) + " does not divide --width " + std::to_string(c.width));
   } catch (const CLI::ParseError& e) {
     if (rank == 0) return app.exit(e);
     if (e.get_exit_code() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -461,17 +480,17 @@ int run(int argc, char** argv) {
     std::cout << "gpt_bench " << (c.label.empty() ? c.mode : c.label) << ": mode " << c.mode;
     if (!local)
       std::cout << ", " << fsdp::to_string(sharded->sharding_strategy()) << " (sharding factor "
-                << sharded->sharding_factor() << "), wrap " << wrap_description(c.wrap) << ", " << sharded->units().size()
-                << " units; backward prefetch " << c.backward_prefetch << ", forward prefetch "
-                << (c.forward_prefetch ? "on" : "off") << ", all-gather limit "
+                << sharded->sharding_factor() << "), wrap " << wrap_description(c.wrap) << ", "
+                << sharded->units().size() << " units; backward prefetch " << c.backward_prefetch
+                << ", forward prefetch " << (c.forward_prefetch ? "on" : "off") << ", all-gather limit "
                 << (c.all_gather_limit > 0 ? std::to_string(c.all_gather_limit) : std::string("off"))
                 << ", reductions in flight " << c.reductions_in_flight << ", buffer reuse "
                 << (c.reuse_buffers ? "on" : "off");
-    std::cout << "\n  world " << world << ", " << torch::get_num_threads() << " threads per process; model "
-              << c.layers << " layers, width " << c.width << ", " << c.heads << " heads, context " << c.context << ", "
+    std::cout << "\n  world " << world << ", " << torch::get_num_threads() << " threads per process; model " << c.layers
+              << " layers, width " << c.width << ", " << c.heads << " heads, context " << c.context << ", "
               << parameter_count << " parameters; global batch " << c.global_batch << " x " << c.context
-              << " tokens; AdamW lr " << c.lr << " betas (0.9, 0.99) weight decay " << c.weight_decay
-              << "; steps " << c.warmup << " warm-up + " << c.steps << " timed\n";
+              << " tokens; AdamW lr " << c.lr << " betas (0.9, 0.99) weight decay " << c.weight_decay << "; steps "
+              << c.warmup << " warm-up + " << c.steps << " timed\n";
     if (sharded) std::cout << sharded->describe();
     std::cout << std::flush;
   }
@@ -516,7 +535,9 @@ int run(int argc, char** argv) {
     optimizer->step();
     const double value = loss.item<double>();
     const auto end = Clock::now();
-    auto secs = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+    auto secs = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
     const double seconds = secs(start, end);
     losses.push_back(value);
     if (step >= c.warmup) {
@@ -529,10 +550,13 @@ int run(int argc, char** argv) {
     if (rank == 0)
       std::cout << "step " << step + 1 << "/" << total_steps << (step < c.warmup ? " (warm-up)" : "") << " | loss "
                 << std::fixed << std::setprecision(6) << value << " (rank 0) | " << std::setprecision(1)
-                << seconds * 1000 << " ms" << std::defaultfloat << "\n" << std::flush;
+                << seconds * 1000 << " ms" << std::defaultfloat << "\n"
+                << std::flush;
   }
   const ResourceUse use_at_end = ResourceUse::now();
-  auto per_step = [&](double ResourceUse::*field) { return (use_at_end.*field - use_at_timed_start.*field) / c.steps; };
+  auto per_step = [&](double ResourceUse::*field) {
+    return (use_at_end.*field - use_at_timed_start.*field) / c.steps;
+  };
   if (sharded) memory = sharded->memory_stats();
   if (counting) alloc_peak = counting->peak();
   const int64_t adam_bytes = optimizer_state_bytes(*optimizer);
@@ -543,13 +567,25 @@ int run(int argc, char** argv) {
   // rows, and the rows are equal in number).
   constexpr int kFields = 20;
   auto per_rank = torch::zeros({world, kFields}, torch::kDouble);
-  const double fields[kFields] = {double(hwm_init), double(hwm_reset ? hwm_train : 0), double(hwm), double(memory.param_peak_bytes),
-                                  double(memory.grad_peak_bytes), double(memory.param_bytes), double(memory.grad_bytes),
-                                  double(adam_bytes), double(piece_bytes), double(alloc_live_rest), double(alloc_peak),
-                                  double(cached_rest), double(comm_scratch_rest),
-                                  double(batch_bytes), median(step_seconds), per_step(&ResourceUse::minor_faults),
+  const double fields[kFields] = {double(hwm_init),
+                                  double(hwm_reset ? hwm_train : 0),
+                                  double(hwm),
+                                  double(memory.param_peak_bytes),
+                                  double(memory.grad_peak_bytes),
+                                  double(memory.param_bytes),
+                                  double(memory.grad_bytes),
+                                  double(adam_bytes),
+                                  double(piece_bytes),
+                                  double(alloc_live_rest),
+                                  double(alloc_peak),
+                                  double(cached_rest),
+                                  double(comm_scratch_rest),
+                                  double(batch_bytes),
+                                  median(step_seconds),
+                                  per_step(&ResourceUse::minor_faults),
                                   per_step(&ResourceUse::voluntary_switches),
-                                  per_step(&ResourceUse::involuntary_switches), per_step(&ResourceUse::user_s),
+                                  per_step(&ResourceUse::involuntary_switches),
+                                  per_step(&ResourceUse::user_s),
                                   per_step(&ResourceUse::system_s)};
   for (int k = 0; k < kFields; ++k) per_rank[rank][k] = fields[k];
   auto loss_sum = torch::tensor(losses, torch::kDouble);
@@ -576,14 +612,23 @@ int run(int argc, char** argv) {
     result["sharding_factor"] = local ? 0 : sharded->sharding_factor();
     result["wrap"] = local ? "" : c.wrap;
     if (!local)
-      result["overlap"] = {{"backward_prefetch", c.backward_prefetch}, {"forward_prefetch", c.forward_prefetch},
+      result["overlap"] = {{"backward_prefetch", c.backward_prefetch},
+                           {"forward_prefetch", c.forward_prefetch},
                            {"all_gather_limit", c.all_gather_limit},
-                           {"reductions_in_flight", c.reductions_in_flight}, {"reuse_buffers", c.reuse_buffers}};
+                           {"reductions_in_flight", c.reductions_in_flight},
+                           {"reuse_buffers", c.reuse_buffers}};
     result["world"] = world;
     result["threads_per_process"] = torch::get_num_threads();
-    result["config"] = {{"layers", c.layers}, {"width", c.width}, {"heads", c.heads}, {"context", c.context},
-                        {"global_batch", c.global_batch}, {"warmup", c.warmup}, {"steps", c.steps},
-                        {"lr", c.lr}, {"seed", c.seed}, {"init", c.init}};
+    result["config"] = {{"layers", c.layers},
+                        {"width", c.width},
+                        {"heads", c.heads},
+                        {"context", c.context},
+                        {"global_batch", c.global_batch},
+                        {"warmup", c.warmup},
+                        {"steps", c.steps},
+                        {"lr", c.lr},
+                        {"seed", c.seed},
+                        {"init", c.init}};
     result["parameters"] = parameter_count;
     result["tokens_per_step"] = int64_t(c.global_batch) * c.context;
     result["step_seconds"] = step_seconds;
@@ -594,20 +639,37 @@ int run(int argc, char** argv) {
     // shared machine disturb much less than the wall time.
     result["cpu_user_s_per_step"] = per_rank.select(1, kFields - 2).sum().item<double>();
     result["cpu_system_s_per_step"] = per_rank.select(1, kFields - 1).sum().item<double>();
-    result["cpu_s_per_step"] = result["cpu_user_s_per_step"].get<double>() + result["cpu_system_s_per_step"].get<double>();
+    result["cpu_s_per_step"] =
+        result["cpu_user_s_per_step"].get<double>() + result["cpu_system_s_per_step"].get<double>();
     result["minor_faults_per_step"] = per_rank.select(1, kFields - 5).sum().item<double>();
     result["voluntary_switches_per_step"] = per_rank.select(1, kFields - 4).sum().item<double>();
     result["involuntary_switches_per_step"] = per_rank.select(1, kFields - 3).sum().item<double>();
-    result["phase_median_s"] = {{"zero_grad", median(zero_grad_s)}, {"forward", median(forward_s)},
-                                {"backward", median(backward_s)}, {"optimizer", median(optimizer_s)}};
+    result["phase_median_s"] = {{"zero_grad", median(zero_grad_s)},
+                                {"forward", median(forward_s)},
+                                {"backward", median(backward_s)},
+                                {"optimizer", median(optimizer_s)}};
     result["losses"] = std::vector<double>(loss_sum.data_ptr<double>(), loss_sum.data_ptr<double>() + loss_sum.numel());
     result["memory_cap_bytes"] = cap_bytes;
-    const char* names[kFields] = {"vmhwm_init_bytes", "vmhwm_train_bytes", "vmhwm_bytes", "fsdp_param_peak_bytes",
-                                  "fsdp_grad_peak_bytes", "fsdp_param_bytes", "fsdp_grad_bytes",
-                                  "adamw_state_bytes", "optimizer_param_bytes", "alloc_live_at_rest_bytes",
-                                  "alloc_peak_bytes", "fsdp_cached_at_rest_bytes", "comm_scratch_at_rest_bytes", "batch_bytes", "median_step_s", "minor_faults_per_step",
-                                  "voluntary_switches_per_step", "involuntary_switches_per_step",
-                                  "cpu_user_s_per_step", "cpu_system_s_per_step"};
+    const char* names[kFields] = {"vmhwm_init_bytes",
+                                  "vmhwm_train_bytes",
+                                  "vmhwm_bytes",
+                                  "fsdp_param_peak_bytes",
+                                  "fsdp_grad_peak_bytes",
+                                  "fsdp_param_bytes",
+                                  "fsdp_grad_bytes",
+                                  "adamw_state_bytes",
+                                  "optimizer_param_bytes",
+                                  "alloc_live_at_rest_bytes",
+                                  "alloc_peak_bytes",
+                                  "fsdp_cached_at_rest_bytes",
+                                  "comm_scratch_at_rest_bytes",
+                                  "batch_bytes",
+                                  "median_step_s",
+                                  "minor_faults_per_step",
+                                  "voluntary_switches_per_step",
+                                  "involuntary_switches_per_step",
+                                  "cpu_user_s_per_step",
+                                  "cpu_system_s_per_step"};
     for (int r = 0; r < world; ++r) {
       json row{{"rank", r}};
       for (int k = 0; k < kFields; ++k) row[names[k]] = per_rank[r][k].item<double>();
@@ -615,12 +677,16 @@ int run(int argc, char** argv) {
     }
     if (sharded)
       for (const auto& u : sharded->units())
-        result["units"].push_back({{"name", u.name}, {"parent", u.parent}, {"numel", u.numel},
-                                   {"padded_numel", u.padded_numel}, {"padded_bytes", u.padded_bytes},
-                                   {"shard_bytes", u.shard_bytes}, {"parameters", u.parameters}});
-    std::cout << "median step " << std::fixed << std::setprecision(2) << med * 1000 << " ms, "
-              << std::setprecision(0) << c.global_batch * double(c.context) / med << " tokens/s, peak RSS (rank 0) "
-              << std::setprecision(1) << hwm / 1048576.0 << " MiB" << std::defaultfloat << "\n";
+        result["units"].push_back({{"name", u.name},
+                                   {"parent", u.parent},
+                                   {"numel", u.numel},
+                                   {"padded_numel", u.padded_numel},
+                                   {"padded_bytes", u.padded_bytes},
+                                   {"shard_bytes", u.shard_bytes},
+                                   {"parameters", u.parameters}});
+    std::cout << "median step " << std::fixed << std::setprecision(2) << med * 1000 << " ms, " << std::setprecision(0)
+              << c.global_batch * double(c.context) / med << " tokens/s, peak RSS (rank 0) " << std::setprecision(1)
+              << hwm / 1048576.0 << " MiB" << std::defaultfloat << "\n";
     if (!c.result.empty()) {
       std::ofstream out(c.result);
       out << result.dump(1) << "\n";

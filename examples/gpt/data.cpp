@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <stdexcept>
-#include <set>
 #include <vector>
 
 namespace gpt {
@@ -48,7 +48,7 @@ Corpus load_fortunes(const std::string& dir) {
   std::vector<fs::path> files;
   std::set<fs::path> seen;  // canonical paths: "art.u8" is a symlink to "art"
   for (const auto& entry : fs::directory_iterator(dir)) {
-    if (!entry.is_regular_file()) continue;  // skips off/ and other directories (symlinks are followed)
+    if (!entry.is_regular_file()) continue;            // skips off/ and other directories (symlinks are followed)
     if (entry.path().extension() == ".dat") continue;  // strfile's binary index
     if (seen.insert(fs::canonical(entry.path())).second) files.push_back(fs::canonical(entry.path()));
   }
@@ -112,8 +112,8 @@ Batch sample_batch(const torch::Tensor& tokens, int64_t context, uint64_t key, i
               context + 1);
   TORCH_CHECK(first_row >= 0 && first_row + rows <= total_rows, "rows out of range");
   auto generator = at::make_generator<at::CPUGeneratorImpl>(key);
-  auto starts = torch::randint(tokens.numel() - context, {total_rows}, generator,
-                               torch::TensorOptions().dtype(torch::kLong));
+  auto starts =
+      torch::randint(tokens.numel() - context, {total_rows}, generator, torch::TensorOptions().dtype(torch::kLong));
   std::vector<torch::Tensor> windows;
   for (int64_t r = first_row; r < first_row + rows; ++r)
     windows.push_back(tokens.narrow(0, starts[r].item<int64_t>(), context + 1));

@@ -20,7 +20,9 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t batch = x.size(0), time = x.size(1), width = x.size(2), head_dim = width / heads;
   auto q_k_v = qkv(x).chunk(3, /*dim=*/-1);
   // [batch, time, width] -> [batch, heads, time, head_dim]
-  auto split_heads = [&](const torch::Tensor& t) { return t.view({batch, time, heads, head_dim}).transpose(1, 2); };
+  auto split_heads = [&](const torch::Tensor& t) {
+    return t.view({batch, time, heads, head_dim}).transpose(1, 2);
+  };
   auto q = split_heads(q_k_v[0]), k = split_heads(q_k_v[1]), v = split_heads(q_k_v[2]);
 
 #if TORCH_VERSION_MAJOR >= 2

@@ -9,9 +9,9 @@
 // every forward pass (training, validation, sampling) is run by every rank: FSDP gathers each
 // unit's parameters from all ranks when an operation reads them, so a forward is collective.
 #include <ATen/CPUGeneratorImpl.h>
+#include <dlfcn.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
-#include <dlfcn.h>
 #include <sched.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -44,9 +44,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr double kPi = 3.14159265358979323846;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // ---------------------------------------------------------------------------------------------
 // Flags
@@ -91,74 +89,103 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--layers", config.layers, "Transformer blocks")->check(CLI::Range(1, 256))->capture_default_str();
   app.add_option("--width", config.width, "Embedding width")->check(CLI::Range(8, 16384))->capture_default_str();
   app.add_option("--heads", config.heads, "Attention heads (must divide --width)")
-      ->check(CLI::Range(1, 1024))->capture_default_str();
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   app.add_option("--context", config.context, "Tokens per training sequence")
-      ->check(CLI::Range(2, 8192))->capture_default_str();
-  app.add_option("--batch-per-rank", config.batch_per_rank, "Sequences per rank per step; the global batch is "
-                 "world size times this")->check(CLI::Range(1, 1 << 16))->capture_default_str();
+      ->check(CLI::Range(2, 8192))
+      ->capture_default_str();
+  app.add_option("--batch-per-rank", config.batch_per_rank,
+                 "Sequences per rank per step; the global batch is "
+                 "world size times this")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
   app.add_option("--steps", config.steps, "Optimizer steps")->check(CLI::Range(1, 100000000))->capture_default_str();
   app.add_option("--lr", config.lr, "Peak learning rate (AdamW)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--min-lr", config.min_lr, "Learning rate at the end of the cosine decay")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--warmup", config.warmup, "Steps of linear warm-up from 0 to --lr (default: a tenth of --steps)")
       ->check(CLI::Range(0, 100000000));
   app.add_option("--schedule", config.schedule, "Learning-rate schedule after warm-up")
-      ->transform(CLI::IsMember({"cosine", "constant"}, CLI::ignore_case))->capture_default_str();
+      ->transform(CLI::IsMember({"cosine", "constant"}, CLI::ignore_case))
+      ->capture_default_str();
   app.add_option("--weight-decay", config.weight_decay, "AdamW weight decay for weight matrices and embeddings")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--seed", config.seed, "Seed for initialization, batches and sampling")->capture_default_str();
   app.add_option("--strategy", config.strategy, "FSDP sharding strategy")
       ->transform(CLI::IsMember({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, CLI::ignore_case))
       ->capture_default_str();
-  app.add_option("--sharding-factor", config.sharding_factor, "HYBRID_SHARD: ranks per shard group (0: ranks per "
-                 "host); others accept 0 or their implied factor")->check(CLI::Range(0, 1 << 20))->capture_default_str();
-  app.add_option("--wrap", config.wrap, "FSDP units: 'block' makes every transformer block a unit, 'none' makes "
-                 "the whole model one unit")->transform(CLI::IsMember({"block", "none"}, CLI::ignore_case))
+  app.add_option("--sharding-factor", config.sharding_factor,
+                 "HYBRID_SHARD: ranks per shard group (0: ranks per "
+                 "host); others accept 0 or their implied factor")
+      ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
-  app.add_option("--backward-prefetch", config.backward_prefetch, "When to gather the next unit in backward: "
-                 "BACKWARD_PRE, BACKWARD_POST or NONE")->capture_default_str();
-  app.add_flag("--forward-prefetch,!--no-forward-prefetch", config.forward_prefetch, "Gather the next unit before computing the current "
+  app.add_option("--wrap", config.wrap,
+                 "FSDP units: 'block' makes every transformer block a unit, 'none' makes "
+                 "the whole model one unit")
+      ->transform(CLI::IsMember({"block", "none"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--backward-prefetch", config.backward_prefetch,
+                 "When to gather the next unit in backward: "
+                 "BACKWARD_PRE, BACKWARD_POST or NONE")
+      ->capture_default_str();
+  app.add_flag("--forward-prefetch,!--no-forward-prefetch", config.forward_prefetch,
+               "Gather the next unit before computing the current "
                "one in forward (one more unit of memory)");
-  app.add_option("--init", config.init, "deferred: build the model on the meta device and let FSDP allocate, "
+  app.add_option("--init", config.init,
+                 "deferred: build the model on the meta device and let FSDP allocate, "
                  "initialize and shard one unit at a time; eager: build the whole model on every rank first "
-                 "(same weights)")->check(CLI::IsMember({"deferred", "eager"}))->capture_default_str();
-  app.add_option("--data", config.data, std::string("Text file to train on (default: the fortunes in ") +
-                 gpt::kFortunesDir + ")")->check(CLI::ExistingFile);
+                 "(same weights)")
+      ->check(CLI::IsMember({"deferred", "eager"}))
+      ->capture_default_str();
+  app.add_option("--data", config.data,
+                 std::string("Text file to train on (default: the fortunes in ") + gpt::kFortunesDir + ")")
+      ->check(CLI::ExistingFile);
   app.add_option("--log-interval", config.log_interval, "Steps between log lines")
-      ->check(CLI::Range(1, 100000000))->capture_default_str();
+      ->check(CLI::Range(1, 100000000))
+      ->capture_default_str();
   app.add_option("--eval-batches", config.eval_batches, "Held-out batches (16 sequences each) in each validation loss")
-      ->check(CLI::Range(1, 100000))->capture_default_str();
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
   app.add_option("--metrics-file", config.metrics_file, "Write one JSON object per logged step to this file");
   app.add_option("--sample-bytes", config.sample_bytes, "Bytes to generate after training (0: none)")
-      ->check(CLI::Range(0, 1000000))->capture_default_str();
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
   app.add_option("--prompt", config.prompt, "Start of the generated sample")->capture_default_str();
   app.add_option("--temperature", config.temperature, "Sampling temperature (0: greedy)")
-      ->check(CLI::Range(0.0, 10.0))->capture_default_str();
+      ->check(CLI::Range(0.0, 10.0))
+      ->capture_default_str();
   app.add_flag("--show-memory", config.show_memory, "Print per-rank model-state memory next to NO_SHARD's");
-  app.add_option("--save-dir", config.save_dir, "Save sharded checkpoints (model, AdamW state, data position) under "
+  app.add_option("--save-dir", config.save_dir,
+                 "Save sharded checkpoints (model, AdamW state, data position) under "
                  "this directory as step-NNNNNNNN, at the end and on SIGTERM");
   app.add_option("--save-every", config.save_every, "Also save every N steps (needs --save-dir)")
       ->check(CLI::Range(0, 100000000));
-  app.add_flag("--resume", config.resume, "Continue from the newest complete checkpoint under --save-dir (start "
+  app.add_flag("--resume", config.resume,
+               "Continue from the newest complete checkpoint under --save-dir (start "
                "afresh if there is none)");
-  app.add_option("--stop-after", config.stop_after, "Save and exit after this step; the schedule still follows "
-                 "--steps (needs --save-dir)")->check(CLI::Range(1, 100000000));
+  app.add_option("--stop-after", config.stop_after,
+                 "Save and exit after this step; the schedule still follows "
+                 "--steps (needs --save-dir)")
+      ->check(CLI::Range(1, 100000000));
   app.add_option("--export", config.export_file, "Write the trained model as one safetensors file");
 }
 
 // Checks that involve several flags, thrown as CLI::ValidationError like CLI11's own; resolves --warmup.
 void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
   if (config.width % config.heads != 0)
-    throw CLI::ValidationError("--heads", std::to_string(config.heads) + " does not divide --width " +
-                                               std::to_string(config.width));
+    throw CLI::ValidationError(
+        "--heads", std::to_string(config.heads) + " does not divide --width " + std::to_string(config.width));
   if (config.warmup < 0) config.warmup = config.steps / 10;
   if (config.warmup > config.steps)
-    throw CLI::ValidationError("--warmup", std::to_string(config.warmup) + " is more than --steps " +
-                                               std::to_string(config.steps));
+    throw CLI::ValidationError("--warmup",
+                               std::to_string(config.warmup) + " is more than --steps " + std::to_string(config.steps));
   if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
   if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
   for (const auto& [flag, used] : {std::pair<const char*, bool>{"--save-every", config.save_every > 0},
-                                   {"--resume", config.resume}, {"--stop-after", config.stop_after > 0}})
+                                   {"--resume", config.resume},
+                                   {"--stop-after", config.stop_after > 0}})
     if (used && config.save_dir.empty()) throw CLI::ValidationError(flag, "needs --save-dir");
   const int world = env.world_size, factor = config.sharding_factor;
   if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
@@ -312,7 +339,9 @@ std::string printable(const std::string& bytes) {
   const std::string replacement = "\xEF\xBF\xBD";  // U+FFFD
   std::string out;
   size_t i = 0;
-  auto byte = [&](size_t k) { return k < bytes.size() ? static_cast<unsigned char>(bytes[k]) : 0u; };
+  auto byte = [&](size_t k) {
+    return k < bytes.size() ? static_cast<unsigned char>(bytes[k]) : 0u;
+  };
   while (i < bytes.size()) {
     const unsigned c = byte(i);
     if (c < 0x80) {
@@ -324,13 +353,20 @@ std::string printable(const std::string& bytes) {
     // surrogates); later bytes are 0x80-0xBF.
     size_t length = 0;
     unsigned low = 0x80, high = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) length = 2;
-    else if (c == 0xE0) length = 3, low = 0xA0;
-    else if (c == 0xED) length = 3, high = 0x9F;
-    else if (c >= 0xE1 && c <= 0xEF) length = 3;
-    else if (c == 0xF0) length = 4, low = 0x90;
-    else if (c >= 0xF1 && c <= 0xF3) length = 4;
-    else if (c == 0xF4) length = 4, high = 0x8F;
+    if (c >= 0xC2 && c <= 0xDF)
+      length = 2;
+    else if (c == 0xE0)
+      length = 3, low = 0xA0;
+    else if (c == 0xED)
+      length = 3, high = 0x9F;
+    else if (c >= 0xE1 && c <= 0xEF)
+      length = 3;
+    else if (c == 0xF0)
+      length = 4, low = 0x90;
+    else if (c >= 0xF1 && c <= 0xF3)
+      length = 4;
+    else if (c == 0xF4)
+      length = 4, high = 0x8F;
     bool valid = length > 0 && byte(i + 1) >= low && byte(i + 1) <= high;
     for (size_t k = 2; valid && k < length; ++k) valid = byte(i + k) >= 0x80 && byte(i + k) <= 0xBF;
     if (valid) {
@@ -355,7 +391,8 @@ std::string launcher_variables(const fsdp::RankEnv& env) {
 void print_table(const std::vector<std::pair<std::string, std::string>>& rows) {
   size_t key_width = 0;
   for (const auto& row : rows) key_width = std::max(key_width, row.first.size());
-  for (const auto& row : rows) std::cout << "  " << std::left << std::setw(key_width + 2) << row.first << row.second << "\n";
+  for (const auto& row : rows)
+    std::cout << "  " << std::left << std::setw(key_width + 2) << row.first << row.second << "\n";
   std::cout << std::right;
 }
 
@@ -376,7 +413,8 @@ void print_memory_comparison(const fsdp::FullyShardedModule& sharded, int64_t pa
   };
   std::cout << "\nmodel-state memory per rank (rank 0; fp32 parameters + gradients + AdamW moments):\n";
   std::cout << "  " << std::left << std::setw(30) << "" << std::right << std::setw(12) << "params" << std::setw(12)
-            << "grads" << std::setw(12) << "AdamW" << std::setw(12) << "total" << "\n";
+            << "grads" << std::setw(12) << "AdamW" << std::setw(12) << "total"
+            << "\n";
   row(fsdp::to_string(sharded.sharding_strategy()) + " (this run, F=" + std::to_string(sharded.sharding_factor()) + ")",
       param_bytes, trainable_bytes, 2 * trainable_bytes);
   row("NO_SHARD (full replica)", replica_bytes, replica_bytes, 2 * replica_bytes);
@@ -486,9 +524,12 @@ void save_checkpoint(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySh
   char name[32];
   std::snprintf(name, sizeof(name), "step-%08d", p.step);
   const std::string dir = c.save_dir + "/" + name;
-  fsdp::checkpoint::save(dir, sharded, optimizer, progress_extra(pg, c, p), fsdp::checkpoint::SaveOptions().overwrite(true));
-  if (pg.rank() == 0) std::cout << "checkpoint: saved step " << p.step << " to " << dir << " in "
-                                << fixed(seconds_since(start), 2) << " s\n" << std::flush;
+  fsdp::checkpoint::save(dir, sharded, optimizer, progress_extra(pg, c, p),
+                         fsdp::checkpoint::SaveOptions().overwrite(true));
+  if (pg.rank() == 0)
+    std::cout << "checkpoint: saved step " << p.step << " to " << dir << " in " << fixed(seconds_since(start), 2)
+              << " s\n"
+              << std::flush;
 }
 
 // --resume: loads the newest complete checkpoint under --save-dir; returns where to continue.
@@ -516,8 +557,10 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
   const std::string& losses = extra.at("window_loss");
   std::vector<double> per_rank(losses.size() / sizeof(double));
   std::memcpy(per_rank.data(), losses.data(), per_rank.size() * sizeof(double));
-  if (static_cast<int>(per_rank.size()) == pg.size()) p.window_loss = per_rank[pg.rank()];
-  else if (pg.rank() == 0) for (double l : per_rank) p.window_loss += l;  // another world size: same sum
+  if (static_cast<int>(per_rank.size()) == pg.size())
+    p.window_loss = per_rank[pg.rank()];
+  else if (pg.rank() == 0)
+    for (double l : per_rank) p.window_loss += l;  // another world size: same sum
   const std::string& rng = extra.at("cpu_rng_state");
   auto state = torch::empty({static_cast<int64_t>(rng.size())}, torch::kByte);
   std::memcpy(state.data_ptr(), rng.data(), rng.size());
@@ -703,20 +746,20 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                     std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +
                     ", vocab 256 (bytes)"},
       {"batch", std::to_string(config.batch_per_rank) + " sequences per rank; global " +
-                    std::to_string(world * config.batch_per_rank) + " x " + std::to_string(config.context) +
-                    " = " + with_commas(job.tokens_per_step) + " tokens per step"},
+                    std::to_string(world * config.batch_per_rank) + " x " + std::to_string(config.context) + " = " +
+                    with_commas(job.tokens_per_step) + " tokens per step"},
       {"steps", std::to_string(config.steps) + " (log every " + std::to_string(config.log_interval) + ")"},
       {"optimizer", "AdamW, lr " + fixed(config.lr, 6) + ", warm-up " + std::to_string(config.warmup) + ", then " +
                         (config.schedule == "cosine" ? "cosine to " + fixed(config.min_lr, 6) : "constant") +
                         ", weight decay " + fixed(config.weight_decay, 3)},
       {"data", data.corpus.description},
-      {"tokens", with_commas(static_cast<int64_t>(data.corpus.text.size())) + " bytes: " +
-                     with_commas(data.splits.train.numel()) + " train, " +
+      {"tokens", with_commas(static_cast<int64_t>(data.corpus.text.size())) +
+                     " bytes: " + with_commas(data.splits.train.numel()) + " train, " +
                      with_commas(data.splits.validation.numel()) + " validation"},
       {"seed", std::to_string(config.seed)},
       {"FLOPs per token", fixed(job.flops_per_token / 1e6, 2) + " M (6N + 12 L T W)"},
-      {"matmul peak", fixed(job.peak.job_flops / 1e12, 4) + " TFLOP/s for the job (rank 0: " +
-                          fixed(job.peak.rank0_flops / 1e9, 1) +
+      {"matmul peak", fixed(job.peak.job_flops / 1e12, 4) +
+                          " TFLOP/s for the job (rank 0: " + fixed(job.peak.rank0_flops / 1e9, 1) +
                           " GFLOP/s: fastest of 8 1024x1024 matmuls, all ranks running)"},
   });
   std::cout << sharded.describe();
@@ -767,9 +810,9 @@ double train_step(const TrainingLoop& loop, int step, double lr) {
   const TrainConfig& config = loop.config;
   for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   const int64_t world = loop.pg.size(), rank = loop.pg.rank();
-  const auto batch = gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step),
-                                       world * config.batch_per_rank, rank * config.batch_per_rank,
-                                       config.batch_per_rank);
+  const auto batch =
+      gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step),
+                        world * config.batch_per_rank, rank * config.batch_per_rank, config.batch_per_rank);
   loop.optimizer.zero_grad();
   auto loss = next_token_loss(loop.model, batch);
   loss.backward();
@@ -799,12 +842,12 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
   const int64_t rss = resident_bytes();
   if (loop.is_main) {
     progress.clear();
-    std::cout << "step " << std::setw(std::to_string(config.steps).size()) << step << "/" << config.steps
-              << " | loss " << fixed(mean_loss, 4) << " | lr " << std::scientific << std::setprecision(2) << lr
-              << std::defaultfloat << " | " << std::setw(7) << fixed(ms_per_step, 1) << " ms/step | "
-              << std::setw(7) << with_commas(std::llround(tokens_per_s)) << " tok/s | "
-              << fixed(model_flops / 1e12, 4) << " TFLOP/s | MFU " << fixed(100.0 * model_flops / peak_flops, 1)
-              << "% | fsdp peak " << mib(fsdp_peak) << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
+    std::cout << "step " << std::setw(std::to_string(config.steps).size()) << step << "/" << config.steps << " | loss "
+              << fixed(mean_loss, 4) << " | lr " << std::scientific << std::setprecision(2) << lr << std::defaultfloat
+              << " | " << std::setw(7) << fixed(ms_per_step, 1) << " ms/step | " << std::setw(7)
+              << with_commas(std::llround(tokens_per_s)) << " tok/s | " << fixed(model_flops / 1e12, 4)
+              << " TFLOP/s | MFU " << fixed(100.0 * model_flops / peak_flops, 1) << "% | fsdp peak " << mib(fsdp_peak)
+              << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
               << std::flush;
     progress.draw(step, local_loss, result.train_seconds);
     if (loop.metrics.is_open())
@@ -819,9 +862,9 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
                                      {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
                                      {"rss_bytes", rss},
                                      {"elapsed_s", seconds_since(loop.program_start)}}
-                              .dump()
-                       << "\n"
-                       << std::flush;
+                          .dump()
+                   << "\n"
+                   << std::flush;
   }
   loop.sharded.reset_peak_memory_stats();
   window = LogWindow();
@@ -876,9 +919,8 @@ void print_report(const TrainConfig& config, const JobFigures& job, const Traini
   if (!sample.empty())
     std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << printable(sample) << "\n---\n\n";
   std::cout << "done: " << config.steps << " steps in " << fixed(seconds_since(program_start), 1) << " s ("
-            << fixed(result.train_seconds, 1) << " s training) | final train loss "
-            << fixed(result.last_logged_loss, 4) << " | val loss " << fixed(val_loss_start, 4) << " -> "
-            << fixed(val_loss_end, 4) << " | mean "
+            << fixed(result.train_seconds, 1) << " s training) | final train loss " << fixed(result.last_logged_loss, 4)
+            << " | val loss " << fixed(val_loss_start, 4) << " -> " << fixed(val_loss_end, 4) << " | mean "
             << with_commas(std::llround(job.tokens_per_step * config.steps / result.train_seconds)) << " tok/s\n"
             << std::flush;
 }
@@ -914,13 +956,14 @@ int run(int argc, char** argv) {
   const double val_loss_start = validation_loss(built.model, data->splits.validation, config);
   if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;
 
-  TrainingLoop loop{config, *pg, built.model, *sharded, *optimizer, data->splits.train, job, metrics, program_start,
-                    is_main};
+  TrainingLoop loop{config, *pg,     built.model,   *sharded, *optimizer, data->splits.train,
+                    job,    metrics, program_start, is_main};
   const TrainingResult result = train(loop);
   if (result.stopped_after > 0) {
     if (is_main)
       std::cout << "stopped after step " << result.stopped_after << " of " << config.steps
-                << "; continue with --resume\n" << std::flush;
+                << "; continue with --resume\n"
+                << std::flush;
     return 0;
   }
 

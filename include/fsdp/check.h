@@ -24,8 +24,8 @@ std::string compose(const Parts&... parts) {
 
 }  // namespace fsdp
 
-#define FSDP_CHECK(cond, ...)                                                                   \
-  do {                                                                                          \
+#define FSDP_CHECK(cond, ...)                                                                           \
+  do {                                                                                                  \
     if (!(cond)) ::fsdp::detail::throw_error(__FILE__, __LINE__, ::fsdp::detail::compose(__VA_ARGS__)); \
   } while (0)
 

@@ -27,10 +27,10 @@ struct UnitInfo {
   std::string name;  // qualified module name; "" for the root
   int parent = -1;   // index of the enclosing unit; -1 for the root
   std::vector<std::string> parameters;
-  int64_t numel = 0;          // sum over its FlatParameters of unpadded elements
-  int64_t padded_numel = 0;   // after right-padding each FlatParameter to a multiple of F
-  int64_t padded_bytes = 0;   // unsharded size in bytes
-  int64_t shard_bytes = 0;    // this rank's shard in bytes
+  int64_t numel = 0;         // sum over its FlatParameters of unpadded elements
+  int64_t padded_numel = 0;  // after right-padding each FlatParameter to a multiple of F
+  int64_t padded_bytes = 0;  // unsharded size in bytes
+  int64_t shard_bytes = 0;   // this rank's shard in bytes
 };
 
 class FullyShardedModule {
@@ -74,7 +74,9 @@ class FullyShardedModule {
     ~NoSyncGuard() {
       if (module_) module_->set_requires_gradient_sync(previous_);
     }
-    NoSyncGuard(NoSyncGuard&& other) noexcept : module_(other.module_), previous_(other.previous_) { other.module_ = nullptr; }
+    NoSyncGuard(NoSyncGuard&& other) noexcept : module_(other.module_), previous_(other.previous_) {
+      other.module_ = nullptr;
+    }
     NoSyncGuard(const NoSyncGuard&) = delete;
     NoSyncGuard& operator=(const NoSyncGuard&) = delete;
     NoSyncGuard& operator=(NoSyncGuard&&) = delete;

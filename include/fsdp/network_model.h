@@ -22,8 +22,8 @@ struct Link {
 };
 
 struct NetworkModel {
-  TORCH_ARG(Link, intra) = Link().bandwidth_gbps(25.0);    // between ranks on one modeled host
-  TORCH_ARG(Link, inter) = Link().bandwidth_gbps(12.5);    // any group that spans modeled hosts
+  TORCH_ARG(Link, intra) = Link().bandwidth_gbps(25.0);  // between ranks on one modeled host
+  TORCH_ARG(Link, inter) = Link().bandwidth_gbps(12.5);  // any group that spans modeled hosts
   // Ranks per modeled host (consecutive global ranks). 0: the job's LOCAL_WORLD_SIZE, i.e. the
   // real hosts; set it smaller to model several hosts on one machine.
   TORCH_ARG(int, ranks_per_host) = 0;
@@ -43,11 +43,11 @@ struct NetworkModel {
 
 // What a modeled communicator models, and what it has modeled so far.
 struct ModeledLinkStats {
-  std::string link;              // "intra" or "inter"
-  Link params;                   // the link's parameters
-  int64_t collectives = 0;       // issued (barriers included)
-  int64_t wire_bytes = 0;        // modeled bytes this rank sent
-  double modeled_busy_s = 0;     // sum of modeled durations (the link is busy that long)
+  std::string link;           // "intra" or "inter"
+  Link params;                // the link's parameters
+  int64_t collectives = 0;    // issued (barriers included)
+  int64_t wire_bytes = 0;     // modeled bytes this rank sent
+  double modeled_busy_s = 0;  // sum of modeled durations (the link is busy that long)
   // Collectives seen still running after their modeled completion (the real transport set the
   // time there). A lower bound.
   int64_t real_exceeded_model = 0;

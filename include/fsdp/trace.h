@@ -10,20 +10,20 @@ namespace fsdp {
 
 struct TraceEvent {
   enum class Kind {
-    kUnshardIssued,   // instant, compute thread: an all-gather was issued (label says prefetch or not)
-    kUnshard,         // span, communicator track: the all-gather ran
-    kCompute,         // span, compute thread: the computation was inside this unit
-    kWait,            // span, compute thread: blocked on a collective (label says which)
-    kReshard,         // instant, compute thread: the unsharded parameters were freed
-    kReduceIssued,    // instant, compute thread: the gradient reduction was issued
-    kReduce,          // span, communicator track: the reduce-scatter / all-reduce ran
+    kUnshardIssued,  // instant, compute thread: an all-gather was issued (label says prefetch or not)
+    kUnshard,        // span, communicator track: the all-gather ran
+    kCompute,        // span, compute thread: the computation was inside this unit
+    kWait,           // span, compute thread: blocked on a collective (label says which)
+    kReshard,        // instant, compute thread: the unsharded parameters were freed
+    kReduceIssued,   // instant, compute thread: the gradient reduction was issued
+    kReduce,         // span, communicator track: the reduce-scatter / all-reduce ran
   };
   Kind kind;
-  int unit = -1;          // unit index (FullyShardedModule::units()); -1 if none
-  std::string label;      // e.g. "prefetch backward", "all-gather", "reduce-scatter"
-  std::string track;      // "compute" or the communicator's name
-  double start_us = 0;    // since the iteration began (end of the previous backward)
-  double duration_us = 0; // 0 for instants
+  int unit = -1;           // unit index (FullyShardedModule::units()); -1 if none
+  std::string label;       // e.g. "prefetch backward", "all-gather", "reduce-scatter"
+  std::string track;       // "compute" or the communicator's name
+  double start_us = 0;     // since the iteration began (end of the previous backward)
+  double duration_us = 0;  // 0 for instants
 };
 const char* to_string(TraceEvent::Kind kind);
 

@@ -11,8 +11,8 @@
 
 namespace fsdp {
 
-using WrapPolicy = std::function<bool(const std::string& qualified_name, const torch::nn::Module& module,
-                                      int64_t unwrapped_numel)>;
+using WrapPolicy =
+    std::function<bool(const std::string& qualified_name, const torch::nn::Module& module, int64_t unwrapped_numel)>;
 
 namespace wrap {
 

@@ -69,11 +69,13 @@ void DataReader::read(std::vector<ReadRequest> requests) {
   // Runs of consecutive chunks that some request touches.
   std::vector<std::pair<uint64_t, uint64_t>> runs;  // [first chunk, last chunk]
   for (const auto& r : requests) {
-    FSDP_CHECK(r.offset <= entry_.bytes && r.bytes <= entry_.bytes - r.offset, "internal: read beyond '",
-               file_.path(), "'");
+    FSDP_CHECK(r.offset <= entry_.bytes && r.bytes <= entry_.bytes - r.offset, "internal: read beyond '", file_.path(),
+               "'");
     const uint64_t c0 = r.offset / chunk_bytes_, c1 = (r.offset + r.bytes - 1) / chunk_bytes_;
-    if (!runs.empty() && c0 <= runs.back().second + 1) runs.back().second = std::max(runs.back().second, c1);
-    else runs.emplace_back(c0, c1);
+    if (!runs.empty() && c0 <= runs.back().second + 1)
+      runs.back().second = std::max(runs.back().second, c1);
+    else
+      runs.emplace_back(c0, c1);
   }
   size_t first = 0;
   for (const auto& run : runs) {
@@ -84,8 +86,8 @@ void DataReader::read(std::vector<ReadRequest> requests) {
       file_.pread_all(buffer_.data(), buffer_.size(), begin);
       for (uint64_t k = c; k <= last; ++k) {
         const uint64_t kb = k * chunk_bytes_, ke = std::min(entry_.bytes, kb + chunk_bytes_);
-        FSDP_CHECK(hash64(buffer_.data() + (kb - begin), static_cast<size_t>(ke - kb)) == entry_.chunk_hashes[k],
-                   "'", file_.path(), "' is corrupted: bytes [", kb, ", ", ke,
+        FSDP_CHECK(hash64(buffer_.data() + (kb - begin), static_cast<size_t>(ke - kb)) == entry_.chunk_hashes[k], "'",
+                   file_.path(), "' is corrupted: bytes [", kb, ", ", ke,
                    ") do not match their checksum in the manifest; the checkpoint is damaged, use another one");
       }
       for (size_t i = first; i < requests.size() && requests[i].offset < end; ++i) {

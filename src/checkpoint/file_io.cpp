@@ -80,9 +80,7 @@ void File::pread_all(void* data, size_t bytes, uint64_t offset) const {
   }
 }
 
-void File::sync() {
-  FSDP_CHECK(::fsync(fd_) == 0, "cannot fsync '", path_, "': ", reason());
-}
+void File::sync() { FSDP_CHECK(::fsync(fd_) == 0, "cannot fsync '", path_, "': ", reason()); }
 
 void File::close() {
   if (fd_ < 0) return;

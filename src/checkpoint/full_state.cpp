@@ -82,7 +82,8 @@ void export_full(const std::string& file, FullyShardedModule& model) {
           add(s.name, fp->dtype(), s.shape, s.numel * fp->element_size());
           for (const auto& a : s.aliases) aliases[a] = s.name;
         }
-    for (const auto& [name, t] : state.buffers()) add(name, t.scalar_type(), t.sizes().vec(), t.numel() * t.element_size());
+    for (const auto& [name, t] : state.buffers())
+      add(name, t.scalar_type(), t.sizes().vec(), t.numel() * t.element_size());
   });
   std::map<std::string, std::string> metadata{{"format", "pt"}};
   if (!aliases.empty()) metadata["libfsdp.aliases"] = aliases.dump();
@@ -147,7 +148,8 @@ void load_full(const std::string& file, FullyShardedModule& model) {
     in.emplace(File::open_read(file));
     const uint64_t size = in->size();
     std::string prefix(8, '\0');
-    FSDP_CHECK(size >= 8, "safetensors file '", file, "' is shorter than 8 bytes; it is truncated or not a safetensors file");
+    FSDP_CHECK(size >= 8, "safetensors file '", file,
+               "' is shorter than 8 bytes; it is truncated or not a safetensors file");
     in->pread_all(prefix.data(), 8, 0);
     std::string text(static_cast<size_t>(safetensors_header_length(prefix, size, file)), '\0');
     in->pread_all(text.data(), text.size(), 8);

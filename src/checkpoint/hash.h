@@ -23,7 +23,7 @@ class Hash64 {
 };
 
 uint64_t hash64(const void* data, size_t bytes);
-std::string to_hex(uint64_t v);                        // 16 lowercase hex digits
+std::string to_hex(uint64_t v);                       // 16 lowercase hex digits
 bool parse_hex(const std::string& s, uint64_t* out);  // exactly 16 hex digits
 
 }  // namespace fsdp::checkpoint::detail

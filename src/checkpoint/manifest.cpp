@@ -54,8 +54,8 @@ struct Reader {
     } else {
       fail(path, "is not an integer");
     }
-    if (x < lo || x > hi) fail(path, "is " + std::to_string(x) + ", outside [" + std::to_string(lo) + ", " +
-                                         std::to_string(hi) + "]");
+    if (x < lo || x > hi)
+      fail(path, "is " + std::to_string(x) + ", outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
     return x;
   }
   int64_t integer(const json& obj, const std::string& path, const char* key, int64_t lo, int64_t hi) const {
@@ -102,7 +102,7 @@ json tensor_to_json(const TensorEntry& t, bool with_group) {
 
 int64_t dtype_size(const std::string& dtype) {
   static const std::map<std::string, int64_t> sizes{{"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8},
-                                                    {"I32", 4}, {"I16", 2}, {"I8", 1},  {"U8", 1},    {"BOOL", 1}};
+                                                    {"I32", 4}, {"I16", 2}, {"I8", 1},  {"U8", 1},   {"BOOL", 1}};
   auto it = sizes.find(dtype);
   return it == sizes.end() ? 0 : it->second;
 }
@@ -129,16 +129,20 @@ std::string to_json(const Manifest& m) {
   for (const auto& t : m.buffers) buffers.push_back(tensor_to_json(t, false));
   json extra = json::object();
   for (const auto& [k, v] : m.extra) {
-    if (printable(v)) extra[k] = v;
-    else extra[k] = json{{"hex", hex_bytes(v)}};
+    if (printable(v))
+      extra[k] = v;
+    else
+      extra[k] = json{{"hex", hex_bytes(v)}};
   }
   json groups = json::array();
   for (const auto& g : m.optimizer_groups) groups.push_back(g);
   json j{{"format", kFormatName},
          {"version", kFormatVersion},
          {"created_unix_ns", m.created_unix_ns},
-         {"saved_by", {{"world_size", m.world_size}, {"sharding_strategy", m.sharding_strategy},
-                       {"sharding_factor", m.sharding_factor}}},
+         {"saved_by",
+          {{"world_size", m.world_size},
+           {"sharding_strategy", m.sharding_strategy},
+           {"sharding_factor", m.sharding_factor}}},
          {"hash", "fsdp-h64"},
          {"chunk_bytes", m.chunk_bytes},
          {"files", files},
@@ -167,7 +171,8 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
   uint64_t checksum = 0;
   if (!parse_hex(r.string(j, "$", "checksum"), &checksum)) r.fail("$.checksum", "is not 16 hex digits");
   if (checksum != hash64_of_json(j))
-    FSDP_FAIL("checkpoint manifest '", where, "' is corrupted: its contents do not match its checksum; the "
+    FSDP_FAIL("checkpoint manifest '", where,
+              "' is corrupted: its contents do not match its checksum; the "
               "checkpoint is damaged (or the manifest was edited), use another checkpoint");
   if (r.string(j, "$", "format") != kFormatName) r.fail("$.format", "is not \"" + std::string(kFormatName) + "\"");
   const int64_t version = r.integer(j, "$", "version", 0, 1 << 30);
@@ -197,8 +202,8 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
     const json& chunks = r.array(files[i], path, "chunks");
     const uint64_t expected = (f.bytes + m.chunk_bytes - 1) / m.chunk_bytes;
     if (chunks.size() != expected)
-      r.fail(path + ".chunks", "has " + std::to_string(chunks.size()) + " checksums for " + std::to_string(expected) +
-                                   " chunks");
+      r.fail(path + ".chunks",
+             "has " + std::to_string(chunks.size()) + " checksums for " + std::to_string(expected) + " chunks");
     for (size_t c = 0; c < chunks.size(); ++c) {
       uint64_t h = 0;
       if (!chunks[c].is_string() || !parse_hex(chunks[c].get<std::string>(), &h))
@@ -220,7 +225,8 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
         r.fail(path + "." + it.key(), "is not a number, boolean or array");
     m.optimizer_groups.push_back(groups[g]);
   }
-  if (m.optimizer_kind == "none" && !m.optimizer_groups.empty()) r.fail("$.optimizer.groups", "must be empty for kind none");
+  if (m.optimizer_kind == "none" && !m.optimizer_groups.empty())
+    r.fail("$.optimizer.groups", "must be empty for kind none");
 
   std::set<std::string> names;
   auto read_tensors = [&](const char* key, bool parameters, std::vector<TensorEntry>& out) {
@@ -253,7 +259,8 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
       const int64_t esize = dtype_size(t.dtype);
       if (esize == 0) r.fail(path + ".dtype", "'" + t.dtype + "' is not a known dtype");
       if (parameters)
-        t.group = static_cast<int>(r.integer(tj, path, "group", -1, static_cast<int64_t>(m.optimizer_groups.size()) - 1));
+        t.group =
+            static_cast<int>(r.integer(tj, path, "group", -1, static_cast<int64_t>(m.optimizer_groups.size()) - 1));
       const json& pieces = r.array(tj, path, "pieces");
       for (size_t p = 0; p < pieces.size(); ++p) {
         const std::string pp = path + ".pieces[" + std::to_string(p) + "]";
@@ -267,8 +274,8 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
         const uint64_t file_bytes = m.files[e.file].bytes;
         auto check_extent = [&](uint64_t offset, const std::string& what) {
           if (offset > file_bytes || bytes > file_bytes - offset)
-            r.fail(what, "reaches past the end of '" + m.files[e.file].name + "' (" + std::to_string(file_bytes) +
-                             " bytes)");
+            r.fail(what,
+                   "reaches past the end of '" + m.files[e.file].name + "' (" + std::to_string(file_bytes) + " bytes)");
         };
         e.offset = static_cast<uint64_t>(r.integer(pj, pp, "offset", 0, kMaxOffset));
         check_extent(e.offset, pp + ".offset");
@@ -287,11 +294,12 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
         }
         t.pieces.push_back(std::move(e));
       }
-      std::sort(t.pieces.begin(), t.pieces.end(), [](const PieceEntry& a, const PieceEntry& b) { return a.begin < b.begin; });
+      std::sort(t.pieces.begin(), t.pieces.end(),
+                [](const PieceEntry& a, const PieceEntry& b) { return a.begin < b.begin; });
       int64_t covered = 0;
       for (const auto& e : t.pieces) {
-        if (e.begin != covered) r.fail(path + ".pieces", "do not cover elements " + std::to_string(covered) +
-                                                         " onwards exactly once");
+        if (e.begin != covered)
+          r.fail(path + ".pieces", "do not cover elements " + std::to_string(covered) + " onwards exactly once");
         covered = e.end;
         const PieceEntry& first = t.pieces.front();
         bool same_keys = e.state.size() == first.state.size();
@@ -300,8 +308,8 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
         if (e.has_state != first.has_state || e.step != first.step || !same_keys)
           r.fail(path + ".pieces", "disagree on the optimizer state (step or state tensors)");
       }
-      if (covered != t.numel) r.fail(path + ".pieces", "cover " + std::to_string(covered) + " of " +
-                                                       std::to_string(t.numel) + " elements");
+      if (covered != t.numel)
+        r.fail(path + ".pieces", "cover " + std::to_string(covered) + " of " + std::to_string(t.numel) + " elements");
       out.push_back(std::move(t));
     }
   };
@@ -323,9 +331,12 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
       int v = 0;
       for (size_t k = i; k < i + 2; ++k) {
         const char c = hex[k];
-        if (c >= '0' && c <= '9') v = v * 16 + (c - '0');
-        else if (c >= 'a' && c <= 'f') v = v * 16 + (c - 'a' + 10);
-        else r.fail(path + ".hex", "is not lowercase hex");
+        if (c >= '0' && c <= '9')
+          v = v * 16 + (c - '0');
+        else if (c >= 'a' && c <= 'f')
+          v = v * 16 + (c - 'a' + 10);
+        else
+          r.fail(path + ".hex", "is not lowercase hex");
       }
       bytes += static_cast<char>(v);
     }

@@ -32,7 +32,7 @@ struct PieceEntry {
   int file = 0;
   uint64_t offset = 0;
   bool has_state = false;
-  int64_t step = 0;  // Adam / AdamW step count (0 for SGD)
+  int64_t step = 0;                       // Adam / AdamW step count (0 for SGD)
   std::map<std::string, uint64_t> state;  // state tensor name -> offset
 };
 
@@ -42,7 +42,7 @@ struct TensorEntry {
   std::vector<int64_t> shape;
   std::string dtype;  // safetensors' names: F32, F64, BF16, F16, I64, ...
   int64_t numel = 0;
-  int group = -1;  // optimizer parameter group (-1: not in the optimizer)
+  int group = -1;                  // optimizer parameter group (-1: not in the optimizer)
   std::vector<PieceEntry> pieces;  // sorted, covering [0, numel) exactly once
 };
 
@@ -55,7 +55,7 @@ struct Manifest {
   std::vector<FileEntry> files;
   std::vector<TensorEntry> parameters;
   std::vector<TensorEntry> buffers;
-  std::string optimizer_kind = "none";      // none, adamw, adam, sgd
+  std::string optimizer_kind = "none";           // none, adamw, adam, sgd
   std::vector<nlohmann::json> optimizer_groups;  // each group's options (an object of numbers / bools)
   std::map<std::string, std::string> extra;
 };

@@ -41,7 +41,8 @@ void restore_adam(const json& saved, Options& o, const std::string& where) {
   auto betas = saved.find("betas");
   FSDP_CHECK(betas != saved.end() && betas->is_array() && betas->size() == 2 && (*betas)[0].is_number() &&
                  (*betas)[1].is_number(),
-             "checkpoint '", where, "': optimizer option 'betas' is missing or not two numbers; the manifest is damaged");
+             "checkpoint '", where,
+             "': optimizer option 'betas' is missing or not two numbers; the manifest is damaged");
   o.lr(number(saved, "lr", where));
   o.betas(std::make_tuple((*betas)[0].get<double>(), (*betas)[1].get<double>()));
   o.eps(number(saved, "eps", where));
@@ -65,10 +66,14 @@ std::unique_ptr<optim::OptimizerParamState> make_adam_state(const PieceState& in
   auto s = std::make_unique<State>();
   s->step(in.step);
   for (const auto& [name, t] : in.tensors) {
-    if (name == "exp_avg") s->exp_avg(t);
-    else if (name == "exp_avg_sq") s->exp_avg_sq(t);
-    else if (name == "max_exp_avg_sq") s->max_exp_avg_sq(t);
-    else FSDP_FAIL("checkpoint: state tensor '", name, "' does not belong to an Adam-type optimizer");
+    if (name == "exp_avg")
+      s->exp_avg(t);
+    else if (name == "exp_avg_sq")
+      s->exp_avg_sq(t);
+    else if (name == "max_exp_avg_sq")
+      s->max_exp_avg_sq(t);
+    else
+      FSDP_FAIL("checkpoint: state tensor '", name, "' does not belong to an Adam-type optimizer");
   }
   FSDP_CHECK(s->exp_avg().defined() && s->exp_avg_sq().defined(),
              "checkpoint: Adam-type state without exp_avg / exp_avg_sq; the checkpoint is damaged");
@@ -102,8 +107,11 @@ json group_options(OptimizerKind kind, const optim::OptimizerOptions& options) {
     case OptimizerKind::kAdam: return adam_options(static_cast<const optim::AdamOptions&>(options));
     case OptimizerKind::kSgd: {
       const auto& o = static_cast<const optim::SGDOptions&>(options);
-      return {{"lr", o.lr()}, {"momentum", o.momentum()}, {"dampening", o.dampening()},
-              {"weight_decay", o.weight_decay()}, {"nesterov", o.nesterov()}};
+      return {{"lr", o.lr()},
+              {"momentum", o.momentum()},
+              {"dampening", o.dampening()},
+              {"weight_decay", o.weight_decay()},
+              {"nesterov", o.nesterov()}};
     }
     case OptimizerKind::kNone: break;
   }
@@ -149,7 +157,8 @@ PieceState get_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, cons
   return {};
 }
 
-void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::Tensor& param, const PieceState& state) {
+void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::Tensor& param,
+                     const PieceState& state) {
   auto& states = optimizer.state();
   const std::string key = key_of(param);
   if (!state.present) {

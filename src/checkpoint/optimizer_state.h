@@ -22,8 +22,8 @@ void restore_group_options(OptimizerKind kind, const nlohmann::json& saved, torc
                            const std::string& where);
 
 struct PieceState {
-  bool present = false;  // false: the optimizer has no state for it (never stepped)
-  int64_t step = 0;      // Adam / AdamW
+  bool present = false;                       // false: the optimizer has no state for it (never stepped)
+  int64_t step = 0;                           // Adam / AdamW
   std::map<std::string, at::Tensor> tensors;  // exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer
 };
 PieceState get_piece_state(OptimizerKind kind, torch::optim::Optimizer& optimizer, const at::Tensor& param);

@@ -15,7 +15,8 @@ std::string make_safetensors_header(const std::vector<SafetensorsTensor>& tensor
                                     const std::map<std::string, std::string>& metadata) {
   json h = json::object();
   if (!metadata.empty()) h["__metadata__"] = metadata;
-  for (const auto& t : tensors) h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+  for (const auto& t : tensors)
+    h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
   std::string text = h.dump(-1, ' ', false, json::error_handler_t::replace);
   text.append((8 - text.size() % 8) % 8, ' ');
   std::string out(8, '\0');
@@ -25,7 +26,8 @@ std::string make_safetensors_header(const std::vector<SafetensorsTensor>& tensor
 }
 
 uint64_t safetensors_header_length(const std::string& prefix, uint64_t file_bytes, const std::string& where) {
-  FSDP_CHECK(prefix.size() == 8 && file_bytes >= 8, "safetensors file '", where, "' is shorter than 8 bytes; it is "
+  FSDP_CHECK(prefix.size() == 8 && file_bytes >= 8, "safetensors file '", where,
+             "' is shorter than 8 bytes; it is "
              "truncated or not a safetensors file");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
@@ -35,7 +37,8 @@ uint64_t safetensors_header_length(const std::string& prefix, uint64_t file_byte
   return n;
 }
 
-SafetensorsHeader parse_safetensors_header(const std::string& json_text, uint64_t file_bytes, const std::string& where) {
+SafetensorsHeader parse_safetensors_header(const std::string& json_text, uint64_t file_bytes,
+                                           const std::string& where) {
   auto fail = [&](const std::string& problem) {
     FSDP_FAIL("safetensors file '", where, "': ", problem, "; the file is damaged or not a safetensors file");
   };
@@ -47,7 +50,8 @@ SafetensorsHeader parse_safetensors_header(const std::string& json_text, uint64_
   if (j.is_discarded()) fail("the header is not valid JSON");
   if (!j.is_object()) fail("the header is not a JSON object");
   auto integer = [&](const json& v, const std::string& what, uint64_t hi) -> uint64_t {
-    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0)) fail(what + " is not a non-negative integer");
+    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
+      fail(what + " is not a non-negative integer");
     const uint64_t x = v.get<uint64_t>();
     if (x > hi) fail(what + " is out of range");
     return x;
@@ -72,7 +76,8 @@ SafetensorsHeader parse_safetensors_header(const std::string& json_text, uint64_
     if (esize == 0) fail(what + " has dtype '" + t.dtype + "', which libfsdp does not read");
     auto shape = it->find("shape");
     if (shape == it->end() || !shape->is_array() || shape->size() > 64) fail(what + " has no valid shape");
-    for (const auto& d : *shape) t.shape.push_back(static_cast<int64_t>(integer(d, what + "'s shape", uint64_t(1) << 56)));
+    for (const auto& d : *shape)
+      t.shape.push_back(static_cast<int64_t>(integer(d, what + "'s shape", uint64_t(1) << 56)));
     const int64_t numel = checked_numel(t.shape);
     if (numel < 0 || numel > (int64_t(1) << 56)) fail(what + " has too many elements");
     auto off = it->find("data_offsets");

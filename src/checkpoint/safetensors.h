@@ -20,7 +20,7 @@ struct SafetensorsTensor {
 };
 
 struct SafetensorsHeader {
-  uint64_t data_start = 0;  // 8 + N
+  uint64_t data_start = 0;                 // 8 + N
   std::vector<SafetensorsTensor> tensors;  // sorted by begin
   std::map<std::string, std::string> metadata;
 };
@@ -31,7 +31,6 @@ std::string make_safetensors_header(const std::vector<SafetensorsTensor>& tensor
 // Validates a header read from a file of `file_bytes` bytes: `prefix` is its first 8 bytes (the
 // length), `json_text` the N bytes after them. Throws fsdp::Error naming `where` and the problem.
 uint64_t safetensors_header_length(const std::string& prefix, uint64_t file_bytes, const std::string& where);
-SafetensorsHeader parse_safetensors_header(const std::string& json_text, uint64_t file_bytes,
-                                           const std::string& where);
+SafetensorsHeader parse_safetensors_header(const std::string& json_text, uint64_t file_bytes, const std::string& where);
 
 }  // namespace fsdp::checkpoint::detail

@@ -46,7 +46,7 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 // Which flat elements [lo, lo + shard_numel) this rank holds, and which part of them it writes:
 // replicas (NO_SHARD, HYBRID_SHARD's groups) split their common shard so each element is written once.
 struct WriteRange {
-  int64_t lo = 0;       // this rank's shard in flat coordinates
+  int64_t lo = 0;              // this rank's shard in flat coordinates
   int64_t begin = 0, end = 0;  // the part it writes, flat coordinates
 };
 
@@ -86,13 +86,14 @@ void check_optimizer_holds_pieces(const FsdpState& state, const torch::optim::Op
       if (s.piece.defined()) pieces.insert(s.piece.unsafeGetTensorImpl());
   for (const auto& group : optimizer->param_groups())
     for (const auto& p : group.params())
-      FSDP_CHECK(pieces.count(p.unsafeGetTensorImpl()), what, ": the optimizer holds a tensor (shape ", p.sizes(),
-                 ") that is not a shard piece of this model; build the optimizer over FullyShardedModule::parameters()");
+      FSDP_CHECK(
+          pieces.count(p.unsafeGetTensorImpl()), what, ": the optimizer holds a tensor (shape ", p.sizes(),
+          ") that is not a shard piece of this model; build the optimizer over FullyShardedModule::parameters()");
 }
 
 // This rank's data file and the JSON the manifest needs from it.
-json write_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind,
-                     const std::string& tmp, int rank) {
+json write_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind, const std::string& tmp,
+                     int rank) {
   const auto groups = groups_by_tensor(optimizer);
   DataWriter writer(join(tmp, rank_file_name(rank)), rank_file_name(rank));
   json pieces = json::array();
@@ -132,15 +133,16 @@ json write_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, Optim
   const FileEntry f = writer.finish();
   std::vector<std::string> chunks;
   for (uint64_t h : f.chunk_hashes) chunks.push_back(to_hex(h));
-  return {{"file", {{"name", f.name}, {"bytes", f.bytes}, {"chunks", chunks}}}, {"pieces", pieces}, {"buffers", buffers}};
+  return {
+      {"file", {{"name", f.name}, {"bytes", f.bytes}, {"chunks", chunks}}}, {"pieces", pieces}, {"buffers", buffers}};
 }
 
 // Rank 0: the manifest from every rank's report.
 Manifest build_manifest(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind,
                         const std::vector<std::string>& reports, const Extra& extra) {
   Manifest m;
-  m.created_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::system_clock::now().time_since_epoch()).count();
+  m.created_unix_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   m.world_size = state.groups().world_size;
   m.sharding_strategy = to_string(state.options().sharding_strategy());
   m.sharding_factor = state.groups().sharding_factor;
@@ -231,7 +233,8 @@ void publish(const Manifest& m, const std::string& tmp, const std::string& dir, 
   sync_dir(tmp);
   const std::string parent = parent_dir(dir);
   if (path_exists(dir)) {
-    FSDP_CHECK(overwrite, "checkpoint::save: '", dir, "' exists; save to a new directory, or set "
+    FSDP_CHECK(overwrite, "checkpoint::save: '", dir,
+               "' exists; save to a new directory, or set "
                "SaveOptions().overwrite(true) to replace it");
     // The old checkpoint stays complete until the new one has its name.
     std::string old = dir;
@@ -262,7 +265,8 @@ Manifest read_manifest(const std::string& dir) {
   const std::string path = join(dir, kManifestName);
   if (!path_exists(path)) {
     FSDP_CHECK(path_exists(dir), "no checkpoint at '", dir, "': the directory does not exist");
-    FSDP_FAIL("'", dir, "' has no ", kManifestName, ": it is not a complete checkpoint (a save that did not "
+    FSDP_FAIL("'", dir, "' has no ", kManifestName,
+              ": it is not a complete checkpoint (a save that did not "
               "finish, or not a checkpoint directory). Use checkpoint::latest(root) to find a complete one");
   }
   return parse_manifest(read_file(path, kMaxManifestBytes), path);
@@ -271,7 +275,7 @@ Manifest read_manifest(const std::string& dir) {
 // Checks that `m` describes this model: the same parameters (names, tied names, shapes, dtypes)
 // and buffers. Returns, per FlatParam and slot, the manifest entry.
 std::vector<std::vector<const TensorEntry*>> match_model(const FsdpState& state, const Manifest& m,
-                                                          const std::string& dir) {
+                                                         const std::string& dir) {
   const std::string prefix = "checkpoint '" + dir + "' does not match the model: ";
   const std::string hint = " (a checkpoint of another model? load a checkpoint of this model, or load_full "
                            "a safetensors file with these names)";
@@ -309,8 +313,9 @@ std::vector<std::vector<const TensorEntry*>> match_model(const FsdpState& state,
     auto it = buffers.find(name);
     FSDP_CHECK(it != buffers.end(), prefix, "it has no buffer '", name, "'", hint);
     FSDP_CHECK(it->second->shape == t.sizes().vec() && it->second->dtype == dtype_name(t.scalar_type()), prefix,
-               "buffer '", name, "' is ", it->second->dtype, " ", shape_str(it->second->shape), " in the checkpoint and ",
-               dtype_name(t.scalar_type()), " ", shape_str(t.sizes().vec()), " in the model", hint);
+               "buffer '", name, "' is ", it->second->dtype, " ", shape_str(it->second->shape),
+               " in the checkpoint and ", dtype_name(t.scalar_type()), " ", shape_str(t.sizes().vec()), " in the model",
+               hint);
     buffers.erase(it);
   }
   FSDP_CHECK(buffers.empty(), prefix, "the model has no buffer '", buffers.empty() ? "" : buffers.begin()->first, "'",
@@ -365,11 +370,14 @@ void load_local(const std::string& dir, FsdpState& state, torch::optim::Optimize
   m = read_manifest(dir);
   const auto entries = match_model(state, m, dir);
   if (optimizer) {
-    FSDP_CHECK(m.optimizer_kind != "none", "checkpoint '", dir, "' was saved without optimizer state; pass no "
+    FSDP_CHECK(m.optimizer_kind != "none", "checkpoint '", dir,
+               "' was saved without optimizer state; pass no "
                "optimizer (nullptr) to load the model alone");
     FSDP_CHECK(m.optimizer_kind == to_string(kind), "checkpoint '", dir, "' holds the state of an optimizer of kind '",
-               m.optimizer_kind, "', but the optimizer given is of kind '", to_string(kind), "'; load it into one of "
-               "kind '", m.optimizer_kind, "', or pass nullptr to load the model alone");
+               m.optimizer_kind, "', but the optimizer given is of kind '", to_string(kind),
+               "'; load it into one of "
+               "kind '",
+               m.optimizer_kind, "', or pass nullptr to load the model alone");
   }
   const auto groups = groups_by_tensor(optimizer);
 
@@ -413,7 +421,9 @@ void load_local(const std::string& dir, FsdpState& state, torch::optim::Optimize
       const int64_t b = lo + s.piece_offset - s.offset, e = b + s.piece_numel;  // the piece's elements of the parameter
       Pending p;
       p.piece = s.piece;
-      at::Tensor dest = s.piece.device().is_cpu() ? s.piece.detach() : at::empty({s.piece_numel}, s.piece.options().device(at::kCPU).requires_grad(false));
+      at::Tensor dest = s.piece.device().is_cpu()
+                            ? s.piece.detach()
+                            : at::empty({s.piece_numel}, s.piece.options().device(at::kCPU).requires_grad(false));
       if (!s.piece.device().is_cpu()) p.staging = dest;
       request_range(readers, t, b, e, esize, static_cast<char*>(dest.data_ptr()), "");
       const bool in_optimizer = groups.count(s.piece.unsafeGetTensorImpl()) > 0;
@@ -430,8 +440,10 @@ void load_local(const std::string& dir, FsdpState& state, torch::optim::Optimize
     }
     readers.run();
     for (auto& p : pending) {
-      if (p.staging.defined()) p.piece.detach().copy_(p.staging);
-      else torch::autograd::impl::bump_version(p.piece);  // written in place: the shard changed
+      if (p.staging.defined())
+        p.piece.detach().copy_(p.staging);
+      else
+        torch::autograd::impl::bump_version(p.piece);  // written in place: the shard changed
       if (!optimizer || !groups.count(p.piece.unsafeGetTensorImpl())) continue;
       for (auto& kv : p.optimizer_state.tensors) kv.second = kv.second.to(p.piece.device());
       set_piece_state(kind, *optimizer, p.piece, p.optimizer_state);

@@ -69,7 +69,12 @@ void QueuedWork::finish(std::string error) {
 
 CollectiveQueue::CollectiveQueue(std::string name, int rank, int size, std::chrono::milliseconds timeout,
                                  std::function<void()> on_start, std::function<void()> on_stop)
-    : name_(std::move(name)), rank_(rank), size_(size), timeout_(timeout), on_start_(std::move(on_start)), on_stop_(std::move(on_stop)) {
+    : name_(std::move(name)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      on_start_(std::move(on_start)),
+      on_stop_(std::move(on_stop)) {
   worker_ = std::thread([this] { run(); });
 }
 
@@ -113,11 +118,11 @@ WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body, Wor
       body = nullptr;
       after = nullptr;
       failure_ = e.what();
-      work->finish(detail::compose(
-          "collective ", op, " on ", name_, " failed on rank ", rank_, " of ", size_, ": ", e.what(),
-          ". A peer rank has probably died, issued a different collective (ranks diverged), or did "
-          "not arrive within the timeout (", timeout_.count() / 1000.0,
-          " s; set ProcessGroupOptions::timeout or FSDP_TIMEOUT_S)."));
+      work->finish(
+          detail::compose("collective ", op, " on ", name_, " failed on rank ", rank_, " of ", size_, ": ", e.what(),
+                          ". A peer rank has probably died, issued a different collective (ranks diverged), or did "
+                          "not arrive within the timeout (",
+                          timeout_.count() / 1000.0, " s; set ProcessGroupOptions::timeout or FSDP_TIMEOUT_S)."));
     }
   });
   cv_.notify_one();

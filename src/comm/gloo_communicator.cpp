@@ -49,7 +49,9 @@ gloo::AllreduceOptions::Func sum_function(at::ScalarType type) {
 class GlooCommunicator : public Communicator, public std::enable_shared_from_this<GlooCommunicator> {
  public:
   GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::string name, std::chrono::milliseconds timeout)
-      : ctx_(std::move(ctx)), name_(std::move(name)), timeout_(timeout),
+      : ctx_(std::move(ctx)),
+        name_(std::move(name)),
+        timeout_(timeout),
         queue_(std::make_unique<CollectiveQueue>(name_, ctx_->rank, ctx_->size, timeout_)) {}
   // The queue is declared last, so its worker finishes the queued jobs before the scratch and the
   // context go.
@@ -63,43 +65,50 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_gather_args(out, in, size(), "Gloo");
     const uint32_t tag = resolve_tag(opts);
-    return enqueue("all_gather_into", [this, out, in, tag] {
-      if (size() == 1) {
-        out.copy_(in);
-        return;
-      }
-      if (in.numel() == 0) return;  // gloo divides by the input size
-      gloo::AllgatherOptions o(ctx_);
-      o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
-      o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      gloo::allgather(o);
-    }, opts.after);
+    return enqueue(
+        "all_gather_into",
+        [this, out, in, tag] {
+          if (size() == 1) {
+            out.copy_(in);
+            return;
+          }
+          if (in.numel() == 0) return;  // gloo divides by the input size
+          gloo::AllgatherOptions o(ctx_);
+          o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
+          o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
+          o.setTag(tag);
+          o.setTimeout(timeout_);
+          gloo::allgather(o);
+        },
+        opts.after);
   }
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_reduce_scatter_args(out, in, size(), "Gloo");
     const uint32_t tag = resolve_tag(opts);
-    return enqueue("reduce_scatter", [this, out, in, tag] { ring_reduce_scatter(out, in, tag); }, opts.after);
+    return enqueue(
+        "reduce_scatter", [this, out, in, tag] { ring_reduce_scatter(out, in, tag); }, opts.after);
   }
 
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
     check_dense_cpu(t, "all_reduce", "tensor", "Gloo");
     auto fn = sum_function(t.scalar_type());
     const uint32_t tag = resolve_tag(opts);
-    return enqueue("all_reduce", [this, t, tag, fn] {
-      if (size() == 1 || t.numel() == 0) return;
-      // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
-      // element's width; the reduce function interprets the elements as the real dtype.
-      switch (t.element_size()) {
-        case 1: run_allreduce(static_cast<uint8_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-        case 2: run_allreduce(static_cast<uint16_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-        case 4: run_allreduce(static_cast<uint32_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-        case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-        default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
-      }
-    }, opts.after);
+    return enqueue(
+        "all_reduce",
+        [this, t, tag, fn] {
+          if (size() == 1 || t.numel() == 0) return;
+          // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
+          // element's width; the reduce function interprets the elements as the real dtype.
+          switch (t.element_size()) {
+            case 1: run_allreduce(static_cast<uint8_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+            case 2: run_allreduce(static_cast<uint16_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+            case 4: run_allreduce(static_cast<uint32_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+            case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+            default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
+          }
+        },
+        opts.after);
   }
 
   template <typename T>
@@ -116,16 +125,19 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     check_dense_cpu(t, "broadcast", "tensor", "Gloo");
     FSDP_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is outside [0, ", size(), ")");
     const uint32_t tag = resolve_tag(opts);
-    return enqueue("broadcast", [this, t, root, tag] {
-      if (size() == 1 || t.numel() == 0) return;
-      gloo::BroadcastOptions o(ctx_);
-      o.setRoot(root);
-      if (rank() == root) o.setInput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
-      o.setOutput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      gloo::broadcast(o);
-    }, opts.after);
+    return enqueue(
+        "broadcast",
+        [this, t, root, tag] {
+          if (size() == 1 || t.numel() == 0) return;
+          gloo::BroadcastOptions o(ctx_);
+          o.setRoot(root);
+          if (rank() == root) o.setInput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
+          o.setOutput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
+          o.setTag(tag);
+          o.setTimeout(timeout_);
+          gloo::broadcast(o);
+        },
+        opts.after);
   }
 
   void barrier() override {
@@ -190,15 +202,21 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     auto recv_buf = ctx_->createUnboundBuffer(scratch_.data_ptr(), scratch_.nbytes());
     const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
     const int next = (r + 1) % W, prev = (r + W - 1) % W;
-    auto chunk_at = [&](int64_t step, int shift) { return ((r - shift - step) % W + W) % W; };
-    auto seg_len = [&](int64_t k) { return std::min(seg, n - k * seg); };
+    auto chunk_at = [&](int64_t step, int shift) {
+      return ((r - shift - step) % W + W) % W;
+    };
+    auto seg_len = [&](int64_t k) {
+      return std::min(seg, n - k * seg);
+    };
     // Receive j is segment j % segments of step j / segments, into scratch slot j % depth.
     auto post_recv = [&](int64_t j) {
-      recv_buf->recv(prev, slot, static_cast<size_t>((j % depth) * seg * elem), static_cast<size_t>(seg_len(j % segments) * elem));
+      recv_buf->recv(prev, slot, static_cast<size_t>((j % depth) * seg * elem),
+                     static_cast<size_t>(seg_len(j % segments) * elem));
     };
     int64_t sends = 0;
     auto send_segment = [&](int chunk, int64_t k) {
-      send_buf->send(next, slot, static_cast<size_t>((chunk * n + k * seg) * elem), static_cast<size_t>(seg_len(k) * elem));
+      send_buf->send(next, slot, static_cast<size_t>((chunk * n + k * seg) * elem),
+                     static_cast<size_t>(seg_len(k) * elem));
       ++sends;
     };
     for (int64_t j = 0; j < depth; ++j) post_recv(j);
@@ -224,7 +242,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::string name_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint32_t> next_tag_{1};
-  at::Tensor scratch_;   // reduce-scatter receive ring, only touched by the worker thread
+  at::Tensor scratch_;                     // reduce-scatter receive ring, only touched by the worker thread
   std::atomic<int64_t> scratch_bytes_{0};  // its size, for memory_stats() on other threads
   std::unique_ptr<CollectiveQueue> queue_;
 };

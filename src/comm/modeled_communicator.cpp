@@ -11,8 +11,8 @@ namespace {
 
 class ModeledWork : public Work {
  public:
-  ModeledWork(WorkPtr real, ModeledCommunicator::Clock::time_point start, ModeledCommunicator::Clock::time_point done_at,
-              std::shared_ptr<std::atomic<int64_t>> real_exceeded)
+  ModeledWork(WorkPtr real, ModeledCommunicator::Clock::time_point start,
+              ModeledCommunicator::Clock::time_point done_at, std::shared_ptr<std::atomic<int64_t>> real_exceeded)
       : real_(std::move(real)), start_(start), done_at_(done_at), real_exceeded_(std::move(real_exceeded)) {}
 
   ModeledCommunicator::Clock::time_point done_at() const { return done_at_; }
@@ -97,7 +97,8 @@ WorkPtr ModeledCommunicator::wrap(Collective c, int64_t bytes, Clock::time_point
 // than that one's modeled completion.
 ModeledCommunicator::Clock::time_point ModeledCommunicator::issue_time(const CollectiveOptions& opts) {
   auto issued = Clock::now();
-  if (const auto* before = dynamic_cast<const ModeledWork*>(opts.after.get())) issued = std::max(issued, before->done_at());
+  if (const auto* before = dynamic_cast<const ModeledWork*>(opts.after.get()))
+    issued = std::max(issued, before->done_at());
   return issued;
 }
 

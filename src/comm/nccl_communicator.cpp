@@ -17,10 +17,10 @@
 namespace fsdp {
 namespace {
 
-#define FSDP_CUDA_CHECK(expr, what)                                                                  \
-  do {                                                                                               \
-    const cudaError_t err_ = (expr);                                                                 \
-    FSDP_CHECK(err_ == cudaSuccess, what, ": CUDA error ", cudaGetErrorString(err_));                \
+#define FSDP_CUDA_CHECK(expr, what)                                                   \
+  do {                                                                                \
+    const cudaError_t err_ = (expr);                                                  \
+    FSDP_CHECK(err_ == cudaSuccess, what, ": CUDA error ", cudaGetErrorString(err_)); \
   } while (0)
 
 ncclDataType_t nccl_type(at::ScalarType t) {
@@ -31,10 +31,13 @@ ncclDataType_t nccl_type(at::ScalarType t) {
     case at::kBFloat16: return ncclBfloat16;
     case at::kInt: return ncclInt32;
     case at::kLong: return ncclInt64;
-    case at::kByte: case at::kBool: return ncclUint8;
+    case at::kByte:
+    case at::kBool: return ncclUint8;
     case at::kChar: return ncclInt8;
-    default: FSDP_FAIL("NCCL communicator: dtype ", t, " is not supported (float, double, half, bfloat16 and "
-                       "integer types are)");
+    default:
+      FSDP_FAIL("NCCL communicator: dtype ", t,
+                " is not supported (float, double, half, bfloat16 and "
+                "integer types are)");
   }
 }
 
@@ -81,7 +84,9 @@ struct Shared {
 class NcclWork : public Work {
  public:
   NcclWork(std::shared_ptr<Shared> shared, std::vector<at::Tensor> keep, std::string what)
-      : shared_(std::move(shared)), keep_(std::move(keep)), what_(std::move(what)),
+      : shared_(std::move(shared)),
+        keep_(std::move(keep)),
+        what_(std::move(what)),
         issued_(std::chrono::steady_clock::now()) {
     FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "creating a CUDA event");
   }
@@ -119,8 +124,8 @@ class NcclWork : public Work {
 
 void check_nccl(std::shared_ptr<Shared>& sh, ncclResult_t r, const std::string& what) {
   if (r == ncclSuccess) return;
-  std::string msg = sh->name + ": NCCL " + what + " failed: " + ncclGetErrorString(r) + " (" +
-                    ncclGetLastError(nullptr) + ")";
+  std::string msg =
+      sh->name + ": NCCL " + what + " failed: " + ncclGetErrorString(r) + " (" + ncclGetLastError(nullptr) + ")";
   sh->fail(msg);
   FSDP_FAIL(msg);
 }
@@ -168,8 +173,8 @@ class NcclCommunicator : public Communicator {
                ": reduce_scatter needs an input of size() * output elements of the output's dtype (got ", in.numel(),
                " ", in.scalar_type(), " for ", out.numel(), " ", out.scalar_type(), ")");
     return launch(1, {out, in}, "reduce-scatter", opts, [&](Lane& l) {
-      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(in.scalar_type()), ncclSum,
-                               l.comm, l.stream);
+      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), out.numel(), nccl_type(in.scalar_type()), ncclSum, l.comm,
+                               l.stream);
     });
   }
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
@@ -242,7 +247,8 @@ class NcclCommunicator : public Communicator {
         }
         if (std::chrono::steady_clock::now() - w->issued() > s->timeout) {
           const std::string why = s->name + ": " + w->what() + " did not complete within " +
-                                  std::to_string(s->timeout.count() / 1000) + " s; a peer rank died, hangs, or "
+                                  std::to_string(s->timeout.count() / 1000) +
+                                  " s; a peer rank died, hangs, or "
                                   "issued different collectives (every rank must run the same model and steps). "
                                   "Set FSDP_TIMEOUT_S to wait longer";
           lock.unlock();

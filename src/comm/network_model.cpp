@@ -67,8 +67,7 @@ void NetworkModel::validate(const std::string& source) const {
     FSDP_CHECK(std::isfinite(l.bandwidth_gbps()) && l.bandwidth_gbps() > 0, source, ": the ", which,
                " bandwidth must be a positive number of GB/s, got ", l.bandwidth_gbps(), "; example: ", kExample);
     FSDP_CHECK(std::isfinite(l.latency_us()) && l.latency_us() >= 0, source, ": the ", which,
-               " latency must be a non-negative number of microseconds, got ", l.latency_us(), "; example: ",
-               kExample);
+               " latency must be a non-negative number of microseconds, got ", l.latency_us(), "; example: ", kExample);
   };
   check_link(intra(), "intra-host");
   check_link(inter(), "inter-host");
@@ -91,7 +90,8 @@ NetworkModel NetworkModel::parse(const std::string& spec, const std::string& sou
     FSDP_CHECK(!kv.count(key), where, ": '", key, "' is given twice; give each key once");
     kv[key] = value;
   }
-  FSDP_CHECK(!kv.empty(), where, ": no settings; example: ", kExample, ", or unset it / set it to \"off\" for no model");
+  FSDP_CHECK(!kv.empty(), where, ": no settings; example: ", kExample,
+             ", or unset it / set it to \"off\" for no model");
 
   auto number = [&](const std::string& key) -> std::optional<double> {
     auto it = kv.find(key);
@@ -101,12 +101,11 @@ NetworkModel NetworkModel::parse(const std::string& spec, const std::string& sou
     errno = 0;
     const double x = std::strtod(v.c_str(), &end);
     FSDP_CHECK(!v.empty() && errno == 0 && end && *end == '\0' && std::isfinite(x), where, ": ", key, "='", v,
-               "' is not a plain number (no units: bandwidths are GB/s, latencies microseconds); example: ",
-               kExample);
+               "' is not a plain number (no units: bandwidths are GB/s, latencies microseconds); example: ", kExample);
     return x;
   };
-  static const char* known[] = {"gbps", "intra_gbps", "inter_gbps", "latency_us", "intra_latency_us",
-                                "inter_latency_us", "ranks_per_host"};
+  static const char* known[] = {
+      "gbps", "intra_gbps", "inter_gbps", "latency_us", "intra_latency_us", "inter_latency_us", "ranks_per_host"};
   for (const auto& [key, value] : kv) {
     const bool ok = std::any_of(std::begin(known), std::end(known), [&](const char* k) { return key == k; });
     FSDP_CHECK(ok, where, ": unknown key '", key,
@@ -119,16 +118,21 @@ NetworkModel NetworkModel::parse(const std::string& spec, const std::string& sou
   const auto both_bw = number("gbps");
   const auto intra_bw = number("intra_gbps") ? number("intra_gbps") : both_bw;
   const auto inter_bw = number("inter_gbps") ? number("inter_gbps") : both_bw;
-  FSDP_CHECK(intra_bw, where, ": the intra-host bandwidth is missing; add intra_gbps=<GB/s> (or gbps=<GB/s> for "
-             "both links); example: ", kExample);
-  FSDP_CHECK(inter_bw, where, ": the inter-host bandwidth is missing; add inter_gbps=<GB/s> (or gbps=<GB/s> for "
-             "both links); example: ", kExample);
+  FSDP_CHECK(intra_bw, where,
+             ": the intra-host bandwidth is missing; add intra_gbps=<GB/s> (or gbps=<GB/s> for "
+             "both links); example: ",
+             kExample);
+  FSDP_CHECK(inter_bw, where,
+             ": the inter-host bandwidth is missing; add inter_gbps=<GB/s> (or gbps=<GB/s> for "
+             "both links); example: ",
+             kExample);
   const double both_lat = number("latency_us").value_or(0.0);
   m.intra(Link().bandwidth_gbps(*intra_bw).latency_us(number("intra_latency_us").value_or(both_lat)));
   m.inter(Link().bandwidth_gbps(*inter_bw).latency_us(number("inter_latency_us").value_or(both_lat)));
   if (auto rph = number("ranks_per_host")) {
-    FSDP_CHECK(*rph >= 1 && *rph == std::floor(*rph) && *rph <= (1 << 20), where, ": ranks_per_host=",
-               kv["ranks_per_host"], " must be a whole number >= 1 (omit it to use LOCAL_WORLD_SIZE)");
+    FSDP_CHECK(*rph >= 1 && *rph == std::floor(*rph) && *rph <= (1 << 20), where,
+               ": ranks_per_host=", kv["ranks_per_host"],
+               " must be a whole number >= 1 (omit it to use LOCAL_WORLD_SIZE)");
     m.ranks_per_host(static_cast<int>(*rph));
   }
   m.validate(where);
@@ -157,7 +161,8 @@ double modeled_wire_bytes(Collective c, int64_t bytes, int n) {
 
 double modeled_seconds(Collective c, int64_t bytes, int n, const Link& link) {
   const Formula f = formula(c, n);
-  return f.steps * link.latency_us() * 1e-6 + f.wire_factor * static_cast<double>(bytes) / (link.bandwidth_gbps() * 1e9);
+  return f.steps * link.latency_us() * 1e-6 +
+         f.wire_factor * static_cast<double>(bytes) / (link.bandwidth_gbps() * 1e9);
 }
 
 }  // namespace fsdp

@@ -33,7 +33,10 @@ class SelfCommunicator : public Communicator {
     if (!out.is_same(in)) out.view({-1}).copy_(in.view({-1}));
     return done();
   }
-  WorkPtr all_reduce(at::Tensor, CollectiveOptions opts) override { after(opts); return done(); }
+  WorkPtr all_reduce(at::Tensor, CollectiveOptions opts) override {
+    after(opts);
+    return done();
+  }
   WorkPtr broadcast(at::Tensor, int root, CollectiveOptions opts) override {
     FSDP_CHECK(root == 0, name_, ": broadcast root ", root, " is outside a group of one");
     after(opts);

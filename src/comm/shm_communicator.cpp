@@ -87,8 +87,8 @@ struct alignas(64) MemberControl {
   std::atomic<uint32_t> posted;   // rounds this member has posted (a futex word)
   std::atomic<uint32_t> waiters;  // members asleep on `posted`
   int32_t pid;
-  Descriptor descriptor[2];       // per buffer, like the data
-  pthread_mutex_t alive;          // held by the member's worker thread while it runs (robust)
+  Descriptor descriptor[2];  // per buffer, like the data
+  pthread_mutex_t alive;     // held by the member's worker thread while it runs (robust)
 };
 
 struct alignas(64) Header {
@@ -188,7 +188,8 @@ class Segment {
     return reinterpret_cast<MemberControl*>(static_cast<char*>(base_) + controls_offset()) + m;
   }
   uint8_t* buffer(int m, uint32_t round) const {
-    return static_cast<uint8_t*>(base_) + data_offset(header()->size) + (int64_t(m) * 2 + round % 2) * header()->slot_bytes;
+    return static_cast<uint8_t*>(base_) + data_offset(header()->size) +
+           (int64_t(m) * 2 + round % 2) * header()->slot_bytes;
   }
   int64_t bytes() const { return bytes_; }
 
@@ -196,7 +197,8 @@ class Segment {
   std::string map(int fd, int64_t bytes, const std::string& name) {
     struct stat st {};
     if (fstat(fd, &st) != 0) return "fstat of " + name + " failed: " + errno_text(errno);
-    if (st.st_size < bytes) return name + " has " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes);
+    if (st.st_size < bytes)
+      return name + " has " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes);
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) return "mmap of " + name + " failed: " + errno_text(errno);
     base_ = p;
@@ -237,92 +239,109 @@ class ShmCommunicator : public Communicator {
 
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_gather_args(out, in, size_, "shared-memory");
-    return queue_->enqueue("all_gather_into", [this, out, in] {
-      const int64_t n = in.nbytes();
-      auto* dst = static_cast<uint8_t*>(out.data_ptr());
-      const auto* src = static_cast<const uint8_t*>(in.data_ptr());
-      if (n > 0 && dst + rank_ * n != src) std::memmove(dst + rank_ * n, src, n);
-      Descriptor d = describe(kAllGather, n, in);
-      for_each_piece(n, slot_, d, [&](int64_t off, int64_t len) {
-        copy_bytes(segment_->buffer(rank_, round_), src + off, len);
-        exchange(d);
-        for (int p = 0; p < size_; ++p)
-          if (p != rank_) copy_bytes(dst + p * n + off, segment_->buffer(p, round_), len);
-      });
-    }, opts.after);
+    return queue_->enqueue(
+        "all_gather_into",
+        [this, out, in] {
+          const int64_t n = in.nbytes();
+          auto* dst = static_cast<uint8_t*>(out.data_ptr());
+          const auto* src = static_cast<const uint8_t*>(in.data_ptr());
+          if (n > 0 && dst + rank_ * n != src) std::memmove(dst + rank_ * n, src, n);
+          Descriptor d = describe(kAllGather, n, in);
+          for_each_piece(n, slot_, d, [&](int64_t off, int64_t len) {
+            copy_bytes(segment_->buffer(rank_, round_), src + off, len);
+            exchange(d);
+            for (int p = 0; p < size_; ++p)
+              if (p != rank_) copy_bytes(dst + p * n + off, segment_->buffer(p, round_), len);
+          });
+        },
+        opts.after);
   }
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_reduce_scatter_args(out, in, size_, "shared-memory");
-    return queue_->enqueue("reduce_scatter", [this, out, in] {
-      const int64_t n = out.numel(), elem = in.element_size();
-      // Per round, a member stages one piece for each destination member.
-      const int64_t piece = std::max<int64_t>(1, slot_ / (size_ * elem));
-      auto* src = static_cast<const uint8_t*>(in.data_ptr());
-      const at::Tensor flat_in = in.view({-1}), flat_out = out.view({-1});
-      Descriptor d = describe(kReduceScatter, in.nbytes(), in);
-      for_each_piece(n, piece, d, [&](int64_t off, int64_t len) {
-        uint8_t* mine = segment_->buffer(rank_, round_);
-        for (int q = 0; q < size_; ++q)
-          if (q != rank_) copy_bytes(mine + q * piece * elem, src + (q * n + off) * elem, len * elem);
-        exchange(d);
-        at::Tensor sum = flat_out.narrow(0, off, len);
-        sum.copy_(flat_in.narrow(0, rank_ * n + off, len));
-        for (int p = 0; p < size_; ++p)
-          if (p != rank_) sum.add_(staged(p, rank_ * piece * elem, len, out));
-      });
-    }, opts.after);
+    return queue_->enqueue(
+        "reduce_scatter",
+        [this, out, in] {
+          const int64_t n = out.numel(), elem = in.element_size();
+          // Per round, a member stages one piece for each destination member.
+          const int64_t piece = std::max<int64_t>(1, slot_ / (size_ * elem));
+          auto* src = static_cast<const uint8_t*>(in.data_ptr());
+          const at::Tensor flat_in = in.view({-1}), flat_out = out.view({-1});
+          Descriptor d = describe(kReduceScatter, in.nbytes(), in);
+          for_each_piece(n, piece, d, [&](int64_t off, int64_t len) {
+            uint8_t* mine = segment_->buffer(rank_, round_);
+            for (int q = 0; q < size_; ++q)
+              if (q != rank_) copy_bytes(mine + q * piece * elem, src + (q * n + off) * elem, len * elem);
+            exchange(d);
+            at::Tensor sum = flat_out.narrow(0, off, len);
+            sum.copy_(flat_in.narrow(0, rank_ * n + off, len));
+            for (int p = 0; p < size_; ++p)
+              if (p != rank_) sum.add_(staged(p, rank_ * piece * elem, len, out));
+          });
+        },
+        opts.after);
   }
 
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
     check_dense_cpu(t, "all_reduce", "tensor", "shared-memory");
-    return queue_->enqueue("all_reduce", [this, t] {
-      // Per chunk: a reduce-scatter round (member m sums part m of the chunk), then an all-gather
-      // round of the sums; each part is summed once, so every member ends with the same bits.
-      const int64_t elem = t.element_size();
-      auto* data = static_cast<uint8_t*>(t.data_ptr());
-      const at::Tensor flat = t.view({-1});
-      Descriptor d = describe(kAllReduce, t.nbytes(), t);
-      for_each_piece(t.numel(), slot_ / elem, d, [&](int64_t off, int64_t len) {
-        auto part = [&](int m) { return std::make_pair(len * m / size_, len * (m + 1) / size_); };
-        const auto [lo, hi] = part(rank_);
-        copy_bytes(segment_->buffer(rank_, round_), data + off * elem, len * elem);
-        exchange(d);
-        at::Tensor sum = flat.narrow(0, off + lo, hi - lo);
-        for (int p = 0; p < size_; ++p)
-          if (p != rank_) sum.add_(staged(p, lo * elem, hi - lo, t));
-        end_round(d);
-        copy_bytes(segment_->buffer(rank_, round_) + lo * elem, data + (off + lo) * elem, (hi - lo) * elem);
-        exchange(d);
-        for (int p = 0; p < size_; ++p) {
-          if (p == rank_) continue;
-          const auto [plo, phi] = part(p);
-          copy_bytes(data + (off + plo) * elem, segment_->buffer(p, round_) + plo * elem, (phi - plo) * elem);
-        }
-      });
-    }, opts.after);
+    return queue_->enqueue(
+        "all_reduce",
+        [this, t] {
+          // Per chunk: a reduce-scatter round (member m sums part m of the chunk), then an all-gather
+          // round of the sums; each part is summed once, so every member ends with the same bits.
+          const int64_t elem = t.element_size();
+          auto* data = static_cast<uint8_t*>(t.data_ptr());
+          const at::Tensor flat = t.view({-1});
+          Descriptor d = describe(kAllReduce, t.nbytes(), t);
+          for_each_piece(t.numel(), slot_ / elem, d, [&](int64_t off, int64_t len) {
+            auto part = [&](int m) {
+              return std::make_pair(len * m / size_, len * (m + 1) / size_);
+            };
+            const auto [lo, hi] = part(rank_);
+            copy_bytes(segment_->buffer(rank_, round_), data + off * elem, len * elem);
+            exchange(d);
+            at::Tensor sum = flat.narrow(0, off + lo, hi - lo);
+            for (int p = 0; p < size_; ++p)
+              if (p != rank_) sum.add_(staged(p, lo * elem, hi - lo, t));
+            end_round(d);
+            copy_bytes(segment_->buffer(rank_, round_) + lo * elem, data + (off + lo) * elem, (hi - lo) * elem);
+            exchange(d);
+            for (int p = 0; p < size_; ++p) {
+              if (p == rank_) continue;
+              const auto [plo, phi] = part(p);
+              copy_bytes(data + (off + plo) * elem, segment_->buffer(p, round_) + plo * elem, (phi - plo) * elem);
+            }
+          });
+        },
+        opts.after);
   }
 
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts) override {
     check_dense_cpu(t, "broadcast", "tensor", "shared-memory");
     FSDP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is outside [0, ", size_, ")");
-    return queue_->enqueue("broadcast", [this, t, root] {
-      auto* data = static_cast<uint8_t*>(t.data_ptr());
-      Descriptor d = describe(kBroadcast, t.nbytes(), t);
-      d.root = root;
-      for_each_piece(t.nbytes(), slot_, d, [&](int64_t off, int64_t len) {
-        if (rank_ == root) copy_bytes(segment_->buffer(rank_, round_), data + off, len);
-        exchange(d);
-        if (rank_ != root) copy_bytes(data + off, segment_->buffer(root, round_), len);
-      });
-    }, opts.after);
+    return queue_->enqueue(
+        "broadcast",
+        [this, t, root] {
+          auto* data = static_cast<uint8_t*>(t.data_ptr());
+          Descriptor d = describe(kBroadcast, t.nbytes(), t);
+          d.root = root;
+          for_each_piece(t.nbytes(), slot_, d, [&](int64_t off, int64_t len) {
+            if (rank_ == root) copy_bytes(segment_->buffer(rank_, round_), data + off, len);
+            exchange(d);
+            if (rank_ != root) copy_bytes(data + off, segment_->buffer(root, round_), len);
+          });
+        },
+        opts.after);
   }
 
   void barrier() override {
-    queue_->enqueue("barrier", [this] {
-      Descriptor d = describe(kBarrier, 0, at::Tensor());
-      for_each_piece(0, 1, d, [&](int64_t, int64_t) { exchange(d); });
-    })->wait();
+    queue_
+        ->enqueue("barrier",
+                  [this] {
+                    Descriptor d = describe(kBarrier, 0, at::Tensor());
+                    for_each_piece(0, 1, d, [&](int64_t, int64_t) { exchange(d); });
+                  })
+        ->wait();
   }
 
  private:
@@ -408,8 +427,8 @@ class ShmCommunicator : public Communicator {
         check_alive(member);
         next_check = now + kLivenessPeriod;
       }
-      FSDP_CHECK(now - start < timeout_, "member ", member, " of ", name_, " (pid ", c->pid,
-                 ") did not arrive within ", timeout_.count() / 1000.0, " s");
+      FSDP_CHECK(now - start < timeout_, "member ", member, " of ", name_, " (pid ", c->pid, ") did not arrive within ",
+                 timeout_.count() / 1000.0, " s");
     }
   }
 
@@ -478,8 +497,10 @@ CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& sto
   // the segment cannot outlive the job however the processes end.
   if (index == 0 && !shm_name.empty() && announced.rfind('!', 0) != 0) shm_unlink(shm_name.c_str());
   if (!failure.empty()) {
-    FSDP_CHECK(!required, "the shared-memory transport was requested (FSDP_TRANSPORT=shm or "
-               "ProcessGroupOptions::transport) for ", name, " but its members cannot share a segment (", failure,
+    FSDP_CHECK(!required,
+               "the shared-memory transport was requested (FSDP_TRANSPORT=shm or "
+               "ProcessGroupOptions::transport) for ",
+               name, " but its members cannot share a segment (", failure,
                "). Use FSDP_TRANSPORT=auto (or tcp) when the group spans hosts or /dev/shm namespaces");
     return nullptr;
   }

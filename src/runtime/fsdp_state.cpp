@@ -17,8 +17,9 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   FSDP_CHECK(pg_ != nullptr, "fully_shard: the process group is null; create one with ProcessGroup::from_env()");
   detail::check_not_deferring("fully_shard");
   pool_.set_enabled(options_.reuse_buffers());
-  FSDP_CHECK(!options_.limit_all_gathers() || options_.all_gather_limit() >= 1, "all_gather_limit must be at least 1, got ",
-             options_.all_gather_limit(), "; to turn the rate limiter off use limit_all_gathers(false)");
+  FSDP_CHECK(!options_.limit_all_gathers() || options_.all_gather_limit() >= 1,
+             "all_gather_limit must be at least 1, got ", options_.all_gather_limit(),
+             "; to turn the rate limiter off use limit_all_gathers(false)");
   FSDP_CHECK(options_.reductions_in_flight() >= 0, "reductions_in_flight must be 0 or more, got ",
              options_.reductions_in_flight());
   groups_ = ShardingGroups::create(*pg_, options_);
@@ -67,8 +68,10 @@ void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
       if (!ga) la = "<nothing>";
       if (!gb) lb = "<nothing>";
       if (la != lb)
-        FSDP_FAIL("fully_shard: rank ", pg_->rank(), " and rank ", r, " built different models; first difference "
-                  "(line ", line, "): this rank has '", la, "', rank ", r, " has '", lb,
+        FSDP_FAIL("fully_shard: rank ", pg_->rank(), " and rank ", r,
+                  " built different models; first difference "
+                  "(line ",
+                  line, "): this rank has '", la, "', rank ", r, " has '", lb,
                   "'. Every rank must construct the same model (same sizes, dtypes, frozen parameters) and pass the "
                   "same Options");
     }
@@ -200,7 +203,8 @@ std::string FsdpState::describe_communicators() const {
                                                                {"shard group", groups_.shard_comm.get()},
                                                                {"replica group", groups_.replicate_comm.get()}};
   for (const auto& [role, comm] : roles) {
-    if (!comm || (comm->size() < 2 && comm->device().is_cpu()) || std::find(seen.begin(), seen.end(), comm) != seen.end())
+    if (!comm || (comm->size() < 2 && comm->device().is_cpu()) ||
+        std::find(seen.begin(), seen.end(), comm) != seen.end())
       continue;
     seen.push_back(comm);
     o << "  " << role << " " << comm->name() << ": " << comm->transport() << "\n";

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-
 namespace fsdp {
 
 GradientReducer::GradientReducer(std::vector<Unit>& units, std::vector<std::unique_ptr<FlatParam>>& flat_params,
@@ -64,7 +63,8 @@ void GradientReducer::finish_reduction(int f) {
   const bool done = !fp.reduce_pending() || fp.reduce_work()->completed();
   const auto start = Tracer::Clock::now();
   fp.finish_reduce();
-  if (!done) tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
+  if (!done)
+    tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
 }
 
 void GradientReducer::finish_reductions(size_t keep_in_flight) {

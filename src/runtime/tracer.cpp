@@ -110,9 +110,10 @@ void write_json_string(std::ostream& out, const std::string& s) {
       case '\\': out << "\\\\"; break;
       case '\n': out << "\\n"; break;
       default:
-        if (static_cast<unsigned char>(c) < 0x20) out << "\\u" << std::hex << std::setw(4) << std::setfill('0')
-                                                      << int(c) << std::dec << std::setfill(' ');
-        else out << c;
+        if (static_cast<unsigned char>(c) < 0x20)
+          out << "\\u" << std::hex << std::setw(4) << std::setfill('0') << int(c) << std::dec << std::setfill(' ');
+        else
+          out << c;
     }
   }
   out << '"';

@@ -44,8 +44,10 @@ void Unit::mark_used(bool in_backward, bool grad_enabled) {
 }
 
 void Unit::mark_prefetched() {
-  if (state_ == TrainingState::kIdle) state_ = TrainingState::kForwardPrefetched;
-  else if (state_ == TrainingState::kForward || state_ == TrainingState::kBackward) state_ = TrainingState::kBackwardPrefetched;
+  if (state_ == TrainingState::kIdle)
+    state_ = TrainingState::kForwardPrefetched;
+  else if (state_ == TrainingState::kForward || state_ == TrainingState::kBackward)
+    state_ = TrainingState::kBackwardPrefetched;
 }
 
 bool Unit::is_unsharded() const {
@@ -94,8 +96,10 @@ bool Unit::reshard() {
     freed = true;
   }
   // Clear "prefetched": a prefetch freed unused leaves the unit as it was before.
-  if (state_ == TrainingState::kForwardPrefetched) state_ = TrainingState::kIdle;
-  else if (state_ == TrainingState::kBackwardPrefetched) state_ = TrainingState::kForward;
+  if (state_ == TrainingState::kForwardPrefetched)
+    state_ = TrainingState::kIdle;
+  else if (state_ == TrainingState::kBackwardPrefetched)
+    state_ = TrainingState::kForward;
   return freed;
 }
 
@@ -103,7 +107,8 @@ bool Unit::note_grad(bool every_param_expected, bool newly_used) {
   if (expected_grads_ < 0) {
     expected_grads_ = 0;
     for (const FlatParam* fp : flat_params_)
-      for (const auto& sl : fp->slots()) expected_grads_ += ((sl.used || every_param_expected) && sl.param.requires_grad());
+      for (const auto& sl : fp->slots())
+        expected_grads_ += ((sl.used || every_param_expected) && sl.param.requires_grad());
   }
   if (newly_used && !every_param_expected) ++expected_grads_;  // reached without a forward read seen
   return ++ready_grads_ >= expected_grads_;

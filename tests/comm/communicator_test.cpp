@@ -31,8 +31,8 @@ FSDP_WORKER(transport_worker) {
   // 0, 1, odd, one staging buffer exactly (1 MiB of float up to 8 ranks), and several buffers
   // plus a remainder; "small": fewer and smaller, for many ranks.
   const bool small = ctx.args.size() > 1 && ctx.args[1] == "small";
-  const std::vector<int64_t> sizes = small ? std::vector<int64_t>{0, 1, 1001, 70001}
-                                           : std::vector<int64_t>{0, 1, 1001, 262144, 700001};
+  const std::vector<int64_t> sizes =
+      small ? std::vector<int64_t>{0, 1, 1001, 70001} : std::vector<int64_t>{0, 1, 1001, 262144, 700001};
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong}) {
     for (int64_t n : sizes) {
       at::Tensor sum = contribution(0, n * W, dtype).zero_();

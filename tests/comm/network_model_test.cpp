@@ -74,20 +74,14 @@ TEST(NetworkModelParse, BadInputNamesTheProblemAndTheFix) {
     const char* spec;
     const char* mentions;
   };
-  for (const Case& c : {Case{"intra_gbps=25,inter_gbs=12.5", "unknown key 'inter_gbs'"},
-                        Case{"intra_gbps=25", "inter_gbps=<GB/s>"},
-                        Case{"inter_gbps=25", "intra_gbps=<GB/s>"},
-                        Case{"gbps=25GB/s", "not a plain number"},
-                        Case{"gbps=", "not a plain number"},
-                        Case{"gbps=nan", "not a plain number"},
-                        Case{"gbps=0", "positive number of GB/s"},
-                        Case{"gbps=-1", "positive number of GB/s"},
-                        Case{"gbps=1,latency_us=-5", "non-negative number of microseconds"},
-                        Case{"gbps=1,ranks_per_host=0", "whole number >= 1"},
-                        Case{"gbps=1,ranks_per_host=2.5", "whole number >= 1"},
-                        Case{"gbps=1,gbps=2", "given twice"},
-                        Case{"gbps", "not key=value"},
-                        Case{",", "no settings"}}) {
+  for (const Case& c :
+       {Case{"intra_gbps=25,inter_gbs=12.5", "unknown key 'inter_gbs'"}, Case{"intra_gbps=25", "inter_gbps=<GB/s>"},
+        Case{"inter_gbps=25", "intra_gbps=<GB/s>"}, Case{"gbps=25GB/s", "not a plain number"},
+        Case{"gbps=", "not a plain number"}, Case{"gbps=nan", "not a plain number"},
+        Case{"gbps=0", "positive number of GB/s"}, Case{"gbps=-1", "positive number of GB/s"},
+        Case{"gbps=1,latency_us=-5", "non-negative number of microseconds"},
+        Case{"gbps=1,ranks_per_host=0", "whole number >= 1"}, Case{"gbps=1,ranks_per_host=2.5", "whole number >= 1"},
+        Case{"gbps=1,gbps=2", "given twice"}, Case{"gbps", "not key=value"}, Case{",", "no settings"}}) {
     const std::string e = parse_error(c.spec);
     EXPECT_TRUE(contains(e, c.mentions)) << c.spec << " -> " << e;
     EXPECT_TRUE(contains(e, "FSDP_NETWORK_MODEL")) << c.spec << " -> " << e;
@@ -143,7 +137,8 @@ FSDP_WORKER(modeled_exact_worker) {
       torch::manual_seed(100 + ctx.rank);
       auto opts = at::TensorOptions().dtype(dtype);
       at::Tensor in = dtype == at::kLong ? torch::randint(-1000, 1000, {n}, opts) : torch::randn({n}).to(dtype);
-      at::Tensor big = dtype == at::kLong ? torch::randint(-1000, 1000, {W * n}, opts) : torch::randn({W * n}).to(dtype);
+      at::Tensor big =
+          dtype == at::kLong ? torch::randint(-1000, 1000, {W * n}, opts) : torch::randn({W * n}).to(dtype);
 
       at::Tensor ag_plain = torch::empty({W * n}, opts), ag_model = torch::empty({W * n}, opts);
       plain->all_gather_into(ag_plain, in)->wait();
@@ -233,7 +228,7 @@ FSDP_WORKER(modeled_timing_worker) {
     for (auto& w : works) WORKER_CHECK(w->completed(), "an earlier collective is not complete after the last");
   }
   comm->barrier();
-  {  // latency: a tiny all-reduce costs 2(W-1) steps
+  {                                                 // latency: a tiny all-reduce costs 2(W-1) steps
     auto lat_model = uniform_model(1000.0, 50000);  // 50 ms per step
     auto lat = fsdp::with_network_model(pg->world(), all_ranks(W), lat_model);
     at::Tensor t4 = torch::ones({4});
@@ -317,10 +312,10 @@ FSDP_WORKER(modeled_link_worker) {
   const double d_intra = fsdp::modeled_seconds(fsdp::Collective::kAllGather, out.nbytes(), 2, model.intra());
   const double d_inter = fsdp::modeled_seconds(fsdp::Collective::kAllGather, out.nbytes(), 2, model.inter());
   const double t_host = timed(host_group), t_cross = timed(cross_group);
-  WORKER_CHECK(t_host >= d_intra && t_cross >= d_inter, "host ", t_host, " s (modeled ", d_intra, "), cross ",
-               t_cross, " s (modeled ", d_inter, ")");
-  WORKER_CHECK(t_host < d_inter, "the intra-host group took ", t_host, " s, as long as the inter-host model ",
-               d_inter, " s");
+  WORKER_CHECK(t_host >= d_intra && t_cross >= d_inter, "host ", t_host, " s (modeled ", d_intra, "), cross ", t_cross,
+               " s (modeled ", d_inter, ")");
+  WORKER_CHECK(t_host < d_inter, "the intra-host group took ", t_host, " s, as long as the inter-host model ", d_inter,
+               " s");
   std::cout << "link ok: intra " << t_host << " s (modeled " << d_intra << "), inter " << t_cross << " s (modeled "
             << d_inter << ")" << std::endl;
 }

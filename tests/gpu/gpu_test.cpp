@@ -2,13 +2,13 @@
 // FSDP on a GPU against plain LibTorch training of the same model. World size 1 on one device:
 // NCCL refuses two ranks on one GPU. Skipped where no CUDA device is visible.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
-#include <ATen/cuda/CUDAGeneratorImpl.h>
 
-#include <map>
 #include <torch/torch.h>
+#include <map>
 
 #include "fsdp/fsdp.h"
 #include "model.h"
@@ -126,7 +126,9 @@ Trained train(const std::string& strategy, torch::Dtype dtype, bool deferred, in
   }
   model->to(dtype);
   if (!deferred) model->to(kGpu);
-  auto init = [cfg](const std::string& name, torch::nn::Module& m) { gpt::initialize(cfg, name, m); };
+  auto init = [cfg](const std::string& name, torch::nn::Module& m) {
+    gpt::initialize(cfg, name, m);
+  };
   std::shared_ptr<fsdp::FullyShardedModule> sharded;
   std::vector<at::Tensor> trained;
   if (strategy.empty()) {
@@ -144,8 +146,10 @@ Trained train(const std::string& strategy, torch::Dtype dtype, bool deferred, in
     for (const auto& kv : sharded->named_parameters()) trained.push_back(kv.second);
   }
   std::unique_ptr<torch::optim::Optimizer> opt_ptr;
-  if (fused) opt_ptr = std::make_unique<fsdp::FusedAdamW>(trained, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-  else opt_ptr = std::make_unique<torch::optim::AdamW>(trained, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  if (fused)
+    opt_ptr = std::make_unique<fsdp::FusedAdamW>(trained, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  else
+    opt_ptr = std::make_unique<torch::optim::AdamW>(trained, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   torch::optim::Optimizer& opt = *opt_ptr;
   auto gen = at::cuda::detail::createCUDAGenerator(0);
   gen.set_current_seed(11);
@@ -237,7 +241,8 @@ TEST(Gpu, MemoryFiguresComeFromTheCachingAllocator) {
                                        .auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>()));
   fsdp::reset_device_peak_memory_stats(kGpu);
   sharded->reset_peak_memory_stats();
-  auto tokens = torch::randint(0, cfg.vocab_size, {2, cfg.context}, torch::TensorOptions().dtype(torch::kLong).device(kGpu));
+  auto tokens =
+      torch::randint(0, cfg.vocab_size, {2, cfg.context}, torch::TensorOptions().dtype(torch::kLong).device(kGpu));
   model->forward(tokens).sum().backward();
   const auto dev = fsdp::device_memory_stats(kGpu);
   ASSERT_TRUE(dev.available);

@@ -38,7 +38,8 @@ struct Found {
   double start_us = 0;
 };
 
-Found find_event(const fsdp::IterationTrace& t, fsdp::TraceEvent::Kind kind, int unit, const std::string& label_part = "") {
+Found find_event(const fsdp::IterationTrace& t, fsdp::TraceEvent::Kind kind, int unit,
+                 const std::string& label_part = "") {
   for (size_t i = 0; i < t.events.size(); ++i) {
     const auto& e = t.events[i];
     if (e.kind == kind && e.unit == unit && contains(e.label, label_part)) return {int(i), e.start_us};
@@ -66,7 +67,8 @@ FSDP_WORKER(trace_worker) {
   if (mode == "pre") opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPre).limit_all_gathers(false);
   if (mode == "post") opts.backward_prefetch(fsdp::BackwardPrefetch::kBackwardPost).limit_all_gathers(false);
   if (mode == "none") opts.backward_prefetch(fsdp::BackwardPrefetch::kNone).limit_all_gathers(false);
-  if (mode == "forward") opts.backward_prefetch(fsdp::BackwardPrefetch::kNone).forward_prefetch(true).limit_all_gathers(false);
+  if (mode == "forward")
+    opts.backward_prefetch(fsdp::BackwardPrefetch::kNone).forward_prefetch(true).limit_all_gathers(false);
   if (mode == "limit1") opts.forward_prefetch(true).all_gather_limit(1);
   if (mode == "limit2") opts.forward_prefetch(true).all_gather_limit(2);
   torch::manual_seed(1);
@@ -96,7 +98,8 @@ FSDP_WORKER(trace_worker) {
     const Found post = find_event(t, K::kUnshardIssued, u - 1, "backward post");
     if (mode == "pre") {
       WORKER_CHECK(pre.index >= 0 && pre.index < reduce.index, "BACKWARD_PRE: unit ", u - 1,
-                   "'s all-gather must be issued before unit ", u, "'s reduce-scatter (", pre.index, " vs ", reduce.index, ")");
+                   "'s all-gather must be issued before unit ", u, "'s reduce-scatter (", pre.index, " vs ",
+                   reduce.index, ")");
     } else if (mode == "post") {
       WORKER_CHECK(post.index > reshard.index && post.index < reduce.index, "BACKWARD_POST: unit ", u - 1,
                    "'s all-gather must be issued after unit ", u, " is resharded and before its reduce-scatter");
@@ -116,8 +119,10 @@ FSDP_WORKER(trace_worker) {
   const int replayed = replayed_max_unsharded(t);
   WORKER_CHECK(replayed == t.max_unsharded_units, "trace reports ", t.max_unsharded_units,
                " units unsharded at most, its events show ", replayed);
-  if (mode == "limit1") WORKER_CHECK(t.max_unsharded_units == 1, "limit 1: at most 1 unit unsharded, saw ", t.max_unsharded_units);
-  if (mode == "limit2") WORKER_CHECK(t.max_unsharded_units == 2, "limit 2: at most 2 units unsharded, saw ", t.max_unsharded_units);
+  if (mode == "limit1")
+    WORKER_CHECK(t.max_unsharded_units == 1, "limit 1: at most 1 unit unsharded, saw ", t.max_unsharded_units);
+  if (mode == "limit2")
+    WORKER_CHECK(t.max_unsharded_units == 2, "limit 2: at most 2 units unsharded, saw ", t.max_unsharded_units);
   if (mode == "limit1") {  // held back, not dropped: prefetches still happen after reshards
     bool any = false;
     for (const auto& e : t.events) any |= e.kind == K::kUnshardIssued && contains(e.label, "prefetch");
@@ -135,8 +140,8 @@ FSDP_WORKER(trace_worker) {
     if (e.at("ph") != "X") continue;
     (e.at("tid") == 0 ? compute_spans : comm_spans)++;
   }
-  WORKER_CHECK(compute_spans >= n - 1 && comm_spans >= 2 * (n - 1), "chrome trace: ", compute_spans,
-               " compute spans, ", comm_spans, " communicator spans");
+  WORKER_CHECK(compute_spans >= n - 1 && comm_spans >= 2 * (n - 1), "chrome trace: ", compute_spans, " compute spans, ",
+               comm_spans, " communicator spans");
   if (ctx.rank == 0) std::cout << "trace " << mode << " ok, max unsharded " << t.max_unsharded_units << std::endl;
 }
 
@@ -176,8 +181,11 @@ FSDP_WORKER(root_between_worker) {
     RootBetween ref;
     torch::manual_seed(2);
     RootBetween model;
-    auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>())
-                                                    .backward_prefetch(prefetch).trace(true));
+    auto sharded = fsdp::fully_shard(model, pg,
+                                     fsdp::Options()
+                                         .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>())
+                                         .backward_prefetch(prefetch)
+                                         .trace(true));
     torch::optim::SGD ref_opt(ref->parameters(), 0.05), opt(sharded->parameters(), 0.05);
     for (int step = 0; step < 3; ++step) {
       const auto x = torch::randn({2 * ctx.world, 16}, at::detail::createCPUGenerator(7 + step));
