@@ -208,7 +208,7 @@ void FlatParam::take_grad(int slot) {
   g.reset();
 }
 
-void FlatParam::start_reduce() {
+void FlatParam::start_reduce(bool across_replicas) {
   FSDP_CHECK(full_grad_.defined() && !reduce_started_, "internal: start_reduce without a gradient buffer");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
@@ -220,6 +220,7 @@ void FlatParam::start_reduce() {
   }
   if (padded_numel_ > numel_) full_grad_.narrow(0, numel_, padded_numel_ - numel_).zero_();
   reduce_started_ = true;
+  replica_reduce_issued_ = defer_replicas_ = false;
   if (!group_.shard_comm) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one).
     reduced_ = full_grad_;
@@ -228,12 +229,24 @@ void FlatParam::start_reduce() {
     reduced_ = buffers_->empty(shard_numel_, full_grad_.options());
     memory_->add_grad(shard_numel_ * reduced_.element_size());
     pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_);
-    if (group_.replicate_comm && group_.replicate_comm->size() > 1) {
+    const bool replicas = group_.replicate_comm && group_.replicate_comm->size() > 1;
+    if (replicas && !across_replicas) {
+      defer_replicas_ = true;  // finish_reduce adds the shard group's sum into partial_
+    } else if (replicas && partial_.defined()) {
+      // The earlier micro-batches' shard-group sums join this one before the replica all-reduce.
+      pending_work_->wait();
+      reduced_.add_(partial_);
+      memory_->add_grad(-partial_.nbytes());
+      partial_ = at::Tensor();
+      pending_work_ = group_.replicate_comm->all_reduce(reduced_);
+      replica_reduce_issued_ = true;
+    } else if (replicas) {
       // Hybrid: the shard's sum across replicas, chained after the reduce-scatter on the replica
       // group's thread, so both overlap the rest of backward.
       CollectiveOptions after_scatter;
       after_scatter.after = pending_work_;
       pending_work_ = group_.replicate_comm->all_reduce(reduced_, after_scatter);
+      replica_reduce_issued_ = true;
     }
   }
 }
@@ -264,11 +277,26 @@ void FlatParam::finish_reduce() {
   const bool reduced_in_place = reduced_.is_same(full_grad_);
   memory_->add_grad(-full_grad_.nbytes());
   full_grad_ = at::Tensor();
+  if (defer_replicas_) {
+    // Kept, in the reduce dtype, for the reduction across replicas (its memory stays counted).
+    partial_slots_.resize(slots_.size(), 0);
+    for (size_t i = 0; i < slots_.size(); ++i) partial_slots_[i] |= slots_[i].got_grad || kept_[i];
+    if (partial_.defined()) {
+      partial_.add_(reduced_);
+      memory_->add_grad(-reduced_.nbytes());
+    } else {
+      partial_ = reduced_;
+    }
+    reduced_ = at::Tensor();
+    defer_replicas_ = false;
+    return;
+  }
   // Averaging is fused into the one pass that moves the sum into the pieces' gradients (cast to
   // the shard's dtype under mixed precision).
   for (size_t i = 0; i < slots_.size(); ++i) {
     ParamSlot& s = slots_[i];
-    if (!s.piece.defined() || !(s.got_grad || kept_[i])) continue;  // unused: no gradient, as in local training
+    const bool in_partial = i < partial_slots_.size() && partial_slots_[i];
+    if (!s.piece.defined() || !(s.got_grad || kept_[i] || in_partial)) continue;  // unused: no gradient, as in local training
     at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
     at::Tensor& g = s.piece.mutable_grad();
     // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
@@ -281,6 +309,7 @@ void FlatParam::finish_reduce() {
   }
   if (!reduced_in_place) memory_->add_grad(-reduced_.nbytes());
   reduced_ = at::Tensor();
+  partial_slots_.clear();
 }
 
 void FlatParam::keep_grads_unreduced() {

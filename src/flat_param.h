@@ -88,9 +88,15 @@ class FlatParam {
   bool has_grad_buffer() const { return full_grad_.defined(); }
   bool ensure_grad_buffer();
   void take_grad(int slot);
-  // Issue the reduction of the flat gradient (asynchronous), then finish it: average over ranks and add into the shard pieces' .grad (only
-  // pieces of parameters that got a gradient).
-  void start_reduce();
+  // Issue the reduction of the flat gradient (asynchronous), then finish it: average over ranks and
+  // add into the shard pieces' .grad (only pieces of parameters that got a gradient). Hybrid with
+  // `across_replicas` false: only the shard group's reduce-scatter runs, and its result is kept
+  // (partial) until a reduction across replicas includes it.
+  void start_reduce(bool across_replicas = true);
+  // Hybrid: a reduce-scattered sum is waiting for the replica all-reduce.
+  bool has_partial() const { return partial_.defined(); }
+  // The last start_reduce issued an all-reduce across replicas.
+  bool reduced_across_replicas() const { return replica_reduce_issued_; }
   bool reduce_pending() const { return reduce_started_; }
   // The reduction in flight; null if it needed no communication (a world of one).
   const WorkPtr& reduce_work() const { return pending_work_; }
@@ -137,6 +143,10 @@ class FlatParam {
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g) const;
   at::Tensor reduced_;           // the reduction's output
   bool reduce_started_ = false;  // start_reduce() ran and finish_reduce() did not yet
+  bool defer_replicas_ = false;  // this reduction skips the replica all-reduce: finish keeps it
+  bool replica_reduce_issued_ = false;
+  at::Tensor partial_;  // hybrid: shard-group sums awaiting the replica all-reduce (reduce dtype)
+  std::vector<uint8_t> partial_slots_;  // per slot: a gradient of it is in partial_
   at::Tensor gather_input_;      // mixed precision: the shard cast to compute dtype, alive until its gather lands
   WorkPtr pending_work_;         // reduce-scatter (or all-reduce) in flight
   WorkPtr gather_work_;          // all-gather in flight into full_

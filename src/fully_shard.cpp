@@ -95,6 +95,16 @@ void FullyShardedModule::set_requires_gradient_sync(bool sync) {
   state_->reducer().set_sync(sync);
 }
 
+void FullyShardedModule::set_requires_all_reduce(bool on) {
+  std::lock_guard<std::recursive_mutex> lock(state_->mutex());
+  state_->reducer().set_all_reduce(on);
+}
+
+void FullyShardedModule::set_reshard_after_backward(bool on) {
+  std::lock_guard<std::recursive_mutex> lock(state_->mutex());
+  state_->scheduler().set_reshard_after_backward(on);
+}
+
 bool FullyShardedModule::requires_gradient_sync() const {
   std::lock_guard<std::recursive_mutex> lock(state_->mutex());
   return state_->reducer().sync();

@@ -125,5 +125,89 @@ TEST(NoSync, MicroBatchesWithoutCommunicationEqualLocalTraining) {
   }
 }
 
+int count_events(const fsdp::IterationTrace& trace, fsdp::TraceEvent::Kind kind, const std::string& label = "") {
+  int n = 0;
+  for (const auto& e : trace.events) n += e.kind == kind && (label.empty() || e.label == label);
+  return n;
+}
+
+// HYBRID_SHARD (F=2 at world 4): two micro-batches reduce-scatter within their shard groups only
+// (set_requires_all_reduce(false)), the third all-reduces across replicas too; equal to local
+// training on the three global micro-batches. The trace shows no replica all-reduce before the last.
+FSDP_WORKER(hybrid_accumulation_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto [ref, model] = make_pair_of_models();
+  auto sharded = fsdp::fully_shard(model, pg, options("HYBRID_SHARD").trace(true));
+  torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),
+      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+  const int rows = 2, micro = 3;
+  for (int step = 0; step < 2; ++step) {
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(100 * step + m));
+      loss_of(ref, x).backward();
+      const bool last = m + 1 == micro;
+      sharded->set_requires_all_reduce(last);
+      loss_of(model, x.narrow(0, ctx.rank * rows, rows)).backward();
+      const int across = count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kReduceIssued,
+                                       "all-reduce across replicas");
+      WORKER_CHECK(last ? across > 0 : across == 0, "micro-batch ", m, ": ", across,
+                   " all-reduces across replicas");
+      if (!last)
+        WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "the shard groups' sums are kept between micro-batches");
+    }
+    ref_opt.step();
+    opt.step();
+  }
+  expect_same_parameters(ref, *sharded, 1e-12, "hybrid accumulation");
+  if (ctx.rank == 0) std::cout << "hybrid accumulation ok" << std::endl;
+}
+
+TEST(NoSync, HybridReducesWithinShardGroupsAndAcrossReplicasOnlyAtTheLastMicroBatch) {
+  auto r = launch("hybrid_accumulation_worker", 4);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
+// SHARD_GRAD_OP with no_sync and set_reshard_after_backward(false): after the first micro-batch no
+// unit is gathered again until the optimizer step changed the shards; equal to local training.
+FSDP_WORKER(keep_unsharded_accumulation_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto [ref, model] = make_pair_of_models();
+  auto sharded = fsdp::fully_shard(model, pg, options("SHARD_GRAD_OP").trace(true));
+  torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),
+      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+  const int rows = 2, micro = 3;
+  int64_t all_unsharded = 0;
+  for (const auto& u : sharded->units()) all_unsharded += u.padded_bytes + u.shard_bytes;
+  for (int step = 0; step < 2; ++step) {
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(100 * step + m));
+      loss_of(ref, x).backward();
+      const bool last = m + 1 == micro;
+      sharded->set_reshard_after_backward(last);
+      sharded->set_requires_gradient_sync(last);
+      loss_of(model, x.narrow(0, ctx.rank * rows, rows)).backward();
+      const int gathers = count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kUnshardIssued);
+      if (m > 0) WORKER_CHECK(gathers == 0, "micro-batch ", m, " gathered ", gathers, " times");
+      if (!last)
+        WORKER_CHECK(sharded->memory_stats().param_bytes == all_unsharded, "micro-batch ", m, ": ",
+                     sharded->memory_stats().param_bytes, " bytes of parameters, expected every unit unsharded ",
+                     all_unsharded);
+    }
+    ref_opt.step();
+    opt.step();
+  }
+  expect_same_parameters(ref, *sharded, 1e-12, "accumulation with units kept unsharded");
+  if (ctx.rank == 0) std::cout << "keep unsharded accumulation ok" << std::endl;
+}
+
+TEST(NoSync, ReshardAfterBackwardOffGathersNothingBetweenMicroBatches) {
+  auto r = launch("keep_unsharded_accumulation_worker", 3);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
 }  // namespace
 }  // namespace fsdp_test

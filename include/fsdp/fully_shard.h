@@ -86,6 +86,16 @@ class FullyShardedModule {
     bool previous_;
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  // HYBRID_SHARD accumulation (FSDP2's set_requires_all_reduce): while off, backward
+  // reduce-scatters within each shard group and keeps the shard's sum, skipping the all-reduce
+  // across replicas; the first backward with it on again reduces everything kept. Every rank must
+  // switch at the same backward. No effect on the other strategies.
+  void set_requires_all_reduce(bool on);
+  // While off, backward leaves the units unsharded, so the next forward (e.g. the next micro-batch
+  // under no_sync) gathers nothing; after an optimizer step they are gathered again (FSDP2's
+  // set_reshard_after_backward). More memory: every unit stays unsharded. Every rank must switch
+  // at the same backward.
+  void set_reshard_after_backward(bool on);
 
   // Explicit unshard (FSDP2's unshard(async_op)): collective; issues every unit's all-gather and
   // returns at once; wait() blocks until they have landed. The next forward uses them (and

@@ -37,7 +37,7 @@ bool GradientReducer::take_grad(int f, int s) {
 
 bool GradientReducer::has_unreduced(int u) const {
   for (const FlatParam* fp : units_[u].flat_params())
-    if (fp->has_grad_buffer() && !fp->reduce_pending()) return true;
+    if ((fp->has_grad_buffer() || (all_reduce_ && fp->has_partial())) && !fp->reduce_pending()) return true;
   return false;
 }
 
@@ -47,9 +47,14 @@ void GradientReducer::reduce(int u) {
   // allocated; the communicator would run this reduction only after the older ones anyway.
   const size_t in_flight = static_cast<size_t>(options_.reductions_in_flight());
   for (FlatParam* fp : units_[u].flat_params()) {
-    if (!fp->has_grad_buffer() || fp->reduce_pending()) continue;
+    if (fp->reduce_pending()) continue;
+    if (!fp->has_grad_buffer()) {
+      if (!(all_reduce_ && fp->has_partial())) continue;
+      fp->ensure_grad_buffer();  // no gradient in this backward: zeros join the kept partial sums
+    }
     finish_reductions(in_flight > 0 ? in_flight - 1 : 0);
-    fp->start_reduce();
+    fp->start_reduce(all_reduce_);
+    if (fp->reduced_across_replicas()) tracer_.instant(TraceEvent::Kind::kReduceIssued, u, "all-reduce across replicas");
     const char* op = fp->keep_unsharded() ? "all-reduce" : "reduce-scatter";
     tracer_.collective(TraceEvent::Kind::kReduce, u, op, fp->reduce_track(), fp->reduce_work());
     tracer_.instant(TraceEvent::Kind::kReduceIssued, u, op);

@@ -49,6 +49,10 @@ class GradientReducer {
   // Whether backward reduces gradients (FullyShardedModule::set_requires_gradient_sync).
   void set_sync(bool sync) { sync_ = sync; }
   bool sync() const { return sync_; }
+  // HYBRID_SHARD: whether reductions include the all-reduce across replicas
+  // (FullyShardedModule::set_requires_all_reduce).
+  void set_all_reduce(bool on) { all_reduce_ = on; }
+  bool all_reduce() const { return all_reduce_; }
   void update_sharded_grad_bytes();
 
  private:
@@ -63,6 +67,7 @@ class GradientReducer {
   Tracer& tracer_;
   MemoryTracker& memory_;
   bool sync_ = true;
+  bool all_reduce_ = true;
   std::vector<int> reduce_order_;  // FlatParameters with a reduction in flight, in issue order
 };
 

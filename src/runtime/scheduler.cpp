@@ -99,7 +99,7 @@ void Scheduler::begin_backward() {
 void Scheduler::post_backward(int u) {
   tracer_.leave_compute();
   units_[u].mark_backward_done();
-  if (options_.sharding_strategy() != ShardingStrategy::kNoShard) reshard(u);
+  if (options_.sharding_strategy() != ShardingStrategy::kNoShard && reshard_after_backward_) reshard(u);
   if (last_used_ == u) last_used_ = -1;
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && backward_started_)
     prefetch(next_pending_in_backward(u), "prefetch backward post");
@@ -113,7 +113,7 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
     if (reducer_.has_unreduced(static_cast<int>(u))) post_backward(static_cast<int>(u));
   reducer_.finish_all();
   reducer_.update_sharded_grad_bytes();
-  reshard_all();
+  if (reshard_after_backward_) reshard_all();
   if (options_.broadcast_buffers() && reducer_.sync()) reducer_.broadcast_buffers(buffers);
   reducer_.end_backward();
   for (auto& unit : units_) unit.reset();

@@ -40,6 +40,10 @@ class Scheduler {
   // The next use of any unit takes the full scheduling path (after parameters were reloaded).
   void forget_last_used() { last_used_ = -1; }
 
+  // Whether backward frees each unit's parameters (FullyShardedModule::set_reshard_after_backward).
+  void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
+  bool reshard_after_backward() const { return reshard_after_backward_; }
+
   void enable_trace(bool on) { tracer_.enable(on); }
   const IterationTrace& last_trace() const { return last_trace_; }
   // The calling thread runs a backward pass (the autograd engine's current graph task).
@@ -59,6 +63,7 @@ class Scheduler {
 
   std::vector<Unit>& units_;
   const Options& options_;
+  bool reshard_after_backward_ = true;
   int rank_;
   Tracer& tracer_;
   GradientReducer& reducer_;
