@@ -1,5 +1,6 @@
 #pragma once
 // libfsdp: Fully Sharded Data Parallel training for the PyTorch C++ frontend.
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
 #include "fsdp/comm.h"
 #include "fsdp/deferred_init.h"
