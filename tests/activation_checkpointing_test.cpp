@@ -2,6 +2,7 @@
 // the same model without checkpointing (dropout included: the recompute replays the random
 // numbers); each unit gathered once in backward, in the same order as without checkpointing; the
 // activation memory a checkpointed block keeps.
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
 #include <functional>
