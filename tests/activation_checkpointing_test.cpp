@@ -262,9 +262,9 @@ TEST(ActivationCheckpointing, ApplyByPolicyEnablesTheSelectedWrappersOnly) {
 // ---------------------------------------------------------------------------------------------
 // With FSDP: equal to local training without checkpointing, one gather per unit in backward.
 
-fsdp::Options options(const std::string& strategy, Form form) {
+fsdp::Options options(const std::string& strategy, bool unit_per_block) {
   auto o = fsdp::Options().sharding_strategy(fsdp::parse_sharding_strategy(strategy)).trace(true);
-  if (form != Form::kSharded) o.auto_wrap_policy(fsdp::wrap::by_type<DropBlockImpl>());
+  if (unit_per_block) o.auto_wrap_policy(fsdp::wrap::by_type<DropBlockImpl>());
   if (strategy == "HYBRID_SHARD") o.sharding_factor(2);
   return o;
 }
@@ -277,31 +277,46 @@ std::vector<std::string> backward_gathers(const fsdp::IterationTrace& t) {
   return out;
 }
 
+// Every gather, reshard and reduction the compute thread issued, in order.
+std::vector<std::string> schedule(const fsdp::IterationTrace& t) {
+  using K = fsdp::TraceEvent::Kind;
+  std::vector<std::string> out;
+  for (const auto& e : t.events)
+    if (e.kind == K::kUnshardIssued || e.kind == K::kReshard || e.kind == K::kReduceIssued)
+      out.push_back(std::string(fsdp::to_string(e.kind)) + " " + std::to_string(e.unit) + " " + e.label);
+  return out;
+}
+
 std::string join(const std::vector<std::string>& v) {
   std::string s;
   for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
   return "[" + s + "]";
 }
 
-// args: strategy, form ("checkpointed" or "sharded"). Trains the checkpointed model and the same
-// model with checkpointing disabled, each against local training of the plain model.
+// args: strategy, form ("checkpointed" or "sharded"), units ("blocks": one per block, by the wrap
+// policy for the "checkpointed" form; "root": the whole model is one unit). Trains the checkpointed
+// model and the same model with checkpointing disabled, each against local training of the plain
+// model, and compares the two runs' schedules.
 FSDP_WORKER(ac_exact_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0);
   const Form form = parse_form(ctx.args.at(1));
+  const bool unit_per_block = ctx.args.at(2) == "blocks";
+  const int expected_units = unit_per_block ? kLayers + 1 : 1;
   const int rows = 2, steps = 3;
-  std::vector<std::string> gathers_with, gathers_without;
+  std::vector<std::string> gathers_with, gathers_without, schedule_with, schedule_without;
   for (const bool checkpointing : {true, false}) {
-    const std::string what = strategy + " " + ctx.args.at(1) + (checkpointing ? " checkpointed" : " not checkpointed");
+    const std::string what = strategy + " " + ctx.args.at(1) + " " + ctx.args.at(2) +
+                             (checkpointing ? " checkpointed" : " not checkpointed");
     Net ref = make_net(Form::kPlain), model = make_net(form);
     const int enabled =
         fsdp::apply_activation_checkpointing(*model, [&](const std::string&, const torch::nn::Module&, int64_t) {
           return checkpointing;
         });
     WORKER_CHECK(enabled == (checkpointing ? kLayers + 1 : 0), what, ": ", enabled, " wrappers enabled");
-    auto sharded = fsdp::fully_shard(model, pg, options(strategy, form));
+    auto sharded = fsdp::fully_shard(model, pg, options(strategy, unit_per_block && form == Form::kCheckpointed));
     const int n_units = int(sharded->units().size());
-    WORKER_CHECK(n_units == kLayers + 1, what, ": expected the root and one unit per block:\n", sharded->describe());
+    WORKER_CHECK(n_units == expected_units, what, ": expected ", expected_units, " units:\n", sharded->describe());
     torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01));
     torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
     for (int step = 0; step < steps; ++step) {
@@ -343,13 +358,14 @@ FSDP_WORKER(ac_exact_worker) {
     // would finish an iteration early.
     WORKER_CHECK(t.iteration == steps - 1, what, ": ", t.iteration + 1, " iterations traced in ", steps, " steps");
     const bool gathers = sharded->sharding_factor() > 1 && strategy != "SHARD_GRAD_OP";
-    for (int u = 1; u < n_units; ++u) {
+    for (int u = 0; u < n_units; ++u) {  // the root stays unsharded from forward to the end of backward
       int n = 0;
       for (const auto& e : t.events) n += is_backward_gather(e) && e.unit == u;
-      WORKER_CHECK(n == (gathers ? 1 : 0), what, ": unit ", u, " gathered ", n, " times in backward: ",
+      WORKER_CHECK(n == (gathers && u > 0 ? 1 : 0), what, ": unit ", u, " gathered ", n, " times in backward: ",
                    join(backward_gathers(t)));
     }
     (checkpointing ? gathers_with : gathers_without) = backward_gathers(t);
+    (checkpointing ? schedule_with : schedule_without) = schedule(t);
     if (ctx.rank == 0)
       std::cout << what << ": backward gathers " << join(backward_gathers(t)) << ", max unsharded units "
                 << t.max_unsharded_units << std::endl;
@@ -357,20 +373,32 @@ FSDP_WORKER(ac_exact_worker) {
   // The same gathers, in the same order, for the same reasons (prefetch or on demand).
   WORKER_CHECK(gathers_with == gathers_without, "backward gathers with checkpointing ", join(gathers_with),
                " vs without ", join(gathers_without));
-  if (ctx.rank == 0) std::cout << strategy << " " << ctx.args.at(1) << " ok" << std::endl;
+  // The whole iteration's schedule too: every gather, reshard and reduction, in order.
+  WORKER_CHECK(schedule_with == schedule_without, "schedule with checkpointing ", join(schedule_with), "\nvs without ",
+               join(schedule_without));
+  if (ctx.rank == 0) std::cout << strategy << " " << ctx.args.at(1) << " " << ctx.args.at(2) << " ok" << std::endl;
 }
 
 TEST(ActivationCheckpointing, WithFsdpEqualsLocalTrainingWithoutCheckpointing) {
   for (int world : {1, 2, 3})
     for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"})
       for (const char* form : {"checkpointed", "sharded"}) {
-        auto r = launch("ac_exact_worker", world, {strategy, form});
+        auto r = launch("ac_exact_worker", world, {strategy, form, "blocks"});
         ASSERT_TRUE(r.all_ok()) << strategy << " " << form << " world " << world << "\n" << r.report();
-        EXPECT_TRUE(contains(r.ranks[0].output, std::string(strategy) + " " + form + " ok")) << r.report();
+        EXPECT_TRUE(contains(r.ranks[0].output, std::string(strategy) + " " + form + " blocks ok")) << r.report();
       }
   for (const char* form : {"checkpointed", "sharded"}) {
-    auto r = launch("ac_exact_worker", 4, {"HYBRID_SHARD", form});
+    auto r = launch("ac_exact_worker", 4, {"HYBRID_SHARD", form, "blocks"});
     ASSERT_TRUE(r.all_ok()) << "HYBRID_SHARD " << form << "\n" << r.report();
+  }
+}
+
+// Checkpointed blocks inside a larger unit: the unit expects the gradients of parameters read only
+// in a checkpointed forward (run without grad), so it is reduced once, when they are all in.
+TEST(ActivationCheckpointing, WholeModelAsOneUnit) {
+  for (const char* strategy : {"FULL_SHARD", "NO_SHARD"}) {
+    auto r = launch("ac_exact_worker", 2, {strategy, "checkpointed", "root"});
+    ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
   }
 }
 
