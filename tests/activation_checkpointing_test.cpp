@@ -29,7 +29,9 @@ struct DropBlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
     auto q_k_v = qkv(ln1(x)).chunk(3, -1);
-    auto split = [&](const torch::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
+    auto split = [&](const torch::Tensor& t) {
+      return t.view({B, T, heads, hd}).transpose(1, 2);
+    };
     auto q = split(q_k_v[0]), k = split(q_k_v[1]), v = split(q_k_v[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
     auto mask = torch::ones({T, T}, torch::kBool).triu(1);
@@ -86,12 +88,16 @@ struct NetImpl : torch::nn::Module {
     torch::nn::Linear linear(d, vocab);
     if (form == Form::kPlain) {
       register_module("head", linear);
-      head = [linear](const at::Tensor& x) mutable { return linear->forward(x); };
+      head = [linear](const at::Tensor& x) mutable {
+        return linear->forward(x);
+      };
     } else {
       fsdp::Checkpointed<torch::nn::Linear> c(linear);
       register_module("head", c);
       checkpointed.push_back(c.get());
-      head = [c](const at::Tensor& x) mutable { return c->forward(x); };
+      head = [c](const at::Tensor& x) mutable {
+        return c->forward(x);
+      };
     }
   }
   torch::Tensor forward(const torch::Tensor& idx) {
@@ -259,6 +265,34 @@ TEST(ActivationCheckpointing, ApplyByPolicyEnablesTheSelectedWrappersOnly) {
   EXPECT_FALSE(fsdp::wrap::by_type<torch::nn::LinearImpl>()("blocks.0", *net->blocks[0], 0));
 }
 
+// Deferred initialization initializes a wrapper's tensors as those of the module it wraps.
+struct WrappedLinearsImpl : torch::nn::Module {
+  WrappedLinearsImpl() : a(torch::nn::Linear(4, 5)), b(fsdp::Checkpointed<torch::nn::Linear>(torch::nn::Linear(5, 3))) {
+    register_module("a", a);
+    register_module("b", b);
+  }
+  fsdp::Checkpointed<torch::nn::Linear> a;
+  fsdp::Sharded<fsdp::Checkpointed<torch::nn::Linear>> b;
+};
+TORCH_MODULE(WrappedLinears);
+
+TEST(ActivationCheckpointing, DeferredInitInitializesTheWrappedModule) {
+  if (!fsdp::DeferredInit::supported()) GTEST_SKIP() << "this LibTorch has no DispatchKey::DeferredInit";
+  torch::manual_seed(4);
+  WrappedLinears eager;
+  torch::manual_seed(4);
+  WrappedLinears deferred(nullptr);
+  {
+    fsdp::DeferredInit scope;
+    deferred = WrappedLinears();
+  }
+  fsdp::materialize(*deferred);
+  const auto deferred_params = deferred->named_parameters();
+  ASSERT_EQ(deferred_params.size(), 4u);
+  for (const auto& kv : eager->named_parameters())
+    EXPECT_TRUE(torch::equal(kv.value(), deferred_params[kv.key()])) << "parameter " << kv.key();
+}
+
 // ---------------------------------------------------------------------------------------------
 // With FSDP: equal to local training without checkpointing, one gather per unit in backward.
 
@@ -309,10 +343,8 @@ FSDP_WORKER(ac_exact_worker) {
     const std::string what = strategy + " " + ctx.args.at(1) + " " + ctx.args.at(2) +
                              (checkpointing ? " checkpointed" : " not checkpointed");
     Net ref = make_net(Form::kPlain), model = make_net(form);
-    const int enabled =
-        fsdp::apply_activation_checkpointing(*model, [&](const std::string&, const torch::nn::Module&, int64_t) {
-          return checkpointing;
-        });
+    const int enabled = fsdp::apply_activation_checkpointing(
+        *model, [&](const std::string&, const torch::nn::Module&, int64_t) { return checkpointing; });
     WORKER_CHECK(enabled == (checkpointing ? kLayers + 1 : 0), what, ": ", enabled, " wrappers enabled");
     auto sharded = fsdp::fully_shard(model, pg, options(strategy, unit_per_block && form == Form::kCheckpointed));
     const int n_units = int(sharded->units().size());
@@ -361,8 +393,8 @@ FSDP_WORKER(ac_exact_worker) {
     for (int u = 0; u < n_units; ++u) {  // the root stays unsharded from forward to the end of backward
       int n = 0;
       for (const auto& e : t.events) n += is_backward_gather(e) && e.unit == u;
-      WORKER_CHECK(n == (gathers && u > 0 ? 1 : 0), what, ": unit ", u, " gathered ", n, " times in backward: ",
-                   join(backward_gathers(t)));
+      WORKER_CHECK(n == (gathers && u > 0 ? 1 : 0), what, ": unit ", u, " gathered ", n,
+                   " times in backward: ", join(backward_gathers(t)));
     }
     (checkpointing ? gathers_with : gathers_without) = backward_gathers(t);
     (checkpointing ? schedule_with : schedule_without) = schedule(t);
@@ -444,8 +476,8 @@ FSDP_WORKER(ac_memory_worker) {
     if (checkpointing) {
       // Each block keeps its output (the next block's saved input, or the result) and the RNG
       // state for the replay, nothing else.
-      WORKER_CHECK(kept == layers * (input_bytes + rng_bytes), "checkpointed blocks keep ", kept,
-                   " bytes, expected ", layers, " x (", input_bytes, " + ", rng_bytes, ")");
+      WORKER_CHECK(kept == layers * (input_bytes + rng_bytes), "checkpointed blocks keep ", kept, " bytes, expected ",
+                   layers, " x (", input_bytes, " + ", rng_bytes, ")");
     } else {
       WORKER_CHECK(per_block > 4 * input_bytes, "a plain block keeps ", per_block, " bytes");
     }

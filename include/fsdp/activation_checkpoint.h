@@ -40,9 +40,9 @@ at::Tensor checkpoint(std::shared_ptr<torch::nn::Module> module, CheckpointRun r
 template <typename A>
 constexpr bool is_tensor_arg = std::is_same_v<std::decay_t<A>, at::Tensor>;
 template <typename A>
-constexpr bool is_unsupported_tensor_container = std::is_same_v<std::decay_t<A>, c10::optional<at::Tensor>> ||
-                                                 std::is_same_v<std::decay_t<A>, std::vector<at::Tensor>> ||
-                                                 std::is_same_v<std::decay_t<A>, at::TensorList>;
+constexpr bool is_unsupported_tensor_container =
+    std::is_same_v<std::decay_t<A>, c10::optional<at::Tensor>> ||
+    std::is_same_v<std::decay_t<A>, std::vector<at::Tensor>> || std::is_same_v<std::decay_t<A>, at::TensorList>;
 
 // For each argument position, its index among the tensor arguments, or -1.
 template <typename... Args>
