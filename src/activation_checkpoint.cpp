@@ -1,6 +1,7 @@
 #include "fsdp/activation_checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <mutex>
@@ -48,6 +49,38 @@ class RngReplay {
   std::vector<GeneratorState> callers_;
 };
 
+// The autocast state (LibTorch's automatic mixed precision) of this thread.
+struct AutocastState {
+  bool cpu = at::autocast::is_cpu_enabled(), gpu = at::autocast::is_enabled();
+  at::ScalarType cpu_dtype = at::autocast::get_autocast_cpu_dtype(), gpu_dtype = at::autocast::get_autocast_gpu_dtype();
+  void apply() const {
+    at::autocast::set_cpu_enabled(cpu);
+    at::autocast::set_enabled(gpu);
+    at::autocast::set_autocast_cpu_dtype(cpu_dtype);
+    at::autocast::set_autocast_gpu_dtype(gpu_dtype);
+  }
+};
+
+// Sets a saved autocast state and puts the caller's back when it goes. Autocast's cache of cast
+// weights is off meanwhile: entries made here would outlive the recompute (and the weights' values).
+class AutocastReplay {
+ public:
+  explicit AutocastReplay(const AutocastState& saved) : cache_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+    saved.apply();
+  }
+  ~AutocastReplay() {
+    caller_.apply();
+    at::autocast::set_autocast_cache_enabled(cache_);
+  }
+  AutocastReplay(const AutocastReplay&) = delete;
+  AutocastReplay& operator=(const AutocastReplay&) = delete;
+
+ private:
+  AutocastState caller_;
+  bool cache_;
+};
+
 // What backward needs to recompute one checkpointed forward, kept in the autograd context.
 struct Recompute : torch::CustomClassHolder {
   std::shared_ptr<torch::nn::Module> module;
@@ -55,6 +88,7 @@ struct Recompute : torch::CustomClassHolder {
   std::vector<char> defined;  // per tensor argument: defined (an autograd input) or not
   bool dummy = false;         // the last autograd input is a dummy that requires grad
   std::vector<GeneratorState> rng;
+  AutocastState autocast;  // as the forward ran
 
   // The tensor arguments from the autograd inputs (undefined arguments are not inputs).
   std::vector<at::Tensor> arguments(at::TensorList inputs) const {
@@ -121,6 +155,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     at::Tensor out;
     {
       RngReplay replay(rc->rng);
+      AutocastReplay autocast(rc->autocast);
       at::AutoGradMode grad_mode(true);
       std::vector<at::Tensor> args = rc->arguments(inputs);
       out = rc->run(args);

@@ -2,6 +2,7 @@
 // the same model without checkpointing (dropout included: the recompute replays the random
 // numbers); each unit gathered once in backward, in the same order as without checkpointing; the
 // activation memory a checkpointed block keeps.
+#include <ATen/autocast_mode.h>
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
@@ -245,6 +246,57 @@ TEST(ActivationCheckpointing, TensorAndNonTensorArgumentsAndInputsWithoutGrad) {
     ADD_FAILURE() << "create_graph must be refused";
   } catch (const std::exception& e) {
     EXPECT_TRUE(contains(e.what(), "create_graph")) << e.what();
+  }
+}
+
+// A checkpoint inside a checkpointed forward runs plain there, and checkpoints in the recompute.
+TEST(ActivationCheckpointing, NestedCheckpointsEqualNoCheckpointing) {
+  torch::manual_seed(6);
+  DropBlock plain(kDim, kHeads, kDropout);
+  torch::manual_seed(6);
+  fsdp::Checkpointed<fsdp::Checkpointed<DropBlock>> nested(
+      fsdp::Checkpointed<DropBlock>(DropBlock(kDim, kHeads, kDropout)));
+  ASSERT_EQ(nested->named_parameters().keys(), plain->named_parameters().keys());
+  const auto x = torch::randn({3, kContext, kDim});
+  auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+  torch::manual_seed(8);
+  plain->forward(x1).pow(2).sum().backward();
+  torch::manual_seed(8);
+  nested->forward(x2).pow(2).sum().backward();
+  EXPECT_LE(rel_diff(x2.grad(), x1.grad()), 1e-6);
+  auto plain_params = plain->named_parameters();
+  for (const auto& kv : nested->named_parameters())
+    EXPECT_LE(rel_diff(kv.value().grad(), plain_params[kv.key()].grad()), 1e-6) << kv.key();
+}
+
+// The recompute runs under the autocast state of the forward, not of the backward's caller.
+TEST(ActivationCheckpointing, RecomputeUsesTheForwardsAutocastState) {
+  auto make = [] {
+    torch::manual_seed(6);
+    return DropBlock(kDim, kHeads, kDropout);
+  };
+  DropBlock plain = make(), plain_f32 = make();
+  torch::manual_seed(6);
+  fsdp::Checkpointed<DropBlock> checkpointed(DropBlock(kDim, kHeads, kDropout));
+  const auto x = torch::randn({3, kContext, kDim});
+  auto run = [&](auto& module, bool autocast) {
+    at::autocast::set_cpu_enabled(autocast);
+    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    torch::manual_seed(8);
+    auto out = module->forward(x);
+    at::autocast::set_cpu_enabled(false);
+    at::autocast::clear_cache();
+    out.pow(2).sum().backward();
+  };
+  run(plain, true);
+  run(checkpointed, true);
+  run(plain_f32, false);
+  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  auto plain_params = plain->named_parameters(), f32_params = plain_f32->named_parameters();
+  for (const auto& kv : checkpointed->named_parameters()) {
+    EXPECT_LE(rel_diff(kv.value().grad(), plain_params[kv.key()].grad()), 1e-6) << kv.key();
+    if (contains(kv.key(), "fc1.weight"))  // bfloat16 matmuls: autocast made a difference
+      EXPECT_GT(rel_diff(kv.value().grad(), f32_params[kv.key()].grad()), 1e-4) << kv.key();
   }
 }
 
