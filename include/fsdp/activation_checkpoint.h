@@ -33,8 +33,8 @@ namespace detail {
 
 // Runs the wrapped forward on the given tensor arguments (the non-tensor ones are captured).
 using CheckpointRun = std::function<at::Tensor(std::vector<at::Tensor>& tensors)>;
-// Runs `run` on `tensors` without grad, keeping the tensors and the random-number state; backward
-// recomputes it with grad and backpropagates through it. `module` is the wrapped module.
+// Runs `run` on `tensors` without grad, keeping the tensors and the random-number and autocast
+// state; backward recomputes it with grad and backpropagates through it. `module`: the wrapped one.
 at::Tensor checkpoint(std::shared_ptr<torch::nn::Module> module, CheckpointRun run, std::vector<at::Tensor> tensors);
 
 template <typename A>
