@@ -5,16 +5,22 @@
 
 namespace fsdp {
 
-FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group, MemoryTracker* memory,
-                     BufferPool* buffers)
+FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group,
+                     const MixedPrecision& mp, MemoryTracker* memory, BufferPool* buffers)
     : id_(id), unit_(unit), slots_(std::move(slots)), group_(group), memory_(memory), buffers_(buffers) {
   FSDP_CHECK(!slots_.empty(), "internal: empty FlatParameter");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   dtype_ = slots_[0].param.scalar_type();
   requires_grad_ = slots_[0].param.requires_grad();
-  const int F = group_.keep_unsharded ? 1 : group_.shard_comm->size();
-  const int shard_rank = group_.keep_unsharded ? 0 : group_.shard_comm->rank();
+  const bool floating = at::isFloatingType(dtype_);
+  compute_dtype_ = floating && mp.param_dtype() ? *mp.param_dtype() : dtype_;
+  reduce_dtype_ = floating && mp.reduce_dtype() ? *mp.reduce_dtype() : compute_dtype_;
+  separate_shard_ = !group_.keep_unsharded || compute_dtype_ != dtype_ || reduce_dtype_ != dtype_;
+  const int F = group_.shard_comm ? group_.shard_comm->size() : 1;
+  FSDP_CHECK(F > 1 || group_.keep_unsharded, "internal: sharded without a shard group");
+  shard_rank_ = group_.shard_comm ? group_.shard_comm->rank() : 0;
+  const int shard_rank = shard_rank_;
   for (auto& s : slots_) {
     s.shape = s.param.sizes().vec();
     s.numel = s.param.numel();
@@ -24,25 +30,30 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
   // Right-pad to a multiple of F: at most F - 1 elements.
   padded_numel_ = (numel_ + F - 1) / F * F;
   shard_numel_ = padded_numel_ / F;
-  full_ = at::zeros({padded_numel_}, slots_[0].param.options().requires_grad(false));
-  element_size_ = full_.element_size();
+  at::Tensor values = at::zeros({padded_numel_}, slots_[0].param.options().requires_grad(false));
+  element_size_ = values.element_size();
+  for (auto& s : slots_) values.narrow(0, s.offset, s.numel).view(s.shape).copy_(s.param.detach());
+  // Mixed precision: the unsharded storage holds compute-dtype values, never full-precision ones.
+  full_ = compute_dtype_ == dtype_ ? values : values.to(compute_dtype_);
+  compute_element_size_ = full_.element_size();
   storage_ = full_.storage().unsafeGetStorageImpl();
   for (auto& s : slots_) {
-    at::Tensor view = full_.narrow(0, s.offset, s.numel).view(s.shape);
-    view.copy_(s.param.detach());
     // The parameter keeps its TensorImpl (identity, name, requires_grad) and now points into the
-    // flat storage.
-    s.param.set_data(view);
+    // flat storage (in compute dtype under mixed precision).
+    s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
   }
-  memory_->add_param(padded_numel_ * element_size_);
-  if (group_.keep_unsharded) {
+  memory_->add_param(padded_numel_ * compute_element_size_);
+  if (!separate_shard_) {
     shard_ = full_;
   } else {
-    shard_ = full_.narrow(0, int64_t(shard_rank) * shard_numel_, shard_numel_).clone();
+    shard_ = F == 1 && !full_.is_same(values)
+                 ? values
+                 : values.narrow(0, int64_t(shard_rank) * shard_numel_, shard_numel_).clone();
     memory_->add_param(shard_numel_ * element_size_);
   }
+  values = at::Tensor();
   // One leaf per parameter over the part of the shard it overlaps.
-  const int64_t lo = group_.keep_unsharded ? 0 : int64_t(shard_rank) * shard_numel_;
+  const int64_t lo = int64_t(shard_rank) * shard_numel_;
   const int64_t hi = lo + shard_numel_;
   for (auto& s : slots_) {
     const int64_t b = std::max(lo, s.offset), e = std::min(hi, s.offset + s.numel);
@@ -64,25 +75,40 @@ int64_t FlatParam::shard_version() const {
 }
 
 bool FlatParam::unsharded_is_stale() const {
-  return !group_.keep_unsharded && unsharded_ && shard_version() != gathered_version_;
+  return separate_shard_ && unsharded_ && shard_version() != gathered_version_;
 }
 
 WorkPtr FlatParam::start_unshard() {
-  if (group_.keep_unsharded) return nullptr;
+  if (!separate_shard_) return nullptr;
   InternalOpGuard internal;
+  at::NoGradGuard no_grad;
   if (gather_work_) wait_unshard();  // a gather of older shard values: let it land first
   if (!unsharded_) {
     // Same StorageImpl (the parameters' views and autograd's saved views point at it), new memory.
-    const size_t bytes = static_cast<size_t>(padded_numel_ * element_size_);
+    const size_t bytes = static_cast<size_t>(padded_numel_ * compute_element_size_);
     storage_->set_data_ptr_noswap(buffers_->allocate(bytes, full_.device()));
     storage_->set_nbytes(bytes);
-    memory_->add_param(padded_numel_ * element_size_);
+    memory_->add_param(padded_numel_ * compute_element_size_);
     unsharded_ = true;
+  }
+  gathered_version_ = shard_version();
+  if (!group_.shard_comm) {
+    // F == 1 under mixed precision: the "gather" is a cast of the whole shard. Written through a
+    // tensor of its own, so no version counter that autograd checks moves.
+    at::empty({0}, full_.options()).set_(full_.storage(), 0, {padded_numel_}, {1}).copy_(shard_);
+    return nullptr;
+  }
+  at::Tensor input = shard_;
+  if (compute_dtype_ != dtype_) {
+    // Cast before the gather, so the gather moves compute-dtype bytes.
+    input = buffers_->empty(shard_numel_, full_.options());
+    input.copy_(shard_);
+    memory_->add_param(shard_numel_ * compute_element_size_);
+    gather_input_ = input;
   }
   // Gloo writes through the raw pointer: no tensor op, so the parameters' version counters (which
   // autograd checks for saved tensors) do not move.
-  gathered_version_ = shard_version();
-  gather_work_ = group_.shard_comm->all_gather_into(full_, shard_);
+  gather_work_ = group_.shard_comm->all_gather_into(full_, input);
   return gather_work_;
 }
 
@@ -91,14 +117,18 @@ void FlatParam::wait_unshard() {
   WorkPtr work = std::move(gather_work_);
   gather_work_ = nullptr;
   work->wait();
+  if (gather_input_.defined()) {
+    gather_input_ = at::Tensor();
+    memory_->add_param(-shard_numel_ * compute_element_size_);
+  }
 }
 
 void FlatParam::reshard() {
-  if (group_.keep_unsharded || !unsharded_) return;
+  if (!separate_shard_ || !unsharded_) return;
   wait_unshard();  // never free memory a communicator is writing into
   storage_->set_data_ptr_noswap(at::DataPtr(nullptr, full_.device()));  // back to the pool
   storage_->set_nbytes(0);
-  memory_->add_param(-padded_numel_ * element_size_);
+  memory_->add_param(-padded_numel_ * compute_element_size_);
   unsharded_ = false;
 }
 
@@ -107,7 +137,7 @@ std::string FlatParam::gather_track() const {
 }
 
 std::string FlatParam::reduce_track() const {
-  return group_.keep_unsharded ? group_.world_comm->name() : group_.shard_comm->name();
+  return group_.shard_comm ? group_.shard_comm->name() : group_.world_comm->name();
 }
 
 bool FlatParam::is_grad_alias(const ParamSlot& s, const at::Tensor& g) const {
@@ -127,10 +157,10 @@ bool FlatParam::ensure_grad_buffer() {
   at::NoGradGuard no_grad;
   written_.assign(slots_.size(), 0);
   kept_.assign(slots_.size(), 0);
-  if (!group_.keep_unsharded) {
+  if (separate_shard_) {
     // Uninitialized: take_grad() writes every region a gradient reaches, start_reduce() the rest.
-    full_grad_ = buffers_->empty(padded_numel_, full_.options());
-    memory_->add_grad(padded_numel_ * element_size_);
+    full_grad_ = buffers_->empty(padded_numel_, full_.options().dtype(reduce_dtype_));
+    memory_->add_grad(padded_numel_ * full_grad_.element_size());
     return false;
   }
   auto store = grad_store_.lock();
@@ -179,7 +209,7 @@ void FlatParam::take_grad(int slot) {
 }
 
 void FlatParam::start_reduce() {
-  FSDP_CHECK(full_grad_.defined() && !pending_work_, "internal: start_reduce without a gradient buffer");
+  FSDP_CHECK(full_grad_.defined() && !reduce_started_, "internal: start_reduce without a gradient buffer");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   // Regions no gradient reached, and the padding, enter the reduction as zeros.
@@ -189,12 +219,14 @@ void FlatParam::start_reduce() {
     if (!written_[i] && !kept_[i]) full_grad_.narrow(0, s.offset, s.numel).zero_();
   }
   if (padded_numel_ > numel_) full_grad_.narrow(0, numel_, padded_numel_ - numel_).zero_();
-  if (group_.keep_unsharded) {
+  reduce_started_ = true;
+  if (!group_.shard_comm) {
+    // F == 1: the whole buffer is the shard (NO_SHARD, a world of one).
     reduced_ = full_grad_;
-    pending_work_ = group_.world_comm->all_reduce(full_grad_);
+    pending_work_ = group_.world_size > 1 ? group_.world_comm->all_reduce(full_grad_) : nullptr;
   } else {
     reduced_ = buffers_->empty(shard_numel_, full_grad_.options());
-    memory_->add_grad(shard_numel_ * element_size_);
+    memory_->add_grad(shard_numel_ * reduced_.element_size());
     pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_);
     if (group_.replicate_comm && group_.replicate_comm->size() > 1) {
       // Hybrid: the shard's sum across replicas, chained after the reduce-scatter on the replica
@@ -207,14 +239,15 @@ void FlatParam::start_reduce() {
 }
 
 void FlatParam::finish_reduce() {
-  if (!pending_work_) return;
+  if (!reduce_started_) return;
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   WorkPtr work = std::move(pending_work_);
   pending_work_ = nullptr;
-  work->wait();
+  reduce_started_ = false;
+  if (work) work->wait();
   const double scale = 1.0 / group_.world_size;
-  if (group_.keep_unsharded) {
+  if (!separate_shard_) {
     // The sum is in the store: average in place (a kept gradient, the same on every rank, comes
     // back as world * g / world), then give the pieces that got a gradient their alias.
     if (group_.world_size > 1) full_grad_.mul_(scale);
@@ -228,9 +261,11 @@ void FlatParam::finish_reduce() {
     reduced_ = at::Tensor();
     return;
   }
+  const bool reduced_in_place = reduced_.is_same(full_grad_);
+  memory_->add_grad(-full_grad_.nbytes());
   full_grad_ = at::Tensor();
-  memory_->add_grad(-padded_numel_ * element_size_);
-  // Averaging is fused into the one pass that moves the sum into the pieces' gradients.
+  // Averaging is fused into the one pass that moves the sum into the pieces' gradients (cast to
+  // the shard's dtype under mixed precision).
   for (size_t i = 0; i < slots_.size(); ++i) {
     ParamSlot& s = slots_[i];
     if (!s.piece.defined() || !(s.got_grad || kept_[i])) continue;  // unused: no gradient, as in local training
@@ -238,11 +273,13 @@ void FlatParam::finish_reduce() {
     at::Tensor& g = s.piece.mutable_grad();
     // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
     if (g.defined())
-      g.add_(part, scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
-    else
+      g.add_(part.to(dtype_), scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
+    else if (part.scalar_type() == dtype_ && group_.world_size > 1)
       g = part.mul(scale);
+    else
+      g = part.to(dtype_, /*non_blocking=*/false, /*copy=*/true).mul_(scale);
   }
-  memory_->add_grad(-shard_numel_ * element_size_);
+  if (!reduced_in_place) memory_->add_grad(-reduced_.nbytes());
   reduced_ = at::Tensor();
 }
 
@@ -255,7 +292,7 @@ void FlatParam::keep_grads_unreduced() {
 }
 
 int64_t FlatParam::sharded_grad_bytes() const {
-  if (group_.keep_unsharded) {  // the store, while any piece's gradient (or a backward) holds it
+  if (!separate_shard_) {  // the store, while any piece's gradient (or a backward) holds it
     const auto store = grad_store_.lock();
     return store ? padded_numel_ * element_size_ : 0;
   }
@@ -269,8 +306,16 @@ void FlatParam::copy_full_into_shard(const at::Tensor& full) {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   FSDP_CHECK(full.numel() == padded_numel_, "internal: full flat size mismatch");
-  const int64_t lo = group_.keep_unsharded ? 0 : int64_t(group_.shard_comm->rank()) * shard_numel_;
-  shard_.copy_(full.narrow(0, lo, shard_numel_));
+  shard_.copy_(full.narrow(0, int64_t(shard_rank_) * shard_numel_, shard_numel_));
+}
+
+at::Tensor FlatParam::full_values() const {
+  if (!separate_shard_) return full_;
+  if (!group_.shard_comm) return shard_;
+  InternalOpGuard internal;
+  at::Tensor out = at::empty({padded_numel_}, shard_.options().requires_grad(false));
+  group_.shard_comm->all_gather_into(out, shard_)->wait();
+  return out;
 }
 
 }  // namespace fsdp

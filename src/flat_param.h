@@ -3,7 +3,9 @@
 // concatenated in module order, right-padded to a multiple of the sharding factor F and split
 // into F equal shards. The module's parameters become views of one flat storage that is freed
 // while sharded and refilled in place by an all-gather, so autograd's saved views, the
-// parameters' identities and their visible shapes survive every reshard.
+// parameters' identities and their visible shapes survive every reshard. Under mixed precision
+// the flat storage holds compute-dtype values cast from the full-precision shard before the
+// gather, and gradients are reduced in the reduce dtype (Note [Mixed precision]).
 #include <torch/csrc/autograd/function.h>
 #include <torch/torch.h>
 
@@ -13,6 +15,7 @@
 
 #include "buffer_pool.h"
 #include "fsdp/comm.h"
+#include "fsdp/options.h"
 #include "memory_tracker.h"
 #include "sharding_groups.h"
 
@@ -37,21 +40,25 @@ struct ParamSlot {
 
 class FlatParam {
  public:
-  FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group, MemoryTracker* memory,
-            BufferPool* buffers);
+  FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group, const MixedPrecision& mp,
+            MemoryTracker* memory, BufferPool* buffers);
 
   int id() const { return id_; }
   int unit() const { return unit_; }
   bool requires_grad() const { return requires_grad_; }
-  at::ScalarType dtype() const { return dtype_; }
+  at::ScalarType dtype() const { return dtype_; }                  // the shard's (what the optimizer steps)
+  at::ScalarType compute_dtype() const { return compute_dtype_; }  // the unsharded parameters'
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }    // the gradient reduction's
   int64_t numel() const { return numel_; }
   int64_t padded_numel() const { return padded_numel_; }
   int64_t shard_numel() const { return shard_numel_; }
-  int64_t element_size() const { return element_size_; }
+  int64_t element_size() const { return element_size_; }  // of the shard
+  int64_t compute_element_size() const { return compute_element_size_; }
   c10::StorageImpl* storage() const { return storage_; }
   std::vector<ParamSlot>& slots() { return slots_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
-  bool keep_unsharded() const { return group_.keep_unsharded; }
+  // The parameters are never freed: F == 1 and no mixed precision (the shard is the unsharded storage).
+  bool keep_unsharded() const { return !separate_shard_; }
 
   bool is_unsharded() const { return unsharded_; }
   // True if the shard changed (optimizer step, load) since the unsharded copy was gathered.
@@ -84,7 +91,8 @@ class FlatParam {
   // Issue the reduction of the flat gradient (asynchronous), then finish it: average over ranks and add into the shard pieces' .grad (only
   // pieces of parameters that got a gradient).
   void start_reduce();
-  bool reduce_pending() const { return pending_work_ != nullptr; }
+  bool reduce_pending() const { return reduce_started_; }
+  // The reduction in flight; null if it needed no communication (a world of one).
   const WorkPtr& reduce_work() const { return pending_work_; }
   void finish_reduce();
   // Gradient accumulation without communication: the buffer's gradients of this backward become
@@ -93,6 +101,9 @@ class FlatParam {
 
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).
   void copy_full_into_shard(const at::Tensor& full);
+  // Collective over the shard group: the full padded flat values in the shard's dtype (a gather
+  // of the shards into a new tensor; the unsharded storage itself when kept unsharded).
+  at::Tensor full_values() const;
   // Bytes of the shard pieces' gradients that currently exist.
   int64_t sharded_grad_bytes() const;
 
@@ -104,8 +115,12 @@ class FlatParam {
   MemoryTracker* memory_;
   BufferPool* buffers_;  // transient buffers (unsharded storage, flat gradient, reduction output)
   bool requires_grad_ = false;
-  at::ScalarType dtype_;
-  int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, element_size_ = 0;
+  at::ScalarType dtype_, compute_dtype_, reduce_dtype_;
+  // The shard is its own tensor (F > 1, or mixed precision): the unsharded storage is gathered
+  // (or, at F == 1, cast) from it and freed after use.
+  bool separate_shard_ = true;
+  int shard_rank_ = 0;
+  int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, element_size_ = 0, compute_element_size_ = 0;
   c10::StorageImpl* storage_ = nullptr;
   at::Tensor full_;   // 1-D over the unsharded storage
   at::Tensor shard_;  // this rank's shard (== full_ if keep_unsharded)
@@ -120,9 +135,11 @@ class FlatParam {
   // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
   at::Tensor grad_alias(const ParamSlot& s) const;
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g) const;
-  at::Tensor reduced_;    // the reduction's output
-  WorkPtr pending_work_;  // reduce-scatter (or all-reduce) in flight
-  WorkPtr gather_work_;   // all-gather in flight into full_
+  at::Tensor reduced_;           // the reduction's output
+  bool reduce_started_ = false;  // start_reduce() ran and finish_reduce() did not yet
+  at::Tensor gather_input_;      // mixed precision: the shard cast to compute dtype, alive until its gather lands
+  WorkPtr pending_work_;         // reduce-scatter (or all-reduce) in flight
+  WorkPtr gather_work_;          // all-gather in flight into full_
 };
 
 }  // namespace fsdp

@@ -24,7 +24,7 @@ std::vector<UnitInfo> describe_units(const FsdpState& state) {
       for (const auto& slot : fp->slots()) info.parameters.push_back(slot.name);
       info.numel += fp->numel();
       info.padded_numel += fp->padded_numel();
-      info.padded_bytes += fp->padded_numel() * fp->element_size();
+      info.padded_bytes += fp->padded_numel() * fp->compute_element_size();
       info.shard_bytes += fp->shard_numel() * fp->element_size();
     }
     infos.push_back(info);
@@ -103,6 +103,11 @@ bool FullyShardedModule::requires_gradient_sync() const {
 MemoryStats FullyShardedModule::memory_stats() const { return state_->memory_stats(); }
 void FullyShardedModule::reset_peak_memory_stats() { state_->reset_peak_memory_stats(); }
 void FullyShardedModule::release_cached_memory() { state_->release_cached_memory(); }
+
+at::Tensor FullyShardedModule::cast_forward_input(at::Tensor input) const {
+  const MixedPrecision& mp = state_->options().mixed_precision();
+  return mp.cast_forward_inputs() ? cast_floating(std::move(input), mp.param_dtype()) : input;
+}
 const std::vector<UnitInfo>& FullyShardedModule::units() const { return units_; }
 ShardingStrategy FullyShardedModule::sharding_strategy() const { return state_->options().sharding_strategy(); }
 int FullyShardedModule::sharding_factor() const { return state_->groups().sharding_factor; }

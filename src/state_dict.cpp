@@ -21,15 +21,13 @@ std::unordered_map<std::string, at::Tensor> full_state_dict(FsdpState& state) {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   std::unordered_map<std::string, at::Tensor> out;
-  for (auto& unit : state.units()) {
-    const bool was_unsharded = unit.is_unsharded();
-    state.scheduler().unshard_now(unit.index());
-    for (const FlatParam* fp : unit.flat_params())
-      for (const auto& s : fp->slots()) {
-        out[s.name] = s.param.detach().clone();
-        for (const auto& alias : s.aliases) out[alias] = out[s.name];
-      }
-    if (!was_unsharded) state.scheduler().reshard(unit.index());
+  // From the shards (full precision under mixed precision), one FlatParameter at a time.
+  for (auto& fp : state.flat_params()) {
+    const at::Tensor full = fp->full_values();
+    for (const auto& s : fp->slots()) {
+      out[s.name] = full.narrow(0, s.offset, s.numel).view(s.shape).clone();
+      for (const auto& alias : s.aliases) out[alias] = out[s.name];
+    }
   }
   for (const auto& kv : state.buffers()) out[kv.first] = kv.second.detach().clone();
   return out;

@@ -67,7 +67,7 @@ struct Fixture {
     slots[0].param = a;
     slots[1].name = "b";
     slots[1].param = b;
-    fp = std::make_unique<fsdp::FlatParam>(0, 0, std::move(slots), groups, &memory, &pool);
+    fp = std::make_unique<fsdp::FlatParam>(0, 0, std::move(slots), groups, fsdp::MixedPrecision(), &memory, &pool);
   }
   at::Tensor a, b;
   std::shared_ptr<StandInCommunicator> comm;

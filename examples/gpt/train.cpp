@@ -76,6 +76,11 @@ struct TrainConfig {
   std::string prompt = "The ";
   double temperature = 0.8;
   bool show_memory = false;
+  // Training controls (docs/usage.md).
+  std::string mixed_precision = "none";            // none, bf16, fp16
+  int grad_accum = 1;                              // micro-batches per step; all but the last without communication
+  double clip_grad_norm = 0;                       // 0: no clipping
+  std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
   // Checkpoints (docs/checkpoints.md).
   std::string save_dir;
   int save_every = 0;  // 0: only at the end (and at --stop-after / SIGTERM)
@@ -157,6 +162,24 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->check(CLI::Range(0.0, 10.0))
       ->capture_default_str();
   app.add_flag("--show-memory", config.show_memory, "Print per-rank model-state memory next to NO_SHARD's");
+  app.add_option("--mixed-precision", config.mixed_precision,
+                 "none; bf16 (bf16 gathers and compute, fp32 reduction and master weights); fp16 (the same in "
+                 "float16, with the sharded gradient scaler)")
+      ->transform(CLI::IsMember({"none", "bf16", "fp16"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--grad-accum", config.grad_accum,
+                 "Micro-batches per step (must divide --batch-per-rank); all but the last run without "
+                 "gradient communication")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
+  app.add_option("--clip-grad-norm", config.clip_grad_norm, "Clip the gradients' total 2-norm to this (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--reshard-after-forward", config.reshard_after_forward,
+                 "strategy (its own choice), true or false for every block, or except-last (every block but the "
+                 "last, which backward needs first)")
+      ->transform(CLI::IsMember({"strategy", "true", "false", "except-last"}, CLI::ignore_case))
+      ->capture_default_str();
   app.add_option("--save-dir", config.save_dir,
                  "Save sharded checkpoints (model, AdamW state, data position) under "
                  "this directory as step-NNNNNNNN, at the end and on SIGTERM");
@@ -183,6 +206,18 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
                                std::to_string(config.warmup) + " is more than --steps " + std::to_string(config.steps));
   if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
   if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
+  if (config.mixed_precision == "fp16") {
+    try {  // LibTorch 1.13 has no float16 matrix product on the CPU; 2.x and GPUs have
+      torch::mm(torch::ones({2, 2}, torch::kHalf), torch::ones({2, 2}, torch::kHalf));
+    } catch (const c10::Error&) {
+      throw CLI::ValidationError("--mixed-precision", "fp16: this LibTorch has no float16 matrix product on the CPU; "
+                                                      "use bf16 (or LibTorch 2.x, or a GPU)");
+    }
+  }
+  if (config.batch_per_rank % config.grad_accum != 0)
+    throw CLI::ValidationError("--grad-accum", std::to_string(config.grad_accum) +
+                                                   " does not divide --batch-per-rank " +
+                                                   std::to_string(config.batch_per_rank));
   for (const auto& [flag, used] : {std::pair<const char*, bool>{"--save-every", config.save_every > 0},
                                    {"--resume", config.resume},
                                    {"--stop-after", config.stop_after > 0}})
@@ -429,7 +464,7 @@ void print_memory_comparison(const fsdp::FullyShardedModule& sharded, int64_t pa
 constexpr uint64_t kTrainStream = 1, kValidationStream = 2, kSampleStream = 3;
 
 torch::Tensor next_token_loss(gpt::GPT& model, const gpt::Batch& batch) {
-  auto logits = model->forward(batch.inputs);
+  auto logits = model->forward(batch.inputs).to(torch::kFloat);  // the loss in float32 under mixed precision
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), batch.targets.reshape({-1}));
 }
 
@@ -690,6 +725,17 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
                        gpt::initialize(model_config, name, module);
                      });
   if (config.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
+  if (config.mixed_precision != "none")
+    options.mixed_precision(fsdp::MixedPrecision()
+                                .param_dtype(config.mixed_precision == "bf16" ? torch::kBFloat16 : torch::kFloat16)
+                                .reduce_dtype(torch::kFloat32));
+  if (config.reshard_after_forward != "strategy") {
+    const std::string choice = config.reshard_after_forward;
+    const std::string last = "blocks." + std::to_string(config.layers - 1);
+    options.reshard_after_forward([choice, last](const std::string& name, const torch::nn::Module&) {
+      return c10::optional<bool>(choice == "true" || (choice == "except-last" && name != last));
+    });
+  }
   return fsdp::fully_shard(built.model, std::move(pg), options);
 }
 
@@ -738,6 +784,17 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
       {"wrap", config.wrap == "block" ? "block (every BlockImpl is a unit, plus the root)"
                                       : "none (the whole model is one unit)"},
       {"units", std::to_string(units)},
+      {"reshard after forward", config.reshard_after_forward == "strategy"
+                                    ? std::string("the strategy's choice")
+                                    : config.reshard_after_forward + " (--reshard-after-forward)"},
+      {"mixed precision", config.mixed_precision == "none"
+                              ? std::string("none (float32)")
+                              : config.mixed_precision + " gathers and compute, float32 reduction and master weights" +
+                                    (config.mixed_precision == "fp16" ? ", sharded gradient scaler" : "")},
+      {"grad accumulation", std::to_string(config.grad_accum) + " micro-batch" + (config.grad_accum == 1 ? "" : "es") +
+                                " of " + std::to_string(config.batch_per_rank / config.grad_accum) + " per step" +
+                                (config.grad_accum > 1 ? " (all but the last without communication)" : "")},
+      {"gradient clipping", config.clip_grad_norm > 0 ? "total 2-norm " + fixed(config.clip_grad_norm, 3) : "off"},
       {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
                        ", forward " + (config.forward_prefetch ? "on" : "off")},
       {"parameters", with_commas(built.parameter_count) + " (tied embedding and head counted once); initialization " +
@@ -797,6 +854,7 @@ struct TrainingLoop {
   std::ofstream& metrics;  // open on rank 0 with --metrics-file only
   Clock::time_point program_start;
   bool is_main;
+  fsdp::GradScaler* scaler = nullptr;  // --mixed-precision fp16
 };
 
 // The steps since the last log line: their time and their summed local losses.
@@ -814,10 +872,26 @@ double train_step(const TrainingLoop& loop, int step, double lr) {
       gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step),
                         world * config.batch_per_rank, rank * config.batch_per_rank, config.batch_per_rank);
   loop.optimizer.zero_grad();
-  auto loss = next_token_loss(loop.model, batch);
-  loss.backward();
-  loop.optimizer.step();
-  return loss.item<double>();
+  // --grad-accum micro-batches; all but the last keep their gradients local (no_sync).
+  const int64_t micro = config.batch_per_rank / config.grad_accum;
+  double loss_sum = 0;
+  for (int m = 0; m < config.grad_accum; ++m) {
+    gpt::Batch part{batch.inputs.narrow(0, m * micro, micro), batch.targets.narrow(0, m * micro, micro)};
+    std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
+    if (m + 1 < config.grad_accum) no_sync.emplace(loop.sharded.no_sync());
+    auto loss = next_token_loss(loop.model, part) / config.grad_accum;
+    (loop.scaler ? loop.scaler->scale(loss) : loss).backward();
+    loss_sum += loss.item<double>();
+  }
+  if (loop.scaler && config.clip_grad_norm > 0) loop.scaler->unscale_(loop.optimizer);
+  if (config.clip_grad_norm > 0) loop.sharded.clip_grad_norm_(config.clip_grad_norm);
+  if (loop.scaler) {
+    loop.scaler->step(loop.optimizer);
+    loop.scaler->update();
+  } else {
+    loop.optimizer.step();
+  }
+  return loss_sum;
 }
 
 // Closes a log window (collective): rank 0 logs its mean loss, speed and memory; a new window starts.
@@ -956,8 +1030,19 @@ int run(int argc, char** argv) {
   const double val_loss_start = validation_loss(built.model, data->splits.validation, config);
   if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;
 
-  TrainingLoop loop{config, *pg,     built.model,   *sharded, *optimizer, data->splits.train,
-                    job,    metrics, program_start, is_main};
+  std::optional<fsdp::GradScaler> scaler;
+  if (config.mixed_precision == "fp16") scaler.emplace(*sharded);
+  TrainingLoop loop{config,
+                    *pg,
+                    built.model,
+                    *sharded,
+                    *optimizer,
+                    data->splits.train,
+                    job,
+                    metrics,
+                    program_start,
+                    is_main,
+                    scaler ? &*scaler : nullptr};
   const TrainingResult result = train(loop);
   if (result.stopped_after > 0) {
     if (is_main)
@@ -969,7 +1054,11 @@ int run(int argc, char** argv) {
 
   const double val_loss_end = validation_loss(built.model, data->splits.validation, config);
   std::string sample;
-  if (config.sample_bytes > 0) sample = generate(built.model, config.prompt, config);
+  if (config.sample_bytes > 0) {
+    // The whole model at once for generation (full precision), instead of a gather per forward.
+    auto full = sharded->summon_full_params();
+    sample = generate(built.model, config.prompt, config);
+  }
   if (is_main) print_report(config, job, result, val_loss_start, val_loss_end, sample, program_start);
   if (!config.export_file.empty()) {
     fsdp::checkpoint::export_full(config.export_file, *sharded);

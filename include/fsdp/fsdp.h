@@ -2,9 +2,11 @@
 // libfsdp: Fully Sharded Data Parallel training for the PyTorch C++ frontend.
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
+#include "fsdp/checkpoint.h"
 #include "fsdp/comm.h"
 #include "fsdp/deferred_init.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/grad_scaler.h"
 #include "fsdp/memory.h"
 #include "fsdp/network_model.h"
 #include "fsdp/optim.h"

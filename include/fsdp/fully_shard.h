@@ -87,6 +87,43 @@ class FullyShardedModule {
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  // Explicit unshard (FSDP2's unshard(async_op)): collective; issues every unit's all-gather and
+  // returns at once; wait() blocks until they have landed. The next forward uses them (and
+  // reshards them as usual); reshard() frees them (not collective).
+  class UnshardHandle {
+   public:
+    void wait();
+    UnshardHandle(UnshardHandle&&) noexcept;
+    ~UnshardHandle();
+
+   private:
+    friend class FullyShardedModule;
+    explicit UnshardHandle(FullyShardedModule* module) : module_(module) {}
+    FullyShardedModule* module_;
+  };
+  [[nodiscard]] UnshardHandle unshard();
+  void reshard();
+
+  // Full parameters for evaluation, generation or inspection (FSDP's summon_full_params): while
+  // the guard lives, every parameter of the module holds its whole value in the shards' dtype (full
+  // precision under mixed precision), in a new tensor; with `writeback`, what was written into them
+  // is copied into the shards when the guard ends. Collective to create. Run the model under
+  // torch::NoGradGuard inside it: no training step may happen while it lives.
+  class FullParamsGuard {
+   public:
+    FullParamsGuard(FullParamsGuard&&) noexcept;
+    ~FullParamsGuard();
+
+   private:
+    friend class FullyShardedModule;
+    struct Saved;
+    FullParamsGuard(FullyShardedModule* module, bool writeback);
+    FullyShardedModule* module_;
+    bool writeback_;
+    std::unique_ptr<Saved> saved_;
+  };
+  [[nodiscard]] FullParamsGuard summon_full_params(bool writeback = false);
+
   MemoryStats memory_stats() const;
   void reset_peak_memory_stats();
   // Frees the idle buffers kept for reuse (MemoryStats::cached_bytes), e.g. before evaluation
@@ -97,6 +134,9 @@ class FullyShardedModule {
   ShardingStrategy sharding_strategy() const;
   int sharding_factor() const;  // ranks a FlatParameter is split over (1 for kNoShard)
   int world_size() const;
+  // Mixed precision: `input` cast to MixedPrecision::param_dtype if both are floating point (for
+  // the root's inputs, which FSDP does not see; explicit units cast theirs). Else `input` itself.
+  at::Tensor cast_forward_input(at::Tensor input) const;
   std::shared_ptr<torch::nn::Module> module() const;
   // A table of units, sizes and the strategy, then the communicators and their transports, for logs.
   std::string describe() const;

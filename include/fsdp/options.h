@@ -40,6 +40,31 @@ enum class SharedParameterPolicy {
   kError,                 // refuse, naming the parameter
 };
 
+// Native mixed precision (paper 4.1): the optimizer steps full-precision shards; each shard is cast
+// to param_dtype before its all-gather, forward and backward compute in param_dtype, and gradients
+// are reduced in reduce_dtype into full-precision shard gradients. See Note [Mixed precision].
+struct MixedPrecision {
+  // Dtype of the unsharded parameters (floating-point ones only). Unset: the parameters' own.
+  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
+  // Dtype of the gradient reduction. Unset: param_dtype.
+  TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
+  // Floating-point buffers are cast to it when FSDP is applied. Unset: left as they are.
+  TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
+  // Explicit units (fsdp::Sharded) cast their floating-point tensor outputs to it. Unset: no cast.
+  TORCH_ARG(c10::optional<at::ScalarType>, output_dtype) = c10::nullopt;
+  // Explicit units cast their floating-point tensor arguments to param_dtype. The root's inputs
+  // are the caller's: cast them with FullyShardedModule::cast_forward_input().
+  TORCH_ARG(bool, cast_forward_inputs) = true;
+
+  bool enabled() const { return param_dtype_.has_value() || reduce_dtype_.has_value(); }
+};
+
+// Per-unit exception to the strategy's reshard-after-forward: asked with each non-root unit's
+// qualified name and module; true frees its parameters after its forward (FULL_SHARD's way), false
+// keeps them until its backward (SHARD_GRAD_OP's way), nullopt keeps the strategy's choice.
+using ReshardPolicy =
+    std::function<c10::optional<bool>(const std::string& qualified_name, const torch::nn::Module& module)>;
+
 struct Options {
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
   // kHybridShard: ranks per shard group (consecutive ranks); 0 = LOCAL_WORLD_SIZE. Other
@@ -63,6 +88,9 @@ struct Options {
   // Gather the next unit (previous iteration's forward order) before computing the current one.
   // See Note [Forward prefetch] in docs/design.md.
   TORCH_ARG(bool, forward_prefetch) = true;
+  // Per-unit reshard after forward (ReshardPolicy above); null: the strategy decides for every
+  // unit. The root always keeps its parameters from forward to backward (paper 3.3.1).
+  TORCH_ARG(ReshardPolicy, reshard_after_forward) = nullptr;
   // Rate limiter: hold a prefetch back while all_gather_limit non-root units are unsharded or
   // being gathered; gathers needed now are never held back. See Note [Rate limiter] in docs/design.md.
   TORCH_ARG(bool, limit_all_gathers) = true;
@@ -74,6 +102,8 @@ struct Options {
   // Keep released unsharded buffers for reuse by size (MemoryStats::cached_bytes); off: free them
   // at once. See Note [Buffer reuse] in docs/design.md.
   TORCH_ARG(bool, reuse_buffers) = true;
+  // Mixed precision (MixedPrecision above); off by default.
+  TORCH_ARG(MixedPrecision, mixed_precision) = {};
   // Record an event trace of every iteration (FullyShardedModule::last_trace()).
   TORCH_ARG(bool, trace) = false;
 };

@@ -25,6 +25,22 @@ namespace detail {
 void enter_unit(const torch::nn::Module& module);
 void exit_unit(const torch::nn::Module& module);
 at::Tensor attach_pre_backward(const torch::nn::Module& module, at::Tensor output);
+// Mixed precision (MixedPrecision::cast_forward_inputs, output_dtype); tensors only.
+at::Tensor cast_forward_input(const torch::nn::Module& module, at::Tensor input);
+at::Tensor cast_forward_output(const torch::nn::Module& module, at::Tensor output);
+template <typename T>
+T cast_forward_output(const torch::nn::Module&, T output) {
+  return output;
+}
+// A forward argument: a tensor passed by value or const reference goes through cast_forward_input.
+template <typename A>
+decltype(auto) forward_arg(const torch::nn::Module& module, A&& arg) {
+  constexpr bool mutable_ref = std::is_lvalue_reference_v<A> && !std::is_const_v<std::remove_reference_t<A>>;
+  if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor> && !mutable_ref)
+    return at::Tensor(cast_forward_input(module, arg));
+  else
+    return std::forward<A>(arg);
+}
 template <typename T>
 T attach_pre_backward(const torch::nn::Module&, T output) {
   return output;  // non-tensor outputs: the interception gathers the unit in backward
@@ -58,7 +74,9 @@ class ShardedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Module,
 
   Result forward(Args... args) {
     detail::UnitScope unit(*this);
-    return detail::attach_pre_backward(*this, inner_->forward(std::forward<Args>(args)...));
+    return detail::attach_pre_backward(
+        *this, detail::cast_forward_output(
+                   *this, inner_->forward(detail::forward_arg<Args>(*this, std::forward<Args>(args))...)));
   }
 
   torch::nn::Module* wrapped_module() override { return inner_.ptr().get(); }

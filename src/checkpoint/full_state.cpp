@@ -99,16 +99,15 @@ void export_full(const std::string& file, FullyShardedModule& model) {
       const std::string header = make_safetensors_header(tensors, metadata);
       out->write_all(header.data(), header.size());
     });
-  for (const Unit& unit : state.units()) {
-    const bool was_unsharded = unit.is_unsharded();
-    state.scheduler().unshard_now(unit.index());  // collective: every rank gathers, rank 0 writes
-    if (writer)
-      error.run([&] {
-        for (const FlatParam* fp : unit.flat_params())
-          for (const auto& s : fp->slots()) write_tensor(*out, s.param);
-      });
-    if (!was_unsharded) state.scheduler().reshard(unit.index());
-  }
+  for (const Unit& unit : state.units())
+    for (const FlatParam* fp : unit.flat_params()) {
+      // Collective: every rank gathers the shards (full precision under mixed precision), rank 0 writes.
+      const at::Tensor full = fp->full_values();
+      if (writer)
+        error.run([&] {
+          for (const auto& s : fp->slots()) write_tensor(*out, full.narrow(0, s.offset, s.numel).view(s.shape));
+        });
+    }
   if (writer)
     error.run([&] {
       for (const auto& kv : state.buffers()) write_tensor(*out, kv.second);

@@ -22,26 +22,57 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
              "; to turn the rate limiter off use limit_all_gathers(false)");
   FSDP_CHECK(options_.reductions_in_flight() >= 0, "reductions_in_flight must be 0 or more, got ",
              options_.reductions_in_flight());
+  check_mixed_precision(options_.mixed_precision());
   groups_ = ShardingGroups::create(*pg_, options_);
 
   UnitPlan plan = plan_units(*module_, options_, pg_->world()->device());
+  const bool by_strategy = ShardingGroups::reshards_after_forward(options_.sharding_strategy());
+  for (const auto& pu : plan.units) {
+    c10::optional<bool> choice;
+    if (options_.reshard_after_forward() && pu.parent >= 0)
+      choice = options_.reshard_after_forward()(pu.name, *pu.module);
+    reshard_after_forward_.push_back(pu.parent >= 0 && choice.value_or(by_strategy));
+  }
   check_same_model_on_all_ranks(plan);
   build_flat_params(plan);
+  intercepting_ =
+      std::any_of(flat_params_.begin(), flat_params_.end(), [](const auto& fp) { return !fp->keep_unsharded(); });
+  if (const auto dtype = options_.mixed_precision().buffer_dtype()) {
+    InternalOpGuard internal;
+    at::NoGradGuard no_grad;
+    for (const auto& kv : module_->named_buffers(/*recurse=*/true))
+      if (kv.value().is_floating_point()) kv.value().set_data(kv.value().to(*dtype));
+  }
   for (const auto& kv : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(kv.key(), kv.value());
   tracer_.enable(options_.trace());
   reducer_ = std::make_unique<GradientReducer>(units_, flat_params_, options_, /*every_param_expected=*/!intercepting(),
                                                groups_.world_comm, tracer_, memory_);
-  scheduler_ = std::make_unique<Scheduler>(units_, options_,
-                                           ShardingGroups::reshards_after_forward(options_.sharding_strategy()),
-                                           pg_->rank(), tracer_, *reducer_);
+  scheduler_ = std::make_unique<Scheduler>(units_, options_, pg_->rank(), tracer_, *reducer_);
+}
+
+void FsdpState::check_mixed_precision(const MixedPrecision& mp) {
+  const std::pair<const char*, c10::optional<at::ScalarType>> dtypes[] = {{"param_dtype", mp.param_dtype()},
+                                                                          {"reduce_dtype", mp.reduce_dtype()},
+                                                                          {"buffer_dtype", mp.buffer_dtype()},
+                                                                          {"output_dtype", mp.output_dtype()}};
+  for (const auto& [what, dtype] : dtypes)
+    FSDP_CHECK(!dtype || at::isFloatingType(*dtype), "MixedPrecision: ", what, " must be a floating-point dtype, got ",
+               *dtype, "; use torch::kBFloat16, torch::kFloat16, torch::kFloat32 or torch::kFloat64");
 }
 
 void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
   // Every rank publishes a description of the parameters and their units; each rank compares
   // all of them, so a rank with a different model fails here instead of hanging in a collective.
   std::ostringstream d;
-  d << "strategy " << to_string(options_.sharding_strategy()) << " factor " << groups_.sharding_factor << "\n"
-    << plan.describe();
+  const MixedPrecision& mp = options_.mixed_precision();
+  auto name = [](const c10::optional<at::ScalarType>& t) {
+    return t ? std::string(c10::toString(*t)) : std::string("-");
+  };
+  d << "strategy " << to_string(options_.sharding_strategy()) << " factor " << groups_.sharding_factor
+    << " mixed precision " << name(mp.param_dtype()) << "/" << name(mp.reduce_dtype()) << "/" << name(mp.buffer_dtype())
+    << "\nreshard after forward";
+  for (bool r : reshard_after_forward_) d << " " << r;
+  d << "\n" << plan.describe();
   const std::string mine = d.str();
   if (pg_->size() == 1) return;
   const std::string key = "fsdp/model/" + std::to_string(pg_->next_sequence()) + "/";
@@ -103,7 +134,7 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
       slots.push_back(std::move(slot));
     }
     flat_params_[id] = std::make_unique<FlatParam>(static_cast<int>(id), plan.flat_params[id].unit, std::move(slots),
-                                                   groups_, &memory_, &pool_);
+                                                   groups_, options_.mixed_precision(), &memory_, &pool_);
     FlatParam& fp = *flat_params_[id];
     flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
     for (size_t s = 0; s < fp.slots().size(); ++s)
@@ -143,7 +174,8 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
     const UnitPlan::Unit& pu = plan.units[u];
     std::vector<FlatParam*> fps;
     for (int id : pu.flat_params) fps.push_back(flat_params_[id].get());
-    units_.emplace_back(static_cast<int>(u), pu.name, pu.parent, pu.ancestors, std::move(fps), &tracer_);
+    units_.emplace_back(static_cast<int>(u), pu.name, pu.parent, pu.ancestors, std::move(fps),
+                        reshard_after_forward_[u], &tracer_);
     unit_of_module_[pu.module] = static_cast<int>(u);
   }
 }

@@ -46,7 +46,8 @@ class FsdpState {
   GradientReducer& reducer() { return *reducer_; }
   // False if nothing is ever sharded (NO_SHARD, world of one): no operator interception
   // (Note [NO_SHARD without interception]).
-  bool intercepting() const { return !groups_.keep_unsharded; }
+  // Some FlatParameter is freed after use, so operators must be watched to gather it in time.
+  bool intercepting() const { return intercepting_; }
 
   // Lookups, read-only after construction (the operator hook reads them from any thread).
   // -1 / nullptr when absent.
@@ -69,6 +70,7 @@ class FsdpState {
   std::string describe_communicators() const;
 
  private:
+  static void check_mixed_precision(const MixedPrecision& mp);
   void check_same_model_on_all_ranks(const UnitPlan& plan) const;
   void build_flat_params(UnitPlan& plan);
 
@@ -76,6 +78,8 @@ class FsdpState {
   ProcessGroupPtr pg_;
   Options options_;
   ShardingGroups groups_;
+  bool intercepting_ = false;
+  std::vector<bool> reshard_after_forward_;  // per unit, from the strategy and Options::reshard_after_forward
   MemoryTracker memory_;
   BufferPool pool_;
   Tracer tracer_;

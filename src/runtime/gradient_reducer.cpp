@@ -60,7 +60,7 @@ void GradientReducer::reduce(int u) {
 
 void GradientReducer::finish_reduction(int f) {
   FlatParam& fp = *flat_params_[f];
-  const bool done = !fp.reduce_pending() || fp.reduce_work()->completed();
+  const bool done = !fp.reduce_pending() || !fp.reduce_work() || fp.reduce_work()->completed();
   const auto start = Tracer::Clock::now();
   fp.finish_reduce();
   if (!done)

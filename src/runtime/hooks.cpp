@@ -107,6 +107,11 @@ struct GradPostHook : torch::autograd::FunctionPostHook {
 
 }  // namespace
 
+at::Tensor cast_floating(at::Tensor t, const c10::optional<at::ScalarType>& dtype) {
+  if (!dtype || !t.defined() || !t.is_floating_point() || t.scalar_type() == *dtype) return t;
+  return t.to(*dtype);
+}
+
 std::string Hooks::managed_parameter(torch::nn::Module& module) {
   std::shared_ptr<const HooksList> list = std::atomic_load(&g_all);
   for (Hooks* h : *list)
@@ -271,6 +276,19 @@ void enter_unit(const torch::nn::Module& module) {
 void exit_unit(const torch::nn::Module& module) {
   auto [hooks, unit] = find_unit(module);
   if (hooks) hooks->on_unit_exit(unit);
+}
+
+at::Tensor cast_forward_input(const torch::nn::Module& module, at::Tensor input) {
+  auto [hooks, unit] = find_unit(module);
+  if (!hooks) return input;
+  const MixedPrecision& mp = hooks->state().options().mixed_precision();
+  return mp.cast_forward_inputs() ? cast_floating(std::move(input), mp.param_dtype()) : input;
+}
+
+at::Tensor cast_forward_output(const torch::nn::Module& module, at::Tensor output) {
+  auto [hooks, unit] = find_unit(module);
+  if (!hooks) return output;
+  return cast_floating(std::move(output), hooks->state().options().mixed_precision().output_dtype());
 }
 
 at::Tensor attach_pre_backward(const torch::nn::Module& module, at::Tensor output) {

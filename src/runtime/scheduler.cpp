@@ -9,14 +9,9 @@
 
 namespace fsdp {
 
-Scheduler::Scheduler(std::vector<Unit>& units, const Options& options, bool reshard_after_forward, int rank,
-                     Tracer& tracer, GradientReducer& reducer)
-    : units_(units),
-      options_(options),
-      reshard_after_forward_(reshard_after_forward),
-      rank_(rank),
-      tracer_(tracer),
-      reducer_(reducer) {}
+Scheduler::Scheduler(std::vector<Unit>& units, const Options& options, int rank, Tracer& tracer,
+                     GradientReducer& reducer)
+    : units_(units), options_(options), rank_(rank), tracer_(tracer), reducer_(reducer) {}
 
 bool Scheduler::in_backward() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
 
@@ -82,17 +77,16 @@ void Scheduler::pre_backward(int u) {
 void Scheduler::reshard_units_left(int u) {
   // Units other than u's ancestors (whose forward may still be running), the root (kept until
   // backward, paper 3.3.1) and units gathered ahead of use.
-  if (!reshard_after_forward_) return;
   const auto& anc = units_[u].ancestors();
   for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
-    if (v == u || units_[v].prefetched() || !units_[v].is_unsharded()) continue;
+    if (v == u || !units_[v].reshard_after_forward() || units_[v].prefetched() || !units_[v].is_unsharded()) continue;
     if (std::find(anc.begin(), anc.end(), v) != anc.end()) continue;
     reshard(v);
   }
 }
 
 void Scheduler::post_forward(int u) {
-  if (!reshard_after_forward_ || units_[u].is_root() || in_backward()) return;
+  if (!units_[u].reshard_after_forward() || in_backward()) return;
   InternalOpGuard internal;
   tracer_.leave_compute();
   reshard(u);
@@ -157,7 +151,7 @@ int Scheduler::unsharded_unit_count() const {
   int n = 0;
   for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
     if (!units_[v].is_unsharded()) continue;
-    if (!reshard_after_forward_ && units_[v].forward_seen() && !units_[v].prefetched()) continue;
+    if (!units_[v].reshard_after_forward() && units_[v].forward_seen() && !units_[v].prefetched()) continue;
     ++n;
   }
   return n;

@@ -16,8 +16,7 @@ namespace fsdp {
 
 class Scheduler {
  public:
-  Scheduler(std::vector<Unit>& units, const Options& options, bool reshard_after_forward, int rank, Tracer& tracer,
-            GradientReducer& reducer);
+  Scheduler(std::vector<Unit>& units, const Options& options, int rank, Tracer& tracer, GradientReducer& reducer);
 
   // The scheduling step: the computation (forward, backward, or any other) uses unit u now. On
   // return u's parameters are unsharded and current.
@@ -32,7 +31,9 @@ class Scheduler {
   // broadcast buffers, and start the next iteration (its trace, its prefetch order).
   void finalize_backward(const std::vector<std::pair<std::string, at::Tensor>>& buffers);
 
-  // Outside the step (state dicts): gather u now / free u / free every unit.
+  // Outside the step (state dicts, explicit unshard): issue u's gathers / gather u now / free u /
+  // free every unit.
+  void unshard_async(int u) { unshard(u, "explicit"); }
   void unshard_now(int u);
   void reshard(int u);
   void reshard_all();
@@ -58,7 +59,6 @@ class Scheduler {
 
   std::vector<Unit>& units_;
   const Options& options_;
-  bool reshard_after_forward_;
   int rank_;
   Tracer& tracer_;
   GradientReducer& reducer_;

@@ -15,12 +15,13 @@ const char* to_string(TrainingState s) {
 }
 
 Unit::Unit(int index, std::string name, int parent, std::vector<int> ancestors, std::vector<FlatParam*> flat_params,
-           Tracer* tracer)
+           bool reshard_after_forward, Tracer* tracer)
     : index_(index),
       name_(std::move(name)),
       parent_(parent),
       ancestors_(std::move(ancestors)),
       flat_params_(std::move(flat_params)),
+      reshard_after_forward_(reshard_after_forward && parent >= 0),
       tracer_(tracer) {}
 
 bool Unit::prefetched() const {

@@ -24,12 +24,14 @@ const char* to_string(TrainingState s);
 class Unit {
  public:
   Unit(int index, std::string name, int parent, std::vector<int> ancestors, std::vector<FlatParam*> flat_params,
-       Tracer* tracer);
+       bool reshard_after_forward, Tracer* tracer);
 
   int index() const { return index_; }
   const std::string& name() const { return name_; }
   int parent() const { return parent_; }  // -1 for the root
   bool is_root() const { return parent_ < 0; }
+  // Frees its parameters after its forward (never for the root: Options::reshard_after_forward).
+  bool reshard_after_forward() const { return reshard_after_forward_; }
   const std::vector<int>& ancestors() const { return ancestors_; }  // nearest first
   const std::vector<FlatParam*>& flat_params() const { return flat_params_; }
 
@@ -66,6 +68,7 @@ class Unit {
   int parent_;
   std::vector<int> ancestors_;
   std::vector<FlatParam*> flat_params_;
+  bool reshard_after_forward_;
   Tracer* tracer_;
   TrainingState state_ = TrainingState::kIdle;
   int expected_grads_ = -1;  // -1: not counted yet in this backward

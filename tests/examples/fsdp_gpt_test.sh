@@ -233,6 +233,10 @@ test_bad_flags() {
     "--width 64 --heads 5|--heads"
     "--steps 10 --warmup 20|--warmup"
     "--no-such-flag|--no-such-flag"
+    "--batch-per-rank 8 --grad-accum 3|--grad-accum"
+    "--mixed-precision fp8|--mixed-precision"
+    "--reshard-after-forward sometimes|--reshard-after-forward"
+    "--clip-grad-norm -1|--clip-grad-norm"
   )
   for c in "${cases[@]}"; do
     local flags=${c%|*} name=${c#*|}
@@ -246,6 +250,20 @@ test_bad_flags() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" --layers 0
   expect_failure
   [ "$(grep -c -- "--layers" "$TMP/err")" -eq 1 ] || fail "the bad flag is not reported exactly once"
+}
+
+# The training controls together (bf16 mixed precision, 2 micro-batches with no_sync, clipping,
+# every block but the last resharded after forward): the configuration shows them, and the run
+# trains as the plain one does (the loss falls by over a nat, the sample is generated).
+test_training_controls() {
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --mixed-precision bf16 \
+      --grad-accum 2 --clip-grad-norm 1.0 --reshard-after-forward except-last
+  expect_rc 0
+  check_training_output "[rank 0] " 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
+  expect_regex out "mixed precision +bf16 gathers and compute, float32 reduction and master weights"
+  expect_regex out "grad accumulation +2 micro-batches of 4 per step \(all but the last without communication\)"
+  expect_regex out "gradient clipping +total 2-norm 1.000"
+  expect_regex out "reshard after forward +except-last"
 }
 
 test_missing_data() {

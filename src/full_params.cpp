@@ -1,0 +1,108 @@
+// Explicit unshard and full parameters (FullyShardedModule::unshard / reshard /
+// summon_full_params): the user's ways to see whole parameters outside FSDP's own schedule.
+#include <torch/csrc/autograd/variable.h>
+
+#include <vector>
+
+#include "fsdp/check.h"
+#include "fsdp/fully_shard.h"
+#include "internal_op_guard.h"
+#include "state_access.h"
+
+namespace fsdp {
+
+FullyShardedModule::UnshardHandle FullyShardedModule::unshard() {
+  FsdpState& state = *state_;
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  state.rethrow_pending_error();
+  InternalOpGuard internal;
+  for (const Unit& unit : state.units()) state.scheduler().unshard_async(unit.index());
+  return UnshardHandle(this);
+}
+
+void FullyShardedModule::UnshardHandle::wait() {
+  if (!module_) return;
+  FsdpState& state = detail::StateAccess::of(*module_);
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  for (Unit& unit : state.units()) unit.wait_for_unshard("all-gather (explicit unshard)");
+  module_ = nullptr;
+}
+
+FullyShardedModule::UnshardHandle::UnshardHandle(UnshardHandle&& other) noexcept : module_(other.module_) {
+  other.module_ = nullptr;
+}
+
+FullyShardedModule::UnshardHandle::~UnshardHandle() {
+  // An abandoned handle still lets its gathers land (they write into memory FSDP owns).
+  try {
+    wait();
+  } catch (...) {
+  }
+}
+
+void FullyShardedModule::reshard() {
+  std::lock_guard<std::recursive_mutex> lock(state_->mutex());
+  InternalOpGuard internal;
+  state_->scheduler().reshard_all();
+}
+
+struct FullyShardedModule::FullParamsGuard::Saved {
+  struct FlatValues {
+    FlatParam* flat_param;
+    at::Tensor full;                 // the whole flat values the parameters are views of now
+    std::vector<at::Tensor> before;  // each slot's parameter data before the guard
+  };
+  std::vector<FlatValues> flats;
+};
+
+FullyShardedModule::FullParamsGuard FullyShardedModule::summon_full_params(bool writeback) {
+  return FullParamsGuard(this, writeback);
+}
+
+FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module, bool writeback)
+    : module_(module), writeback_(writeback), saved_(std::make_unique<Saved>()) {
+  FsdpState& state = detail::StateAccess::of(*module_);
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  state.rethrow_pending_error();
+  FSDP_CHECK(!Scheduler::in_backward(), "summon_full_params: called during backward; call it between training steps");
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  state.scheduler().reshard_all();  // nothing stale stays gathered behind the guard
+  for (auto& fp : state.flat_params()) {
+    Saved::FlatValues v{fp.get(), fp->full_values().clone(), {}};
+    for (auto& s : fp->slots()) {
+      v.before.push_back(s.param.variable_data());
+      // The parameter (its identity kept) now shows its whole value, in a storage FSDP does not
+      // watch, so operators on it inside the guard trigger no gathers.
+      s.param.set_data(v.full.narrow(0, s.offset, s.numel).view(s.shape));
+    }
+    saved_->flats.push_back(std::move(v));
+  }
+}
+
+FullyShardedModule::FullParamsGuard::FullParamsGuard(FullParamsGuard&& other) noexcept
+    : module_(other.module_), writeback_(other.writeback_), saved_(std::move(other.saved_)) {
+  other.module_ = nullptr;
+}
+
+FullyShardedModule::FullParamsGuard::~FullParamsGuard() {
+  if (!module_ || !saved_) return;
+  FsdpState& state = detail::StateAccess::of(*module_);
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  for (auto& v : saved_->flats) {
+    auto& slots = v.flat_param->slots();
+    if (writeback_) v.flat_param->copy_full_into_shard(v.full);  // this rank's part only: not collective
+    for (size_t i = 0; i < slots.size(); ++i) {
+      slots[i].param.set_data(v.before[i]);
+      // set_data with another dtype (mixed precision) drops the parameter's AccumulateGrad node,
+      // which carries FSDP's gradient hooks: give it back the one the slot keeps.
+      if (slots[i].grad_accumulator)
+        torch::autograd::impl::set_grad_accumulator(slots[i].param, slots[i].grad_accumulator);
+    }
+  }
+  state.scheduler().forget_last_used();
+}
+
+}  // namespace fsdp

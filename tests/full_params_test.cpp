@@ -1,0 +1,177 @@
+// Explicit unshard / reshard, summon_full_params (read and write back), and the per-unit
+// reshard-after-forward policy: each checked against local training and FSDP's memory figures.
+#include <gtest/gtest.h>
+
+#include "harness.h"
+#include "models.h"
+
+namespace fsdp_test {
+namespace {
+
+std::pair<TinyTransformer, TinyTransformer> make_pair_of_models() {
+  torch::manual_seed(3);
+  TinyTransformer ref(32, 16, 2, 3, 8);
+  torch::manual_seed(3);
+  TinyTransformer model(32, 16, 2, 3, 8);
+  ref->to(torch::kFloat64);
+  model->to(torch::kFloat64);
+  return {ref, model};
+}
+
+at::Tensor loss_of(TinyTransformer& m, const at::Tensor& x) {
+  auto logits = m->forward(x);
+  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), x.roll(1, 1).reshape({-1}));
+}
+
+at::Tensor batch(int world, int step) {
+  return at::randint(0, 32, {2 * world, 8}, at::detail::createCPUGenerator(40 + step));
+}
+
+void train_step(TinyTransformer& ref, torch::optim::Optimizer& ref_opt, TinyTransformer& model,
+                torch::optim::Optimizer& opt, const WorkerContext& ctx, int step) {
+  const auto x = batch(ctx.world, step);
+  ref_opt.zero_grad();
+  loss_of(ref, x).backward();
+  ref_opt.step();
+  opt.zero_grad();
+  loss_of(model, x.narrow(0, ctx.rank * 2, 2)).backward();
+  opt.step();
+}
+
+void expect_same_parameters(TinyTransformer& ref, fsdp::FullyShardedModule& sharded, double tol, const char* what) {
+  auto full = sharded.full_state_dict();
+  for (const auto& kv : ref->named_parameters())
+    WORKER_CHECK(rel_diff(full.at(kv.key()), kv.value().detach()) <= tol, what, " parameter ", kv.key(), " differs by ",
+                 rel_diff(full.at(kv.key()), kv.value().detach()));
+}
+
+int64_t shard_bytes(fsdp::FullyShardedModule& s) {
+  int64_t b = 0;
+  for (const auto& u : s.units()) b += u.shard_bytes;
+  return b;
+}
+
+// args: mixed ("mp" for bf16 compute, else none). summon_full_params shows the whole parameters in
+// full precision, a forward inside it equals the local model's, writes are dropped without
+// writeback and land in the shards with it; explicit unshard gathers everything and training goes on.
+FSDP_WORKER(full_params_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const bool mixed = ctx.args.at(0) == "mp";
+  auto [ref, model] = make_pair_of_models();
+  auto o = fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>());
+  if (mixed) o.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kFloat).reduce_dtype(at::kFloat));
+  auto sharded = fsdp::fully_shard(model, pg, o);
+  // SGD: float32 compute against a float64 reference stays within rounding (Adam would magnify it
+  // where a gradient is near zero).
+  torch::optim::SGD ref_opt(unique_parameters(*ref), 0.1), opt(sharded->parameters(), 0.1);
+  const double tol = mixed ? 1e-5 : 1e-12;
+  train_step(ref, ref_opt, model, opt, ctx, 0);
+  train_step(ref, ref_opt, model, opt, ctx, 1);
+
+  const auto x = batch(ctx.world, 9);
+  {
+    auto full = sharded->summon_full_params();
+    auto ref_params = ref->named_parameters();
+    for (const auto& kv : model->named_parameters()) {
+      WORKER_CHECK(kv.value().scalar_type() == at::kDouble, "summoned ", kv.key(), " is ", kv.value().scalar_type());
+      WORKER_CHECK(kv.value().sizes() == ref_params[kv.key()].sizes(), "summoned ", kv.key(), " has shape ",
+                   kv.value().sizes());
+      WORKER_CHECK(rel_diff(kv.value(), ref_params[kv.key()]) <= tol, "summoned ", kv.key(), " differs by ",
+                   rel_diff(kv.value(), ref_params[kv.key()]));
+    }
+    torch::NoGradGuard no_grad;
+    const auto mine = model->forward(x), theirs = ref->forward(x);
+    WORKER_CHECK(rel_diff(mine, theirs) <= tol, "forward inside summon_full_params differs by ",
+                 rel_diff(mine, theirs));
+    for (auto& p : model->parameters()) p.mul_(0.5);  // dropped: no writeback
+  }
+  expect_same_parameters(ref, *sharded, tol, "after summon without writeback");
+  {
+    auto full = sharded->summon_full_params(/*writeback=*/true);
+    torch::NoGradGuard no_grad;
+    for (auto& p : unique_parameters(*model)) p.mul_(0.5);
+  }
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : unique_parameters(*ref)) p.mul_(0.5);
+  }
+  expect_same_parameters(ref, *sharded, tol, "after summon with writeback");
+
+  // Explicit unshard: every unit gathered; the next step trains as usual; reshard frees them.
+  auto handle = sharded->unshard();
+  handle.wait();
+  int64_t all = shard_bytes(*sharded);
+  for (const auto& u : sharded->units()) all += u.padded_bytes;
+  WORKER_CHECK(sharded->memory_stats().param_bytes == all, "after unshard: ", sharded->memory_stats().param_bytes,
+               " bytes of parameters, expected every shard and every unit unsharded: ", all);
+  sharded->reshard();
+  WORKER_CHECK(sharded->memory_stats().param_bytes == shard_bytes(*sharded),
+               "after reshard: ", sharded->memory_stats().param_bytes,
+               " expected the shards only: ", shard_bytes(*sharded));
+  (void)sharded->unshard();  // abandoned handle: its gathers still land
+  train_step(ref, ref_opt, model, opt, ctx, 2);
+  expect_same_parameters(ref, *sharded, tol, "after explicit unshard");
+  if (ctx.rank == 0) std::cout << "full params ok" << std::endl;
+}
+
+TEST(FullParams, SummonAndExplicitUnshardEqualLocalTraining) {
+  for (const char* mode : {"none", "mp"}) {
+    auto r = launch("full_params_worker", 3, {mode});
+    ASSERT_TRUE(r.all_ok()) << mode << "\n" << r.report();
+  }
+}
+
+// args: strategy, unit name, whether that unit reshards after forward. Training equals local
+// training, and after forward exactly the root and the units kept by the policy are unsharded.
+FSDP_WORKER(reshard_policy_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0), chosen = ctx.args.at(1);
+  const bool reshard = ctx.args.at(2) == "true";
+  auto [ref, model] = make_pair_of_models();
+  auto o = fsdp::Options()
+               .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+               .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>())
+               .forward_prefetch(false)
+               .reshard_after_forward([&](const std::string& name, const torch::nn::Module&) -> c10::optional<bool> {
+                 if (name == chosen) return reshard;
+                 return c10::nullopt;
+               });
+  if (strategy == "HYBRID_SHARD") o.sharding_factor(2);
+  auto sharded = fsdp::fully_shard(model, pg, o);
+  torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),
+      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+  const bool full_shard = strategy != "SHARD_GRAD_OP";
+  int64_t expected = shard_bytes(*sharded);
+  for (const auto& u : sharded->units()) {
+    const bool kept = u.parent < 0 || (u.name == chosen ? !reshard : !full_shard);
+    if (kept) expected += u.padded_bytes;
+  }
+  for (int step = 0; step < 3; ++step) {
+    const auto x = batch(ctx.world, step);
+    ref_opt.zero_grad();
+    loss_of(ref, x).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    auto loss = loss_of(model, x.narrow(0, ctx.rank * 2, 2));
+    const int64_t after_forward = sharded->memory_stats().param_bytes;
+    WORKER_CHECK(after_forward == expected, "step ", step, ": ", after_forward,
+                 " bytes of parameters after forward; expected ", expected, " (the root and units kept unsharded)");
+    loss.backward();
+    opt.step();
+  }
+  expect_same_parameters(ref, *sharded, 1e-12, "reshard policy");
+  if (ctx.rank == 0) std::cout << strategy << " " << chosen << " reshard " << reshard << " ok" << std::endl;
+}
+
+TEST(ReshardAfterForward, PerUnitPolicyKeepsOrFreesThatUnitOnly) {
+  const std::vector<std::vector<std::string>> cases = {{"FULL_SHARD", "blocks.2", "false"},
+                                                       {"SHARD_GRAD_OP", "blocks.0", "true"},
+                                                       {"HYBRID_SHARD", "blocks.1", "false"}};
+  for (const auto& args : cases) {
+    auto r = launch("reshard_policy_worker", args[0] == "HYBRID_SHARD" ? 4 : 3, args);
+    ASSERT_TRUE(r.all_ok()) << args[0] << "\n" << r.report();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_test
