@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <iostream>
+#include <map>
 
 #include "counting_allocator.h"
 #include "harness.h"
@@ -483,6 +484,58 @@ TEST(ActivationCheckpointing, WholeModelAsOneUnit) {
   for (const char* strategy : {"FULL_SHARD", "NO_SHARD"}) {
     auto r = launch("ac_exact_worker", 2, {strategy, "checkpointed", "root"});
     ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
+// args: form. Mixed precision (bfloat16 parameters and compute, float32 reduction): the
+// checkpointed model trains exactly as the same model without checkpointing, with the same schedule.
+FSDP_WORKER(ac_mixed_precision_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const Form form = parse_form(ctx.args.at(0));
+  const int rows = 2, steps = 3;
+  std::vector<double> losses[2];
+  std::vector<std::string> schedules[2];
+  std::map<std::string, at::Tensor> params[2];
+  for (const bool checkpointing : {true, false}) {
+    torch::manual_seed(5);
+    Net model(form, kVocab, kDim, kHeads, kLayers, kDropout);
+    fsdp::apply_activation_checkpointing(
+        *model, [&](const std::string&, const torch::nn::Module&, int64_t) { return checkpointing; });
+    auto o = options("FULL_SHARD", form == Form::kCheckpointed)
+                 .mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+    auto sharded = fsdp::fully_shard(model, pg, o);
+    torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+    for (int step = 0; step < steps; ++step) {
+      auto gen = at::detail::createCPUGenerator(500 + step);
+      const auto x = at::randint(0, kVocab, {rows * ctx.world, kContext}, gen),
+                 y = at::randint(0, kVocab, {rows * ctx.world, kContext}, gen);
+      opt.zero_grad();
+      torch::manual_seed(dropout_seed(step, ctx.rank));
+      auto logits = model->forward(x.narrow(0, ctx.rank * rows, rows));
+      auto loss = lm_loss(logits.to(at::kFloat), y.narrow(0, ctx.rank * rows, rows));
+      loss.backward();
+      opt.step();
+      losses[checkpointing].push_back(loss.item<double>());
+    }
+    schedules[checkpointing] = schedule(sharded->last_trace());
+    for (const auto& kv : sharded->full_state_dict()) params[checkpointing][kv.first] = kv.second;
+  }
+  for (int step = 0; step < steps; ++step)
+    WORKER_CHECK(std::abs(losses[1][step] - losses[0][step]) <= 1e-6 * std::abs(losses[0][step]), "step ", step,
+                 ": loss ", losses[1][step], " with checkpointing vs ", losses[0][step], " without");
+  for (const auto& kv : params[0])
+    WORKER_CHECK(rel_diff(params[1].at(kv.first), kv.second) <= 1e-6, "parameter ", kv.first, " differs by ",
+                 rel_diff(params[1].at(kv.first), kv.second));
+  WORKER_CHECK(schedules[1] == schedules[0], "schedule with checkpointing ", join(schedules[1]), "\nvs without ",
+               join(schedules[0]));
+  if (ctx.rank == 0) std::cout << ctx.args.at(0) << " mixed precision ok" << std::endl;
+}
+
+TEST(ActivationCheckpointing, WithMixedPrecisionEqualsNoCheckpointing) {
+  for (const char* form : {"checkpointed", "sharded"}) {
+    auto r = launch("ac_mixed_precision_worker", 2, {form});
+    ASSERT_TRUE(r.all_ok()) << form << "\n" << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output, std::string(form) + " mixed precision ok")) << r.report();
   }
 }
 
