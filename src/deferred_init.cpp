@@ -11,6 +11,7 @@
 #include "deferred_init_impl.h"
 #include "fsdp/check.h"
 #include "fsdp/sharded.h"
+#include "fsdp/wrap_policy.h"
 
 namespace fsdp {
 
@@ -152,10 +153,19 @@ bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init, 
   collect("buffer", module.named_buffers(/*recurse=*/false));
   if (fresh.empty()) return false;
   {
-    // fsdp::Sharded<M> registers M's tensors as its own: initialize them as M's.
+    // fsdp::Sharded<M> and fsdp::Checkpointed<M> register M's tensors as their own: initialize
+    // them as M's (through nested wrappers, e.g. Sharded<Checkpointed<Linear>>).
     torch::nn::Module* target = &module;
-    if (auto* unit = dynamic_cast<ExplicitUnit*>(&module))
-      if (torch::nn::Module* wrapped = unit->wrapped_module()) target = wrapped;
+    for (;;) {
+      auto* unit = dynamic_cast<ExplicitUnit*>(target);
+      auto* wrapper = dynamic_cast<ModuleWrapper*>(target);
+      if (unit && unit->wrapped_module())
+        target = unit->wrapped_module();
+      else if (wrapper)
+        target = &wrapper->wrapped();
+      else
+        break;
+    }
     at::NoGradGuard no_grad;
     if (init)
       init(visit.name, *target);

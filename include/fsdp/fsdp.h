@@ -1,5 +1,6 @@
 #pragma once
 // libfsdp: Fully Sharded Data Parallel training for the PyTorch C++ frontend.
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/comm.h"

@@ -14,13 +14,28 @@ namespace fsdp {
 using WrapPolicy =
     std::function<bool(const std::string& qualified_name, const torch::nn::Module& module, int64_t unwrapped_numel)>;
 
+// A module that stands in for the module it wraps, owning that module's children, parameters and
+// buffers under their own names (fsdp::Checkpointed<M>).
+class ModuleWrapper {
+ public:
+  virtual ~ModuleWrapper() = default;
+  virtual torch::nn::Module& wrapped() = 0;
+  const torch::nn::Module& wrapped() const { return const_cast<ModuleWrapper*>(this)->wrapped(); }
+};
+
 namespace wrap {
 
-// Wrap every module whose implementation type is one of ModuleImpls (e.g. BlockImpl).
+// Wrap every module whose implementation type is one of ModuleImpls (e.g. BlockImpl), or that
+// stands in for one (fsdp::Checkpointed<Block>).
 template <typename... ModuleImpls>
 WrapPolicy by_type() {
   return [](const std::string&, const torch::nn::Module& m, int64_t) {
-    return ((dynamic_cast<const ModuleImpls*>(&m) != nullptr) || ...);
+    for (const torch::nn::Module* t = &m;;) {
+      if (((dynamic_cast<const ModuleImpls*>(t) != nullptr) || ...)) return true;
+      const auto* wrapper = dynamic_cast<const ModuleWrapper*>(t);
+      if (wrapper == nullptr) return false;
+      t = &wrapper->wrapped();
+    }
   };
 }
 // Wrap a module once its subtree holds at least min_num_params parameter elements that no

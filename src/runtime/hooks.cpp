@@ -13,6 +13,7 @@
 #include "fsdp/check.h"
 #include "fsdp/sharded.h"
 #include "internal_op_guard.h"
+#include "runtime/recompute.h"
 
 namespace fsdp {
 
@@ -191,7 +192,7 @@ void Hooks::intercept(const at::RecordFunction& fn) {
               "the optimizer over FullyShardedModule::parameters() (the shards), not module->parameters(); to set "
               "values use load_full_state_dict(); to initialize, do it before fully_shard()."));
         }
-        if (at::GradMode::is_enabled() && s.param.requires_grad()) s.used = true;
+        if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
       }
       // Unshard even for a refused in-place op, so its kernel writes valid memory.
       state_.scheduler().use(state_.flat_params()[f]->unit());
@@ -212,13 +213,24 @@ void Hooks::on_grad_pre(int f, int s) {
   std::lock_guard<std::recursive_mutex> lock(state_.mutex());
   InternalOpGuard internal;
   state_.rethrow_pending_error();
-  if (!final_callback_queued_) {
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
-    final_callback_queued_ = true;
-    state_.scheduler().begin_backward();
-    state_.reducer().begin_backward();
-  }
+  begin_backward();
   state_.reducer().prepare_grad(f, s);
+}
+
+void Hooks::begin_backward() {
+  if (final_callback_queued_) return;
+  // Queued on the backward this thread runs now; it runs when that backward ends.
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
+  final_callback_queued_ = true;
+  state_.scheduler().begin_backward();
+  state_.reducer().begin_backward();
+}
+
+void Hooks::on_recompute() {
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  InternalOpGuard internal;
+  state_.rethrow_pending_error();
+  begin_backward();
 }
 
 void Hooks::on_grad_post(int f, int s) {
@@ -297,6 +309,19 @@ at::Tensor attach_pre_backward(const torch::nn::Module& module, at::Tensor outpu
     return grad;
   });
   return output;
+}
+
+void before_recompute(const torch::nn::Module& module) {
+  // Only the runtimes this module's parameters belong to: another model may be between its forward
+  // and its backward.
+  const auto params = module.parameters(/*recurse=*/true);
+  std::shared_ptr<const HooksList> list = std::atomic_load(&g_all);
+  for (Hooks* h : *list)
+    for (const auto& p : params)
+      if (p.requires_grad() && h->state().slot_of_param(p.unsafeGetTensorImpl())) {
+        h->on_recompute();
+        break;
+      }
 }
 
 }  // namespace detail

@@ -33,6 +33,8 @@ class Hooks {
   void on_grad_pre(int flat_param, int slot);
   void on_grad_post(int flat_param, int slot);
   void on_backward_end();
+  // A Checkpointed module of this model recomputes its forward in backward (src/runtime/recompute.h).
+  void on_recompute();
   void on_unit_enter(int unit);
   void on_unit_exit(int unit);
   void on_unit_backward(int unit);
@@ -41,6 +43,9 @@ class Hooks {
   void intercept(const at::RecordFunction& fn);
   void add_grad_hooks();
   void remove_grad_hooks();
+  // The first gradient hook (or recompute) of a backward: queue the end-of-backward callback on
+  // the backward running now and begin the scheduler's and the reducer's backward.
+  void begin_backward();
 
   FsdpState& state_;
   bool final_callback_queued_ = false;

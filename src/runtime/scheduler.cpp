@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "internal_op_guard.h"
+#include "runtime/recompute.h"
 
 namespace fsdp {
 
@@ -20,7 +21,7 @@ void Scheduler::use(int u) {
   // Another operator of the current unit. The first operator of backward takes the full path
   // even in the unit forward ended in, so that backward prefetching starts there.
   if (u == last_used_ && (backward_started_ || !backward)) {
-    if (units_[u].needs_unshard()) unshard(u, "on demand");
+    if (units_[u].needs_unshard()) unshard(u, backward ? "on demand backward" : "on demand");
     units_[u].wait_for_unshard();
     return;
   }
@@ -35,13 +36,15 @@ void Scheduler::pre_forward(int u) {
   tracer_.leave_compute();
   reshard_units_left(u);
   Unit& unit = units_[u];
-  if (at::GradMode::is_enabled()) {
+  // A Checkpointed forward runs without grad but has a backward (Note [Activation checkpointing]).
+  const bool with_grad = detail::forward_with_grad();
+  if (with_grad) {
     if (!unit.forward_seen()) forward_first_order_.push_back(u);
     forward_last_order_.erase(std::remove(forward_last_order_.begin(), forward_last_order_.end(), u),
                               forward_last_order_.end());
     forward_last_order_.push_back(u);
   }
-  unit.mark_used(/*in_backward=*/false, at::GradMode::is_enabled());
+  unit.mark_used(/*in_backward=*/false, with_grad);
   last_used_ = u;
   if (held_back_prefetch_ == u) held_back_prefetch_ = -1;
   if (unit.needs_unshard()) unshard(u, "on demand");
@@ -64,7 +67,7 @@ void Scheduler::pre_backward(int u) {
   unit.mark_used(/*in_backward=*/true, at::GradMode::is_enabled());
   last_used_ = u;
   if (held_back_prefetch_ == u) held_back_prefetch_ = -1;
-  if (unit.needs_unshard()) unshard(u, "on demand");
+  if (unit.needs_unshard()) unshard(u, "on demand backward");
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre)
     prefetch(next_pending_in_backward(u), "prefetch backward pre");
   unit.wait_for_unshard();
