@@ -296,7 +296,8 @@ void FlatParam::finish_reduce() {
   for (size_t i = 0; i < slots_.size(); ++i) {
     ParamSlot& s = slots_[i];
     const bool in_partial = i < partial_slots_.size() && partial_slots_[i];
-    if (!s.piece.defined() || !(s.got_grad || kept_[i] || in_partial)) continue;  // unused: no gradient, as in local training
+    if (!s.piece.defined() || !(s.got_grad || kept_[i] || in_partial))
+      continue;  // unused: no gradient, as in local training
     at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
     at::Tensor& g = s.piece.mutable_grad();
     // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.

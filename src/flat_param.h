@@ -145,11 +145,11 @@ class FlatParam {
   bool reduce_started_ = false;  // start_reduce() ran and finish_reduce() did not yet
   bool defer_replicas_ = false;  // this reduction skips the replica all-reduce: finish keeps it
   bool replica_reduce_issued_ = false;
-  at::Tensor partial_;  // hybrid: shard-group sums awaiting the replica all-reduce (reduce dtype)
+  at::Tensor partial_;                  // hybrid: shard-group sums awaiting the replica all-reduce (reduce dtype)
   std::vector<uint8_t> partial_slots_;  // per slot: a gradient of it is in partial_
-  at::Tensor gather_input_;      // mixed precision: the shard cast to compute dtype, alive until its gather lands
-  WorkPtr pending_work_;         // reduce-scatter (or all-reduce) in flight
-  WorkPtr gather_work_;          // all-gather in flight into full_
+  at::Tensor gather_input_;  // mixed precision: the shard cast to compute dtype, alive until its gather lands
+  WorkPtr pending_work_;     // reduce-scatter (or all-reduce) in flight
+  WorkPtr gather_work_;      // all-gather in flight into full_
 };
 
 }  // namespace fsdp

@@ -150,10 +150,9 @@ FSDP_WORKER(hybrid_accumulation_worker) {
       const bool last = m + 1 == micro;
       sharded->set_requires_all_reduce(last);
       loss_of(model, x.narrow(0, ctx.rank * rows, rows)).backward();
-      const int across = count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kReduceIssued,
-                                       "all-reduce across replicas");
-      WORKER_CHECK(last ? across > 0 : across == 0, "micro-batch ", m, ": ", across,
-                   " all-reduces across replicas");
+      const int across =
+          count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kReduceIssued, "all-reduce across replicas");
+      WORKER_CHECK(last ? across > 0 : across == 0, "micro-batch ", m, ": ", across, " all-reduces across replicas");
       if (!last)
         WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "the shard groups' sums are kept between micro-batches");
     }

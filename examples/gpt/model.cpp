@@ -78,7 +78,12 @@ GPTImpl::GPTImpl(const GPTConfig& cfg) : config(cfg) {
   }
   token_embedding = register_module("token_embedding", torch::nn::Embedding(config.vocab_size, config.width));
   position_embedding = register_module("position_embedding", torch::nn::Embedding(config.context, config.width));
-  for (int64_t i = 0; i < config.layers; ++i) blocks->push_back(Block(config));
+  for (int64_t i = 0; i < config.layers; ++i) {
+    if (config.activation_checkpointing)
+      blocks->push_back(fsdp::Checkpointed<Block>(Block(config)));
+    else
+      blocks->push_back(Block(config));
+  }
   register_module("blocks", blocks);
   ln_final = register_module("ln_final", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.width})));
   lm_head = register_module("lm_head", TiedLMHead(token_embedding->weight));
@@ -117,7 +122,12 @@ torch::Tensor GPTImpl::forward(const torch::Tensor& tokens) {
   TORCH_CHECK(time <= config.context, "sequence of ", time, " tokens is longer than the context ", config.context);
   auto positions = torch::arange(time, torch::TensorOptions().dtype(torch::kLong).device(tokens.device()));
   auto x = token_embedding(tokens) + position_embedding(positions);
-  for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
+  for (const auto& block : *blocks) {
+    if (auto* checkpointed = block->as<fsdp::CheckpointedImpl<Block>>())
+      x = checkpointed->forward(x);
+    else
+      x = block->as<BlockImpl>()->forward(x);
+  }
   return lm_head(ln_final(x));
 }
 

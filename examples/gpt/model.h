@@ -1,6 +1,7 @@
 #pragma once
 // A small decoder-only transformer (GPT) in plain LibTorch. Nothing here knows about FSDP: the
 // trainer shards this model as it is.
+#include <fsdp/activation_checkpoint.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -14,6 +15,8 @@ struct GPTConfig {
   int64_t width = 128;       // embedding / residual stream size
   int64_t layers = 4;
   int64_t heads = 4;
+  // Blocks wrapped in fsdp::Checkpointed: only their inputs are kept, backward recomputes them.
+  bool activation_checkpointing = false;
 };
 
 // Multi-head self-attention where position t only sees positions <= t.

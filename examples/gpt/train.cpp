@@ -81,6 +81,7 @@ struct TrainConfig {
   int grad_accum = 1;                              // micro-batches per step; all but the last without communication
   double clip_grad_norm = 0;                       // 0: no clipping
   std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
+  bool activation_checkpointing = false;
   // Checkpoints (docs/checkpoints.md).
   std::string save_dir;
   int save_every = 0;  // 0: only at the end (and at --stop-after / SIGTERM)
@@ -175,6 +176,8 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--clip-grad-norm", config.clip_grad_norm, "Clip the gradients' total 2-norm to this (0: off)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_flag("--activation-checkpointing", config.activation_checkpointing,
+               "Keep only each block's input in forward and recompute the block in backward");
   app.add_option("--reshard-after-forward", config.reshard_after_forward,
                  "strategy (its own choice), true or false for every block, or except-last (every block but the "
                  "last, which backward needs first)")
@@ -699,6 +702,7 @@ BuiltModel build_model(const TrainConfig& config) {
   built.config.width = config.width;
   built.config.layers = config.layers;
   built.config.heads = config.heads;
+  built.config.activation_checkpointing = config.activation_checkpointing;
   if (config.init == "deferred") {
     fsdp::DeferredInit deferred;  // no parameter memory until fully_shard materializes each unit
     built.model = gpt::GPT(built.config);
@@ -794,6 +798,7 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
       {"grad accumulation", std::to_string(config.grad_accum) + " micro-batch" + (config.grad_accum == 1 ? "" : "es") +
                                 " of " + std::to_string(config.batch_per_rank / config.grad_accum) + " per step" +
                                 (config.grad_accum > 1 ? " (all but the last without communication)" : "")},
+      {"activation checkpointing", config.activation_checkpointing ? "every block (recomputed in backward)" : "off"},
       {"gradient clipping", config.clip_grad_norm > 0 ? "total 2-norm " + fixed(config.clip_grad_norm, 3) : "off"},
       {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
                        ", forward " + (config.forward_prefetch ? "on" : "off")},

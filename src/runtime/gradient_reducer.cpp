@@ -54,7 +54,8 @@ void GradientReducer::reduce(int u) {
     }
     finish_reductions(in_flight > 0 ? in_flight - 1 : 0);
     fp->start_reduce(all_reduce_);
-    if (fp->reduced_across_replicas()) tracer_.instant(TraceEvent::Kind::kReduceIssued, u, "all-reduce across replicas");
+    if (fp->reduced_across_replicas())
+      tracer_.instant(TraceEvent::Kind::kReduceIssued, u, "all-reduce across replicas");
     const char* op = fp->keep_unsharded() ? "all-reduce" : "reduce-scatter";
     tracer_.collective(TraceEvent::Kind::kReduce, u, op, fp->reduce_track(), fp->reduce_work());
     tracer_.instant(TraceEvent::Kind::kReduceIssued, u, op);

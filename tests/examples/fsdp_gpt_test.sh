@@ -253,12 +253,13 @@ test_bad_flags() {
 }
 
 # The training controls together (bf16 mixed precision, 2 micro-batches with no_sync, clipping,
-# every block but the last resharded after forward): the configuration shows them, and the run
+# every block but the last resharded after forward, activation checkpointing): the configuration shows them, and the run
 # trains as the plain one does (the loss falls by over a nat, the sample is generated).
 test_training_controls() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --mixed-precision bf16 \
-      --grad-accum 2 --clip-grad-norm 1.0 --reshard-after-forward except-last
+      --grad-accum 2 --clip-grad-norm 1.0 --reshard-after-forward except-last --activation-checkpointing
   expect_rc 0
+  expect_regex out "activation checkpointing +every block"
   check_training_output "[rank 0] " 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
   expect_regex out "mixed precision +bf16 gathers and compute, float32 reduction and master weights"
   expect_regex out "grad accumulation +2 micro-batches of 4 per step \(all but the last without communication\)"
