@@ -23,7 +23,8 @@ declare -A CONTROLS=(
   [clip]="--clip-grad-norm 1.0"
   [no-reshard-after-forward]="--reshard-after-forward false"
 )
-if "$TRAINER" --help 2>/dev/null | grep -q -- "--activation-checkpointing"; then
+help=$("$TRAINER" --help 2>/dev/null || true)
+if grep -q -- "--activation-checkpointing" <<<"$help"; then
   CONTROLS[activation-checkpointing]="--activation-checkpointing"
 fi
 ORDER=(baseline bf16 grad-accum-2 clip no-reshard-after-forward activation-checkpointing)
