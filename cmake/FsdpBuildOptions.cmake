@@ -5,11 +5,14 @@
 #   FSDP_SANITIZE=address,undefined     or thread: -fsanitize=... for compile and link of every
 #                                       target of this project (scripts/sanitize.sh uses it)
 #   FSDP_CCACHE=ON (default)            compile through ccache when it is installed
+#   FSDP_PCH=ON (default)               precompile LibTorch's (and gtest's) headers once per target
+#                                       (fsdp_precompile_headers below)
 
 option(FSDP_WERROR "Treat compiler warnings as errors (libfsdp's own targets)" OFF)
 set(FSDP_SANITIZE "" CACHE STRING
     "Sanitizers for every target, as for -fsanitize= (address,undefined or thread); empty: none")
 option(FSDP_CCACHE "Compile through ccache when it is found" ON)
+option(FSDP_PCH "Precompile torch/torch.h once per target instead of parsing it in every source" ON)
 
 # --- fsdp_warnings: the warning flags of every target in this project -----------------------
 # Each target links it PRIVATE. The library takes it through its LINK_LIBRARIES property rather
@@ -61,7 +64,19 @@ if(FSDP_CCACHE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
   if(FSDP_CCACHE_PROGRAM)
     set(CMAKE_CXX_COMPILER_LAUNCHER
         ${CMAKE_COMMAND} -E env CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1
+        # Precompiled headers are cacheable only with these (ccache's manual, "Precompiled headers").
+        CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
         ${FSDP_CCACHE_PROGRAM})
     message(STATUS "libfsdp: compiling through ${FSDP_CCACHE_PROGRAM}")
   endif()
 endif()
+
+# --- precompiled headers ----------------------------------------------------------------------
+# fsdp_precompile_headers(<target> <header>...): with FSDP_PCH, <header>s are parsed once for the
+# target and included first in each of its sources. Parsing LibTorch's headers is a large share of
+# each source's compile time (measured in bench/results/build.md).
+function(fsdp_precompile_headers target)
+  if(FSDP_PCH)
+    target_precompile_headers(${target} PRIVATE ${ARGN})
+  endif()
+endfunction()
