@@ -98,6 +98,18 @@ WorkPtr FlatParam::start_unshard() {
     at::empty({0}, full_.options()).set_(full_.storage(), 0, {padded_numel_}, {1}).copy_(shard_);
     return nullptr;
   }
+  gathering_post_forward_ = false;
+  if (post_forward_shard_.defined()) {
+    if (post_forward_version_ == gathered_version_) {
+      // hpZ: the parts kept after forward, gathered within their group; freed when the gather lands.
+      gather_input_ = std::move(post_forward_shard_);
+      post_forward_shard_ = at::Tensor();
+      gathering_post_forward_ = true;
+      gather_work_ = group_.post_forward_comm->all_gather_into(full_, gather_input_);
+      return gather_work_;
+    }
+    drop_post_forward_shard();  // the shard changed since forward (an optimizer step, a load)
+  }
   at::Tensor input = shard_;
   if (compute_dtype_ != dtype_) {
     // Cast before the gather, so the gather moves compute-dtype bytes.
@@ -118,8 +130,8 @@ void FlatParam::wait_unshard() {
   gather_work_ = nullptr;
   work->wait();
   if (gather_input_.defined()) {
+    memory_->add_param(-gather_input_.numel() * compute_element_size_);
     gather_input_ = at::Tensor();
-    memory_->add_param(-shard_numel_ * compute_element_size_);
   }
 }
 
@@ -132,7 +144,31 @@ void FlatParam::reshard() {
   unsharded_ = false;
 }
 
+void FlatParam::reshard_to_post_forward_shard() {
+  if (group_.post_forward_comm && separate_shard_ && unsharded_) {
+    wait_unshard();
+    drop_post_forward_shard();
+    if (shard_version() == gathered_version_) {  // the unsharded values are the shard's current ones
+      InternalOpGuard internal;
+      at::NoGradGuard no_grad;
+      const int64_t n = padded_numel_ / group_.post_forward_comm->size();
+      post_forward_shard_ = buffers_->empty(n, full_.options());
+      post_forward_shard_.copy_(full_.narrow(0, int64_t(group_.post_forward_comm->rank()) * n, n));
+      memory_->add_param(n * compute_element_size_);
+      post_forward_version_ = gathered_version_;
+    }
+  }
+  reshard();
+}
+
+void FlatParam::drop_post_forward_shard() {
+  if (!post_forward_shard_.defined()) return;
+  memory_->add_param(-post_forward_shard_.numel() * compute_element_size_);
+  post_forward_shard_ = at::Tensor();
+}
+
 std::string FlatParam::gather_track() const {
+  if (gathering_post_forward_) return group_.post_forward_comm->name();
   return group_.shard_comm ? group_.shard_comm->name() : std::string("none");
 }
 

@@ -74,6 +74,12 @@ class FlatParam {
     wait_unshard();
   }
   void reshard();  // free the flat storage (after waiting for a gather in flight into it)
+  // reshard(), keeping first this rank's part of the unsharded values over the post-forward group
+  // (Options::reshard_after_forward_size): the next start_unshard gathers from those parts, inside
+  // that group, if the shard has not changed since. Plain reshard() without that group.
+  void reshard_to_post_forward_shard();
+  bool has_post_forward_shard() const { return post_forward_shard_.defined(); }
+  void drop_post_forward_shard();
   // The communicator the all-gather and the reduction run on (for traces).
   std::string gather_track() const;
   std::string reduce_track() const;
@@ -147,7 +153,10 @@ class FlatParam {
   bool replica_reduce_issued_ = false;
   at::Tensor partial_;                  // hybrid: shard-group sums awaiting the replica all-reduce (reduce dtype)
   std::vector<uint8_t> partial_slots_;  // per slot: a gradient of it is in partial_
-  at::Tensor gather_input_;  // mixed precision: the shard cast to compute dtype, alive until its gather lands
+  at::Tensor gather_input_;  // what the gather in flight reads when not the shard, alive until it lands
+  at::Tensor post_forward_shard_;      // compute dtype: 1/k of the unsharded values (reshard_to_post_forward_shard)
+  int64_t post_forward_version_ = 0;   // the shard's version those values were gathered from
+  bool gathering_post_forward_ = false;  // the last gather ran over the post-forward group
   WorkPtr pending_work_;     // reduce-scatter (or all-reduce) in flight
   WorkPtr gather_work_;      // all-gather in flight into full_
 };

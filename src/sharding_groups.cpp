@@ -48,7 +48,24 @@ ShardingGroups ShardingGroups::create(ProcessGroup& pg, const Options& options) 
     }
   }
   g.keep_unsharded = g.sharding_factor == 1;
+  if (const int k = options.reshard_after_forward_size()) {
+    const int F = g.sharding_factor;
+    FSDP_CHECK(F > 1, "reshard_after_forward_size ", k, " needs sharded parameters, but ", to_string(strategy),
+               " at world size ", W, " does not shard them; leave reshard_after_forward_size at 0");
+    FSDP_CHECK(k > 1 && k < F && F % k == 0, "reshard_after_forward_size must divide the shard group's size ", F,
+               " and lie strictly between 1 and ", F, ", got ", k,
+               "; use 0 to free parameters completely after forward, or a reshard_after_forward policy "
+               "returning false to keep them whole");
+  }
   return g;
+}
+
+void ShardingGroups::create_post_forward_group(ProcessGroup& pg, const Options& options) {
+  const int k = options.reshard_after_forward_size();
+  if (k == 0 || post_forward_comm) return;
+  std::vector<int> ranks;
+  for (int i = 0; i < k; ++i) ranks.push_back(pg.rank() / k * k + i);  // inside the shard group: k divides F
+  post_forward_comm = pg.new_group(ranks, "post_forward");
 }
 
 }  // namespace fsdp

@@ -11,12 +11,18 @@ struct ShardingGroups {
   CommunicatorPtr shard_comm;      // the F ranks a FlatParameter is split over; null if F == 1
   CommunicatorPtr replicate_comm;  // hybrid: ranks holding the same shard; null otherwise
   CommunicatorPtr world_comm;      // all ranks (NO_SHARD's all-reduce, broadcasts)
+  // Options::reshard_after_forward_size consecutive ranks of the shard group, over which
+  // parameters stay sharded between forward and backward; null if that size is 0.
+  CommunicatorPtr post_forward_comm;
   int world_size = 1;              // gradients are averaged over all ranks
   int sharding_factor = 1;         // F
   bool keep_unsharded = false;     // F == 1 (NO_SHARD, world of one): no separate shard copy
 
   // Validates the strategy's options against the world and creates its sub-groups (collective).
   static ShardingGroups create(ProcessGroup& pg, const Options& options);
+  // Creates post_forward_comm (collective over it), validated by create(). Separate, so that it
+  // runs after the cross-rank model check, which names a size that differs between ranks.
+  void create_post_forward_group(ProcessGroup& pg, const Options& options);
   // Whether parameters are freed after forward (FULL_SHARD, HYBRID_SHARD).
   static bool reshards_after_forward(ShardingStrategy strategy);
 };

@@ -125,10 +125,6 @@ Net make_net(Form form, int seed = 5) {
   return net;
 }
 
-at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& y) {
-  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
-}
-
 // The dropout seed of rank r's rows in step s (the reference draws the same for the same rows).
 uint64_t dropout_seed(int step, int rank) { return 1000 + 100 * step + rank; }
 
@@ -296,8 +292,9 @@ TEST(ActivationCheckpointing, RecomputeUsesTheForwardsAutocastState) {
   auto plain_params = plain->named_parameters(), f32_params = plain_f32->named_parameters();
   for (const auto& kv : checkpointed->named_parameters()) {
     EXPECT_LE(rel_diff(kv.value().grad(), plain_params[kv.key()].grad()), 1e-6) << kv.key();
-    if (contains(kv.key(), "fc1.weight"))  // bfloat16 matmuls: autocast made a difference
+    if (contains(kv.key(), "fc1.weight")) {  // bfloat16 matmuls: autocast made a difference
       EXPECT_GT(rel_diff(kv.value().grad(), f32_params[kv.key()].grad()), 1e-4) << kv.key();
+    }
   }
 }
 

@@ -91,8 +91,12 @@ TEST(FlatParam, PadsToAMultipleOfFAndGivesEachParameterThePieceInThisShard) {
     EXPECT_EQ(slots[0].piece.defined() ? slots[0].piece.numel() : 0, a_n) << "rank " << rank;
     EXPECT_EQ(slots[1].piece.defined() ? slots[1].piece.numel() : 0, b_n) << "rank " << rank;
     // The pieces hold this rank's values: a's flat values are 0..5, b's are 100..104.
-    if (a_n) EXPECT_EQ(slots[0].piece[0].item<double>(), double(lo));
-    if (b_n) EXPECT_EQ(slots[1].piece[0].item<double>(), 100.0 + std::max<int64_t>(lo, 6) - 6);
+    if (a_n) {
+      EXPECT_EQ(slots[0].piece[0].item<double>(), double(lo));
+    }
+    if (b_n) {
+      EXPECT_EQ(slots[1].piece[0].item<double>(), 100.0 + std::max<int64_t>(lo, 6) - 6);
+    }
     EXPECT_TRUE(slots[0].param.is_same(f.a));  // the module keeps its parameter objects
   }
 }

@@ -47,7 +47,7 @@ at::Tensor forward_loss(const std::string& model, torch::nn::Module& m, const Ba
   if (model == "mlp") return torch::mse_loss(m.as<MLPImpl>()->forward(b.x), b.y);
   // gpt, gpt4
   auto logits = m.as<TinyTransformerImpl>()->forward(b.x);
-  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), b.y.reshape({-1}));
+  return lm_loss(logits, b.y);
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params) {

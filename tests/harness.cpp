@@ -53,6 +53,19 @@ std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
   return unique;
 }
 
+void expect_same_parameters(const torch::nn::Module& ref, fsdp::FullyShardedModule& sharded, double tol,
+                            const std::string& what) {
+  auto full = sharded.full_state_dict();
+  for (const auto& kv : ref.named_parameters()) {
+    const auto it = full.find(kv.key());
+    WORKER_CHECK(it != full.end(), what, ": parameter ", kv.key(), " is missing from full_state_dict");
+    WORKER_CHECK(it->second.scalar_type() == kv.value().scalar_type(), what, ": parameter ", kv.key(),
+                 " comes back as ", it->second.scalar_type(), " from full_state_dict");
+    const double d = rel_diff(it->second, kv.value().detach());
+    WORKER_CHECK(d <= tol, what, ": parameter ", kv.key(), " differs by ", d);
+  }
+}
+
 namespace {
 
 int free_port() {

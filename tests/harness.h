@@ -70,6 +70,11 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b);
 // that registers it, and an optimizer over that list would step it twice.
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
 
+// Inside a worker: every parameter of `ref` equals (dtype, and within `tol` by rel_diff) the one
+// of the same name in sharded.full_state_dict(); `what` heads the message otherwise.
+void expect_same_parameters(const torch::nn::Module& ref, fsdp::FullyShardedModule& sharded, double tol,
+                            const std::string& what);
+
 // One step of local training of `ref` on the global batch x and of sharded training of `model` on
 // this rank's `rows` rows of it, both on the loss mean(forward(x)^2).
 template <class Ref, class Model>

@@ -28,10 +28,7 @@ fsdp::Options options(const std::string& strategy, const fsdp::MixedPrecision& m
   return o;
 }
 
-at::Tensor lm_loss(TinyTransformer& m, const at::Tensor& x) {
-  auto logits = m->forward(x).to(at::kFloat);
-  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), x.roll(1, 1).reshape({-1}));
-}
+at::Tensor cast_lm_loss(TinyTransformer& m, const at::Tensor& x) { return lm_loss(m->forward(x).to(at::kFloat), x.roll(1, 1)); }
 
 // Plain LibTorch with the casts FSDP performs, at the same points: the master parameters cast to
 // the compute dtype for forward and backward; each rank's rows back-propagated on their own (as
@@ -90,17 +87,6 @@ struct LocalMixedPrecision {
   }
 };
 
-template <class Model>
-void expect_same_parameters(Model& ref, fsdp::FullyShardedModule& sharded, double tol, const std::string& what) {
-  auto full = sharded.full_state_dict();
-  for (const auto& kv : ref->named_parameters()) {
-    WORKER_CHECK(full.at(kv.key()).scalar_type() == kv.value().scalar_type(), what, " parameter ", kv.key(),
-                 " comes back as ", full.at(kv.key()).scalar_type(), " from full_state_dict");
-    WORKER_CHECK(rel_diff(full.at(kv.key()), kv.value().detach()) <= tol, what, " parameter ", kv.key(), " differs by ",
-                 rel_diff(full.at(kv.key()), kv.value().detach()));
-  }
-}
-
 // args: strategy, param dtype, reduce dtype. bf16 compute: per-rank losses and parameters after 3
 // AdamW steps equal to the local reference within 1e-6 relative.
 FSDP_WORKER(mixed_precision_worker) {
@@ -123,7 +109,7 @@ FSDP_WORKER(mixed_precision_worker) {
   for (const auto& p : sharded->parameters())
     WORKER_CHECK(p.scalar_type() == at::kFloat, "a piece is ", p.scalar_type());
   for (const auto& u : sharded->units())
-    WORKER_CHECK(u.padded_bytes == u.padded_numel * c10::elementSize(param_dtype), "unit '", u.name,
+    WORKER_CHECK(u.padded_bytes == u.padded_numel * static_cast<int64_t>(c10::elementSize(param_dtype)), "unit '", u.name,
                  "' unsharded bytes ", u.padded_bytes, " for ", u.padded_numel, " elements");
 
   torch::optim::AdamW ref_opt(local.parameters(), torch::optim::AdamWOptions(0.01)),
@@ -132,10 +118,10 @@ FSDP_WORKER(mixed_precision_worker) {
   for (int step = 0; step < 3; ++step) {
     const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(50 + step));
     ref_opt.zero_grad();
-    const auto losses = local.backward(x, ctx.world, rows, 1.0, lm_loss);
+    const auto losses = local.backward(x, ctx.world, rows, 1.0, cast_lm_loss);
     ref_opt.step();
     opt.zero_grad();
-    at::Tensor loss = lm_loss(model, x.narrow(0, ctx.rank * rows, rows));
+    at::Tensor loss = cast_lm_loss(model, x.narrow(0, ctx.rank * rows, rows));
     loss.backward();
     opt.step();
     const double mine = loss.item<double>(), theirs = losses.at(ctx.rank);
@@ -145,7 +131,7 @@ FSDP_WORKER(mixed_precision_worker) {
       WORKER_CHECK(!p.grad().defined() || p.grad().scalar_type() == at::kFloat, "a piece's gradient is ",
                    p.grad().scalar_type());
   }
-  expect_same_parameters(ref, *sharded, 1e-6, strategy + " " + ctx.args.at(1));
+  expect_same_parameters(*ref, *sharded, 1e-6, strategy + " " + ctx.args.at(1));
   if (ctx.rank == 0) std::cout << strategy << " world " << ctx.world << " mixed precision ok" << std::endl;
 }
 
@@ -176,7 +162,7 @@ FSDP_WORKER(wire_bytes_worker) {
     WORKER_CHECK(stats.has_value(), "the world communicator is not modeled; FSDP_NETWORK_MODEL must be set");
     before = stats->wire_bytes;
     opt.zero_grad();
-    lm_loss(model, at::randint(0, 32, {2, 8}, at::detail::createCPUGenerator(7 + step))).backward();
+    cast_lm_loss(model, at::randint(0, 32, {2, 8}, at::detail::createCPUGenerator(7 + step))).backward();
     opt.step();
   }
   std::cout << "wire_bytes " << fsdp::modeled_link_stats(*pg->world())->wire_bytes - before << std::endl;
@@ -304,7 +290,7 @@ FSDP_WORKER(grad_scaler_worker) {
     skipped += !stepped;
   }
   WORKER_CHECK(skipped >= 2, "the test must skip steps for overflow and for the injected NaN; skipped ", skipped);
-  expect_same_parameters(ref, *sharded, 1e-6, strategy + " fp16 scaler");
+  expect_same_parameters(*ref, *sharded, 1e-6, strategy + " fp16 scaler");
   if (ctx.rank == 0) std::cout << strategy << " scaler ok, " << skipped << " steps skipped" << std::endl;
 }
 

@@ -82,6 +82,23 @@ struct TinyTransformerImpl : torch::nn::Module {
 };
 TORCH_MODULE(TinyTransformer);
 
+// Cross entropy of logits [..., vocab] against the token ids y of the same leading shape.
+inline at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& y) {
+  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+}
+
+// Two TinyTransformer(vocab 32, width 16, 2 heads, 3 blocks, context 8) in f64 with the same
+// initial weights: a local reference and a model to shard.
+inline std::pair<TinyTransformer, TinyTransformer> twin_tiny_transformers() {
+  torch::manual_seed(3);
+  TinyTransformer ref(32, 16, 2, 3, 8);
+  torch::manual_seed(3);
+  TinyTransformer model(32, 16, 2, 3, 8);
+  ref->to(torch::kFloat64);
+  model->to(torch::kFloat64);
+  return {ref, model};
+}
+
 // Two Linear layers the tests use in unusual ways, one never used, and a BatchNorm (buffers); no
 // forward: each test composes its own from the submodules.
 struct BranchyImpl : torch::nn::Module {

@@ -30,10 +30,6 @@ struct ExplicitTransformerImpl : torch::nn::Module {
 };
 TORCH_MODULE(ExplicitTransformer);
 
-at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& y) {
-  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
-}
-
 FSDP_WORKER(sharded_exact_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   for (const auto& combo : ctx.args) {  // "STRATEGY:dtype"

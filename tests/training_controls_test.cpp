@@ -10,17 +10,6 @@
 namespace fsdp_test {
 namespace {
 
-// A transformer whose blocks are units (tied embedding, frozen table: every kind of piece), in f64.
-std::pair<TinyTransformer, TinyTransformer> make_pair_of_models() {
-  torch::manual_seed(3);
-  TinyTransformer ref(32, 16, 2, 3, 8);
-  torch::manual_seed(3);
-  TinyTransformer model(32, 16, 2, 3, 8);
-  ref->to(torch::kFloat64);
-  model->to(torch::kFloat64);
-  return {ref, model};
-}
-
 fsdp::Options options(const std::string& strategy) {
   auto o = fsdp::Options()
                .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
@@ -29,24 +18,15 @@ fsdp::Options options(const std::string& strategy) {
   return o;
 }
 
-at::Tensor loss_of(TinyTransformer& m, const at::Tensor& x) {
-  auto logits = m->forward(x);
-  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), x.roll(1, 1).reshape({-1}));
-}
-
-void expect_same_parameters(TinyTransformer& ref, fsdp::FullyShardedModule& sharded, double tol, const char* what) {
-  auto full = sharded.full_state_dict();
-  for (const auto& kv : ref->named_parameters())
-    WORKER_CHECK(rel_diff(full.at(kv.key()), kv.value().detach()) <= tol, what, " parameter ", kv.key(), " differs by ",
-                 rel_diff(full.at(kv.key()), kv.value().detach()));
-}
+// A transformer whose blocks are units (tied embedding, frozen table: every kind of piece), in f64.
+at::Tensor loss_of(TinyTransformer& m, const at::Tensor& x) { return lm_loss(m->forward(x), x.roll(1, 1)); }
 
 // args: strategy, norm type ("inf" or a number)
 FSDP_WORKER(clip_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0);
   const double p = ctx.args.at(1) == "inf" ? std::numeric_limits<double>::infinity() : std::stod(ctx.args.at(1));
-  auto [ref, model] = make_pair_of_models();
+  auto [ref, model] = twin_tiny_transformers();
   auto sharded = fsdp::fully_shard(model, pg, options(strategy));
   torch::optim::SGD ref_opt(unique_parameters(*ref), 0.5), opt(sharded->parameters(), 0.5);
   const int rows = 2;
@@ -66,7 +46,7 @@ FSDP_WORKER(clip_worker) {
                  step);
     if (step == 0) WORKER_CHECK(ref_norm > 0.05, "the test must clip: local norm ", ref_norm);
   }
-  expect_same_parameters(ref, *sharded, 1e-12, "clipped");
+  expect_same_parameters(*ref, *sharded, 1e-12, "clipped");
   if (ctx.rank == 0) std::cout << strategy << " clip ok" << std::endl;
 }
 
@@ -78,15 +58,14 @@ TEST(GradClip, EqualsLocalClippingForEveryStrategyAndNorm) {
     }
 }
 
-// args: strategy. Two micro-batches under no_sync, one synced, then a step: equal to local training
-// that accumulates the three global micro-batches' gradients.
-FSDP_WORKER(no_sync_worker) {
-  auto pg = fsdp::ProcessGroup::from_env();
-  const std::string strategy = ctx.args.at(0);
-  auto [ref, model] = make_pair_of_models();
-  auto sharded = fsdp::fully_shard(model, pg, options(strategy));
+// Two AdamW steps of three micro-batches each: the reference accumulates each global micro-batch's
+// gradient; body(m, rows) runs the sharded model's part of micro-batch m (this rank's rows, whose
+// backward it runs and checks around); then both step, and the parameters must agree.
+template <class Body>
+void accumulate_side_by_side(TinyTransformer& ref, TinyTransformer& model, fsdp::FullyShardedModule& sharded,
+                             const WorkerContext& ctx, const std::string& what, Body body) {
   torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),
-      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+      opt(sharded.parameters(), torch::optim::AdamWOptions(0.01));
   const int rows = 2, micro = 3;
   for (int step = 0; step < 2; ++step) {
     ref_opt.zero_grad();
@@ -94,28 +73,39 @@ FSDP_WORKER(no_sync_worker) {
     for (int m = 0; m < micro; ++m) {
       const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(100 * step + m));
       loss_of(ref, x).backward();
-      const auto mine = x.narrow(0, ctx.rank * rows, rows);
-      if (m + 1 < micro) {
-        auto guard = sharded->no_sync();
-        loss_of(model, mine).backward();
-        WORKER_CHECK(!sharded->requires_gradient_sync(), "no_sync is on inside its scope");
-      } else {
-        WORKER_CHECK(sharded->requires_gradient_sync(), "no_sync is off after its scope");
-        loss_of(model, mine).backward();
-      }
-      if (m == 0 && strategy != "NO_SHARD") {
-        // Nothing reduced yet: the pieces have no gradient, and the unsharded gradients are held.
-        for (const auto& p : sharded->parameters())
-          WORKER_CHECK(!p.grad().defined() || p.grad().abs().sum().item<double>() == 0,
-                       "a piece got a gradient under no_sync");
-        WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "no_sync holds the unsharded gradients");
-      }
+      body(m, m + 1 == micro, x.narrow(0, ctx.rank * rows, rows));
     }
     ref_opt.step();
     opt.step();
   }
-  expect_same_parameters(ref, *sharded, 1e-12, "accumulated");
-  if (ctx.rank == 0) std::cout << strategy << " no_sync ok" << std::endl;
+  expect_same_parameters(*ref, sharded, 1e-12, what);
+  if (ctx.rank == 0) std::cout << what << " ok" << std::endl;
+}
+
+// args: strategy. Two micro-batches under no_sync, one synced, then a step: equal to local training
+// that accumulates the three global micro-batches' gradients.
+FSDP_WORKER(no_sync_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0);
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, options(strategy));
+  accumulate_side_by_side(ref, model, *sharded, ctx, strategy + " no_sync", [&](int m, bool last, const at::Tensor& mine) {
+    if (!last) {
+      auto guard = sharded->no_sync();
+      loss_of(model, mine).backward();
+      WORKER_CHECK(!sharded->requires_gradient_sync(), "no_sync is on inside its scope");
+    } else {
+      WORKER_CHECK(sharded->requires_gradient_sync(), "no_sync is off after its scope");
+      loss_of(model, mine).backward();
+    }
+    if (m == 0 && strategy != "NO_SHARD") {
+      // Nothing reduced yet: the pieces have no gradient, and the unsharded gradients are held.
+      for (const auto& p : sharded->parameters())
+        WORKER_CHECK(!p.grad().defined() || p.grad().abs().sum().item<double>() == 0,
+                     "a piece got a gradient under no_sync");
+      WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "no_sync holds the unsharded gradients");
+    }
+  });
 }
 
 TEST(NoSync, MicroBatchesWithoutCommunicationEqualLocalTraining) {
@@ -136,31 +126,16 @@ int count_events(const fsdp::IterationTrace& trace, fsdp::TraceEvent::Kind kind,
 // training on the three global micro-batches. The trace shows no replica all-reduce before the last.
 FSDP_WORKER(hybrid_accumulation_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
-  auto [ref, model] = make_pair_of_models();
+  auto [ref, model] = twin_tiny_transformers();
   auto sharded = fsdp::fully_shard(model, pg, options("HYBRID_SHARD").trace(true));
-  torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),
-      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
-  const int rows = 2, micro = 3;
-  for (int step = 0; step < 2; ++step) {
-    ref_opt.zero_grad();
-    opt.zero_grad();
-    for (int m = 0; m < micro; ++m) {
-      const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(100 * step + m));
-      loss_of(ref, x).backward();
-      const bool last = m + 1 == micro;
-      sharded->set_requires_all_reduce(last);
-      loss_of(model, x.narrow(0, ctx.rank * rows, rows)).backward();
-      const int across =
-          count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kReduceIssued, "all-reduce across replicas");
-      WORKER_CHECK(last ? across > 0 : across == 0, "micro-batch ", m, ": ", across, " all-reduces across replicas");
-      if (!last)
-        WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "the shard groups' sums are kept between micro-batches");
-    }
-    ref_opt.step();
-    opt.step();
-  }
-  expect_same_parameters(ref, *sharded, 1e-12, "hybrid accumulation");
-  if (ctx.rank == 0) std::cout << "hybrid accumulation ok" << std::endl;
+  accumulate_side_by_side(ref, model, *sharded, ctx, "hybrid accumulation", [&](int m, bool last, const at::Tensor& mine) {
+    sharded->set_requires_all_reduce(last);
+    loss_of(model, mine).backward();
+    const int across =
+        count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kReduceIssued, "all-reduce across replicas");
+    WORKER_CHECK(last ? across > 0 : across == 0, "micro-batch ", m, ": ", across, " all-reduces across replicas");
+    if (!last) WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "the shard groups' sums are kept between micro-batches");
+  });
 }
 
 TEST(NoSync, HybridReducesWithinShardGroupsAndAcrossReplicasOnlyAtTheLastMicroBatch) {
@@ -172,35 +147,22 @@ TEST(NoSync, HybridReducesWithinShardGroupsAndAcrossReplicasOnlyAtTheLastMicroBa
 // unit is gathered again until the optimizer step changed the shards; equal to local training.
 FSDP_WORKER(keep_unsharded_accumulation_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
-  auto [ref, model] = make_pair_of_models();
+  auto [ref, model] = twin_tiny_transformers();
   auto sharded = fsdp::fully_shard(model, pg, options("SHARD_GRAD_OP").trace(true));
-  torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),
-      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
-  const int rows = 2, micro = 3;
   int64_t all_unsharded = 0;
   for (const auto& u : sharded->units()) all_unsharded += u.padded_bytes + u.shard_bytes;
-  for (int step = 0; step < 2; ++step) {
-    ref_opt.zero_grad();
-    opt.zero_grad();
-    for (int m = 0; m < micro; ++m) {
-      const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(100 * step + m));
-      loss_of(ref, x).backward();
-      const bool last = m + 1 == micro;
-      sharded->set_reshard_after_backward(last);
-      sharded->set_requires_gradient_sync(last);
-      loss_of(model, x.narrow(0, ctx.rank * rows, rows)).backward();
-      const int gathers = count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kUnshardIssued);
-      if (m > 0) WORKER_CHECK(gathers == 0, "micro-batch ", m, " gathered ", gathers, " times");
-      if (!last)
-        WORKER_CHECK(sharded->memory_stats().param_bytes == all_unsharded, "micro-batch ", m, ": ",
-                     sharded->memory_stats().param_bytes, " bytes of parameters, expected every unit unsharded ",
-                     all_unsharded);
-    }
-    ref_opt.step();
-    opt.step();
-  }
-  expect_same_parameters(ref, *sharded, 1e-12, "accumulation with units kept unsharded");
-  if (ctx.rank == 0) std::cout << "keep unsharded accumulation ok" << std::endl;
+  accumulate_side_by_side(
+      ref, model, *sharded, ctx, "accumulation with units kept unsharded", [&](int m, bool last, const at::Tensor& mine) {
+        sharded->set_reshard_after_backward(last);
+        sharded->set_requires_gradient_sync(last);
+        loss_of(model, mine).backward();
+        const int gathers = count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kUnshardIssued);
+        if (m > 0) WORKER_CHECK(gathers == 0, "micro-batch ", m, " gathered ", gathers, " times");
+        if (!last)
+          WORKER_CHECK(sharded->memory_stats().param_bytes == all_unsharded, "micro-batch ", m, ": ",
+                       sharded->memory_stats().param_bytes, " bytes of parameters, expected every unit unsharded ",
+                       all_unsharded);
+      });
 }
 
 TEST(NoSync, ReshardAfterBackwardOffGathersNothingBetweenMicroBatches) {

@@ -78,7 +78,9 @@ TEST(UnitPlan, FlatParamsGroupByDtypeAndRequiresGradInModuleOrder) {
       EXPECT_EQ(p.unit, fp.unit);
       EXPECT_EQ(p.param.scalar_type(), first.scalar_type());
       EXPECT_EQ(p.param.requires_grad(), first.requires_grad());
-      if (k > 0) EXPECT_LT(fp.params[k - 1], fp.params[k]);  // module order
+      if (k > 0) {
+        EXPECT_LT(fp.params[k - 1], fp.params[k]);  // module order
+      }
     }
   }
 }

@@ -71,6 +71,7 @@ struct BenchConfig {
   int all_gather_limit = 2;  // 0: no rate limiter
   int reductions_in_flight = 2;
   bool reuse_buffers = true;
+  bool activation_checkpointing = false;  // every block in fsdp::Checkpointed (any mode)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -175,6 +176,7 @@ gpt::GPTConfig model_config(const BenchConfig& c) {
   m.width = c.width;
   m.heads = c.heads;
   m.context = c.context;
+  m.activation_checkpointing = c.activation_checkpointing;
   return m;
 }
 
@@ -359,6 +361,8 @@ int parse_flags(int argc, char** argv, int rank, BenchConfig& c) {
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_flag("!--no-reuse-buffers", c.reuse_buffers, "FSDP: free transient buffers instead of reusing them");
+  app.add_flag("--activation-checkpointing", c.activation_checkpointing,
+               "Keep only each block's input in forward and recompute the block in backward (any mode)");
   app.add_flag("--operator-callback", c.operator_callback,
                "Local mode: install a global operator callback that does what libfsdp's interception does for "
                "every operator (box the inputs, look each tensor's storage up among the parameters'), to "
@@ -486,6 +490,7 @@ int run(int argc, char** argv) {
                 << (c.all_gather_limit > 0 ? std::to_string(c.all_gather_limit) : std::string("off"))
                 << ", reductions in flight " << c.reductions_in_flight << ", buffer reuse "
                 << (c.reuse_buffers ? "on" : "off");
+    if (c.activation_checkpointing) std::cout << "; activation checkpointing";
     std::cout << "\n  world " << world << ", " << torch::get_num_threads() << " threads per process; model " << c.layers
               << " layers, width " << c.width << ", " << c.heads << " heads, context " << c.context << ", "
               << parameter_count << " parameters; global batch " << c.global_batch << " x " << c.context
@@ -623,6 +628,7 @@ int run(int argc, char** argv) {
                         {"width", c.width},
                         {"heads", c.heads},
                         {"context", c.context},
+                        {"activation_checkpointing", c.activation_checkpointing},
                         {"global_batch", c.global_batch},
                         {"warmup", c.warmup},
                         {"steps", c.steps},

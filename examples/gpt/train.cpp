@@ -78,9 +78,11 @@ struct TrainConfig {
   bool show_memory = false;
   // Training controls (docs/usage.md).
   std::string mixed_precision = "none";            // none, bf16, fp16
-  int grad_accum = 1;                              // micro-batches per step; all but the last without communication
+  int grad_accum = 1;                              // micro-batches per step
+  std::string grad_accum_mode = "no-sync";         // how micro-batches other than the last treat gradients
   double clip_grad_norm = 0;                       // 0: no clipping
   std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
+  int reshard_after_forward_size = 0;              // ranks a resharded block stays sharded over until backward
   bool activation_checkpointing = false;
   // Checkpoints (docs/checkpoints.md).
   std::string save_dir;
@@ -104,6 +106,14 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                  "Sequences per rank per step; the global batch is "
                  "world size times this")
       ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
+  app.add_option("--grad-accum-mode", config.grad_accum_mode,
+                 "With --grad-accum: no-sync (unsharded gradients kept local, parameters re-gathered per "
+                 "micro-batch), no-sync-unsharded (the same, parameters kept unsharded between micro-batches: no "
+                 "re-gather, more memory), reduce (every micro-batch reduce-scatters: least memory, most "
+                 "communication), replica-deferred (HYBRID_SHARD: reduce-scatter in the shard group every "
+                 "micro-batch, the replica all-reduce only on the last)")
+      ->transform(CLI::IsMember({"no-sync", "no-sync-unsharded", "reduce", "replica-deferred"}, CLI::ignore_case))
       ->capture_default_str();
   app.add_option("--steps", config.steps, "Optimizer steps")->check(CLI::Range(1, 100000000))->capture_default_str();
   app.add_option("--lr", config.lr, "Peak learning rate (AdamW)")->check(CLI::PositiveNumber)->capture_default_str();
@@ -183,6 +193,11 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                  "last, which backward needs first)")
       ->transform(CLI::IsMember({"strategy", "true", "false", "except-last"}, CLI::ignore_case))
       ->capture_default_str();
+  app.add_option("--reshard-after-forward-size", config.reshard_after_forward_size,
+                 "Blocks resharded after forward stay sharded over groups of this many consecutive ranks (e.g. "
+                 "one host's) until backward, whose all-gathers then stay in the group; 0: free them completely")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--save-dir", config.save_dir,
                  "Save sharded checkpoints (model, AdamW state, data position) under "
                  "this directory as step-NNNNNNNN, at the end and on SIGTERM");
@@ -217,6 +232,9 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
                                                       "use bf16 (or LibTorch 2.x, or a GPU)");
     }
   }
+  if (config.grad_accum_mode == "replica-deferred" && config.strategy != "HYBRID_SHARD")
+    throw CLI::ValidationError("--grad-accum-mode", "replica-deferred needs --strategy HYBRID_SHARD (got " +
+                                                        config.strategy + "); use no-sync");
   if (config.batch_per_rank % config.grad_accum != 0)
     throw CLI::ValidationError("--grad-accum", std::to_string(config.grad_accum) +
                                                    " does not divide --batch-per-rank " +
@@ -538,7 +556,17 @@ struct Progress {
   int window_steps = 0;
 };
 
-fsdp::checkpoint::Extra progress_extra(fsdp::ProcessGroup& pg, const TrainConfig& c, const Progress& p) {
+// A double as its 8 bytes (exact), and back.
+std::string double_bytes(double v) { return std::string(reinterpret_cast<const char*>(&v), sizeof(v)); }
+double double_of_bytes(const std::string& s, const std::string& what) {
+  if (s.size() != sizeof(double)) throw std::runtime_error("checkpoint field " + what + " is not 8 bytes");
+  double v;
+  std::memcpy(&v, s.data(), sizeof(v));
+  return v;
+}
+
+fsdp::checkpoint::Extra progress_extra(fsdp::ProcessGroup& pg, const TrainConfig& c, const Progress& p,
+                                       const fsdp::GradScaler* scaler) {
   auto losses = torch::zeros({pg.size()}, torch::kDouble);
   losses[pg.rank()] = p.window_loss;
   if (pg.size() > 1) pg.world()->all_reduce(losses)->wait();  // every rank's, in rank order
@@ -548,21 +576,27 @@ fsdp::checkpoint::Extra progress_extra(fsdp::ProcessGroup& pg, const TrainConfig
     std::lock_guard<std::mutex> lock(generator.mutex());
     rng = generator.get_state();
   }
-  return {{"step", std::to_string(p.step)},
-          {"window_steps", std::to_string(p.window_steps)},
-          {"window_loss", std::string(static_cast<const char*>(losses.data_ptr()), losses.nbytes())},
-          {"cpu_rng_state", std::string(static_cast<const char*>(rng.data_ptr()), rng.nbytes())},
-          {"seed", std::to_string(c.seed)},
-          {"world_size", std::to_string(pg.size())}};
+  fsdp::checkpoint::Extra extra{
+      {"step", std::to_string(p.step)},
+      {"window_steps", std::to_string(p.window_steps)},
+      {"window_loss", std::string(static_cast<const char*>(losses.data_ptr()), losses.nbytes())},
+      {"cpu_rng_state", std::string(static_cast<const char*>(rng.data_ptr()), rng.nbytes())},
+      {"seed", std::to_string(c.seed)},
+      {"world_size", std::to_string(pg.size())}};
+  if (scaler) {  // --mixed-precision fp16: the loss scale and its growth count continue on resume
+    extra["grad_scale"] = double_bytes(scaler->get_scale());
+    extra["grad_scaler_growth_tracker"] = std::to_string(scaler->growth_tracker());
+  }
+  return extra;
 }
 
 void save_checkpoint(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullyShardedModule& sharded,
-                     torch::optim::Optimizer& optimizer, const Progress& p) {
+                     torch::optim::Optimizer& optimizer, const Progress& p, const fsdp::GradScaler* scaler) {
   const auto start = Clock::now();
   char name[32];
   std::snprintf(name, sizeof(name), "step-%08d", p.step);
   const std::string dir = c.save_dir + "/" + name;
-  fsdp::checkpoint::save(dir, sharded, optimizer, progress_extra(pg, c, p),
+  fsdp::checkpoint::save(dir, sharded, optimizer, progress_extra(pg, c, p, scaler),
                          fsdp::checkpoint::SaveOptions().overwrite(true));
   if (pg.rank() == 0)
     std::cout << "checkpoint: saved step " << p.step << " to " << dir << " in " << fixed(seconds_since(start), 2)
@@ -572,7 +606,7 @@ void save_checkpoint(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySh
 
 // --resume: loads the newest complete checkpoint under --save-dir; returns where to continue.
 Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullyShardedModule& sharded,
-                torch::optim::Optimizer& optimizer) {
+                torch::optim::Optimizer& optimizer, fsdp::GradScaler* scaler) {
   const std::string dir = fsdp::checkpoint::latest(c.save_dir);
   // Every rank must pick the same one (a shared file system): compare a hash of the path.
   const double h = static_cast<double>(std::hash<std::string>{}(dir) % 1000003);
@@ -599,6 +633,9 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
     p.window_loss = per_rank[pg.rank()];
   else if (pg.rank() == 0)
     for (double l : per_rank) p.window_loss += l;  // another world size: same sum
+  if (scaler && extra.count("grad_scale"))  // a checkpoint of a run without fp16 starts the scaler afresh
+    scaler->load(double_of_bytes(extra.at("grad_scale"), "grad_scale"),
+                 std::stoll(extra.at("grad_scaler_growth_tracker")));
   const std::string& rng = extra.at("cpu_rng_state");
   auto state = torch::empty({static_cast<int64_t>(rng.size())}, torch::kByte);
   std::memcpy(state.data_ptr(), rng.data(), rng.size());
@@ -740,6 +777,7 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
       return c10::optional<bool>(choice == "true" || (choice == "except-last" && name != last));
     });
   }
+  options.reshard_after_forward_size(config.reshard_after_forward_size);
   return fsdp::fully_shard(built.model, std::move(pg), options);
 }
 
@@ -773,6 +811,14 @@ struct JobFigures {
   MatmulPeak peak;
 };
 
+// What --grad-accum-mode does with the micro-batches before the last, for the configuration table.
+std::string grad_accum_mode_description(const std::string& mode) {
+  if (mode == "no-sync") return "all but the last without communication";
+  if (mode == "no-sync-unsharded") return "all but the last without communication, parameters kept unsharded";
+  if (mode == "reduce") return "every one reduce-scattered";
+  return "every one reduce-scattered in the shard group, the replica all-reduce on the last";
+}
+
 // Rank 0: the resolved configuration table, the units, and (--show-memory) the memory comparison.
 void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, const JobFigures& job,
                          const fsdp::FullyShardedModule& sharded, const BuiltModel& built, const TrainingData& data) {
@@ -788,16 +834,22 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
       {"wrap", config.wrap == "block" ? "block (every BlockImpl is a unit, plus the root)"
                                       : "none (the whole model is one unit)"},
       {"units", std::to_string(units)},
-      {"reshard after forward", config.reshard_after_forward == "strategy"
-                                    ? std::string("the strategy's choice")
-                                    : config.reshard_after_forward + " (--reshard-after-forward)"},
+      {"reshard after forward",
+       (config.reshard_after_forward == "strategy" ? std::string("the strategy's choice")
+                                                   : config.reshard_after_forward + " (--reshard-after-forward)") +
+           (config.reshard_after_forward_size
+                ? ", then sharded over groups of " + std::to_string(config.reshard_after_forward_size) +
+                      " ranks until backward"
+                : std::string())},
       {"mixed precision", config.mixed_precision == "none"
                               ? std::string("none (float32)")
                               : config.mixed_precision + " gathers and compute, float32 reduction and master weights" +
                                     (config.mixed_precision == "fp16" ? ", sharded gradient scaler" : "")},
       {"grad accumulation", std::to_string(config.grad_accum) + " micro-batch" + (config.grad_accum == 1 ? "" : "es") +
                                 " of " + std::to_string(config.batch_per_rank / config.grad_accum) + " per step" +
-                                (config.grad_accum > 1 ? " (all but the last without communication)" : "")},
+                                (config.grad_accum > 1 ? " (" + config.grad_accum_mode + ": " +
+                                                             grad_accum_mode_description(config.grad_accum_mode) + ")"
+                                                       : std::string())},
       {"activation checkpointing", config.activation_checkpointing ? "every block (recomputed in backward)" : "off"},
       {"gradient clipping", config.clip_grad_norm > 0 ? "total 2-norm " + fixed(config.clip_grad_norm, 3) : "off"},
       {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
@@ -877,13 +929,17 @@ double train_step(const TrainingLoop& loop, int step, double lr) {
       gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step),
                         world * config.batch_per_rank, rank * config.batch_per_rank, config.batch_per_rank);
   loop.optimizer.zero_grad();
-  // --grad-accum micro-batches; all but the last keep their gradients local (no_sync).
+  // --grad-accum micro-batches; all but the last treat their gradients as --grad-accum-mode says.
   const int64_t micro = config.batch_per_rank / config.grad_accum;
+  const std::string& mode = config.grad_accum_mode;
   double loss_sum = 0;
   for (int m = 0; m < config.grad_accum; ++m) {
     gpt::Batch part{batch.inputs.narrow(0, m * micro, micro), batch.targets.narrow(0, m * micro, micro)};
+    const bool last = m + 1 == config.grad_accum;
     std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
-    if (m + 1 < config.grad_accum) no_sync.emplace(loop.sharded.no_sync());
+    if (!last && (mode == "no-sync" || mode == "no-sync-unsharded")) no_sync.emplace(loop.sharded.no_sync());
+    if (mode == "no-sync-unsharded") loop.sharded.set_reshard_after_backward(last);
+    if (mode == "replica-deferred") loop.sharded.set_requires_all_reduce(last);
     auto loss = next_token_loss(loop.model, part) / config.grad_accum;
     (loop.scaler ? loop.scaler->scale(loss) : loss).backward();
     loss_sum += loss.item<double>();
@@ -956,7 +1012,7 @@ TrainingResult train(const TrainingLoop& loop) {
   loop.sharded.reset_peak_memory_stats();
   TrainingResult result;
   LogWindow window;
-  const Progress resumed = config.resume ? resume(loop.pg, config, loop.sharded, loop.optimizer) : Progress{};
+  const Progress resumed = config.resume ? resume(loop.pg, config, loop.sharded, loop.optimizer, loop.scaler) : Progress{};
   window.loss = resumed.window_loss, window.steps = resumed.window_steps;
   if (!config.save_dir.empty()) install_stop_handler();
   for (int step = resumed.step + 1; step <= config.steps; ++step) {
@@ -975,7 +1031,8 @@ TrainingResult train(const TrainingLoop& loop) {
       const bool stop = step == config.stop_after || stop_requested_anywhere(loop.pg);
       if (stop || step == config.steps || (config.save_every > 0 && step % config.save_every == 0)) {
         progress.clear();
-        save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer, Progress{step, window.loss, window.steps});
+        save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer, Progress{step, window.loss, window.steps},
+                        loop.scaler);
       }
       if (stop && step < config.steps) {
         result.stopped_after = step;

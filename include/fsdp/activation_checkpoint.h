@@ -73,11 +73,7 @@ class CheckpointedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Mo
 
  public:
   explicit CheckpointedImpl(Holder inner) : inner_(std::move(inner)) {
-    // Take over the wrapped module's members under their own names, so names do not change.
-    for (const auto& kv : inner_->named_children()) register_module(kv.key(), kv.value());
-    for (const auto& kv : inner_->named_parameters(/*recurse=*/false))
-      register_parameter(kv.key(), kv.value(), kv.value().requires_grad());
-    for (const auto& kv : inner_->named_buffers(/*recurse=*/false)) register_buffer(kv.key(), kv.value());
+    detail::adopt_members(*this, *inner_);
   }
 
   // M's forward; with grad mode on and checkpointing enabled, its activations are recomputed in

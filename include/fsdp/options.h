@@ -91,6 +91,11 @@ struct Options {
   // Per-unit reshard after forward (ReshardPolicy above); null: the strategy decides for every
   // unit. The root always keeps its parameters from forward to backward (paper 3.3.1).
   TORCH_ARG(ReshardPolicy, reshard_after_forward) = nullptr;
+  // Units that reshard after forward keep their parameters sharded over groups of this many
+  // consecutive ranks (e.g. one host's) until their backward, whose all-gather then stays inside
+  // the group (hpZ; FSDP2's integer reshard_after_forward). A divisor of the shard group's size,
+  // strictly between 1 and it; 0: free them completely. See Note [Reshard to a smaller group].
+  TORCH_ARG(int, reshard_after_forward_size) = 0;
   // Rate limiter: hold a prefetch back while all_gather_limit non-root units are unsharded or
   // being gathered; gathers needed now are never held back. See Note [Rate limiter] in docs/design.md.
   TORCH_ARG(bool, limit_all_gathers) = true;

@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "fsdp/wrap_policy.h"
+
 namespace fsdp {
 
 // Marker base: fully_shard() makes every module deriving from it a unit.
@@ -65,11 +67,7 @@ template <typename Holder, typename Result, typename Impl, typename... Args>
 class ShardedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Module, public ExplicitUnit {
  public:
   explicit ShardedImpl(Holder inner) : inner_(std::move(inner)) {
-    // Take over the wrapped module's members under their own names, so names do not change.
-    for (const auto& kv : inner_->named_children()) register_module(kv.key(), kv.value());
-    for (const auto& kv : inner_->named_parameters(/*recurse=*/false))
-      register_parameter(kv.key(), kv.value(), kv.value().requires_grad());
-    for (const auto& kv : inner_->named_buffers(/*recurse=*/false)) register_buffer(kv.key(), kv.value());
+    detail::adopt_members(*this, *inner_);
   }
 
   Result forward(Args... args) {

@@ -23,6 +23,17 @@ class ModuleWrapper {
   const torch::nn::Module& wrapped() const { return const_cast<ModuleWrapper*>(this)->wrapped(); }
 };
 
+namespace detail {
+// Registers `inner`'s children, own parameters and own buffers on `self` under their own names, so
+// that a wrapper (fsdp::Sharded, fsdp::Checkpointed) changes no qualified name.
+inline void adopt_members(torch::nn::Module& self, torch::nn::Module& inner) {
+  for (const auto& kv : inner.named_children()) self.register_module(kv.key(), kv.value());
+  for (const auto& kv : inner.named_parameters(/*recurse=*/false))
+    self.register_parameter(kv.key(), kv.value(), kv.value().requires_grad());
+  for (const auto& kv : inner.named_buffers(/*recurse=*/false)) self.register_buffer(kv.key(), kv.value());
+}
+}  // namespace detail
+
 namespace wrap {
 
 // Wrap every module whose implementation type is one of ModuleImpls (e.g. BlockImpl), or that

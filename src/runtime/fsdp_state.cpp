@@ -34,6 +34,7 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
     reshard_after_forward_.push_back(pu.parent >= 0 && choice.value_or(by_strategy));
   }
   check_same_model_on_all_ranks(plan);
+  groups_.create_post_forward_group(*pg_, options_);
   build_flat_params(plan);
   intercepting_ =
       std::any_of(flat_params_.begin(), flat_params_.end(), [](const auto& fp) { return !fp->keep_unsharded(); });
@@ -72,6 +73,7 @@ void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
     << " mixed precision " << name(mp.param_dtype()) << "/" << name(mp.reduce_dtype()) << "/" << name(mp.buffer_dtype())
     << "\nreshard after forward";
   for (bool r : reshard_after_forward_) d << " " << r;
+  d << " to " << options_.reshard_after_forward_size() << " ranks";
   d << "\n" << plan.describe();
   const std::string mine = d.str();
   if (pg_->size() == 1) return;
@@ -233,7 +235,8 @@ std::string FsdpState::describe_communicators() const {
   std::vector<const Communicator*> seen;
   const std::pair<const char*, const Communicator*> roles[] = {{"world", groups_.world_comm.get()},
                                                                {"shard group", groups_.shard_comm.get()},
-                                                               {"replica group", groups_.replicate_comm.get()}};
+                                                               {"replica group", groups_.replicate_comm.get()},
+                                                               {"post-forward group", groups_.post_forward_comm.get()}};
   for (const auto& [role, comm] : roles) {
     if (!comm || (comm->size() < 2 && comm->device().is_cpu()) ||
         std::find(seen.begin(), seen.end(), comm) != seen.end())

@@ -119,7 +119,10 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
   if (reshard_after_backward_) reshard_all();
   if (options_.broadcast_buffers() && reducer_.sync()) reducer_.broadcast_buffers(buffers);
   reducer_.end_backward();
-  for (auto& unit : units_) unit.reset();
+  for (auto& unit : units_) {
+    unit.drop_post_forward_shards();
+    unit.reset();
+  }
   last_used_ = -1;
   // The next iteration prefetches along this one's forward order.
   if (!forward_first_order_.empty()) previous_forward_order_ = std::move(forward_first_order_);
@@ -185,7 +188,8 @@ void Scheduler::prefetch(int v, const char* why) {
 }
 
 void Scheduler::reshard(int u) {
-  if (!units_[u].reshard()) return;
+  // A unit whose backward is still to come keeps its post-forward shards for that backward's gathers.
+  if (!units_[u].reshard(/*to_post_forward_shards=*/units_[u].awaits_backward())) return;
   tracer_.instant(TraceEvent::Kind::kReshard, u, "");
   if (held_back_prefetch_ >= 0) {
     const int v = held_back_prefetch_;

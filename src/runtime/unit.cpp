@@ -84,7 +84,7 @@ void Unit::wait_for_unshard(const char* what) {
   }
 }
 
-bool Unit::reshard() {
+bool Unit::reshard(bool to_post_forward_shards) {
   bool freed = false;
   for (FlatParam* fp : flat_params_) {
     if (fp->keep_unsharded() || !fp->is_unsharded()) continue;
@@ -93,7 +93,10 @@ bool Unit::reshard() {
       fp->wait_unshard();
       tracer_->wait(index_, "all-gather (unused prefetch)", start, Tracer::Clock::now());
     }
-    fp->reshard();
+    if (to_post_forward_shards)
+      fp->reshard_to_post_forward_shard();
+    else
+      fp->reshard();
     freed = true;
   }
   // Clear "prefetched": a prefetch freed unused leaves the unit as it was before.
@@ -102,6 +105,10 @@ bool Unit::reshard() {
   else if (state_ == TrainingState::kBackwardPrefetched)
     state_ = TrainingState::kForward;
   return freed;
+}
+
+void Unit::drop_post_forward_shards() {
+  for (FlatParam* fp : flat_params_) fp->drop_post_forward_shard();
 }
 
 bool Unit::note_grad(bool every_param_expected, bool newly_used) {

@@ -39,6 +39,10 @@ class Unit {
   bool prefetched() const;
   bool forward_seen() const;
   bool backward_done() const { return state_ == TrainingState::kBackwardDone; }
+  // Took part in this iteration's forward with grad and its backward has not begun.
+  bool awaits_backward() const {
+    return state_ == TrainingState::kForward || state_ == TrainingState::kBackwardPrefetched;
+  }
   // Lifecycle transitions (see TrainingState).
   void mark_used(bool in_backward, bool grad_enabled);
   void mark_prefetched();
@@ -54,7 +58,10 @@ class Unit {
   // Waits for the unit's all-gathers in flight (the time waited is exposed communication).
   void wait_for_unshard(const char* what = "all-gather");
   // Frees the unsharded storage (after any gather into it landed); true if something was freed.
-  bool reshard();
+  // `to_post_forward_shards`: keep each FlatParameter's post-forward shard first (hpZ).
+  bool reshard(bool to_post_forward_shards = false);
+  // Frees the post-forward shards a backward did not use.
+  void drop_post_forward_shards();
 
   // A gradient arrived (call before marking its slot used). The first one of a backward counts
   // those expected: parameters read with grad mode on, or all if `every_param_expected`; a

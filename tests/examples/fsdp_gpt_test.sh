@@ -262,9 +262,43 @@ test_training_controls() {
   expect_regex out "activation checkpointing +every block"
   check_training_output "[rank 0] " 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
   expect_regex out "mixed precision +bf16 gathers and compute, float32 reduction and master weights"
-  expect_regex out "grad accumulation +2 micro-batches of 4 per step \(all but the last without communication\)"
+  expect_regex out "grad accumulation +2 micro-batches of 4 per step \(no-sync: all but the last without communication\)"
   expect_regex out "gradient clipping +total 2-norm 1.000"
   expect_regex out "reshard after forward +except-last"
+}
+
+# The other accumulation modes train, and the configuration names each; replica-deferred needs
+# HYBRID_SHARD and says so.
+test_grad_accum_modes() {
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --grad-accum 2 \
+      --grad-accum-mode no-sync-unsharded
+  expect_rc 0
+  check_training_output "[rank 0] " 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
+  expect_regex out "grad accumulation +2 micro-batches .*no-sync-unsharded: all but the last without communication, parameters kept unsharded"
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --grad-accum 2 --grad-accum-mode reduce
+  expect_rc 0
+  expect_regex out "grad accumulation +2 micro-batches .*reduce: every one reduce-scattered"
+  run "$LAUNCHER" --nproc-per-node 4 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --grad-accum 2 \
+      --grad-accum-mode replica-deferred --strategy HYBRID_SHARD --sharding-factor 2
+  expect_rc 0
+  check_training_output "[rank 0] " 4 "RANK, WORLD_SIZE from fsdp-run or torchrun"
+  expect_regex out "replica-deferred: every one reduce-scattered in the shard group, the replica all-reduce on the last"
+  run "$TRAINER" "${TINY[@]}" --grad-accum 2 --grad-accum-mode replica-deferred
+  expect_failure
+  expect_text err "replica-deferred needs --strategy HYBRID_SHARD"
+}
+
+# Blocks kept sharded over pairs of ranks between forward and backward (hpZ) at world 4: the
+# configuration says so and the run trains as the plain one does. A size that does not divide the
+# world is refused on every rank, naming the option.
+test_reshard_after_forward_size() {
+  run "$LAUNCHER" --nproc-per-node 4 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --reshard-after-forward-size 2
+  expect_rc 0
+  check_training_output "[rank 0] " 4 "RANK, WORLD_SIZE from fsdp-run or torchrun"
+  expect_regex out "reshard after forward +the strategy's choice, then sharded over groups of 2 ranks until backward"
+  run "$LAUNCHER" --nproc-per-node 4 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --reshard-after-forward-size 3
+  expect_failure
+  expect_text err "reshard_after_forward_size must divide the shard group's size 4"
 }
 
 test_missing_data() {
