@@ -1158,6 +1158,9 @@ def main():
     ap.add_argument("--largest-fsdp-args", default="",
                     help="extra gpt_bench options for every probe of the largest section, e.g. "
                          "'--reductions-in-flight 1 --all-gather-limit 1' (FSDP's memory-saving settings)")
+    ap.add_argument("--largest-malloc", help="comma-separated malloc modes of the largest section (default: the "
+                                             "preset's, e.g. default,mmap)")
+    ap.add_argument("--largest-criteria", help="comma-separated criteria of the largest section: whole, steps")
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--python", default="/usr/bin/python3", help="Python with python3-torch, for DDP")
@@ -1167,6 +1170,16 @@ def main():
     preset = json.loads(json.dumps(PRESETS[args.preset]))
     if args.reps:
         preset["reps"] = args.reps
+    if args.largest_malloc:
+        preset["largest"]["malloc"] = args.largest_malloc.split(",")
+        for m in preset["largest"]["malloc"]:
+            if m not in MALLOC_MODES:
+                sys.exit(f"run.py: unknown --largest-malloc {m!r}; choose from {', '.join(MALLOC_MODES)}")
+    if args.largest_criteria:
+        preset["largest"]["criteria"] = args.largest_criteria.split(",")
+        for c in preset["largest"]["criteria"]:
+            if c not in ("whole", "steps"):
+                sys.exit(f"run.py: unknown --largest-criteria {c!r}; choose from whole, steps")
     sections = [s for s in args.sections.split(",") if s]
     for s in sections:
         if s not in ("peers", "malloc", "memory", "largest"):
