@@ -5,14 +5,16 @@
 #   FSDP_SANITIZE=address,undefined     or thread: -fsanitize=... for compile and link of every
 #                                       target of this project (scripts/sanitize.sh uses it)
 #   FSDP_CCACHE=ON (default)            compile through ccache when it is installed
-#   FSDP_PCH=ON (default)               precompile LibTorch's (and gtest's) headers once per target
+#   FSDP_PCH=ON (default)               precompile LibTorch's and gtest's headers for the tests
 #                                       (fsdp_precompile_headers below)
+#   FSDP_UNITY_BUILD=ON (default)       compile the library's sources in batches (root CMakeLists.txt)
 
 option(FSDP_WERROR "Treat compiler warnings as errors (libfsdp's own targets)" OFF)
 set(FSDP_SANITIZE "" CACHE STRING
     "Sanitizers for every target, as for -fsanitize= (address,undefined or thread); empty: none")
 option(FSDP_CCACHE "Compile through ccache when it is found" ON)
 option(FSDP_PCH "Precompile torch/torch.h once per target instead of parsing it in every source" ON)
+option(FSDP_UNITY_BUILD "Compile the library's sources in batches of 6 (one translation unit each)" ON)
 
 # --- fsdp_warnings: the warning flags of every target in this project -----------------------
 # Each target links it PRIVATE. The library takes it through its LINK_LIBRARIES property rather
