@@ -10,14 +10,10 @@
 # mode) and the median ms/step. HYBRID_SHARD (sharding factor 2) for every mode, so that
 # replica-deferred applies.
 set -euo pipefail
-BUILD=${1:?usage: bench/accumulation.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]}
-REPEATS=${2:-3}
-shift $(($# >= 2 ? 2 : 1))
-TRAINER=$BUILD/examples/gpt/fsdp_gpt
-RUN=$BUILD/tools/fsdp-run
-export OMP_NUM_THREADS=1
+# shellcheck source=bench/trainer_runs.sh
+source "$(dirname "$0")/trainer_runs.sh"
 MODEL=(--layers 4 --width 256 --heads 8 --context 64 --batch-per-rank 4 --steps 16 --warmup 2 --log-interval 8
-       --eval-batches 1 --sample-bytes 0 --show-memory --strategy HYBRID_SHARD --sharding-factor 2 "$@")
+       --eval-batches 1 --sample-bytes 0 --show-memory --strategy HYBRID_SHARD --sharding-factor 2 "${EXTRA[@]}")
 ORDER=(none no-sync no-sync-unsharded reduce replica-deferred)
 declare -A FLAGS=(
   [none]="--grad-accum 1"
@@ -42,7 +38,6 @@ for ((r = 0; r < REPEATS; r++)); do
     echo "repeat $r $name: $ms ms/step, peaks $peaks MiB" >&2
   done
 done
-median() { tr ' ' '\n' | grep . | sort -n | awk '{ a[NR] = $1 } END { print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) }'; }
 base=$(echo "${TIMES[none]}" | median)
 echo "| mode | flags | parameter peak MiB | gradient peak MiB | ms/step (median of $REPEATS) | runs | ratio to no accumulation |"
 echo "| --- | --- | ---: | ---: | ---: | --- | ---: |"

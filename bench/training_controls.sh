@@ -8,14 +8,10 @@
 # markdown table of median ms/step and the ratio to the baseline's median. Every run trains the
 # same model on the same global batch: --grad-accum splits each rank's rows into micro-batches.
 set -euo pipefail
-BUILD=${1:?usage: bench/training_controls.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]}
-REPEATS=${2:-3}
-shift $(($# >= 2 ? 2 : 1))
-TRAINER=$BUILD/examples/gpt/fsdp_gpt
-RUN=$BUILD/tools/fsdp-run
-export OMP_NUM_THREADS=1
+# shellcheck source=bench/trainer_runs.sh
+source "$(dirname "$0")/trainer_runs.sh"
 MODEL=(--layers 4 --width 256 --heads 8 --context 64 --batch-per-rank 4 --steps 24 --warmup 2 --log-interval 8
-       --eval-batches 1 --sample-bytes 0 "$@")
+       --eval-batches 1 --sample-bytes 0 "${EXTRA[@]}")
 declare -A CONTROLS=(
   [baseline]=""
   [bf16]="--mixed-precision bf16"
@@ -41,7 +37,6 @@ for ((r = 0; r < REPEATS; r++)); do
     echo "repeat $r $name: $ms ms/step" >&2
   done
 done
-median() { tr ' ' '\n' | grep . | sort -n | awk '{ a[NR] = $1 } END { print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2) }'; }
 base=$(echo "${TIMES[baseline]}" | median)
 echo "| control | flags | ms/step (median of $REPEATS) | runs | ratio to baseline |"
 echo "| --- | --- | ---: | --- | ---: |"

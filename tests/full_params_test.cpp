@@ -2,6 +2,8 @@
 // reshard-after-forward policy: each checked against local training and FSDP's memory figures.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "harness.h"
 #include "models.h"
 
@@ -14,14 +16,21 @@ at::Tensor batch(int world, int step) {
   return at::randint(0, 32, {2 * world, 8}, at::detail::createCPUGenerator(40 + step));
 }
 
+// One step of local training on the global batch and sharded training on this rank's rows;
+// after_forward / after_backward run between the sharded model's phases.
 void train_step(TinyTransformer& ref, torch::optim::Optimizer& ref_opt, TinyTransformer& model,
-                torch::optim::Optimizer& opt, const WorkerContext& ctx, int step) {
+                torch::optim::Optimizer& opt, const WorkerContext& ctx, int step,
+                const std::function<void()>& after_forward = nullptr,
+                const std::function<void()>& after_backward = nullptr) {
   const auto x = batch(ctx.world, step);
   ref_opt.zero_grad();
   loss_of(ref, x).backward();
   ref_opt.step();
   opt.zero_grad();
-  loss_of(model, x.narrow(0, ctx.rank * 2, 2)).backward();
+  auto loss = loss_of(model, x.narrow(0, ctx.rank * 2, 2));
+  if (after_forward) after_forward();
+  loss.backward();
+  if (after_backward) after_backward();
   opt.step();
 }
 
@@ -126,19 +135,12 @@ FSDP_WORKER(reshard_policy_worker) {
     const bool kept = u.parent < 0 || (u.name == chosen ? !reshard : !full_shard);
     if (kept) expected += u.padded_bytes;
   }
-  for (int step = 0; step < 3; ++step) {
-    const auto x = batch(ctx.world, step);
-    ref_opt.zero_grad();
-    loss_of(ref, x).backward();
-    ref_opt.step();
-    opt.zero_grad();
-    auto loss = loss_of(model, x.narrow(0, ctx.rank * 2, 2));
-    const int64_t after_forward = sharded->memory_stats().param_bytes;
-    WORKER_CHECK(after_forward == expected, "step ", step, ": ", after_forward,
-                 " bytes of parameters after forward; expected ", expected, " (the root and units kept unsharded)");
-    loss.backward();
-    opt.step();
-  }
+  for (int step = 0; step < 3; ++step)
+    train_step(ref, ref_opt, model, opt, ctx, step, [&] {
+      const int64_t after_forward = sharded->memory_stats().param_bytes;
+      WORKER_CHECK(after_forward == expected, "step ", step, ": ", after_forward,
+                   " bytes of parameters after forward; expected ", expected, " (the root and units kept unsharded)");
+    });
   expect_same_parameters(*ref, *sharded, 1e-12, "reshard policy");
   if (ctx.rank == 0) std::cout << strategy << " " << chosen << " reshard " << reshard << " ok" << std::endl;
 }
@@ -194,20 +196,18 @@ FSDP_WORKER(post_forward_group_worker) {
       world_before = fsdp::modeled_link_stats(*pg->world())->wire_bytes;
       group_before = group ? fsdp::modeled_link_stats(*group)->wire_bytes : 0;
     }
-    const auto x = batch(ctx.world, step);
-    ref_opt.zero_grad();
-    loss_of(ref, x).backward();
-    ref_opt.step();
-    opt.zero_grad();
-    auto loss = loss_of(model, x.narrow(0, ctx.rank * 2, 2));
-    const int64_t after_forward = sharded->memory_stats().param_bytes;
-    WORKER_CHECK(after_forward == expected_after_forward, "step ", step, ": ", after_forward,
-                 " bytes of parameters after forward; expected ", expected_after_forward,
-                 " (shards, the root, 1/k of each block)");
-    loss.backward();
-    WORKER_CHECK(sharded->memory_stats().param_bytes == shard_bytes(*sharded),
-                 "step ", step, ": post-forward shards outlive backward: ", sharded->memory_stats().param_bytes);
-    opt.step();
+    train_step(
+        ref, ref_opt, model, opt, ctx, step,
+        [&] {
+          const int64_t after_forward = sharded->memory_stats().param_bytes;
+          WORKER_CHECK(after_forward == expected_after_forward, "step ", step, ": ", after_forward,
+                       " bytes of parameters after forward; expected ", expected_after_forward,
+                       " (shards, the root, 1/k of each block)");
+        },
+        [&] {
+          WORKER_CHECK(sharded->memory_stats().param_bytes == shard_bytes(*sharded), "step ", step,
+                       ": post-forward shards outlive backward: ", sharded->memory_stats().param_bytes);
+        });
   }
   expect_same_parameters(*ref, *sharded, mixed ? 1e-5 : 1e-12, "reshard to " + std::to_string(k) + " ranks");
   const int64_t world_bytes = fsdp::modeled_link_stats(*pg->world())->wire_bytes - world_before;
