@@ -1,8 +1,8 @@
 // fsdp_bench_checkpoint: sharded checkpoint save and load throughput of the example GPT against the
 // disk's own sequential bandwidth measured in the same run (dd with conv=fsync; reads after the
-// page cache was emptied for the file), the time a synchronous save costs against a training step,
-// and the peak memory of the streamed rank-0 safetensors export against (resident shards + one
-// unit + one tensor). Results: bench/results/checkpoint.md.
+// page cache was emptied for the file), the time a synchronous and an asynchronous save cost the
+// training loop, and the peak memory of the streamed rank-0 safetensors export against (resident
+// shards + one unit + one tensor). Results: bench/results/checkpoint.md.
 //
 //   fsdp-run --nproc-per-node 4 ./fsdp_bench_checkpoint --dir /var/tmp/ckpt_bench --layers 8 --width 512
 //
@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -159,6 +160,25 @@ int main(int argc, char** argv) {
     save_s.push_back(seconds_since(start));
     if (rank == 0) ckpt_bytes = dir_bytes(d);
   }
+  // Asynchronous saves: the loop's pause in async_save, then enough steps to cover the background
+  // write (a fixed count on every rank: training's collectives stay in step), then wait(). The
+  // time lost is everything beyond those steps' own time.
+  const int overlap_steps =
+      std::max(2, static_cast<int>(std::ceil(2 * *std::max_element(save_s.begin(), save_s.end()) / step_s)) + 1);
+  std::vector<double> async_pause_s, async_lost_s;
+  for (int r = 0; r < reps; ++r) {
+    const std::string d = dir + "/async" + std::to_string(r);
+    if (rank == 0) fs::remove_all(d);
+    barrier();
+    start = Clock::now();
+    auto handle = fsdp::checkpoint::async_save(d, *sharded, optimizer, {{"step", std::to_string(r)}});
+    async_pause_s.push_back(seconds_since(start));
+    for (int s = 0; s < overlap_steps; ++s) train_step(1 + s);
+    handle.wait();
+    barrier();
+    async_lost_s.push_back(seconds_since(start) - overlap_steps * step_s);
+    if (rank == 0) fs::remove_all(d);
+  }
   // Loads, each after the checkpoint's files were evicted from the page cache.
   double resident_before_load = 0;
   for (int r = 0; r < reps; ++r) {
@@ -233,6 +253,10 @@ int main(int argc, char** argv) {
               << "%\n"
               << "synchronous save every " << cadence << " steps: " << 100.0 * mean(save_s) / (cadence * step_s)
               << "% of training time (" << mean(save_s) / step_s << " steps per save)\n"
+              << "asynchronous save: training paused " << mean(async_pause_s) << " s mean in async_save; time lost "
+              << "over the call and " << overlap_steps << " steps to wait() " << mean(async_lost_s)
+              << " s mean = " << 100.0 * mean(async_lost_s) / step_s << "% of a step; every " << cadence
+              << " steps: " << 100.0 * mean(async_lost_s) / (cadence * step_s) << "% of training time\n"
               << "export_full: " << export_s << " s; rank 0 FSDP parameter peak " << after.param_peak_bytes / mib
               << " MiB vs bound (shards " << shard_bytes / mib << " + largest unit " << largest_unit / mib
               << " + largest tensor " << largest_tensor / mib << ") = " << bound / mib << " MiB; resident before "
@@ -244,6 +268,9 @@ int main(int argc, char** argv) {
                      {"step_s", step_s},
                      {"save_s", save_s},
                      {"load_s", load_s},
+                     {"async_pause_s", async_pause_s},
+                     {"async_lost_s", async_lost_s},
+                     {"async_overlap_steps", overlap_steps},
                      {"dd_write_mib_s", dd_w},
                      {"dd_read_mib_s", dd_r},
                      {"save_fraction_of_dd", save_bw / dd_w},

@@ -228,6 +228,7 @@ void FlatParam::take_grad(int slot) {
   ParamSlot& s = slots_[slot];
   at::Tensor& g = s.param.mutable_grad();
   if (!g.defined()) return;
+  if (!grad_sentinels_.empty() && g.is_same(grad_sentinels_[slot])) return;
   FSDP_CHECK(full_grad_.defined(), "internal: gradient of '", s.name, "' arrived without a gradient buffer");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
@@ -242,6 +243,14 @@ void FlatParam::take_grad(int slot) {
   }
   written_[slot] = 1;
   g.reset();
+  if (separate_shard_) {
+    if (grad_sentinels_.empty())  // one element each, all strides 0; not views (optimizers detach_ them)
+      for (const auto& t : slots_)
+        grad_sentinels_.push_back(at::empty_strided(t.shape, std::vector<int64_t>(t.shape.size(), 0),
+                                                    full_.options().dtype(s.param.scalar_type()))
+                                      .zero_());
+    g = grad_sentinels_[slot];
+  }
 }
 
 void FlatParam::start_reduce(bool across_replicas) {

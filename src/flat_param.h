@@ -87,7 +87,8 @@ class FlatParam {
   // The flat gradient buffer exists during backward. AccumulateGrad gives a parameter its
   // gradient as usual (stealing autograd's tensor, no copy); take_grad() then moves it into the
   // parameter's region of the buffer (a copy the first time, an add for a later gradient) and
-  // clears the parameter's .grad. A region no gradient reached is zeroed before the reduction.
+  // clears the parameter's .grad: with a separate shard, to a zero-stride zero (Note [Gradient
+  // sentinel]). A region no gradient reached is zeroed before the reduction.
   // Kept unsharded (NO_SHARD): the buffer persists between iterations and the pieces' .grad are
   // aliases of it, so a reduction writes the gradients in place and accumulation across backward
   // passes needs no copy. Returns true if it allocated storage that outlives this backward.
@@ -142,6 +143,7 @@ class FlatParam {
   // Per slot, for the current buffer: its region holds a gradient of this backward / a gradient
   // kept from earlier ones (NO_SHARD accumulation), which later gradients add to.
   std::vector<uint8_t> written_, kept_;
+  std::vector<at::Tensor> grad_sentinels_;  // per slot: the module parameter's .grad between backwards
   // NO_SHARD: the storage the pieces' gradients alias (alive while any of them is).
   c10::weak_intrusive_ptr<c10::StorageImpl> grad_store_{c10::intrusive_ptr<c10::StorageImpl>()};
   // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
@@ -151,14 +153,14 @@ class FlatParam {
   bool reduce_started_ = false;  // start_reduce() ran and finish_reduce() did not yet
   bool defer_replicas_ = false;  // this reduction skips the replica all-reduce: finish keeps it
   bool replica_reduce_issued_ = false;
-  at::Tensor partial_;                  // hybrid: shard-group sums awaiting the replica all-reduce (reduce dtype)
-  std::vector<uint8_t> partial_slots_;  // per slot: a gradient of it is in partial_
-  at::Tensor gather_input_;  // what the gather in flight reads when not the shard, alive until it lands
-  at::Tensor post_forward_shard_;      // compute dtype: 1/k of the unsharded values (reshard_to_post_forward_shard)
-  int64_t post_forward_version_ = 0;   // the shard's version those values were gathered from
+  at::Tensor partial_;                   // hybrid: shard-group sums awaiting the replica all-reduce (reduce dtype)
+  std::vector<uint8_t> partial_slots_;   // per slot: a gradient of it is in partial_
+  at::Tensor gather_input_;              // what the gather in flight reads when not the shard, alive until it lands
+  at::Tensor post_forward_shard_;        // compute dtype: 1/k of the unsharded values (reshard_to_post_forward_shard)
+  int64_t post_forward_version_ = 0;     // the shard's version those values were gathered from
   bool gathering_post_forward_ = false;  // the last gather ran over the post-forward group
-  WorkPtr pending_work_;     // reduce-scatter (or all-reduce) in flight
-  WorkPtr gather_work_;      // all-gather in flight into full_
+  WorkPtr pending_work_;                 // reduce-scatter (or all-reduce) in flight
+  WorkPtr gather_work_;                  // all-gather in flight into full_
 };
 
 }  // namespace fsdp

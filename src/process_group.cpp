@@ -17,7 +17,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <sstream>
+#include <thread>
 
 #include "comm/self_communicator.h"
 #include "comm/shm_communicator.h"
@@ -200,6 +202,71 @@ bool built_with_gloo() {
 #endif
 }
 
+namespace {
+
+std::string arrived_key(int rank) { return "fsdp/arrived/" + std::to_string(rank); }
+
+// The TCPStore, built and answered once (this rank's arrival is recorded) on a helper thread: a
+// peer that accepts the connection but never answers (another program listening on MASTER_PORT)
+// fails after the timeout instead of hanging.
+c10::intrusive_ptr<c10d::Store> connect_store(const RankEnv& env, const c10d::TCPStoreOptions& so) {
+  auto result = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Store>>>();
+  auto done = result->get_future();
+  std::thread([result, addr = env.master_addr, so, rank = env.rank] {
+    try {
+      auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+      store->set(arrived_key(rank), std::vector<uint8_t>{1});
+      store->check({arrived_key(rank)});  // a request with a reply (set is not): the store answers
+      result->set_value(store);
+    } catch (...) {
+      result->set_exception(std::current_exception());
+    }
+  }).detach();
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(so.timeout).count();
+  FSDP_CHECK(done.wait_for(so.timeout + std::chrono::seconds(2)) == std::future_status::ready, "rank ", env.rank,
+             " could not rendezvous at MASTER_ADDR=", env.master_addr, " MASTER_PORT=", env.master_port,
+             ": something accepted the connection but did not answer as a c10d TCPStore within ", seconds,
+             " s. If rank 0 failed, see its error; if another program listens on that port, choose a free "
+             "MASTER_PORT (fsdp-run --master-port)");
+  return done.get();
+}
+
+// Every rank (announced by connect_store) waits for all the others, so that a rank that never
+// started is named (the store itself only counts arrivals).
+void wait_for_all_ranks(c10d::Store& store, const RankEnv& env, std::chrono::milliseconds timeout) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(arrived_key(r));
+  // Rank 0 hosts the store: it gives up a little later, so that the others can still name the
+  // missing ranks when they give up.
+  const auto deadline = std::chrono::steady_clock::now() + timeout + std::chrono::seconds(env.rank == 0 ? 2 : 0);
+  auto pause = std::chrono::milliseconds(1);
+  auto all_arrived = [&] {
+    try {
+      return store.check(keys);
+    } catch (const std::exception& e) {
+      FSDP_FAIL("rank ", env.rank, " lost the rendezvous store at MASTER_ADDR=", env.master_addr,
+                " MASTER_PORT=", env.master_port, " (rank 0's) while waiting for all ranks to arrive: ", e.what(),
+                ". See rank 0's error");
+    }
+  };
+  while (!all_arrived()) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::ostringstream missing;
+      int count = 0;
+      for (int r = 0; r < env.world_size; ++r)
+        if (!store.check({keys[r]})) missing << (count++ ? ", " : "") << r;
+      FSDP_FAIL("rank ", env.rank, ": ", count, " of ", env.world_size, " ranks never arrived at the rendezvous (",
+                "MASTER_ADDR=", env.master_addr, " MASTER_PORT=", env.master_port, ") within ",
+                std::chrono::duration_cast<std::chrono::seconds>(timeout).count(), " s: rank", count > 1 ? "s " : " ",
+                missing.str(), ". Check that they were started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+}
+
+}  // namespace
+
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
 #ifdef FSDP_WITH_GLOO
@@ -258,10 +325,12 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   so.port = env.world_size == 1 ? 0 : static_cast<uint16_t>(env.master_port);
   so.isServer = env.rank == 0;
   so.numWorkers = env.world_size;
-  so.waitWorkers = true;
+  so.waitWorkers = false;  // wait_for_all_ranks names the ranks that never came
   so.timeout = pg->options_.timeout;
   try {
-    pg->impl_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    pg->impl_->store = connect_store(env, so);
+  } catch (const Error&) {
+    throw;
   } catch (const std::exception& e) {
     FSDP_FAIL("rank ", env.rank, " could not rendezvous at MASTER_ADDR=", env.master_addr,
               " MASTER_PORT=", env.master_port, " (", e.what(),
@@ -269,6 +338,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
               "is free, and every rank got the same WORLD_SIZE=",
               env.world_size);
   }
+  wait_for_all_ranks(*pg->impl_->store, env, pg->options_.timeout);
 
 #ifdef FSDP_WITH_GLOO
   gloo::transport::tcp::attr attr;

@@ -1,9 +1,15 @@
 // Bad input and dead ranks: a clear error on every rank, never a hang.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "harness.h"
 #include "models.h"
@@ -105,6 +111,149 @@ FSDP_WORKER(wrong_optimizer_worker) {
 TEST(BadInput, OptimizerOverOriginalParametersIsDetected) {
   auto r = launch("wrong_optimizer_worker", 2, {}, 120);
   ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
+// A stock optimizer over module->parameters() (not the shards) never gets to train silently: the
+// parameters' .grad between backwards is a zero sentinel, so its first step writes a parameter in
+// place, which is refused by the next forward. args: optimizer (sgd, adam, adamw)
+FSDP_WORKER(stock_optimizer_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  const std::string kind = ctx.args.at(0);
+  if (kind == "sgd") opt = std::make_unique<torch::optim::SGD>(model->parameters(), 0.1);
+  if (kind == "adam") opt = std::make_unique<torch::optim::Adam>(model->parameters(), 0.1);
+  if (kind == "adamw") opt = std::make_unique<torch::optim::AdamW>(model->parameters(), 0.1);
+  for (int step = 0; step < 3; ++step) {
+    try {
+      opt->zero_grad();
+      model->zero_grad();  // a module's zero_grad stays harmless
+      model->forward(torch::randn({2, 6})).sum().backward();
+      opt->step();
+    } catch (const std::exception& e) {
+      WORKER_CHECK(step == 1, "failed at step ", step,
+                   " (expected at the first forward after the first step): ", e.what());
+      WORKER_CHECK(contains(e.what(), "build the optimizer over FullyShardedModule::parameters()"), e.what());
+      std::cout << "refused: " << e.what() << std::endl;
+      return;
+    }
+  }
+  throw std::runtime_error("a stock optimizer over module->parameters() ran 3 steps without an error");
+}
+
+TEST(BadInput, StockOptimizerOverModuleParametersFailsAfterItsFirstStep) {
+  for (const std::string kind : {"sgd", "adam", "adamw"}) {
+    auto r = launch("stock_optimizer_worker", 2, {kind}, 120);
+    EXPECT_TRUE(r.all_ok()) << kind << "\n" << r.report();
+  }
+}
+
+// Writes that bypass the parameter's own tensor: through .data(), .detach() or set_data(). Each
+// is refused by the next forward or backward, naming the parameter. args: route
+FSDP_WORKER(write_route_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  torch::optim::SGD opt(sharded->parameters(), 0.1);
+  model->forward(torch::randn({2, 6})).sum().backward();
+  opt.step();
+  const std::string route = ctx.args.at(0);
+  at::Tensor p = model->named_parameters()["layers.0.weight"];
+  {
+    torch::NoGradGuard no_grad;
+    if (route == "data") p.data().mul_(0.5);
+    if (route == "detach") p.detach().copy_(torch::zeros_like(p));
+    if (route == "set_data") p.set_data(torch::randn(p.sizes()));
+  }
+  try {
+    opt.zero_grad();
+    model->forward(torch::randn({2, 6})).sum().backward();
+    opt.step();
+    throw std::runtime_error("a write through " + route + " was not reported");
+  } catch (const fsdp::Error& e) {
+    WORKER_CHECK(contains(e.what(), "'layers.0.weight'"), e.what());
+    WORKER_CHECK(contains(e.what(), "summon_full_params(/*writeback=*/true)"), e.what());
+    std::cout << "refused: " << e.what() << std::endl;
+  }
+}
+
+TEST(BadInput, WritesThroughDataDetachOrSetDataAreRefused) {
+  for (const std::string route : {"data", "detach", "set_data"}) {
+    auto r = launch("write_route_worker", 2, {route}, 120);
+    EXPECT_TRUE(r.all_ok()) << route << "\n" << r.report();
+  }
+}
+
+// Rendezvous failures end within the timeout on every rank, naming the address, port and ranks.
+FSDP_WORKER(rendezvous_worker) {
+  if (ctx.args.at(0) == "skip" && ctx.rank == ctx.world - 1) return;  // this rank never starts
+  auto pg = fsdp::ProcessGroup::from_env();
+  pg->world()->barrier();
+}
+
+// Another program on MASTER_PORT: accepts connections and never answers.
+class ForeignListener {
+ public:
+  ForeignListener() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = 0;
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd_, 16) != 0)
+      throw std::runtime_error("cannot listen");
+    socklen_t len = sizeof(a);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] {
+      for (;;) {
+        const int c = accept(fd_, nullptr, nullptr);
+        if (c < 0) return;
+        std::lock_guard<std::mutex> lock(mu_);
+        accepted_.push_back(c);
+      }
+    });
+  }
+  ~ForeignListener() {
+    shutdown(fd_, SHUT_RDWR);
+    close(fd_);
+    thread_.join();
+    for (int c : accepted_) close(c);
+  }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1, port_ = 0;
+  std::thread thread_;
+  std::mutex mu_;
+  std::vector<int> accepted_;
+};
+
+TEST(BadInput, AForeignListenerOnMasterPortFailsEveryRankWithinTheTimeout) {
+  ForeignListener foreign;
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string port = std::to_string(foreign.port());
+  auto r = launch("rendezvous_worker", 2, {"all"}, 60, {"MASTER_PORT=" + port, "FSDP_TIMEOUT_S=3"});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.timed_out) << r.report();
+  EXPECT_LT(seconds, 3 + 7) << r.report();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(r.ranks[rank].exit_code, 0) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, "MASTER_PORT=" + port)) << r.report();
+  }
+}
+
+TEST(BadInput, ARankThatNeverStartsIsNamedByTheOthers) {
+  auto r = launch("rendezvous_worker", 3, {"skip"}, 60, {"FSDP_TIMEOUT_S=3"});
+  EXPECT_FALSE(r.timed_out) << r.report();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(r.ranks[rank].exit_code, 0) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, "1 of 3 ranks never arrived")) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, ": rank 2.")) << r.report();
+  }
 }
 
 // A rank that dies mid-training makes the others fail fast (TCP: the connection closes; shared

@@ -88,7 +88,8 @@ struct TrainConfig {
   std::string save_dir;
   int save_every = 0;  // 0: only at the end (and at --stop-after / SIGTERM)
   bool resume = false;
-  int stop_after = 0;  // 0: run to --steps
+  int stop_after = 0;       // 0: run to --steps
+  bool async_save = false;  // --save-every saves written in the background
   std::string export_file;
 };
 
@@ -210,6 +211,9 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                  "Save and exit after this step; the schedule still follows "
                  "--steps (needs --save-dir)")
       ->check(CLI::Range(1, 100000000));
+  app.add_flag("--async-save", config.async_save,
+               "Write --save-every checkpoints in the background: training pauses only to copy its shards to "
+               "host memory (the final, --stop-after and SIGTERM saves stay synchronous)");
   app.add_option("--export", config.export_file, "Write the trained model as one safetensors file");
 }
 
@@ -241,7 +245,8 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
                                                    std::to_string(config.batch_per_rank));
   for (const auto& [flag, used] : {std::pair<const char*, bool>{"--save-every", config.save_every > 0},
                                    {"--resume", config.resume},
-                                   {"--stop-after", config.stop_after > 0}})
+                                   {"--stop-after", config.stop_after > 0},
+                                   {"--async-save", config.async_save}})
     if (used && config.save_dir.empty()) throw CLI::ValidationError(flag, "needs --save-dir");
   const int world = env.world_size, factor = config.sharding_factor;
   if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
@@ -590,14 +595,41 @@ fsdp::checkpoint::Extra progress_extra(fsdp::ProcessGroup& pg, const TrainConfig
   return extra;
 }
 
+// A --async-save checkpoint still being written, announced when it is done.
+struct PendingSave {
+  fsdp::checkpoint::SaveHandle handle;
+  std::string dir;
+  int step = 0;
+  // Waits for it and says so (rank 0); rethrows its error.
+  void finish(const fsdp::ProcessGroup& pg) {
+    if (dir.empty()) return;
+    handle.wait();
+    if (pg.rank() == 0) std::cout << "checkpoint: saved step " << step << " to " << dir << " (in the background)\n";
+    dir.clear();
+  }
+};
+
+// Saves step-NNNNNNNN under --save-dir; in the background (into `pending`) when `background`.
 void save_checkpoint(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullyShardedModule& sharded,
-                     torch::optim::Optimizer& optimizer, const Progress& p, const fsdp::GradScaler* scaler) {
+                     torch::optim::Optimizer& optimizer, const Progress& p, const fsdp::GradScaler* scaler,
+                     bool background, PendingSave& pending) {
+  pending.finish(pg);
   const auto start = Clock::now();
   char name[32];
   std::snprintf(name, sizeof(name), "step-%08d", p.step);
   const std::string dir = c.save_dir + "/" + name;
-  fsdp::checkpoint::save(dir, sharded, optimizer, progress_extra(pg, c, p, scaler),
-                         fsdp::checkpoint::SaveOptions().overwrite(true));
+  const auto options = fsdp::checkpoint::SaveOptions().overwrite(true);
+  if (background) {
+    pending.handle = fsdp::checkpoint::async_save(dir, sharded, optimizer, progress_extra(pg, c, p, scaler), options);
+    pending.dir = dir;
+    pending.step = p.step;
+    if (pg.rank() == 0)
+      std::cout << "checkpoint: saving step " << p.step << " to " << dir << " in the background (training paused "
+                << fixed(seconds_since(start), 3) << " s)\n"
+                << std::flush;
+    return;
+  }
+  fsdp::checkpoint::save(dir, sharded, optimizer, progress_extra(pg, c, p, scaler), options);
   if (pg.rank() == 0)
     std::cout << "checkpoint: saved step " << p.step << " to " << dir << " in " << fixed(seconds_since(start), 2)
               << " s\n"
@@ -633,7 +665,7 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
     p.window_loss = per_rank[pg.rank()];
   else if (pg.rank() == 0)
     for (double l : per_rank) p.window_loss += l;  // another world size: same sum
-  if (scaler && extra.count("grad_scale"))  // a checkpoint of a run without fp16 starts the scaler afresh
+  if (scaler && extra.count("grad_scale"))         // a checkpoint of a run without fp16 starts the scaler afresh
     scaler->load(double_of_bytes(extra.at("grad_scale"), "grad_scale"),
                  std::stoll(extra.at("grad_scaler_growth_tracker")));
   const std::string& rng = extra.at("cpu_rng_state");
@@ -1012,9 +1044,11 @@ TrainingResult train(const TrainingLoop& loop) {
   loop.sharded.reset_peak_memory_stats();
   TrainingResult result;
   LogWindow window;
-  const Progress resumed = config.resume ? resume(loop.pg, config, loop.sharded, loop.optimizer, loop.scaler) : Progress{};
+  const Progress resumed =
+      config.resume ? resume(loop.pg, config, loop.sharded, loop.optimizer, loop.scaler) : Progress{};
   window.loss = resumed.window_loss, window.steps = resumed.window_steps;
   if (!config.save_dir.empty()) install_stop_handler();
+  PendingSave pending;
   for (int step = resumed.step + 1; step <= config.steps; ++step) {
     const auto step_start = Clock::now();
     const double lr = learning_rate(step, config);
@@ -1029,10 +1063,11 @@ TrainingResult train(const TrainingLoop& loop) {
       log_window(loop, step, lr, local_loss, window, result, progress);
     if (!config.save_dir.empty()) {
       const bool stop = step == config.stop_after || stop_requested_anywhere(loop.pg);
-      if (stop || step == config.steps || (config.save_every > 0 && step % config.save_every == 0)) {
+      const bool last = stop || step == config.steps;
+      if (last || (config.save_every > 0 && step % config.save_every == 0)) {
         progress.clear();
         save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer, Progress{step, window.loss, window.steps},
-                        loop.scaler);
+                        loop.scaler, config.async_save && !last, pending);
       }
       if (stop && step < config.steps) {
         result.stopped_after = step;
@@ -1040,6 +1075,7 @@ TrainingResult train(const TrainingLoop& loop) {
       }
     }
   }
+  pending.finish(loop.pg);
   progress.clear();
   return result;
 }

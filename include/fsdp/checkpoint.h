@@ -7,11 +7,16 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <memory>
 #include <string>
 
 #include "fsdp/fully_shard.h"
 
 namespace fsdp::checkpoint {
+
+namespace detail {
+struct SaveJob;
+}
 
 // User state that rides along with a checkpoint (step, data position, RNG states, ...): any bytes.
 using Extra = std::map<std::string, std::string>;
@@ -30,6 +35,39 @@ void save(const std::string& dir, FullyShardedModule& model, torch::optim::Optim
 inline void save(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer& optimizer,
                  const Extra& extra = {}, const SaveOptions& options = {}) {
   save(dir, model, &optimizer, extra, options);
+}
+
+// A save finishing in the background (async_save). Move-only; destroying or reassigning one that
+// is still running waits for it and prints (does not throw) its error.
+class SaveHandle {
+ public:
+  SaveHandle() = default;
+  explicit SaveHandle(std::shared_ptr<detail::SaveJob> job);
+  SaveHandle(SaveHandle&&) noexcept = default;
+  SaveHandle& operator=(SaveHandle&& other) noexcept;
+  SaveHandle(const SaveHandle&) = delete;
+  SaveHandle& operator=(const SaveHandle&) = delete;
+  ~SaveHandle();
+
+  // Blocks until the checkpoint is published; rethrows the save's error (the same on every rank).
+  void wait();
+  // True once wait() will not block (published or failed); also true for an empty handle.
+  bool done() const;
+
+ private:
+  std::shared_ptr<detail::SaveJob> job_;
+};
+
+// Collective. save(), asynchronously: returns once this rank's pieces and optimizer state are
+// copied to host memory (the only pause training sees); a background thread writes them and,
+// over a communicator of its own, agrees on success and publishes the manifest. Training may
+// change the model and optimizer at once. Costs host memory for one copy of this rank's share
+// until written. A later save, async_save or load of this model first waits for it.
+SaveHandle async_save(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer,
+                      const Extra& extra = {}, const SaveOptions& options = {});
+inline SaveHandle async_save(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer& optimizer,
+                             const Extra& extra = {}, const SaveOptions& options = {}) {
+  return async_save(dir, model, &optimizer, extra, options);
 }
 
 // Collective. Loads a checkpoint saved at any world size, strategy and wrap policy: each rank

@@ -3,14 +3,20 @@
 // See Note [Checkpoint format] in docs/design.md.
 #include <torch/csrc/autograd/variable.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "checkpoint/collective.h"
 #include "checkpoint/data_file.h"
@@ -91,11 +97,37 @@ void check_optimizer_holds_pieces(const FsdpState& state, const torch::optim::Op
           ") that is not a shard piece of this model; build the optimizer over FullyShardedModule::parameters()");
 }
 
-// This rank's data file and the JSON the manifest needs from it.
-json write_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind, const std::string& tmp,
-                     int rank) {
+// A JSON pointer to `key` under `base` (escaped as RFC 6901 asks).
+json::json_pointer pointer_to(const std::string& base, const std::string& key) {
+  std::string escaped;
+  for (char c : key) escaped += c == '~' ? std::string("~0") : c == '/' ? std::string("~1") : std::string(1, c);
+  return json::json_pointer(base + "/" + escaped);
+}
+
+}  // namespace
+
+namespace detail {
+// What one rank writes: its tensors in file order, each with the place in `report` (the JSON the
+// manifest needs from this rank) that receives its offset in the file.
+struct RankPlan {
+  std::string file_name;
+  json report;
+  std::vector<std::pair<at::Tensor, json::json_pointer>> tensors;
+};
+}  // namespace detail
+
+namespace {
+
+// This rank's plan. snapshot: the tensors are host copies (training may go on), else views.
+RankPlan plan_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind, int rank,
+                        bool snapshot) {
+  auto keep = [snapshot](const at::Tensor& t) {
+    if (!snapshot) return t;
+    return t.device().is_cpu() ? t.clone() : t.to(at::kCPU);
+  };
   const auto groups = groups_by_tensor(optimizer);
-  DataWriter writer(join(tmp, rank_file_name(rank)), rank_file_name(rank));
+  RankPlan plan;
+  plan.file_name = rank_file_name(rank);
   json pieces = json::array();
   for (const auto& fp : state.flat_params()) {
     const WriteRange w = write_range(state, *fp);
@@ -105,8 +137,9 @@ json write_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, Optim
       const int64_t b = std::max(piece_lo, w.begin), e = std::min(piece_lo + s.piece_numel, w.end);
       if (b >= e) continue;
       const int64_t at = b - piece_lo, n = e - b;
-      json pj{{"param", s.name}, {"begin", b - s.offset}, {"end", e - s.offset}};
-      pj["offset"] = writer.append(s.piece.detach().narrow(0, at, n));
+      const std::string here = "/pieces/" + std::to_string(pieces.size());
+      json pj{{"param", s.name}, {"begin", b - s.offset}, {"end", e - s.offset}, {"offset", 0}};
+      plan.tensors.emplace_back(keep(s.piece.detach().narrow(0, at, n)), pointer_to(here, "offset"));
       auto g = groups.find(s.piece.unsafeGetTensorImpl());
       pj["group"] = g == groups.end() ? -1 : g->second;
       if (g != groups.end()) {
@@ -119,7 +152,9 @@ json write_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, Optim
                        "checkpoint::save: optimizer state '", name, "' of '", s.name, "' has dtype ", t.scalar_type(),
                        " and ", t.numel(), " elements, not the parameter piece's ", s.piece.scalar_type(), " and ",
                        s.piece_numel, "; was the optimizer built over FullyShardedModule::parameters()?");
-            pj["state"][name] = writer.append(t.detach().reshape({-1}).narrow(0, at, n));
+            pj["state"][name] = 0;
+            plan.tensors.emplace_back(keep(t.detach().reshape({-1}).narrow(0, at, n)),
+                                      pointer_to(here + "/state", name));
           }
         }
       }
@@ -128,21 +163,33 @@ json write_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, Optim
   }
   json buffers = json::array();
   if (rank == 0)
-    for (const auto& [name, t] : state.buffers())
-      buffers.push_back({{"name", name}, {"offset", t.numel() ? writer.append(t.detach()) : 0}});
+    for (const auto& [name, t] : state.buffers()) {
+      if (t.numel())
+        plan.tensors.emplace_back(keep(t.detach()), pointer_to("/buffers/" + std::to_string(buffers.size()), "offset"));
+      buffers.push_back({{"name", name}, {"offset", 0}});
+    }
+  plan.report = {{"pieces", std::move(pieces)}, {"buffers", std::move(buffers)}};
+  return plan;
+}
+
+// Writes the plan's data file into `tmp` (each host copy released once written); its report.
+std::string write_rank_file(RankPlan& plan, const std::string& tmp) {
+  DataWriter writer(join(tmp, plan.file_name), plan.file_name);
+  for (auto& [t, where] : plan.tensors) {
+    plan.report[where] = writer.append(t);
+    t = at::Tensor();
+  }
   const FileEntry f = writer.finish();
   std::vector<std::string> chunks;
   for (uint64_t h : f.chunk_hashes) chunks.push_back(to_hex(h));
-  return {
-      {"file", {{"name", f.name}, {"bytes", f.bytes}, {"chunks", chunks}}}, {"pieces", pieces}, {"buffers", buffers}};
+  plan.report["file"] = {{"name", f.name}, {"bytes", f.bytes}, {"chunks", chunks}};
+  return plan.report.dump();
 }
 
-// Rank 0: the manifest from every rank's report.
-Manifest build_manifest(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind,
-                        const std::vector<std::string>& reports, const Extra& extra) {
+// Rank 0: the manifest's model, optimizer and user parts (no files or pieces yet).
+Manifest manifest_skeleton(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind,
+                           const Extra& extra) {
   Manifest m;
-  m.created_unix_ns =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   m.world_size = state.groups().world_size;
   m.sharding_strategy = to_string(state.options().sharding_strategy());
   m.sharding_factor = state.groups().sharding_factor;
@@ -151,7 +198,6 @@ Manifest build_manifest(FsdpState& state, torch::optim::Optimizer* optimizer, Op
   if (optimizer)
     for (const auto& g : optimizer->param_groups()) m.optimizer_groups.push_back(group_options(kind, g.options()));
   m.extra = extra;
-  std::map<std::string, size_t> index;
   for (const auto& fp : state.flat_params())
     for (const auto& s : fp->slots()) {
       TensorEntry t;
@@ -160,19 +206,24 @@ Manifest build_manifest(FsdpState& state, torch::optim::Optimizer* optimizer, Op
       t.shape = s.shape;
       t.dtype = dtype_name(fp->dtype());
       t.numel = s.numel;
-      index[s.name] = m.parameters.size();
       m.parameters.push_back(std::move(t));
     }
-  std::map<std::string, size_t> buffer_index;
   for (const auto& [name, t] : state.buffers()) {
     TensorEntry b;
     b.name = name;
     b.shape = t.sizes().vec();
     b.dtype = dtype_name(t.scalar_type());
     b.numel = t.numel();
-    buffer_index[name] = m.buffers.size();
     m.buffers.push_back(std::move(b));
   }
+  return m;
+}
+
+// Rank 0: every rank's file and pieces into the manifest, from their reports.
+void add_reports(Manifest& m, const std::vector<std::string>& reports) {
+  std::map<std::string, size_t> index, buffer_index;
+  for (size_t i = 0; i < m.parameters.size(); ++i) index[m.parameters[i].name] = i;
+  for (size_t i = 0; i < m.buffers.size(); ++i) buffer_index[m.buffers[i].name] = i;
   std::vector<bool> group_seen(m.parameters.size(), false);
   for (size_t r = 0; r < reports.size(); ++r) {
     const json j = json::parse(reports[r]);
@@ -219,7 +270,6 @@ Manifest build_manifest(FsdpState& state, torch::optim::Optimizer* optimizer, Op
       }
     }
   }
-  return m;
 }
 
 // Rank 0: writes the manifest into `tmp` last, makes it durable and renames `tmp` to `dir`.
@@ -480,47 +530,181 @@ bool complete_manifest(const std::string& dir, Manifest* out) {
 
 }  // namespace
 
+namespace detail {
+
+// A save between its collective start (validated, temporary directory made, this rank's plan)
+// and its end (files written, failures agreed, manifest published).
+struct PreparedSave {
+  std::string what, dir, tmp;
+  bool overwrite = false;
+  uint64_t random = 0;
+  RankPlan plan;
+  Manifest manifest;  // rank 0: all but the files and pieces
+};
+
+// The background half of async_save: the thread finishing one PreparedSave over `comm`.
+struct SaveJob {
+  PreparedSave save;
+  CommunicatorPtr comm;
+  std::thread thread;
+  std::mutex join_mu;
+  std::atomic<bool> finished{false};
+  std::exception_ptr error;
+  void join() {
+    std::lock_guard<std::mutex> lock(join_mu);
+    if (thread.joinable()) thread.join();
+  }
+  ~SaveJob() { join(); }
+};
+
+}  // namespace detail
+
+namespace {
+
+void remove_temporary(int rank, const std::string& tmp) {
+  if (rank != 0) return;
+  std::error_code ec;
+  std::filesystem::remove_all(tmp, ec);  // best effort: a partial save is never loaded anyway
+}
+
+// Collective over `world`: validates, makes the temporary directory and plans this rank's file.
+PreparedSave prepare_save(FsdpState& state, Communicator& world, const std::string& what, const std::string& dir,
+                          torch::optim::Optimizer* optimizer, const Extra& extra, const SaveOptions& options,
+                          bool snapshot) {
+  const int rank = world.rank();
+  PreparedSave p;
+  p.what = what;
+  p.dir = dir;
+  p.overwrite = options.overwrite();
+  p.random = shared_random(world);
+  p.tmp = temporary_name(dir, p.random);
+  try {
+    run_agreed(world, what, [&] {
+      const OptimizerKind kind = optimizer_kind(optimizer);
+      check_optimizer_holds_pieces(state, optimizer, "checkpoint::save");
+      FSDP_CHECK(options.overwrite() || rank != 0 || !path_exists(dir), "checkpoint::save: '", dir,
+                 "' exists; save to a new directory, or set SaveOptions().overwrite(true) to replace it");
+      make_dirs(p.tmp);
+      p.plan = plan_rank_file(state, optimizer, kind, rank, snapshot);
+      if (rank == 0) p.manifest = manifest_skeleton(state, optimizer, kind, extra);
+    });
+  } catch (...) {
+    remove_temporary(rank, p.tmp);
+    throw;
+  }
+  return p;
+}
+
+// Collective over `comm`: writes this rank's file; rank 0 then publishes the manifest. A failure
+// anywhere fails every rank and removes the temporary directory.
+void write_and_publish(Communicator& comm, PreparedSave& p) {
+  const int rank = comm.rank();
+  try {
+    std::string report;
+    run_agreed(comm, p.what, [&] { report = write_rank_file(p.plan, p.tmp); });
+    const auto reports = all_gather_strings(comm, report);
+    run_agreed(comm, p.what, [&] {
+      if (rank != 0) return;
+      add_reports(p.manifest, reports);
+      p.manifest.created_unix_ns =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+              .count();
+      publish(p.manifest, p.tmp, p.dir, p.overwrite, p.random);
+    });
+  } catch (...) {
+    remove_temporary(rank, p.tmp);
+    throw;
+  }
+}
+
+// A save of this model still finishing in the background completes first.
+void wait_for_in_flight_save(FsdpState& state) {
+  if (auto job = state.in_flight_save().lock()) job->join();
+}
+
+// Joins a job nobody will wait() for, printing its error (destructors cannot throw).
+void finish_unwaited(std::shared_ptr<detail::SaveJob>& job) {
+  if (!job) return;
+  job->join();
+  if (job->error) {
+    try {
+      std::rethrow_exception(job->error);
+    } catch (const std::exception& e) {
+      std::cerr << "libfsdp: a checkpoint save that was never waited for failed: " << e.what() << std::endl;
+    }
+  }
+  job.reset();
+}
+
+}  // namespace
+
 void save(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer, const Extra& extra,
           const SaveOptions& options) {
   FsdpState& state = fsdp::detail::StateAccess::of(model);
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
+  wait_for_in_flight_save(state);
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   Communicator& world = *state.groups().world_comm;
-  const int rank = world.rank();
-  const std::string what = "checkpoint::save('" + dir + "')";
-  const uint64_t random = shared_random(world);
-  const std::string tmp = temporary_name(dir, random);
-  OptimizerKind kind = OptimizerKind::kNone;
-  std::string report;
-  try {
-    run_agreed(world, what, [&] {
-      kind = optimizer_kind(optimizer);
-      check_optimizer_holds_pieces(state, optimizer, "checkpoint::save");
-      FSDP_CHECK(options.overwrite() || rank != 0 || !path_exists(dir), "checkpoint::save: '", dir,
-                 "' exists; save to a new directory, or set SaveOptions().overwrite(true) to replace it");
-      make_dirs(tmp);
-      report = write_rank_file(state, optimizer, kind, tmp, rank).dump();
-    });
-    const auto reports = all_gather_strings(world, report);
-    run_agreed(world, what, [&] {
-      if (rank != 0) return;
-      publish(build_manifest(state, optimizer, kind, reports, extra), tmp, dir, options.overwrite(), random);
-    });
-  } catch (...) {
-    if (rank == 0) {
-      std::error_code ec;
-      std::filesystem::remove_all(tmp, ec);  // best effort: a partial save is never loaded anyway
-    }
-    throw;
-  }
+  PreparedSave p = prepare_save(state, world, "checkpoint::save('" + dir + "')", dir, optimizer, extra, options, false);
+  write_and_publish(world, p);
 }
+
+SaveHandle async_save(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer,
+                      const Extra& extra, const SaveOptions& options) {
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
+  std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  state.rethrow_pending_error();
+  wait_for_in_flight_save(state);
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  Communicator& world = *state.groups().world_comm;
+  // Its own communicator: the background thread's collectives never interleave with training's.
+  std::vector<int> all(world.size());
+  std::iota(all.begin(), all.end(), 0);
+  auto job = std::make_shared<detail::SaveJob>();
+  job->comm = state.process_group().new_group(all, "checkpoint");
+  job->save = prepare_save(state, world, "checkpoint::async_save('" + dir + "')", dir, optimizer, extra, options, true);
+  detail::SaveJob* j = job.get();
+  job->thread = std::thread([j] {
+    try {
+      write_and_publish(*j->comm, j->save);
+    } catch (...) {
+      j->error = std::current_exception();
+    }
+    j->finished = true;
+  });
+  state.in_flight_save() = job;
+  return SaveHandle(std::move(job));
+}
+
+SaveHandle::SaveHandle(std::shared_ptr<detail::SaveJob> job) : job_(std::move(job)) {}
+
+SaveHandle& SaveHandle::operator=(SaveHandle&& other) noexcept {
+  if (this != &other) {
+    finish_unwaited(job_);
+    job_ = std::move(other.job_);
+  }
+  return *this;
+}
+
+SaveHandle::~SaveHandle() { finish_unwaited(job_); }
+
+void SaveHandle::wait() {
+  if (!job_) return;
+  auto job = std::move(job_);
+  job->join();
+  if (job->error) std::rethrow_exception(job->error);
+}
+
+bool SaveHandle::done() const { return !job_ || job_->finished.load(); }
 
 void load(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer, Extra* extra) {
   FsdpState& state = fsdp::detail::StateAccess::of(model);
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
+  wait_for_in_flight_save(state);
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   Manifest m;

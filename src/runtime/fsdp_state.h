@@ -27,6 +27,10 @@
 
 namespace fsdp {
 
+namespace checkpoint::detail {
+struct SaveJob;
+}
+
 class FsdpState {
  public:
   FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
@@ -68,6 +72,8 @@ class FsdpState {
   void release_cached_memory() { pool_.release_cached(); }
   // One line per distinct communicator: its role, name and transport.
   std::string describe_communicators() const;
+  // The model's checkpoint save still finishing in the background, if any (checkpoint::async_save).
+  std::weak_ptr<checkpoint::detail::SaveJob>& in_flight_save() { return in_flight_save_; }
 
  private:
   static void check_mixed_precision(const MixedPrecision& mp);
@@ -95,6 +101,7 @@ class FsdpState {
 
   std::recursive_mutex mu_;
   std::string pending_error_;
+  std::weak_ptr<checkpoint::detail::SaveJob> in_flight_save_;
 };
 
 }  // namespace fsdp

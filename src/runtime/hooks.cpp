@@ -75,10 +75,18 @@ std::pair<Hooks*, int> find_unit(const torch::nn::Module& module) {
 }
 
 bool is_inplace_op(const char* name) {
+  if (std::strcmp(name, "aten::set_data") == 0) return true;  // replaces the tensor's storage
   const size_t n = std::strlen(name);
   if (n < 2 || name[n - 1] != '_' || name[n - 2] == '_') return false;  // "add_" yes, "__iadd__" no
   // Ops that change autograd metadata only, not values.
   return std::strcmp(name, "aten::requires_grad_") != 0 && std::strcmp(name, "aten::detach_") != 0;
+}
+
+// The parameter whose elements a tensor starting at `storage_offset` of fp's storage shows.
+std::string parameter_at(const FlatParam& fp, int64_t storage_offset) {
+  for (const auto& s : fp.slots())
+    if (storage_offset >= s.offset && storage_offset < s.offset + s.numel) return s.name;
+  return fp.slots().empty() ? std::string("?") : fp.slots().front().name;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -183,16 +191,27 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
       if (f < 0) return;
       std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+      const bool writes = i == 0 && is_inplace_op(fn.name()) && !state_.has_pending_error();
       if (const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl())) {
         ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
-        if (i == 0 && is_inplace_op(fn.name()) && !state_.has_pending_error()) {
+        if (writes) {
           state_.set_pending_error(detail::compose(
               "libfsdp: in-place operation ", fn.name(), " on parameter '", s.name,
               "' of a sharded module: the change is lost at the next reshard. If this is an optimizer step, build "
               "the optimizer over FullyShardedModule::parameters() (the shards), not module->parameters(); to set "
-              "values use load_full_state_dict(); to initialize, do it before fully_shard()."));
+              "values use load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it "
+              "before fully_shard()."));
         }
         if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
+      } else if (writes && !state_.flat_params()[f]->keep_unsharded()) {
+        // Another tensor over the same storage: p.data(), p.detach(), a view of a parameter.
+        state_.set_pending_error(detail::compose(
+            "libfsdp: in-place operation ", fn.name(), " on a tensor sharing the storage of parameter '",
+            parameter_at(*state_.flat_params()[f], t.storage_offset()),
+            "' of a sharded module (its .data(), .detach() or a view of it): the change is lost at the next "
+            "reshard. If this is an optimizer step, build the optimizer over FullyShardedModule::parameters() (the "
+            "shards), not module->parameters(); to set values use load_full_state_dict() or "
+            "summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard()."));
       }
       // Unshard even for a refused in-place op, so its kernel writes valid memory.
       state_.scheduler().use(state_.flat_params()[f]->unit());
@@ -213,6 +232,13 @@ void Hooks::on_grad_pre(int f, int s) {
   std::lock_guard<std::recursive_mutex> lock(state_.mutex());
   InternalOpGuard internal;
   state_.rethrow_pending_error();
+  const FlatParam& fp = *state_.flat_params()[f];
+  const ParamSlot& slot = fp.slots()[s];
+  FSDP_CHECK(slot.param.storage().unsafeGetStorageImpl() == fp.storage(), "parameter '", slot.name,
+             "' no longer shows FSDP's storage: set_data() (or an assignment to its data) replaced it after "
+             "fully_shard(), so its updates and gradients no longer meet the shards. To set values use "
+             "load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it before "
+             "fully_shard().");
   begin_backward();
   state_.reducer().prepare_grad(f, s);
 }

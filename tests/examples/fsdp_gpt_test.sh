@@ -171,7 +171,8 @@ test_init_deferred_matches_eager() {
 
 # Checkpoints: --steps 20 stopped with --stop-after 7 and resumed (new processes) logs exactly the
 # losses of an uninterrupted --steps 20, in full precision (metrics file), the window that spans the
-# interruption included; --export writes a safetensors file.
+# interruption included; --export writes a safetensors file; --async-save writes the --save-every
+# checkpoints in the background.
 test_stop_after_resume() {
   local ck=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 20 --log-interval 5
             --eval-batches 1 --sample-bytes 8 --prompt "The ")
@@ -183,10 +184,14 @@ test_stop_after_resume() {
   [ -s "$TMP/model.safetensors" ] || fail "no export"
   head -c 64 "$TMP/model.safetensors" | tail -c +9 | grep -q '^{"' || fail "the export does not start with a JSON header"
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --save-dir "$TMP/parts" \
-      --stop-after 7 --metrics-file "$TMP/part1.jsonl"
+      --stop-after 7 --save-every 3 --async-save --metrics-file "$TMP/part1.jsonl"
   expect_rc 0
   expect_text out "stopped after step 7 of 20; continue with --resume"
-  [ -f "$TMP/parts/step-00000007/manifest.json" ] || fail "no complete checkpoint for step 7"
+  expect_regex out "checkpoint: saving step 3 to $TMP/parts/step-00000003 in the background \(training paused"
+  expect_text out "checkpoint: saved step 6 to $TMP/parts/step-00000006 (in the background)"
+  for s in 3 6 7; do
+    [ -f "$TMP/parts/step-0000000$s/manifest.json" ] || fail "no complete checkpoint for step $s"
+  done
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --save-dir "$TMP/parts" \
       --resume --metrics-file "$TMP/part2.jsonl"
   expect_rc 0
