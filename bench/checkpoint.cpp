@@ -103,6 +103,8 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "Saves and loads timed")->capture_default_str();
   app.add_option("--cadence", cadence, "Steps between saves, for the fraction of training time lost")
       ->capture_default_str();
+  bool export_only = false;
+  app.add_flag("--export-only", export_only, "Measure the export's memory only (no training, saves or loads)");
   CLI11_PARSE(app, argc, argv);
 
   auto pg = fsdp::ProcessGroup::from_env();
@@ -138,74 +140,75 @@ int main(int argc, char** argv) {
     optimizer.step();
     return loss.item<double>();
   };
-  train_step(0);
-  barrier();
+  double step_s = 0, dd_write_s = 0, dd_read_s = 0, dd_resident = 0, resident_before_load = 0;
+  std::vector<double> save_s, load_s, async_pause_s, async_lost_s;
+  int64_t ckpt_bytes = 0, dd_mib = 0;
+  int overlap_steps = 0;
   auto start = Clock::now();
-  for (int s = 1; s <= steps; ++s) train_step(s);
-  barrier();
-  const double step_s = seconds_since(start) / steps;
-
   if (rank == 0) fs::create_directories(dir);
   barrier();
+  if (!export_only) {
+    train_step(0);
+    barrier();
+    start = Clock::now();
+    for (int s = 1; s <= steps; ++s) train_step(s);
+    barrier();
+    step_s = seconds_since(start) / steps;
 
-  // Saves.
-  std::vector<double> save_s, load_s;
-  int64_t ckpt_bytes = 0;
-  for (int r = 0; r < reps; ++r) {
-    const std::string d = dir + "/save" + std::to_string(r);
-    if (rank == 0) fs::remove_all(d);
+    // Saves.
+    for (int r = 0; r < reps; ++r) {
+      const std::string d = dir + "/save" + std::to_string(r);
+      if (rank == 0) fs::remove_all(d);
+      barrier();
+      start = Clock::now();
+      fsdp::checkpoint::save(d, *sharded, optimizer, {{"step", std::to_string(r)}});
+      save_s.push_back(seconds_since(start));
+      if (rank == 0) ckpt_bytes = dir_bytes(d);
+    }
+    // Asynchronous saves: the loop's pause in async_save, then enough steps to cover the background
+    // write (a fixed count on every rank: training's collectives stay in step), then wait(). The
+    // time lost is everything beyond those steps' own time.
+    const int overlap_steps =
+        std::max(2, static_cast<int>(std::ceil(2 * *std::max_element(save_s.begin(), save_s.end()) / step_s)) + 1);
+    for (int r = 0; r < reps; ++r) {
+      const std::string d = dir + "/async" + std::to_string(r);
+      if (rank == 0) fs::remove_all(d);
+      barrier();
+      start = Clock::now();
+      auto handle = fsdp::checkpoint::async_save(d, *sharded, optimizer, {{"step", std::to_string(r)}});
+      async_pause_s.push_back(seconds_since(start));
+      for (int s = 0; s < overlap_steps; ++s) train_step(1 + s);
+      handle.wait();
+      barrier();
+      async_lost_s.push_back(seconds_since(start) - overlap_steps * step_s);
+      if (rank == 0) fs::remove_all(d);
+    }
+    // Loads, each after the checkpoint's files were evicted from the page cache.
+    for (int r = 0; r < reps; ++r) {
+      const std::string d = dir + "/save" + std::to_string(r);
+      if (rank == 0)
+        for (const auto& e : fs::directory_iterator(d))
+          resident_before_load = std::max(resident_before_load, evict(e.path()));
+      barrier();
+      start = Clock::now();
+      fsdp::checkpoint::load(d, *sharded, optimizer);
+      load_s.push_back(seconds_since(start));
+    }
     barrier();
-    start = Clock::now();
-    fsdp::checkpoint::save(d, *sharded, optimizer, {{"step", std::to_string(r)}});
-    save_s.push_back(seconds_since(start));
-    if (rank == 0) ckpt_bytes = dir_bytes(d);
-  }
-  // Asynchronous saves: the loop's pause in async_save, then enough steps to cover the background
-  // write (a fixed count on every rank: training's collectives stay in step), then wait(). The
-  // time lost is everything beyond those steps' own time.
-  const int overlap_steps =
-      std::max(2, static_cast<int>(std::ceil(2 * *std::max_element(save_s.begin(), save_s.end()) / step_s)) + 1);
-  std::vector<double> async_pause_s, async_lost_s;
-  for (int r = 0; r < reps; ++r) {
-    const std::string d = dir + "/async" + std::to_string(r);
-    if (rank == 0) fs::remove_all(d);
-    barrier();
-    start = Clock::now();
-    auto handle = fsdp::checkpoint::async_save(d, *sharded, optimizer, {{"step", std::to_string(r)}});
-    async_pause_s.push_back(seconds_since(start));
-    for (int s = 0; s < overlap_steps; ++s) train_step(1 + s);
-    handle.wait();
-    barrier();
-    async_lost_s.push_back(seconds_since(start) - overlap_steps * step_s);
-    if (rank == 0) fs::remove_all(d);
-  }
-  // Loads, each after the checkpoint's files were evicted from the page cache.
-  double resident_before_load = 0;
-  for (int r = 0; r < reps; ++r) {
-    const std::string d = dir + "/save" + std::to_string(r);
-    if (rank == 0)
-      for (const auto& e : fs::directory_iterator(d))
-        resident_before_load = std::max(resident_before_load, evict(e.path()));
-    barrier();
-    start = Clock::now();
-    fsdp::checkpoint::load(d, *sharded, optimizer);
-    load_s.push_back(seconds_since(start));
-  }
-  barrier();
 
-  // The disk's own sequential bandwidth, one dd stream of the checkpoint's size (rank 0; the
-  // others wait).
-  double dd_write_s = 0, dd_read_s = 0, dd_resident = 0;
-  const int64_t dd_mib = std::max<int64_t>(64, ckpt_bytes >> 20);
-  if (rank == 0) {
-    const std::string f = dir + "/dd.bin";
-    dd_write_s =
-        timed_shell("dd if=/dev/zero of=" + f + " bs=1M count=" + std::to_string(dd_mib) + " conv=fsync status=none");
-    dd_resident = evict(f);
-    dd_read_s = timed_shell("dd if=" + f + " of=/dev/null bs=1M status=none");
-    fs::remove(f);
+    // The disk's own sequential bandwidth, one dd stream of the checkpoint's size (rank 0; the
+    // others wait).
+    dd_mib = std::max<int64_t>(64, ckpt_bytes >> 20);
+    if (rank == 0) {
+      const std::string f = dir + "/dd.bin";
+      dd_write_s =
+          timed_shell("dd if=/dev/zero of=" + f + " bs=1M count=" + std::to_string(dd_mib) + " conv=fsync status=none");
+      dd_resident = evict(f);
+      dd_read_s = timed_shell("dd if=" + f + " of=/dev/null bs=1M status=none");
+      fs::remove(f);
+    }
+    barrier();
   }
-  barrier();
 
   // Export memory: the streamed rank-0 export against shards + one unit + one tensor.
   sharded->release_cached_memory();
@@ -227,7 +230,26 @@ int main(int argc, char** argv) {
     largest_tensor = std::max<int64_t>(largest_tensor, p.value().nbytes());
   const int64_t bound = shard_bytes + largest_unit + largest_tensor;
 
-  if (rank == 0) {
+  if (rank == 0 && export_only) {
+    const double mib = 1024.0 * 1024.0;
+    std::cout << std::fixed << std::setprecision(3) << "model: " << parameter_count << " parameters (" << layers
+              << " layers, width " << width << "), world " << world << ", FULL_SHARD, per-block units\n"
+              << "export_full: " << export_s << " s; rank 0 FSDP parameter peak " << after.param_peak_bytes / mib
+              << " MiB vs bound (shards " << shard_bytes / mib << " + largest unit " << largest_unit / mib
+              << " + largest tensor " << largest_tensor / mib << ") = " << bound / mib << " MiB; resident before "
+              << before.param_bytes / mib << " MiB; RSS growth during export " << (hwm - rss_before) / mib
+              << " MiB (one unit + one tensor = " << (largest_unit + largest_tensor) / mib << " MiB)\n";
+    nlohmann::json j{{"parameters", parameter_count},
+                     {"world", world},
+                     {"export_s", export_s},
+                     {"export_param_peak_bytes", after.param_peak_bytes},
+                     {"export_bound_bytes", bound},
+                     {"export_rss_growth_bytes", hwm - rss_before},
+                     {"export_one_unit_one_tensor_bytes", largest_unit + largest_tensor}};
+    std::cout << "json: " << j.dump() << "\n";
+    fs::remove_all(dir);
+  }
+  if (rank == 0 && !export_only) {
     auto mean = [](const std::vector<double>& v) {
       double s = 0;
       for (double x : v) s += x;

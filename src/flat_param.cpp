@@ -1,5 +1,7 @@
 #include "flat_param.h"
 
+#include <array>
+
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
 
@@ -224,6 +226,23 @@ bool FlatParam::ensure_grad_buffer() {
   return fresh;
 }
 
+std::vector<at::Tensor> FlatParam::make_grad_sentinels() const {
+  // All strides 0 over one zero element; not views (zero_grad() detach_()es them). On the CPU the
+  // element lives outside LibTorch's allocator, so model-state accounting does not see it.
+  const auto options = full_.options().dtype(slots_.front().param.scalar_type());
+  std::vector<at::Tensor> out;
+  auto zero = std::make_shared<std::array<uint64_t, 2>>();  // zero bits: 0 in every floating dtype
+  for (const auto& t : slots_) {
+    const std::vector<int64_t> strides(t.shape.size(), 0);
+    if (options.device().is_cpu())
+      out.push_back(at::from_blob(
+          zero->data(), t.shape, strides, [zero](void*) {}, options));
+    else
+      out.push_back(at::empty_strided(t.shape, strides, options).zero_());
+  }
+  return out;
+}
+
 void FlatParam::take_grad(int slot) {
   ParamSlot& s = slots_[slot];
   at::Tensor& g = s.param.mutable_grad();
@@ -244,11 +263,7 @@ void FlatParam::take_grad(int slot) {
   written_[slot] = 1;
   g.reset();
   if (separate_shard_) {
-    if (grad_sentinels_.empty())  // one element each, all strides 0; not views (optimizers detach_ them)
-      for (const auto& t : slots_)
-        grad_sentinels_.push_back(at::empty_strided(t.shape, std::vector<int64_t>(t.shape.size(), 0),
-                                                    full_.options().dtype(s.param.scalar_type()))
-                                      .zero_());
+    if (grad_sentinels_.empty()) grad_sentinels_ = make_grad_sentinels();
     g = grad_sentinels_[slot];
   }
 }

@@ -143,6 +143,7 @@ class FlatParam {
   // Per slot, for the current buffer: its region holds a gradient of this backward / a gradient
   // kept from earlier ones (NO_SHARD accumulation), which later gradients add to.
   std::vector<uint8_t> written_, kept_;
+  std::vector<at::Tensor> make_grad_sentinels() const;
   std::vector<at::Tensor> grad_sentinels_;  // per slot: the module parameter's .grad between backwards
   // NO_SHARD: the storage the pieces' gradients alias (alive while any of them is).
   c10::weak_intrusive_ptr<c10::StorageImpl> grad_store_{c10::intrusive_ptr<c10::StorageImpl>()};

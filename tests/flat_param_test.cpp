@@ -131,7 +131,11 @@ TEST(FlatParam, GradientsReachThePiecesAveragedOverTheWorld) {
   f.b.mutable_grad() = torch::full({5}, 3.0, torch::kFloat64);  // as AccumulateGrad leaves it
   f.fp->take_grad(1);
   f.fp->slots()[1].got_grad = true;
-  EXPECT_FALSE(f.b.grad().defined());  // moved into the flat buffer
+  // Moved into the flat buffer; .grad is left a zero with stride 0 (Note [Gradient sentinel]),
+  // which the reduction does not take for a gradient.
+  ASSERT_TRUE(f.b.grad().defined());
+  EXPECT_EQ(f.b.grad().stride(0), 0);
+  EXPECT_EQ(f.b.grad().abs().sum().item<double>(), 0.0);
   f.fp->start_reduce();
   f.fp->finish_reduce();
   const auto& piece = f.fp->slots()[1].piece;
