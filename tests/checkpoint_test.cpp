@@ -594,10 +594,12 @@ TEST(CheckpointAsync, ABackgroundWriteFailingOnOneRankFailsEveryRanksWait) {
 // --- Killed saves -------------------------------------------------------------------------------
 
 // Saves <root>/step-<k> for k = 1, 2, ... until killed (at most args[1] saves), training a step
-// before every fourth, so that nearly all the time is spent saving.
+// before every fourth, so that nearly all the time is spent saving. args[2] "async": with
+// async_save, each waited for before the next (the kill lands in the background writer).
 FSDP_WORKER(ckpt_save_forever) {
   const std::string root = ctx.args.at(0);
   const int most = std::stoi(ctx.args.at(1));
+  const bool async = ctx.args.size() > 2 && ctx.args[2] == "async";
   auto pg = fsdp::ProcessGroup::from_env();
   auto model = make_model("big_mlp", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "linear"));
@@ -610,7 +612,10 @@ FSDP_WORKER(ckpt_save_forever) {
     }
     char name[32];
     std::snprintf(name, sizeof(name), "/step-%04d", k);
-    ckpt::save(root + name, *sharded, *opt, {{"step", std::to_string(k)}});
+    if (async)
+      ckpt::async_save(root + name, *sharded, *opt, {{"step", std::to_string(k)}}).wait();
+    else
+      ckpt::save(root + name, *sharded, *opt, {{"step", std::to_string(k)}});
   }
 }
 
@@ -637,10 +642,10 @@ TEST(CheckpointKill, KilledSavesNeverLookCompleteAndThePreviousCheckpointLoads) 
   std::vector<std::string> latest_dirs;
   int killed_during_save = 0;
   for (int t = 0; t < trials; ++t) {
-    const bool kill_all = t % 2 == 1;
+    const bool kill_all = t % 2 == 1, async = t % 4 >= 2;
     const std::string root = tmp / ("trial" + std::to_string(t));
     fs::create_directories(root);
-    RunningRanks running = start("ckpt_save_forever", 2, {root, "400"});
+    RunningRanks running = start("ckpt_save_forever", 2, {root, "400", async ? "async" : "sync"});
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (ckpt::latest(root).empty() && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
