@@ -187,6 +187,39 @@ TEST(BadInput, WritesThroughDataDetachOrSetDataAreRefused) {
   }
 }
 
+// The module's parameters changed after fully_shard (added, replaced, removed): the next backward
+// throws on every rank, naming the change. args: change
+FSDP_WORKER(changed_module_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  torch::optim::SGD opt(sharded->parameters(), 0.1);
+  model->forward(torch::randn({2, 6})).sum().backward();
+  opt.step();
+  const std::string change = ctx.args.at(0);
+  if (change == "add") model->register_parameter("extra", torch::zeros({3}));
+  if (change == "replace")
+    model->replace_module("layers", torch::nn::Sequential(torch::nn::Linear(6, 10), torch::nn::Linear(10, 3)));
+  if (change == "remove") model->unregister_module("layers");
+  try {
+    opt.zero_grad();
+    model->forward(torch::randn({2, 6})).sum().backward();
+    throw std::runtime_error("a parameter change (" + change + ") after fully_shard was not reported");
+  } catch (const fsdp::Error& e) {
+    WORKER_CHECK(contains(e.what(), "the model's parameters changed after fully_shard()"), e.what());
+    WORKER_CHECK(contains(e.what(), change == "remove" ? "was removed" : "(added or replaced since)"), e.what());
+    std::cout << "refused: " << e.what() << std::endl;
+  }
+}
+
+TEST(BadInput, ParametersChangedAfterFullyShardAreAClearError) {
+  for (const std::string change : {"add", "replace", "remove"}) {
+    auto r = launch("changed_module_worker", 2, {change}, 120);
+    EXPECT_TRUE(r.all_ok()) << change << "\n" << r.report();
+  }
+}
+
 // Rendezvous failures end within the timeout on every rank, naming the address, port and ranks.
 FSDP_WORKER(rendezvous_worker) {
   if (ctx.args.at(0) == "skip" && ctx.rank == ctx.world - 1) return;  // this rank never starts

@@ -1,5 +1,7 @@
 #include "runtime/fsdp_state.h"
 
+#include <unordered_set>
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
@@ -49,6 +51,28 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   reducer_ = std::make_unique<GradientReducer>(units_, flat_params_, options_, /*every_param_expected=*/!intercepting(),
                                                groups_.world_comm, tracer_, memory_);
   scheduler_ = std::make_unique<Scheduler>(units_, options_, pg_->rank(), tracer_, *reducer_);
+  for (const auto& p : module_->parameters(/*recurse=*/true)) parameters_at_shard_.push_back(p.unsafeGetTensorImpl());
+}
+
+void FsdpState::check_parameters_unchanged() const {
+  const auto now = module_->named_parameters(/*recurse=*/true);
+  bool same = now.size() == parameters_at_shard_.size();
+  for (size_t i = 0; same && i < now.size(); ++i)
+    same = now[i].value().unsafeGetTensorImpl() == parameters_at_shard_[i];
+  if (same) return;
+  std::unordered_set<const c10::TensorImpl*> before(parameters_at_shard_.begin(), parameters_at_shard_.end());
+  std::string changed;
+  for (const auto& kv : now)
+    if (!before.count(kv.value().unsafeGetTensorImpl())) {
+      changed = "parameter '" + kv.key() + "' is not one fully_shard() found (added or replaced since)";
+      break;
+    }
+  if (changed.empty())
+    changed = "it has " + std::to_string(now.size()) + " parameters where fully_shard() found " +
+              std::to_string(parameters_at_shard_.size()) + " (one was removed)";
+  FSDP_FAIL("the model's parameters changed after fully_shard(): ", changed,
+            ". FSDP manages the parameters it found when it was called; build the model completely (every "
+            "register_parameter / register_module) before fully_shard()");
 }
 
 void FsdpState::check_mixed_precision(const MixedPrecision& mp) {

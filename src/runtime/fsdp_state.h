@@ -72,6 +72,9 @@ class FsdpState {
   void release_cached_memory() { pool_.release_cached(); }
   // One line per distinct communicator: its role, name and transport.
   std::string describe_communicators() const;
+  // Throws if the module's parameters are no longer those fully_shard() found (added, removed or
+  // replaced since).
+  void check_parameters_unchanged() const;
   // The model's checkpoint save still finishing in the background, if any (checkpoint::async_save).
   std::weak_ptr<checkpoint::detail::SaveJob>& in_flight_save() { return in_flight_save_; }
 
@@ -102,6 +105,7 @@ class FsdpState {
   std::recursive_mutex mu_;
   std::string pending_error_;
   std::weak_ptr<checkpoint::detail::SaveJob> in_flight_save_;
+  std::vector<const c10::TensorImpl*> parameters_at_shard_;  // module_->parameters() at the end of fully_shard()
 };
 
 }  // namespace fsdp

@@ -271,6 +271,7 @@ void Hooks::on_backward_end() {
   final_callback_queued_ = false;
   state_.rethrow_pending_error();
   state_.scheduler().finalize_backward(state_.buffers());
+  state_.check_parameters_unchanged();
 }
 
 // ---------------------------------------------------------------------------------------------
