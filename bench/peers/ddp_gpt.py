@@ -174,6 +174,9 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.no_ddp and world != 1:
         sys.exit(f"ddp_gpt: --no-ddp trains without communication and needs WORLD_SIZE=1, got {world}")
+    # PyTorch 2.4 asks for TCPStore's libuv backend, which builds without libuv (Debian's) refuse;
+    # the classic backend is in every build (PyTorch 1.x has no other and ignores the variable).
+    os.environ.setdefault("USE_LIBUV", "0")
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
     config, params, batches = read_inputs(args.inputs)
