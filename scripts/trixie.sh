@@ -12,8 +12,8 @@
 # one whose package stamp is missing or names other packages gets its apt step again. Each step's
 # wall time is printed and appended to $FSDP_TRIXIE_ROOT.times.
 #
-# A run happens in a mount namespace of its own (unshare), in which /proc, /sys, /dev, /dev/shm
-# and the source tree are bind-mounted into the root, the source tree at its own path, so a build
+# A run happens in a mount namespace of its own (unshare), in which the root is bind-mounted onto
+# itself and /proc, /sys, /dev, /dev/shm and the source tree into it, the source tree at its own path, so a build
 # directory configured inside the root names the same paths as seen from the host; the mounts are
 # undone at exit (trap), and leave with the namespace in any case. The command sees a clean
 # environment: PATH, HOME=/root, LANG, TERM, and the host's FSDP_*, OMP_*, CTEST_*, CCACHE_*,
@@ -123,6 +123,8 @@ in_namespace() {
     done
   }
   trap unmount_all EXIT
+  # The root a mount point of its own, as / is: 'ip netns exec' remounts / (gpt.two_node_netns).
+  mount --bind "$ROOT" "$ROOT"
   local d
   for d in proc sys dev dev/shm; do
     mkdir -p "$ROOT/$d"

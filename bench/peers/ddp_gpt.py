@@ -242,7 +242,7 @@ def main():
         window = batches[step]
         inputs, targets = window[:, :context], window[:, 1:context + 1]
         start = time.perf_counter()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)  # in place, as gpt_bench (PyTorch 2.x's default drops them)
         zeroed = time.perf_counter()
         logits = ddp(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
