@@ -353,11 +353,9 @@ test_mpirun() {
 # torchrun from Debian's python3-torch (1.13). Its default '--redirects 0 --tee 0' crash on
 # Python 3.11 (Std.from_str("0") returns None: 3.11 no longer iterates the zero flag), so pass
 # '--redirects 1 --tee 1' (stdout also to a log file in a temporary directory, and to the console).
-# USE_LIBUV=0: torchrun 2.4+ asks its TCPStore for the libuv backend, which Debian's PyTorch 2.6
-# is built without (1.13 ignores the variable).
 test_torchrun() {
   command -v torchrun >/dev/null || { echo "SKIP: torchrun is not installed (apt-get install python3-torch)"; exit 77; }
-  USE_LIBUV=0 run torchrun --standalone --nproc_per_node 2 --redirects 1 --tee 1 --log_dir "$TMP/torchrun_logs" \
+  run torchrun --standalone --nproc_per_node 2 --redirects 1 --tee 1 --log_dir "$TMP/torchrun_logs" \
       --no_python "$TRAINER" "${TINY[@]}"
   expect_rc 0
   # torchrun prefixes each line of local rank 0 with "[default0]:".
