@@ -13,12 +13,13 @@
 # wall time is printed and appended to $FSDP_TRIXIE_ROOT.times.
 #
 # A run happens in a mount namespace of its own (unshare), in which the root is bind-mounted onto
-# itself and /proc, /sys, /dev, /dev/shm and the source tree into it, the source tree at its own path, so a build
-# directory configured inside the root names the same paths as seen from the host; the mounts are
-# undone at exit (trap), and leave with the namespace in any case. The command sees a clean
-# environment: PATH, HOME=/root, LANG, TERM, and the host's FSDP_*, OMP_*, CTEST_*, CCACHE_*,
-# GTEST_*, USE_LIBUV, JOBS, MAKEFLAGS and CMAKE_BUILD_PARALLEL_LEVEL. ccache's cache is the
-# root's own (/root/.cache/ccache inside it), so it is kept with the root.
+# itself and /proc, /sys, /dev, /dev/shm and the source tree into it, the source tree at its own
+# path, so a build directory configured inside the root names the same paths as seen from the
+# host; the mounts are undone at exit (trap), and leave with the namespace in any case. The
+# command sees a clean environment: PATH, HOME=/root, LANG, TERM, and the host's FSDP_*, OMP_*,
+# CTEST_*, CCACHE_*, GTEST_*, USE_LIBUV, JOBS, MAKEFLAGS and CMAKE_BUILD_PARALLEL_LEVEL. ccache's
+# cache is the root's own (/root/.cache/ccache inside it), so it is kept with the root. Setup
+# holds $FSDP_TRIXIE_ROOT.lock exclusively, runs hold it shared.
 #
 # Environment:
 #   FSDP_TRIXIE_ROOT    where the root is (default /var/cache/libfsdp/trixie-root)
