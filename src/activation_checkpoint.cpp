@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/version.h>
 
 #include <mutex>
 #include <unordered_set>
@@ -49,7 +50,21 @@ class RngReplay {
   std::vector<GeneratorState> callers_;
 };
 
-// The autocast state (LibTorch's automatic mixed precision) of this thread.
+// The autocast state (LibTorch's automatic mixed precision) of this thread, CPU and CUDA.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+// LibTorch 2.4 takes the device type and deprecates the per-device functions.
+struct AutocastState {
+  bool cpu = at::autocast::is_autocast_enabled(at::kCPU), gpu = at::autocast::is_autocast_enabled(at::kCUDA);
+  at::ScalarType cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU),
+                 gpu_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  void apply() const {
+    at::autocast::set_autocast_enabled(at::kCPU, cpu);
+    at::autocast::set_autocast_enabled(at::kCUDA, gpu);
+    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+    at::autocast::set_autocast_dtype(at::kCUDA, gpu_dtype);
+  }
+};
+#else
 struct AutocastState {
   bool cpu = at::autocast::is_cpu_enabled(), gpu = at::autocast::is_enabled();
   at::ScalarType cpu_dtype = at::autocast::get_autocast_cpu_dtype(), gpu_dtype = at::autocast::get_autocast_gpu_dtype();
@@ -60,6 +75,7 @@ struct AutocastState {
     at::autocast::set_autocast_gpu_dtype(gpu_dtype);
   }
 };
+#endif
 
 // Sets a saved autocast state and puts the caller's back when it goes. Autocast's cache of cast
 // weights is off meanwhile: entries made here would outlive the recompute (and the weights' values).

@@ -8,6 +8,7 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
 #ifdef FSDP_WITH_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -327,6 +328,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   so.numWorkers = env.world_size;
   so.waitWorkers = false;  // wait_for_all_ranks names the ranks that never came
   so.timeout = pg->options_.timeout;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  // LibTorch 2.4 defaults to the libuv server backend, which a LibTorch built without libuv
+  // (Debian's) refuses; the classic backend is in every build. USE_LIBUV=1 asks for libuv, as in
+  // PyTorch's Python.
+  const char* use_libuv = std::getenv("USE_LIBUV");
+  so.useLibUV = use_libuv != nullptr && std::string(use_libuv) == "1";
+#endif
   try {
     pg->impl_->store = connect_store(env, so);
   } catch (const Error&) {

@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
 #include <functional>
 #include <iostream>
@@ -267,6 +268,25 @@ TEST(ActivationCheckpointing, NestedCheckpointsEqualNoCheckpointing) {
 }
 
 // The recompute runs under the autocast state of the forward, not of the backward's caller.
+// CPU autocast on or off (in bfloat16). LibTorch 2.4 takes the device type and deprecates the
+// per-device functions.
+void set_cpu_autocast(bool enabled) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  at::autocast::set_autocast_enabled(at::kCPU, enabled);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+#else
+  at::autocast::set_cpu_enabled(enabled);
+  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+#endif
+}
+bool cpu_autocast_enabled() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  return at::autocast::is_autocast_enabled(at::kCPU);
+#else
+  return at::autocast::is_cpu_enabled();
+#endif
+}
+
 TEST(ActivationCheckpointing, RecomputeUsesTheForwardsAutocastState) {
   auto make = [] {
     torch::manual_seed(6);
@@ -277,18 +297,17 @@ TEST(ActivationCheckpointing, RecomputeUsesTheForwardsAutocastState) {
   fsdp::Checkpointed<DropBlock> checkpointed(DropBlock(kDim, kHeads, kDropout));
   const auto x = torch::randn({3, kContext, kDim});
   auto run = [&](auto& module, bool autocast) {
-    at::autocast::set_cpu_enabled(autocast);
-    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    set_cpu_autocast(autocast);
     torch::manual_seed(8);
     auto out = module->forward(x);
-    at::autocast::set_cpu_enabled(false);
+    set_cpu_autocast(false);
     at::autocast::clear_cache();
     out.pow(2).sum().backward();
   };
   run(plain, true);
   run(checkpointed, true);
   run(plain_f32, false);
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  EXPECT_FALSE(cpu_autocast_enabled());
   auto plain_params = plain->named_parameters(), f32_params = plain_f32->named_parameters();
   for (const auto& kv : checkpointed->named_parameters()) {
     EXPECT_LE(rel_diff(kv.value().grad(), plain_params[kv.key()].grad()), 1e-6) << kv.key();

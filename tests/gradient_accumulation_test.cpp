@@ -10,7 +10,7 @@ namespace fsdp_test {
 namespace {
 
 // Gradient accumulation over micro-batches (backward twice, one step) and the ways a user handles
-// gradients between steps: zeroed in place (LibTorch 1.13's zero_grad), dropped (set to none),
+// gradients between steps: zeroed in place (zero_grad in LibTorch 1.x), dropped (set to none),
 // scaled in place between micro-batches (as gradient clipping does), replaced by the user's own
 // tensor. Each is mirrored on the local model, elementwise (a piece is a slice of the parameter).
 FSDP_WORKER(accumulation_worker) {
@@ -38,8 +38,8 @@ FSDP_WORKER(accumulation_worker) {
     const std::string clear = clearing[step];
     at::NoGradGuard no_grad;
     if (clear == "zero_grad") {
-      ref_opt.zero_grad();
-      opt.zero_grad();
+      zero_grad_in_place(ref_opt);
+      zero_grad_in_place(opt);
     } else if (clear == "set_to_none") {
       for_each_grad([](at::Tensor&, at::Tensor& g) { g.reset(); });
       WORKER_CHECK(sharded->memory_stats().grad_bytes == 0, strategy,

@@ -3,6 +3,7 @@
 // processes (env RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), each running a named worker
 // function; the test passes when every rank exits 0. Worker output is collected per rank.
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <functional>
 #include <map>
@@ -62,6 +63,16 @@ LaunchResult wait_for(RunningRanks& ranks, int timeout_s = 300);
 
 // Whether `part` occurs in `s` (an error message, a rank's output).
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Zeroes the optimizer's gradients in place, keeping the tensors: what Optimizer::zero_grad() does
+// in LibTorch 1.x; from 2.0 on it drops them (set_to_none defaults to true).
+inline void zero_grad_in_place(torch::optim::Optimizer& opt) {
+#if TORCH_VERSION_MAJOR >= 2
+  opt.zero_grad(/*set_to_none=*/false);
+#else
+  opt.zero_grad();
+#endif
+}
 
 // Relative difference max|a-b| / max|b| (0 when both are zero).
 double rel_diff(const at::Tensor& a, const at::Tensor& b);

@@ -162,7 +162,7 @@ FSDP_WORKER(grad_memory_worker) {
         std::vector<int64_t> peaks;
         for (int step = 0; step < 3; ++step) {
           sharded->reset_peak_memory_stats();
-          opt.zero_grad();  // LibTorch 1.13: zeroes the pieces' gradients in place, keeps them
+          zero_grad_in_place(opt);  // the pieces' gradients stay, zeroed
           model->forward(torch::randn({4, 7})).pow(2).mean().backward();
           opt.step();
           const auto m = sharded->memory_stats();

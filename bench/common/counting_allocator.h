@@ -3,6 +3,7 @@
 // Install it before any tensor exists: c10::SetCPUAllocator(new CountingAllocator(c10::GetCPUAllocator()), 100).
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -18,7 +19,12 @@ class CountingAllocator final : public c10::Allocator {
     instance_ = this;
   }
 
+  // LibTorch 2.3 made allocate() non-const and added copy_data() (for Allocator::clone).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  c10::DataPtr allocate(size_t bytes) override {
+#else
   c10::DataPtr allocate(size_t bytes) const override {
+#endif
     c10::DataPtr inner = inner_->allocate(bytes);
     void* data = inner.get();
     TORCH_CHECK(inner.get_context() == data && inner.get_deleter() == inner_deleter_,
@@ -33,6 +39,11 @@ class CountingAllocator final : public c10::Allocator {
     return {data, data, &CountingAllocator::release, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#endif
 
   int64_t live() const {
     std::lock_guard<std::mutex> lock(mu_);

@@ -174,6 +174,9 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.no_ddp and world != 1:
         sys.exit(f"ddp_gpt: --no-ddp trains without communication and needs WORLD_SIZE=1, got {world}")
+    # PyTorch 2.4 asks for TCPStore's libuv backend, which builds without libuv (Debian's) refuse;
+    # the classic backend is in every build (PyTorch 1.x has no other and ignores the variable).
+    os.environ.setdefault("USE_LIBUV", "0")
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
     config, params, batches = read_inputs(args.inputs)
@@ -239,7 +242,7 @@ def main():
         window = batches[step]
         inputs, targets = window[:, :context], window[:, 1:context + 1]
         start = time.perf_counter()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)  # in place, as gpt_bench (PyTorch 2.x's default drops them)
         zeroed = time.perf_counter()
         logits = ddp(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -16,6 +16,7 @@
 #include <fsdp/fsdp.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -530,7 +531,13 @@ int run(int argc, char** argv) {
     auto window = batches[step];  // [rows, context + 1]
     auto inputs = window.narrow(1, 0, c.context), targets = window.narrow(1, 1, c.context);
     const auto start = Clock::now();
+    // In place, the gradients kept (as LibTorch 1.x's zero_grad(); 2.x drops them by default): the
+    // memory formula (run.py) counts them between steps, and ddp_gpt.py zeroes the same way.
+#if TORCH_VERSION_MAJOR >= 2
+    optimizer->zero_grad(/*set_to_none=*/false);
+#else
     optimizer->zero_grad();
+#endif
     const auto zeroed = Clock::now();
     auto logits = model->forward(inputs);
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));

@@ -515,9 +515,9 @@ def memory_formula(units, world, rank, in_flight):
       + the largest two consecutive other units: with BACKWARD_PRE (the default) the next unit's
       all-gather is issued when the current unit's backward starts, and the rate limiter (default 2)
       allows exactly that pair; without prefetch it would be the largest single unit;
-    gradients: the shard pieces' gradients (kept between steps: LibTorch 1.13's zero_grad() zeroes
-      them in place) + the root's unsharded gradient buffer (its ln_final gradient arrives first
-      in backward, its tied embedding gradient last) + the unit computing its gradients (its
+    gradients: the shard pieces' gradients (kept between steps: the step zeroes them in place,
+      zero_grad(set_to_none=false)) + the root's unsharded gradient buffer (its ln_final gradient
+      arrives first in backward, its tied embedding gradient last) + the unit computing its gradients (its
       unsharded gradient buffer) + the `in_flight` (Options::reductions_in_flight) reductions
       issued before it (unsharded gradient and reduce-scatter output each). Before issuing a
       reduction the runtime waits for and frees the oldest ones until fewer than `in_flight`
@@ -768,9 +768,9 @@ def report_memory(bench, mem):
              "the next unit's all-gather when the current unit's backward starts; the rate limiter's default of 2 "
              "allows exactly that pair): the paper's sum of psi_i / F + max psi_i, with the root held as well and "
              "max psi_i taken over prefetched pairs;",
-             "- gradients: this rank's shard-piece gradients (kept between steps: LibTorch 1.13's `zero_grad()` "
-             "zeroes them in place) + the root's unsharded gradient buffer (its ln_final gradient arrives first in "
-             "backward, its tied-embedding gradient last) + the unsharded gradient buffer of the unit computing its "
+             "- gradients: this rank's shard-piece gradients (kept between steps: the step zeroes them in place, "
+             "`zero_grad(set_to_none=false)`) + the root's unsharded gradient buffer (its ln_final gradient arrives "
+             "first in backward, its tied-embedding gradient last) + the unsharded gradient buffer of the unit computing its "
              "gradients + the k earlier units' reductions still in flight (unsharded gradient + reduce-scatter "
              "output each), k = `Options::reductions_in_flight` (default 2). Before issuing a reduction the "
              "runtime waits for the oldest ones until fewer than k remain and frees their buffers then, never "

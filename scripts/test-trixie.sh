@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The LibTorch 2.6 leg: scripts/test.sh's build and whole test suite, against Debian trixie's
+# LibTorch 2.6 (CPU, Gloo) instead of bookworm's 1.13. Sets up the trixie root (scripts/trixie.sh:
+# made once by debootstrap and apt, then reused), configures and builds libfsdp inside it into
+# build-trixie/ (GCC 14; the root's own ccache), and runs ctest there. Prints each phase's wall
+# time. Run as root on a Debian host.
+#
+#   scripts/test-trixie.sh [ctest arguments...]   e.g. -R 'ExactTest' or -L gpt
+#
+# Environment: FSDP_TRIXIE_ROOT, FSDP_TRIXIE_MIRROR (scripts/trixie.sh), BUILD_DIR (default
+# build-trixie), JOBS (compile jobs, default: the number of cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${BUILD_DIR:-build-trixie}
+JOBS=${JOBS:-$(nproc)}
+if ! command -v debootstrap >/dev/null; then
+  echo "test-trixie: installing debootstrap"
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -qq debootstrap >/dev/null ||
+    { apt-get -o DPkg::Lock::Timeout=900 update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -qq debootstrap >/dev/null; }
+fi
+phase() {
+  local name=$1 start=$SECONDS rc=0
+  shift
+  echo "==== test-trixie: $name"
+  "$@" || rc=$?
+  echo "==== test-trixie: $name: $([ "$rc" = 0 ] && echo passed || echo "FAILED (exit $rc)") in $((SECONDS - start)) s"
+  [ "$rc" = 0 ] || exit "$rc"
+}
+phase root scripts/trixie.sh setup
+phase build scripts/trixie.sh run -- sh -c '
+  cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null &&
+  cmake --build "$1" -j"$2"' sh "$BUILD_DIR" "$JOBS"
+phase ctest scripts/trixie.sh run -- ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 900 "$@"
