@@ -1,6 +1,7 @@
 #include "checkpoint/optimizer_state.h"
 
 #include <c10/util/string_utils.h>
+#include <torch/version.h>
 
 #include "fsdp/check.h"
 
@@ -11,7 +12,16 @@ namespace optim = torch::optim;
 
 namespace {
 
-std::string key_of(const at::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
+// LibTorch keys an optimizer's state by the parameter's TensorImpl: its address printed (1.x), the
+// pointer itself (2.x).
+using StateKey = std::decay_t<decltype(std::declval<optim::Optimizer&>().state())>::key_type;
+StateKey key_of(const at::Tensor& param) {
+#if TORCH_VERSION_MAJOR >= 2
+  return param.unsafeGetTensorImpl();
+#else
+  return c10::guts::to_string(param.unsafeGetTensorImpl());
+#endif
+}
 
 template <class Options>
 json adam_options(const Options& o) {
@@ -160,7 +170,7 @@ PieceState get_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, cons
 void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::Tensor& param,
                      const PieceState& state) {
   auto& states = optimizer.state();
-  const std::string key = key_of(param);
+  const StateKey key = key_of(param);
   if (!state.present) {
     states.erase(key);
     return;
