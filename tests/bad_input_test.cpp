@@ -155,12 +155,13 @@ TEST(BadInput, StockOptimizerOverModuleParametersFailsAfterItsFirstStep) {
 FSDP_WORKER(write_route_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
-  auto sharded =
-      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  const std::string route = ctx.args.at(0);
+  auto options = fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
+  if (ctx.args.size() > 1) options.sharding_strategy(fsdp::parse_sharding_strategy(ctx.args[1]));
+  auto sharded = fsdp::fully_shard(model, pg, options);
   torch::optim::SGD opt(sharded->parameters(), 0.1);
   model->forward(torch::randn({2, 6})).sum().backward();
   opt.step();
-  const std::string route = ctx.args.at(0);
   at::Tensor p = model->named_parameters()["layers.0.weight"];
   {
     torch::NoGradGuard no_grad;
@@ -185,6 +186,11 @@ TEST(BadInput, WritesThroughDataDetachOrSetDataAreRefused) {
     auto r = launch("write_route_worker", 2, {route}, 120);
     EXPECT_TRUE(r.all_ok()) << route << "\n" << r.report();
   }
+  // NO_SHARD installs no operator hook (the parameters are the shard, so .data() writes take
+  // effect); set_data is caught by the gradient pre-hook's storage check.
+  auto r = launch("write_route_worker", 2, {"set_data", "NO_SHARD"}, 120);
+  EXPECT_TRUE(r.all_ok()) << "set_data NO_SHARD\n" << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "no longer shows FSDP's storage")) << r.report();
 }
 
 // The module's parameters changed after fully_shard (added, replaced, removed): the next backward
