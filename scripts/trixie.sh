@@ -13,10 +13,10 @@
 # wall time is printed and appended to $FSDP_TRIXIE_ROOT.times.
 #
 # A run happens in a mount namespace of its own (unshare), in which the root is bind-mounted onto
-# itself and /proc, /sys, /dev, /dev/shm and the source tree into it, the source tree at its own
-# path, so a build directory configured inside the root names the same paths as seen from the
-# host; the mounts are undone at exit (trap), and leave with the namespace in any case. The
-# command sees a clean environment: PATH, HOME=/root, LANG, TERM, and the host's FSDP_*, OMP_*,
+# itself and /proc, /sys, /dev, /dev/pts, /dev/shm and the source tree into it, the source tree
+# at its own path, so a build directory configured inside the root names the same paths as seen
+# from the host; the mounts are undone at exit (trap), and leave with the namespace in any case.
+# The command sees a clean environment: PATH, HOME=/root, LANG, TERM, and the host's FSDP_*, OMP_*,
 # CTEST_*, CCACHE_*, GTEST_*, USE_LIBUV, JOBS, MAKEFLAGS and CMAKE_BUILD_PARALLEL_LEVEL. ccache's
 # cache is the root's own (/root/.cache/ccache inside it), so it is kept with the root. Setup
 # holds $FSDP_TRIXIE_ROOT.lock exclusively, runs hold it shared.
@@ -127,7 +127,7 @@ in_namespace() {
   # The root a mount point of its own, as / is: 'ip netns exec' remounts / (gpt.two_node_netns).
   mount --bind "$ROOT" "$ROOT"
   local d
-  for d in proc sys dev dev/shm; do
+  for d in proc sys dev dev/pts dev/shm; do
     mkdir -p "$ROOT/$d"
     mount --bind "/$d" "$ROOT/$d"
   done
