@@ -41,7 +41,7 @@ double clip_grad_norm(FsdpState& state, double max_norm, double norm_type) {
   const CommunicatorPtr& shard = state.groups().shard_comm;
   if (!state.groups().keep_unsharded && shard && shard->size() > 1) {
     parts = at::empty({shard->size()}, local.options());
-    shard->all_gather_into(parts, local)->wait();
+    shard->all_gather_into(parts, local, CollectiveOptions::labeled("clip_grad_norm: norm all-gather"))->wait();
   }
   parts = parts.cpu();
   double total = 0;

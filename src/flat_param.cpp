@@ -69,6 +69,12 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
   gathered_version_ = shard_version();
 }
 
+CollectiveOptions FlatParam::label(const char* purpose, int64_t& count) const {
+  CollectiveOptions o;
+  o.label = detail::compose("unit ", unit_, " flat parameter ", id_, ": ", purpose, " #", count++);
+  return o;
+}
+
 int64_t FlatParam::shard_version() const {
   int64_t v = shard_._version();
   for (const auto& s : slots_)
@@ -107,7 +113,7 @@ WorkPtr FlatParam::start_unshard() {
       gather_input_ = std::move(post_forward_shard_);
       post_forward_shard_ = at::Tensor();
       gathering_post_forward_ = true;
-      gather_work_ = group_.post_forward_comm->all_gather_into(full_, gather_input_);
+      gather_work_ = group_.post_forward_comm->all_gather_into(full_, gather_input_, label("parameter all-gather", gathers_));
       return gather_work_;
     }
     drop_post_forward_shard();  // the shard changed since forward (an optimizer step, a load)
@@ -122,7 +128,7 @@ WorkPtr FlatParam::start_unshard() {
   }
   // Gloo writes through the raw pointer: no tensor op, so the parameters' version counters (which
   // autograd checks for saved tensors) do not move.
-  gather_work_ = group_.shard_comm->all_gather_into(full_, input);
+  gather_work_ = group_.shard_comm->all_gather_into(full_, input, label("parameter all-gather", gathers_));
   return gather_work_;
 }
 
@@ -284,11 +290,12 @@ void FlatParam::start_reduce(bool across_replicas) {
   if (!group_.shard_comm) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one).
     reduced_ = full_grad_;
-    pending_work_ = group_.world_size > 1 ? group_.world_comm->all_reduce(full_grad_) : nullptr;
+    pending_work_ = group_.world_size > 1 ? group_.world_comm->all_reduce(full_grad_, label("gradient all-reduce", reductions_))
+                                          : nullptr;
   } else {
     reduced_ = buffers_->empty(shard_numel_, full_grad_.options());
     memory_->add_grad(shard_numel_ * reduced_.element_size());
-    pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_);
+    pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_, label("gradient reduce-scatter", reductions_));
     const bool replicas = group_.replicate_comm && group_.replicate_comm->size() > 1;
     if (replicas && !across_replicas) {
       defer_replicas_ = true;  // finish_reduce adds the shard group's sum into partial_
@@ -298,12 +305,12 @@ void FlatParam::start_reduce(bool across_replicas) {
       reduced_.add_(partial_);
       memory_->add_grad(-partial_.nbytes());
       partial_ = at::Tensor();
-      pending_work_ = group_.replicate_comm->all_reduce(reduced_);
+      pending_work_ = group_.replicate_comm->all_reduce(reduced_, label("replica gradient all-reduce", replica_reductions_));
       replica_reduce_issued_ = true;
     } else if (replicas) {
       // Hybrid: the shard's sum across replicas, chained after the reduce-scatter on the replica
       // group's thread, so both overlap the rest of backward.
-      CollectiveOptions after_scatter;
+      CollectiveOptions after_scatter = label("replica gradient all-reduce", replica_reductions_);
       after_scatter.after = pending_work_;
       pending_work_ = group_.replicate_comm->all_reduce(reduced_, after_scatter);
       replica_reduce_issued_ = true;
@@ -404,7 +411,7 @@ at::Tensor FlatParam::full_values() const {
   if (!group_.shard_comm) return shard_;
   InternalOpGuard internal;
   at::Tensor out = at::empty({padded_numel_}, shard_.options().requires_grad(false));
-  group_.shard_comm->all_gather_into(out, shard_)->wait();
+  group_.shard_comm->all_gather_into(out, shard_, label("full-values all-gather", gathers_))->wait();
   return out;
 }
 

@@ -162,6 +162,10 @@ class FlatParam {
   bool gathering_post_forward_ = false;  // the last gather ran over the post-forward group
   WorkPtr pending_work_;                 // reduce-scatter (or all-reduce) in flight
   WorkPtr gather_work_;                  // all-gather in flight into full_
+  // What each collective is for, as its members compare it (Note [Collective fingerprints]): the
+  // flat parameter, the purpose, and how many collectives of that purpose it issued before.
+  CollectiveOptions label(const char* purpose, int64_t& count) const;
+  mutable int64_t gathers_ = 0, reductions_ = 0, replica_reductions_ = 0;
 };
 
 }  // namespace fsdp

@@ -44,7 +44,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   const CommunicatorPtr& world = detail::StateAccess::of(module_).groups().world_comm;
   at::Tensor flag =
       at::full({1}, local_inf ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(world->device()));
-  world->all_reduce(flag)->wait();
+  world->all_reduce(flag, CollectiveOptions::labeled("GradScaler: found-inf all-reduce"))->wait();
   found_inf_ = flag.cpu().item<float>() > 0;
   unscaled_ = true;
 }

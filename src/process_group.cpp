@@ -372,7 +372,34 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   return pg;
 }
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  if (std::uncaught_exceptions() > 0) return;
+  try {
+    shutdown();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[fsdp] rank %d: %s\n[fsdp] exiting with status 1: this rank must not finish out of step "
+                 "with its peers\n", rank(), e.what());
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+}
+
+void ProcessGroup::shutdown() {
+  // All at once, each on its communicator's own thread: members that share several communicators
+  // never wait for each other in different orders.
+  std::vector<WorkPtr> works;
+  for (auto& [key, comm] : raw_groups_) works.push_back(comm->shutdown());
+  std::string error;
+  for (auto& w : works) {
+    try {
+      w->wait();
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+    }
+  }
+  FSDP_CHECK(error.empty(), error);
+}
 
 void ProcessGroup::set_network_model(std::optional<NetworkModel> model) {
   if (model) {

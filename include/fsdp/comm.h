@@ -37,6 +37,16 @@ struct CollectiveOptions {
   // Run only once this work has completed (waited for on the communicator's thread, not the
   // caller's); fail if it failed. Chains collectives of different communicators.
   WorkPtr after;
+  // What the collective is for (e.g. "unit 3 gradient reduce-scatter #7"). Members compare it
+  // with the kind, size and position: a difference fails every member at once, naming both
+  // (Note [Collective fingerprints]; the CPU transports check, NCCL does not).
+  std::string label;
+
+  static CollectiveOptions labeled(std::string label) {
+    CollectiveOptions o;
+    o.label = std::move(label);
+    return o;
+  }
 };
 
 class Communicator {
@@ -57,6 +67,11 @@ class Communicator {
   virtual WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) = 0;
   virtual WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) = 0;
   virtual void barrier() = 0;
+  // Ends this member's use of the communicator, collectively: completes once every member has
+  // called it after its last collective; fails if a member issued another collective instead (ranks
+  // out of step), died or left. Later collectives fail. A CPU communicator destroyed without it runs
+  // it, and ends the process with status 1 if it fails (Note [End-of-job agreement]).
+  virtual WorkPtr shutdown();
   // Working memory kept between collectives from the CPU allocator (e.g. a receive buffer).
   virtual int64_t scratch_bytes() const { return 0; }
   // Shared memory it maps (the shared-memory transport's staging segment), outside the allocator.

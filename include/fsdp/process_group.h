@@ -72,7 +72,11 @@ class ProcessGroup {
   static std::shared_ptr<ProcessGroup> from_env(const ProcessGroupOptions& options = {});
   static std::shared_ptr<ProcessGroup> create(const RankEnv& env, const ProcessGroupOptions& options = {});
 
+  // Runs shutdown() if it was not run; if that fails, prints why and ends the process with status 1.
   ~ProcessGroup();
+  // Ends every communicator this group created, collectively: throws if a peer is still issuing
+  // collectives (ranks out of step), died or left (Note [End-of-job agreement]).
+  void shutdown();
   int rank() const { return env_.rank; }
   int size() const { return env_.world_size; }
   const RankEnv& env() const { return env_; }

@@ -15,7 +15,7 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   const auto dev = comm.device();
   at::Tensor len = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong).to(dev);
   at::Tensor lens = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(dev));
-  comm.all_gather_into(lens, len)->wait();
+  comm.all_gather_into(lens, len, CollectiveOptions::labeled("string all-gather: lengths"))->wait();
   lens = lens.cpu();
   int64_t longest = 0;
   for (int i = 0; i < n; ++i) longest = std::max(longest, lens[i].item<int64_t>());
@@ -24,7 +24,7 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   std::memcpy(in.data_ptr(), mine.data(), mine.size());
   in = in.to(dev);
   at::Tensor out = at::empty({n * longest}, at::TensorOptions().dtype(at::kByte).device(dev));
-  comm.all_gather_into(out, in)->wait();
+  comm.all_gather_into(out, in, CollectiveOptions::labeled("string all-gather: bytes"))->wait();
   out = out.cpu();
   std::vector<std::string> all(n);
   for (int i = 0; i < n; ++i)

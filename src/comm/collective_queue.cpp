@@ -4,6 +4,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <sstream>
 
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
@@ -33,6 +36,91 @@ void check_reduce_scatter_args(const at::Tensor& out, const at::Tensor& in, int 
              " differs from input dtype ", in.scalar_type());
   FSDP_CHECK(in.numel() == out.numel() * size, "reduce_scatter: input has ", in.numel(),
              " elements, expected world size ", size, " x output ", out.numel());
+}
+
+namespace {
+
+const char* kind_name(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllGather: return "all_gather_into";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter";
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kShutdown: return "shutdown";
+  }
+  return "an unknown collective";
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+class AlreadyDoneWork : public Work {
+ public:
+  void wait() override {}
+  bool completed() const override { return true; }
+};
+
+}  // namespace
+
+Fingerprint Fingerprint::of(CollectiveKind kind, uint64_t sequence, const at::Tensor& t, int64_t bytes, int root,
+                            const std::string& label) {
+  Fingerprint f;
+  f.kind = kind;
+  f.dtype = t.defined() ? static_cast<int32_t>(t.scalar_type()) : -1;
+  f.bytes = bytes;
+  f.root = root;
+  f.sequence = sequence;
+  f.label_hash = label.empty() ? 0 : fnv1a(label);
+  std::strncpy(f.label, label.c_str(), sizeof(f.label) - 1);
+  return f;
+}
+
+bool Fingerprint::operator==(const Fingerprint& o) const {
+  return kind == o.kind && dtype == o.dtype && bytes == o.bytes && root == o.root && round == o.round &&
+         sequence == o.sequence && label_hash == o.label_hash;
+}
+
+std::string Fingerprint::describe() const {
+  std::ostringstream s;
+  s << kind_name(kind) << " #" << sequence;
+  if (kind == CollectiveKind::kShutdown) {
+    s << " (the end of its use of the communicator: it issued no further collective)";
+    return s.str();
+  }
+  s << " of " << bytes << " bytes";
+  if (dtype >= 0) s << " (" << static_cast<at::ScalarType>(dtype) << ")";
+  if (kind == CollectiveKind::kBroadcast) s << " from root " << root;
+  if (label[0] != 0) s << " for '" << std::string(label, strnlen(label, sizeof(label))) << "'";
+  return s.str();
+}
+
+void fail_out_of_step(const std::string& group, int me, const Fingerprint& mine, int other,
+                      const Fingerprint& theirs) {
+  FSDP_FAIL("ranks diverged: member ", me, " of ", group, " issued ", mine.describe(), " while member ", other,
+            " issued ", theirs.describe(),
+            ". Every rank must issue the same collectives in the same order (same model, same FSDP options, "
+            "same control flow through the units, same number of steps and micro-batches)");
+}
+
+WorkPtr completed_work() { return std::make_shared<AlreadyDoneWork>(); }
+
+WorkPtr Communicator::shutdown() { return completed_work(); }
+
+void shutdown_on_destruction(Communicator& comm, const CollectiveQueue& queue) {
+  if (queue.shut_down() || queue.failed() || std::uncaught_exceptions() > 0 || comm.size() == 1) return;
+  try {
+    comm.shutdown()->wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[fsdp] rank %d of %s: %s\n[fsdp] exiting with status 1: this rank must not finish out of step with its peers\n",
+                 comm.rank(), comm.name().c_str(), e.what());
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
 }
 
 void QueuedWork::wait() {
@@ -68,13 +156,15 @@ void QueuedWork::finish(std::string error) {
 }
 
 CollectiveQueue::CollectiveQueue(std::string name, int rank, int size, std::chrono::milliseconds timeout,
-                                 std::function<void()> on_start, std::function<void()> on_stop)
+                                 std::function<void()> on_start, std::function<void()> on_stop,
+                                 std::function<void()> on_failure)
     : name_(std::move(name)),
       rank_(rank),
       size_(size),
       timeout_(timeout),
       on_start_(std::move(on_start)),
-      on_stop_(std::move(on_stop)) {
+      on_stop_(std::move(on_stop)),
+      on_failure_(std::move(on_failure)) {
   worker_ = std::thread([this] { run(); });
 }
 
@@ -87,15 +177,42 @@ CollectiveQueue::~CollectiveQueue() {
   worker_.join();
 }
 
+bool CollectiveQueue::shut_down() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return shutdown_ != nullptr;
+}
+
+WorkPtr CollectiveQueue::enqueue_shutdown(std::function<void()> body) {
+  std::lock_guard<std::mutex> serial(shutdown_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return shutdown_;
+  }
+  WorkPtr work = enqueue("shutdown", std::move(body), nullptr, /*is_shutdown=*/true);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!shutdown_) shutdown_ = work;
+  return shutdown_;
+}
+
 WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body, WorkPtr after) {
+  return enqueue(op, std::move(body), std::move(after), false);
+}
+
+WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body, WorkPtr after, bool is_shutdown) {
   auto work = std::make_shared<QueuedWork>();
   static const bool debug = std::getenv("FSDP_DEBUG_COMM") != nullptr;
   std::lock_guard<std::mutex> lock(mu_);
+  if (shutdown_) {
+    work->finish(detail::compose(op, " on ", name_, " was issued after the communicator was shut down (ProcessGroup "
+                                 "destroyed or Communicator::shutdown() called); create a new process group"));
+    return work;
+  }
   if (debug) std::fprintf(stderr, "[comm] %s #%u %s\n", name_.c_str(), debug_count_++, op);
-  queue_.push_back([this, op, body = std::move(body), after = std::move(after), work]() mutable {
+  queue_.push_back([this, op, body = std::move(body), after = std::move(after), work, is_shutdown]() mutable {
     if (!failure_.empty()) {
       body = nullptr;
       after = nullptr;
+      if (is_shutdown) return work->finish("");  // the failure was reported; there is nothing left to agree on
       work->finish(detail::compose(op, " on ", name_, " was not run: an earlier collective failed: ", failure_));
       return;
     }
@@ -118,6 +235,8 @@ WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body, Wor
       body = nullptr;
       after = nullptr;
       failure_ = e.what();
+      failed_.store(true);
+      if (on_failure_) on_failure_();
       work->finish(
           detail::compose("collective ", op, " on ", name_, " failed on rank ", rank_, " of ", size_, ": ", e.what(),
                           ". A peer rank has probably died, issued a different collective (ranks diverged), or did "

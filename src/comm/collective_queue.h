@@ -3,8 +3,10 @@
 // communicator owns, each returning a Work that completes (or fails) when its job has run. After a
 // failure the queue is poisoned: later jobs report that an earlier collective failed instead of
 // running against peers that are in an unknown state.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -22,6 +24,31 @@ namespace fsdp {
 void check_dense_cpu(const at::Tensor& t, const char* op, const char* what, const char* kind);
 void check_all_gather_args(const at::Tensor& out, const at::Tensor& in, int size, const char* kind);
 void check_reduce_scatter_args(const at::Tensor& out, const at::Tensor& in, int size, const char* kind);
+
+// What a member says it is running; every member of a collective must say the same (Note
+// [Collective fingerprints]). Plain bytes, so transports can stage or exchange it as is.
+enum class CollectiveKind : uint32_t { kAllGather = 1, kReduceScatter, kAllReduce, kBroadcast, kBarrier, kShutdown };
+struct Fingerprint {
+  CollectiveKind kind{};
+  int32_t dtype = -1;       // at::ScalarType; -1 without a tensor
+  int64_t bytes = 0;        // the payload per member
+  int32_t root = -1;        // broadcast only
+  uint32_t round = 0;       // a transport's step within the collective (shared memory's rounds)
+  uint64_t sequence = 0;    // collectives this member issued on the communicator before this one
+  uint64_t label_hash = 0;  // of the whole CollectiveOptions::label
+  char label[104] = {};     // the label's beginning, for messages
+
+  static Fingerprint of(CollectiveKind kind, uint64_t sequence, const at::Tensor& t, int64_t bytes, int root,
+                        const std::string& label);
+  bool operator==(const Fingerprint& o) const;
+  std::string describe() const;  // e.g. "all_reduce #4 of 40 bytes (Float) for 'unit 2 gradient all-reduce #0'"
+};
+// Throws the error of member `me`, whose collective is `mine`, finding member `other` at `theirs`.
+[[noreturn]] void fail_out_of_step(const std::string& group, int me, const Fingerprint& mine, int other,
+                                   const Fingerprint& theirs);
+
+// A Work that is already complete (a collective with nothing to do).
+WorkPtr completed_work();
 
 class QueuedWork : public Work {
  public:
@@ -43,9 +70,10 @@ class CollectiveQueue {
  public:
   // `name` names the communicator in errors (with this rank's place in it); on_start / on_stop run
   // on the worker thread before its first and after its last job (e.g. to hold a liveness lock
-  // for as long as the thread lives).
+  // for as long as the thread lives); on_failure runs there when a job fails.
   CollectiveQueue(std::string name, int rank, int size, std::chrono::milliseconds timeout,
-                  std::function<void()> on_start = {}, std::function<void()> on_stop = {});
+                  std::function<void()> on_start = {}, std::function<void()> on_stop = {},
+                  std::function<void()> on_failure = {});
   ~CollectiveQueue();  // runs the jobs already queued, then joins the worker
   CollectiveQueue(const CollectiveQueue&) = delete;
   CollectiveQueue& operator=(const CollectiveQueue&) = delete;
@@ -54,20 +82,35 @@ class CollectiveQueue {
   // wait() returns the caller holds the only references to the tensors it passed.
   // With `after`, the job first waits for that work (see CollectiveOptions::after).
   WorkPtr enqueue(const char* op, std::function<void()> body, WorkPtr after = nullptr);
+  // Queues the communicator's last job (its shutdown); jobs queued after it fail without running.
+  // A second call returns the first one's Work. After a failed job it completes without running.
+  WorkPtr enqueue_shutdown(std::function<void()> body);
+  // Whether a job has failed (the queue is poisoned) / the shutdown was queued.
+  bool failed() const { return failed_.load(); }
+  bool shut_down() const;
 
  private:
+  WorkPtr enqueue(const char* op, std::function<void()> body, WorkPtr after, bool is_shutdown);
   void run();
   std::string name_;
   int rank_, size_;
   std::chrono::milliseconds timeout_;
-  std::function<void()> on_start_, on_stop_;
-  std::mutex mu_;
+  std::function<void()> on_start_, on_stop_, on_failure_;
+  mutable std::mutex mu_;
+  std::mutex shutdown_mu_;  // serializes enqueue_shutdown
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
   std::string failure_;  // only touched by the worker thread
+  std::atomic<bool> failed_{false};
+  WorkPtr shutdown_;  // under mu_
   uint32_t debug_count_ = 0;
   std::thread worker_;
 };
+
+// What a CPU communicator's destructor does when its shutdown never ran: runs it, unless a collective
+// failed or an exception is unwinding; if it fails, prints why and ends the process with status 1,
+// so no rank finishes "successfully" out of step with its peers (Note [End-of-job agreement]).
+void shutdown_on_destruction(Communicator& comm, const CollectiveQueue& queue);
 
 }  // namespace fsdp

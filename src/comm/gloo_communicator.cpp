@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <vector>
 
 #include "comm/collective_queue.h"
 #include "fsdp/check.h"
@@ -18,8 +19,9 @@
 namespace fsdp {
 namespace {
 
-// Slot prefix for our ring reduce-scatter; gloo's own collectives use 0x01..0x08.
+// Slot prefixes for our ring reduce-scatter and fingerprint exchange; gloo's own collectives use 0x01..0x08.
 constexpr uint8_t kReduceScatterSlotPrefix = 0x10;
+constexpr uint8_t kFingerprintSlotPrefix = 0x11;
 // Tags chosen by the communicator itself have the top bit set so they never collide with
 // explicit tags, which must stay below 2^31.
 constexpr uint32_t kAutoTagBit = 0x80000000u;
@@ -55,6 +57,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
         queue_(std::make_unique<CollectiveQueue>(name_, ctx_->rank, ctx_->size, timeout_)) {}
   // The queue is declared last, so its worker finishes the queued jobs before the scratch and the
   // context go.
+  ~GlooCommunicator() override { shutdown_on_destruction(*this, *queue_); }
 
   int rank() const override { return ctx_->rank; }
   int64_t scratch_bytes() const override { return scratch_bytes_; }
@@ -67,7 +70,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     const uint32_t tag = resolve_tag(opts);
     return enqueue(
         "all_gather_into",
-        [this, out, in, tag] {
+        [this, out, in, tag, label = std::move(opts.label)] {
+          check_in_step(CollectiveKind::kAllGather, in, in.nbytes(), -1, label, tag);
           if (size() == 1) {
             out.copy_(in);
             return;
@@ -87,7 +91,12 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     check_reduce_scatter_args(out, in, size(), "Gloo");
     const uint32_t tag = resolve_tag(opts);
     return enqueue(
-        "reduce_scatter", [this, out, in, tag] { ring_reduce_scatter(out, in, tag); }, opts.after);
+        "reduce_scatter",
+        [this, out, in, tag, label = std::move(opts.label)] {
+          check_in_step(CollectiveKind::kReduceScatter, in, in.nbytes(), -1, label, tag);
+          ring_reduce_scatter(out, in, tag);
+        },
+        opts.after);
   }
 
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
@@ -96,7 +105,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     const uint32_t tag = resolve_tag(opts);
     return enqueue(
         "all_reduce",
-        [this, t, tag, fn] {
+        [this, t, tag, fn, label = std::move(opts.label)] {
+          check_in_step(CollectiveKind::kAllReduce, t, t.nbytes(), -1, label, tag);
           if (size() == 1 || t.numel() == 0) return;
           // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
           // element's width; the reduce function interprets the elements as the real dtype.
@@ -127,7 +137,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     const uint32_t tag = resolve_tag(opts);
     return enqueue(
         "broadcast",
-        [this, t, root, tag] {
+        [this, t, root, tag, label = std::move(opts.label)] {
+          check_in_step(CollectiveKind::kBroadcast, t, t.nbytes(), root, label, tag);
           if (size() == 1 || t.numel() == 0) return;
           gloo::BroadcastOptions o(ctx_);
           o.setRoot(root);
@@ -143,6 +154,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   void barrier() override {
     const uint32_t tag = resolve_tag({});
     enqueue("barrier", [this, tag] {
+      check_in_step(CollectiveKind::kBarrier, at::Tensor(), 0, -1, "", tag);
       if (size() == 1) return;
       gloo::BarrierOptions o(ctx_);
       o.setTag(tag);
@@ -151,7 +163,38 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     })->wait();
   }
 
+  WorkPtr shutdown() override {
+    const uint32_t tag = resolve_tag({});
+    return queue_->enqueue_shutdown(
+        [this, tag] { check_in_step(CollectiveKind::kShutdown, at::Tensor(), 0, -1, "", tag); });
+  }
+
  private:
+  // Every member sends its fingerprint of this collective to every other and compares what it
+  // receives with its own, before any data moves: members out of step fail at once, each naming
+  // both collectives, where the data exchange would wait for messages that never come (Note
+  // [Collective fingerprints]). One message each way per pair, all in flight together.
+  void check_in_step(CollectiveKind kind, const at::Tensor& t, int64_t bytes, int root, const std::string& label,
+                     uint32_t tag) {
+    const Fingerprint mine = Fingerprint::of(kind, collectives_++, t, bytes, root, label);
+    const int W = size(), r = rank();
+    if (W == 1) return;
+    Fingerprint sent = mine;
+    std::vector<Fingerprint> got(W);
+    auto send_buf = ctx_->createUnboundBuffer(&sent, sizeof(Fingerprint));
+    auto recv_buf = ctx_->createUnboundBuffer(got.data(), sizeof(Fingerprint) * W);
+    const uint64_t slot = gloo::Slot::build(kFingerprintSlotPrefix, tag);
+    for (int p = 0; p < W; ++p) {
+      if (p == r) continue;
+      recv_buf->recv(p, slot, sizeof(Fingerprint) * p, sizeof(Fingerprint));
+      send_buf->send(p, slot, 0, sizeof(Fingerprint));
+    }
+    for (int i = 0; i < W - 1; ++i) FSDP_CHECK(recv_buf->waitRecv(timeout_), "fingerprint receive was aborted");
+    for (int i = 0; i < W - 1; ++i) FSDP_CHECK(send_buf->waitSend(timeout_), "fingerprint send was aborted");
+    for (int p = 0; p < W; ++p)
+      if (p != r && !(got[p] == mine)) fail_out_of_step(name_, r, mine, p, got[p]);
+  }
+
   uint32_t resolve_tag(const CollectiveOptions& opts) {
     if (opts.tag != 0) {
       FSDP_CHECK((opts.tag & kAutoTagBit) == 0, "collective tag ", opts.tag, " must be below 2^31");
@@ -242,6 +285,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::string name_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint32_t> next_tag_{1};
+  uint64_t collectives_ = 0;               // only touched by the worker thread
   at::Tensor scratch_;                     // reduce-scatter receive ring, only touched by the worker thread
   std::atomic<int64_t> scratch_bytes_{0};  // its size, for memory_stats() on other threads
   std::unique_ptr<CollectiveQueue> queue_;

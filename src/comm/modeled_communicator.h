@@ -27,6 +27,7 @@ class ModeledCommunicator : public Communicator {
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) override;
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) override;
   void barrier() override;
+  WorkPtr shutdown() override { return inner_->shutdown(); }
   int64_t scratch_bytes() const override { return inner_->scratch_bytes(); }
   int64_t shared_memory_bytes() const override { return inner_->shared_memory_bytes(); }
   c10::Device device() const override { return inner_->device(); }

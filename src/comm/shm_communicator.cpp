@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <random>
@@ -40,7 +42,7 @@ namespace {
 // While asleep it checks, every kLivenessPeriod, that the peer is alive: each member's worker
 // thread holds a robust process-shared mutex for as long as it runs, so a member that died (or
 // destroyed its communicator) is seen at once, not at the timeout.
-constexpr uint64_t kMagic = 0x316d68737064736full;  // "fsdpshm1"
+constexpr uint64_t kMagic = 0x326d68737064736full;  // "fsdpshm2"
 // Staging buffers: 1 MiB each up to 8 members, smaller beyond, so a segment stays at 16 MiB
 // (containers often give /dev/shm 64 MiB) whatever the number of ranks per host.
 constexpr int64_t kMaxSlotBytes = int64_t(1) << 20, kMinSlotBytes = int64_t(64) << 10;
@@ -57,39 +59,25 @@ constexpr int kSpins = 256;
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
 
-enum Op : uint32_t { kAllGather = 1, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
-const char* op_name(uint32_t op) {
-  switch (op) {
-    case kAllGather: return "all_gather_into";
-    case kReduceScatter: return "reduce_scatter";
-    case kAllReduce: return "all_reduce";
-    case kBroadcast: return "broadcast";
-    case kBarrier: return "barrier";
-    default: return "an unknown collective";
-  }
-}
+using Descriptor = Fingerprint;  // what a member is doing in a round; every member must be doing the same
 
-// What a member is doing in a round; every member must be doing the same.
-struct Descriptor {
-  uint32_t op = 0;
-  uint32_t round_in_op = 0;
-  uint64_t collective = 0;  // how many collectives this member issued before
-  int64_t bytes = 0;        // the collective's whole payload per member
-  int32_t dtype = 0;
-  int32_t root = 0;
-  bool operator==(const Descriptor& o) const {
-    return op == o.op && round_in_op == o.round_in_op && collective == o.collective && bytes == o.bytes &&
-           dtype == o.dtype && root == o.root;
-  }
-};
+// A member's state as the others see it; written once, by the member or by the first to find it gone.
+enum MemberState : uint32_t { kRunning = 0, kDied, kLeft, kFailed };
 
 struct alignas(64) MemberControl {
   std::atomic<uint32_t> posted;   // rounds this member has posted (a futex word)
   std::atomic<uint32_t> waiters;  // members asleep on `posted`
+  std::atomic<uint32_t> state;    // MemberState
   int32_t pid;
+  uint64_t pid_namespace;    // inode of its /proc/self/ns/pid (0: unknown)
   Descriptor descriptor[2];  // per buffer, like the data
   pthread_mutex_t alive;     // held by the member's worker thread while it runs (robust)
 };
+
+uint64_t pid_namespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
 
 struct alignas(64) Header {
   std::atomic<uint64_t> magic;  // written last by the creator
@@ -163,7 +151,9 @@ class Segment {
       auto* c = new (control(m)) MemberControl;
       c->posted.store(0);
       c->waiters.store(0);
+      c->state.store(kRunning);
       c->pid = 0;
+      c->pid_namespace = 0;
       pthread_mutex_init(&c->alive, &attr);
     }
     pthread_mutexattr_destroy(&attr);
@@ -224,12 +214,20 @@ class ShmCommunicator : public Communicator {
         name_, rank_, size_, timeout_,
         [me] {
           me->pid = static_cast<int32_t>(getpid());
+          me->pid_namespace = pid_namespace();
           pthread_mutex_lock(&me->alive);
         },
-        [me] { pthread_mutex_unlock(&me->alive); });
+        [me] { pthread_mutex_unlock(&me->alive); },
+        [me] {  // peers waiting on this member learn at once that it failed
+          uint32_t running = kRunning;
+          me->state.compare_exchange_strong(running, kFailed);
+        });
     queue_->enqueue("start", [] {})->wait();  // the liveness lock is held from here on
   }
-  ~ShmCommunicator() override { queue_.reset(); }  // joins the worker (which releases the lock) before unmapping
+  ~ShmCommunicator() override {
+    shutdown_on_destruction(*this, *queue_);
+    queue_.reset();  // joins the worker (which releases the lock) before unmapping
+  }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -241,12 +239,12 @@ class ShmCommunicator : public Communicator {
     check_all_gather_args(out, in, size_, "shared-memory");
     return queue_->enqueue(
         "all_gather_into",
-        [this, out, in] {
+        [this, out, in, label = std::move(opts.label)] {
           const int64_t n = in.nbytes();
           auto* dst = static_cast<uint8_t*>(out.data_ptr());
           const auto* src = static_cast<const uint8_t*>(in.data_ptr());
           if (n > 0 && dst + rank_ * n != src) std::memmove(dst + rank_ * n, src, n);
-          Descriptor d = describe(kAllGather, n, in);
+          Descriptor d = describe(CollectiveKind::kAllGather, n, in, label);
           for_each_piece(n, slot_, d, [&](int64_t off, int64_t len) {
             copy_bytes(segment_->buffer(rank_, round_), src + off, len);
             exchange(d);
@@ -261,13 +259,13 @@ class ShmCommunicator : public Communicator {
     check_reduce_scatter_args(out, in, size_, "shared-memory");
     return queue_->enqueue(
         "reduce_scatter",
-        [this, out, in] {
+        [this, out, in, label = std::move(opts.label)] {
           const int64_t n = out.numel(), elem = in.element_size();
           // Per round, a member stages one piece for each destination member.
           const int64_t piece = std::max<int64_t>(1, slot_ / (size_ * elem));
           auto* src = static_cast<const uint8_t*>(in.data_ptr());
           const at::Tensor flat_in = in.view({-1}), flat_out = out.view({-1});
-          Descriptor d = describe(kReduceScatter, in.nbytes(), in);
+          Descriptor d = describe(CollectiveKind::kReduceScatter, in.nbytes(), in, label);
           for_each_piece(n, piece, d, [&](int64_t off, int64_t len) {
             uint8_t* mine = segment_->buffer(rank_, round_);
             for (int q = 0; q < size_; ++q)
@@ -286,13 +284,13 @@ class ShmCommunicator : public Communicator {
     check_dense_cpu(t, "all_reduce", "tensor", "shared-memory");
     return queue_->enqueue(
         "all_reduce",
-        [this, t] {
+        [this, t, label = std::move(opts.label)] {
           // Per chunk: a reduce-scatter round (member m sums part m of the chunk), then an all-gather
           // round of the sums; each part is summed once, so every member ends with the same bits.
           const int64_t elem = t.element_size();
           auto* data = static_cast<uint8_t*>(t.data_ptr());
           const at::Tensor flat = t.view({-1});
-          Descriptor d = describe(kAllReduce, t.nbytes(), t);
+          Descriptor d = describe(CollectiveKind::kAllReduce, t.nbytes(), t, label);
           for_each_piece(t.numel(), slot_ / elem, d, [&](int64_t off, int64_t len) {
             auto part = [&](int m) {
               return std::make_pair(len * m / size_, len * (m + 1) / size_);
@@ -321,10 +319,9 @@ class ShmCommunicator : public Communicator {
     FSDP_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is outside [0, ", size_, ")");
     return queue_->enqueue(
         "broadcast",
-        [this, t, root] {
+        [this, t, root, label = std::move(opts.label)] {
           auto* data = static_cast<uint8_t*>(t.data_ptr());
-          Descriptor d = describe(kBroadcast, t.nbytes(), t);
-          d.root = root;
+          Descriptor d = describe(CollectiveKind::kBroadcast, t.nbytes(), t, label, root);
           for_each_piece(t.nbytes(), slot_, d, [&](int64_t off, int64_t len) {
             if (rank_ == root) copy_bytes(segment_->buffer(rank_, round_), data + off, len);
             exchange(d);
@@ -338,20 +335,23 @@ class ShmCommunicator : public Communicator {
     queue_
         ->enqueue("barrier",
                   [this] {
-                    Descriptor d = describe(kBarrier, 0, at::Tensor());
+                    Descriptor d = describe(CollectiveKind::kBarrier, 0, at::Tensor(), "");
                     for_each_piece(0, 1, d, [&](int64_t, int64_t) { exchange(d); });
                   })
         ->wait();
   }
 
+  WorkPtr shutdown() override {
+    return queue_->enqueue_shutdown([this] {
+      Descriptor d = describe(CollectiveKind::kShutdown, 0, at::Tensor(), "");
+      for_each_piece(0, 1, d, [&](int64_t, int64_t) { exchange(d); });
+    });
+  }
+
  private:
-  Descriptor describe(Op op, int64_t bytes, const at::Tensor& t) {
-    Descriptor d;
-    d.op = op;
-    d.collective = collectives_++;
-    d.bytes = bytes;
-    d.dtype = t.defined() ? static_cast<int32_t>(t.scalar_type()) : -1;
-    return d;
+  Descriptor describe(CollectiveKind kind, int64_t bytes, const at::Tensor& t, const std::string& label,
+                      int root = -1) {
+    return Fingerprint::of(kind, collectives_++, t, bytes, root, label);
   }
 
   // Runs body(offset, length) over [0, total) in pieces of at most `piece`, one round each; a
@@ -369,7 +369,7 @@ class ShmCommunicator : public Communicator {
 
   void end_round(Descriptor& d) {
     ++round_;
-    ++d.round_in_op;
+    ++d.round;
   }
 
   // A member's staged elements as a tensor of `like`'s dtype (no copy).
@@ -389,19 +389,8 @@ class ShmCommunicator : public Communicator {
       if (p != rank_) wait_for(p, target);
     for (int p = 0; p < size_; ++p) {
       const Descriptor& other = segment_->control(p)->descriptor[round_ % 2];
-      FSDP_CHECK(other == d, "ranks diverged: member ", rank_, " of ", name_, " issued ", explain(d), " while member ",
-                 p, " issued ", explain(other),
-                 ". Every rank must issue the same collectives in the same order (same model, same "
-                 "FSDP options, same number of steps and micro-batches)");
+      if (!(other == d)) fail_out_of_step(name_, rank_, d, p, other);
     }
-  }
-
-  static std::string explain(const Descriptor& d) {
-    std::ostringstream s;
-    s << op_name(d.op) << " #" << d.collective << " of " << d.bytes << " bytes";
-    if (d.dtype >= 0) s << " (" << static_cast<at::ScalarType>(d.dtype) << ")";
-    if (d.op == kBroadcast) s << " from root " << d.root;
-    return s.str();
   }
 
   static bool reached(const MemberControl* c, uint32_t target) {
@@ -432,19 +421,39 @@ class ShmCommunicator : public Communicator {
     }
   }
 
+  // Fails if `member` died, left or failed. Its state word is checked first and written by whoever
+  // finds out, so every member sees the same answer however many ask (Note [Dead members]).
   void check_alive(int member) {
     MemberControl* c = segment_->control(member);
-    const int rc = pthread_mutex_trylock(&c->alive);
-    if (rc == EBUSY) return;
-    if (rc == 0) {
-      pthread_mutex_unlock(&c->alive);
-      FSDP_FAIL("member ", member, " of ", name_, " (pid ", c->pid,
-                ") left the group: its communicator was destroyed before this collective completed");
+    uint32_t state = c->state.load(std::memory_order_acquire);
+    if (state == kRunning) {
+      const int rc = pthread_mutex_trylock(&c->alive);
+      uint32_t found = kRunning;
+      if (rc == 0) {
+        pthread_mutex_unlock(&c->alive);
+        found = kLeft;
+      } else if (rc == EOWNERDEAD || rc == ENOTRECOVERABLE) {
+        found = kDied;  // the lock is left owned (or unrecoverable): the state word is the record
+      } else if (c->pid > 0 && c->pid_namespace != 0 && c->pid_namespace == pid_namespace() && kill(c->pid, 0) != 0 &&
+                 errno == ESRCH) {
+        found = kDied;  // the process is gone although its lock reads as held
+      }
+      if (found != kRunning) {
+        uint32_t expected = kRunning;
+        c->state.compare_exchange_strong(expected, found, std::memory_order_acq_rel);
+        state = c->state.load(std::memory_order_acquire);
+      }
     }
-    // EOWNERDEAD (we are the first to notice) or ENOTRECOVERABLE (another member was): unlocking
-    // without marking it consistent leaves it unrecoverable, so every member keeps seeing it.
-    if (rc == EOWNERDEAD) pthread_mutex_unlock(&c->alive);
-    FSDP_FAIL("member ", member, " of ", name_, " (pid ", c->pid, ") died");
+    switch (state) {
+      case kRunning: return;
+      case kLeft:
+        FSDP_FAIL("member ", member, " of ", name_, " (pid ", c->pid,
+                  ") left the group: its communicator was destroyed before this collective completed");
+      case kFailed:
+        FSDP_FAIL("member ", member, " of ", name_, " (pid ", c->pid,
+                  ") failed a collective (its own error says why: see that rank's output)");
+      default: FSDP_FAIL("member ", member, " of ", name_, " (pid ", c->pid, ") died");
+    }
   }
 
   std::unique_ptr<Segment> segment_;
@@ -462,6 +471,34 @@ std::vector<uint8_t> string_to_bytes(const std::string& s) { return std::vector<
 
 }  // namespace
 
+namespace {
+
+// Waits until every member has set `prefix + m`; on timeout names the members that did not.
+void wait_for_members(c10d::Store& store, const std::string& prefix, int size, const std::string& name,
+                      std::chrono::milliseconds timeout, const char* what) {
+  std::vector<std::string> keys;
+  for (int m = 0; m < size; ++m) keys.push_back(prefix + std::to_string(m));
+  try {
+    store.wait(keys, timeout);
+    return;
+  } catch (const std::exception&) {
+  }
+  std::string missing;
+  for (int m = 0; m < size; ++m) {
+    bool present = false;
+    try {
+      present = store.check({keys[m]});
+    } catch (const std::exception&) {
+    }
+    if (!present) missing += (missing.empty() ? "" : ", ") + std::to_string(m);
+  }
+  FSDP_FAIL("setting up the shared-memory transport for ", name, ": member(s) ", missing.empty() ? "?" : missing,
+            " did not ", what, " within ", timeout.count() / 1000.0,
+            " s (they never started, died, or failed earlier: see their output)");
+}
+
+}  // namespace
+
 CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& store, int index, int size,
                                       std::string name, std::chrono::milliseconds timeout, bool required) {
   FSDP_CHECK(size >= 1 && index >= 0 && index < size, "make_shm_communicator: member ", index, " of ", size);
@@ -469,6 +506,14 @@ CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& sto
   // The first member creates the segment and announces "<name> <nonce>" (or "!<why>").
   std::string shm_name;
   uint64_t nonce = 0;
+  // The creator unlinks the name once every member has mapped it, or on any failure before that:
+  // the segment never outlives the job however the processes end (Note [Dead members]).
+  struct Unlink {
+    std::string name;
+    ~Unlink() {
+      if (!name.empty()) shm_unlink(name.c_str());
+    }
+  } unlink;
   if (index == 0) {
     std::random_device rd;
     nonce = (uint64_t(rd()) << 32) ^ rd();
@@ -476,9 +521,11 @@ CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& sto
     n << "/fsdp-" << getpid() << "-" << std::hex << nonce;
     shm_name = n.str();
     const std::string error = segment->create(shm_name, nonce, size);
-    store->set("shm/segment", string_to_bytes(error.empty() ? shm_name + " " + std::to_string(nonce) : "!" + error));
+    if (error.empty()) unlink.name = shm_name;
+    store->set("shm/segment0", string_to_bytes(error.empty() ? shm_name + " " + std::to_string(nonce) : "!" + error));
   }
-  const std::string announced = bytes_to_string(store->get("shm/segment"));
+  wait_for_members(*store, "shm/segment", 1, name, timeout, "announce the segment");
+  const std::string announced = bytes_to_string(store->get("shm/segment0"));
   std::string my_status;
   if (announced.rfind('!', 0) == 0) {
     my_status = announced.substr(1);
@@ -488,28 +535,31 @@ CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& sto
     my_status = segment->open(shm_name, nonce, size);
   }
   store->set("shm/status/" + std::to_string(index), string_to_bytes(my_status.empty() ? "ok" : my_status));
+  wait_for_members(*store, "shm/status/", size, name, timeout, "report whether it could map the segment");
   std::string failure;
   for (int m = 0; m < size && failure.empty(); ++m) {
     const std::string s = bytes_to_string(store->get("shm/status/" + std::to_string(m)));
     if (s != "ok") failure = "member " + std::to_string(m) + ": " + s;
   }
-  // Everyone has mapped it (or given up): the name is no longer needed, and unlinking now means
-  // the segment cannot outlive the job however the processes end.
-  if (index == 0 && !shm_name.empty() && announced.rfind('!', 0) != 0) shm_unlink(shm_name.c_str());
+  if (!unlink.name.empty()) {  // everyone has mapped it (or given up): the name is no longer needed
+    shm_unlink(unlink.name.c_str());
+    unlink.name.clear();
+  }
   if (!failure.empty()) {
     FSDP_CHECK(!required,
                "the shared-memory transport was requested (FSDP_TRANSPORT=shm or "
                "ProcessGroupOptions::transport) for ",
                name, " but its members cannot share a segment (", failure,
                "). Use FSDP_TRANSPORT=auto (or tcp) when the group spans hosts or /dev/shm namespaces");
+    if (index == 0)
+      std::fprintf(stderr, "[fsdp] %s: shared memory is unavailable (%s); using Gloo over TCP instead\n", name.c_str(),
+                   failure.c_str());
     return nullptr;
   }
-  auto comm = std::make_shared<ShmCommunicator>(std::move(segment), index, size, std::move(name), timeout);
+  auto comm = std::make_shared<ShmCommunicator>(std::move(segment), index, size, name, timeout);
   // Every member's liveness lock is held before any member starts a collective.
   store->set("shm/ready/" + std::to_string(index), string_to_bytes("1"));
-  std::vector<std::string> keys;
-  for (int m = 0; m < size; ++m) keys.push_back("shm/ready/" + std::to_string(m));
-  store->wait(keys);
+  wait_for_members(*store, "shm/ready/", size, name, timeout, "start its communicator");
   return comm;
 }
 

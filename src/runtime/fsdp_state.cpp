@@ -142,7 +142,7 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
   auto broadcast_from_rank0 = [&](const at::Tensor& t) {
     if (!t.defined() || t.numel() == 0) return;
     at::Tensor c = t.detach().contiguous();
-    pg_->world()->broadcast(c, 0)->wait();
+    pg_->world()->broadcast(c, 0, CollectiveOptions::labeled("sync_module_states broadcast"))->wait();
     if (!c.is_same(t)) t.detach().copy_(c);
   };
 

@@ -89,7 +89,7 @@ void GradientReducer::broadcast_buffers(const std::vector<std::pair<std::string,
     if (!b.defined() || b.numel() == 0) continue;
     const auto start = Tracer::Clock::now();
     at::Tensor sent = b.is_contiguous() ? b : b.contiguous();
-    auto work = world_->broadcast(sent, 0);
+    auto work = world_->broadcast(sent, 0, CollectiveOptions::labeled("buffer broadcast: " + kv.first));
     tracer_.collective(TraceEvent::Kind::kReduce, -1, "broadcast " + kv.first, world_->name(), work);
     work->wait();
     if (!sent.is_same(b)) b.copy_(sent);

@@ -1,0 +1,80 @@
+// Ranks out of step: a unit skipped on one rank, an extra micro-batch on one rank, a collective
+// API called by one rank alone. Every rank must fail (none may exit 0), fast, naming the two
+// collectives, on both CPU transports (Note [Collective fingerprints], Note [End-of-job agreement]).
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "faults/faults.h"
+
+namespace fsdp_test {
+namespace {
+
+// args: strategy, case. Three steps of SGD on a Skippy whose Linear layers are units; the case
+// makes one rank leave the common schedule in step 1.
+FSDP_WORKER(desync_worker) {
+  const std::string strategy = ctx.args.at(0), what = ctx.args.at(1);
+  auto pg = fsdp::ProcessGroup::from_env();
+  torch::manual_seed(1);
+  Skippy model;
+  auto sharded = fsdp::fully_shard(model, pg,
+                                   fsdp::Options()
+                                       .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+                                       .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  torch::optim::SGD opt(sharded->parameters(), torch::optim::SGDOptions(0.1));
+  for (int step = 0; step < 3; ++step) {
+    const bool odd_one = step == 1 && ctx.rank == 1;
+    const int micro_batches = what == "extra_micro_batch" && odd_one ? 2 : 1;
+    for (int m = 0; m < micro_batches; ++m) {
+      at::Tensor x = at::randn({4, 8}, at::detail::createCPUGenerator(10 * step + m + ctx.rank));
+      model->forward(x, what == "skip_unit" && odd_one).pow(2).mean().backward();
+    }
+    if (what == "state_dict_alone" && odd_one) sharded->full_state_dict();
+    opt.step();
+    zero_grad_in_place(opt);
+  }
+}
+
+struct Case {
+  std::string strategy, what, transport;
+};
+
+class DesyncTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DesyncTest, EveryRankFailsFastNamingBothCollectives) {
+  const Case c = GetParam();
+  const auto t0 = std::chrono::steady_clock::now();
+  RunningRanks running = start("desync_worker", 3, {c.strategy, c.what},
+                               {"FSDP_TRANSPORT=" + c.transport, "FSDP_TIMEOUT_S=60"});
+  const std::vector<int> pids = running.pids;
+  auto r = wait_for(running, 120);
+  const double seconds = seconds_since(t0);
+  ASSERT_FALSE(r.timed_out) << r.report();
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(r.ranks[rank].exit_code, 0) << "rank " << rank << " finished out of step\n" << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, "ranks diverged")) << r.report();
+  }
+  EXPECT_LT(seconds, 25) << r.report();  // the timeout is 60 s
+  EXPECT_TRUE(leftover_segments(pids).empty()) << leftover_segments(pids).front();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DesyncTest,
+    ::testing::Values(Case{"NO_SHARD", "skip_unit", "shm"}, Case{"NO_SHARD", "skip_unit", "tcp"},
+                      Case{"FULL_SHARD", "skip_unit", "shm"}, Case{"FULL_SHARD", "skip_unit", "tcp"},
+                      Case{"NO_SHARD", "extra_micro_batch", "shm"}, Case{"NO_SHARD", "extra_micro_batch", "tcp"},
+                      Case{"FULL_SHARD", "extra_micro_batch", "shm"}, Case{"FULL_SHARD", "extra_micro_batch", "tcp"},
+                      Case{"FULL_SHARD", "state_dict_alone", "shm"}, Case{"FULL_SHARD", "state_dict_alone", "tcp"}),
+    [](const auto& info) { return info.param.strategy + "_" + info.param.what + "_" + info.param.transport; });
+
+// The same program on every rank ends with every rank agreeing, exit 0 (the end-of-job check
+// must not fail a job that is in step).
+TEST(Desync, RanksInStepAllFinishWithStatusZero) {
+  for (const std::string transport : {"shm", "tcp"}) {
+    auto r = launch("desync_worker", 3, {"FULL_SHARD", "none"}, 120, {"FSDP_TRANSPORT=" + transport});
+    EXPECT_TRUE(r.all_ok()) << transport << "\n" << r.report();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_test
