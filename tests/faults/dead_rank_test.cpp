@@ -42,6 +42,8 @@ struct Case {
   int world, victim;
   std::string transport;
 };
+void PrintTo(const Case& c, std::ostream* os) { *os << "world " << c.world << ", victim " << c.victim << ", " << c.transport; }
+
 
 class KilledInStepTest : public ::testing::TestWithParam<Case> {};
 

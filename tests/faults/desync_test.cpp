@@ -38,6 +38,8 @@ FSDP_WORKER(desync_worker) {
 struct Case {
   std::string strategy, what, transport;
 };
+void PrintTo(const Case& c, std::ostream* os) { *os << c.strategy << " " << c.what << " " << c.transport; }
+
 
 class DesyncTest : public ::testing::TestWithParam<Case> {};
 
