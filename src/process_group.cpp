@@ -287,6 +287,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
   pg->options_ = options;
   if (const char* t = env_or_null("FSDP_TIMEOUT_S"))
     pg->options_.timeout = std::chrono::milliseconds(int64_t(1000) * parse_int("FSDP_TIMEOUT_S", t, 1, 1 << 24));
+  if (const char* c = env_or_null("FSDP_CHECK_COLLECTIVES"))
+    pg->options_.check_collectives = parse_int("FSDP_CHECK_COLLECTIVES", c, 0, 1) == 1;
   if (!pg->options_.network_model) pg->options_.network_model = NetworkModel::from_env();
   if (pg->options_.transport == Transport::kAuto)
     if (const char* t = env_or_null("FSDP_TRANSPORT")) pg->options_.transport = parse_transport(t, "FSDP_TRANSPORT");
@@ -475,7 +477,7 @@ CommunicatorPtr ProcessGroup::connect_gloo(const c10::intrusive_ptr<c10d::Store>
               ". Check that every member rank is alive and that their addresses are reachable "
               "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
   }
-  return make_gloo_communicator(std::move(ctx), id, options_.timeout);
+  return make_gloo_communicator(std::move(ctx), id, options_.timeout, options_.check_collectives);
 #endif
 }
 

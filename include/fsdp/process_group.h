@@ -54,6 +54,11 @@ struct ProcessGroupOptions {
   // A modeled network (network_model.h) wrapping every communicator this group creates. Unset:
   // FSDP_NETWORK_MODEL decides. options() shows the resolved model.
   std::optional<NetworkModel> network_model;
+  // Gloo over TCP: compare every collective's fingerprint across members before its data moves
+  // (one extra small message per pair per collective), so ranks out of step fail at once instead of
+  // at the timeout or with wrong sums. Shared memory always checks (free); the end-of-job agreement
+  // always runs. FSDP_CHECK_COLLECTIVES=0/1 overrides (Note [Collective fingerprints]).
+  bool check_collectives = true;
   // Chosen per communicator, identically on every member. kAuto: FSDP_TRANSPORT if set, else
   // shared memory where every member can map a segment and Gloo otherwise.
   Transport transport = Transport::kAuto;

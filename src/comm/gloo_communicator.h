@@ -12,6 +12,7 @@ class Context;
 namespace fsdp {
 // A Communicator over a connected gloo context. Collectives run in issue order on one worker
 // thread owned by the communicator, so the compute thread only blocks where it calls wait().
+// `check`: compare collective fingerprints before each collective (the shutdown always is).
 CommunicatorPtr make_gloo_communicator(std::shared_ptr<gloo::Context> context, std::string name,
-                                       std::chrono::milliseconds timeout);
+                                       std::chrono::milliseconds timeout, bool check = true);
 }  // namespace fsdp
