@@ -211,6 +211,14 @@ std::string arrived_key(int rank) { return "fsdp/arrived/" + std::to_string(rank
 // peer that accepts the connection but never answers (another program listening on MASTER_PORT)
 // fails after the timeout instead of hanging.
 c10::intrusive_ptr<c10d::Store> connect_store(const RankEnv& env, const c10d::TCPStoreOptions& so) {
+  // A name that does not resolve would otherwise be retried until the timeout.
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int rc = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found);
+  if (found != nullptr) freeaddrinfo(found);
+  FSDP_CHECK(rc == 0, "rank ", env.rank, ": MASTER_ADDR '", env.master_addr, "' does not resolve (", gai_strerror(rc),
+             "); set MASTER_ADDR to rank 0's host name or IP address");
   auto result = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Store>>>();
   auto done = result->get_future();
   std::thread([result, addr = env.master_addr, so, rank = env.rank] {

@@ -25,6 +25,7 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   FSDP_CHECK(options_.reductions_in_flight() >= 0, "reductions_in_flight must be 0 or more, got ",
              options_.reductions_in_flight());
   check_mixed_precision(options_.mixed_precision());
+  check_same_options_on_all_ranks();  // before any group: a difference must not hang in their creation
   groups_ = ShardingGroups::create(*pg_, options_);
 
   UnitPlan plan = plan_units(*module_, options_, pg_->world()->device());
@@ -99,9 +100,38 @@ void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
   for (bool r : reshard_after_forward_) d << " " << r;
   d << " to " << options_.reshard_after_forward_size() << " ranks";
   d << "\n" << plan.describe();
-  const std::string mine = d.str();
+  compare_across_ranks(d.str(), "built different models",
+                      "Every rank must construct the same model (same sizes, dtypes, frozen parameters) and pass the "
+                      "same Options");
+}
+
+void FsdpState::check_same_options_on_all_ranks() const {
+  const Options& o = options_;
+  const MixedPrecision& mp = o.mixed_precision();
+  auto dtype = [](const c10::optional<at::ScalarType>& t) {
+    return t ? std::string(c10::toString(*t)) : std::string("none");
+  };
+  std::ostringstream d;
+  d << "sharding_strategy " << to_string(o.sharding_strategy()) << "\nsharding_factor " << o.sharding_factor()
+    << "\nreshard_after_forward_size " << o.reshard_after_forward_size() << "\nbackward_prefetch "
+    << to_string(o.backward_prefetch()) << "\nforward_prefetch " << o.forward_prefetch() << "\nlimit_all_gathers "
+    << o.limit_all_gathers() << "\nall_gather_limit " << o.all_gather_limit() << "\nsync_module_states "
+    << o.sync_module_states() << "\nbroadcast_buffers " << o.broadcast_buffers() << "\nshared_parameters "
+    << static_cast<int>(o.shared_parameters()) << "\nauto_wrap_policy " << (o.auto_wrap_policy() ? "set" : "unset")
+    << "\nwrap_modules " << o.wrap_modules().size() << "\nreshard_after_forward policy "
+    << (o.reshard_after_forward() ? "set" : "unset") << "\nmixed_precision param_dtype " << dtype(mp.param_dtype())
+    << "\nmixed_precision reduce_dtype " << dtype(mp.reduce_dtype()) << "\nmixed_precision buffer_dtype "
+    << dtype(mp.buffer_dtype()) << "\nmixed_precision output_dtype " << dtype(mp.output_dtype())
+    << "\nmixed_precision cast_forward_inputs " << mp.cast_forward_inputs();
+  compare_across_ranks(d.str(), "passed different Options to fully_shard()",
+                       "Every rank must pass the same Options (those that decide which collectives run)");
+}
+
+void FsdpState::compare_across_ranks(const std::string& mine, const char* differ, const char* fix) const {
+  // Every rank publishes its description; each compares all of them and names the first line
+  // that differs, so ranks that disagree fail here instead of hanging in a collective.
   if (pg_->size() == 1) return;
-  const std::string key = "fsdp/model/" + std::to_string(pg_->next_sequence()) + "/";
+  const std::string key = "fsdp/agree/" + std::to_string(pg_->next_sequence()) + "/";
   auto store = pg_->store();
   store->set(key + std::to_string(pg_->rank()), std::vector<uint8_t>(mine.begin(), mine.end()));
   for (int r = 0; r < pg_->size(); ++r) {
@@ -110,8 +140,8 @@ void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
     try {
       raw = store->get(key + std::to_string(r));
     } catch (const std::exception& e) {
-      FSDP_FAIL("fully_shard: rank ", r, " did not publish its model within the timeout (", e.what(),
-                "); every rank must call fully_shard() on the same model");
+      FSDP_FAIL("fully_shard: rank ", r, " did not reach fully_shard() within the timeout (", e.what(),
+                "); it failed earlier (see its output) or runs a different program. ", fix);
     }
     const std::string theirs(raw.begin(), raw.end());
     if (theirs == mine) continue;
@@ -125,12 +155,8 @@ void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
       if (!ga) la = "<nothing>";
       if (!gb) lb = "<nothing>";
       if (la != lb)
-        FSDP_FAIL("fully_shard: rank ", pg_->rank(), " and rank ", r,
-                  " built different models; first difference "
-                  "(line ",
-                  line, "): this rank has '", la, "', rank ", r, " has '", lb,
-                  "'. Every rank must construct the same model (same sizes, dtypes, frozen parameters) and pass the "
-                  "same Options");
+        FSDP_FAIL("fully_shard: rank ", pg_->rank(), " and rank ", r, " ", differ, "; first difference (line ", line,
+                  "): this rank has '", la, "', rank ", r, " has '", lb, "'. ", fix);
     }
   }
 }
