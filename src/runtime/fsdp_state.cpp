@@ -128,13 +128,15 @@ void FsdpState::check_same_options_on_all_ranks() const {
 }
 
 void FsdpState::compare_across_ranks(const std::string& mine, const char* differ, const char* fix) const {
-  // Every rank publishes its description; each compares all of them and names the first line
-  // that differs, so ranks that disagree fail here instead of hanging in a collective.
+  // Every rank publishes its description, reads all of them, says it has, and then names the first
+  // line where one differs: every rank reports the real difference. Rank 0 hosts the store, so it
+  // fails only once the others have read (or after the timeout), not under their reads.
   if (pg_->size() == 1) return;
   const std::string key = "fsdp/agree/" + std::to_string(pg_->next_sequence()) + "/";
   auto store = pg_->store();
   store->set(key + std::to_string(pg_->rank()), std::vector<uint8_t>(mine.begin(), mine.end()));
-  for (int r = 0; r < pg_->size(); ++r) {
+  std::string error;
+  for (int r = 0; r < pg_->size() && error.empty(); ++r) {
     if (r == pg_->rank()) continue;
     std::vector<uint8_t> raw;
     try {
@@ -148,17 +150,31 @@ void FsdpState::compare_across_ranks(const std::string& mine, const char* differ
     std::istringstream a(mine), b(theirs);
     std::string la, lb;
     int line = 0;
-    while (true) {
+    while (error.empty()) {
       const bool ga = static_cast<bool>(std::getline(a, la)), gb = static_cast<bool>(std::getline(b, lb));
       ++line;
       if (!ga && !gb) break;
       if (!ga) la = "<nothing>";
       if (!gb) lb = "<nothing>";
       if (la != lb)
-        FSDP_FAIL("fully_shard: rank ", pg_->rank(), " and rank ", r, " ", differ, "; first difference (line ", line,
-                  "): this rank has '", la, "', rank ", r, " has '", lb, "'. ", fix);
+        error = detail::compose("fully_shard: rank ", pg_->rank(), " and rank ", r, " ", differ,
+                                "; first difference (line ", line, "): this rank has '", la, "', rank ", r,
+                                " has '", lb, "'. ", fix);
     }
   }
+  if (error.empty()) return;
+  store->set(key + "failed/" + std::to_string(pg_->rank()), std::vector<uint8_t>{1});
+  if (pg_->rank() == 0) {
+    // Every rank that differs from one fails; each finds it from its own reads, so wait for the others'
+    // verdicts before the store goes away with this process.
+    std::vector<std::string> keys;
+    for (int r = 1; r < pg_->size(); ++r) keys.push_back(key + "failed/" + std::to_string(r));
+    try {
+      store->wait(keys, pg_->options().timeout);
+    } catch (const std::exception&) {
+    }
+  }
+  FSDP_FAIL(error);
 }
 
 void FsdpState::build_flat_params(UnitPlan& plan) {

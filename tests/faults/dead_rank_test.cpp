@@ -53,9 +53,9 @@ TEST_P(KilledInStepTest, EverySurvivorFailsWithinSeconds) {
   const std::string phase = phases[c.victim % 3];
   const auto t0 = std::chrono::steady_clock::now();
   RunningRanks running = start("killed_in_step_worker", c.world, {std::to_string(c.victim), phase},
-                               {"FSDP_TRANSPORT=" + c.transport, "FSDP_TIMEOUT_S=60"});
+                               {"FSDP_TRANSPORT=" + c.transport, "FSDP_TIMEOUT_S=120"});
   const std::vector<int> pids = running.pids;
-  auto r = wait_for(running, 120);
+  auto r = wait_for(running, 240);
   const double seconds = seconds_since(t0);
   ASSERT_FALSE(r.timed_out) << r.report();
   EXPECT_EQ(r.ranks[c.victim].exit_code, 128 + SIGKILL) << r.report();
@@ -68,7 +68,7 @@ TEST_P(KilledInStepTest, EverySurvivorFailsWithinSeconds) {
                 contains(out, "connection"))
         << "rank " << rank << "\n" << r.report();
   }
-  EXPECT_LT(seconds, 30) << "phase " << phase << "\n" << r.report();  // the timeout is 60 s
+  EXPECT_LT(seconds, 45) << "phase " << phase << "\n" << r.report();  // the timeout is 120 s
   EXPECT_TRUE(leftover_segments(pids).empty()) << leftover_segments(pids).front();
 }
 
