@@ -75,6 +75,14 @@ CollectiveOptions FlatParam::label(const char* purpose, int64_t& count) const {
   return o;
 }
 
+CollectiveOptions FlatParam::reduction_label(const char* purpose, int64_t& count) const {
+  CollectiveOptions o = label(purpose, count);
+  if (backwards_held_ > 0)
+    o.label = detail::compose(o.label, " (gradients of ", backwards_held_, " earlier backward", backwards_held_ > 1 ? "s" : "",
+                              " held)");
+  return o;
+}
+
 int64_t FlatParam::shard_version() const {
   int64_t v = shard_._version();
   for (const auto& s : slots_)
@@ -290,12 +298,12 @@ void FlatParam::start_reduce(bool across_replicas) {
   if (!group_.shard_comm) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one).
     reduced_ = full_grad_;
-    pending_work_ = group_.world_size > 1 ? group_.world_comm->all_reduce(full_grad_, label("gradient all-reduce", reductions_))
+    pending_work_ = group_.world_size > 1 ? group_.world_comm->all_reduce(full_grad_, reduction_label("gradient all-reduce", reductions_))
                                           : nullptr;
   } else {
     reduced_ = buffers_->empty(shard_numel_, full_grad_.options());
     memory_->add_grad(shard_numel_ * reduced_.element_size());
-    pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_, label("gradient reduce-scatter", reductions_));
+    pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_, reduction_label("gradient reduce-scatter", reductions_));
     const bool replicas = group_.replicate_comm && group_.replicate_comm->size() > 1;
     if (replicas && !across_replicas) {
       defer_replicas_ = true;  // finish_reduce adds the shard group's sum into partial_
@@ -305,12 +313,12 @@ void FlatParam::start_reduce(bool across_replicas) {
       reduced_.add_(partial_);
       memory_->add_grad(-partial_.nbytes());
       partial_ = at::Tensor();
-      pending_work_ = group_.replicate_comm->all_reduce(reduced_, label("replica gradient all-reduce", replica_reductions_));
+      pending_work_ = group_.replicate_comm->all_reduce(reduced_, reduction_label("replica gradient all-reduce", replica_reductions_));
       replica_reduce_issued_ = true;
     } else if (replicas) {
       // Hybrid: the shard's sum across replicas, chained after the reduce-scatter on the replica
       // group's thread, so both overlap the rest of backward.
-      CollectiveOptions after_scatter = label("replica gradient all-reduce", replica_reductions_);
+      CollectiveOptions after_scatter = reduction_label("replica gradient all-reduce", replica_reductions_);
       after_scatter.after = pending_work_;
       pending_work_ = group_.replicate_comm->all_reduce(reduced_, after_scatter);
       replica_reduce_issued_ = true;

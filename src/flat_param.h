@@ -117,6 +117,10 @@ class FlatParam {
   // Collective over the shard group: the full padded flat values in the shard's dtype (a gather
   // of the shards into a new tensor; the unsharded storage itself when kept unsharded).
   at::Tensor full_values() const;
+  // How many earlier backward passes' gradients this rank holds (in the pieces' .grad or kept
+  // buffers) for the next reduction to add to; part of the reductions' labels (Note [Backward
+  // passes held]).
+  void set_backwards_held(int64_t n) { backwards_held_ = n; }
   // Bytes of the shard pieces' gradients that currently exist.
   int64_t sharded_grad_bytes() const;
 
@@ -165,6 +169,8 @@ class FlatParam {
   // What each collective is for, as its members compare it (Note [Collective fingerprints]): the
   // flat parameter, the purpose, and how many collectives of that purpose it issued before.
   CollectiveOptions label(const char* purpose, int64_t& count) const;
+  CollectiveOptions reduction_label(const char* purpose, int64_t& count) const;  // label() + backwards held
+  int64_t backwards_held_ = 0;
   mutable int64_t gathers_ = 0, reductions_ = 0, replica_reductions_ = 0;
 };
 

@@ -49,6 +49,29 @@ TEST(BadInput, FullyShardTwiceOnOneModelIsAClearErrorOnEveryRank) {
   }
 }
 
+FSDP_WORKER(forward_after_shutdown_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  torch::optim::SGD opt(sharded->parameters(), torch::optim::SGDOptions(0.1));
+  model->forward(at::ones({2, 6})).sum().backward();
+  opt.step();
+  pg->shutdown();
+  model->forward(at::ones({2, 6}));
+}
+
+TEST(BadInput, ForwardAfterTheProcessGroupShutDownIsAClearError) {
+  for (const std::string transport : {"shm", "tcp"}) {
+    auto r = launch("forward_after_shutdown_worker", 2, {}, 120, {"FSDP_TRANSPORT=" + transport});
+    ASSERT_FALSE(r.timed_out) << r.report();
+    for (const auto& rank : r.ranks) {
+      EXPECT_EQ(rank.exit_code, 1) << transport << "\n" << rank.output;
+      EXPECT_TRUE(contains(rank.output, "was issued after the communicator was shut down")) << rank.output;
+      EXPECT_TRUE(contains(rank.output, "only after the last forward")) << rank.output;
+    }
+  }
+}
+
 FSDP_WORKER(hybrid_factor_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   // Every rank finishes connecting before any of them fails: rank 0 hosts the store, and a rank

@@ -35,19 +35,6 @@ namespace {
 namespace ckpt = fsdp::checkpoint;
 
 // A fresh directory under the system's temporary directory, removed by the destructor.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "fsdp_ckpt_test.XXXXXX").string();
-    path = mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
-
 std::map<std::string, std::string> parse_args(const std::vector<std::string>& args) {
   std::map<std::string, std::string> out;
   for (const auto& a : args) {

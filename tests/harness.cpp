@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -175,6 +177,17 @@ LaunchResult launch(const std::string& name, int world, const std::vector<std::s
                     const std::vector<std::string>& extra_env) {
   RunningRanks running = start(name, world, args, extra_env);
   return wait_for(running, timeout_s);
+}
+
+TempDir::TempDir() {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "fsdp_test.XXXXXX").string();
+  WORKER_CHECK(mkdtemp(tmpl.data()) != nullptr, "mkdtemp(", tmpl, "): ", std::strerror(errno));
+  path = tmpl;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
 }
 
 }  // namespace fsdp_test

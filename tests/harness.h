@@ -55,6 +55,17 @@ RunningRanks start(const std::string& name, int world, const std::vector<std::st
                    const std::vector<std::string>& extra_env = {});
 LaunchResult wait_for(RunningRanks& ranks, int timeout_s = 300);
 
+// A fresh directory under the system's temporary directory, removed with everything in it at
+// scope exit.
+struct TempDir {
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+  std::string path;
+};
+
 // Inside a worker: throws std::runtime_error (exit code 1) with the message.
 #define WORKER_CHECK(cond, ...)                                                                              \
   do {                                                                                                       \

@@ -203,8 +203,9 @@ WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body, Wor
   static const bool debug = std::getenv("FSDP_DEBUG_COMM") != nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   if (shutdown_) {
-    work->finish(detail::compose(op, " on ", name_, " was issued after the communicator was shut down (ProcessGroup "
-                                 "destroyed or Communicator::shutdown() called); create a new process group"));
+    work->finish(detail::compose(op, " on ", name_, " was issued after the communicator was shut down (ProcessGroup::shutdown() or "
+                                 "Communicator::shutdown() ran): shut a process group down only after the last "
+                                 "forward, backward and state-dict call of every model sharded over it"));
     return work;
   }
   if (debug) std::fprintf(stderr, "[comm] %s #%u %s\n", name_.c_str(), debug_count_++, op);

@@ -1,11 +1,13 @@
 #include "runtime/fsdp_state.h"
 
-#include <unordered_set>
-
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <sstream>
+#include <unordered_set>
 
 #include "deferred_init_impl.h"
 #include "fsdp/check.h"
@@ -261,6 +263,15 @@ const std::pair<int, int>* FsdpState::slot_of_param(const c10::TensorImpl* param
 int FsdpState::unit_of_module(const torch::nn::Module* module) const {
   auto it = unit_of_module_.find(module);
   return it == unit_of_module_.end() ? -1 : it->second;
+}
+
+FsdpState::~FsdpState() {
+  if (pending_error_.empty() || std::uncaught_exceptions() > 0) return;
+  std::fprintf(stderr, "[fsdp] rank %d: %s\n[fsdp] exiting with status 1: this error was found inside an operator "
+               "and no later FSDP call (backward, state dict, ...) reported it\n", pg_->rank(), pending_error_.c_str());
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(1);
 }
 
 void FsdpState::set_pending_error(const std::string& message) {

@@ -35,6 +35,9 @@ class FsdpState {
  public:
   FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
   FsdpState(const FsdpState&) = delete;
+  // An error found inside an operator and never rethrown (no FSDP call came after it) is printed,
+  // and the process exits with status 1: the forward that met it computed on invalid values.
+  ~FsdpState();
   FsdpState& operator=(const FsdpState&) = delete;
 
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }

@@ -15,6 +15,30 @@ GradientReducer::GradientReducer(std::vector<Unit>& units, std::vector<std::uniq
       tracer_(tracer),
       memory_(memory) {}
 
+void GradientReducer::begin_backward() {
+  update_sharded_grad_bytes();
+  // A piece whose gradient is gone, replaced or written since the last backward: the user zeroed
+  // (or dropped) gradients, so this backward starts a new sum.
+  bool zeroed = held_.size() != flat_params_.size();
+  for (size_t f = 0; f < held_.size() && !zeroed; ++f) {
+    const auto& slots = flat_params_[f]->slots();
+    for (size_t s = 0; s < slots.size() && !zeroed; ++s) {
+      const HeldGrad& h = held_[f][s];
+      if (!h.impl) continue;
+      const at::Tensor& g = slots[s].piece.grad();
+      zeroed = !g.defined() || g.unsafeGetTensorImpl() != h.impl || g._version() != h.version;
+    }
+  }
+  // Every member of a shard group must be able to see the zeroing: one whose shard is all padding
+  // in every FlatParameter holds no piece, so the count is left out on every rank (the sharding is
+  // the same on all of them).
+  bool observable = false;
+  for (const auto& fp : flat_params_)
+    observable = observable || (fp->requires_grad() && fp->padded_numel() - fp->shard_numel() < fp->numel());
+  if (zeroed || !observable) backwards_held_ = 0;
+  for (auto& fp : flat_params_) fp->set_backwards_held(backwards_held_);
+}
+
 void GradientReducer::prepare_grad(int f, int s) {
   FlatParam& fp = *flat_params_[f];
   if (fp.reduce_pending()) {
@@ -103,6 +127,18 @@ void GradientReducer::end_backward() {
   for (auto& unit : units_) unit.reset_grad_count();
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;
+  ++backwards_held_;
+  held_.assign(flat_params_.size(), {});
+  for (size_t f = 0; f < flat_params_.size(); ++f) {
+    for (const auto& s : flat_params_[f]->slots()) {
+      HeldGrad h;
+      if (s.piece.defined() && s.piece.grad().defined()) {
+        h.impl = s.piece.grad().unsafeGetTensorImpl();
+        h.version = s.piece.grad()._version();
+      }
+      held_[f].push_back(h);
+    }
+  }
 }
 
 void GradientReducer::update_sharded_grad_bytes() {

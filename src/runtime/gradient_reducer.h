@@ -26,7 +26,7 @@ class GradientReducer {
                   MemoryTracker& memory);
 
   // The first gradient hook of a backward: the user may have dropped the pieces' gradients.
-  void begin_backward() { update_sharded_grad_bytes(); }
+  void begin_backward();
   // Before AccumulateGrad of slot `s` of FlatParameter `f`: finish a reduction of f already issued
   // in this backward (a parameter used again), make sure its gradient buffer exists, and clear the
   // parameter's .grad so AccumulateGrad hands it autograd's tensor (Note [Gradient stealing]).
@@ -44,7 +44,7 @@ class GradientReducer {
   // Broadcasts rank 0's module buffers (Options::broadcast_buffers).
   void broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers);
   // Clears the per-backward gradient counts and flags; without sync, keeps the gradients for the
-  // next backward to add to.
+  // next backward to add to. Counts this backward as held (Note [Backward passes held]).
   void end_backward();
   // Whether backward reduces gradients (FullyShardedModule::set_requires_gradient_sync).
   void set_sync(bool sync) { sync_ = sync; }
@@ -69,6 +69,14 @@ class GradientReducer {
   bool sync_ = true;
   bool all_reduce_ = true;
   std::vector<int> reduce_order_;  // FlatParameters with a reduction in flight, in issue order
+  // Note [Backward passes held]: backward passes since the user last zeroed or dropped a gradient,
+  // and each shard piece's .grad (identity, version) as the last backward left it.
+  struct HeldGrad {
+    const c10::TensorImpl* impl = nullptr;
+    uint32_t version = 0;
+  };
+  int64_t backwards_held_ = 0;
+  std::vector<std::vector<HeldGrad>> held_;  // [flat param][slot]
 };
 
 }  // namespace fsdp

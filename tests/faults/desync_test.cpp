@@ -11,7 +11,8 @@ namespace fsdp_test {
 namespace {
 
 // args: strategy, case. Three steps of SGD on a Skippy whose Linear layers are units; the case
-// makes one rank leave the common schedule in step 1.
+// makes one rank leave the common schedule in step 1 ("accumulate", "accumulate_no_sync": every
+// rank runs two micro-batches in step 1, the first without gradient sync in the second case).
 FSDP_WORKER(desync_worker) {
   const std::string strategy = ctx.args.at(0), what = ctx.args.at(1);
   auto pg = fsdp::ProcessGroup::from_env();
@@ -24,8 +25,10 @@ FSDP_WORKER(desync_worker) {
   torch::optim::SGD opt(sharded->parameters(), torch::optim::SGDOptions(0.1));
   for (int step = 0; step < 3; ++step) {
     const bool odd_one = step == 1 && ctx.rank == 1;
-    const int micro_batches = what == "extra_micro_batch" && odd_one ? 2 : 1;
+    const bool accumulate = step == 1 && (what == "accumulate" || what == "accumulate_no_sync");
+    const int micro_batches = (what == "extra_micro_batch" && odd_one) || accumulate ? 2 : 1;
     for (int m = 0; m < micro_batches; ++m) {
+      sharded->set_requires_gradient_sync(!(what == "accumulate_no_sync" && m + 1 < micro_batches));
       at::Tensor x = at::randn({4, 8}, at::detail::createCPUGenerator(10 * step + m + ctx.rank));
       model->forward(x, what == "skip_unit" && odd_one).pow(2).mean().backward();
     }
@@ -55,6 +58,10 @@ TEST_P(DesyncTest, EveryRankFailsFastNamingBothCollectives) {
   for (int rank = 0; rank < 3; ++rank) {
     EXPECT_NE(r.ranks[rank].exit_code, 0) << "rank " << rank << " finished out of step\n" << r.report();
     EXPECT_TRUE(contains(r.ranks[rank].output, "ranks diverged")) << r.report();
+    // The shifted reduction adds to a held backward's gradients on one rank only.
+    if (c.what == "extra_micro_batch") {
+      EXPECT_TRUE(contains(r.ranks[rank].output, "backward held")) << r.report();
+    }
   }
   EXPECT_LT(seconds, 45) << r.report();  // the timeout is 120 s
   EXPECT_TRUE(leftover_segments(pids).empty()) << leftover_segments(pids).front();
@@ -69,13 +76,15 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"FULL_SHARD", "state_dict_alone", "shm"}, Case{"FULL_SHARD", "state_dict_alone", "tcp"}),
     [](const auto& info) { return info.param.strategy + "_" + info.param.what + "_" + info.param.transport; });
 
-// The same program on every rank ends with every rank agreeing, exit 0 (the end-of-job check
-// must not fail a job that is in step).
+// The same program on every rank ends with every rank agreeing, exit 0 (neither the fingerprints
+// nor the end-of-job check may fail a job that is in step, accumulating or not).
 TEST(Desync, RanksInStepAllFinishWithStatusZero) {
-  for (const std::string transport : {"shm", "tcp"}) {
-    auto r = launch("desync_worker", 3, {"FULL_SHARD", "none"}, 120, {"FSDP_TRANSPORT=" + transport});
-    EXPECT_TRUE(r.all_ok()) << transport << "\n" << r.report();
-  }
+  for (const std::string transport : {"shm", "tcp"})
+    for (const std::string what : {"none", "accumulate", "accumulate_no_sync"})
+      for (const std::string strategy : {"FULL_SHARD", "NO_SHARD"}) {
+        auto r = launch("desync_worker", 3, {strategy, what}, 120, {"FSDP_TRANSPORT=" + transport});
+        EXPECT_TRUE(r.all_ok()) << transport << " " << what << " " << strategy << "\n" << r.report();
+      }
 }
 
 }  // namespace

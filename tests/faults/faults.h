@@ -1,9 +1,12 @@
 #pragma once
 // Shared by the fault-injection tests: a small model with one unit per layer whose forward can
-// skip its middle unit, and the checks every fault case makes (exit codes, time, /dev/shm).
+// skip its middle unit and call back inside forward and backward, and the checks every fault case
+// makes (exit codes, time, /dev/shm, process states).
 #include <dirent.h>
 
 #include <chrono>
+#include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -19,10 +22,14 @@ struct SkippyImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x, bool skip_middle = false) {
     auto h = torch::tanh(l0(x));
+    if (in_forward) in_forward();  // between units: l0's gathered, l1's not yet
     if (!skip_middle) h = torch::tanh(l1(h));
+    // Runs in backward once l2's gradients exist (its reduction issued), before l1's backward.
+    if (in_backward && h.requires_grad()) h.register_hook([this](const torch::Tensor&) { in_backward(); });
     return l2(h);
   }
   torch::nn::Linear l0{nullptr}, l1{nullptr}, l2{nullptr};
+  std::function<void()> in_forward, in_backward;
 };
 TORCH_MODULE(Skippy);
 
@@ -42,6 +49,23 @@ inline std::vector<std::string> leftover_segments(const std::vector<int>& pids) 
     closedir(d);
   }
   return left;
+}
+
+// The state letter of process `pid` in /proc (R, S, T stopped, Z exited, ...), or '?' if gone.
+inline char process_state(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  std::getline(in, stat);
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
+}
+
+// Whether a survivor's output names the dead member: its death seen by this rank, a peer that saw
+// it and failed first, or its closed connection (Gloo over TCP).
+inline bool names_dead_member(const std::string& out) {
+  for (const char* part : {") died", "failed a collective", "Connection", "connection"})
+    if (out.find(part) != std::string::npos) return true;
+  return false;
 }
 
 }  // namespace fsdp_test
