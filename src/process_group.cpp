@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -18,6 +19,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
 #include <future>
 #include <sstream>
 #include <thread>
@@ -207,6 +211,44 @@ namespace {
 
 std::string arrived_key(int rank) { return "fsdp/arrived/" + std::to_string(rank); }
 
+// Note [SIGPIPE]: a write to a socket whose peer died raises SIGPIPE, whose default action ends
+// the process silently (exit 141) before Gloo or the store can report the dead peer. Ignored, the
+// write fails with EPIPE and the rank fails with a message. A handler the program set is kept.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL &&
+      !(current.sa_flags & SA_SIGINFO))
+    signal(SIGPIPE, SIG_IGN);
+}
+
+// A process's start time (clock ticks after boot) and state letter from /proc/<pid>/stat.
+bool read_proc_stat(const std::string& pid, std::string& start_time, char& state) {
+  std::ifstream in("/proc/" + pid + "/stat");
+  std::string stat;
+  if (!std::getline(in, stat)) return false;
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos) return false;
+  std::istringstream fields(stat.substr(paren + 2));
+  std::string field;
+  fields >> state;  // field 3; the start time is field 22
+  for (int i = 4; i <= 22 && fields >> field; ++i) start_time = field;
+  return true;
+}
+
+// What names this process among all of a job's: kernel boot, pid namespace, pid, start time.
+std::string process_identity() {
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  std::getline(boot, boot_id);
+  char ns[128] = {0};
+  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  std::string start;
+  char state = '?';
+  const std::string pid = std::to_string(getpid());
+  read_proc_stat(pid, start, state);
+  return boot_id + " " + std::string(ns, n > 0 ? static_cast<size_t>(n) : 0) + " " + pid + " " + start;
+}
+
 // The TCPStore, built and answered once (this rank's arrival is recorded) on a helper thread: a
 // peer that accepts the connection but never answers (another program listening on MASTER_PORT)
 // fails after the timeout instead of hanging.
@@ -221,10 +263,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const RankEnv& env, const c10d::TC
              "); set MASTER_ADDR to rank 0's host name or IP address");
   auto result = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Store>>>();
   auto done = result->get_future();
-  std::thread([result, addr = env.master_addr, so, rank = env.rank] {
+  std::thread([result, addr = env.master_addr, so, rank = env.rank, id = process_identity()] {
     try {
       auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
-      store->set(arrived_key(rank), std::vector<uint8_t>{1});
+      store->set(arrived_key(rank), std::vector<uint8_t>(id.begin(), id.end()));
       store->check({arrived_key(rank)});  // a request with a reply (set is not): the store answers
       result->set_value(store);
     } catch (...) {
@@ -278,6 +320,8 @@ void wait_for_all_ranks(c10d::Store& store, const RankEnv& env, std::chrono::mil
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
+  std::mutex mu;
+  std::map<int, std::vector<std::string>> identities;  // rank -> process_identity() fields
 #ifdef FSDP_WITH_GLOO
   gloo::transport::tcp::attr attr;  // where each communicator's own transport device binds
 #endif
@@ -329,6 +373,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const RankEnv& env, const Pro
     model->validate();
   }
   pg->impl_ = std::make_shared<Impl>();
+  ignore_sigpipe();
 
   c10d::TCPStoreOptions so;
   // A world of one needs no rendezvous port: take any free one, so that a single process does not
@@ -424,6 +469,31 @@ void ProcessGroup::set_network_model(std::optional<NetworkModel> model) {
 }
 
 c10::intrusive_ptr<c10d::Store> ProcessGroup::store() const { return impl_->store; }
+
+bool ProcessGroup::rank_exited(int r) const {
+  if (r == rank() || r < 0 || r >= size()) return false;
+  std::vector<std::string> theirs;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto& cached = impl_->identities;
+    if (!cached.count(rank())) {
+      std::istringstream in(process_identity());
+      for (std::string f; in >> f;) cached[rank()].push_back(f);
+    }
+    if (!cached.count(r)) {
+      const auto raw = impl_->store->get(arrived_key(r));
+      std::istringstream in(std::string(raw.begin(), raw.end()));
+      for (std::string f; in >> f;) cached[r].push_back(f);
+    }
+    theirs = cached[r];
+    const auto& mine = cached[rank()];
+    if (theirs.size() != 4 || mine.size() != 4 || theirs[0] != mine[0] || theirs[1] != mine[1]) return false;
+  }
+  std::string start;
+  char state = '?';
+  if (!read_proc_stat(theirs[2], start, state)) return true;
+  return state == 'Z' || state == 'X' || start != theirs[3];
+}
 
 CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std::string& key) {
   FSDP_CHECK(!ranks.empty(), "new_group: the rank list is empty");

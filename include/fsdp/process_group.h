@@ -87,6 +87,9 @@ class ProcessGroup {
   const RankEnv& env() const { return env_; }
   const ProcessGroupOptions& options() const { return options_; }
   c10::intrusive_ptr<c10d::Store> store() const;
+  // True when rank `r` is known to have exited: it ran on this host (same kernel boot and pid
+  // namespace) and its process is gone. False when it lives or cannot be seen from here.
+  bool rank_exited(int r) const;
 
   // The communicator over all ranks.
   CommunicatorPtr world() const { return world_; }

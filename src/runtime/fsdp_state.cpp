@@ -3,10 +3,12 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <sstream>
+#include <thread>
 #include <unordered_set>
 
 #include "deferred_init_impl.h"
@@ -131,21 +133,54 @@ void FsdpState::check_same_options_on_all_ranks() const {
 
 void FsdpState::compare_across_ranks(const std::string& mine, const char* differ, const char* fix) const {
   // Every rank publishes its description, reads all of them, says it has, and then names the first
-  // line where one differs: every rank reports the real difference. Rank 0 hosts the store, so it
-  // fails only once the others have read (or after the timeout), not under their reads.
+  // line where one differs: every rank reports the real difference. A rank that exited before
+  // publishing is named at once where its process can be seen (the same host), at the timeout
+  // otherwise. Rank 0 hosts the store, so it fails only once the others have failed too (or after
+  // a bound), not under their reads.
   if (pg_->size() == 1) return;
   const std::string key = "fsdp/agree/" + std::to_string(pg_->next_sequence()) + "/";
   auto store = pg_->store();
   store->set(key + std::to_string(pg_->rank()), std::vector<uint8_t>(mine.begin(), mine.end()));
+  const auto timeout = pg_->options().timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string error;
+  std::vector<bool> exited(pg_->size(), false);
+  auto lost_store = [&](const std::exception& e) {
+    FSDP_FAIL("fully_shard: rank ", pg_->rank(), " lost the rendezvous store (hosted by rank 0) while comparing "
+              "models: ", e.what(), ". Rank 0 failed or exited: see its output");
+  };
   for (int r = 0; r < pg_->size() && error.empty(); ++r) {
     if (r == pg_->rank()) continue;
+    const std::string theirs_key = key + std::to_string(r);
+    auto pause = std::chrono::milliseconds(1);
+    bool published = false;
+    while (error.empty()) {
+      try {
+        published = store->check({theirs_key});
+      } catch (const std::exception& e) {
+        lost_store(e);
+      }
+      if (published) break;
+      if (pg_->rank_exited(r)) {
+        exited[r] = true;
+        error = detail::compose("fully_shard: rank ", r, " exited before it reached fully_shard() (it failed earlier: "
+                                "see its output). ", fix);
+      } else if (std::chrono::steady_clock::now() >= deadline) {
+        error = detail::compose("fully_shard: rank ", r, " did not reach fully_shard() within the timeout (",
+                                std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
+                                " s; set ProcessGroupOptions::timeout or FSDP_TIMEOUT_S); it failed earlier (see its "
+                                "output) or runs a different program. ", fix);
+      } else {
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::milliseconds(100));
+      }
+    }
+    if (!published) break;
     std::vector<uint8_t> raw;
     try {
-      raw = store->get(key + std::to_string(r));
+      raw = store->get(theirs_key);
     } catch (const std::exception& e) {
-      FSDP_FAIL("fully_shard: rank ", r, " did not reach fully_shard() within the timeout (", e.what(),
-                "); it failed earlier (see its output) or runs a different program. ", fix);
+      lost_store(e);
     }
     const std::string theirs(raw.begin(), raw.end());
     if (theirs == mine) continue;
@@ -165,15 +200,25 @@ void FsdpState::compare_across_ranks(const std::string& mine, const char* differ
     }
   }
   if (error.empty()) return;
-  store->set(key + "failed/" + std::to_string(pg_->rank()), std::vector<uint8_t>{1});
+  try {
+    store->set(key + "failed/" + std::to_string(pg_->rank()), std::vector<uint8_t>{1});
+  } catch (const std::exception&) {
+  }
   if (pg_->rank() == 0) {
-    // Every rank that differs from one fails; each finds it from its own reads, so wait for the others'
-    // verdicts before the store goes away with this process.
-    std::vector<std::string> keys;
-    for (int r = 1; r < pg_->size(); ++r) keys.push_back(key + "failed/" + std::to_string(r));
-    try {
-      store->wait(keys, pg_->options().timeout);
-    } catch (const std::exception&) {
+    // Every other live rank fails too, each from its own reads: wait (bounded) for their verdicts
+    // before the store goes away with this process.
+    const auto until = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(
+                                                              timeout, std::chrono::milliseconds(10000));
+    for (int r = 1; r < pg_->size(); ++r) {
+      while (!exited[r] && std::chrono::steady_clock::now() < until) {
+        try {
+          if (store->check({key + "failed/" + std::to_string(r)})) break;
+        } catch (const std::exception&) {
+          break;
+        }
+        if (pg_->rank_exited(r)) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
     }
   }
   FSDP_FAIL(error);

@@ -1,8 +1,15 @@
-// Start-up failures: options that differ across ranks, and a MASTER_ADDR that does not resolve,
-// fail every rank within seconds (not at the timeout), naming the cause.
+// Start-up failures: options that differ across ranks, a MASTER_ADDR that does not resolve, a rank
+// that exits before fully_shard(), a member missing from a shared-memory group: every rank fails
+// within seconds (not at the timeout), naming the cause, and no segment is left in /dev/shm. And
+// a /dev/shm too small for the segment: the group falls back to Gloo over TCP, saying so.
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/mount.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <thread>
 
 #include "faults/faults.h"
 #include "models.h"
@@ -62,6 +69,75 @@ TEST(Startup, AMasterAddrThatDoesNotResolveFailsAtOnce) {
     EXPECT_TRUE(contains(rank.output, "MASTER_ADDR 'no-such-host.invalid' does not resolve")) << r.report();
   }
   EXPECT_LT(seconds_since(t0), 45) << r.report();  // the timeout is 120 s
+}
+
+// args: the rank that fails before fully_shard().
+FSDP_WORKER(exits_before_fully_shard_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  if (ctx.rank == std::stoi(ctx.args.at(0))) throw std::runtime_error("the training data is missing");
+  MLP model(6, 10, 3, 2);
+  fsdp::fully_shard(model, pg);
+}
+
+TEST(Startup, ARankThatExitsBeforeFullyShardIsNamedAtOnce) {
+  for (const std::string transport : {"shm", "tcp"}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    RunningRanks running = start("exits_before_fully_shard_worker", 4, {"2"},
+                                 {"FSDP_TRANSPORT=" + transport, "FSDP_TIMEOUT_S=120"});
+    const std::vector<int> pids = running.pids;
+    auto r = wait_for(running, 240);
+    ASSERT_FALSE(r.timed_out) << r.report();
+    for (int rank = 0; rank < 4; ++rank) {
+      EXPECT_EQ(r.ranks[rank].exit_code, 1) << transport << " rank " << rank << "\n" << r.report();
+      if (rank != 2) {
+        EXPECT_TRUE(contains(r.ranks[rank].output, "rank 2 exited before it reached fully_shard()")) << r.report();
+      }
+    }
+    EXPECT_LT(seconds_since(t0), 20) << transport << "\n" << r.report();  // the timeout is 120 s
+    EXPECT_TRUE(leftover_segments(pids).empty()) << leftover_segments(pids).front();
+  }
+}
+
+// Rank 0 alone asks for a group with rank 1, which never comes.
+FSDP_WORKER(lonely_group_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  if (ctx.rank == 0) pg->new_group({0, 1}, "lonely");
+  std::this_thread::sleep_for(std::chrono::seconds(ctx.rank == 0 ? 0 : 4));
+}
+
+TEST(Startup, AMemberMissingFromASharedMemoryGroupIsNamedAndNoSegmentIsLeft) {
+  RunningRanks running = start("lonely_group_worker", 2, {}, {"FSDP_TRANSPORT=shm", "FSDP_TIMEOUT_S=3"});
+  const std::vector<int> pids = running.pids;
+  auto r = wait_for(running, 120);
+  ASSERT_FALSE(r.timed_out) << r.report();
+  EXPECT_EQ(r.ranks[0].exit_code, 1) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "member(s) 1 did not report whether it could map the segment within 3 s"))
+      << r.report();
+  EXPECT_TRUE(leftover_segments(pids).empty()) << leftover_segments(pids).front();
+}
+
+// Rank 0 sees a 64 KiB /dev/shm of its own (a private mount namespace; needs root): the segment
+// cannot be reserved, so every group falls back to Gloo over TCP and training still runs.
+FSDP_WORKER(small_dev_shm_worker) {
+  if (ctx.rank == 0) {
+    WORKER_CHECK(unshare(CLONE_NEWNS) == 0, "unshare: ", std::strerror(errno));
+    WORKER_CHECK(mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0, "mount: ", std::strerror(errno));
+    WORKER_CHECK(mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=64k") == 0, "mount tmpfs: ", std::strerror(errno));
+  }
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  auto sharded = fsdp::fully_shard(model, pg);
+  torch::optim::SGD opt(sharded->parameters(), torch::optim::SGDOptions(0.1));
+  model->forward(at::ones({2, 6})).sum().backward();
+  opt.step();
+}
+
+TEST(Startup, ATooSmallDevShmFallsBackToGlooSayingSo) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root for a private /dev/shm";
+  auto r = launch("small_dev_shm_worker", 2, {}, 120, {"FSDP_TRANSPORT=auto"});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "shared memory is unavailable")) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "using Gloo over TCP instead")) << r.report();
 }
 
 }  // namespace
