@@ -6,8 +6,10 @@
 #
 #   asan  build-asan, FSDP_SANITIZE=address,undefined (ASan + LeakSanitizer + UBSan): the exactness
 #         tests, overlap and trace order, communicators (Gloo TCP and shared memory), the network
-#         model and the model zoo
-#   tsan  build-tsan, FSDP_SANITIZE=thread: the communicators and the overlap tests
+#         model, the model zoo, and the fault tests that fit its time (desync, ranks killed at
+#         random moments and stopped, start-up failures)
+#   tsan  build-tsan, FSDP_SANITIZE=thread: the communicators, the overlap tests, and the desync,
+#         killed-at-random and start-up fault tests
 #
 # LibTorch (and Gloo, OpenMP, libstdc++) are not instrumented; what they report on their own is
 # suppressed in tools/sanitizers/*.supp, each entry with its reason. The options reach the rank
@@ -28,21 +30,21 @@ SUPP=$ROOT/tools/sanitizers
 JOBS=${JOBS:-2}
 
 # ctest names are gtest's: [Instantiation/]Suite.Test[/Param]
-ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|ExactOverTcpTest\.|OverlapExact\.|TraceOrder\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|^Desync\.'}
-TSAN_TESTS=${TSAN_TESTS:-'TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|TraceOrder\.|DesyncTest\.|^Desync\.'}
+ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|ExactOverTcpTest\.|OverlapExact\.|TraceOrder\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'}
+TSAN_TESTS=${TSAN_TESTS:-'TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|TraceOrder\.|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|^Startup\.'}
 # Tests that also bound their own wall time (fail-fast within 15 or 30 s of launching the ranks,
 # a shared-memory step faster than a modeled 0.13 s): under a sanitizer, rank start-up alone
 # (loading LibTorch under ASan/TSan interceptors) can take most of that on 2 busy cores. They still
 # run, and their sanitizer reports still fail the job, but a failure on their own timing does not.
-ASAN_TIMING_BOUND='NetworkModel\.IntraAndInterHostLinksFromOptions|NetworkModel\.CompletesNoEarlierThanModeled|SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.'
-TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.'
+ASAN_TIMING_BOUND='NetworkModel\.IntraAndInterHostLinksFromOptions|NetworkModel\.CompletesNoEarlierThanModeled|SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'
+TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.|KilledAtRandomTest\.|^Startup\.'
 
 # Ranks run one OpenMP thread (the test harness sets it for them too): LibTorch's OpenMP runtime
 # (libgomp) is not instrumented, and TSan cannot see its barriers.
 export OMP_NUM_THREADS=1
 
 # The test sources that hold the selections above; fsdp_tests is built from these only.
-TEST_SOURCES='fully_shard_exact_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp'
+TEST_SOURCES='fully_shard_exact_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp'
 
 # Configures and builds fsdp_tests in $2 with FSDP_SANITIZE=$1, from TEST_SOURCES.
 build() {
