@@ -10,8 +10,9 @@
 #   bench/soak.sh BUILD_DIR OUT_DIR
 #
 # Environment: DURATION (default 1800), KILL_EVERY (180), SAMPLE_S (5), WORLD (4), SAVE_EVERY
-# (50 steps), SEED (1), TRANSPORT (FSDP_TRANSPORT, default auto), and TRAINER_FLAGS (model flags,
+# (50 steps), LOG_INTERVAL (10 steps), SEED (1), TRANSPORT (FSDP_TRANSPORT, default auto), and TRAINER_FLAGS (model flags,
 # default "--layers 4 --width 128 --heads 4 --context 64 --batch-per-rank 8").
+# Checkpoints go to OUT_DIR/checkpoints (the newest 3 kept; removed at the end).
 # Writes OUT_DIR/samples.csv, OUT_DIR/restarts.csv, OUT_DIR/metrics-<k>.jsonl, OUT_DIR/run-<k>.log
 # and OUT_DIR/soak.md (bench/soak_report.py).
 set -euo pipefail
@@ -25,6 +26,7 @@ SAMPLE_S=${SAMPLE_S:-5}
 WORLD=${WORLD:-4}
 SAVE_EVERY=${SAVE_EVERY:-50}
 SEED=${SEED:-1}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
 export FSDP_TRANSPORT=${TRANSPORT:-auto}
 read -r -a MODEL <<<"${TRAINER_FLAGS:---layers 4 --width 128 --heads 4 --context 64 --batch-per-rank 8}"
 TRAINER=$BUILD/examples/gpt/fsdp_gpt
@@ -36,6 +38,8 @@ export OMP_NUM_THREADS=1
 
 shm_count() { find /dev/shm -maxdepth 1 -name 'fsdp-*' 2>/dev/null | wc -l; }
 shm_bytes() { du -sb /dev/shm 2>/dev/null | cut -f1; }
+# Shared memory in use on the machine, mapped-but-unlinked segments included.
+shmem_kib() { awk '/^Shmem:/ { print $2 }' /proc/meminfo; }
 # Pids of the running trainer ranks.
 rank_pids() { pgrep -x fsdp_gpt || true; }
 # Keeps the newest 3 checkpoints (by name: step-NNNNNNNN) and the saves in progress.
@@ -51,7 +55,7 @@ rss_kib() {
   echo "$total"
 }
 
-echo "t_s,segment,ranks,rss_kib,shm_segments,shm_bytes" >"$OUT/samples.csv"
+echo "t_s,segment,ranks,rss_kib,shm_segments,shm_bytes,shmem_kib" >"$OUT/samples.csv"
 echo "segment,started_s,killed_s,victim_rank,launcher_exit,exit_seconds,procs_left,shm_left,resumed_from" \
   >"$OUT/restarts.csv"
 start=$SECONDS
@@ -60,7 +64,7 @@ while ((SECONDS - start < DURATION)); do
   segment=$((segment + 1))
   seg_start=$((SECONDS - start))
   "$RUN" --nproc-per-node "$WORLD" --master-port $((29600 + segment % 50)) --grace-seconds 2 "$TRAINER" \
-    "${MODEL[@]}" --steps 100000000 --schedule constant --warmup 0 --seed "$SEED" --log-interval 1 \
+    "${MODEL[@]}" --steps 100000000 --schedule constant --warmup 0 --seed "$SEED" --log-interval "$LOG_INTERVAL" \
     --sample-bytes 0 --save-dir "$CKPT" --save-every "$SAVE_EVERY" --resume \
     --metrics-file "$OUT/metrics-$segment.jsonl" >"$OUT/run-$segment.log" 2>&1 &
   launcher=$!
@@ -69,7 +73,7 @@ while ((SECONDS - start < DURATION)); do
   ((span > left)) && span=$left
   until_kill=$((SECONDS + span))
   while ((SECONDS < until_kill)) && kill -0 "$launcher" 2>/dev/null; do
-    echo "$((SECONDS - start)),$segment,$(rank_pids | wc -w),$(rss_kib),$(shm_count),$(shm_bytes)" >>"$OUT/samples.csv"
+    echo "$((SECONDS - start)),$segment,$(rank_pids | wc -w),$(rss_kib),$(shm_count),$(shm_bytes),$(shmem_kib)" >>"$OUT/samples.csv"
     ((SECONDS - start - seg_start > 30)) && prune
     sleep "$SAMPLE_S"
   done
@@ -89,5 +93,7 @@ while ((SECONDS - start < DURATION)); do
   echo "$segment,$seg_start,$killed,$victim,$code,$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')," \
     "$(rank_pids | wc -w),$(shm_count),${resumed:-none}" | tr -d ' ' >>"$OUT/restarts.csv"
 done
+rm -rf "$CKPT"
+echo "machine: $(nproc) cores, $(uname -r); load at the end: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/machine.txt"
 /usr/bin/python3 "$(dirname "$0")/soak_report.py" "$OUT" >"$OUT/soak.md"
 cat "$OUT/soak.md"

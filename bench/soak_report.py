@@ -63,12 +63,16 @@ def main(out):
               f"{avg(first):.0f} MiB, last tenth {avg(last):.0f} MiB (ratio {avg(last) / avg(first):.3f}); "
               f"min {min(rss_mib(s) for s in full):.0f}, max {max(rss_mib(s) for s in full):.0f} MiB.")
         segs = sorted(set(int(s["shm_segments"]) for s in samples))
+        shmem = [int(s["shmem_kib"]) / 1024.0 for s in full]
+        print(f"Machine-wide shared memory (/proc/meminfo Shmem, unlinked but mapped segments included): "
+              f"first {shmem[0]:.0f} MiB, last {shmem[-1]:.0f} MiB, max {max(shmem):.0f} MiB.")
         print(f"/dev/shm segments of ours while running: {segs}; /dev/shm bytes: first "
               f"{int(full[0]['shm_bytes'])}, last {int(full[-1]['shm_bytes'])}.\n")
-        print("| t (s) | segment | RSS sum (MiB) | /dev/shm segments |")
-        print("|---|---|---|---|")
+        print("| t (s) | segment | RSS sum (MiB) | /dev/shm names of ours | Shmem (MiB) |")
+        print("|---|---|---|---|---|")
         for s in full[:: max(1, n // 20)]:
-            print(f"| {s['t_s']} | {s['segment']} | {rss_mib(s):.0f} | {s['shm_segments']} |")
+            print(f"| {s['t_s']} | {s['segment']} | {rss_mib(s):.0f} | {s['shm_segments']} | "
+                  f"{int(s['shmem_kib']) / 1024.0:.0f} |")
 
 
 if __name__ == "__main__":

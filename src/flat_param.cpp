@@ -108,7 +108,7 @@ WorkPtr FlatParam::start_unshard() {
     unsharded_ = true;
   }
   gathered_version_ = shard_version();
-  if (!group_.shard_comm) {
+  if (!sharded_over_peers()) {
     // F == 1 under mixed precision: the "gather" is a cast of the whole shard. Written through a
     // tensor of its own, so no version counter that autograd checks moves.
     at::empty({0}, full_.options()).set_(full_.storage(), 0, {padded_numel_}, {1}).copy_(shard_);
@@ -295,7 +295,7 @@ void FlatParam::start_reduce(bool across_replicas) {
   if (padded_numel_ > numel_) full_grad_.narrow(0, numel_, padded_numel_ - numel_).zero_();
   reduce_started_ = true;
   replica_reduce_issued_ = defer_replicas_ = false;
-  if (!group_.shard_comm) {
+  if (!sharded_over_peers()) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one).
     reduced_ = full_grad_;
     pending_work_ = group_.world_size > 1 ? group_.world_comm->all_reduce(full_grad_, reduction_label("gradient all-reduce", reductions_))
@@ -416,7 +416,7 @@ void FlatParam::copy_full_into_shard(const at::Tensor& full) {
 
 at::Tensor FlatParam::full_values() const {
   if (!separate_shard_) return full_;
-  if (!group_.shard_comm) return shard_;
+  if (!sharded_over_peers()) return shard_;
   InternalOpGuard internal;
   at::Tensor out = at::empty({padded_numel_}, shard_.options().requires_grad(false));
   group_.shard_comm->all_gather_into(out, shard_, label("full-values all-gather", gathers_))->wait();

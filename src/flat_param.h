@@ -126,6 +126,9 @@ class FlatParam {
 
  private:
   int64_t shard_version() const;
+  // F > 1: the shard group has other members (at F == 1 a gather is a cast and a reduce-scatter
+  // nothing, so neither goes through a communicator).
+  bool sharded_over_peers() const { return group_.shard_comm && group_.shard_comm->size() > 1; }
   int id_, unit_;
   std::vector<ParamSlot> slots_;
   ShardingGroups group_;

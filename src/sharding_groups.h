@@ -18,7 +18,9 @@ struct ShardingGroups {
   int sharding_factor = 1;         // F
   bool keep_unsharded = false;     // F == 1 (NO_SHARD, world of one): no separate shard copy
 
-  // Validates the strategy's options against the world and creates its sub-groups (collective).
+  // Validates the strategy's options against the world (local, no communication); returns F.
+  static int check(const ProcessGroup& pg, const Options& options);
+  // check(), then creates the strategy's sub-groups (collective).
   static ShardingGroups create(ProcessGroup& pg, const Options& options);
   // Creates post_forward_comm (collective over it), validated by create(). Separate, so that it
   // runs after the cross-rank model check, which names a size that differs between ranks.

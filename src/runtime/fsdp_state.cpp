@@ -29,6 +29,7 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   FSDP_CHECK(options_.reductions_in_flight() >= 0, "reductions_in_flight must be 0 or more, got ",
              options_.reductions_in_flight());
   check_mixed_precision(options_.mixed_precision());
+  ShardingGroups::check(*pg_, options_);  // local: fails on every rank alike, before rank 0's store is needed
   check_same_options_on_all_ranks();  // before any group: a difference must not hang in their creation
   groups_ = ShardingGroups::create(*pg_, options_);
 
@@ -199,29 +200,27 @@ void FsdpState::compare_across_ranks(const std::string& mine, const char* differ
                                 " has '", lb, "'. ", fix);
     }
   }
-  if (error.empty()) return;
+  // Each rank says it is done reading (failed/ or read/); rank 0 waits (bounded) for every verdict
+  // before it goes on, so an error of its own right after this cannot take the store from under
+  // ranks still reading.
+  const std::string verdict = error.empty() ? "read/" : "failed/";
   try {
-    store->set(key + "failed/" + std::to_string(pg_->rank()), std::vector<uint8_t>{1});
-  } catch (const std::exception&) {
+    store->set(key + verdict + std::to_string(pg_->rank()), std::vector<uint8_t>{1});
+  } catch (const std::exception& e) {
+    if (error.empty()) lost_store(e);
   }
   if (pg_->rank() == 0) {
-    // Every other live rank fails too, each from its own reads: wait (bounded) for their verdicts
-    // before the store goes away with this process.
     const auto until = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(
                                                               timeout, std::chrono::milliseconds(10000));
     for (int r = 1; r < pg_->size(); ++r) {
+      const std::string failed = key + "failed/" + std::to_string(r), read = key + "read/" + std::to_string(r);
       while (!exited[r] && std::chrono::steady_clock::now() < until) {
-        try {
-          if (store->check({key + "failed/" + std::to_string(r)})) break;
-        } catch (const std::exception&) {
-          break;
-        }
-        if (pg_->rank_exited(r)) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        if (store->check({failed}) || store->check({read}) || pg_->rank_exited(r)) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
     }
   }
-  FSDP_FAIL(error);
+  if (!error.empty()) FSDP_FAIL(error);
 }
 
 void FsdpState::build_flat_params(UnitPlan& plan) {
