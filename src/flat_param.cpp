@@ -7,6 +7,25 @@
 
 namespace fsdp {
 
+namespace {
+
+// A contiguous tensor of `shape` over `storage` from element `offset`, with like's dtype and
+// dispatch keys: what narrow/view or set_ give, built without a dispatcher call (these run per
+// parameter per iteration; see Note [Per-unit overhead]). Not an autograd view.
+at::Tensor alias(const c10::Storage& storage, int64_t offset, at::IntArrayRef shape, const at::Tensor& like) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), like.key_set(), like.dtype());
+  impl->set_storage_offset(offset);
+  impl->set_sizes_contiguous(shape);
+  return at::Tensor(std::move(impl));
+}
+
+// The elements [offset, offset + numel) of the 1-D contiguous `flat`, shaped `shape`.
+at::Tensor region(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape) {
+  return alias(flat.storage(), flat.storage_offset() + offset, shape, flat);
+}
+
+}  // namespace
+
 FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group,
                      const MixedPrecision& mp, MemoryTracker* memory, BufferPool* buffers)
     : id_(id), unit_(unit), slots_(std::move(slots)), group_(group), memory_(memory), buffers_(buffers) {
@@ -111,7 +130,7 @@ WorkPtr FlatParam::start_unshard() {
   if (!sharded_over_peers()) {
     // F == 1 under mixed precision: the "gather" is a cast of the whole shard. Written through a
     // tensor of its own, so no version counter that autograd checks moves.
-    at::empty({0}, full_.options()).set_(full_.storage(), 0, {padded_numel_}, {1}).copy_(shard_);
+    alias(full_.storage(), 0, {padded_numel_}, full_).copy_(shard_);
     return nullptr;
   }
   gathering_post_forward_ = false;
@@ -200,7 +219,7 @@ bool FlatParam::is_grad_alias(const ParamSlot& s, const at::Tensor& g) const {
 
 at::Tensor FlatParam::grad_alias(const ParamSlot& s) const {
   // set_, not narrow: not an autograd view, so optimizers' zero_grad() may detach_() it.
-  return at::empty({0}, full_.options()).set_(full_grad_.storage(), s.piece_offset, {s.piece_numel}, {1});
+  return alias(full_grad_.storage(), s.piece_offset, {s.piece_numel}, full_grad_);
 }
 
 bool FlatParam::ensure_grad_buffer() {
@@ -221,7 +240,7 @@ bool FlatParam::ensure_grad_buffer() {
     full_grad_ = buffers_->empty(padded_numel_, full_.options());
     grad_store_ = full_grad_.storage().getWeakStorageImpl();
   } else {
-    full_grad_ = at::empty({0}, full_.options()).set_(c10::Storage(std::move(store)), 0, {padded_numel_}, {1});
+    full_grad_ = alias(c10::Storage(std::move(store)), 0, {padded_numel_}, full_);
   }
   // A piece gradient that aliases the store keeps its values (accumulation; after LibTorch 1.13's
   // zero_grad(), which zeroes in place, they are zeros, and adding to them costs what a copy
@@ -265,7 +284,7 @@ void FlatParam::take_grad(int slot) {
   FSDP_CHECK(full_grad_.defined(), "internal: gradient of '", s.name, "' arrived without a gradient buffer");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
-  at::Tensor region = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
+  at::Tensor region = fsdp::region(full_grad_, s.offset, s.shape);
   if (written_[slot] || kept_[slot]) {
     region.add_(g);
   } else if (g.is_sparse()) {  // e.g. Embedding(sparse): copy_ takes no sparse source
@@ -290,9 +309,9 @@ void FlatParam::start_reduce(bool across_replicas) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     ParamSlot& s = slots_[i];
     if (s.param.grad().defined()) take_grad(static_cast<int>(i));  // not through the post-hook (defensive)
-    if (!written_[i] && !kept_[i]) full_grad_.narrow(0, s.offset, s.numel).zero_();
+    if (!written_[i] && !kept_[i]) region(full_grad_, s.offset, {s.numel}).zero_();
   }
-  if (padded_numel_ > numel_) full_grad_.narrow(0, numel_, padded_numel_ - numel_).zero_();
+  if (padded_numel_ > numel_) region(full_grad_, numel_, {padded_numel_ - numel_}).zero_();
   reduce_started_ = true;
   replica_reduce_issued_ = defer_replicas_ = false;
   if (!sharded_over_peers()) {
@@ -373,7 +392,7 @@ void FlatParam::finish_reduce() {
     const bool in_partial = i < partial_slots_.size() && partial_slots_[i];
     if (!s.piece.defined() || !(s.got_grad || kept_[i] || in_partial))
       continue;  // unused: no gradient, as in local training
-    at::Tensor part = reduced_.narrow(0, s.piece_offset, s.piece_numel);
+    at::Tensor part = region(reduced_, s.piece_offset, {s.piece_numel});
     at::Tensor& g = s.piece.mutable_grad();
     // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
     if (g.defined())
