@@ -94,6 +94,6 @@ while ((SECONDS - start < DURATION)); do
     "$(rank_pids | wc -w),$(shm_count),${resumed:-none}" | tr -d ' ' >>"$OUT/restarts.csv"
 done
 rm -rf "$CKPT"
-echo "machine: $(nproc) cores, $(uname -r); load at the end: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/machine.txt"
+echo "machine: $(nproc --all) cores, $(uname -r); load at the end: $(cut -d' ' -f1-3 /proc/loadavg)" >"$OUT/machine.txt"
 /usr/bin/python3 "$(dirname "$0")/soak_report.py" "$OUT" >"$OUT/soak.md"
 cat "$OUT/soak.md"

@@ -113,7 +113,11 @@ at::Tensor BufferPool::empty(int64_t numel, const at::TensorOptions& options) {
   auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), bytes,
                                                        allocate(bytes, options.device()),
                                                        /*allocator=*/nullptr, /*resizable=*/false);
-  return at::empty({0}, options).set_(at::Storage(std::move(storage)), 0, {numel}, {1});
+  // Built directly, not by empty().set_(): one per FlatParameter per iteration (Note [Per-unit overhead]).
+  auto impl = c10::make_intrusive<c10::TensorImpl>(at::Storage(std::move(storage)),
+                                                   c10::DispatchKeySet(options.computeDispatchKey()), options.dtype());
+  impl->set_sizes_contiguous({numel});
+  return at::Tensor(std::move(impl));
 }
 
 void BufferPool::release_cached() { state_->clear(); }
