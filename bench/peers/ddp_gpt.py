@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-"""PyTorch DDP contender of the peer benchmark: the example GPT (examples/gpt/model.cpp) in
-Python, trained with torch.nn.parallel.DistributedDataParallel over Gloo on the CPU.
+"""PyTorch DDP and FSDP contenders of the peer benchmark: the example GPT (examples/gpt/model.cpp)
+in Python, trained with torch.nn.parallel.DistributedDataParallel (or, with --fsdp, PyTorch 2.x's
+FullyShardedDataParallel) over Gloo on the CPU.
 
 Runs with Debian's python3-torch (1.13). Launch one process per rank with RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set (bench/peers/run.py uses build/tools/fsdp-run; torchrun is broken
@@ -148,6 +149,41 @@ class _Plain:
         return self.module(*args)
 
 
+def unwrapped_name(name):
+    """A parameter's name in the plain model, from its name under FSDP's wrappers."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def wrap_fsdp(model, strategy, factor, rank, world):
+    """PyTorch FSDP (FSDP1) on the CPU with its best documented settings for throughput: every
+    Block a unit, use_orig_params (per-parameter weight decay), the rate limiter, forward and
+    BACKWARD_PRE prefetch. HYBRID_SHARD gets an explicit (shard, replicate) group pair of
+    consecutive ranks, as libfsdp's sharding_factor: on one host FSDP's own default would shard
+    over the whole world."""
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    process_group = None
+    if strategy == "HYBRID_SHARD":
+        f = factor or max(1, world // 2)
+        if world % f:
+            sys.exit(f"ddp_gpt: --sharding-factor {f} does not divide the world size {world}")
+        for g in range(world // f):  # every rank creates every group, in the same order
+            ranks = list(range(g * f, (g + 1) * f))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                shard = group
+        for i in range(f):
+            ranks = list(range(i, world, f))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                replicate = group
+        process_group = (shard, replicate)
+    return FullyShardedDataParallel(
+        model, process_group=process_group, sharding_strategy=getattr(ShardingStrategy, strategy),
+        auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"), use_orig_params=True,
+        limit_all_gathers=True, forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--inputs", required=True, help="file written by gpt_bench --write-inputs")
@@ -158,6 +194,11 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: OMP_NUM_THREADS)")
     ap.add_argument("--result", help="rank 0 writes the result as JSON here")
     ap.add_argument("--label", default="pytorch-ddp")
+    ap.add_argument("--fsdp", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
+                    help="train with PyTorch FSDP (FullyShardedDataParallel, PyTorch 2.x on the CPU) with this "
+                         "strategy instead of DDP; every Block is a unit")
+    ap.add_argument("--sharding-factor", type=int, default=0,
+                    help="HYBRID_SHARD: ranks per shard group (consecutive ranks; 0: half the world)")
     ap.add_argument("--no-ddp", action="store_true",
                     help="train the plain model without the DDP wrapper (world size 1 only): the same model "
                          "and step in Python, for comparing eager Python with the C++ frontend")
@@ -205,15 +246,21 @@ def main():
     parameter_count = sum(p.numel() for p in model.parameters())
     dims = {name: p.dim() for name, p in model.named_parameters()}
 
-    ddp = _Plain(model) if args.no_ddp else nn.parallel.DistributedDataParallel(model)
-    decayed = [p for n, p in ddp.module.named_parameters() if dims[n] >= 2]
-    not_decayed = [p for n, p in ddp.module.named_parameters() if dims[n] < 2]
+    if args.fsdp:
+        ddp = wrap_fsdp(model, args.fsdp, args.sharding_factor, rank, world)
+        named_now = [(unwrapped_name(n), p) for n, p in ddp.named_parameters()]
+    else:
+        ddp = _Plain(model) if args.no_ddp else nn.parallel.DistributedDataParallel(model)
+        named_now = list(ddp.module.named_parameters())
+    decayed = [p for n, p in named_now if dims[n] >= 2]
+    not_decayed = [p for n, p in named_now if dims[n] < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decayed, "weight_decay": args.weight_decay}, {"params": not_decayed, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.99))
 
     if rank == 0:
-        how = "without DDP (plain model)" if args.no_ddp else "DDP over Gloo"
+        how = ("without DDP (plain model)" if args.no_ddp else
+               f"FSDP {args.fsdp} over Gloo" if args.fsdp else "DDP over Gloo")
         print(f"ddp_gpt {args.label}: PyTorch {torch.__version__} {how}, world {world}, "
               f"{torch.get_num_threads()} threads per process; model {config['layers']} layers, width "
               f"{config['width']}, {config['heads']} heads, context {context}, {parameter_count} parameters; "
@@ -281,9 +328,9 @@ def main():
         med = statistics.median(step_seconds)
         result = {
             "label": args.label,
-            "implementation": "pytorch-local" if args.no_ddp else "pytorch-ddp",
-            "mode": "local" if args.no_ddp else "ddp",
-            "strategy": "" if args.no_ddp else "DDP",
+            "implementation": "pytorch-local" if args.no_ddp else "pytorch-fsdp" if args.fsdp else "pytorch-ddp",
+            "mode": "local" if args.no_ddp else "fsdp" if args.fsdp else "ddp",
+            "strategy": "" if args.no_ddp else args.fsdp or "DDP",
             "world": world,
             "threads_per_process": torch.get_num_threads(),
             "torch_version": torch.__version__,

@@ -200,6 +200,8 @@ class Bench:
                          f"--target gpt_bench fsdp-run")
         self.python = args.python
         self.ddp_available, self.ddp_reason = self.check_ddp()
+        # FSDP1 trains on the CPU from PyTorch 2.x (Debian trixie's 2.6; bookworm's 1.13 cannot).
+        self.pyfsdp_available = self.ddp_available and int(self.ddp_reason.split(".")[0]) >= 2
         self.raw = []  # every run, as recorded
         # (strategy, layers, malloc) -> (result or None, rc, log tail, wall s, watchdog limit passed)
         self.probe_cache = {}
@@ -278,6 +280,14 @@ class Bench:
         cs = [{"key": "local", "label": f"LibTorch local (1 process, {usable_cpus()} threads)", "kind": "local"}]
         if self.ddp_available:
             cs.append({"key": "ddp", "label": "PyTorch DDP (Gloo)", "kind": "ddp"})
+        if self.pyfsdp_available:
+            # PyTorch FSDP (FSDP1, PyTorch 2.x on the CPU): each strategy, Gloo over TCP.
+            for s in FSDP_STRATEGIES:
+                c = {"key": f"py_{s}", "label": f"PyTorch FSDP {s}", "kind": "pyfsdp", "strategy": s, "factor": 0}
+                if s == "HYBRID_SHARD":
+                    c["factor"] = max(1, world // 2)
+                    c["label"] = f"PyTorch FSDP HYBRID_SHARD (F={c['factor']})"
+                cs.append(c)
         for s in FSDP_STRATEGIES:
             c = {"key": s, "label": f"libfsdp {s}", "kind": "fsdp", "strategy": s, "factor": 0}
             if s == "HYBRID_SHARD":
@@ -311,6 +321,11 @@ class Bench:
         if c["kind"] == "ddp":
             argv = [self.python, os.path.join(ROOT, "bench", "peers", "ddp_gpt.py"), "--inputs", inputs,
                     "--warmup", str(warmup), "--steps", str(steps), "--threads", str(c["threads"])]
+            return self.launch(argv, world, c["threads"], c["label"], timeout, env=env)
+        if c["kind"] == "pyfsdp":
+            argv = [self.python, os.path.join(ROOT, "bench", "peers", "ddp_gpt.py"), "--fsdp", c["strategy"],
+                    "--sharding-factor", str(c["factor"]), "--inputs", inputs, "--warmup", str(warmup),
+                    "--steps", str(steps), "--threads", str(c["threads"])]
             return self.launch(argv, world, c["threads"], c["label"], timeout, env=env)
         argv = [self.gpt_bench, "--mode", "fsdp", "--strategy", c["strategy"], "--sharding-factor",
                 str(c["factor"]), "--wrap", wrap, "--threads", str(c["threads"]), "--inputs", inputs] + margs
@@ -751,6 +766,26 @@ def report_peers(bench, groups):
     if targets:
         lines += ["## Targets", "", table(["target", "goal", "measured", "verdict", "CPU time / DDP (same runs)"],
                                           targets, ["l", "r", "r", "l", "r"]), ""]
+    # Against PyTorch FSDP, where it ran: libfsdp's median step time / PyTorch FSDP's, same group.
+    vs = []
+    for g in groups:
+        for ours, theirs, goal, how in (("FULL_SHARD", "py_FULL_SHARD", 0.75, "default transport"),
+                                        ("SHARD_GRAD_OP", "py_SHARD_GRAD_OP", 0.75, "default transport"),
+                                        ("HYBRID_SHARD", "py_HYBRID_SHARD", 0.75, "default transport"),
+                                        ("NO_SHARD", "py_NO_SHARD", None, "default transport"),
+                                        ("FULL_SHARD_tcp", "py_FULL_SHARD", 0.9, "both on Gloo TCP"),
+                                        ("NO_SHARD_tcp", "py_NO_SHARD", None, "both on Gloo TCP")):
+            a, b = median_of(g["runs"].get(ours, [])), median_of(g["runs"].get(theirs, []))
+            if a is None or b is None:
+                continue
+            r = a / b
+            verdict = "-" if goal is None else "met" if r <= goal else f"missed by {100 * (r / goal - 1):.1f}%"
+            vs.append([f"libfsdp {ours.replace('_tcp', '')} / PyTorch FSDP {theirs[3:]}, {how}, "
+                       f"{g['size']['name']}, world {g['world']}", "-" if goal is None else f"<= {goal}", fmt(r, 3),
+                       verdict])
+    if vs:
+        lines += ["## Step time against PyTorch FSDP", "",
+                  table(["ratio", "goal", "measured", "verdict"], vs, ["l", "r", "r", "l"]), ""]
     return lines, summary_rows, cols
 
 
