@@ -8,7 +8,7 @@
 namespace fsdp {
 
 struct ShardingGroups {
-  CommunicatorPtr shard_comm;      // the F ranks a FlatParameter is split over; null if F == 1
+  CommunicatorPtr shard_comm;      // the F ranks a FlatParameter is split over; null under NO_SHARD and hybrid F == 1, the world (of one) at world size 1
   CommunicatorPtr replicate_comm;  // hybrid: ranks holding the same shard; null otherwise
   CommunicatorPtr world_comm;      // all ranks (NO_SHARD's all-reduce, broadcasts)
   // Options::reshard_after_forward_size consecutive ranks of the shard group, over which
