@@ -2,7 +2,10 @@
 # Sanitizer jobs: builds libfsdp and its tests with sanitizers in their own build directories and
 # runs the tests that exercise libfsdp's own concurrency and memory handling.
 #
-#   scripts/sanitize.sh [asan|tsan]...        (default: both, asan first)
+#   scripts/sanitize.sh [--build-only|--test-only] [asan|tsan]...   (default: both, asan first)
+#
+#   --build-only  configure and build only (.ci/run builds at idle priority while other tests run)
+#   --test-only   run the tests of a build made before (fails if it is missing)
 #
 #   asan  build-asan, FSDP_SANITIZE=address,undefined (ASan + LeakSanitizer + UBSan): the exactness
 #         tests, overlap and trace order, communicators (Gloo TCP and shared memory), the network
@@ -96,6 +99,30 @@ run_tests() {
   return "$rc"
 }
 
+STEPS=all
+case ${1:-} in
+  --build-only) STEPS=build; shift ;;
+  --test-only) STEPS=test; shift ;;
+esac
+
+# Builds $2 with FSDP_SANITIZE=$1 and/or runs its tests (selection $3, timing-bound $4), as STEPS says.
+job() {
+  local sanitize=$1 dir=$2 tests=$3 timing=$4 name=${1%%,*} start=$SECONDS rc=0
+  [ "$name" = address ] && name=asan || name=tsan
+  if [ "$STEPS" != test ]; then
+    build "$sanitize" "$dir"
+    echo "sanitize: $name build $((SECONDS - start)) s"
+  elif [ ! -x "$dir/tests/fsdp_tests" ]; then
+    echo "sanitize: $dir/tests/fsdp_tests is missing; build it first (scripts/sanitize.sh --build-only $name)" >&2
+    return 1
+  fi
+  [ "$STEPS" != build ] || return 0
+  start=$SECONDS
+  run_tests "$dir" "$tests" "$timing" || rc=$?
+  echo "sanitize: $name tests $((SECONDS - start)) s"
+  return "$rc"
+}
+
 asan() {
   local dir=build-asan logs
   logs=$ROOT/$dir/sanitizer-logs
@@ -107,13 +134,8 @@ asan() {
   # (the harness prints each rank's output when a rank fails).
   export UBSAN_OPTIONS="suppressions=$SUPP/ubsan.supp:print_stacktrace=1:halt_on_error=1"
   mkdir -p "$logs"
-  local start=$SECONDS
-  build address,undefined "$dir"
-  echo "sanitize: asan build $((SECONDS - start)) s"
-  start=$SECONDS
   local rc=0
-  run_tests "$dir" "$ASAN_TESTS" "$ASAN_TIMING_BOUND" || rc=$?
-  echo "sanitize: asan tests $((SECONDS - start)) s"
+  job address,undefined "$dir" "$ASAN_TESTS" "$ASAN_TIMING_BOUND" || rc=$?
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   return "$rc"
 }
@@ -125,13 +147,8 @@ tsan() {
   # which TSan sees; what they report on their own is suppressed by library (called_from_lib).
   export TSAN_OPTIONS="log_path=$logs/tsan:suppressions=$SUPP/tsan.supp:second_deadlock_stack=1:history_size=4"
   mkdir -p "$logs"
-  local start=$SECONDS
-  build thread "$dir"
-  echo "sanitize: tsan build $((SECONDS - start)) s"
-  start=$SECONDS
   local rc=0
-  run_tests "$dir" "$TSAN_TESTS" "$TSAN_TIMING_BOUND" || rc=$?
-  echo "sanitize: tsan tests $((SECONDS - start)) s"
+  job thread "$dir" "$TSAN_TESTS" "$TSAN_TIMING_BOUND" || rc=$?
   unset TSAN_OPTIONS
   return "$rc"
 }
@@ -143,7 +160,7 @@ for job in "$@"; do
     asan | tsan)
       echo "== sanitize: $job"
       if "$job"; then echo "sanitize: $job passed"; else echo "sanitize: $job FAILED"; status=1; fi ;;
-    *) echo "usage: scripts/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
+    *) echo "usage: scripts/sanitize.sh [--build-only|--test-only] [asan|tsan]..." >&2; exit 2 ;;
   esac
 done
 exit "$status"

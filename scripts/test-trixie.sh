@@ -5,15 +5,23 @@
 # build-trixie/ (GCC 14; the root's own ccache), and runs ctest there. Prints each phase's wall
 # time. Run as root on a Debian host.
 #
-#   scripts/test-trixie.sh [ctest arguments...]   e.g. -R 'ExactTest' or -L gpt
+#   scripts/test-trixie.sh [--build-only|--test-only] [ctest arguments...]   e.g. -R 'ExactTest' or -L gpt
+#
+#   --build-only  the root and the build only (.ci/run builds at idle priority while other tests run)
+#   --test-only   ctest only, in a build made before (fails if it is missing)
 #
 # Environment: FSDP_TRIXIE_ROOT, FSDP_TRIXIE_MIRROR (scripts/trixie.sh), BUILD_DIR (default
 # build-trixie), JOBS (compile jobs, default: the number of cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+STEPS=all
+case ${1:-} in
+  --build-only) STEPS=build; shift ;;
+  --test-only) STEPS=test; shift ;;
+esac
 BUILD_DIR=${BUILD_DIR:-build-trixie}
 JOBS=${JOBS:-$(nproc)}
-if ! command -v debootstrap >/dev/null; then
+if [ "$STEPS" != test ] && ! command -v debootstrap >/dev/null; then
   echo "test-trixie: installing debootstrap"
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -qq debootstrap >/dev/null ||
     { apt-get -o DPkg::Lock::Timeout=900 update -qq &&
@@ -27,8 +35,13 @@ phase() {
   echo "==== test-trixie: $name: $([ "$rc" = 0 ] && echo passed || echo "FAILED (exit $rc)") in $((SECONDS - start)) s"
   [ "$rc" = 0 ] || exit "$rc"
 }
-phase root scripts/trixie.sh setup
-phase build scripts/trixie.sh run -- sh -c '
+if [ "$STEPS" = test ]; then
+  [ -x "$BUILD_DIR/tests/fsdp_tests" ] || { echo "test-trixie: $BUILD_DIR is not built; run scripts/test-trixie.sh --build-only first" >&2; exit 1; }
+else
+  phase root scripts/trixie.sh setup
+  phase build scripts/trixie.sh run -- sh -c '
   cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null &&
   cmake --build "$1" -j"$2"' sh "$BUILD_DIR" "$JOBS"
+fi
+[ "$STEPS" != build ] || exit 0
 phase ctest scripts/trixie.sh run -- ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 900 "$@"

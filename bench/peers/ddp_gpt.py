@@ -82,14 +82,16 @@ class Block(nn.Module):
 
 
 class TiedLMHead(nn.Module):
-    """Logits from the token embedding's weight (weight tying), as TiedLMHeadImpl."""
+    """Logits from the token embedding's weight (weight tying), as TiedLMHeadImpl. The weight is
+    read from the embedding at each call and not registered here, so it has one owner: FSDP's
+    meta-device materialization (to_empty + reset_parameters, module by module) keeps it tied."""
 
-    def __init__(self, embedding_weight):
+    def __init__(self, embedding):
         super().__init__()
-        self.weight = embedding_weight
+        self._embedding = [embedding]  # a list: not registered as a submodule either
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return F.linear(x, self._embedding[0].weight)
 
 
 class GPT(nn.Module):
@@ -100,7 +102,7 @@ class GPT(nn.Module):
         self.position_embedding = nn.Embedding(context, width)
         self.blocks = nn.ModuleList([Block(width, heads) for _ in range(layers)])
         self.ln_final = nn.LayerNorm(width)
-        self.lm_head = TiedLMHead(self.token_embedding.weight)
+        self.lm_head = TiedLMHead(self.token_embedding)
 
     def forward(self, tokens):
         time_ = tokens.shape[1]
@@ -129,6 +131,24 @@ def read_inputs(path):
     params = {p["name"]: tensor(p, torch.float32, 4) for p in header["parameters"]}
     batches = tensor(header["batches"], torch.int64, 8)
     return header["config"], params, batches
+
+
+def start_memory_watchdog(cap_bytes):
+    """Exits the process (status 3) as soon as its resident set passes cap_bytes, as gpt_bench's
+    MemoryWatchdog: an over-budget probe of the largest-model search stops early. The verdict
+    itself uses VmHWM, which a sampler can miss between two samples."""
+    import threading
+
+    def watch():
+        while True:
+            rss = status_bytes("VmRSS")
+            if rss > cap_bytes:
+                print(f"ddp_gpt [rank {os.environ.get('RANK', '0')}]: resident set {rss / 1048576:.1f} MiB exceeds "
+                      f"the cap of {cap_bytes / 1048576:.1f} MiB; aborting", file=sys.stderr, flush=True)
+                os._exit(3)
+            time.sleep(0.001)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def status_bytes(field):
@@ -202,7 +222,17 @@ def main():
     ap.add_argument("--no-ddp", action="store_true",
                     help="train the plain model without the DDP wrapper (world size 1 only): the same model "
                          "and step in Python, for comparing eager Python with the C++ frontend")
+    ap.add_argument("--init", choices=["file", "meta"], default="file",
+                    help="file: the initial weights of --inputs; meta (FSDP only): build the model on the meta "
+                         "device and let FSDP materialize and initialize it unit by unit (reset_parameters), as "
+                         "gpt_bench --init deferred; the largest-model search uses it")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="with --init meta: this many blocks instead of the inputs file's")
+    ap.add_argument("--memory-cap-mib", type=int, default=0,
+                    help="abort a rank whose resident set passes this many MiB (sampled every millisecond)")
     args = ap.parse_args()
+    if args.memory_cap_mib > 0:
+        start_memory_watchdog(args.memory_cap_mib * 1048576)
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -231,9 +261,19 @@ def main():
     context = config["context"]
     batches = batches[:total_steps, rank * rows:(rank + 1) * rows].contiguous()
 
-    model = GPT(256, context, config["width"], config["layers"], config["heads"])
+    if args.init == "meta" and not args.fsdp:
+        sys.exit("ddp_gpt: --init meta needs --fsdp (DDP cannot materialize a meta-device model)")
+    if args.layers and args.init != "meta":
+        sys.exit("ddp_gpt: --layers needs --init meta (the inputs file's weights are for its own depth)")
+    layers = args.layers or config["layers"]
+    if args.init == "meta":
+        with torch.device("meta"):
+            model = GPT(256, context, config["width"], layers, config["heads"])
+        params = {}
+    else:
+        model = GPT(256, context, config["width"], layers, config["heads"])
     with torch.no_grad():
-        named = dict(model.named_parameters())  # the tied weight once, as token_embedding.weight
+        named = dict(model.named_parameters()) if args.init == "file" else {}  # the tied weight once
         missing = set(named) - set(params)
         if missing:
             sys.exit(f"ddp_gpt: the inputs file lacks parameters {sorted(missing)}")
@@ -262,7 +302,7 @@ def main():
         how = ("without DDP (plain model)" if args.no_ddp else
                f"FSDP {args.fsdp} over Gloo" if args.fsdp else "DDP over Gloo")
         print(f"ddp_gpt {args.label}: PyTorch {torch.__version__} {how}, world {world}, "
-              f"{torch.get_num_threads()} threads per process; model {config['layers']} layers, width "
+              f"{torch.get_num_threads()} threads per process; model {layers} layers, width "
               f"{config['width']}, {config['heads']} heads, context {context}, {parameter_count} parameters; "
               f"global batch {config['global_batch']} x {context} tokens; steps {args.warmup} warm-up + "
               f"{args.steps} timed", flush=True)
@@ -334,7 +374,7 @@ def main():
             "world": world,
             "threads_per_process": torch.get_num_threads(),
             "torch_version": torch.__version__,
-            "config": dict(config, warmup=args.warmup, steps=args.steps, lr=args.lr),
+            "config": dict(config, layers=layers, warmup=args.warmup, steps=args.steps, lr=args.lr, init=args.init),
             "parameters": parameter_count,
             "tokens_per_step": config["global_batch"] * context,
             "step_seconds": step_seconds,

@@ -355,11 +355,20 @@ test_mpirun() {
   check_training_output "" 2 "OMPI_COMM_WORLD_\* from mpirun"
 }
 
-# torchrun from Debian's python3-torch (1.13). Its default '--redirects 0 --tee 0' crash on
+# torchrun from Debian's python3-torch (1.13 on bookworm). Its default '--redirects 0 --tee 0' crash on
 # Python 3.11 (Std.from_str("0") returns None: 3.11 no longer iterates the zero flag), so pass
 # '--redirects 1 --tee 1' (stdout also to a log file in a temporary directory, and to the console).
 test_torchrun() {
   command -v torchrun >/dev/null || { echo "SKIP: torchrun is not installed (apt-get install python3-torch)"; exit 77; }
+  # torchrun's rendezvous (2.4 and later) asks TCPStore for its libuv backend whatever USE_LIBUV
+  # says; a PyTorch built without libuv (Debian trixie's 2.6) cannot start any torchrun job.
+  local probe python
+  python=$(sed -n '1s/^#! *//p' "$(command -v torchrun)")  # the interpreter torchrun runs under
+  if ! probe=$(${python:-python3} -c 'from torch.distributed import TCPStore; TCPStore("127.0.0.1", 0, 1, True)' 2>&1) &&
+      grep -q "without libuv" <<<"$probe"; then
+    echo "SKIP: this torchrun cannot start a job: its TCPStore asks for libuv, which this PyTorch lacks ($(tail -n 1 <<<"$probe"))"
+    exit 77
+  fi
   run torchrun --standalone --nproc_per_node 2 --redirects 1 --tee 1 --log_dir "$TMP/torchrun_logs" \
       --no_python "$TRAINER" "${TINY[@]}"
   expect_rc 0
