@@ -986,19 +986,31 @@ def report_largest(bench, lg):
                 ratio = f["largest_parameters"] / py["largest_parameters"] if py["largest_parameters"] else None
                 foot = [min((p["peak_bytes"] for p in s["probes"] if p["layers"] == 1 and p["peak_bytes"]),
                             default=None) for s in (f, py)]
+
+                def per_layer(s):
+                    """Peak MiB added per block: from the shallowest completed probe of 8 or more
+                    blocks to the deepest one that fits."""
+                    done = sorted((p["layers"], p["peak_bytes"]) for p in s["probes"] if p["peak_bytes"])
+                    lo = next((d for d in done if d[0] >= 8), None)
+                    hi = max((d for d in done if d[1] <= cap * MiB), default=None)
+                    return (hi[1] - lo[1]) / MiB / (hi[0] - lo[0]) if lo and hi and hi[0] > lo[0] else None
                 peers.append([crit, malloc, f"{f['largest_parameters'] / 1e6:.1f}",
                               f"{py['largest_parameters'] / 1e6:.1f}", fmt(ratio),
                               "met" if ratio and ratio >= 1.2 else "missed",
-                              mib(foot[0]) if foot[0] else "n/a", mib(foot[1]) if foot[1] else "n/a"])
+                              mib(foot[0]) if foot[0] else "n/a", mib(foot[1]) if foot[1] else "n/a",
+                              fmt(per_layer(f), 1), fmt(per_layer(py), 1)])
     if peers:
         lines += ["Largest trainable model, libfsdp FULL_SHARD / PyTorch FSDP FULL_SHARD (parameters; goal >= 1.2). "
                   "PyTorch FSDP (FSDP1, `ddp_gpt.py --fsdp FULL_SHARD --init meta`) builds the model on the meta "
                   "device and materializes it unit by unit as it wraps it (`to_empty` + `reset_parameters`), "
                   "with its throughput settings (`limit_all_gathers`, forward prefetch, BACKWARD_PRE); part of "
                   "its footprint is the Python interpreter and PyTorch's Python modules, which a C++ program "
-                  "does not have: the last two columns are each contender's peak with a 1-layer model.", "",
+                  "does not have: the 1-layer columns are each contender's peak with a 1-layer model, and the "
+                  "per-block columns the peak added by each further block (from the shallowest probe of 8 or "
+                  "more blocks to the deepest that fits), which that fixed footprint does not enter.", "",
                   table(["criterion", "malloc", "libfsdp M params", "PyTorch FSDP M params", "ratio", "goal",
-                         "libfsdp 1-layer peak MiB", "PyTorch 1-layer peak MiB"], peers), ""]
+                         "libfsdp 1-layer peak MiB", "PyTorch 1-layer peak MiB", "libfsdp MiB per block",
+                         "PyTorch MiB per block"], peers), ""]
     lines += ["malloc 'default': glibc as it comes (its mmap threshold rises to the largest block freed so far, "
               "up to 32 MiB; later blocks of that size come from the heap, and freed ones often stay resident). "
               "'mmap': `MALLOC_MMAP_THRESHOLD_=524288` in every rank's environment, so every tensor of 512 KiB or "
