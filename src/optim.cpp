@@ -2,12 +2,96 @@
 
 #include <torch/version.h>
 
+#include <ATen/Parallel.h>
+
+#include <cmath>
 #include <map>
 #include <tuple>
 
 namespace fsdp {
+namespace {
+
+// One AdamW update of n float32 elements in a single pass, split across the intra-op threads.
+// Each element follows torch::optim::AdamW::step's operations in its order (Note [FusedAdamW]).
+void cpu_adamw(float* p, const float* g, float* m, float* v, int64_t n, const torch::optim::AdamWOptions& o,
+               int64_t step) {
+  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+  const float decay = static_cast<float>(1 - o.lr() * o.weight_decay());
+  const float b1 = static_cast<float>(beta1), one_minus_b1 = static_cast<float>(1 - beta1);
+  const float b2 = static_cast<float>(beta2), one_minus_b2 = static_cast<float>(1 - beta2);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(beta2, static_cast<double>(step))));
+  const float eps = static_cast<float>(o.eps());
+  const float neg_step_size = static_cast<float>(-o.lr() / (1 - std::pow(beta1, static_cast<double>(step))));
+  const bool decays = o.weight_decay() != 0;
+  at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float gi = g[i];
+      const float pi = decays ? p[i] * decay : p[i];
+      const float mi = m[i] * b1 + one_minus_b1 * gi;
+      const float vi = v[i] * b2 + one_minus_b2 * gi * gi;
+      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+      p[i] = pi + neg_step_size * mi / denom;
+      m[i] = mi;
+      v[i] = vi;
+    }
+  });
+}
+
+// LibTorch keys an optimizer's state by the parameter's TensorImpl: its address printed (1.x), the
+// pointer itself (2.x).
+auto state_key(const at::Tensor& p) {
+#if TORCH_VERSION_MAJOR >= 2
+  return static_cast<void*>(p.unsafeGetTensorImpl());
+#else
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+#endif
+}
+
+bool cpu_fusable(const at::Tensor& p) {
+  const at::Tensor& g = p.grad();
+  return p.device().is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous() && g.device().is_cpu() &&
+         !g.is_sparse() && g.scalar_type() == at::kFloat && g.is_contiguous();
+}
+
+}  // namespace
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
+  bool cpu = true;
+  for (const auto& group : param_groups_) {
+    if (static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad()) cpu = false;
+    for (const auto& p : group.params())
+      if (p.grad().defined() && !cpu_fusable(p)) cpu = false;
+  }
+  if (cpu) {
+    last_step_fused_ = true;
+    torch::NoGradGuard no_grad;
+    torch::Tensor loss;
+    if (closure) {
+      at::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    for (auto& group : param_groups_) {
+      const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto it = state_.find(state_key(p));
+        if (it == state_.end()) {
+          auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+          fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+          fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+          it = state_.emplace(state_key(p), std::move(fresh)).first;
+        }
+        auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+        s.step(s.step() + 1);
+        at::Tensor m = s.exp_avg(), v = s.exp_avg_sq();
+        if (!m.is_contiguous()) s.exp_avg(m = m.contiguous());  // e.g. loaded from a state dict
+        if (!v.is_contiguous()) s.exp_avg_sq(v = v.contiguous());
+        cpu_adamw(p.data_ptr<float>(), p.grad().data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                  p.numel(), o, s.step());
+      }
+    }
+    return loss;
+  }
 #if TORCH_VERSION_MAJOR >= 2
   bool fusable = true;
   for (const auto& group : param_groups_) {

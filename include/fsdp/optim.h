@@ -1,6 +1,7 @@
 #pragma once
-// FusedAdamW: torch::optim::AdamW whose step runs PyTorch's fused AdamW kernel for CUDA parameters
-// on LibTorch 2.x, and AdamW's own step elsewhere. See Note [FusedAdamW] in docs/design.md.
+// FusedAdamW: torch::optim::AdamW whose step updates each parameter in one pass: libfsdp's own
+// multi-threaded kernel for float32 CPU parameters, PyTorch's fused AdamW kernel for CUDA
+// parameters on LibTorch 2.x, and AdamW's own step elsewhere. See Note [FusedAdamW] in docs/design.md.
 #include <torch/torch.h>
 
 #include <unordered_map>
@@ -11,7 +12,7 @@ class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
-  // Whether the last step() ran the fused kernel (false: the reference implementation).
+  // Whether the last step() ran a fused kernel (false: the reference implementation).
   bool last_step_fused() const { return last_step_fused_; }
 
  private:
