@@ -2,8 +2,8 @@
 // torch::optim::AdamW on the same float32 parameters and gradients, interleaved; medians.
 //
 //   build/bench/fsdp_bench_cpu_adamw [--elements N] [--tensors T] [--threads K] [--reps R]
-#include <CLI/CLI.hpp>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>

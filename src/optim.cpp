@@ -86,8 +86,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         at::Tensor m = s.exp_avg(), v = s.exp_avg_sq();
         if (!m.is_contiguous()) s.exp_avg(m = m.contiguous());  // e.g. loaded from a state dict
         if (!v.is_contiguous()) s.exp_avg_sq(v = v.contiguous());
-        cpu_adamw(p.data_ptr<float>(), p.grad().data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
-                  p.numel(), o, s.step());
+        cpu_adamw(p.data_ptr<float>(), p.grad().data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), p.numel(),
+                  o, s.step());
       }
     }
     return loss;
