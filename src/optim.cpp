@@ -2,8 +2,6 @@
 
 #include <torch/version.h>
 
-#include <ATen/Parallel.h>
-
 #include <cmath>
 #include <map>
 #include <tuple>
@@ -11,7 +9,7 @@
 namespace fsdp {
 namespace {
 
-// One AdamW update of n float32 elements in a single pass, split across the intra-op threads.
+// One AdamW update of n float32 elements in a single pass, on the calling thread.
 // Each element follows torch::optim::AdamW::step's operations in its order (Note [FusedAdamW]).
 void cpu_adamw(float* p, const float* g, float* m, float* v, int64_t n, const torch::optim::AdamWOptions& o,
                int64_t step) {
@@ -23,18 +21,16 @@ void cpu_adamw(float* p, const float* g, float* m, float* v, int64_t n, const to
   const float eps = static_cast<float>(o.eps());
   const float neg_step_size = static_cast<float>(-o.lr() / (1 - std::pow(beta1, static_cast<double>(step))));
   const bool decays = o.weight_decay() != 0;
-  at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float gi = g[i];
-      const float pi = decays ? p[i] * decay : p[i];
-      const float mi = m[i] * b1 + one_minus_b1 * gi;
-      const float vi = v[i] * b2 + one_minus_b2 * gi * gi;
-      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-      p[i] = pi + neg_step_size * mi / denom;
-      m[i] = mi;
-      v[i] = vi;
-    }
-  });
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float pi = decays ? p[i] * decay : p[i];
+    const float mi = m[i] * b1 + one_minus_b1 * gi;
+    const float vi = v[i] * b2 + one_minus_b2 * gi * gi;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    p[i] = pi + neg_step_size * mi / denom;
+    m[i] = mi;
+    v[i] = vi;
+  }
 }
 
 // LibTorch keys an optimizer's state by the parameter's TensorImpl: its address printed (1.x), the

@@ -1,6 +1,6 @@
 #pragma once
 // FusedAdamW: torch::optim::AdamW whose step updates each parameter in one pass: libfsdp's own
-// multi-threaded kernel for float32 CPU parameters, PyTorch's fused AdamW kernel for CUDA
+// single-pass kernel for float32 CPU parameters, PyTorch's fused AdamW kernel for CUDA
 // parameters on LibTorch 2.x, and AdamW's own step elsewhere. See Note [FusedAdamW] in docs/design.md.
 #include <torch/torch.h>
 
