@@ -6,6 +6,8 @@
 #include <map>
 #include <tuple>
 
+#include "optimizer_state_key.h"
+
 namespace fsdp {
 namespace {
 
@@ -33,14 +35,25 @@ void cpu_adamw(float* p, const float* g, float* m, float* v, int64_t n, const to
   }
 }
 
-// LibTorch keys an optimizer's state by the parameter's TensorImpl: its address printed (1.x), the
-// pointer itself (2.x).
-auto state_key(const at::Tensor& p) {
-#if TORCH_VERSION_MAJOR >= 2
-  return static_cast<void*>(p.unsafeGetTensorImpl());
-#else
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
-#endif
+// p's AdamW state, created (zero moments, step 0) on its first step.
+template <class States>
+torch::optim::AdamWParamState& adamw_state(States& states, const at::Tensor& p) {
+  const auto key = detail::optimizer_state_key(p);
+  auto it = states.find(key);
+  if (it == states.end()) {
+    auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+    fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
+    fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+    it = states.emplace(key, std::move(fresh)).first;
+  }
+  return static_cast<torch::optim::AdamWParamState&>(*it->second);
+}
+
+// Runs the closure, if any, with grad mode on (as torch::optim::AdamW::step does).
+torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
 }
 
 bool cpu_fusable(const at::Tensor& p) {
@@ -61,23 +74,12 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   if (cpu) {
     last_step_fused_ = true;
     torch::NoGradGuard no_grad;
-    torch::Tensor loss;
-    if (closure) {
-      at::AutoGradMode enable_grad(true);
-      loss = closure();
-    }
+    torch::Tensor loss = run_closure(closure);
     for (auto& group : param_groups_) {
       const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
-        auto it = state_.find(state_key(p));
-        if (it == state_.end()) {
-          auto fresh = std::make_unique<torch::optim::AdamWParamState>();
-          fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-          fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-          it = state_.emplace(state_key(p), std::move(fresh)).first;
-        }
-        auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+        auto& s = adamw_state(state_, p);
         s.step(s.step() + 1);
         at::Tensor m = s.exp_avg(), v = s.exp_avg_sq();
         if (!m.is_contiguous()) s.exp_avg(m = m.contiguous());  // e.g. loaded from a state dict
@@ -100,11 +102,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   if (!fusable) return torch::optim::AdamW::step(std::move(closure));
 
   torch::NoGradGuard no_grad;
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = run_closure(closure);
   for (auto& group : param_groups_) {
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
     // The kernel takes lists of one device and dtype.
@@ -114,15 +112,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     std::map<std::tuple<int, int>, Lists> buckets;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      void* key = p.unsafeGetTensorImpl();
-      auto it = state_.find(key);
-      if (it == state_.end()) {
-        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
-        fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
-        fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
-        it = state_.emplace(key, std::move(fresh)).first;
-      }
-      auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      const void* key = p.unsafeGetTensorImpl();
+      auto& s = adamw_state(state_, p);
       DeviceStep& d = device_steps_[key];
       if (!d.count.defined() || d.synced != s.step()) {  // first step, or the state was loaded
         d.count = torch::full({}, static_cast<double>(s.step()), p.options().dtype(at::kFloat));

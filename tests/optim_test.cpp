@@ -2,20 +2,12 @@
 // torch::optim::AdamW's step (1e-6 relative), its state interchangeable with AdamW's.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-#include <torch/version.h>
 
 #include "fsdp/optim.h"
+#include "optimizer_state_key.h"
 
 namespace fsdp_test {
 namespace {
-
-auto state_key(const at::Tensor& p) {
-#if TORCH_VERSION_MAJOR >= 2
-  return static_cast<void*>(p.unsafeGetTensorImpl());
-#else
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
-#endif
-}
 
 // Largest |a - b| over the largest |b|, over every pair of tensors.
 double relative_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
@@ -68,8 +60,10 @@ double compare(int steps, double weight_decay) {
   }
   std::vector<at::Tensor> a = ours, b = ref;
   for (size_t i = 0; i < ref.size(); ++i) {
-    auto& sa = static_cast<torch::optim::AdamWParamState&>(*fused.state().at(state_key(ours[i])));
-    auto& sb = static_cast<torch::optim::AdamWParamState&>(*reference.state().at(state_key(ref[i])));
+    auto& sa =
+        static_cast<torch::optim::AdamWParamState&>(*fused.state().at(fsdp::detail::optimizer_state_key(ours[i])));
+    auto& sb =
+        static_cast<torch::optim::AdamWParamState&>(*reference.state().at(fsdp::detail::optimizer_state_key(ref[i])));
     EXPECT_EQ(sa.step(), sb.step());
     a.push_back(sa.exp_avg());
     b.push_back(sb.exp_avg());

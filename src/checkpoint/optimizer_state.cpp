@@ -4,6 +4,7 @@
 #include <torch/version.h>
 
 #include "fsdp/check.h"
+#include "optimizer_state_key.h"
 
 namespace fsdp::checkpoint::detail {
 
@@ -12,16 +13,8 @@ namespace optim = torch::optim;
 
 namespace {
 
-// LibTorch keys an optimizer's state by the parameter's TensorImpl: its address printed (1.x), the
-// pointer itself (2.x).
-using StateKey = std::decay_t<decltype(std::declval<optim::Optimizer&>().state())>::key_type;
-StateKey key_of(const at::Tensor& param) {
-#if TORCH_VERSION_MAJOR >= 2
-  return param.unsafeGetTensorImpl();
-#else
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
-#endif
-}
+using StateKey = fsdp::detail::OptimizerStateKey;
+StateKey key_of(const at::Tensor& param) { return fsdp::detail::optimizer_state_key(param); }
 
 template <class Options>
 json adam_options(const Options& o) {
