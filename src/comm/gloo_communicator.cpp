@@ -16,8 +16,32 @@
 #include "comm/collective_queue.h"
 #include "fsdp/check.h"
 
+#if defined(__SANITIZE_THREAD__)
+extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
+#endif
+
 namespace fsdp {
 namespace {
+
+// Runs a job of Gloo calls on the queue's thread; an error Gloo made on its event-loop thread is
+// rethrown as an fsdp::Error made here (Note [Gloo errors under TSan]).
+void run_gloo_job(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+#if defined(__SANITIZE_THREAD__)
+    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+#endif
+    std::string message = e.what();
+#if defined(__SANITIZE_THREAD__)
+    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+#endif
+    throw Error(message);
+  }
+}
 
 // Slot prefixes for our ring reduce-scatter and fingerprint exchange; gloo's own collectives use 0x01..0x08.
 constexpr uint8_t kReduceScatterSlotPrefix = 0x10;
@@ -50,8 +74,7 @@ gloo::AllreduceOptions::Func sum_function(at::ScalarType type) {
 
 class GlooCommunicator : public Communicator, public std::enable_shared_from_this<GlooCommunicator> {
  public:
-  GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::string name, std::chrono::milliseconds timeout,
-                   bool check)
+  GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::string name, std::chrono::milliseconds timeout, bool check)
       : ctx_(std::move(ctx)),
         name_(std::move(name)),
         timeout_(timeout),
@@ -168,7 +191,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr shutdown() override {
     const uint32_t tag = resolve_tag({});
     return queue_->enqueue_shutdown(
-        [this, tag] { check_in_step(CollectiveKind::kShutdown, at::Tensor(), 0, -1, "", tag); });
+        [this, tag] { run_gloo_job([&] { check_in_step(CollectiveKind::kShutdown, at::Tensor(), 0, -1, "", tag); }); });
   }
 
  private:
@@ -280,7 +303,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   }
 
   WorkPtr enqueue(const char* op, std::function<void()> body, WorkPtr after = nullptr) {
-    return queue_->enqueue(op, std::move(body), std::move(after));
+    return queue_->enqueue(
+        op, [body = std::move(body)] { run_gloo_job(body); }, std::move(after));
   }
 
   std::shared_ptr<gloo::Context> ctx_;
