@@ -59,6 +59,19 @@ struct MixedPrecision {
   bool enabled() const { return param_dtype_.has_value() || reduce_dtype_.has_value(); }
 };
 
+// CPU offload (ZeRO-Offload, FSDP2's CPUOffloadPolicy): sharded parameters, their gradients and so
+// the optimizer state in host memory, for a process group that computes on a CUDA device. On a
+// CPU process group everything is in host memory already and fully_shard() refuses it with the
+// fix. See Note [CPU offload] in docs/design.md.
+struct CpuOffload {
+  bool enabled() const { return params_; }
+
+  // Keep the sharded parameters and their gradients in host memory.
+  TORCH_ARG(bool, params) = false;
+  // Page-locked host memory, so copies to and from the device run asynchronously.
+  TORCH_ARG(bool, pin_memory) = true;
+};
+
 // Per-unit exception to the strategy's reshard-after-forward: asked with each non-root unit's
 // qualified name and module; true frees its parameters after its forward (FULL_SHARD's way), false
 // keeps them until its backward (SHARD_GRAD_OP's way), nullopt keeps the strategy's choice.
@@ -109,6 +122,8 @@ struct Options {
   TORCH_ARG(bool, reuse_buffers) = true;
   // Mixed precision (MixedPrecision above); off by default.
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
+  // CPU offload (CpuOffload above); off by default.
+  TORCH_ARG(CpuOffload, offload) = {};
   // Record an event trace of every iteration (FullyShardedModule::last_trace()).
   TORCH_ARG(bool, trace) = false;
 };

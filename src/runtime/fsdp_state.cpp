@@ -29,8 +29,9 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   FSDP_CHECK(options_.reductions_in_flight() >= 0, "reductions_in_flight must be 0 or more, got ",
              options_.reductions_in_flight());
   check_mixed_precision(options_.mixed_precision());
+  check_offload(options_.offload(), pg_->world()->device());
   ShardingGroups::check(*pg_, options_);  // local: fails on every rank alike, before rank 0's store is needed
-  check_same_options_on_all_ranks();  // before any group: a difference must not hang in their creation
+  check_same_options_on_all_ranks();      // before any group: a difference must not hang in their creation
   groups_ = ShardingGroups::create(*pg_, options_);
 
   UnitPlan plan = plan_units(*module_, options_, pg_->world()->device());
@@ -91,6 +92,17 @@ void FsdpState::check_mixed_precision(const MixedPrecision& mp) {
                *dtype, "; use torch::kBFloat16, torch::kFloat16, torch::kFloat32 or torch::kFloat64");
 }
 
+void FsdpState::check_offload(const CpuOffload& offload, const at::Device& device) {
+  if (!offload.enabled()) return;
+  FSDP_CHECK(!device.is_cpu(),
+             "Options::offload: this process group computes on the CPU, so the sharded "
+             "parameters, their gradients and the optimizer state are in host memory already and there is nothing "
+             "to offload; remove .offload(...) for CPU process groups (it applies to CUDA ones)");
+  FSDP_FAIL("Options::offload: CPU offload for a process group on ", device,
+            " is not implemented in this version of libfsdp; remove .offload(...), or shard over more ranks to fit "
+            "the model (Note [CPU offload] in docs/design.md)");
+}
+
 void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
   // Every rank publishes a description of the parameters and their units; each rank compares
   // all of them, so a rank with a different model fails here instead of hanging in a collective.
@@ -106,8 +118,8 @@ void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
   d << " to " << options_.reshard_after_forward_size() << " ranks";
   d << "\n" << plan.describe();
   compare_across_ranks(d.str(), "built different models",
-                      "Every rank must construct the same model (same sizes, dtypes, frozen parameters) and pass the "
-                      "same Options");
+                       "Every rank must construct the same model (same sizes, dtypes, frozen parameters) and pass the "
+                       "same Options");
 }
 
 void FsdpState::check_same_options_on_all_ranks() const {
@@ -147,8 +159,10 @@ void FsdpState::compare_across_ranks(const std::string& mine, const char* differ
   std::string error;
   std::vector<bool> exited(pg_->size(), false);
   auto lost_store = [&](const std::exception& e) {
-    FSDP_FAIL("fully_shard: rank ", pg_->rank(), " lost the rendezvous store (hosted by rank 0) while comparing "
-              "models: ", e.what(), ". Rank 0 failed or exited: see its output");
+    FSDP_FAIL("fully_shard: rank ", pg_->rank(),
+              " lost the rendezvous store (hosted by rank 0) while comparing "
+              "models: ",
+              e.what(), ". Rank 0 failed or exited: see its output");
   };
   for (int r = 0; r < pg_->size() && error.empty(); ++r) {
     if (r == pg_->rank()) continue;
@@ -164,13 +178,16 @@ void FsdpState::compare_across_ranks(const std::string& mine, const char* differ
       if (published) break;
       if (pg_->rank_exited(r)) {
         exited[r] = true;
-        error = detail::compose("fully_shard: rank ", r, " exited before it reached fully_shard() (it failed earlier: "
-                                "see its output). ", fix);
+        error = detail::compose("fully_shard: rank ", r,
+                                " exited before it reached fully_shard() (it failed earlier: "
+                                "see its output). ",
+                                fix);
       } else if (std::chrono::steady_clock::now() >= deadline) {
         error = detail::compose("fully_shard: rank ", r, " did not reach fully_shard() within the timeout (",
                                 std::chrono::duration_cast<std::chrono::seconds>(timeout).count(),
                                 " s; set ProcessGroupOptions::timeout or FSDP_TIMEOUT_S); it failed earlier (see its "
-                                "output) or runs a different program. ", fix);
+                                "output) or runs a different program. ",
+                                fix);
       } else {
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::milliseconds(100));
@@ -196,8 +213,8 @@ void FsdpState::compare_across_ranks(const std::string& mine, const char* differ
       if (!gb) lb = "<nothing>";
       if (la != lb)
         error = detail::compose("fully_shard: rank ", pg_->rank(), " and rank ", r, " ", differ,
-                                "; first difference (line ", line, "): this rank has '", la, "', rank ", r,
-                                " has '", lb, "'. ", fix);
+                                "; first difference (line ", line, "): this rank has '", la, "', rank ", r, " has '",
+                                lb, "'. ", fix);
     }
   }
   // Each rank says it is done reading (failed/ or read/); rank 0 waits (bounded) for every verdict
@@ -210,8 +227,8 @@ void FsdpState::compare_across_ranks(const std::string& mine, const char* differ
     if (error.empty()) lost_store(e);
   }
   if (pg_->rank() == 0) {
-    const auto until = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(
-                                                              timeout, std::chrono::milliseconds(10000));
+    const auto until = std::chrono::steady_clock::now() +
+                       std::min<std::chrono::milliseconds>(timeout, std::chrono::milliseconds(10000));
     for (int r = 1; r < pg_->size(); ++r) {
       const std::string failed = key + "failed/" + std::to_string(r), read = key + "read/" + std::to_string(r);
       while (!exited[r] && std::chrono::steady_clock::now() < until) {
@@ -311,8 +328,10 @@ int FsdpState::unit_of_module(const torch::nn::Module* module) const {
 
 FsdpState::~FsdpState() {
   if (pending_error_.empty() || std::uncaught_exceptions() > 0) return;
-  std::fprintf(stderr, "[fsdp] rank %d: %s\n[fsdp] exiting with status 1: this error was found inside an operator "
-               "and no later FSDP call (backward, state dict, ...) reported it\n", pg_->rank(), pending_error_.c_str());
+  std::fprintf(stderr,
+               "[fsdp] rank %d: %s\n[fsdp] exiting with status 1: this error was found inside an operator "
+               "and no later FSDP call (backward, state dict, ...) reported it\n",
+               pg_->rank(), pending_error_.c_str());
   std::fflush(stdout);
   std::fflush(stderr);
   std::_Exit(1);

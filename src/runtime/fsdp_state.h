@@ -83,6 +83,8 @@ class FsdpState {
 
  private:
   static void check_mixed_precision(const MixedPrecision& mp);
+  // Refuses offload where it means nothing (a CPU process group) or is not built yet.
+  static void check_offload(const CpuOffload& offload, const at::Device& device);
   void check_same_model_on_all_ranks(const UnitPlan& plan) const;
   void check_same_options_on_all_ranks() const;
   // Publishes `mine` through the store and fails naming the first line where a rank's differs.
