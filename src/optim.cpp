@@ -1,5 +1,6 @@
 #include "fsdp/optim.h"
 
+#include <ATen/Parallel.h>
 #include <torch/version.h>
 
 #include <cmath>
@@ -11,28 +12,51 @@
 namespace fsdp {
 namespace {
 
-// One AdamW update of n float32 elements in a single pass, on the calling thread.
-// Each element follows torch::optim::AdamW::step's operations in its order (Note [FusedAdamW]).
-void cpu_adamw(float* p, const float* g, float* m, float* v, int64_t n, const torch::optim::AdamWOptions& o,
-               int64_t step) {
-  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
-  const float decay = static_cast<float>(1 - o.lr() * o.weight_decay());
-  const float b1 = static_cast<float>(beta1), one_minus_b1 = static_cast<float>(1 - beta1);
-  const float b2 = static_cast<float>(beta2), one_minus_b2 = static_cast<float>(1 - beta2);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(beta2, static_cast<double>(step))));
-  const float eps = static_cast<float>(o.eps());
-  const float neg_step_size = static_cast<float>(-o.lr() / (1 - std::pow(beta1, static_cast<double>(step))));
-  const bool decays = o.weight_decay() != 0;
-  for (int64_t i = 0; i < n; ++i) {
+// Elements per task of the CPU kernel's parallel loop: below this a parameter runs on one thread.
+constexpr int64_t kCpuGrain = int64_t(1) << 15;
+
+// The step's scalars, in float32 as torch::optim::AdamW applies them to float32 tensors.
+struct AdamWScalars {
+  float decay;  // 1 - lr * weight_decay; exactly 1 without weight decay (p * 1 == p)
+  float b1, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size;
+};
+
+// Elements [begin, end) of one AdamW update. The four arrays are distinct tensors (restrict) and
+// the scalars are locals, so the compiler vectorizes the loop; on x86-64 it is also built for AVX2
+// (twice the lanes, no FMA: the same roundings) and picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void cpu_adamw_range(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+                     int64_t begin, int64_t end, const AdamWScalars c) {
+  for (int64_t i = begin; i < end; ++i) {
     const float gi = g[i];
-    const float pi = decays ? p[i] * decay : p[i];
-    const float mi = m[i] * b1 + one_minus_b1 * gi;
-    const float vi = v[i] * b2 + one_minus_b2 * gi * gi;
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    p[i] = pi + neg_step_size * mi / denom;
+    const float pi = p[i] * c.decay;
+    const float mi = m[i] * c.b1 + c.one_minus_b1 * gi;
+    const float vi = v[i] * c.b2 + c.one_minus_b2 * gi * gi;
+    const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+    p[i] = pi + c.neg_step_size * mi / denom;
     m[i] = mi;
     v[i] = vi;
   }
+}
+
+// One AdamW update of n float32 elements in a single pass, split over LibTorch's intra-op threads
+// (at::get_num_threads()). Each element follows torch::optim::AdamW::step's operations in its
+// order (Note [FusedAdamW]).
+void cpu_adamw(float* p, const float* g, float* m, float* v, int64_t n, const torch::optim::AdamWOptions& o,
+               int64_t step) {
+  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+  AdamWScalars c;
+  c.decay = o.weight_decay() != 0 ? static_cast<float>(1 - o.lr() * o.weight_decay()) : 1.0f;
+  c.b1 = static_cast<float>(beta1);
+  c.one_minus_b1 = static_cast<float>(1 - beta1);
+  c.b2 = static_cast<float>(beta2);
+  c.one_minus_b2 = static_cast<float>(1 - beta2);
+  c.bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(beta2, static_cast<double>(step))));
+  c.eps = static_cast<float>(o.eps());
+  c.neg_step_size = static_cast<float>(-o.lr() / (1 - std::pow(beta1, static_cast<double>(step))));
+  at::parallel_for(0, n, kCpuGrain, [&](int64_t begin, int64_t end) { cpu_adamw_range(p, g, m, v, begin, end, c); });
 }
 
 // p's AdamW state, created (zero moments, step 0) on its first step.

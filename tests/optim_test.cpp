@@ -73,9 +73,42 @@ double compare(int steps, double weight_decay) {
   return relative_difference(a, b);
 }
 
+// Runs body with LibTorch's intra-op threads set to `threads`, then restores them.
+template <class F>
+void with_threads(int threads, F body) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(threads);
+  body();
+  at::set_num_threads(before);
+}
+
 TEST(FusedAdamW, CpuStepEqualsAdamW) {
-  EXPECT_LE(compare(/*steps=*/10, /*weight_decay=*/0.1), 1e-6);
-  EXPECT_LE(compare(/*steps=*/3, /*weight_decay=*/0), 1e-6);
+  for (int threads : {1, 2}) {
+    with_threads(threads, [] {
+      EXPECT_LE(compare(/*steps=*/10, /*weight_decay=*/0.1), 1e-6) << at::get_num_threads() << " threads";
+      EXPECT_LE(compare(/*steps=*/3, /*weight_decay=*/0), 1e-6) << at::get_num_threads() << " threads";
+    });
+  }
+}
+
+TEST(FusedAdamW, CpuStepIsBitwiseTheSameOnAnyNumberOfThreads) {
+  // Each element's operations do not depend on how the loop is split over threads.
+  std::vector<std::vector<at::Tensor>> results;
+  for (int threads : {1, 2, 3}) {
+    with_threads(threads, [&] {
+      auto ps = make_params(11);
+      fsdp::FusedAdamW opt(ps, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      torch::manual_seed(12);
+      for (int s = 0; s < 3; ++s) {
+        for (auto& p : ps) p.mutable_grad() = torch::randn_like(p);
+        opt.step();
+      }
+      results.push_back(ps);
+    });
+  }
+  for (size_t r = 1; r < results.size(); ++r)
+    for (size_t i = 0; i < results[0].size(); ++i)
+      EXPECT_TRUE(torch::equal(results[r][i], results[0][i])) << "tensor " << i << ", run " << r;
 }
 
 TEST(FusedAdamW, CpuStepContinuesFromAdamWState) {
