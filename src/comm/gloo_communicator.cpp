@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "comm/collective_queue.h"
@@ -24,22 +26,28 @@ extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
 namespace fsdp {
 namespace {
 
-// Runs a job of Gloo calls on the queue's thread; an error Gloo made on its event-loop thread is
-// rethrown as an fsdp::Error made here (Note [Gloo errors under TSan]).
+// A copy of an error's message that Gloo may have made on its event-loop thread (Note [Gloo
+// errors under TSan]).
+std::string message_of(const std::exception& e) {
+#if defined(__SANITIZE_THREAD__)
+  AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+#endif
+  std::string message = e.what();
+#if defined(__SANITIZE_THREAD__)
+  AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+#endif
+  return message;
+}
+
+// Runs a job of Gloo calls on the queue's thread; an error Gloo made is rethrown as an fsdp::Error
+// made here.
 void run_gloo_job(const std::function<void()>& body) {
   try {
     body();
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-#if defined(__SANITIZE_THREAD__)
-    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
-#endif
-    std::string message = e.what();
-#if defined(__SANITIZE_THREAD__)
-    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
-#endif
-    throw Error(message);
+    throw Error(message_of(e));
   }
 }
 
@@ -92,11 +100,13 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_gather_args(out, in, size(), "Gloo");
+    std::lock_guard<std::mutex> issuing(issue_mu_);
     const uint32_t tag = resolve_tag(opts);
+    auto x = post_fingerprint(CollectiveKind::kAllGather, in, in.nbytes(), -1, opts.label, tag);
     return enqueue(
         "all_gather_into",
-        [this, out, in, tag, label = std::move(opts.label)] {
-          check_in_step(CollectiveKind::kAllGather, in, in.nbytes(), -1, label, tag);
+        [this, out, in, tag, x] {
+          check_fingerprint(*x);
           if (size() == 1) {
             out.copy_(in);
             return;
@@ -114,11 +124,13 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_reduce_scatter_args(out, in, size(), "Gloo");
+    std::lock_guard<std::mutex> issuing(issue_mu_);
     const uint32_t tag = resolve_tag(opts);
+    auto x = post_fingerprint(CollectiveKind::kReduceScatter, in, in.nbytes(), -1, opts.label, tag);
     return enqueue(
         "reduce_scatter",
-        [this, out, in, tag, label = std::move(opts.label)] {
-          check_in_step(CollectiveKind::kReduceScatter, in, in.nbytes(), -1, label, tag);
+        [this, out, in, tag, x] {
+          check_fingerprint(*x);
           ring_reduce_scatter(out, in, tag);
         },
         opts.after);
@@ -127,11 +139,13 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
     check_dense_cpu(t, "all_reduce", "tensor", "Gloo");
     auto fn = sum_function(t.scalar_type());
+    std::lock_guard<std::mutex> issuing(issue_mu_);
     const uint32_t tag = resolve_tag(opts);
+    auto x = post_fingerprint(CollectiveKind::kAllReduce, t, t.nbytes(), -1, opts.label, tag);
     return enqueue(
         "all_reduce",
-        [this, t, tag, fn, label = std::move(opts.label)] {
-          check_in_step(CollectiveKind::kAllReduce, t, t.nbytes(), -1, label, tag);
+        [this, t, tag, fn, x] {
+          check_fingerprint(*x);
           if (size() == 1 || t.numel() == 0) return;
           // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
           // element's width; the reduce function interprets the elements as the real dtype.
@@ -159,11 +173,13 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts) override {
     check_dense_cpu(t, "broadcast", "tensor", "Gloo");
     FSDP_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is outside [0, ", size(), ")");
+    std::lock_guard<std::mutex> issuing(issue_mu_);
     const uint32_t tag = resolve_tag(opts);
+    auto x = post_fingerprint(CollectiveKind::kBroadcast, t, t.nbytes(), root, opts.label, tag);
     return enqueue(
         "broadcast",
-        [this, t, root, tag, label = std::move(opts.label)] {
-          check_in_step(CollectiveKind::kBroadcast, t, t.nbytes(), root, label, tag);
+        [this, t, root, tag, x] {
+          check_fingerprint(*x);
           if (size() == 1 || t.numel() == 0) return;
           gloo::BroadcastOptions o(ctx_);
           o.setRoot(root);
@@ -177,47 +193,79 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   }
 
   void barrier() override {
-    const uint32_t tag = resolve_tag({});
-    enqueue("barrier", [this, tag] {
-      check_in_step(CollectiveKind::kBarrier, at::Tensor(), 0, -1, "", tag);
-      if (size() == 1) return;
-      gloo::BarrierOptions o(ctx_);
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      gloo::barrier(o);
-    })->wait();
+    WorkPtr work;
+    {
+      std::lock_guard<std::mutex> issuing(issue_mu_);
+      const uint32_t tag = resolve_tag({});
+      auto x = post_fingerprint(CollectiveKind::kBarrier, at::Tensor(), 0, -1, "", tag);
+      work = enqueue("barrier", [this, tag, x] {
+        check_fingerprint(*x);
+        if (size() == 1) return;
+        gloo::BarrierOptions o(ctx_);
+        o.setTag(tag);
+        o.setTimeout(timeout_);
+        gloo::barrier(o);
+      });
+    }
+    work->wait();
   }
 
   WorkPtr shutdown() override {
+    std::lock_guard<std::mutex> issuing(issue_mu_);
+    if (queue_->shut_down()) return queue_->enqueue_shutdown(nullptr);  // returns the first shutdown's work
     const uint32_t tag = resolve_tag({});
-    return queue_->enqueue_shutdown(
-        [this, tag] { run_gloo_job([&] { check_in_step(CollectiveKind::kShutdown, at::Tensor(), 0, -1, "", tag); }); });
+    auto x = post_fingerprint(CollectiveKind::kShutdown, at::Tensor(), 0, -1, "", tag);
+    return queue_->enqueue_shutdown([this, x] { run_gloo_job([&] { check_fingerprint(*x); }); });
   }
 
  private:
-  // Every member sends its fingerprint of this collective to every other and compares what it
-  // receives with its own, before any data moves: members out of step fail at once, each naming
-  // both collectives, where the data exchange would wait for messages that never come (Note
-  // [Collective fingerprints]). One message each way per pair, all in flight together.
-  void check_in_step(CollectiveKind kind, const at::Tensor& t, int64_t bytes, int root, const std::string& label,
-                     uint32_t tag) {
-    const Fingerprint mine = Fingerprint::of(kind, collectives_++, t, bytes, root, label);
+  // Every member sends its fingerprint of each collective to every other and compares what it
+  // receives with its own before any data moves: members out of step fail at once, each naming
+  // both collectives, where the data exchange would wait for messages that never come. The
+  // exchange is posted when the collective is issued, so it travels while earlier collectives
+  // run; the worker only checks it (Note [Collective fingerprints]).
+  struct FingerprintExchange {
+    Fingerprint mine;
+    std::vector<Fingerprint> got;
+    std::unique_ptr<gloo::transport::UnboundBuffer> send_buf, recv_buf;  // null: nothing to exchange
+    std::string error;                                                   // posting failed
+  };
+  using ExchangePtr = std::shared_ptr<FingerprintExchange>;
+
+  // Posts this collective's exchange; called under issue_mu_, in issue order.
+  ExchangePtr post_fingerprint(CollectiveKind kind, const at::Tensor& t, int64_t bytes, int root,
+                               const std::string& label, uint32_t tag) {
+    auto x = std::make_shared<FingerprintExchange>();
+    x->mine = Fingerprint::of(kind, collectives_++, t, bytes, root, label);
     const int W = size(), r = rank();
-    if (W == 1 || (!check_ && kind != CollectiveKind::kShutdown)) return;
-    Fingerprint sent = mine;
-    std::vector<Fingerprint> got(W);
-    auto send_buf = ctx_->createUnboundBuffer(&sent, sizeof(Fingerprint));
-    auto recv_buf = ctx_->createUnboundBuffer(got.data(), sizeof(Fingerprint) * W);
-    const uint64_t slot = gloo::Slot::build(kFingerprintSlotPrefix, tag);
-    for (int p = 0; p < W; ++p) {
-      if (p == r) continue;
-      recv_buf->recv(p, slot, sizeof(Fingerprint) * p, sizeof(Fingerprint));
-      send_buf->send(p, slot, 0, sizeof(Fingerprint));
+    // Nothing alone, nothing when checks are off (except at shutdown), nothing after shutdown
+    // (the queue refuses the collective itself).
+    if (W == 1 || (!check_ && kind != CollectiveKind::kShutdown) || queue_->shut_down()) return x;
+    x->got.resize(W);
+    try {
+      x->send_buf = ctx_->createUnboundBuffer(&x->mine, sizeof(Fingerprint));
+      x->recv_buf = ctx_->createUnboundBuffer(x->got.data(), sizeof(Fingerprint) * W);
+      const uint64_t slot = gloo::Slot::build(kFingerprintSlotPrefix, tag);
+      for (int p = 0; p < W; ++p) {
+        if (p == r) continue;
+        x->recv_buf->recv(p, slot, sizeof(Fingerprint) * p, sizeof(Fingerprint));
+        x->send_buf->send(p, slot, 0, sizeof(Fingerprint));
+      }
+    } catch (const std::exception& e) {
+      x->error = message_of(e);
     }
-    for (int i = 0; i < W - 1; ++i) FSDP_CHECK(recv_buf->waitRecv(timeout_), "fingerprint receive was aborted");
-    for (int i = 0; i < W - 1; ++i) FSDP_CHECK(send_buf->waitSend(timeout_), "fingerprint send was aborted");
+    return x;
+  }
+
+  // Waits for the exchange and compares; on the worker thread, before the collective's data.
+  void check_fingerprint(FingerprintExchange& x) {
+    FSDP_CHECK(x.error.empty(), "sending its fingerprint failed: ", x.error);
+    if (!x.send_buf) return;
+    const int W = size(), r = rank();
+    for (int i = 0; i < W - 1; ++i) FSDP_CHECK(x.recv_buf->waitRecv(timeout_), "fingerprint receive was aborted");
+    for (int i = 0; i < W - 1; ++i) FSDP_CHECK(x.send_buf->waitSend(timeout_), "fingerprint send was aborted");
     for (int p = 0; p < W; ++p)
-      if (p != r && !(got[p] == mine)) fail_out_of_step(name_, r, mine, p, got[p]);
+      if (p != r && !(x.got[p] == x.mine)) fail_out_of_step(name_, r, x.mine, p, x.got[p]);
   }
 
   uint32_t resolve_tag(const CollectiveOptions& opts) {
@@ -312,7 +360,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::chrono::milliseconds timeout_;
   bool check_;
   std::atomic<uint32_t> next_tag_{1};
-  uint64_t collectives_ = 0;               // only touched by the worker thread
+  std::mutex issue_mu_;                    // issuing: tag, fingerprint and queue position in one order
+  uint64_t collectives_ = 0;               // collectives issued, under issue_mu_
   at::Tensor scratch_;                     // reduce-scatter receive ring, only touched by the worker thread
   std::atomic<int64_t> scratch_bytes_{0};  // its size, for memory_stats() on other threads
   std::unique_ptr<CollectiveQueue> queue_;
