@@ -29,10 +29,11 @@ double clip_grad_norm(FsdpState& state, double max_norm, double norm_type) {
     at::Tensor gd = g.to(at::kDouble);
     if (gd.is_sparse()) gd = gd.coalesce().values();
     if (gd.numel() == 0) continue;
+    // Computed where the gradient is (host memory under CPU offload), combined on the device.
     if (inf)
-      local = at::maximum(local, gd.abs().max().reshape({1}));
+      local = at::maximum(local, gd.abs().max().reshape({1}).to(device));
     else
-      local += gd.norm(norm_type).pow(norm_type).reshape({1});
+      local += gd.norm(norm_type).pow(norm_type).reshape({1}).to(device);
   }
   // Pieces are disjoint within a shard group and identical across replicas (NO_SHARD's whole
   // model, HYBRID_SHARD's replica groups), so the parts are combined over the shard group only.

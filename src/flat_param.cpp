@@ -27,8 +27,14 @@ at::Tensor region(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape)
 }  // namespace
 
 FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group,
-                     const MixedPrecision& mp, MemoryTracker* memory, BufferPool* buffers)
-    : id_(id), unit_(unit), slots_(std::move(slots)), group_(group), memory_(memory), buffers_(buffers) {
+                     const MixedPrecision& mp, MemoryTracker* memory, BufferPool* buffers, CpuOffloader* offload)
+    : id_(id),
+      unit_(unit),
+      slots_(std::move(slots)),
+      group_(group),
+      memory_(memory),
+      buffers_(buffers),
+      offload_(offload) {
   FSDP_CHECK(!slots_.empty(), "internal: empty FlatParameter");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
@@ -37,7 +43,7 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
   const bool floating = at::isFloatingType(dtype_);
   compute_dtype_ = floating && mp.param_dtype() ? *mp.param_dtype() : dtype_;
   reduce_dtype_ = floating && mp.reduce_dtype() ? *mp.reduce_dtype() : compute_dtype_;
-  separate_shard_ = !group_.keep_unsharded || compute_dtype_ != dtype_ || reduce_dtype_ != dtype_;
+  separate_shard_ = offload_ || !group_.keep_unsharded || compute_dtype_ != dtype_ || reduce_dtype_ != dtype_;
   const int F = group_.shard_comm ? group_.shard_comm->size() : 1;
   FSDP_CHECK(F > 1 || group_.keep_unsharded, "internal: sharded without a shard group");
   shard_rank_ = group_.shard_comm ? group_.shard_comm->rank() : 0;
@@ -66,6 +72,10 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
   memory_->add_param(padded_numel_ * compute_element_size_);
   if (!separate_shard_) {
     shard_ = full_;
+  } else if (offload_) {
+    // In host memory, outside the device figures MemoryTracker keeps.
+    shard_ = offload_->host_empty(shard_numel_, dtype_);
+    shard_.copy_(values.narrow(0, int64_t(shard_rank) * shard_numel_, shard_numel_));
   } else {
     shard_ = F == 1 && !full_.is_same(values)
                  ? values
@@ -97,8 +107,8 @@ CollectiveOptions FlatParam::label(const char* purpose, int64_t& count) const {
 CollectiveOptions FlatParam::reduction_label(const char* purpose, int64_t& count) const {
   CollectiveOptions o = label(purpose, count);
   if (backwards_held_ > 0)
-    o.label = detail::compose(o.label, " (gradients of ", backwards_held_, " earlier backward", backwards_held_ > 1 ? "s" : "",
-                              " held)");
+    o.label = detail::compose(o.label, " (gradients of ", backwards_held_, " earlier backward",
+                              backwards_held_ > 1 ? "s" : "", " held)");
   return o;
 }
 
@@ -127,6 +137,11 @@ WorkPtr FlatParam::start_unshard() {
     unsharded_ = true;
   }
   gathered_version_ = shard_version();
+  if (!sharded_over_peers() && offload_) {
+    // F == 1 offloaded: the "gather" is the shard's copy to the device (cast on the way).
+    gather_work_ = offload_->to_device(alias(full_.storage(), 0, {padded_numel_}, full_), shard_);
+    return gather_work_;
+  }
   if (!sharded_over_peers()) {
     // F == 1 under mixed precision: the "gather" is a cast of the whole shard. Written through a
     // tensor of its own, so no version counter that autograd checks moves.
@@ -140,12 +155,25 @@ WorkPtr FlatParam::start_unshard() {
       gather_input_ = std::move(post_forward_shard_);
       post_forward_shard_ = at::Tensor();
       gathering_post_forward_ = true;
-      gather_work_ = group_.post_forward_comm->all_gather_into(full_, gather_input_, label("parameter all-gather", gathers_));
+      gather_work_ =
+          group_.post_forward_comm->all_gather_into(full_, gather_input_, label("parameter all-gather", gathers_));
       return gather_work_;
     }
     drop_post_forward_shard();  // the shard changed since forward (an optimizer step, a load)
   }
   at::Tensor input = shard_;
+  if (offload_) {
+    // The host shard to the device (cast there) on the copy stream; the gather, issued from that
+    // stream, follows it, so compute goes on meanwhile.
+    input = buffers_->empty(shard_numel_, full_.options());
+    offload_->to_device(input, shard_);
+    memory_->add_param(shard_numel_ * compute_element_size_);
+    gather_input_ = input;
+    offload_->on_copy_stream([&] {
+      gather_work_ = group_.shard_comm->all_gather_into(full_, input, label("parameter all-gather", gathers_));
+    });
+    return gather_work_;
+  }
   if (compute_dtype_ != dtype_) {
     // Cast before the gather, so the gather moves compute-dtype bytes.
     input = buffers_->empty(shard_numel_, full_.options());
@@ -317,12 +345,14 @@ void FlatParam::start_reduce(bool across_replicas) {
   if (!sharded_over_peers()) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one).
     reduced_ = full_grad_;
-    pending_work_ = group_.world_size > 1 ? group_.world_comm->all_reduce(full_grad_, reduction_label("gradient all-reduce", reductions_))
-                                          : nullptr;
+    pending_work_ = group_.world_size > 1
+                        ? group_.world_comm->all_reduce(full_grad_, reduction_label("gradient all-reduce", reductions_))
+                        : nullptr;
   } else {
     reduced_ = buffers_->empty(shard_numel_, full_grad_.options());
     memory_->add_grad(shard_numel_ * reduced_.element_size());
-    pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_, reduction_label("gradient reduce-scatter", reductions_));
+    pending_work_ = group_.shard_comm->reduce_scatter(reduced_, full_grad_,
+                                                      reduction_label("gradient reduce-scatter", reductions_));
     const bool replicas = group_.replicate_comm && group_.replicate_comm->size() > 1;
     if (replicas && !across_replicas) {
       defer_replicas_ = true;  // finish_reduce adds the shard group's sum into partial_
@@ -332,7 +362,8 @@ void FlatParam::start_reduce(bool across_replicas) {
       reduced_.add_(partial_);
       memory_->add_grad(-partial_.nbytes());
       partial_ = at::Tensor();
-      pending_work_ = group_.replicate_comm->all_reduce(reduced_, reduction_label("replica gradient all-reduce", replica_reductions_));
+      pending_work_ = group_.replicate_comm->all_reduce(
+          reduced_, reduction_label("replica gradient all-reduce", replica_reductions_));
       replica_reduce_issued_ = true;
     } else if (replicas) {
       // Hybrid: the shard's sum across replicas, chained after the reduce-scatter on the replica
@@ -353,8 +384,8 @@ void FlatParam::finish_reduce() {
   pending_work_ = nullptr;
   reduce_started_ = false;
   if (work) work->wait();
-  const double scale = 1.0 / group_.world_size;
   if (!separate_shard_) {
+    const double scale = 1.0 / group_.world_size;
     // The sum is in the store: average in place (a kept gradient, the same on every rank, comes
     // back as world * g / world), then give the pieces that got a gradient their alias.
     if (group_.world_size > 1) full_grad_.mul_(scale);
@@ -385,26 +416,62 @@ void FlatParam::finish_reduce() {
     defer_replicas_ = false;
     return;
   }
+  // Slots that got a gradient; unused ones get none, as in local training.
+  std::vector<uint8_t> got(slots_.size(), 0);
+  for (size_t i = 0; i < slots_.size(); ++i)
+    got[i] = slots_[i].got_grad || kept_[i] || (i < partial_slots_.size() && partial_slots_[i]);
+  partial_slots_.clear();
+  if (!reduced_in_place) memory_->add_grad(-reduced_.nbytes());
+  if (offload_) {
+    // Copied to the host while backward goes on; land_host_grads() averages it into the pieces.
+    land_host_grads();  // an earlier reduction of this backward (a unit run twice)
+    host_grad_ = offload_->host_empty(shard_numel_, reduced_.scalar_type());
+    host_grad_work_ = offload_->to_host(host_grad_, reduced_);
+    host_grad_slots_ = std::move(got);
+    reduced_ = at::Tensor();
+    return;
+  }
+  add_into_piece_grads(reduced_, got, /*in_place=*/false);
+  reduced_ = at::Tensor();
+}
+
+void FlatParam::add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place) {
   // Averaging is fused into the one pass that moves the sum into the pieces' gradients (cast to
   // the shard's dtype under mixed precision).
+  const double scale = 1.0 / group_.world_size;
   for (size_t i = 0; i < slots_.size(); ++i) {
     ParamSlot& s = slots_[i];
-    const bool in_partial = i < partial_slots_.size() && partial_slots_[i];
-    if (!s.piece.defined() || !(s.got_grad || kept_[i] || in_partial))
-      continue;  // unused: no gradient, as in local training
-    at::Tensor part = region(reduced_, s.piece_offset, {s.piece_numel});
+    if (!s.piece.defined() || !slots[i]) continue;
+    at::Tensor part = region(reduced, s.piece_offset, {s.piece_numel});
     at::Tensor& g = s.piece.mutable_grad();
     // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
-    if (g.defined())
+    if (g.defined()) {
       g.add_(part.to(dtype_), scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
-    else if (part.scalar_type() == dtype_ && group_.world_size > 1)
+    } else if (in_place && part.scalar_type() == dtype_) {
+      if (group_.world_size > 1) part.mul_(scale);
+      g = part;  // an alias of `reduced`, not an autograd view
+    } else if (part.scalar_type() == dtype_ && group_.world_size > 1) {
       g = part.mul(scale);
-    else
+    } else {
       g = part.to(dtype_, /*non_blocking=*/false, /*copy=*/true).mul_(scale);
+    }
   }
-  if (!reduced_in_place) memory_->add_grad(-reduced_.nbytes());
-  reduced_ = at::Tensor();
-  partial_slots_.clear();
+}
+
+void FlatParam::release_device_grad() {
+  if (host_grad_work_) offload_->release_source(host_grad_work_);
+}
+
+void FlatParam::land_host_grads() {
+  if (!host_grad_work_) return;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  WorkPtr work = std::move(host_grad_work_);
+  host_grad_work_ = nullptr;
+  work->wait();
+  add_into_piece_grads(host_grad_, host_grad_slots_, /*in_place=*/true);
+  host_grad_ = at::Tensor();
+  host_grad_slots_.clear();
 }
 
 void FlatParam::keep_grads_unreduced() {
@@ -416,6 +483,7 @@ void FlatParam::keep_grads_unreduced() {
 }
 
 int64_t FlatParam::sharded_grad_bytes() const {
+  if (offload_) return 0;  // host memory, outside the device figures
   if (!separate_shard_) {  // the store, while any piece's gradient (or a backward) holds it
     const auto store = grad_store_.lock();
     return store ? padded_numel_ * element_size_ : 0;
@@ -435,10 +503,12 @@ void FlatParam::copy_full_into_shard(const at::Tensor& full) {
 
 at::Tensor FlatParam::full_values() const {
   if (!separate_shard_) return full_;
-  if (!sharded_over_peers()) return shard_;
   InternalOpGuard internal;
-  at::Tensor out = at::empty({padded_numel_}, shard_.options().requires_grad(false));
-  group_.shard_comm->all_gather_into(out, shard_, label("full-values all-gather", gathers_))->wait();
+  // Offloaded: on the device, as without offload (the collectives move device tensors).
+  const at::Tensor shard = offload_ ? shard_.to(full_.device()) : shard_;
+  if (!sharded_over_peers()) return shard;
+  at::Tensor out = at::empty({padded_numel_}, shard.options().requires_grad(false));
+  group_.shard_comm->all_gather_into(out, shard, label("full-values all-gather", gathers_))->wait();
   return out;
 }
 

@@ -5,7 +5,9 @@
 // while sharded and refilled in place by an all-gather, so autograd's saved views, the
 // parameters' identities and their visible shapes survive every reshard. Under mixed precision
 // the flat storage holds compute-dtype values cast from the full-precision shard before the
-// gather, and gradients are reduced in the reduce dtype (Note [Mixed precision]).
+// gather, and gradients are reduced in the reduce dtype (Note [Mixed precision]). Under CPU offload
+// the shard and its gradients are host tensors, copied to and from the device around each gather
+// and reduction (Note [CPU offload]).
 #include <torch/csrc/autograd/function.h>
 #include <torch/torch.h>
 
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "buffer_pool.h"
+#include "cpu_offload.h"
 #include "fsdp/comm.h"
 #include "fsdp/options.h"
 #include "memory_tracker.h"
@@ -41,7 +44,7 @@ struct ParamSlot {
 class FlatParam {
  public:
   FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group, const MixedPrecision& mp,
-            MemoryTracker* memory, BufferPool* buffers);
+            MemoryTracker* memory, BufferPool* buffers, CpuOffloader* offload = nullptr);
 
   int id() const { return id_; }
   int unit() const { return unit_; }
@@ -108,6 +111,14 @@ class FlatParam {
   // The reduction in flight; null if it needed no communication (a world of one).
   const WorkPtr& reduce_work() const { return pending_work_; }
   void finish_reduce();
+  // CPU offload: finish_reduce() queued the reduced shard's copy to the host; this waits for it
+  // and adds it into the pieces' .grad. No-op without one pending.
+  void land_host_grads();
+  // CPU offload: frees the device copy of the reduced shard that is on its way to the host, in
+  // stream order (CpuOffloader::release_source), so device memory does not hold every gradient
+  // until the end of backward.
+  void release_device_grad();
+  bool offloaded() const { return offload_ != nullptr; }
   // Gradient accumulation without communication: the buffer's gradients of this backward become
   // kept values that later backwards add to, until a reduction takes them.
   void keep_grads_unreduced();
@@ -133,7 +144,8 @@ class FlatParam {
   std::vector<ParamSlot> slots_;
   ShardingGroups group_;
   MemoryTracker* memory_;
-  BufferPool* buffers_;  // transient buffers (unsharded storage, flat gradient, reduction output)
+  BufferPool* buffers_;    // transient buffers (unsharded storage, flat gradient, reduction output)
+  CpuOffloader* offload_;  // null unless the shard lives in host memory
   bool requires_grad_ = false;
   at::ScalarType dtype_, compute_dtype_, reduce_dtype_;
   // The shard is its own tensor (F > 1, or mixed precision): the unsharded storage is gathered
@@ -157,9 +169,15 @@ class FlatParam {
   // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
   at::Tensor grad_alias(const ParamSlot& s) const;
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g) const;
-  at::Tensor reduced_;           // the reduction's output
-  bool reduce_started_ = false;  // start_reduce() ran and finish_reduce() did not yet
-  bool defer_replicas_ = false;  // this reduction skips the replica all-reduce: finish keeps it
+  at::Tensor reduced_;  // the reduction's output
+  // Moves the averaged reduction (`reduced`, this shard's sums) into the pieces' .grad of the
+  // slots in `slots`; `in_place`: `reduced` may be scaled and aliased (a host copy of its own).
+  void add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place);
+  at::Tensor host_grad_;                  // CPU offload: the reduced shard's host copy, landing
+  WorkPtr host_grad_work_;                // its copy
+  std::vector<uint8_t> host_grad_slots_;  // the slots it holds gradients of
+  bool reduce_started_ = false;           // start_reduce() ran and finish_reduce() did not yet
+  bool defer_replicas_ = false;           // this reduction skips the replica all-reduce: finish keeps it
   bool replica_reduce_issued_ = false;
   at::Tensor partial_;                   // hybrid: shard-group sums awaiting the replica all-reduce (reduce dtype)
   std::vector<uint8_t> partial_slots_;   // per slot: a gradient of it is in partial_

@@ -7,9 +7,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/version.h>
 #ifdef FSDP_WITH_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -20,9 +20,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <future>
 #include <map>
 #include <mutex>
-#include <future>
 #include <sstream>
 #include <thread>
 
@@ -32,6 +32,7 @@
 #include "comm/gloo_communicator.h"
 #endif
 #ifdef FSDP_WITH_NCCL
+#include "comm/host_staged_communicator.h"
 #include "comm/nccl_communicator.h"
 #endif
 #include "fsdp/check.h"
@@ -216,8 +217,7 @@ std::string arrived_key(int rank) { return "fsdp/arrived/" + std::to_string(rank
 // write fails with EPIPE and the rank fails with a message. A handler the program set is kept.
 void ignore_sigpipe() {
   struct sigaction current {};
-  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL &&
-      !(current.sa_flags & SA_SIGINFO))
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL && !(current.sa_flags & SA_SIGINFO))
     signal(SIGPIPE, SIG_IGN);
 }
 
@@ -432,8 +432,10 @@ ProcessGroup::~ProcessGroup() {
   try {
     shutdown();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "[fsdp] rank %d: %s\n[fsdp] exiting with status 1: this rank must not finish out of step "
-                 "with its peers\n", rank(), e.what());
+    std::fprintf(stderr,
+                 "[fsdp] rank %d: %s\n[fsdp] exiting with status 1: this rank must not finish out of step "
+                 "with its peers\n",
+                 rank(), e.what());
     std::fflush(stdout);
     std::fflush(stderr);
     std::_Exit(1);
@@ -516,16 +518,25 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
   }
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/" + id.str(), impl_->store);
   CommunicatorPtr comm;
+  auto host_comm = [&] {
+    CommunicatorPtr c;
+    if (ranks.size() > 1 && options_.transport != Transport::kTcp)
+      c = make_shm_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
+                                options_.transport == Transport::kSharedMemory);
+    return c ? c : connect_gloo(prefixed, my_index, static_cast<int>(ranks.size()), id.str());
+  };
   if (options_.device.is_cuda()) {
 #ifdef FSDP_WITH_NCCL
-    comm = make_nccl_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
-                                  options_.device);
+    // CUDA tensors: NCCL, unless a CPU transport was named (ranks sharing one GPU, which NCCL
+    // refuses): then staged through host memory over it (Note [Host-staged collectives]).
+    if (options_.transport == Transport::kAuto)
+      comm = make_nccl_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
+                                    options_.device);
+    else
+      comm = make_host_staged_communicator(host_comm(), options_.device, options_.timeout);
 #endif
   } else {
-    if (ranks.size() > 1 && options_.transport != Transport::kTcp)
-      comm = make_shm_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
-                                   options_.transport == Transport::kSharedMemory);
-    if (!comm) comm = connect_gloo(prefixed, my_index, static_cast<int>(ranks.size()), id.str());
+    comm = host_comm();
   }
   raw_groups_[id.str()] = comm;
   if (options_.network_model) comm = with_network_model(std::move(comm), ranks, *options_.network_model);

@@ -39,7 +39,7 @@ struct BlockImpl : torch::nn::Module {
     };
     auto q = split(q_k_v[0]), k = split(q_k_v[1]), v = split(q_k_v[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
-    auto mask = torch::ones({T, T}, torch::kBool).triu(1);
+    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
     att = torch::softmax(att.masked_fill(mask, -1e9), -1);
     auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, D});
     x = x + proj(y);

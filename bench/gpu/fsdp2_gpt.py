@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -57,9 +58,13 @@ def main():
     ap.add_argument("--label", default="PyTorch FSDP2")
     ap.add_argument("--optimizer", choices=["adamw", "fused"], default="adamw",
                     help="adamw: torch.optim.AdamW's default (foreach on CUDA); fused: AdamW(fused=True)")
+    ap.add_argument("--mixed-precision", action="store_true",
+                    help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32) over --dtype masters (use --dtype f32)")
+    ap.add_argument("--offload", action="store_true",
+                    help="CPUOffloadPolicy(): shards, gradients and the optimizer step in host memory")
     args = ap.parse_args()
 
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -75,9 +80,13 @@ def main():
     gpt2_init(model, args.layers)
     model.to(dtype)
     n_params = sum(p.numel() for p in model.parameters())  # the tied weight once
+    policies = {}
+    if args.mixed_precision:
+        policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policies["offload_policy"] = CPUOffloadPolicy() if args.offload else OffloadPolicy()
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **policies)
+    fully_shard(model, **policies)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=True if args.optimizer == "fused" else None)
     torch.cuda.synchronize()
@@ -102,7 +111,9 @@ def main():
         ev[1].record()
         loss.backward()
         ev[2].record()
+        opt_start = time.perf_counter()
         optimizer.step()
+        opt_wall = time.perf_counter() - opt_start
         ev[3].record()
         value = loss.item()
         secs = time.perf_counter() - start
@@ -110,7 +121,8 @@ def main():
         if step >= args.warmup:
             step_s.append(secs)
             ev[3].synchronize()
-            phases.append([ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])])
+            phases.append([ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3]),
+                           opt_wall * 1e3])
 
     stats = torch.cuda.memory_stats(device)
     step = statistics.median(step_s)
@@ -124,7 +136,10 @@ def main():
            "params": n_params, "warmup": args.warmup, "steps": args.steps, "build_s": build_s,
            "step_ms": step * 1e3, "step_ms_all": step_s,
            "forward_ms": statistics.median(p[0] for p in phases), "backward_ms": statistics.median(p[1] for p in phases),
-           "optimizer_ms": statistics.median(p[2] for p in phases), "tokens_per_s": tokens_per_s, "tflops": tflops,
+           "optimizer_ms": statistics.median(p[2] for p in phases),
+           "optimizer_wall_ms": statistics.median(p[3] for p in phases),
+           "mixed_precision": args.mixed_precision, "offload": args.offload,
+           "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens_per_s": tokens_per_s, "tflops": tflops,
            "peak_tflops": peak, "mfu": tflops / peak if peak > 0 else 0.0, "losses": losses,
            "allocated_peak_bytes": stats.get("allocated_bytes.all.peak", 0),
            "reserved_peak_bytes": stats.get("reserved_bytes.all.peak", 0),

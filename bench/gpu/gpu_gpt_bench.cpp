@@ -21,6 +21,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -55,6 +57,13 @@ double measured_peak_tflops(const torch::Device& device, int n, int reps) {
   return 2.0 * n * n * double(n) * reps / seconds_since(start) / 1e12;
 }
 
+// This process's peak resident host memory.
+int64_t host_peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return int64_t(u.ru_maxrss) * 1024;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -64,6 +73,7 @@ int main(int argc, char** argv) {
   int layers = 24, width = 2048, heads = 16, context = 1024, batch = 8, warmup = 3, steps = 10, seed = 1;
   int peak_n = 8192;
   double peak_tflops = 0;
+  bool mixed_precision = false, offload = false;
   app.add_option("--mode", mode, "local | fsdp | peak")->check(CLI::IsMember({"local", "fsdp", "peak"}));
   app.add_option("--strategy", strategy, "fsdp mode: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");
   app.add_option("--dtype", dtype_name, "bf16 | f32: the model's parameters, gradients and AdamW state")
@@ -88,6 +98,9 @@ int main(int argc, char** argv) {
   app.add_option("--peak-tflops", peak_tflops, "bf16 peak that MFU is computed against (0: measure it now)");
   app.add_option("--result", result, "append the JSON result line to this file");
   app.add_option("--label", label, "contender name in the result");
+  app.add_flag("--mixed-precision", mixed_precision,
+               "fsdp mode: MixedPrecision(param bf16, reduce f32) over the --dtype masters (use --dtype f32)");
+  app.add_flag("--offload", offload, "fsdp mode: CpuOffload: shards, gradients and the optimizer step in host memory");
   CLI11_PARSE(app, argc, argv);
 
   FSDP_CHECK(torch::cuda::is_available(), "gpu_gpt_bench needs a CUDA device (none is visible)");
@@ -135,11 +148,14 @@ int main(int argc, char** argv) {
         if (std::none_of(trained.begin(), trained.end(), [&](const torch::Tensor& t) { return t.is_same(p); }))
           trained.push_back(p);
     } else {
-      sharded = fsdp::fully_shard(model, pg,
-                                  fsdp::Options()
-                                      .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
-                                      .auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>())
-                                      .param_init_fn(init));
+      auto options = fsdp::Options()
+                         .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+                         .auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>())
+                         .param_init_fn(init);
+      if (mixed_precision)
+        options.mixed_precision(fsdp::MixedPrecision().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat));
+      if (offload) options.offload(fsdp::CpuOffload().params(true));
+      sharded = fsdp::fully_shard(model, pg, options);
       for (const auto& kv : sharded->named_parameters()) trained.push_back(kv.second);
       if (pg->rank() == 0) std::cerr << sharded->describe();
     }
@@ -159,7 +175,7 @@ int main(int argc, char** argv) {
     gen.set_current_seed(seed + 1000);
     const int per_rank = batch / pg->size();
     FSDP_CHECK(per_rank * pg->size() == batch, "--batch ", batch, " is not a multiple of the world size ", pg->size());
-    std::vector<double> step_s, losses, forward_ms, backward_ms, optimizer_ms;
+    std::vector<double> step_s, losses, forward_ms, backward_ms, optimizer_ms, optimizer_wall_ms;
     for (int step = 0; step < warmup + steps; ++step) {
       if (step == warmup) fsdp::reset_device_peak_memory_stats(device);
       auto tokens = torch::randint(0, cfg.vocab_size, {batch, context + 1}, gen,
@@ -177,7 +193,9 @@ int main(int argc, char** argv) {
       e1.record();
       loss.backward();
       e2.record();
+      const auto optimizer_start = Clock::now();
       optimizer.step();
+      const double optimizer_wall = seconds_since(optimizer_start);
       e3.record();
       const double value = loss.item<double>();
       const double secs = seconds_since(start);
@@ -188,6 +206,7 @@ int main(int argc, char** argv) {
         forward_ms.push_back(e0.elapsed_time(e1));
         backward_ms.push_back(e1.elapsed_time(e2));
         optimizer_ms.push_back(e2.elapsed_time(e3));
+        optimizer_wall_ms.push_back(optimizer_wall * 1e3);
       }
     }
     const auto mem = fsdp::device_memory_stats(device);
@@ -217,6 +236,10 @@ int main(int argc, char** argv) {
                 {"forward_ms", median(forward_ms)},
                 {"backward_ms", median(backward_ms)},
                 {"optimizer_ms", median(optimizer_ms)},
+                {"optimizer_wall_ms", median(optimizer_wall_ms)},
+                {"mixed_precision", mixed_precision},
+                {"offload", offload},
+                {"host_peak_rss_bytes", host_peak_rss_bytes()},
                 {"tokens_per_s", tokens_per_s},
                 {"tflops", tflops},
                 {"peak_tflops", peak_tflops},

@@ -44,6 +44,8 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   }
   check_same_model_on_all_ranks(plan);
   groups_.create_post_forward_group(*pg_, options_);
+  if (options_.offload().enabled())
+    offloader_ = std::make_unique<CpuOffloader>(pg_->world()->device(), options_.offload().pin_memory());
   build_flat_params(plan);
   intercepting_ =
       std::any_of(flat_params_.begin(), flat_params_.end(), [](const auto& fp) { return !fp->keep_unsharded(); });
@@ -98,9 +100,6 @@ void FsdpState::check_offload(const CpuOffload& offload, const at::Device& devic
              "Options::offload: this process group computes on the CPU, so the sharded "
              "parameters, their gradients and the optimizer state are in host memory already and there is nothing "
              "to offload; remove .offload(...) for CPU process groups (it applies to CUDA ones)");
-  FSDP_FAIL("Options::offload: CPU offload for a process group on ", device,
-            " is not implemented in this version of libfsdp; remove .offload(...), or shard over more ranks to fit "
-            "the model (Note [CPU offload] in docs/design.md)");
 }
 
 void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
@@ -264,8 +263,9 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
       if (sync) broadcast_from_rank0(slot.param);
       slots.push_back(std::move(slot));
     }
-    flat_params_[id] = std::make_unique<FlatParam>(static_cast<int>(id), plan.flat_params[id].unit, std::move(slots),
-                                                   groups_, options_.mixed_precision(), &memory_, &pool_);
+    flat_params_[id] =
+        std::make_unique<FlatParam>(static_cast<int>(id), plan.flat_params[id].unit, std::move(slots), groups_,
+                                    options_.mixed_precision(), &memory_, &pool_, offloader_.get());
     FlatParam& fp = *flat_params_[id];
     flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
     for (size_t s = 0; s < fp.slots().size(); ++s)

@@ -99,6 +99,7 @@ class FsdpState {
   std::vector<bool> reshard_after_forward_;  // per unit, from the strategy and Options::reshard_after_forward
   MemoryTracker memory_;
   BufferPool pool_;
+  std::unique_ptr<CpuOffloader> offloader_;  // CPU offload only; outlives the FlatParameters below
   Tracer tracer_;
   std::vector<std::unique_ptr<FlatParam>> flat_params_;
   std::vector<Unit> units_;

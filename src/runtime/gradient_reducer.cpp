@@ -95,6 +95,16 @@ void GradientReducer::finish_reduction(int f) {
   fp.finish_reduce();
   if (!done)
     tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
+  if (fp.offloaded()) {
+    // Its copy to the host overlaps the next reductions' compute; the oldest copies' device
+    // buffers are let go in stream order once more than the reductions in flight are pending.
+    to_host_order_.push_back(f);
+    const size_t keep = static_cast<size_t>(std::max(1, options_.reductions_in_flight()));
+    while (to_host_order_.size() > keep) {
+      flat_params_[to_host_order_.front()]->release_device_grad();
+      to_host_order_.erase(to_host_order_.begin());
+    }
+  }
 }
 
 void GradientReducer::finish_reductions(size_t keep_in_flight) {
@@ -104,6 +114,12 @@ void GradientReducer::finish_reductions(size_t keep_in_flight) {
     reduce_order_.erase(reduce_order_.begin());
     finish_reduction(f);
   }
+}
+
+void GradientReducer::finish_all() {
+  finish_reductions(0);
+  to_host_order_.clear();
+  for (auto& fp : flat_params_) fp->land_host_grads();
 }
 
 void GradientReducer::broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers) {

@@ -40,7 +40,8 @@ class GradientReducer {
   // Unit u has a gradient buffer whose reduction was not issued (its gradients did not all arrive).
   bool has_unreduced(int u) const;
   // Waits for every reduction and averages it into the shard pieces' .grad.
-  void finish_all() { finish_reductions(0); }
+  // Every reduction finished, and (CPU offload) landed in host memory.
+  void finish_all();
   // Broadcasts rank 0's module buffers (Options::broadcast_buffers).
   void broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers);
   // Clears the per-backward gradient counts and flags; without sync, keeps the gradients for the
@@ -69,6 +70,9 @@ class GradientReducer {
   bool sync_ = true;
   bool all_reduce_ = true;
   std::vector<int> reduce_order_;  // FlatParameters with a reduction in flight, in issue order
+  // CPU offload: FlatParameters whose reduced shard is on its way to the host and still holds
+  // device memory, oldest first; released by count, like reductions in flight.
+  std::vector<int> to_host_order_;
   // Note [Backward passes held]: backward passes since the user last zeroed or dropped a gradient,
   // and each shard piece's .grad (identity, version) as the last backward left it.
   struct HeldGrad {

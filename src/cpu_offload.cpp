@@ -1,0 +1,143 @@
+#include "cpu_offload.h"
+
+#ifdef FSDP_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "fsdp/check.h"
+#include "internal_op_guard.h"
+
+namespace fsdp {
+
+#ifdef FSDP_WITH_CUDA
+
+namespace {
+
+// A copy between host and device: its tensors, and the event recorded after it.
+class CopyWork : public Work {
+ public:
+  CopyWork(c10::Device device, bool to_host, at::Tensor dst, at::Tensor src)
+      : device_(device), to_host_(to_host), dst_(std::move(dst)), src_(std::move(src)) {}
+  ~CopyWork() override {
+    // A copy to the host dropped without wait(): its device source dies with it, so let the copy
+    // finish first. (A copy to the device is ordered by the streams that use its destination.)
+    if (to_host_ && !waited_ && done_.isCreated()) done_.synchronize();
+  }
+  void wait() override {
+    if (to_host_) {
+      done_.synchronize();
+    } else {
+      c10::cuda::CUDAGuard guard(device_);
+      done_.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+    }
+    waited_ = true;
+  }
+  bool completed() const override { return done_.query(); }
+  at::cuda::CUDAEvent& done() { return done_; }
+  void release_source() {
+    if (!src_.defined()) return;
+    c10::cuda::CUDAGuard guard(device_);
+    done_.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+    src_ = at::Tensor();
+  }
+
+ private:
+  c10::Device device_;
+  bool to_host_;
+  at::Tensor dst_, src_;
+  at::cuda::CUDAEvent done_;
+  bool waited_ = false;
+};
+
+}  // namespace
+
+struct CpuOffloader::Streams {
+  c10::cuda::CUDAStream to_device, to_host;
+  at::cuda::CUDAEvent ready;  // re-recorded on the caller's stream before each copy
+};
+
+CpuOffloader::CpuOffloader(c10::Device device, bool pin_memory) : device_(device), pin_memory_(pin_memory) {
+  FSDP_CHECK(device.is_cuda() && device.has_index(), "internal: CpuOffloader needs a CUDA device with an index");
+  streams_.reset(new Streams{c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()),
+                             c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()),
+                             at::cuda::CUDAEvent()});
+}
+
+CpuOffloader::~CpuOffloader() = default;
+
+at::Tensor CpuOffloader::host_empty(int64_t numel, at::ScalarType dtype) const {
+  return at::empty({numel}, at::TensorOptions().dtype(dtype).pinned_memory(pin_memory_));
+}
+
+WorkPtr CpuOffloader::to_device(at::Tensor dst, at::Tensor src) {
+  FSDP_CHECK(dst.device() == device_ && src.is_cpu() && dst.numel() == src.numel() && dst.is_contiguous() &&
+                 src.is_contiguous(),
+             "internal: CpuOffloader::to_device arguments");
+  c10::cuda::CUDAGuard guard(device_);
+  InternalOpGuard internal;  // the runtime's own copies, not the model's parameter reads
+  streams_->ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+  streams_->ready.block(streams_->to_device);
+  auto work = std::make_shared<CopyWork>(device_, /*to_host=*/false, dst, src);
+  {
+    c10::cuda::CUDAStreamGuard on(streams_->to_device);
+    if (dst.scalar_type() == src.scalar_type()) {
+      dst.view({-1}).copy_(src.view({-1}), /*non_blocking=*/true);
+    } else {
+      // Through a staging tensor of the source's dtype, allocated on (and so only reused in order
+      // by) the copy stream; the cast runs there too.
+      at::Tensor staged = at::empty({src.numel()}, src.options().device(device_).pinned_memory(false));
+      staged.copy_(src.view({-1}), /*non_blocking=*/true);
+      dst.view({-1}).copy_(staged);
+    }
+  }
+  work->done().record(streams_->to_device);
+  return work;
+}
+
+void CpuOffloader::on_copy_stream(const std::function<void()>& fn) {
+  c10::cuda::CUDAGuard guard(device_);
+  c10::cuda::CUDAStreamGuard on(streams_->to_device);
+  fn();
+}
+
+WorkPtr CpuOffloader::to_host(at::Tensor dst, at::Tensor src) {
+  FSDP_CHECK(src.device() == device_ && dst.is_cpu() && dst.numel() == src.numel() &&
+                 dst.scalar_type() == src.scalar_type() && dst.is_contiguous() && src.is_contiguous(),
+             "internal: CpuOffloader::to_host arguments");
+  c10::cuda::CUDAGuard guard(device_);
+  InternalOpGuard internal;  // the runtime's own copies, not the model's parameter reads
+  streams_->ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+  streams_->ready.block(streams_->to_host);
+  auto work = std::make_shared<CopyWork>(device_, /*to_host=*/true, dst, src);
+  {
+    c10::cuda::CUDAStreamGuard on(streams_->to_host);
+    dst.view({-1}).copy_(src.view({-1}), /*non_blocking=*/true);
+  }
+  work->done().record(streams_->to_host);
+  return work;
+}
+
+void CpuOffloader::release_source(const WorkPtr& copy_to_host) {
+  if (auto* copy = dynamic_cast<CopyWork*>(copy_to_host.get())) copy->release_source();
+}
+
+#else  // no CUDA: a process group's device is always the CPU, where offload means nothing
+
+struct CpuOffloader::Streams {};
+
+CpuOffloader::CpuOffloader(c10::Device device, bool pin_memory) : device_(device), pin_memory_(pin_memory) {
+  FSDP_FAIL("Options::offload needs a CUDA build of libfsdp and a process group on a CUDA device (got ", device,
+            "); remove .offload(...)");
+}
+CpuOffloader::~CpuOffloader() = default;
+at::Tensor CpuOffloader::host_empty(int64_t, at::ScalarType) const { FSDP_FAIL("internal: no CUDA"); }
+WorkPtr CpuOffloader::to_device(at::Tensor, at::Tensor) { FSDP_FAIL("internal: no CUDA"); }
+void CpuOffloader::on_copy_stream(const std::function<void()>&) { FSDP_FAIL("internal: no CUDA"); }
+WorkPtr CpuOffloader::to_host(at::Tensor, at::Tensor) { FSDP_FAIL("internal: no CUDA"); }
+void CpuOffloader::release_source(const WorkPtr&) { FSDP_FAIL("internal: no CUDA"); }
+
+#endif
+
+}  // namespace fsdp
