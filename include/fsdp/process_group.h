@@ -60,7 +60,9 @@ struct ProcessGroupOptions {
   // always runs. FSDP_CHECK_COLLECTIVES=0/1 overrides (Note [Collective fingerprints]).
   bool check_collectives = true;
   // Chosen per communicator, identically on every member. kAuto: FSDP_TRANSPORT if set, else
-  // shared memory where every member can map a segment and Gloo otherwise.
+  // shared memory where every member can map a segment and Gloo otherwise. On a CUDA device kAuto
+  // is NCCL; kSharedMemory / kTcp stage CUDA tensors through host memory over that transport
+  // (ranks sharing one GPU; docs/transports.md).
   Transport transport = Transport::kAuto;
   // The device whose tensors the communicators move: CPU (shared memory or Gloo), or a CUDA
   // device per rank (NCCL; needs built_with_nccl()). Left at CPU: FSDP_DEVICE decides (docs/gpu.md).
