@@ -75,25 +75,7 @@ WorkPtr CpuOffloader::to_device(at::Tensor dst, at::Tensor src) {
   FSDP_CHECK(dst.device() == device_ && src.is_cpu() && dst.numel() == src.numel() && dst.is_contiguous() &&
                  src.is_contiguous(),
              "internal: CpuOffloader::to_device arguments");
-  c10::cuda::CUDAGuard guard(device_);
-  InternalOpGuard internal;  // the runtime's own copies, not the model's parameter reads
-  streams_->ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
-  streams_->ready.block(streams_->to_device);
-  auto work = std::make_shared<CopyWork>(device_, /*to_host=*/false, dst, src);
-  {
-    c10::cuda::CUDAStreamGuard on(streams_->to_device);
-    if (dst.scalar_type() == src.scalar_type()) {
-      dst.view({-1}).copy_(src.view({-1}), /*non_blocking=*/true);
-    } else {
-      // Through a staging tensor of the source's dtype, allocated on (and so only reused in order
-      // by) the copy stream; the cast runs there too.
-      at::Tensor staged = at::empty({src.numel()}, src.options().device(device_).pinned_memory(false));
-      staged.copy_(src.view({-1}), /*non_blocking=*/true);
-      dst.view({-1}).copy_(staged);
-    }
-  }
-  work->done().record(streams_->to_device);
-  return work;
+  return copy(/*to_host=*/false, std::move(dst), std::move(src));
 }
 
 void CpuOffloader::on_copy_stream(const std::function<void()>& fn) {
@@ -106,16 +88,29 @@ WorkPtr CpuOffloader::to_host(at::Tensor dst, at::Tensor src) {
   FSDP_CHECK(src.device() == device_ && dst.is_cpu() && dst.numel() == src.numel() &&
                  dst.scalar_type() == src.scalar_type() && dst.is_contiguous() && src.is_contiguous(),
              "internal: CpuOffloader::to_host arguments");
+  return copy(/*to_host=*/true, std::move(dst), std::move(src));
+}
+
+WorkPtr CpuOffloader::copy(bool to_host, at::Tensor dst, at::Tensor src) {
   c10::cuda::CUDAGuard guard(device_);
   InternalOpGuard internal;  // the runtime's own copies, not the model's parameter reads
+  const c10::cuda::CUDAStream stream = to_host ? streams_->to_host : streams_->to_device;
   streams_->ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
-  streams_->ready.block(streams_->to_host);
-  auto work = std::make_shared<CopyWork>(device_, /*to_host=*/true, dst, src);
+  streams_->ready.block(stream);
+  auto work = std::make_shared<CopyWork>(device_, to_host, dst, src);
   {
-    c10::cuda::CUDAStreamGuard on(streams_->to_host);
-    dst.view({-1}).copy_(src.view({-1}), /*non_blocking=*/true);
+    c10::cuda::CUDAStreamGuard on(stream);
+    if (dst.scalar_type() == src.scalar_type()) {
+      dst.view({-1}).copy_(src.view({-1}), /*non_blocking=*/true);
+    } else {
+      // To the device with a cast: through a staging tensor of the source's dtype, allocated on
+      // (and so only reused in order by) the copy stream; the cast runs there too.
+      at::Tensor staged = at::empty({src.numel()}, src.options().device(device_).pinned_memory(false));
+      staged.copy_(src.view({-1}), /*non_blocking=*/true);
+      dst.view({-1}).copy_(staged);
+    }
   }
-  work->done().record(streams_->to_host);
+  work->done().record(stream);
   return work;
 }
 
@@ -136,6 +131,7 @@ at::Tensor CpuOffloader::host_empty(int64_t, at::ScalarType) const { FSDP_FAIL("
 WorkPtr CpuOffloader::to_device(at::Tensor, at::Tensor) { FSDP_FAIL("internal: no CUDA"); }
 void CpuOffloader::on_copy_stream(const std::function<void()>&) { FSDP_FAIL("internal: no CUDA"); }
 WorkPtr CpuOffloader::to_host(at::Tensor, at::Tensor) { FSDP_FAIL("internal: no CUDA"); }
+WorkPtr CpuOffloader::copy(bool, at::Tensor, at::Tensor) { FSDP_FAIL("internal: no CUDA"); }
 void CpuOffloader::release_source(const WorkPtr&) { FSDP_FAIL("internal: no CUDA"); }
 
 #endif

@@ -40,6 +40,9 @@ class CpuOffloader {
   void release_source(const WorkPtr& copy_to_host);
 
  private:
+  // dst = src on the copy stream (to the device) or the copy-back stream (to the host), after the
+  // caller's current stream.
+  WorkPtr copy(bool to_host, at::Tensor dst, at::Tensor src);
   c10::Device device_;
   bool pin_memory_;
   struct Streams;

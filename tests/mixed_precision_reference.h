@@ -10,6 +10,18 @@
 
 namespace fsdp_test {
 
+// Three TinyTransformer(vocab 32, width 16, 2 heads, 3 blocks, context 8) with the same initial
+// weights: the reference's masters, the reference's compute copy, and the model to shard.
+struct MixedPrecisionTriplet {
+  TinyTransformer master{nullptr}, compute{nullptr}, model{nullptr};
+  MixedPrecisionTriplet() {
+    for (auto* m : {&master, &compute, &model}) {
+      torch::manual_seed(3);
+      *m = TinyTransformer(32, 16, 2, 3, 8);
+    }
+  }
+};
+
 inline at::Tensor cast_lm_loss(TinyTransformer& m, const at::Tensor& x) {
   return lm_loss(m->forward(x).to(at::kFloat), x.roll(1, 1));
 }

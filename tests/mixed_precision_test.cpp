@@ -35,13 +35,9 @@ FSDP_WORKER(mixed_precision_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0);
   const auto param_dtype = parse_dtype(ctx.args.at(1)), reduce_dtype = parse_dtype(ctx.args.at(2));
-  torch::manual_seed(3);
-  TinyTransformer ref(32, 16, 2, 3, 8);
-  torch::manual_seed(3);
-  TinyTransformer ref_compute(32, 16, 2, 3, 8);
-  torch::manual_seed(3);
-  TinyTransformer model(32, 16, 2, 3, 8);
-  LocalMixedPrecision<TinyTransformer> local(ref, ref_compute, param_dtype, reduce_dtype);
+  MixedPrecisionTriplet models;
+  TinyTransformer ref = models.master, model = models.model;
+  LocalMixedPrecision<TinyTransformer> local(ref, models.compute, param_dtype, reduce_dtype);
   const auto mp = fsdp::MixedPrecision().param_dtype(param_dtype).reduce_dtype(reduce_dtype);
   auto sharded = fsdp::fully_shard(model, pg, options(strategy, mp));
 

@@ -100,64 +100,42 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_gather_args(out, in, size(), "Gloo");
-    std::lock_guard<std::mutex> issuing(issue_mu_);
-    const uint32_t tag = resolve_tag(opts);
-    auto x = post_fingerprint(CollectiveKind::kAllGather, in, in.nbytes(), -1, opts.label, tag);
-    return enqueue(
-        "all_gather_into",
-        [this, out, in, tag, x] {
-          check_fingerprint(*x);
-          if (size() == 1) {
-            out.copy_(in);
-            return;
-          }
-          if (in.numel() == 0) return;  // gloo divides by the input size
-          gloo::AllgatherOptions o(ctx_);
-          o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
-          o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
-          o.setTag(tag);
-          o.setTimeout(timeout_);
-          gloo::allgather(o);
-        },
-        opts.after);
+    return issue("all_gather_into", CollectiveKind::kAllGather, in, -1, opts, [this, out, in](uint32_t tag) {
+      if (size() == 1) {
+        out.copy_(in);
+        return;
+      }
+      if (in.numel() == 0) return;  // gloo divides by the input size
+      gloo::AllgatherOptions o(ctx_);
+      o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
+      o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
+      o.setTag(tag);
+      o.setTimeout(timeout_);
+      gloo::allgather(o);
+    });
   }
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_reduce_scatter_args(out, in, size(), "Gloo");
-    std::lock_guard<std::mutex> issuing(issue_mu_);
-    const uint32_t tag = resolve_tag(opts);
-    auto x = post_fingerprint(CollectiveKind::kReduceScatter, in, in.nbytes(), -1, opts.label, tag);
-    return enqueue(
-        "reduce_scatter",
-        [this, out, in, tag, x] {
-          check_fingerprint(*x);
-          ring_reduce_scatter(out, in, tag);
-        },
-        opts.after);
+    return issue("reduce_scatter", CollectiveKind::kReduceScatter, in, -1, opts,
+                 [this, out, in](uint32_t tag) { ring_reduce_scatter(out, in, tag); });
   }
 
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
     check_dense_cpu(t, "all_reduce", "tensor", "Gloo");
     auto fn = sum_function(t.scalar_type());
-    std::lock_guard<std::mutex> issuing(issue_mu_);
-    const uint32_t tag = resolve_tag(opts);
-    auto x = post_fingerprint(CollectiveKind::kAllReduce, t, t.nbytes(), -1, opts.label, tag);
-    return enqueue(
-        "all_reduce",
-        [this, t, tag, fn, x] {
-          check_fingerprint(*x);
-          if (size() == 1 || t.numel() == 0) return;
-          // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
-          // element's width; the reduce function interprets the elements as the real dtype.
-          switch (t.element_size()) {
-            case 1: run_allreduce(static_cast<uint8_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-            case 2: run_allreduce(static_cast<uint16_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-            case 4: run_allreduce(static_cast<uint32_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-            case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-            default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
-          }
-        },
-        opts.after);
+    return issue("all_reduce", CollectiveKind::kAllReduce, t, -1, opts, [this, t, fn](uint32_t tag) {
+      if (size() == 1 || t.numel() == 0) return;
+      // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
+      // element's width; the reduce function interprets the elements as the real dtype.
+      switch (t.element_size()) {
+        case 1: run_allreduce(static_cast<uint8_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+        case 2: run_allreduce(static_cast<uint16_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+        case 4: run_allreduce(static_cast<uint32_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+        case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+        default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
+      }
+    });
   }
 
   template <typename T>
@@ -173,41 +151,26 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts) override {
     check_dense_cpu(t, "broadcast", "tensor", "Gloo");
     FSDP_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is outside [0, ", size(), ")");
-    std::lock_guard<std::mutex> issuing(issue_mu_);
-    const uint32_t tag = resolve_tag(opts);
-    auto x = post_fingerprint(CollectiveKind::kBroadcast, t, t.nbytes(), root, opts.label, tag);
-    return enqueue(
-        "broadcast",
-        [this, t, root, tag, x] {
-          check_fingerprint(*x);
-          if (size() == 1 || t.numel() == 0) return;
-          gloo::BroadcastOptions o(ctx_);
-          o.setRoot(root);
-          if (rank() == root) o.setInput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
-          o.setOutput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
-          o.setTag(tag);
-          o.setTimeout(timeout_);
-          gloo::broadcast(o);
-        },
-        opts.after);
+    return issue("broadcast", CollectiveKind::kBroadcast, t, root, opts, [this, t, root](uint32_t tag) {
+      if (size() == 1 || t.numel() == 0) return;
+      gloo::BroadcastOptions o(ctx_);
+      o.setRoot(root);
+      if (rank() == root) o.setInput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
+      o.setOutput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
+      o.setTag(tag);
+      o.setTimeout(timeout_);
+      gloo::broadcast(o);
+    });
   }
 
   void barrier() override {
-    WorkPtr work;
-    {
-      std::lock_guard<std::mutex> issuing(issue_mu_);
-      const uint32_t tag = resolve_tag({});
-      auto x = post_fingerprint(CollectiveKind::kBarrier, at::Tensor(), 0, -1, "", tag);
-      work = enqueue("barrier", [this, tag, x] {
-        check_fingerprint(*x);
-        if (size() == 1) return;
-        gloo::BarrierOptions o(ctx_);
-        o.setTag(tag);
-        o.setTimeout(timeout_);
-        gloo::barrier(o);
-      });
-    }
-    work->wait();
+    issue("barrier", CollectiveKind::kBarrier, at::Tensor(), -1, {}, [this](uint32_t tag) {
+      if (size() == 1) return;
+      gloo::BarrierOptions o(ctx_);
+      o.setTag(tag);
+      o.setTimeout(timeout_);
+      gloo::barrier(o);
+    })->wait();
   }
 
   WorkPtr shutdown() override {
@@ -350,9 +313,23 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     out.copy_(flat.narrow(0, r * n, n));
   }
 
-  WorkPtr enqueue(const char* op, std::function<void()> body, WorkPtr after = nullptr) {
+  // Issues one collective: its tag, fingerprint exchange and queue position are taken under
+  // issue_mu_, so all three follow the issue order; its job checks the fingerprint, then runs
+  // body(tag) on the worker (through run_gloo_job).
+  WorkPtr issue(const char* op, CollectiveKind kind, const at::Tensor& t, int root, const CollectiveOptions& opts,
+                std::function<void(uint32_t tag)> body) {
+    std::lock_guard<std::mutex> issuing(issue_mu_);
+    const uint32_t tag = resolve_tag(opts);
+    auto x = post_fingerprint(kind, t, t.defined() ? t.nbytes() : 0, root, opts.label, tag);
     return queue_->enqueue(
-        op, [body = std::move(body)] { run_gloo_job(body); }, std::move(after));
+        op,
+        [this, x, tag, body = std::move(body)] {
+          run_gloo_job([&] {
+            check_fingerprint(*x);
+            body(tag);
+          });
+        },
+        opts.after);
   }
 
   std::shared_ptr<gloo::Context> ctx_;

@@ -107,14 +107,10 @@ FSDP_WORKER(gpu_train_worker) {
   const std::string strategy = ctx.args.at(0);
   const bool mixed = ctx.args.at(1) == "bf16", offload = ctx.args.at(2) == "1", fused = ctx.args.at(3) == "fused";
   const auto master = mixed ? at::kFloat : at::kDouble;
-  torch::manual_seed(3);
-  TinyTransformer ref(32, 16, 2, 3, 8);
-  torch::manual_seed(3);
-  TinyTransformer ref_compute(32, 16, 2, 3, 8);
-  torch::manual_seed(3);
-  TinyTransformer model(32, 16, 2, 3, 8);
-  for (auto* m : {&ref, &ref_compute, &model}) (*m)->to(kGpu, master);
-  LocalMixedPrecision<TinyTransformer> local(ref, ref_compute, mixed ? at::kBFloat16 : master, master);
+  MixedPrecisionTriplet models;
+  TinyTransformer ref = models.master, model = models.model;
+  for (auto* m : {&models.master, &models.compute, &models.model}) (*m)->to(kGpu, master);
+  LocalMixedPrecision<TinyTransformer> local(ref, models.compute, mixed ? at::kBFloat16 : master, master);
   auto o = fsdp::Options()
                .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
                .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>());
