@@ -8,6 +8,9 @@
 #   FSDP_PCH=ON (default)               precompile LibTorch's and gtest's headers for the tests
 #                                       (fsdp_precompile_headers below)
 #   FSDP_UNITY_BUILD=ON (default)       compile the library's sources in batches (root CMakeLists.txt)
+#   FSDP_TESTS_O1=ON (default)          compile fsdp_tests' own sources at -O1 in optimized builds
+#                                       (tests/CMakeLists.txt): about 0.6 of their -O3 compile time;
+#                                       the library, examples and benchmarks keep the build type's -O
 
 option(FSDP_WERROR "Treat compiler warnings as errors (libfsdp's own targets)" OFF)
 set(FSDP_SANITIZE "" CACHE STRING
@@ -15,6 +18,7 @@ set(FSDP_SANITIZE "" CACHE STRING
 option(FSDP_CCACHE "Compile through ccache when it is found" ON)
 option(FSDP_PCH "Precompile torch/torch.h once per target instead of parsing it in every source" ON)
 option(FSDP_UNITY_BUILD "Compile the library's sources in batches of 6 (one translation unit each)" ON)
+option(FSDP_TESTS_O1 "Compile the test binary's own sources at -O1 in optimized builds" ON)
 
 # --- fsdp_warnings: the warning flags of every target in this project -----------------------
 # Each target links it PRIVATE. The library takes it through its LINK_LIBRARIES property rather
