@@ -8,7 +8,7 @@
 //   memcpy          the machine's memcpy bandwidth: the physical reference for loopback transfers
 //   allgather       paper Fig. 2a: all-gather into one buffer (ours, raw gloo) vs c10d's list
 //                   all-gather vs uneven inputs (gloo allgatherv; c10d one broadcast per rank)
-//   reduce_scatter  ours vs the raw references (gloo / c10d all-reduce, alone and + slice)
+//   reduce_scatter  ours vs the raw references (Gloo's own reduce-scatter; gloo / c10d all-reduce, alone and + slice)
 //   split           paper Fig. 2b: a fixed total all-gathered in collectives of varying size
 //   model           the network model (include/fsdp/network_model.h): modeled time vs formula
 //
@@ -27,6 +27,7 @@
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/math.h>
+#include <gloo/reduce_scatter.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
@@ -474,6 +475,24 @@ void reduce_scatter_section(Bench& b) {
                        out.copy_(in.narrow(0, r * n, n));
                      },
                      check_out});
+    // Gloo's own reduce-scatter (h-d: halving-doubling, bound buffers): built untimed before each run,
+    // its result (left at the front of `in`) moved to `out` untimed by the check.
+    auto halving_doubling = std::make_shared<std::unique_ptr<gloo::ReduceScatterHalvingDoubling<float>>>();
+    paths.push_back({"gloo reduce_scatter h-d (raw)", true, false, rs_bus,
+                     [&b, restore, halving_doubling, in, W, n] {
+                       restore();
+                       b.raw_thread.run([&] {
+                         halving_doubling->reset();
+                         *halving_doubling = std::make_unique<gloo::ReduceScatterHalvingDoubling<float>>(
+                             b.raw, std::vector<float*>{in.data_ptr<float>()}, static_cast<int>(W * n),
+                             std::vector<int>(W, static_cast<int>(n)));
+                       });
+                     },
+                     [&b, halving_doubling] { b.raw_thread.run([&] { (*halving_doubling)->run(); }); },
+                     [check_out, out, in, n] {
+                       out.copy_(in.narrow(0, 0, n));  // it leaves every rank's result at the front
+                       return check_out();
+                     }});
     paths.push_back({"gloo allreduce (raw) [all-reduce]", true, false, ar_bus, restore,
                      [&b, in] { b.raw_thread.run([&] { raw_allreduce(b, in); }); }, check_full});
     paths.push_back({"c10d allreduce [all-reduce]", true, false, ar_bus, restore,

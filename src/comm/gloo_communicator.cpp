@@ -240,22 +240,15 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     return kAutoTagBit | ((next_tag_.fetch_add(1) * kTagStride) & ~kAutoTagBit);
   }
 
-  // Ring reduce-scatter in place over `in`: in step s, rank r sends its partial sum of chunk
-  // (r - 1 - s) mod W to r + 1 and adds the partial sum of chunk (r - 2 - s) mod W received from
-  // r - 1. After W - 1 steps chunk r is complete on rank r. Traffic per rank: (W-1)/W of the
-  // input, like a ring all-gather.
+  // Ring reduce-scatter, using `in` as its working buffer: in step s, rank r sends its partial sum
+  // of chunk (r - 1 - s) mod W to r + 1 and adds the partial sum of chunk (r - 2 - s) mod W received
+  // from r - 1. After W - 1 steps chunk r is complete on rank r; the last step's additions write it
+  // straight into `out`. Traffic per rank: (W-1)/W of the input, like a ring all-gather.
   //
-  // Its receive ring (at most kDepth x kSegmentBytes, 2 MiB) is kept between calls (scratch_bytes()),
-  // so reduce-scatters do not map fresh pages every time.
-  //
-  // Pipelined by segments: a segment is forwarded as soon as it is summed, and up to kDepth
-  // receives are posted ahead into a small scratch ring, so the additions overlap the transfers
-  // instead of alternating with them. Each chunk is summed into exactly once per rank (at one
-  // step), and chunk r - 1 is only ever sent, so a segment in flight is never written to.
-  // Messages between two ranks on one slot match receives in posting order, which is the order
-  // the previous rank sends them (step by step, segment by segment).
+  // Pipelined by segments, with a receive ring of kDepth segments kept between calls
+  // (scratch_bytes()): Note [Gloo reduce-scatter] in docs/design.md.
   static constexpr int kDepth = 4;
-  static constexpr size_t kSegmentBytes = size_t(512) << 10;
+  static constexpr size_t kSegmentBytes = size_t(1) << 20;
 
   void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, uint32_t tag) {
     const int W = size(), r = rank();
@@ -304,13 +297,19 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       FSDP_CHECK(recv_buf->waitRecv(nullptr, timeout_), "reduce_scatter receive was aborted");
       const int64_t step = j / segments, k = j % segments, len = seg_len(k);
       const int chunk = chunk_at(step, 2);
-      flat.narrow(0, chunk * n + k * seg, len).add_(scratch_.narrow(0, (j % depth) * seg, len));
+      at::Tensor partial = flat.narrow(0, chunk * n + k * seg, len);
+      at::Tensor received = scratch_.narrow(0, (j % depth) * seg, len);
+      if (step + 1 < W - 1) {
+        partial.add_(received);
+      } else {
+        at::Tensor o = out.narrow(0, k * seg, len);  // chunk == r: the result goes out directly
+        at::add_out(o, partial, received);
+      }
       if (j + depth < receives) post_recv(j + depth);
       if (step + 1 < W - 1) send_segment(chunk, k);  // this partial sum is the next step's send
     }
     for (int64_t i = 0; i < sends; ++i)
       FSDP_CHECK(send_buf->waitSend(nullptr, timeout_), "reduce_scatter send was aborted");
-    out.copy_(flat.narrow(0, r * n, n));
   }
 
   // Issues one collective: its tag, fingerprint exchange and queue position are taken under
