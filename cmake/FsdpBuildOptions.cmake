@@ -5,7 +5,8 @@
 #   FSDP_SANITIZE=address,undefined     or thread: -fsanitize=... for compile and link of every
 #                                       target of this project (scripts/sanitize.sh uses it)
 #   FSDP_CCACHE=ON (default)            compile through ccache when it is installed
-#   FSDP_PCH=ON (default)               precompile LibTorch's and gtest's headers for the tests
+#   FSDP_PCH=ON (default)               precompile LibTorch's and gtest's headers for the tests, and
+#                                       <torch/torch.h> once for the examples and benchmarks
 #                                       (fsdp_precompile_headers below)
 #   FSDP_UNITY_BUILD=ON (default)       compile the library's sources in batches (root CMakeLists.txt)
 #   FSDP_TESTS_O1=ON (default)          compile fsdp_tests' own sources at -O1 in optimized builds
@@ -85,4 +86,27 @@ function(fsdp_precompile_headers target)
   if(FSDP_PCH)
     target_precompile_headers(${target} PRIVATE ${ARGN})
   endif()
+endfunction()
+
+# fsdp_share_torch_pch(<target>...): with FSDP_PCH, the examples and benchmarks share one
+# precompiled <torch/torch.h> (target fsdp_apps_pch, made on first use) instead of each parsing it.
+# Only for targets compiled with the same options as fsdp_apps_pch (it links fsdp::fsdp and
+# fsdp_warnings, whose -Wvla changes a predefined macro); -Winvalid-pch makes a precompiled header
+# that the compiler refuses visible.
+function(fsdp_share_torch_pch)
+  if(NOT FSDP_PCH)
+    return()
+  endif()
+  if(NOT TARGET fsdp_apps_pch)
+    file(CONFIGURE OUTPUT ${PROJECT_BINARY_DIR}/fsdp_apps_pch.cpp CONTENT "// anchor for the shared <torch/torch.h> PCH\n")
+    add_library(fsdp_apps_pch OBJECT ${PROJECT_BINARY_DIR}/fsdp_apps_pch.cpp)
+    target_link_libraries(fsdp_apps_pch PRIVATE fsdp::fsdp fsdp_warnings)
+    target_precompile_headers(fsdp_apps_pch PRIVATE <torch/torch.h>)
+  endif()
+  foreach(target IN LISTS ARGN)
+    target_precompile_headers(${target} REUSE_FROM fsdp_apps_pch)
+    if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+      target_compile_options(${target} PRIVATE -Winvalid-pch)
+    endif()
+  endforeach()
 endfunction()
