@@ -1,10 +1,12 @@
 #include "harness.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -93,30 +96,205 @@ std::string self_exe() {
 
 }  // namespace
 
+// docs/building.md, "Rank processes": a rank is forked from a copy of this
+// process made at the start of main(), before any test ran, instead of exec'ing this binary again,
+// which would pay LibTorch's start-up once per rank. The zygote is off under sanitizers and with
+// FSDP_TEST_EXEC=1; then ranks are exec'd.
+namespace {
+
+// Messages on the zygote's socket: a count, then that many length-prefixed strings.
+bool write_all(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = write(fd, c, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool read_all(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = read(fd, c, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool send_strings(int fd, const std::vector<std::string>& v) {
+  const uint32_t count = static_cast<uint32_t>(v.size());
+  if (!write_all(fd, &count, sizeof(count))) return false;
+  for (const auto& s : v) {
+    const uint32_t len = static_cast<uint32_t>(s.size());
+    if (!write_all(fd, &len, sizeof(len)) || !write_all(fd, s.data(), len)) return false;
+  }
+  return true;
+}
+
+bool recv_strings(int fd, std::vector<std::string>& v) {
+  uint32_t count = 0;
+  if (!read_all(fd, &count, sizeof(count))) return false;
+  v.assign(count, {});
+  for (auto& s : v) {
+    uint32_t len = 0;
+    if (!read_all(fd, &len, sizeof(len))) return false;
+    s.resize(len);
+    if (len > 0 && !read_all(fd, s.data(), len)) return false;
+  }
+  return true;
+}
+
+int zygote_fd = -1;  // the test process's end of the zygote's socket; -1: exec ranks
+
+int run_worker(const std::string& name, const std::vector<std::string>& args);
+
+// Sets up a rank in a fresh child (forked from the zygote, or about to exec): its output to `log`,
+// and `env` as its whole environment.
+void become_rank(const std::string& log, const std::vector<std::string>& env) {
+  int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  dup2(fd, 1);
+  dup2(fd, 2);
+  if (fd > 2) close(fd);
+  clearenv();
+  for (const auto& kv : env) putenv(strdup(kv.c_str()));
+}
+
+// The zygote's loop: each request is {log, cwd, worker name, N, N args..., env...}; it answers with
+// the rank's pid once that rank is a child of the test process (a subreaper: the zygote forks an
+// intermediate that forks the rank and exits, so the rank is reparented to the test process).
+[[noreturn]] void zygote_loop(int fd) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  for (;;) {
+    std::vector<std::string> req;
+    if (!recv_strings(fd, req)) _exit(0);  // the test process is gone
+    int pipefd[2];
+    if (pipe(pipefd) != 0) _exit(1);
+    const pid_t mid = fork();
+    if (mid == 0) {
+      const pid_t rank = fork();
+      if (rank == 0) {
+        close(fd);
+        close(pipefd[0]);
+        close(pipefd[1]);
+        prctl(PR_SET_PDEATHSIG, 0);
+        const auto args = req.begin() + 4, env = args + std::stoll(req[3]);
+        become_rank(req[0], std::vector<std::string>(env, req.end()));
+        if (chdir(req[1].c_str()) != 0) _exit(126);
+        _exit(run_worker(req[2], std::vector<std::string>(args, env)));
+      }
+      const int32_t pid = rank;
+      write_all(pipefd[1], &pid, sizeof(pid));
+      _exit(0);
+    }
+    close(pipefd[1]);
+    int32_t pid = -1;
+    if (mid < 0 || !read_all(pipefd[0], &pid, sizeof(pid))) pid = -1;
+    close(pipefd[0]);
+    if (mid > 0) waitpid(mid, nullptr, 0);  // the rank is reparented once its parent is reaped
+    if (!write_all(fd, &pid, sizeof(pid))) _exit(0);
+  }
+}
+
+bool sanitized() {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  return true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+  return true;
+#else
+  return false;
+#endif
+#else
+  return false;
+#endif
+}
+
+// Called first in main(), while the process runs nothing but static initializers.
+void start_zygote() {
+  const char* exec = std::getenv("FSDP_TEST_EXEC");
+  if (sanitized() || (exec && std::string(exec) == "1")) return;
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return;
+  if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
+    close(sv[0]);
+    close(sv[1]);
+    return;
+  }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(sv[0]);
+    zygote_loop(sv[1]);
+  }
+  close(sv[1]);
+  if (pid < 0) {
+    close(sv[0]);
+    return;
+  }
+  zygote_fd = sv[0];
+}
+
+std::vector<std::string> current_environment() {
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) env.emplace_back(*e);
+  return env;
+}
+
+// Sets KEY=VALUE in env (replacing KEY), unless keep_existing and KEY is there.
+void set_env(std::vector<std::string>& env, const std::string& kv, bool keep_existing = false) {
+  const std::string key = kv.substr(0, kv.find('=') + 1);
+  for (auto& e : env)
+    if (e.compare(0, key.size(), key) == 0) {
+      if (!keep_existing) e = kv;
+      return;
+    }
+  env.push_back(kv);
+}
+
+}  // namespace
+
 RunningRanks start(const std::string& name, int world, const std::vector<std::string>& args,
                    const std::vector<std::string>& extra_env) {
   RunningRanks running;
   const int port = free_port();
   const std::string exe = self_exe();
+  const std::string cwd = std::filesystem::current_path().string();
   running.pids.resize(world);
   running.logs.resize(world);
   for (int r = 0; r < world; ++r) {
     running.logs[r] =
         "/tmp/fsdp_test_" + std::to_string(getpid()) + "_" + std::to_string(port) + "_" + std::to_string(r) + ".log";
+    std::vector<std::string> env = current_environment();
+    set_env(env, "RANK=" + std::to_string(r));
+    set_env(env, "WORLD_SIZE=" + std::to_string(world));
+    set_env(env, "LOCAL_RANK=" + std::to_string(r));
+    set_env(env, "LOCAL_WORLD_SIZE=" + std::to_string(world));
+    set_env(env, "MASTER_ADDR=127.0.0.1");
+    set_env(env, "MASTER_PORT=" + std::to_string(port));
+    set_env(env, "OMP_NUM_THREADS=1");
+    set_env(env, "FSDP_TIMEOUT_S=60", /*keep_existing=*/true);
+    for (const auto& kv : extra_env) set_env(env, kv);
+    if (zygote_fd >= 0) {
+      std::vector<std::string> req{running.logs[r], cwd, name, std::to_string(args.size())};
+      req.insert(req.end(), args.begin(), args.end());
+      req.insert(req.end(), env.begin(), env.end());
+      int32_t pid = -1;
+      static std::mutex zygote_mu;  // one request and its answer at a time
+      std::lock_guard<std::mutex> one_at_a_time(zygote_mu);
+      WORKER_CHECK(send_strings(zygote_fd, req) && read_all(zygote_fd, &pid, sizeof(pid)) && pid > 0,
+                   "the test's zygote could not start rank ", r, " of ", name,
+                   " (FSDP_TEST_EXEC=1 execs ranks instead)");
+      running.pids[r] = pid;
+      continue;
+    }
     pid_t pid = fork();
     if (pid == 0) {
-      int fd = open(running.logs[r].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      setenv("RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      setenv("OMP_NUM_THREADS", "1", 1);
-      setenv("FSDP_TIMEOUT_S", "60", 0);
-      for (const auto& kv : extra_env) putenv(strdup(kv.c_str()));
+      become_rank(running.logs[r], env);
       std::vector<std::string> argv_s{exe, "--fsdp-worker", name};
       argv_s.insert(argv_s.end(), args.begin(), args.end());
       std::vector<char*> argv;
@@ -192,30 +370,47 @@ TempDir::~TempDir() {
 
 }  // namespace fsdp_test
 
-int main(int argc, char** argv) {
-  if (argc >= 3 && std::string(argv[1]) == "--fsdp-worker") {
-    auto& reg = fsdp_test::worker_registry();
-    auto it = reg.find(argv[2]);
-    if (it == reg.end()) {
-      std::cerr << "unknown worker " << argv[2] << "\n";
-      return 2;
-    }
-    fsdp_test::WorkerContext ctx;
-    ctx.rank = std::atoi(std::getenv("RANK"));
-    ctx.world = std::atoi(std::getenv("WORLD_SIZE"));
-    for (int i = 3; i < argc; ++i) ctx.args.push_back(argv[i]);
-    torch::set_num_threads(1);
-    try {
-      it->second(ctx);
-    } catch (const std::exception& e) {
-      std::cerr << "rank " << ctx.rank << " failed: " << e.what() << "\n";
-      std::cerr.flush();
-      _exit(1);  // skip destructors: peers may be gone and a clean shutdown could wait on them
-    }
-    std::cout.flush();
-    std::cerr.flush();
-    _exit(0);
+namespace fsdp_test {
+namespace {
+
+// Runs the registered worker `name` as this process's rank (RANK, WORLD_SIZE from the
+// environment); returns the exit code. Output is flushed; destructors are skipped by the caller's
+// _exit (peers may be gone and a clean shutdown could wait on them).
+int run_worker(const std::string& name, const std::vector<std::string>& args) {
+  auto& reg = worker_registry();
+  auto it = reg.find(name);
+  if (it == reg.end()) {
+    std::cerr << "unknown worker " << name << "\n";
+    return 2;
   }
+  WorkerContext ctx;
+  ctx.rank = std::atoi(std::getenv("RANK"));
+  ctx.world = std::atoi(std::getenv("WORLD_SIZE"));
+  ctx.args = args;
+  // One thread, as OMP_NUM_THREADS=1 gives an exec'd rank: LibTorch's OpenMP, and OpenBLAS's own
+  // pool, which a rank forked from the zygote would otherwise size as the test process did.
+  torch::set_num_threads(1);
+  using SetThreads = void (*)(int);
+  if (auto set_blas = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set_blas(1);
+  int code = 0;
+  try {
+    it->second(ctx);
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << ctx.rank << " failed: " << e.what() << "\n";
+    code = 1;
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  return code;
+}
+
+}  // namespace
+}  // namespace fsdp_test
+
+int main(int argc, char** argv) {
+  if (argc >= 3 && std::string(argv[1]) == "--fsdp-worker")
+    _exit(fsdp_test::run_worker(argv[2], std::vector<std::string>(argv + 3, argv + argc)));
+  fsdp_test::start_zygote();
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
