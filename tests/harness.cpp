@@ -106,7 +106,7 @@ namespace {
 bool write_all(int fd, const void* p, size_t n) {
   const char* c = static_cast<const char*>(p);
   while (n > 0) {
-    const ssize_t w = write(fd, c, n);
+    const ssize_t w = send(fd, c, n, MSG_NOSIGNAL);  // a gone peer is an error, not SIGPIPE
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) return false;
     c += w;
@@ -173,8 +173,8 @@ void become_rank(const std::string& log, const std::vector<std::string>& env) {
   for (;;) {
     std::vector<std::string> req;
     if (!recv_strings(fd, req)) _exit(0);  // the test process is gone
-    int pipefd[2];
-    if (pipe(pipefd) != 0) _exit(1);
+    int pipefd[2];                         // the intermediate tells the zygote the rank's pid
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pipefd) != 0) _exit(1);
     const pid_t mid = fork();
     if (mid == 0) {
       const pid_t rank = fork();
