@@ -1,6 +1,5 @@
 #include "harness.h"
 
-#include <dlfcn.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -96,10 +95,8 @@ std::string self_exe() {
 
 }  // namespace
 
-// docs/building.md, "Rank processes": a rank is forked from a copy of this
-// process made at the start of main(), before any test ran, instead of exec'ing this binary again,
-// which would pay LibTorch's start-up once per rank. The zygote is off under sanitizers and with
-// FSDP_TEST_EXEC=1; then ranks are exec'd.
+// docs/building.md, "Rank processes": a rank is forked from a zygote instead of exec'ing this
+// binary, which would pay LibTorch's start-up once per rank.
 namespace {
 
 // Messages on the zygote's socket: a count, then that many length-prefixed strings.
@@ -149,8 +146,6 @@ bool recv_strings(int fd, std::vector<std::string>& v) {
   }
   return true;
 }
-
-int zygote_fd = -1;  // the test process's end of the zygote's socket; -1: exec ranks
 
 int run_worker(const std::string& name, const std::vector<std::string>& args);
 
@@ -215,30 +210,6 @@ bool sanitized() {
 #endif
 }
 
-// Called first in main(), while the process runs nothing but static initializers.
-void start_zygote() {
-  const char* exec = std::getenv("FSDP_TEST_EXEC");
-  if (sanitized() || (exec && std::string(exec) == "1")) return;
-  int sv[2];
-  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return;
-  if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
-    close(sv[0]);
-    close(sv[1]);
-    return;
-  }
-  const pid_t pid = fork();
-  if (pid == 0) {
-    close(sv[0]);
-    zygote_loop(sv[1]);
-  }
-  close(sv[1]);
-  if (pid < 0) {
-    close(sv[0]);
-    return;
-  }
-  zygote_fd = sv[0];
-}
-
 std::vector<std::string> current_environment() {
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) env.emplace_back(*e);
@@ -254,6 +225,46 @@ void set_env(std::vector<std::string>& env, const std::string& kv, bool keep_exi
       return;
     }
   env.push_back(kv);
+}
+
+// The test process's end of the zygote's socket, started on first use: the zygote is this binary
+// exec'd as `--fsdp-zygote FD` with OMP_NUM_THREADS=1, so the libraries it loads (LibTorch's
+// OpenMP, OpenBLAS) size their thread pools at load as an exec'd rank's do. -1: exec ranks
+// (sanitizer builds, FSDP_TEST_EXEC=1, or the zygote could not start).
+int zygote() {
+  static int fd = [] {
+    const char* exec = std::getenv("FSDP_TEST_EXEC");
+    if (sanitized() || (exec && std::string(exec) == "1")) return -1;
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return -1;
+    fcntl(sv[0], F_SETFD, FD_CLOEXEC);
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
+      close(sv[0]);
+      close(sv[1]);
+      return -1;
+    }
+    std::vector<std::string> env = current_environment();
+    set_env(env, "OMP_NUM_THREADS=1");
+    std::vector<std::string> argv_s{self_exe(), "--fsdp-zygote", std::to_string(sv[1])};
+    std::vector<char*> argv, envp;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(sv[0]);
+      execve(argv[0], argv.data(), envp.data());
+      _exit(127);
+    }
+    close(sv[1]);
+    if (pid < 0) {
+      close(sv[0]);
+      return -1;
+    }
+    return sv[0];
+  }();
+  return fd;
 }
 
 }  // namespace
@@ -279,7 +290,7 @@ RunningRanks start(const std::string& name, int world, const std::vector<std::st
     set_env(env, "OMP_NUM_THREADS=1");
     set_env(env, "FSDP_TIMEOUT_S=60", /*keep_existing=*/true);
     for (const auto& kv : extra_env) set_env(env, kv);
-    if (zygote_fd >= 0) {
+    if (const int zygote_fd = zygote(); zygote_fd >= 0) {
       std::vector<std::string> req{running.logs[r], cwd, name, std::to_string(args.size())};
       req.insert(req.end(), args.begin(), args.end());
       req.insert(req.end(), env.begin(), env.end());
@@ -387,11 +398,7 @@ int run_worker(const std::string& name, const std::vector<std::string>& args) {
   ctx.rank = std::atoi(std::getenv("RANK"));
   ctx.world = std::atoi(std::getenv("WORLD_SIZE"));
   ctx.args = args;
-  // One thread, as OMP_NUM_THREADS=1 gives an exec'd rank: LibTorch's OpenMP, and OpenBLAS's own
-  // pool, which a rank forked from the zygote would otherwise size as the test process did.
   torch::set_num_threads(1);
-  using SetThreads = void (*)(int);
-  if (auto set_blas = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set_blas(1);
   int code = 0;
   try {
     it->second(ctx);
@@ -410,7 +417,7 @@ int run_worker(const std::string& name, const std::vector<std::string>& args) {
 int main(int argc, char** argv) {
   if (argc >= 3 && std::string(argv[1]) == "--fsdp-worker")
     _exit(fsdp_test::run_worker(argv[2], std::vector<std::string>(argv + 3, argv + argc)));
-  fsdp_test::start_zygote();
+  if (argc == 3 && std::string(argv[1]) == "--fsdp-zygote") fsdp_test::zygote_loop(std::atoi(argv[2]));
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
