@@ -196,20 +196,6 @@ void become_rank(const std::string& log, const std::vector<std::string>& env) {
   }
 }
 
-bool sanitized() {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  return true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-  return true;
-#else
-  return false;
-#endif
-#else
-  return false;
-#endif
-}
-
 std::vector<std::string> current_environment() {
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) env.emplace_back(*e);
@@ -230,11 +216,11 @@ void set_env(std::vector<std::string>& env, const std::string& kv, bool keep_exi
 // The test process's end of the zygote's socket, started on first use: the zygote is this binary
 // exec'd as `--fsdp-zygote FD` with OMP_NUM_THREADS=1, so the libraries it loads (LibTorch's
 // OpenMP, OpenBLAS) size their thread pools at load as an exec'd rank's do. -1: exec ranks
-// (sanitizer builds, FSDP_TEST_EXEC=1, or the zygote could not start).
+// (FSDP_TEST_EXEC=1, or the zygote could not start).
 int zygote() {
   static int fd = [] {
     const char* exec = std::getenv("FSDP_TEST_EXEC");
-    if (sanitized() || (exec && std::string(exec) == "1")) return -1;
+    if (exec && std::string(exec) == "1") return -1;
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return -1;
     fcntl(sv[0], F_SETFD, FD_CLOEXEC);
