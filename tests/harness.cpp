@@ -149,15 +149,23 @@ bool recv_strings(int fd, std::vector<std::string>& v) {
 
 int run_worker(const std::string& name, const std::vector<std::string>& args);
 
-// Sets up a rank in a fresh child (forked from the zygote, or about to exec): its output to `log`,
-// and `env` as its whole environment.
-void become_rank(const std::string& log, const std::vector<std::string>& env) {
+// In a fresh child: its standard output and error go to `log`.
+void redirect_output(const std::string& log) {
   int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   dup2(fd, 1);
   dup2(fd, 2);
   if (fd > 2) close(fd);
-  clearenv();
-  for (const auto& kv : env) putenv(strdup(kv.c_str()));
+}
+
+// In a fresh child: replaces it with argv[0] run with `argv` and exactly `env`.
+[[noreturn]] void exec_with(std::vector<std::string> argv, std::vector<std::string> env) {
+  std::vector<char*> a, e;
+  for (auto& s : argv) a.push_back(s.data());
+  a.push_back(nullptr);
+  for (auto& s : env) e.push_back(s.data());
+  e.push_back(nullptr);
+  execve(a[0], a.data(), e.data());
+  _exit(127);
 }
 
 // The zygote's loop: each request is {log, cwd, worker name, N, N args..., env...}; it answers with
@@ -168,29 +176,31 @@ void become_rank(const std::string& log, const std::vector<std::string>& env) {
   for (;;) {
     std::vector<std::string> req;
     if (!recv_strings(fd, req)) _exit(0);  // the test process is gone
-    int pipefd[2];                         // the intermediate tells the zygote the rank's pid
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pipefd) != 0) _exit(1);
+    int pid_channel[2];                    // the intermediate tells the zygote the rank's pid
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pid_channel) != 0) _exit(1);
     const pid_t mid = fork();
     if (mid == 0) {
       const pid_t rank = fork();
       if (rank == 0) {
         close(fd);
-        close(pipefd[0]);
-        close(pipefd[1]);
+        close(pid_channel[0]);
+        close(pid_channel[1]);
         prctl(PR_SET_PDEATHSIG, 0);
         const auto args = req.begin() + 4, env = args + std::stoll(req[3]);
-        become_rank(req[0], std::vector<std::string>(env, req.end()));
+        redirect_output(req[0]);
+        clearenv();
+        for (auto kv = env; kv != req.end(); ++kv) putenv(strdup(kv->c_str()));
         if (chdir(req[1].c_str()) != 0) _exit(126);
         _exit(run_worker(req[2], std::vector<std::string>(args, env)));
       }
       const int32_t pid = rank;
-      write_all(pipefd[1], &pid, sizeof(pid));
+      write_all(pid_channel[1], &pid, sizeof(pid));
       _exit(0);
     }
-    close(pipefd[1]);
+    close(pid_channel[1]);
     int32_t pid = -1;
-    if (mid < 0 || !read_all(pipefd[0], &pid, sizeof(pid))) pid = -1;
-    close(pipefd[0]);
+    if (mid < 0 || !read_all(pid_channel[0], &pid, sizeof(pid))) pid = -1;
+    close(pid_channel[0]);
     if (mid > 0) waitpid(mid, nullptr, 0);  // the rank is reparented once its parent is reaped
     if (!write_all(fd, &pid, sizeof(pid))) _exit(0);
   }
@@ -231,17 +241,11 @@ int zygote() {
     }
     std::vector<std::string> env = current_environment();
     set_env(env, "OMP_NUM_THREADS=1");
-    std::vector<std::string> argv_s{self_exe(), "--fsdp-zygote", std::to_string(sv[1])};
-    std::vector<char*> argv, envp;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
+    std::vector<std::string> argv{self_exe(), "--fsdp-zygote", std::to_string(sv[1])};
     const pid_t pid = fork();
     if (pid == 0) {
       close(sv[0]);
-      execve(argv[0], argv.data(), envp.data());
-      _exit(127);
+      exec_with(argv, env);
     }
     close(sv[1]);
     if (pid < 0) {
@@ -263,19 +267,20 @@ RunningRanks start(const std::string& name, int world, const std::vector<std::st
   const std::string cwd = std::filesystem::current_path().string();
   running.pids.resize(world);
   running.logs.resize(world);
+  std::vector<std::string> base_env = current_environment();
+  set_env(base_env, "WORLD_SIZE=" + std::to_string(world));
+  set_env(base_env, "LOCAL_WORLD_SIZE=" + std::to_string(world));
+  set_env(base_env, "MASTER_ADDR=127.0.0.1");
+  set_env(base_env, "MASTER_PORT=" + std::to_string(port));
+  set_env(base_env, "OMP_NUM_THREADS=1");
+  set_env(base_env, "FSDP_TIMEOUT_S=60", /*keep_existing=*/true);
   for (int r = 0; r < world; ++r) {
     running.logs[r] =
         "/tmp/fsdp_test_" + std::to_string(getpid()) + "_" + std::to_string(port) + "_" + std::to_string(r) + ".log";
-    std::vector<std::string> env = current_environment();
+    std::vector<std::string> env = base_env;
     set_env(env, "RANK=" + std::to_string(r));
-    set_env(env, "WORLD_SIZE=" + std::to_string(world));
     set_env(env, "LOCAL_RANK=" + std::to_string(r));
-    set_env(env, "LOCAL_WORLD_SIZE=" + std::to_string(world));
-    set_env(env, "MASTER_ADDR=127.0.0.1");
-    set_env(env, "MASTER_PORT=" + std::to_string(port));
-    set_env(env, "OMP_NUM_THREADS=1");
-    set_env(env, "FSDP_TIMEOUT_S=60", /*keep_existing=*/true);
-    for (const auto& kv : extra_env) set_env(env, kv);
+    for (const auto& kv : extra_env) set_env(env, kv);  // the test's own variables win
     if (const int zygote_fd = zygote(); zygote_fd >= 0) {
       std::vector<std::string> req{running.logs[r], cwd, name, std::to_string(args.size())};
       req.insert(req.end(), args.begin(), args.end());
@@ -291,14 +296,10 @@ RunningRanks start(const std::string& name, int world, const std::vector<std::st
     }
     pid_t pid = fork();
     if (pid == 0) {
-      become_rank(running.logs[r], env);
-      std::vector<std::string> argv_s{exe, "--fsdp-worker", name};
-      argv_s.insert(argv_s.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (auto& s : argv_s) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      execv(exe.c_str(), argv.data());
-      _exit(127);
+      redirect_output(running.logs[r]);
+      std::vector<std::string> argv{exe, "--fsdp-worker", name};
+      argv.insert(argv.end(), args.begin(), args.end());
+      exec_with(argv, env);
     }
     running.pids[r] = pid;
   }
