@@ -60,12 +60,14 @@ struct Config {
   std::string name;
   fsdp::BackwardPrefetch backward;
   bool forward;
-  int limit;           // 0: limiter off
-  int reductions = 2;  // Options::reductions_in_flight
+  int limit;                      // 0: limiter off
+  int reductions = 2;             // Options::reductions_in_flight
+  bool step_in_backward = false;  // FullyShardedModule::set_step_in_backward
 };
 
 struct Sample {
   double step_ms, comm_ms, exposed_ms, peak_param_mb, peak_grad_mb;
+  double compute_ms;  // the computation inside units' forward and backward (the trace's compute spans)
   int max_unsharded;
 };
 
@@ -88,6 +90,7 @@ struct Args {
   double gbps = 0, comm_ratio = 1.0, latency_us = 10;
   int ranks_per_host = 0;
   std::string trace_dir;
+  std::string calibrate = "units";
 };
 
 std::string slug(const std::string& name) {
@@ -110,6 +113,7 @@ std::vector<Sample> run_config(fsdp::ProcessGroupPtr pg, const Args& a, const Co
                                        .reductions_in_flight(c.reductions)
                                        .trace(true));
   torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(1e-4));
+  if (c.step_in_backward) sharded->set_step_in_backward(&opt);  // opt.step() below then finds nothing left
   auto gen = at::detail::createCPUGenerator(77 + pg->rank());
   std::vector<Sample> out;
   for (int it = 0; it < iterations; ++it) {
@@ -121,9 +125,12 @@ std::vector<Sample> run_config(fsdp::ProcessGroupPtr pg, const Args& a, const Co
     opt.step();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const auto trace = sharded->last_trace();
+    double compute_us = 0;
+    for (const auto& e : trace.events)
+      if (e.kind == fsdp::TraceEvent::Kind::kCompute) compute_us += e.duration_us;
     out.push_back({ms, trace.comm_us / 1e3, trace.exposed_comm_us / 1e3,
                    sharded->memory_stats().param_peak_bytes / 1048576.0,
-                   sharded->memory_stats().grad_peak_bytes / 1048576.0, trace.max_unsharded_units});
+                   sharded->memory_stats().grad_peak_bytes / 1048576.0, compute_us / 1e3, trace.max_unsharded_units});
     if (!trace_path.empty() && it == iterations - 1 && pg->rank() == 0) trace.write_chrome_json(trace_path);
   }
   return out;
@@ -158,6 +165,11 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--comm-ratio", a.comm_ratio, "calibration target: modeled comm time / compute time")
       ->check(CLI::PositiveNumber);
+  app.add_option("--calibrate", a.calibrate,
+                 "what comm-ratio is relative to: 'units' (the computation inside units' forward and backward, "
+                 "which communication can overlap) or 'step' (step time minus waits: also the optimizer step, loss, "
+                 "input and bookkeeping)")
+      ->check(CLI::IsMember({"units", "step"}));
   app.add_option("--latency-us", a.latency_us, "modeled latency per ring step")->check(CLI::NonNegativeNumber);
   app.add_option("--trace-dir", a.trace_dir, "write rank 0's last iteration of each configuration as Chrome JSON here");
   CLI11_PARSE(app, argc, argv);
@@ -170,13 +182,18 @@ int main(int argc, char** argv) {
     const Config none{"NONE", fsdp::BackwardPrefetch::kNone, false, 2};
 
     // Calibration: real (loopback) communication, no prefetch.
-    double compute_ms = 0, wire_bytes = 0, calib_step_ms = 0;
+    double compute_ms = 0, units_ms = 0, not_waiting_ms = 0, wire_bytes = 0, calib_step_ms = 0;
     {
       auto samples = run_config(pg, a, none, a.warmup + a.steps);
       samples.erase(samples.begin(), samples.begin() + a.warmup);
-      std::vector<double> compute;
-      for (const auto& s : samples) compute.push_back(s.step_ms - s.exposed_ms);
-      compute_ms = max_over_ranks(*pg, median(compute));
+      std::vector<double> units, not_waiting;
+      for (const auto& s : samples) {
+        units.push_back(s.compute_ms);
+        not_waiting.push_back(s.step_ms - s.exposed_ms);
+      }
+      units_ms = max_over_ranks(*pg, median(units));
+      not_waiting_ms = max_over_ranks(*pg, median(not_waiting));
+      compute_ms = a.calibrate == "units" ? units_ms : not_waiting_ms;
       std::vector<double> steps;
       for (const auto& s : samples) steps.push_back(s.step_ms);
       calib_step_ms = max_over_ranks(*pg, median(steps));
@@ -199,8 +216,12 @@ int main(int argc, char** argv) {
                 << "# world " << pg->size() << ", " << a.layers << " blocks of width " << a.width
                 << " (+ root in/out), batch " << a.batch << "/rank, AdamW, FULL_SHARD, one unit per block\n"
                 << "# calibration (no prefetch, real loopback Gloo): step " << std::fixed << std::setprecision(1)
-                << calib_step_ms << " ms, of which compute (not waiting on collectives) " << compute_ms << " ms; "
+                << calib_step_ms << " ms; not waiting on collectives " << not_waiting_ms
+                << " ms, of which computing inside units' forward and backward " << units_ms << " ms; "
                 << wire_bytes / 1e6 << " MB on the wire per rank per iteration\n"
+                << "# comm-ratio is relative to " << compute_ms << " ms ("
+                << (a.calibrate == "units" ? "computation inside units" : "not waiting on collectives")
+                << ", --calibrate " << a.calibrate << ")\n"
                 << "# " << model.describe() << "  => modeled comm " << wire_bytes / (gbps * 1e9) * 1e3
                 << " ms/iteration (~" << std::setprecision(2) << wire_bytes / (gbps * 1e9) * 1e3 / compute_ms
                 << "x compute)\n"
@@ -216,6 +237,7 @@ int main(int argc, char** argv) {
         {"BACKWARD_PRE+forward, no limiter", fsdp::BackwardPrefetch::kBackwardPre, true, 0},
         {"BACKWARD_PRE+forward, limit 1", fsdp::BackwardPrefetch::kBackwardPre, true, 1},
         {"BACKWARD_PRE+forward, 1 reduction", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 1},
+        {"BACKWARD_PRE+forward, step in bwd", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 2, true},
     };
     std::map<std::string, std::vector<Sample>> results;
     for (int rep = 0; rep < a.reps; ++rep)
@@ -227,12 +249,12 @@ int main(int argc, char** argv) {
       }
 
     struct Row {
-      double step, comm, exposed, peak, grad_peak;
+      double step, comm, exposed, peak, grad_peak, compute;
       int max_unsharded;
     };
     std::map<std::string, Row> rows;
     for (const auto& c : configs) {
-      std::vector<double> step, comm, exposed, peak, grad_peak;
+      std::vector<double> step, comm, exposed, peak, grad_peak, compute;
       int most = 0;
       for (const auto& s : results[c.name]) {
         step.push_back(s.step_ms);
@@ -240,24 +262,27 @@ int main(int argc, char** argv) {
         exposed.push_back(s.exposed_ms);
         peak.push_back(s.peak_param_mb);
         grad_peak.push_back(s.peak_grad_mb);
+        compute.push_back(s.compute_ms);
         most = std::max(most, s.max_unsharded);
       }
       // The slowest rank sets the pace; report it.
       rows[c.name] = {max_over_ranks(*pg, median(step)),      max_over_ranks(*pg, median(comm)),
                       max_over_ranks(*pg, median(exposed)),   max_over_ranks(*pg, median(peak)),
-                      max_over_ranks(*pg, median(grad_peak)), int(max_over_ranks(*pg, most))};
+                      max_over_ranks(*pg, median(grad_peak)), max_over_ranks(*pg, median(compute)),
+                      int(max_over_ranks(*pg, most))};
     }
     if (root) {
       const Row& base = rows.at("NONE");
-      std::printf("\n%-36s %9s %7s %11s %11s %9s %11s %7s %7s %9s\n", "configuration", "step ms", "vs NONE", "comm ms*",
-                  "exposed ms", "exposed%", "exp vs NONE", "peak MB", "grad MB", "unsharded");
+      std::printf("\n%-36s %9s %7s %9s %11s %11s %9s %11s %7s %7s %9s\n", "configuration", "step ms", "vs NONE",
+                  "units ms", "comm ms*", "exposed ms", "exposed%", "exp vs NONE", "peak MB", "grad MB", "unsharded");
       for (const auto& c : configs) {
         const Row& r = rows.at(c.name);
-        std::printf("%-36s %9.1f %7.3f %11.1f %11.1f %8.1f%% %11.3f %7.2f %7.2f %9d\n", c.name.c_str(), r.step,
-                    r.step / base.step, r.comm, r.exposed, 100.0 * r.exposed / std::max(1e-9, r.comm),
+        std::printf("%-36s %9.1f %7.3f %9.1f %11.1f %11.1f %8.1f%% %11.3f %7.2f %7.2f %9d\n", c.name.c_str(), r.step,
+                    r.step / base.step, r.compute, r.comm, r.exposed, 100.0 * r.exposed / std::max(1e-9, r.comm),
                     r.exposed / std::max(1e-9, base.exposed), r.peak, r.grad_peak, r.max_unsharded);
       }
-      std::printf("# * comm ms: sum of the collectives' durations per iteration as the modeled network completed them "
+      std::printf("# units ms: computation inside units' forward and backward (measured); * comm ms: sum of the "
+                  "collectives' durations per iteration as the modeled network completed them "
                   "(MODELED); exposed ms: time the compute thread waited for collectives (measured); peak MB: FSDP "
                   "parameter storage; grad MB: FSDP gradient storage (shards and unsharded buffers); unsharded: most "
                   "non-root units unsharded at once\n");

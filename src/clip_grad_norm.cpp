@@ -14,6 +14,10 @@ double clip_grad_norm(FsdpState& state, double max_norm, double norm_type) {
   FSDP_CHECK(max_norm >= 0 && !std::isnan(max_norm), "clip_grad_norm_: max_norm must be 0 or more, got ", max_norm);
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
+  FSDP_CHECK(!state.reducer().stepper().on(),
+             "clip_grad_norm_: the module steps its optimizer in backward (set_step_in_backward), so each unit was "
+             "stepped before the total norm existed. Clipping needs every gradient first: turn the step in backward "
+             "off (set_step_in_backward(nullptr)) and call the optimizer's step() after clipping");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);

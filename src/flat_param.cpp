@@ -376,8 +376,8 @@ void FlatParam::start_reduce(bool across_replicas) {
   }
 }
 
-void FlatParam::finish_reduce() {
-  if (!reduce_started_) return;
+bool FlatParam::finish_reduce() {
+  if (!reduce_started_) return false;
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   WorkPtr work = std::move(pending_work_);
@@ -397,7 +397,7 @@ void FlatParam::finish_reduce() {
     }
     full_grad_ = at::Tensor();  // the pieces' gradients keep the store alive
     reduced_ = at::Tensor();
-    return;
+    return true;
   }
   const bool reduced_in_place = reduced_.is_same(full_grad_);
   memory_->add_grad(-full_grad_.nbytes());
@@ -414,7 +414,7 @@ void FlatParam::finish_reduce() {
     }
     reduced_ = at::Tensor();
     defer_replicas_ = false;
-    return;
+    return false;
   }
   // Slots that got a gradient; unused ones get none, as in local training.
   std::vector<uint8_t> got(slots_.size(), 0);
@@ -429,10 +429,11 @@ void FlatParam::finish_reduce() {
     host_grad_work_ = offload_->to_host(host_grad_, reduced_);
     host_grad_slots_ = std::move(got);
     reduced_ = at::Tensor();
-    return;
+    return false;
   }
   add_into_piece_grads(reduced_, got, /*in_place=*/false);
   reduced_ = at::Tensor();
+  return true;
 }
 
 void FlatParam::add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place) {
@@ -462,8 +463,8 @@ void FlatParam::release_device_grad() {
   if (host_grad_work_) offload_->release_source(host_grad_work_);
 }
 
-void FlatParam::land_host_grads() {
-  if (!host_grad_work_) return;
+bool FlatParam::land_host_grads() {
+  if (!host_grad_work_) return false;
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   WorkPtr work = std::move(host_grad_work_);
@@ -472,6 +473,7 @@ void FlatParam::land_host_grads() {
   add_into_piece_grads(host_grad_, host_grad_slots_, /*in_place=*/true);
   host_grad_ = at::Tensor();
   host_grad_slots_.clear();
+  return true;
 }
 
 void FlatParam::keep_grads_unreduced() {

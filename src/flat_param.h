@@ -110,10 +110,12 @@ class FlatParam {
   bool reduce_pending() const { return reduce_started_; }
   // The reduction in flight; null if it needed no communication (a world of one).
   const WorkPtr& reduce_work() const { return pending_work_; }
-  void finish_reduce();
+  // True when the pieces' .grad now hold the reduction; false when it is kept for the reduction
+  // across replicas, or (CPU offload) is on its way to the host.
+  bool finish_reduce();
   // CPU offload: finish_reduce() queued the reduced shard's copy to the host; this waits for it
-  // and adds it into the pieces' .grad. No-op without one pending.
-  void land_host_grads();
+  // and adds it into the pieces' .grad. Returns false (a no-op) without one pending.
+  bool land_host_grads();
   // CPU offload: frees the device copy of the reduced shard that is on its way to the host, in
   // stream order (CpuOffloader::release_source), so device memory does not hold every gradient
   // until the end of backward.

@@ -21,6 +21,9 @@ GradScaler::GradScaler(FullyShardedModule& module, GradScalerOptions options)
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
+  FSDP_CHECK(!detail::StateAccess::of(module_).reducer().stepper().on(),
+             "GradScaler: the module steps its optimizer in backward (set_step_in_backward), which would step "
+             "with scaled gradients before any could be unscaled or checked for inf/NaN. Turn one of them off");
   return loss * scale_;
 }
 

@@ -60,6 +60,14 @@ class FullyShardedModule {
   // model; returns the total norm before clipping (equal on every rank).
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
 
+  // Optimizer step in backward: while set, every backward that reduces gradients steps `optimizer`
+  // on each unit's shard pieces as soon as their reduced gradients are in, overlapping the step
+  // with the reductions still running, and then drops those gradients (a later optimizer.step()
+  // skips them). The result equals a step after backward. `optimizer` must hold every trainable
+  // piece and outlive the setting; nullptr turns it off. Refused: clip_grad_norm_ and GradScaler
+  // while set. Every rank must set it alike. See Note [Step in backward].
+  void set_step_in_backward(torch::optim::Optimizer* optimizer);
+
   // Gradient accumulation without communication: while off, backward keeps each unit's unsharded
   // gradient and adds later backwards into it, with no reduction; the first backward with it on
   // again reduces the sum. Not collective, but every rank must switch at the same backward.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "fsdp/check.h"
+
 namespace fsdp {
 
 GradientReducer::GradientReducer(std::vector<Unit>& units, std::vector<std::unique_ptr<FlatParam>>& flat_params,
@@ -41,6 +43,14 @@ void GradientReducer::begin_backward() {
 
 void GradientReducer::prepare_grad(int f, int s) {
   FlatParam& fp = *flat_params_[f];
+  if (stepper_.on()) {
+    FSDP_CHECK(!fp.reduce_pending() && !stepper_.stepped(fp), "set_step_in_backward: a gradient of unit '",
+               units_[fp.unit()].name().empty() ? "<root>" : units_[fp.unit()].name(),
+               "' arrived after that unit's gradients were reduced in this backward (its parameters were used "
+               "again, e.g. by two forwards before one backward), so its step cannot run on all of them. Turn the "
+               "step in backward off for this model (set_step_in_backward(nullptr)) and call the optimizer's "
+               "step() after backward");
+  }
   if (fp.reduce_pending()) {
     finish_reduction(f);
     reduce_order_.erase(std::remove(reduce_order_.begin(), reduce_order_.end(), f), reduce_order_.end());
@@ -92,9 +102,10 @@ void GradientReducer::finish_reduction(int f) {
   FlatParam& fp = *flat_params_[f];
   const bool done = !fp.reduce_pending() || !fp.reduce_work() || fp.reduce_work()->completed();
   const auto start = Tracer::Clock::now();
-  fp.finish_reduce();
+  const bool grads_in = fp.finish_reduce();
   if (!done)
     tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
+  if (grads_in) step(fp);
   if (fp.offloaded()) {
     // Its copy to the host overlaps the next reductions' compute; the oldest copies' device
     // buffers are let go in stream order once more than the reductions in flight are pending.
@@ -119,7 +130,15 @@ void GradientReducer::finish_reductions(size_t keep_in_flight) {
 void GradientReducer::finish_all() {
   finish_reductions(0);
   to_host_order_.clear();
-  for (auto& fp : flat_params_) fp->land_host_grads();
+  for (auto& fp : flat_params_)
+    if (fp->land_host_grads()) step(*fp);
+}
+
+void GradientReducer::step(FlatParam& fp) {
+  if (!stepper_.on()) return;
+  const auto start = Tracer::Clock::now();
+  stepper_.step(fp, units_[fp.unit()].name());
+  tracer_.step(fp.unit(), start, Tracer::Clock::now());
 }
 
 void GradientReducer::broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers) {
@@ -143,7 +162,9 @@ void GradientReducer::end_backward() {
   for (auto& unit : units_) unit.reset_grad_count();
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;
-  ++backwards_held_;
+  // A backward that stepped consumed its gradients: the next one holds none.
+  backwards_held_ = stepper_.stepped_any() ? 0 : backwards_held_ + 1;
+  stepper_.end_backward();
   held_.assign(flat_params_.size(), {});
   for (size_t f = 0; f < flat_params_.size(); ++f) {
     for (const auto& s : flat_params_[f]->slots()) {

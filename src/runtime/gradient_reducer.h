@@ -12,6 +12,7 @@
 #include "flat_param.h"
 #include "fsdp/options.h"
 #include "memory_tracker.h"
+#include "runtime/backward_stepper.h"
 #include "runtime/tracer.h"
 #include "runtime/unit.h"
 
@@ -55,10 +56,14 @@ class GradientReducer {
   void set_all_reduce(bool on) { all_reduce_ = on; }
   bool all_reduce() const { return all_reduce_; }
   void update_sharded_grad_bytes();
+  // FullyShardedModule::set_step_in_backward.
+  BackwardStepper& stepper() { return stepper_; }
 
  private:
+  // Finishes f's reduction; under the step in backward, steps f once its pieces' gradients are in.
   void finish_reduction(int f);
   void finish_reductions(size_t keep_in_flight);
+  void step(FlatParam& fp);
 
   std::vector<Unit>& units_;
   std::vector<std::unique_ptr<FlatParam>>& flat_params_;
@@ -69,6 +74,7 @@ class GradientReducer {
   MemoryTracker& memory_;
   bool sync_ = true;
   bool all_reduce_ = true;
+  BackwardStepper stepper_;
   std::vector<int> reduce_order_;  // FlatParameters with a reduction in flight, in issue order
   // CPU offload: FlatParameters whose reduced shard is on its way to the host and still holds
   // device memory, oldest first; released by count, like reductions in flight.

@@ -17,6 +17,7 @@ const char* to_string(TraceEvent::Kind kind) {
     case TraceEvent::Kind::kReshard: return "reshard";
     case TraceEvent::Kind::kReduceIssued: return "reduce issued";
     case TraceEvent::Kind::kReduce: return "reduce";
+    case TraceEvent::Kind::kStep: return "optimizer step";
   }
   return "?";
 }
@@ -52,6 +53,12 @@ void Tracer::wait(int unit, std::string label, Clock::time_point start, Clock::t
   const double us = std::chrono::duration<double, std::micro>(end - start).count();
   exposed_us_ += us;
   events_.push_back({TraceEvent::Kind::kWait, unit, std::move(label), "compute", since_start_us(start), us});
+}
+
+void Tracer::step(int unit, Clock::time_point start, Clock::time_point end) {
+  if (!enabled_) return;
+  const double us = std::chrono::duration<double, std::micro>(end - start).count();
+  events_.push_back({TraceEvent::Kind::kStep, unit, "optimizer step", "compute", since_start_us(start), us});
 }
 
 void Tracer::enter_compute(int unit) {
@@ -144,7 +151,8 @@ void IterationTrace::write_chrome_json(std::ostream& out) const {
     write_json_string(out, to_string(e.kind));
     out << ",\"pid\":" << rank << ",\"tid\":" << tid << ",\"ts\":" << e.start_us;
     if (e.duration_us > 0 || e.kind == TraceEvent::Kind::kCompute || e.kind == TraceEvent::Kind::kWait ||
-        e.kind == TraceEvent::Kind::kUnshard || e.kind == TraceEvent::Kind::kReduce)
+        e.kind == TraceEvent::Kind::kUnshard || e.kind == TraceEvent::Kind::kReduce ||
+        e.kind == TraceEvent::Kind::kStep)
       out << ",\"ph\":\"X\",\"dur\":" << e.duration_us;
     else
       out << ",\"ph\":\"i\",\"s\":\"t\"";
