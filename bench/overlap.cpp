@@ -273,19 +273,24 @@ int main(int argc, char** argv) {
     }
     if (root) {
       const Row& base = rows.at("NONE");
-      std::printf("\n%-36s %9s %7s %9s %11s %11s %9s %11s %7s %7s %9s\n", "configuration", "step ms", "vs NONE",
-                  "units ms", "comm ms*", "exposed ms", "exposed%", "exp vs NONE", "peak MB", "grad MB", "unsharded");
+      const double modeled_ms = wire_bytes / (gbps * 1e9) * 1e3;
+      std::printf("\n%-36s %9s %7s %9s %6s %11s %11s %9s %11s %7s %7s %9s\n", "configuration", "step ms", "vs NONE",
+                  "units ms", "ratio", "comm ms*", "exposed ms", "exposed%", "exp vs NONE", "peak MB", "grad MB",
+                  "unsharded");
       for (const auto& c : configs) {
         const Row& r = rows.at(c.name);
-        std::printf("%-36s %9.1f %7.3f %9.1f %11.1f %11.1f %8.1f%% %11.3f %7.2f %7.2f %9d\n", c.name.c_str(), r.step,
-                    r.step / base.step, r.compute, r.comm, r.exposed, 100.0 * r.exposed / std::max(1e-9, r.comm),
-                    r.exposed / std::max(1e-9, base.exposed), r.peak, r.grad_peak, r.max_unsharded);
+        std::printf("%-36s %9.1f %7.3f %9.1f %6.2f %11.1f %11.1f %8.1f%% %11.3f %7.2f %7.2f %9d\n", c.name.c_str(),
+                    r.step, r.step / base.step, r.compute, modeled_ms / std::max(1e-9, r.compute), r.comm, r.exposed,
+                    100.0 * r.exposed / std::max(1e-9, r.comm), r.exposed / std::max(1e-9, base.exposed), r.peak,
+                    r.grad_peak, r.max_unsharded);
       }
-      std::printf("# units ms: computation inside units' forward and backward (measured); * comm ms: sum of the "
-                  "collectives' durations per iteration as the modeled network completed them "
-                  "(MODELED); exposed ms: time the compute thread waited for collectives (measured); peak MB: FSDP "
-                  "parameter storage; grad MB: FSDP gradient storage (shards and unsharded buffers); unsharded: most "
-                  "non-root units unsharded at once\n");
+      std::printf(
+          "# units ms: computation inside units' forward and backward (measured); ratio: the modeled "
+          "communication of one iteration / units ms, the comm-ratio this row actually ran at; * comm ms: sum of the "
+          "collectives' durations per iteration as the modeled network completed them "
+          "(MODELED); exposed ms: time the compute thread waited for collectives (measured); peak MB: FSDP "
+          "parameter storage; grad MB: FSDP gradient storage (shards and unsharded buffers); unsharded: most "
+          "non-root units unsharded at once\n");
     }
     pg->world()->barrier();
   } catch (const std::exception& e) {
