@@ -84,6 +84,7 @@ struct TrainConfig {
   std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
   int reshard_after_forward_size = 0;              // ranks a resharded block stays sharded over until backward
   bool activation_checkpointing = false;
+  bool step_in_backward = false;  // FullyShardedModule::set_step_in_backward
   // Checkpoints (docs/checkpoints.md).
   std::string save_dir;
   int save_every = 0;  // 0: only at the end (and at --stop-after / SIGTERM)
@@ -189,6 +190,9 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->capture_default_str();
   app.add_flag("--activation-checkpointing", config.activation_checkpointing,
                "Keep only each block's input in forward and recompute the block in backward");
+  app.add_flag("--step-in-backward", config.step_in_backward,
+               "Step the optimizer on each unit's shard as soon as its gradients are reduced, overlapping the step "
+               "with communication (not with --clip-grad-norm, fp16 or --grad-accum-mode reduce)");
   app.add_option("--reshard-after-forward", config.reshard_after_forward,
                  "strategy (its own choice), true or false for every block, or except-last (every block but the "
                  "last, which backward needs first)")
@@ -239,6 +243,18 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
   if (config.grad_accum_mode == "replica-deferred" && config.strategy != "HYBRID_SHARD")
     throw CLI::ValidationError("--grad-accum-mode", "replica-deferred needs --strategy HYBRID_SHARD (got " +
                                                         config.strategy + "); use no-sync");
+  if (config.step_in_backward) {
+    if (config.clip_grad_norm > 0)
+      throw CLI::ValidationError("--step-in-backward",
+                                 "cannot clip: each unit is stepped before the total norm exists; "
+                                 "drop --clip-grad-norm or --step-in-backward");
+    if (config.mixed_precision == "fp16")
+      throw CLI::ValidationError("--step-in-backward", "fp16 loss scaling must unscale and check every gradient "
+                                                       "before the step; use bf16 or drop --step-in-backward");
+    if (config.grad_accum > 1 && config.grad_accum_mode == "reduce")
+      throw CLI::ValidationError("--step-in-backward", "--grad-accum-mode reduce reduces every micro-batch, and "
+                                                       "each reducing backward would step; use no-sync");
+  }
   if (config.batch_per_rank % config.grad_accum != 0)
     throw CLI::ValidationError("--grad-accum", std::to_string(config.grad_accum) +
                                                    " does not divide --batch-per-rank " +
@@ -883,6 +899,8 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                                                              grad_accum_mode_description(config.grad_accum_mode) + ")"
                                                        : std::string())},
       {"activation checkpointing", config.activation_checkpointing ? "every block (recomputed in backward)" : "off"},
+      {"optimizer step",
+       config.step_in_backward ? "in backward, unit by unit as gradients are reduced" : "after backward"},
       {"gradient clipping", config.clip_grad_norm > 0 ? "total 2-norm " + fixed(config.clip_grad_norm, 3) : "off"},
       {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
                        ", forward " + (config.forward_prefetch ? "on" : "off")},
@@ -1119,6 +1137,7 @@ int run(int argc, char** argv) {
   BuiltModel built = build_model(config);
   auto sharded = shard_model(built, config, pg);
   auto optimizer = build_optimizer(*sharded, built.original_dims, config);
+  if (config.step_in_backward) sharded->set_step_in_backward(optimizer.get());
 
   job.tokens_per_step = static_cast<int64_t>(job.world) * config.batch_per_rank * config.context;
   job.flops_per_token = training_flops_per_token(built.parameter_count, config);

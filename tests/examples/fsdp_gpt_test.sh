@@ -169,6 +169,25 @@ test_init_deferred_matches_eager() {
   diff "$TMP/eager.loss" "$TMP/deferred.loss" >&2 || fail "deferred and eager initialization train differently"
 }
 
+# The optimizer step in backward steps exactly as a step after backward: the same losses step for
+# step (AdamW with weight-decay groups, micro-batches under no_sync); it refuses clipping by name.
+test_step_in_backward() {
+  local short=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 6 --log-interval 1
+               --eval-batches 1 --sample-bytes 8 --prompt "The " --grad-accum 2)
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${short[@]}"
+  expect_rc 0
+  grep -E "^\[rank 0\] step +[0-9]+/" "$TMP/out" | sed -E 's/.*(\| loss [0-9.]+) \|.*/\1/' >"$TMP/after.loss"
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${short[@]}" --step-in-backward
+  expect_rc 0
+  expect_regex out "optimizer step +in backward, unit by unit as gradients are reduced"
+  grep -E "^\[rank 0\] step +[0-9]+/" "$TMP/out" | sed -E 's/.*(\| loss [0-9.]+) \|.*/\1/' >"$TMP/during.loss"
+  [ "$(wc -l <"$TMP/after.loss")" -eq 6 ] || fail "expected 6 logged steps, got $(wc -l <"$TMP/after.loss")"
+  diff "$TMP/after.loss" "$TMP/during.loss" >&2 || fail "the step in backward trains differently"
+  run "$TRAINER" "${short[@]}" --step-in-backward --clip-grad-norm 1
+  expect_failure
+  expect_text err "cannot clip: each unit is stepped before the total norm exists"
+}
+
 # Checkpoints: --steps 20 stopped with --stop-after 7 and resumed (new processes) logs exactly the
 # losses of an uninterrupted --steps 20, in full precision (metrics file), the window that spans the
 # interruption included; --export writes a safetensors file; --async-save writes the --save-every
