@@ -67,8 +67,9 @@ struct Config {
 
 struct Sample {
   double step_ms, comm_ms, exposed_ms, peak_param_mb, peak_grad_mb;
-  double compute_ms;  // the computation inside units' forward and backward (the trace's compute spans)
+  double compute_ms;      // the computation inside units' forward and backward (the trace's compute spans)
   int max_unsharded;
+  double modeled_ms = 0;  // the modeled communication of one iteration in effect for this sample
 };
 
 double median(std::vector<double> v) {
@@ -91,6 +92,7 @@ struct Args {
   int ranks_per_host = 0;
   std::string trace_dir;
   std::string calibrate = "units";
+  bool recalibrate = true;
 };
 
 std::string slug(const std::string& name) {
@@ -170,6 +172,9 @@ int main(int argc, char** argv) {
                  "which communication can overlap) or 'step' (step time minus waits: also the optimizer step, loss, "
                  "input and bookkeeping)")
       ->check(CLI::IsMember({"units", "step"}));
+  app.add_flag("--recalibrate,!--no-recalibrate", a.recalibrate,
+               "re-measure the computation in each repetition's NONE run and reset the modeled bandwidth for the "
+               "rest of that repetition, so that comm-ratio holds while the machine's speed drifts (default on)");
   app.add_option("--latency-us", a.latency_us, "modeled latency per ring step")->check(CLI::NonNegativeNumber);
   app.add_option("--trace-dir", a.trace_dir, "write rank 0's last iteration of each configuration as Chrome JSON here");
   CLI11_PARSE(app, argc, argv);
@@ -205,11 +210,15 @@ int main(int argc, char** argv) {
     double gbps = a.gbps;
     if (gbps == 0) gbps = wire_bytes / (a.comm_ratio * compute_ms * 1e-3) / 1e9;
     gbps = max_over_ranks(*pg, gbps);  // one value on every rank
-    const auto model = fsdp::NetworkModel()
-                           .intra(fsdp::Link().bandwidth_gbps(gbps).latency_us(a.latency_us))
-                           .inter(fsdp::Link().bandwidth_gbps(gbps).latency_us(a.latency_us))
-                           .ranks_per_host(pg->size());
+    auto model_for = [&](double bandwidth) {
+      return fsdp::NetworkModel()
+          .intra(fsdp::Link().bandwidth_gbps(bandwidth).latency_us(a.latency_us))
+          .inter(fsdp::Link().bandwidth_gbps(bandwidth).latency_us(a.latency_us))
+          .ranks_per_host(pg->size());
+    };
+    const auto model = model_for(gbps);
     pg->set_network_model(model);
+    double modeled_ms = wire_bytes / (gbps * 1e9) * 1e3;
 
     if (root) {
       std::cout << "# libfsdp overlap benchmark (communication MODELED, computation real)\n"
@@ -226,7 +235,11 @@ int main(int argc, char** argv) {
                 << " ms/iteration (~" << std::setprecision(2) << wire_bytes / (gbps * 1e9) * 1e3 / compute_ms
                 << "x compute)\n"
                 << "# " << a.reps << " repetitions x " << a.steps << " iterations (after " << a.warmup
-                << " warm-up) per configuration, interleaved; medians\n";
+                << " warm-up) per configuration, interleaved; medians"
+                << (a.recalibrate && a.gbps == 0 ? "; the bandwidth is reset after each repetition's NONE run "
+                                                   "from the computation it measured (--recalibrate)"
+                                                 : "")
+                << "\n";
     }
 
     const std::vector<Config> configs{
@@ -245,16 +258,27 @@ int main(int argc, char** argv) {
         const bool traced = rep == a.reps - 1 && !a.trace_dir.empty();
         auto s =
             run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_dir + "/overlap_" + slug(c.name) + ".json" : "");
+        for (auto& sample : s) sample.modeled_ms = modeled_ms;
         results[c.name].insert(results[c.name].end(), s.begin() + a.warmup, s.end());
+        if (c.name == "NONE" && a.recalibrate && a.gbps == 0) {
+          // NONE overlaps nothing, so its computation is measured clean, under the current model.
+          std::vector<double> v;
+          for (auto it = s.begin() + a.warmup; it != s.end(); ++it)
+            v.push_back(a.calibrate == "units" ? it->compute_ms : it->step_ms - it->exposed_ms);
+          const double now_ms = max_over_ranks(*pg, median(v));
+          gbps = max_over_ranks(*pg, wire_bytes / (a.comm_ratio * now_ms * 1e-3) / 1e9);
+          pg->set_network_model(model_for(gbps));
+          modeled_ms = wire_bytes / (gbps * 1e9) * 1e3;
+        }
       }
 
     struct Row {
-      double step, comm, exposed, peak, grad_peak, compute;
+      double step, comm, exposed, peak, grad_peak, compute, ratio;
       int max_unsharded;
     };
     std::map<std::string, Row> rows;
     for (const auto& c : configs) {
-      std::vector<double> step, comm, exposed, peak, grad_peak, compute;
+      std::vector<double> step, comm, exposed, peak, grad_peak, compute, ratio;
       int most = 0;
       for (const auto& s : results[c.name]) {
         step.push_back(s.step_ms);
@@ -263,24 +287,24 @@ int main(int argc, char** argv) {
         peak.push_back(s.peak_param_mb);
         grad_peak.push_back(s.peak_grad_mb);
         compute.push_back(s.compute_ms);
+        ratio.push_back(s.modeled_ms / std::max(1e-9, s.compute_ms));
         most = std::max(most, s.max_unsharded);
       }
       // The slowest rank sets the pace; report it.
       rows[c.name] = {max_over_ranks(*pg, median(step)),      max_over_ranks(*pg, median(comm)),
                       max_over_ranks(*pg, median(exposed)),   max_over_ranks(*pg, median(peak)),
                       max_over_ranks(*pg, median(grad_peak)), max_over_ranks(*pg, median(compute)),
-                      int(max_over_ranks(*pg, most))};
+                      max_over_ranks(*pg, median(ratio)),     int(max_over_ranks(*pg, most))};
     }
     if (root) {
       const Row& base = rows.at("NONE");
-      const double modeled_ms = wire_bytes / (gbps * 1e9) * 1e3;
       std::printf("\n%-36s %9s %7s %9s %6s %11s %11s %9s %11s %7s %7s %9s\n", "configuration", "step ms", "vs NONE",
                   "units ms", "ratio", "comm ms*", "exposed ms", "exposed%", "exp vs NONE", "peak MB", "grad MB",
                   "unsharded");
       for (const auto& c : configs) {
         const Row& r = rows.at(c.name);
         std::printf("%-36s %9.1f %7.3f %9.1f %6.2f %11.1f %11.1f %8.1f%% %11.3f %7.2f %7.2f %9d\n", c.name.c_str(),
-                    r.step, r.step / base.step, r.compute, modeled_ms / std::max(1e-9, r.compute), r.comm, r.exposed,
+                    r.step, r.step / base.step, r.compute, r.ratio, r.comm, r.exposed,
                     100.0 * r.exposed / std::max(1e-9, r.comm), r.exposed / std::max(1e-9, base.exposed), r.peak,
                     r.grad_peak, r.max_unsharded);
       }
