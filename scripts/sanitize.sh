@@ -33,7 +33,7 @@ SUPP=$ROOT/tools/sanitizers
 JOBS=${JOBS:-2}
 
 # ctest names are gtest's: [Instantiation/]Suite.Test[/Param]
-ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|ExactOverTcpTest\.|OverlapExact\.|TraceOrder\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'}
+ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|StepInBackward\.|ExactOverTcpTest\.|OverlapExact\.|TraceOrder\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'}
 TSAN_TESTS=${TSAN_TESTS:-'TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|TraceOrder\.|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|^Startup\.'}
 # Tests that also bound their own wall time (fail-fast within 15 or 30 s of launching the ranks,
 # a shared-memory step faster than a modeled 0.13 s): under a sanitizer, rank start-up alone
@@ -47,7 +47,7 @@ TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTe
 export OMP_NUM_THREADS=1
 
 # The test sources that hold the selections above; fsdp_tests is built from these only.
-TEST_SOURCES='fully_shard_exact_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp'
+TEST_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp'
 
 # Configures and builds fsdp_tests in $2 with FSDP_SANITIZE=$1, from TEST_SOURCES.
 build() {
