@@ -174,10 +174,16 @@ int main(int argc, char** argv) {
       if (rank == 0) ckpt_bytes = dir_bytes(d);
     }
     // Asynchronous saves: the loop's pause in async_save, then enough steps to cover the background
-    // write (a fixed count on every rank: training's collectives stay in step), then wait(). The
+    // write (the same count on every rank: training's collectives stay in step), then wait(). The
     // time lost is everything beyond the same steps run without a save just before.
     overlap_steps =
         std::max(2, static_cast<int>(std::ceil(2 * *std::max_element(save_s.begin(), save_s.end()) / step_s)) + 1);
+    {  // Computed from this rank's timings: every rank takes the largest, or their steps would diverge.
+      at::Tensor mine = torch::tensor({static_cast<double>(overlap_steps)}, torch::kDouble);
+      at::Tensor all = torch::zeros({world}, torch::kDouble);
+      pg->world()->all_gather_into(all, mine)->wait();
+      overlap_steps = static_cast<int>(all.max().item<double>());
+    }
     for (int r = 0; r < reps; ++r) {
       const std::string d = dir + "/async" + std::to_string(r);
       if (rank == 0) fs::remove_all(d);
