@@ -23,8 +23,9 @@ struct AdamWScalars {
 
 // Elements [begin, end) of one AdamW update. The four arrays are distinct tensors (restrict) and
 // the scalars are locals, so the compiler vectorizes the loop; on x86-64 it is also built for AVX2
-// (twice the lanes, no FMA: the same roundings) and picked at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// (twice the lanes, no FMA: the same roundings) and picked at load time. Not under ThreadSanitizer:
+// the clone's resolver runs during relocation, before TSan's runtime exists, and crashed there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 void cpu_adamw_range(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
