@@ -67,7 +67,7 @@ struct Config {
 
 struct Sample {
   double step_ms, comm_ms, exposed_ms, peak_param_mb, peak_grad_mb;
-  double compute_ms;      // the computation inside units' forward and backward (the trace's compute spans)
+  double compute_ms;  // the computation inside units' forward and backward (the trace's compute spans)
   int max_unsharded;
   double modeled_ms = 0;  // the modeled communication of one iteration in effect for this sample
 };
@@ -207,18 +207,23 @@ int main(int argc, char** argv) {
       auto sharded = fsdp::fully_shard(probe, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>()));
       wire_bytes = wire_bytes_per_iteration(*sharded);
     }
-    double gbps = a.gbps;
-    if (gbps == 0) gbps = wire_bytes / (a.comm_ratio * compute_ms * 1e-3) / 1e9;
-    gbps = max_over_ranks(*pg, gbps);  // one value on every rank
     auto model_for = [&](double bandwidth) {
       return fsdp::NetworkModel()
           .intra(fsdp::Link().bandwidth_gbps(bandwidth).latency_us(a.latency_us))
           .inter(fsdp::Link().bandwidth_gbps(bandwidth).latency_us(a.latency_us))
           .ranks_per_host(pg->size());
     };
-    const auto model = model_for(gbps);
-    pg->set_network_model(model);
-    double modeled_ms = wire_bytes / (gbps * 1e9) * 1e3;
+    // The bandwidth at which one iteration's communication takes comm_ratio x `ms`.
+    auto bandwidth_for = [&](double ms) {
+      return wire_bytes / (a.comm_ratio * ms * 1e-3) / 1e9;
+    };
+    double gbps = 0, modeled_ms = 0;  // modeled_ms: one iteration's modeled communication
+    auto set_bandwidth = [&](double bandwidth) {
+      gbps = max_over_ranks(*pg, bandwidth);  // one value on every rank
+      pg->set_network_model(model_for(gbps));
+      modeled_ms = wire_bytes / (gbps * 1e9) * 1e3;
+    };
+    set_bandwidth(a.gbps > 0 ? a.gbps : bandwidth_for(compute_ms));
 
     if (root) {
       std::cout << "# libfsdp overlap benchmark (communication MODELED, computation real)\n"
@@ -231,9 +236,8 @@ int main(int argc, char** argv) {
                 << "# comm-ratio is relative to " << compute_ms << " ms ("
                 << (a.calibrate == "units" ? "computation inside units" : "not waiting on collectives")
                 << ", --calibrate " << a.calibrate << ")\n"
-                << "# " << model.describe() << "  => modeled comm " << wire_bytes / (gbps * 1e9) * 1e3
-                << " ms/iteration (~" << std::setprecision(2) << wire_bytes / (gbps * 1e9) * 1e3 / compute_ms
-                << "x compute)\n"
+                << "# " << model_for(gbps).describe() << "  => modeled comm " << modeled_ms << " ms/iteration (~"
+                << std::setprecision(2) << modeled_ms / compute_ms << "x compute)\n"
                 << "# " << a.reps << " repetitions x " << a.steps << " iterations (after " << a.warmup
                 << " warm-up) per configuration, interleaved; medians"
                 << (a.recalibrate && a.gbps == 0 ? "; the bandwidth is reset after each repetition's NONE run "
@@ -265,10 +269,7 @@ int main(int argc, char** argv) {
           std::vector<double> v;
           for (auto it = s.begin() + a.warmup; it != s.end(); ++it)
             v.push_back(a.calibrate == "units" ? it->compute_ms : it->step_ms - it->exposed_ms);
-          const double now_ms = max_over_ranks(*pg, median(v));
-          gbps = max_over_ranks(*pg, wire_bytes / (a.comm_ratio * now_ms * 1e-3) / 1e9);
-          pg->set_network_model(model_for(gbps));
-          modeled_ms = wire_bytes / (gbps * 1e9) * 1e3;
+          set_bandwidth(bandwidth_for(max_over_ranks(*pg, median(v))));
         }
       }
 

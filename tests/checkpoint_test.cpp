@@ -326,18 +326,6 @@ TEST(CheckpointReshard, SavedAtWorld4LoadsAtWorlds3And2And1WithOtherStrategiesAn
 
 // --- Bad input ----------------------------------------------------------------------------------
 
-void expect_error(const std::function<void()>& fn, const std::string& needle, const std::string& what) {
-  try {
-    fn();
-  } catch (const fsdp::Error& e) {
-    WORKER_CHECK(std::string(e.what()).find(needle) != std::string::npos, what, ": error '", e.what(),
-                 "' does not mention '", needle, "'");
-    std::cout << what << ": " << e.what() << std::endl;
-    return;
-  }
-  throw std::runtime_error(what + ": no error (expected one mentioning '" + needle + "')");
-}
-
 void copy_dir(const std::string& from, const std::string& to, const std::string& skip = "") {
   fs::create_directories(to);
   for (const auto& e : fs::directory_iterator(from))

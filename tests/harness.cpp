@@ -70,6 +70,18 @@ void expect_same_parameters(const torch::nn::Module& ref, fsdp::FullyShardedModu
   }
 }
 
+void expect_error(const std::function<void()>& fn, const std::string& needle, const std::string& what) {
+  try {
+    fn();
+  } catch (const fsdp::Error& e) {
+    WORKER_CHECK(std::string(e.what()).find(needle) != std::string::npos, what, ": error '", e.what(),
+                 "' does not mention '", needle, "'");
+    std::cout << what << ": " << e.what() << std::endl;
+    return;
+  }
+  throw std::runtime_error(what + ": no error (expected one mentioning '" + needle + "')");
+}
+
 namespace {
 
 int free_port() {

@@ -97,6 +97,10 @@ std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
 void expect_same_parameters(const torch::nn::Module& ref, fsdp::FullyShardedModule& sharded, double tol,
                             const std::string& what);
 
+// Inside a worker: `fn` must throw an fsdp::Error whose message contains `needle`; prints the
+// message under `what`, and throws (failing the worker) otherwise.
+void expect_error(const std::function<void()>& fn, const std::string& needle, const std::string& what);
+
 // One step of local training of `ref` on the global batch x and of sharded training of `model` on
 // this rank's `rows` rows of it, both on the loss mean(forward(x)^2).
 template <class Ref, class Model>

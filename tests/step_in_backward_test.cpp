@@ -89,14 +89,11 @@ FSDP_WORKER(equal_worker) {
     // Bit for bit against the step after backward; against local training within rounding.
     auto full_after = sharded_after->full_state_dict();
     auto full_during = sharded_during->full_state_dict();
-    for (const auto& kv : ref->named_parameters()) {
-      WORKER_CHECK(torch::equal(full_during.at(kv.key()), full_after.at(kv.key())), strategy, "/", kind, ": parameter ",
-                   kv.key(), " differs from a step after backward by rel ",
-                   rel_diff(full_during.at(kv.key()), full_after.at(kv.key())));
-      const double d = rel_diff(full_during.at(kv.key()), kv.value().detach());
-      WORKER_CHECK(d <= (dtype == at::kDouble ? 1e-10 : 1e-5), strategy, "/", kind, ": parameter ", kv.key(),
-                   " differs from local training by rel ", d);
-    }
+    for (const auto& [name, value] : full_after)
+      WORKER_CHECK(torch::equal(full_during.at(name), value), strategy, "/", kind, ": parameter ", name,
+                   " differs from a step after backward by rel ", rel_diff(full_during.at(name), value));
+    expect_same_parameters(*ref, *sharded_during, dtype == at::kDouble ? 1e-10 : 1e-5,
+                           strategy + "/" + kind + " against local training");
   }
   if (ctx.rank == 0) std::cout << strategy << " step in backward ok" << std::endl;
 }
@@ -137,11 +134,7 @@ FSDP_WORKER(usage_worker) {
       ref_opt->step();
       loss(*model, x.narrow(0, ctx.rank * 3, 3)).backward();
     }
-    auto full = sharded->full_state_dict();
-    for (const auto& kv : ref->named_parameters()) {
-      const double d = rel_diff(full.at(kv.key()), kv.value().detach());
-      WORKER_CHECK(d <= 1e-5, name, ": parameter ", kv.key(), " differs from local training by rel ", d);
-    }
+    expect_same_parameters(*ref, *sharded, 1e-5, name + " against local training");
     if (ctx.rank == 0) std::cout << name << " ok" << std::endl;
   }
 }
@@ -152,18 +145,6 @@ TEST(StepInBackward, ModulesUsedInUnusualWaysMatchLocalTraining) {
   EXPECT_TRUE(contains(r.ranks[0].output, "called_twice ok")) << r.report();
 }
 
-// Runs `fn`, which must throw an error containing `part`.
-template <class Fn>
-void expect_error(Fn fn, const std::string& part) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    WORKER_CHECK(contains(e.what(), part), "the error does not say '", part, "': ", e.what());
-    return;
-  }
-  WORKER_CHECK(false, "no error; expected one saying '", part, "'");
-}
-
 FSDP_WORKER(refusals_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   torch::manual_seed(3);
@@ -172,19 +153,20 @@ FSDP_WORKER(refusals_worker) {
       fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
   auto pieces = sharded->parameters();
   torch::optim::SGD partial({pieces.front()}, torch::optim::SGDOptions(0.1));
-  expect_error([&] { sharded->set_step_in_backward(&partial); }, "does not hold the shard piece");
+  expect_error([&] { sharded->set_step_in_backward(&partial); }, "does not hold the shard piece", "partial optimizer");
   torch::optim::SGD originals(model->parameters(), torch::optim::SGDOptions(0.1));
-  expect_error([&] { sharded->set_step_in_backward(&originals); }, "original parameter");
+  expect_error([&] { sharded->set_step_in_backward(&originals); }, "original parameter", "original parameters");
   torch::optim::LBFGS lbfgs(pieces, torch::optim::LBFGSOptions(0.1));
-  expect_error([&] { sharded->set_step_in_backward(&lbfgs); }, "LBFGS");
+  expect_error([&] { sharded->set_step_in_backward(&lbfgs); }, "LBFGS", "LBFGS");
 
   torch::optim::AdamW opt(pieces, torch::optim::AdamWOptions(0.01));
   sharded->set_step_in_backward(&opt);
   const auto x = at::randn({2, 6}, at::detail::createCPUGenerator(9 + ctx.rank));
   model->forward(x).pow(2).mean().backward();
-  expect_error([&] { sharded->clip_grad_norm_(1.0); }, "clip_grad_norm_: the module steps its optimizer in backward");
+  expect_error([&] { sharded->clip_grad_norm_(1.0); }, "clip_grad_norm_: the module steps its optimizer in backward",
+               "clipping");
   fsdp::GradScaler scaler(*sharded);
-  expect_error([&] { scaler.scale(torch::ones({})); }, "GradScaler: the module steps its optimizer");
+  expect_error([&] { scaler.scale(torch::ones({})); }, "GradScaler: the module steps its optimizer", "GradScaler");
   // Off again: a step after backward, with clipping, works as before.
   sharded->set_step_in_backward(nullptr);
   opt.zero_grad();
