@@ -427,6 +427,7 @@ bool FlatParam::finish_reduce() {
     land_host_grads();  // an earlier reduction of this backward (a unit run twice)
     host_grad_ = offload_->host_empty(shard_numel_, reduced_.scalar_type());
     host_grad_work_ = offload_->to_host(host_grad_, reduced_);
+    device_grad_copy_ = host_grad_work_;
     host_grad_slots_ = std::move(got);
     reduced_ = at::Tensor();
     return false;
@@ -460,7 +461,8 @@ void FlatParam::add_into_piece_grads(const at::Tensor& reduced, const std::vecto
 }
 
 void FlatParam::release_device_grad() {
-  if (host_grad_work_) offload_->release_source(host_grad_work_);
+  if (device_grad_copy_) offload_->release_source(device_grad_copy_);
+  device_grad_copy_ = nullptr;
 }
 
 bool FlatParam::land_host_grads() {

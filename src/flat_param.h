@@ -116,6 +116,8 @@ class FlatParam {
   // CPU offload: finish_reduce() queued the reduced shard's copy to the host; this waits for it
   // and adds it into the pieces' .grad. Returns false (a no-op) without one pending.
   bool land_host_grads();
+  // CPU offload: a reduced shard is on its way to the host (land_host_grads() would land it).
+  bool host_grad_pending() const { return host_grad_work_ != nullptr; }
   // CPU offload: frees the device copy of the reduced shard that is on its way to the host, in
   // stream order (CpuOffloader::release_source), so device memory does not hold every gradient
   // until the end of backward.
@@ -176,7 +178,8 @@ class FlatParam {
   // slots in `slots`; `in_place`: `reduced` may be scaled and aliased (a host copy of its own).
   void add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place);
   at::Tensor host_grad_;                  // CPU offload: the reduced shard's host copy, landing
-  WorkPtr host_grad_work_;                // its copy
+  WorkPtr host_grad_work_;                // its copy (land_host_grads() runs on the step's own thread)
+  WorkPtr device_grad_copy_;              // the same copy, for release_device_grad() on backward's thread
   std::vector<uint8_t> host_grad_slots_;  // the slots it holds gradients of
   bool reduce_started_ = false;           // start_reduce() ran and finish_reduce() did not yet
   bool defer_replicas_ = false;           // this reduction skips the replica all-reduce: finish keeps it

@@ -95,10 +95,10 @@ void FullyShardedModule::set_requires_gradient_sync(bool sync) {
   state_->reducer().set_sync(sync);
 }
 
-void FullyShardedModule::set_step_in_backward(torch::optim::Optimizer* optimizer) {
+void FullyShardedModule::set_step_in_backward(torch::optim::Optimizer* optimizer, StepThread thread) {
   std::lock_guard<std::recursive_mutex> lock(state_->mutex());
   if (optimizer) check_optimizer(*optimizer);
-  state_->reducer().stepper().set(optimizer, state_->flat_params());
+  state_->reducer().stepper().set(optimizer, thread, state_->flat_params());
 }
 
 void FullyShardedModule::set_requires_all_reduce(bool on) {

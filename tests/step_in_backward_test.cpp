@@ -35,6 +35,8 @@ void set_lr(torch::optim::Optimizer& opt, const std::string& kind, double lr) {
 FSDP_WORKER(equal_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0);
+  const bool own = ctx.args.at(1) == "own";  // the steps on a thread of their own
+  const std::string track = own ? "optimizer thread" : "compute";
   const int factor = strategy == "HYBRID_SHARD" ? 2 : 0;
   for (const std::string kind : {"adamw", "sgd", "fused"}) {
     const auto dtype = kind == "fused" ? at::kFloat : at::kDouble;  // FusedAdamW's own kernel is float32's
@@ -54,7 +56,7 @@ FSDP_WORKER(equal_worker) {
     auto ref_opt = make_optimizer(kind, ref->parameters());
     auto after_opt = make_optimizer(kind, sharded_after->parameters());
     auto during_opt = make_optimizer(kind, sharded_during->parameters());
-    sharded_during->set_step_in_backward(during_opt.get());
+    sharded_during->set_step_in_backward(during_opt.get(), own ? fsdp::StepThread::kOwn : fsdp::StepThread::kAuto);
     const int rows = 2;
     for (int step = 0; step < 5; ++step) {
       if (step == 2)
@@ -84,7 +86,11 @@ FSDP_WORKER(equal_worker) {
       if (step % 2 == 0) during_opt->step();  // every piece was stepped already: nothing happens
     }
     int steps_traced = 0;
-    for (const auto& e : sharded_during->last_trace().events) steps_traced += e.kind == fsdp::TraceEvent::Kind::kStep;
+    for (const auto& e : sharded_during->last_trace().events)
+      if (e.kind == fsdp::TraceEvent::Kind::kStep) {
+        WORKER_CHECK(e.track == track, strategy, "/", kind, ": a step ran on '", e.track, "', not '", track, "'");
+        ++steps_traced;
+      }
     WORKER_CHECK(steps_traced > 0, strategy, "/", kind, ": the trace shows no optimizer step in backward");
     // Bit for bit against the step after backward; against local training within rounding.
     auto full_after = sharded_after->full_state_dict();
@@ -95,19 +101,24 @@ FSDP_WORKER(equal_worker) {
     expect_same_parameters(*ref, *sharded_during, dtype == at::kDouble ? 1e-10 : 1e-5,
                            strategy + "/" + kind + " against local training");
   }
-  if (ctx.rank == 0) std::cout << strategy << " step in backward ok" << std::endl;
+  if (ctx.rank == 0) std::cout << strategy << " step in backward ok on " << track << std::endl;
 }
 
-TEST(StepInBackward, EqualsAStepAfterBackwardAndLocalTraining) {
+void expect_equal_runs(const std::string& thread) {
   for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}) {
-    auto r = launch("equal_worker", 3, {strategy});
+    auto r = launch("equal_worker", 3, {strategy, thread});
     ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
     EXPECT_TRUE(contains(r.ranks[0].output, std::string(strategy) + " step in backward ok")) << r.report();
   }
-  auto r = launch("equal_worker", 4, {"HYBRID_SHARD"});
+  auto r = launch("equal_worker", 4, {"HYBRID_SHARD", thread});
   ASSERT_TRUE(r.all_ok()) << r.report();
   EXPECT_TRUE(contains(r.ranks[0].output, "HYBRID_SHARD step in backward ok")) << r.report();
 }
+
+TEST(StepInBackward, EqualsAStepAfterBackwardAndLocalTraining) { expect_equal_runs("backward"); }
+
+// The same on the step's own thread (StepThread::kOwn), where backward goes on while units step.
+TEST(StepInBackward, OnItsOwnThreadEqualsAStepAfterBackward) { expect_equal_runs("own"); }
 
 // Modules used in unusual ways (an unused one, one used in two graphs, one called twice).
 FSDP_WORKER(usage_worker) {
@@ -126,7 +137,8 @@ FSDP_WORKER(usage_worker) {
         fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
     auto ref_opt = make_optimizer("adamw", ref->parameters());
     auto opt = make_optimizer("adamw", sharded->parameters());
-    sharded->set_step_in_backward(opt.get());
+    sharded->set_step_in_backward(opt.get(),
+                                  ctx.args.at(0) == "own" ? fsdp::StepThread::kOwn : fsdp::StepThread::kBackward);
     for (int step = 0; step < 3; ++step) {
       auto x = at::randn({3 * ctx.world, 5}, at::detail::createCPUGenerator(60 + step));
       ref_opt->zero_grad();
@@ -140,9 +152,11 @@ FSDP_WORKER(usage_worker) {
 }
 
 TEST(StepInBackward, ModulesUsedInUnusualWaysMatchLocalTraining) {
-  auto r = launch("usage_worker", 3);
-  ASSERT_TRUE(r.all_ok()) << r.report();
-  EXPECT_TRUE(contains(r.ranks[0].output, "called_twice ok")) << r.report();
+  for (const char* thread : {"backward", "own"}) {
+    auto r = launch("usage_worker", 3, {thread});
+    ASSERT_TRUE(r.all_ok()) << thread << "\n" << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output, "called_twice ok")) << r.report();
+  }
 }
 
 FSDP_WORKER(refusals_worker) {
@@ -158,6 +172,15 @@ FSDP_WORKER(refusals_worker) {
   expect_error([&] { sharded->set_step_in_backward(&originals); }, "original parameter", "original parameters");
   torch::optim::LBFGS lbfgs(pieces, torch::optim::LBFGSOptions(0.1));
   expect_error([&] { sharded->set_step_in_backward(&lbfgs); }, "LBFGS", "LBFGS");
+  // Its own thread only with nothing but this module's pieces: autograd writes other tensors'
+  // gradients while the thread would read them. Automatic: backward's thread then.
+  std::vector<at::Tensor> with_extra = pieces;
+  with_extra.push_back(torch::zeros({3}, torch::requires_grad()));
+  torch::optim::SGD extra(with_extra, torch::optim::SGDOptions(0.1));
+  expect_error([&] { sharded->set_step_in_backward(&extra, fsdp::StepThread::kOwn); },
+               "holds a tensor that is not a shard piece", "own thread with a foreign tensor");
+  sharded->set_step_in_backward(&extra, fsdp::StepThread::kAuto);
+  sharded->set_step_in_backward(nullptr);
 
   torch::optim::AdamW opt(pieces, torch::optim::AdamWOptions(0.01));
   sharded->set_step_in_backward(&opt);
@@ -174,6 +197,41 @@ FSDP_WORKER(refusals_worker) {
   sharded->clip_grad_norm_(1.0);
   opt.step();
   if (ctx.rank == 0) std::cout << "refusals ok" << std::endl;
+}
+
+// An optimizer whose step fails on its third call: the error reaches backward's caller on every
+// rank, naming the unit, on either thread; nothing hangs.
+class FailingSGD : public torch::optim::SGD {
+ public:
+  using torch::optim::SGD::SGD;
+  at::Tensor step(LossClosure closure = nullptr) override {
+    if (++calls_ == 3) throw std::runtime_error("out of host memory (injected)");
+    return torch::optim::SGD::step(std::move(closure));
+  }
+
+ private:
+  int calls_ = 0;
+};
+
+FSDP_WORKER(failing_step_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  torch::manual_seed(3);
+  MLP model(6, 10, 3, 3);
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  FailingSGD opt(sharded->parameters(), torch::optim::SGDOptions(0.1));
+  sharded->set_step_in_backward(&opt, ctx.args.at(0) == "own" ? fsdp::StepThread::kOwn : fsdp::StepThread::kBackward);
+  const auto x = at::randn({2, 6}, at::detail::createCPUGenerator(9 + ctx.rank));
+  expect_error([&] { model->forward(x).pow(2).mean().backward(); }, "out of host memory (injected)", "a failing step");
+  if (ctx.rank == 0) std::cout << "failure reported" << std::endl;
+}
+
+TEST(StepInBackward, AFailingStepFailsBackwardOnEitherThread) {
+  for (const char* thread : {"backward", "own"}) {
+    auto r = launch("failing_step_worker", 2, {thread});
+    ASSERT_TRUE(r.all_ok()) << thread << "\n" << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output, "failure reported")) << r.report();
+  }
 }
 
 TEST(StepInBackward, RefusesWhatItCannotDoAndNamesTheFix) {

@@ -33,6 +33,13 @@ struct UnitInfo {
   int64_t shard_bytes = 0;   // this rank's shard in bytes
 };
 
+// Where the optimizer step in backward runs (FullyShardedModule::set_step_in_backward).
+enum class StepThread {
+  kAuto,      // kOwn under CPU offload when the optimizer holds only this module's pieces; else kBackward
+  kBackward,  // backward's own thread, between units' gradient computations
+  kOwn,       // a host thread of the module's own, beside backward (the optimizer may hold only its pieces)
+};
+
 class FullyShardedModule {
  public:
   ~FullyShardedModule();
@@ -63,10 +70,11 @@ class FullyShardedModule {
   // Optimizer step in backward: while set, every backward that reduces gradients steps `optimizer`
   // on each unit's shard pieces as soon as their reduced gradients are in, overlapping the step
   // with the reductions still running, and then drops those gradients (a later optimizer.step()
-  // skips them). The result equals a step after backward. `optimizer` must hold every trainable
-  // piece and outlive the setting; nullptr turns it off. Refused: clip_grad_norm_ and GradScaler
-  // while set. Every rank must set it alike. See Note [Step in backward].
-  void set_step_in_backward(torch::optim::Optimizer* optimizer);
+  // skips them). The result equals a step after backward; backward returns once every step ran.
+  // `thread` says where the steps run (StepThread). `optimizer` must hold every trainable piece
+  // and outlive the setting; nullptr turns it off. Refused: clip_grad_norm_ and GradScaler while
+  // set. Every rank must set it alike. See Notes [Step in backward], [Step on its own thread].
+  void set_step_in_backward(torch::optim::Optimizer* optimizer, StepThread thread = StepThread::kAuto);
 
   // Gradient accumulation without communication: while off, backward keeps each unit's unsharded
   // gradient and adds later backwards into it, with no reduction; the first backward with it on

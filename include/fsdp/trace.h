@@ -17,7 +17,7 @@ struct TraceEvent {
     kReshard,        // instant, compute thread: the unsharded parameters were freed
     kReduceIssued,   // instant, compute thread: the gradient reduction was issued
     kReduce,         // span, communicator track: the reduce-scatter / all-reduce ran
-    kStep,           // span, compute thread: the optimizer stepped the unit's shard (step in backward)
+    kStep,           // span, compute or optimizer thread: the optimizer stepped the unit's shard (step in backward)
   };
   Kind kind;
   int unit = -1;           // unit index (FullyShardedModule::units()); -1 if none

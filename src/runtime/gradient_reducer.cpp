@@ -18,6 +18,7 @@ GradientReducer::GradientReducer(std::vector<Unit>& units, std::vector<std::uniq
       memory_(memory) {}
 
 void GradientReducer::begin_backward() {
+  stepper_.wait_all(tracer_);  // a backward that failed may have left steps running
   update_sharded_grad_bytes();
   // A piece whose gradient is gone, replaced or written since the last backward: the user zeroed
   // (or dropped) gradients, so this backward starts a new sum.
@@ -102,10 +103,17 @@ void GradientReducer::finish_reduction(int f) {
   FlatParam& fp = *flat_params_[f];
   const bool done = !fp.reduce_pending() || !fp.reduce_work() || fp.reduce_work()->completed();
   const auto start = Tracer::Clock::now();
-  const bool grads_in = fp.finish_reduce();
+  if (fp.reduce_work()) fp.reduce_work()->wait();  // not holding the gradients' lock
+  bool grads_in;
+  {
+    auto lock = stepper_.lock_grads();
+    grads_in = fp.finish_reduce();
+  }
   if (!done)
     tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
-  if (grads_in) step(fp);
+  // Under CPU offload the gradients are on their way to the host: the step's own thread lands and
+  // steps them as they arrive; backward's thread does both at the end of backward (finish_all).
+  if (grads_in || (stepper_.own_thread() && fp.host_grad_pending())) step(fp);
   if (fp.offloaded()) {
     // Its copy to the host overlaps the next reductions' compute; the oldest copies' device
     // buffers are let go in stream order once more than the reductions in flight are pending.
@@ -129,16 +137,19 @@ void GradientReducer::finish_reductions(size_t keep_in_flight) {
 
 void GradientReducer::finish_all() {
   finish_reductions(0);
-  to_host_order_.clear();
+  stepper_.wait_all(tracer_);
   for (auto& fp : flat_params_)
     if (fp->land_host_grads()) step(*fp);
+  stepper_.wait_all(tracer_);
+  for (int f : to_host_order_) flat_params_[f]->release_device_grad();  // their copies have landed
+  to_host_order_.clear();
 }
 
 void GradientReducer::step(FlatParam& fp) {
   if (!stepper_.on()) return;
   const auto start = Tracer::Clock::now();
   stepper_.step(fp, units_[fp.unit()].name());
-  tracer_.step(fp.unit(), start, Tracer::Clock::now());
+  if (!stepper_.own_thread()) tracer_.step(fp.unit(), start, Tracer::Clock::now());  // else: wait_all traces it
 }
 
 void GradientReducer::broadcast_buffers(const std::vector<std::pair<std::string, at::Tensor>>& buffers) {
@@ -180,6 +191,7 @@ void GradientReducer::end_backward() {
 
 void GradientReducer::update_sharded_grad_bytes() {
   int64_t bytes = 0;
+  auto lock = stepper_.lock_grads();
   for (const auto& fp : flat_params_) bytes += fp->sharded_grad_bytes();
   memory_.set_sharded_grad_bytes(bytes);
 }

@@ -55,10 +55,10 @@ void Tracer::wait(int unit, std::string label, Clock::time_point start, Clock::t
   events_.push_back({TraceEvent::Kind::kWait, unit, std::move(label), "compute", since_start_us(start), us});
 }
 
-void Tracer::step(int unit, Clock::time_point start, Clock::time_point end) {
+void Tracer::step(int unit, Clock::time_point start, Clock::time_point end, std::string track) {
   if (!enabled_) return;
   const double us = std::chrono::duration<double, std::micro>(end - start).count();
-  events_.push_back({TraceEvent::Kind::kStep, unit, "optimizer step", "compute", since_start_us(start), us});
+  events_.push_back({TraceEvent::Kind::kStep, unit, "optimizer step", std::move(track), since_start_us(start), us});
 }
 
 void Tracer::enter_compute(int unit) {

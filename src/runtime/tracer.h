@@ -23,8 +23,9 @@ class Tracer {
   void collective(TraceEvent::Kind kind, int unit, std::string label, std::string track, WorkPtr work);
   // A span of the compute thread waiting for a collective (exposed communication).
   void wait(int unit, std::string label, Clock::time_point start, Clock::time_point end);
-  // A span of the compute thread running the optimizer step of a unit's shard in backward.
-  void step(int unit, Clock::time_point start, Clock::time_point end);
+  // A span of `track` (the compute thread, or the step's own) running the optimizer step of a
+  // unit's shard in backward.
+  void step(int unit, Clock::time_point start, Clock::time_point end, std::string track = "compute");
   // Compute spans: the computation entered `unit` (closing the previous span), or left all units.
   void enter_compute(int unit);
   void leave_compute();
