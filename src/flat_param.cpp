@@ -239,15 +239,15 @@ std::string FlatParam::reduce_track() const {
   return group_.shard_comm ? group_.shard_comm->name() : group_.world_comm->name();
 }
 
-bool FlatParam::is_grad_alias(const ParamSlot& s, const at::Tensor& g) const {
-  return full_grad_.defined() && g.defined() &&
-         g.storage().unsafeGetStorageImpl() == full_grad_.storage().unsafeGetStorageImpl() &&
+bool FlatParam::is_grad_alias(const ParamSlot& s, const at::Tensor& g, const at::Tensor& store) const {
+  return store.defined() && g.defined() &&
+         g.storage().unsafeGetStorageImpl() == store.storage().unsafeGetStorageImpl() &&
          g.storage_offset() == s.piece_offset && g.dim() == 1 && g.numel() == s.piece_numel && g.is_contiguous();
 }
 
-at::Tensor FlatParam::grad_alias(const ParamSlot& s) const {
+at::Tensor FlatParam::grad_alias(const ParamSlot& s, const at::Tensor& store) const {
   // set_, not narrow: not an autograd view, so optimizers' zero_grad() may detach_() it.
-  return alias(full_grad_.storage(), s.piece_offset, {s.piece_numel}, full_grad_);
+  return alias(store.storage(), s.piece_offset, {s.piece_numel}, store);
 }
 
 bool FlatParam::ensure_grad_buffer() {
@@ -278,9 +278,9 @@ bool FlatParam::ensure_grad_buffer() {
     if (!s.piece.defined()) continue;
     at::Tensor& g = s.piece.mutable_grad();
     if (!g.defined()) continue;
-    if (!is_grad_alias(s, g)) {
+    if (!is_grad_alias(s, g, full_grad_)) {
       full_grad_.narrow(0, s.piece_offset, s.piece_numel).copy_(g);
-      g = grad_alias(s);
+      g = grad_alias(s, full_grad_);
     }
     kept_[i] = 1;
   }
@@ -376,7 +376,7 @@ void FlatParam::start_reduce(bool across_replicas) {
   }
 }
 
-bool FlatParam::finish_reduce() {
+bool FlatParam::finish_reduce(bool defer_landing) {
   if (!reduce_started_) return false;
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
@@ -389,15 +389,16 @@ bool FlatParam::finish_reduce() {
     // The sum is in the store: average in place (a kept gradient, the same on every rank, comes
     // back as world * g / world), then give the pieces that got a gradient their alias.
     if (group_.world_size > 1) full_grad_.mul_(scale);
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      ParamSlot& s = slots_[i];
-      if (!s.piece.defined() || !(s.got_grad || kept_[i])) continue;  // unused: no gradient, as in local training
-      at::Tensor& g = s.piece.mutable_grad();
-      if (!is_grad_alias(s, g)) g = grad_alias(s);
-    }
-    full_grad_ = at::Tensor();  // the pieces' gradients keep the store alive
+    Landing landing;
+    landing.values = std::move(full_grad_);  // the pieces' gradients keep the store alive
+    landing.alias_store = true;
+    landing.slots.assign(slots_.size(), 0);
+    for (size_t i = 0; i < slots_.size(); ++i)  // unused: no gradient, as in local training
+      landing.slots[i] = slots_[i].got_grad || kept_[i];
+    full_grad_ = at::Tensor();
     reduced_ = at::Tensor();
-    return true;
+    landing_ = std::move(landing);
+    return defer_landing ? false : land_grads();
   }
   const bool reduced_in_place = reduced_.is_same(full_grad_);
   memory_->add_grad(-full_grad_.nbytes());
@@ -423,18 +424,22 @@ bool FlatParam::finish_reduce() {
   partial_slots_.clear();
   if (!reduced_in_place) memory_->add_grad(-reduced_.nbytes());
   if (offload_) {
-    // Copied to the host while backward goes on; land_host_grads() averages it into the pieces.
-    land_host_grads();  // an earlier reduction of this backward (a unit run twice)
-    host_grad_ = offload_->host_empty(shard_numel_, reduced_.scalar_type());
-    host_grad_work_ = offload_->to_host(host_grad_, reduced_);
-    device_grad_copy_ = host_grad_work_;
-    host_grad_slots_ = std::move(got);
+    // Copied to the host while backward goes on; land_grads() averages it into the pieces.
+    land_grads();  // an earlier reduction of this backward (a unit run twice)
+    Landing landing;
+    landing.values = offload_->host_empty(shard_numel_, reduced_.scalar_type());
+    landing.copy = offload_->to_host(landing.values, reduced_);
+    landing.slots = std::move(got);
+    landing.in_place = true;  // a host copy of its own
+    device_grad_copy_ = landing.copy;
+    landing_ = std::move(landing);
     reduced_ = at::Tensor();
     return false;
   }
-  add_into_piece_grads(reduced_, got, /*in_place=*/false);
+  landing_.values = std::move(reduced_);
+  landing_.slots = std::move(got);
   reduced_ = at::Tensor();
-  return true;
+  return defer_landing ? false : land_grads();
 }
 
 void FlatParam::add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place) {
@@ -465,16 +470,23 @@ void FlatParam::release_device_grad() {
   device_grad_copy_ = nullptr;
 }
 
-bool FlatParam::land_host_grads() {
-  if (!host_grad_work_) return false;
+bool FlatParam::land_grads() {
+  if (!landing_.values.defined()) return false;
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
-  WorkPtr work = std::move(host_grad_work_);
-  host_grad_work_ = nullptr;
-  work->wait();
-  add_into_piece_grads(host_grad_, host_grad_slots_, /*in_place=*/true);
-  host_grad_ = at::Tensor();
-  host_grad_slots_.clear();
+  Landing landing = std::move(landing_);
+  landing_ = Landing();
+  if (landing.copy) landing.copy->wait();
+  if (landing.alias_store) {
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      ParamSlot& s = slots_[i];
+      if (!s.piece.defined() || !landing.slots[i]) continue;
+      at::Tensor& g = s.piece.mutable_grad();
+      if (!is_grad_alias(s, g, landing.values)) g = grad_alias(s, landing.values);
+    }
+  } else {
+    add_into_piece_grads(landing.values, landing.slots, landing.in_place);
+  }
   return true;
 }
 

@@ -111,13 +111,13 @@ class FlatParam {
   // The reduction in flight; null if it needed no communication (a world of one).
   const WorkPtr& reduce_work() const { return pending_work_; }
   // True when the pieces' .grad now hold the reduction; false when it is kept for the reduction
-  // across replicas, or (CPU offload) is on its way to the host.
-  bool finish_reduce();
-  // CPU offload: finish_reduce() queued the reduced shard's copy to the host; this waits for it
-  // and adds it into the pieces' .grad. Returns false (a no-op) without one pending.
-  bool land_host_grads();
-  // CPU offload: a reduced shard is on its way to the host (land_host_grads() would land it).
-  bool host_grad_pending() const { return host_grad_work_ != nullptr; }
+  // across replicas, is on its way to the host (CPU offload), or `defer_landing` left it for
+  // land_grads() (the step's own thread lands it; Note [Step on its own thread]).
+  bool finish_reduce(bool defer_landing = false);
+  // Adds a reduction finish_reduce() left pending into the pieces' .grad, first waiting for its
+  // copy to the host under CPU offload. Returns false (a no-op) without one pending.
+  bool land_grads();
+  bool landing_pending() const { return landing_.values.defined(); }
   // CPU offload: frees the device copy of the reduced shard that is on its way to the host, in
   // stream order (CpuOffloader::release_source), so device memory does not hold every gradient
   // until the end of backward.
@@ -171,16 +171,23 @@ class FlatParam {
   // NO_SHARD: the storage the pieces' gradients alias (alive while any of them is).
   c10::weak_intrusive_ptr<c10::StorageImpl> grad_store_{c10::intrusive_ptr<c10::StorageImpl>()};
   // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
-  at::Tensor grad_alias(const ParamSlot& s) const;
-  bool is_grad_alias(const ParamSlot& s, const at::Tensor& g) const;
+  at::Tensor grad_alias(const ParamSlot& s, const at::Tensor& store) const;
+  bool is_grad_alias(const ParamSlot& s, const at::Tensor& g, const at::Tensor& store) const;
   at::Tensor reduced_;  // the reduction's output
   // Moves the averaged reduction (`reduced`, this shard's sums) into the pieces' .grad of the
   // slots in `slots`; `in_place`: `reduced` may be scaled and aliased (a host copy of its own).
   void add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place);
-  at::Tensor host_grad_;                  // CPU offload: the reduced shard's host copy, landing
-  WorkPtr host_grad_work_;                // its copy (land_host_grads() runs on the step's own thread)
-  WorkPtr device_grad_copy_;              // the same copy, for release_device_grad() on backward's thread
-  std::vector<uint8_t> host_grad_slots_;  // the slots it holds gradients of
+  // A finished reduction not yet in the pieces' .grad (land_grads(), on backward's thread or the
+  // step's own).
+  struct Landing {
+    at::Tensor values;           // this shard's sums (NO_SHARD: the averaged store); undefined: none
+    WorkPtr copy;                // CPU offload: values' copy to the host
+    std::vector<uint8_t> slots;  // the slots it holds gradients of
+    bool in_place = false;       // values may be scaled and aliased (a host copy of its own)
+    bool alias_store = false;    // NO_SHARD: the pieces' .grad alias values, already averaged
+  };
+  Landing landing_;
+  WorkPtr device_grad_copy_;  // CPU offload: landing_.copy, for release_device_grad() on backward's thread
   bool reduce_started_ = false;           // start_reduce() ran and finish_reduce() did not yet
   bool defer_replicas_ = false;           // this reduction skips the replica all-reduce: finish keeps it
   bool replica_reduce_issued_ = false;

@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   int layers = 24, width = 2048, heads = 16, context = 1024, batch = 8, warmup = 3, steps = 10, seed = 1;
   int peak_n = 8192;
   double peak_tflops = 0;
-  bool mixed_precision = false, offload = false;
+  bool mixed_precision = false, offload = false, step_in_backward = false;
   app.add_option("--mode", mode, "local | fsdp | peak")->check(CLI::IsMember({"local", "fsdp", "peak"}));
   app.add_option("--strategy", strategy, "fsdp mode: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");
   app.add_option("--dtype", dtype_name, "bf16 | f32: the model's parameters, gradients and AdamW state")
@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
   app.add_flag("--mixed-precision", mixed_precision,
                "fsdp mode: MixedPrecision(param bf16, reduce f32) over the --dtype masters (use --dtype f32)");
   app.add_flag("--offload", offload, "fsdp mode: CpuOffload: shards, gradients and the optimizer step in host memory");
+  app.add_flag("--step-in-backward", step_in_backward,
+               "fsdp mode: the optimizer steps each unit in backward (set_step_in_backward; under --offload on a "
+               "host thread of its own, beside the device's backward)");
   CLI11_PARSE(app, argc, argv);
 
   FSDP_CHECK(torch::cuda::is_available(), "gpu_gpt_bench needs a CUDA device (none is visible)");
@@ -167,6 +170,8 @@ int main(int argc, char** argv) {
     else
       optimizer_ptr = std::make_unique<torch::optim::AdamW>(trained, adamw_options);
     torch::optim::Optimizer& optimizer = *optimizer_ptr;
+    FSDP_CHECK(!step_in_backward || sharded, "--step-in-backward needs --mode fsdp");
+    if (step_in_backward) sharded->set_step_in_backward(&optimizer);
     c10::cuda::device_synchronize();
     const double build_s = seconds_since(built);
 
@@ -239,6 +244,7 @@ int main(int argc, char** argv) {
                 {"optimizer_wall_ms", median(optimizer_wall_ms)},
                 {"mixed_precision", mixed_precision},
                 {"offload", offload},
+                {"step_in_backward", step_in_backward},
                 {"host_peak_rss_bytes", host_peak_rss_bytes()},
                 {"tokens_per_s", tokens_per_s},
                 {"tflops", tflops},

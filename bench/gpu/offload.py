@@ -7,7 +7,9 @@ float32 master weights and a bf16 compute policy (param bf16, reduce f32) for ev
            each with its framework's fused AdamW on the device.
   offload  shards, gradients and the optimizer step in host memory: libfsdp CpuOffload vs FSDP2
            CPUOffloadPolicy, with each framework's CPU AdamW (LibTorch's / PyTorch's default) and
-           with its fastest (fsdp::FusedAdamW's CPU kernel / torch AdamW(fused=True) on the CPU).
+           with its fastest (fsdp::FusedAdamW's CPU kernel / torch AdamW(fused=True) on the CPU); and
+           libfsdp with FusedAdamW stepping each unit in backward, on a host thread beside the
+           device's backward (set_step_in_backward).
 Writes raw-offload.jsonl and offload.md (medians, ratios, host memory, optimizer wall time, the
 bytes each step moves between host and device).
 
@@ -51,6 +53,8 @@ def main():
                "PyTorch FSDP2, fused AdamW": fsdp2 + ["--optimizer", "fused"]},
         "offload": {"libfsdp offload, LibTorch AdamW": ours + ["--offload", "--optimizer", "adamw"],
                     "libfsdp offload, FusedAdamW": ours + ["--offload", "--optimizer", "fused"],
+                    "libfsdp offload, FusedAdamW, step in backward": ours + ["--offload", "--optimizer", "fused",
+                                                                              "--step-in-backward"],
                     "PyTorch FSDP2 offload, AdamW": fsdp2 + ["--offload", "--optimizer", "adamw"],
                     "PyTorch FSDP2 offload, AdamW(fused)": fsdp2 + ["--offload", "--optimizer", "fused"]},
     }

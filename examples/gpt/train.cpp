@@ -85,6 +85,7 @@ struct TrainConfig {
   int reshard_after_forward_size = 0;              // ranks a resharded block stays sharded over until backward
   bool activation_checkpointing = false;
   bool step_in_backward = false;  // FullyShardedModule::set_step_in_backward
+  std::string step_thread = "auto";  // its fsdp::StepThread
   // Checkpoints (docs/checkpoints.md).
   std::string save_dir;
   int save_every = 0;  // 0: only at the end (and at --stop-after / SIGTERM)
@@ -193,6 +194,11 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_flag("--step-in-backward", config.step_in_backward,
                "Step the optimizer on each unit's shard as soon as its gradients are reduced, overlapping the step "
                "with communication (not with --clip-grad-norm, fp16 or --grad-accum-mode reduce)");
+  app.add_option("--step-thread", config.step_thread,
+                 "With --step-in-backward, where the steps run: auto (a thread of their own under offload, else "
+                 "backward's), backward, or own (a host thread beside backward)")
+      ->transform(CLI::IsMember({"auto", "backward", "own"}, CLI::ignore_case))
+      ->capture_default_str();
   app.add_option("--reshard-after-forward", config.reshard_after_forward,
                  "strategy (its own choice), true or false for every block, or except-last (every block but the "
                  "last, which backward needs first)")
@@ -243,6 +249,8 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
   if (config.grad_accum_mode == "replica-deferred" && config.strategy != "HYBRID_SHARD")
     throw CLI::ValidationError("--grad-accum-mode", "replica-deferred needs --strategy HYBRID_SHARD (got " +
                                                         config.strategy + "); use no-sync");
+  if (!config.step_in_backward && config.step_thread != "auto")
+    throw CLI::ValidationError("--step-thread", "says where the steps in backward run; add --step-in-backward");
   if (config.step_in_backward) {
     if (config.clip_grad_norm > 0)
       throw CLI::ValidationError("--step-in-backward",
@@ -900,7 +908,9 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                                                        : std::string())},
       {"activation checkpointing", config.activation_checkpointing ? "every block (recomputed in backward)" : "off"},
       {"optimizer step",
-       config.step_in_backward ? "in backward, unit by unit as gradients are reduced" : "after backward"},
+       config.step_in_backward
+           ? "in backward, unit by unit as gradients are reduced (thread: " + config.step_thread + ")"
+           : std::string("after backward")},
       {"gradient clipping", config.clip_grad_norm > 0 ? "total 2-norm " + fixed(config.clip_grad_norm, 3) : "off"},
       {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
                        ", forward " + (config.forward_prefetch ? "on" : "off")},
@@ -1137,7 +1147,10 @@ int run(int argc, char** argv) {
   BuiltModel built = build_model(config);
   auto sharded = shard_model(built, config, pg);
   auto optimizer = build_optimizer(*sharded, built.original_dims, config);
-  if (config.step_in_backward) sharded->set_step_in_backward(optimizer.get());
+  if (config.step_in_backward)
+    sharded->set_step_in_backward(optimizer.get(), config.step_thread == "own"        ? fsdp::StepThread::kOwn
+                                                   : config.step_thread == "backward" ? fsdp::StepThread::kBackward
+                                                                                      : fsdp::StepThread::kAuto);
 
   job.tokens_per_step = static_cast<int64_t>(job.world) * config.batch_per_rank * config.context;
   job.flops_per_token = training_flops_per_token(built.parameter_count, config);

@@ -20,7 +20,7 @@ BackwardStepper::~BackwardStepper() {
 
 void BackwardStepper::set(torch::optim::Optimizer* optimizer, StepThread thread,
                           const std::vector<std::unique_ptr<FlatParam>>& flat_params) {
-  bool only_pieces = true, offloaded = false;
+  bool only_pieces = true, offloaded = false;  // held by the optimizer; CPU offload
   if (optimizer) {
     FSDP_CHECK(dynamic_cast<torch::optim::LBFGS*>(optimizer) == nullptr,
                "set_step_in_backward: LBFGS steps with a closure over the whole model and cannot step one unit "
@@ -33,6 +33,11 @@ void BackwardStepper::set(torch::optim::Optimizer* optimizer, StepThread thread,
       for (const auto& s : fp->slots()) {
         if (!s.piece.defined()) continue;
         pieces.insert(s.piece.unsafeGetTensorImpl());
+        FSDP_CHECK(thread != StepThread::kOwn || s.piece.is_cpu(),
+                   "set_step_in_backward(..., StepThread::kOwn): the shard piece of parameter '", s.name, "' is on ",
+                   s.piece.device(), ", where the step is kernels queued in stream order from backward's thread; "
+                   "the step's own thread is for shards in host memory (CPU training, or Options::offload). Use "
+                   "StepThread::kAuto or kBackward");
         FSDP_CHECK(!s.piece.requires_grad() || held.count(s.piece.unsafeGetTensorImpl()),
                    "set_step_in_backward: the optimizer does not hold the shard piece of parameter '", s.name,
                    "', so it would never be stepped. Build the optimizer over FullyShardedModule::parameters()");
@@ -54,7 +59,6 @@ void BackwardStepper::set(torch::optim::Optimizer* optimizer, StepThread thread,
   // Automatic: its own thread under CPU offload, where the step runs on the host while the device
   // computes; on backward's thread otherwise, where both would share the same cores.
   own_thread_ = optimizer && (thread == StepThread::kOwn || (thread == StepThread::kAuto && offloaded && only_pieces));
-  offloaded_ = offloaded;
   claimed_.assign(flat_params.size(), 0);
   stepped_.assign(flat_params.size(), 0);
 }
@@ -72,11 +76,6 @@ void BackwardStepper::step(FlatParam& fp, const std::string& unit_name) {
     if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   }
   wake_.notify_one();
-}
-
-std::unique_lock<std::mutex> BackwardStepper::lock_grads() {
-  if (!own_thread_ || offloaded_) return {};
-  return std::unique_lock<std::mutex>(grads_mutex_);
 }
 
 void BackwardStepper::wait_all(Tracer& tracer) {
@@ -149,10 +148,9 @@ void BackwardStepper::worker_loop() {
     Span span{job.fp->unit(), {}, {}};
     if (!skip) {
       try {
-        // CPU offload: wait for the reduced shard's copy to the host and add it into the pieces'
-        // gradients (backward's thread writes no piece gradient under offload).
-        job.fp->land_host_grads();
-        std::lock_guard<std::mutex> grads(grads_mutex_);
+        // The reduction into the pieces' gradients (under CPU offload once its copy to the host
+        // is in); backward's thread writes no piece gradient while this thread runs.
+        job.fp->land_grads();
         span.start = Tracer::Clock::now();
         stepped = run_step(*job.fp, job.unit_name);
         span.end = Tracer::Clock::now();

@@ -33,11 +33,8 @@ class BackwardStepper {
   bool on() const { return optimizer_ != nullptr; }
   bool own_thread() const { return own_thread_; }
   // Steps `fp`'s pieces that have a gradient, once per backward, then drops those gradients. On the
-  // own thread: queued, after landing fp's host gradient first if one is on its way (CPU offload).
+  // own thread: queued, and that thread first lands fp's pending reduction (FlatParam::land_grads).
   void step(FlatParam& fp, const std::string& unit_name);
-  // Backward's thread is about to read or write pieces' gradients: held against the own thread's
-  // steps (an empty lock without the own thread, or under CPU offload, where backward writes none).
-  std::unique_lock<std::mutex> lock_grads();
   // Waits until every queued step ran; rethrows the first that failed. The steps' trace spans go to `tracer`.
   void wait_all(Tracer& tracer);
   // Whether fp was stepped, or queued for a step, in this backward.
@@ -53,7 +50,7 @@ class BackwardStepper {
   void worker_loop();
 
   torch::optim::Optimizer* optimizer_ = nullptr;
-  bool own_thread_ = false, offloaded_ = false;
+  bool own_thread_ = false;
   // Per FlatParameter id, in this backward: stepped or queued (backward's thread), stepped (the
   // thread that stepped it; read after wait_all).
   std::vector<char> claimed_, stepped_;
@@ -67,8 +64,7 @@ class BackwardStepper {
     int unit;
     Tracer::Clock::time_point start, end;
   };
-  std::mutex grads_mutex_;  // pieces' gradients and the optimizer, while the own thread steps
-  std::mutex mutex_;        // the rest below
+  std::mutex mutex_;  // the members below
   std::condition_variable wake_, idle_;
   std::deque<Job> jobs_;
   bool busy_ = false, stop_ = false;

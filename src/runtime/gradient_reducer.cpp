@@ -103,17 +103,13 @@ void GradientReducer::finish_reduction(int f) {
   FlatParam& fp = *flat_params_[f];
   const bool done = !fp.reduce_pending() || !fp.reduce_work() || fp.reduce_work()->completed();
   const auto start = Tracer::Clock::now();
-  if (fp.reduce_work()) fp.reduce_work()->wait();  // not holding the gradients' lock
-  bool grads_in;
-  {
-    auto lock = stepper_.lock_grads();
-    grads_in = fp.finish_reduce();
-  }
+  // With the step on its own thread, that thread writes the pieces' gradients (Note [Step on its
+  // own thread]); under CPU offload they land on the host as their copies arrive, and backward's
+  // thread lands and steps them at the end of backward (finish_all).
+  const bool grads_in = fp.finish_reduce(/*defer_landing=*/stepper_.own_thread());
   if (!done)
     tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
-  // Under CPU offload the gradients are on their way to the host: the step's own thread lands and
-  // steps them as they arrive; backward's thread does both at the end of backward (finish_all).
-  if (grads_in || (stepper_.own_thread() && fp.host_grad_pending())) step(fp);
+  if (grads_in || (stepper_.own_thread() && fp.landing_pending())) step(fp);
   if (fp.offloaded()) {
     // Its copy to the host overlaps the next reductions' compute; the oldest copies' device
     // buffers are let go in stream order once more than the reductions in flight are pending.
@@ -139,7 +135,7 @@ void GradientReducer::finish_all() {
   finish_reductions(0);
   stepper_.wait_all(tracer_);
   for (auto& fp : flat_params_)
-    if (fp->land_host_grads()) step(*fp);
+    if (fp->land_grads()) step(*fp);
   stepper_.wait_all(tracer_);
   for (int f : to_host_order_) flat_params_[f]->release_device_grad();  // their copies have landed
   to_host_order_.clear();
@@ -191,7 +187,6 @@ void GradientReducer::end_backward() {
 
 void GradientReducer::update_sharded_grad_bytes() {
   int64_t bytes = 0;
-  auto lock = stepper_.lock_grads();
   for (const auto& fp : flat_params_) bytes += fp->sharded_grad_bytes();
   memory_.set_sharded_grad_bytes(bytes);
 }

@@ -170,7 +170,8 @@ test_init_deferred_matches_eager() {
 }
 
 # The optimizer step in backward steps exactly as a step after backward: the same losses step for
-# step (AdamW with weight-decay groups, micro-batches under no_sync); it refuses clipping by name.
+# step (AdamW with weight-decay groups, micro-batches under no_sync), on backward's thread and on
+# its own; it refuses clipping by name.
 test_step_in_backward() {
   local short=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 6 --log-interval 1
                --eval-batches 1 --sample-bytes 8 --prompt "The " --grad-accum 2)
@@ -183,6 +184,12 @@ test_step_in_backward() {
   grep -E "^\[rank 0\] step +[0-9]+/" "$TMP/out" | sed -E 's/.*(\| loss [0-9.]+) \|.*/\1/' >"$TMP/during.loss"
   [ "$(wc -l <"$TMP/after.loss")" -eq 6 ] || fail "expected 6 logged steps, got $(wc -l <"$TMP/after.loss")"
   diff "$TMP/after.loss" "$TMP/during.loss" >&2 || fail "the step in backward trains differently"
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${short[@]}" --step-in-backward \
+      --step-thread own
+  expect_rc 0
+  expect_regex out "optimizer step +in backward, unit by unit as gradients are reduced \(thread: own\)"
+  grep -E "^\[rank 0\] step +[0-9]+/" "$TMP/out" | sed -E 's/.*(\| loss [0-9.]+) \|.*/\1/' >"$TMP/own.loss"
+  diff "$TMP/after.loss" "$TMP/own.loss" >&2 || fail "the step in backward on its own thread trains differently"
   run "$TRAINER" "${short[@]}" --step-in-backward --clip-grad-norm 1
   expect_failure
   expect_text err "cannot clip: each unit is stepped before the total norm exists"

@@ -97,7 +97,9 @@ TEST(GpuMultiRank, HostStagedCollectivesAreExact) {
   }
 }
 
-// args: strategy, mixed precision (none | bf16), offload (0 | 1), optimizer (adamw | fused).
+// args: strategy, mixed precision (none | bf16), offload (0 | 1), optimizer (adamw | fused), and
+// optionally where it steps: after (backward, the default), backward (set_step_in_backward on
+// backward's thread), auto (set_step_in_backward's default: its own thread under offload).
 // Three AdamW steps of the tiny transformer on cuda:0, the last with gradient clipping: each
 // rank's loss and then every parameter equal to plain LibTorch training on the same device (the
 // same casts at the same points under mixed precision: mixed_precision_reference.h). Without
@@ -106,6 +108,8 @@ FSDP_WORKER(gpu_train_worker) {
   auto pg = group_on_gpu();
   const std::string strategy = ctx.args.at(0);
   const bool mixed = ctx.args.at(1) == "bf16", offload = ctx.args.at(2) == "1", fused = ctx.args.at(3) == "fused";
+  const std::string stepping = ctx.args.size() > 4 ? ctx.args.at(4) : "after";
+  const bool in_backward = stepping != "after";  // clipping is refused then: none in either run
   const auto master = mixed ? at::kFloat : at::kDouble;
   MixedPrecisionTriplet models;
   TinyTransformer ref = models.master, model = models.model;
@@ -117,6 +121,7 @@ FSDP_WORKER(gpu_train_worker) {
   if (strategy == "HYBRID_SHARD") o.sharding_factor(2);
   if (mixed) o.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
   if (offload) o.offload(fsdp::CpuOffload().params(true));
+  if (in_backward) o.trace(true);
   auto sharded = fsdp::fully_shard(model, pg, o);
   for (const auto& p : model->parameters())
     WORKER_CHECK(p.device() == kGpu && p.scalar_type() == (mixed ? at::kBFloat16 : master), "a parameter is ",
@@ -133,13 +138,16 @@ FSDP_WORKER(gpu_train_worker) {
     opt = std::make_unique<fsdp::FusedAdamW>(sharded->parameters(), adamw);
   else
     opt = std::make_unique<torch::optim::AdamW>(sharded->parameters(), adamw);
+  if (in_backward)
+    sharded->set_step_in_backward(opt.get(),
+                                  stepping == "backward" ? fsdp::StepThread::kBackward : fsdp::StepThread::kAuto);
   const double tol = mixed ? 1e-5 : 1e-9;
   const int rows = 2;
   for (int step = 0; step < 3; ++step) {
     const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(50 + step)).to(kGpu);
     ref_opt.zero_grad();
     const auto losses = local.backward(x, ctx.world, rows, 1.0, cast_lm_loss);
-    if (step == 2) torch::nn::utils::clip_grad_norm_(local.parameters(), 0.05);
+    if (step == 2 && !in_backward) torch::nn::utils::clip_grad_norm_(local.parameters(), 0.05);
     ref_opt.step();
     opt->zero_grad();
     at::Tensor loss = cast_lm_loss(model, x.narrow(0, ctx.rank * rows, rows));
@@ -147,7 +155,16 @@ FSDP_WORKER(gpu_train_worker) {
     for (const auto& p : sharded->parameters())
       WORKER_CHECK(!p.grad().defined() || (p.grad().device() == p.device() && p.grad().scalar_type() == master),
                    "a piece's gradient is ", p.grad().scalar_type(), " on ", p.grad().device());
-    if (step == 2) sharded->clip_grad_norm_(0.05);
+    if (in_backward) {
+      for (const auto& p : sharded->parameters())
+        WORKER_CHECK(!p.grad().defined(), "a piece still has a gradient after the step in backward");
+      bool on_own_thread = false;
+      for (const auto& e : sharded->last_trace().events)
+        on_own_thread = on_own_thread || (e.kind == fsdp::TraceEvent::Kind::kStep && e.track == "optimizer thread");
+      WORKER_CHECK(on_own_thread == (offload && stepping == "auto"), "the steps ran on the ",
+                   on_own_thread ? "optimizer" : "compute", " thread");
+    }
+    if (step == 2 && !in_backward) sharded->clip_grad_norm_(0.05);
     opt->step();
     if (fused) WORKER_CHECK(static_cast<fsdp::FusedAdamW&>(*opt).last_step_fused(), "FusedAdamW fell back");
     const double mine = loss.item<double>(), theirs = losses.at(ctx.rank);
@@ -162,7 +179,7 @@ FSDP_WORKER(gpu_train_worker) {
   expect_same_parameters(*ref, *sharded, tol, strategy + " " + ctx.args.at(1) + " offload " + ctx.args.at(2));
   if (ctx.rank == 0)
     std::cout << strategy << " world " << ctx.world << " " << ctx.args.at(1) << " offload " << offload << " "
-              << ctx.args.at(3) << " ok" << std::endl;
+              << ctx.args.at(3) << " step " << stepping << " ok" << std::endl;
 }
 
 struct Run {
@@ -171,12 +188,14 @@ struct Run {
   const char* mixed;
   const char* offload;
   const char* optimizer;
+  const char* stepping = "after";
 };
 
 void run_all(const std::vector<Run>& runs) {
   for (const auto& run : runs) {
     // World 1: NCCL (a group of one); larger worlds share the device through host staging.
-    auto r = launch("gpu_train_worker", run.world, {run.strategy, run.mixed, run.offload, run.optimizer}, 120,
+    auto r = launch("gpu_train_worker", run.world,
+                    {run.strategy, run.mixed, run.offload, run.optimizer, run.stepping}, 120,
                     run.world > 1 ? kStaged : std::vector<std::string>{});
     ASSERT_TRUE(r.all_ok()) << run.strategy << " world " << run.world << " " << run.mixed << " offload " << run.offload
                             << " " << run.optimizer << "\n"
@@ -218,6 +237,19 @@ TEST(GpuOffload, MatchesLocalTraining) {
            {"SHARD_GRAD_OP", 2, "bf16", "1", "fused"},
            {"NO_SHARD", 2, "none", "1", "adamw"},
            {"HYBRID_SHARD", 4, "bf16", "1", "adamw"}});
+}
+
+// The optimizer step in backward on the device (backward's thread) and under offload (its own
+// host thread, landing each unit's gradients as their copies arrive), against plain LibTorch.
+TEST(GpuStepInBackward, MatchesLocalTraining) {
+  REQUIRE_GPU();
+  run_all({{"FULL_SHARD", 1, "bf16", "0", "fused", "auto"},
+           {"FULL_SHARD", 2, "none", "0", "adamw", "backward"},
+           {"FULL_SHARD", 1, "bf16", "1", "fused", "auto"},
+           {"FULL_SHARD", 2, "none", "1", "adamw", "auto"},
+           {"FULL_SHARD", 3, "bf16", "1", "fused", "backward"},
+           {"SHARD_GRAD_OP", 2, "bf16", "1", "adamw", "auto"},
+           {"HYBRID_SHARD", 4, "bf16", "1", "adamw", "auto"}});
 }
 
 }  // namespace
