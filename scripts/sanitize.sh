@@ -46,16 +46,17 @@ TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTe
 # (libgomp) is not instrumented, and TSan cannot see its barriers.
 export OMP_NUM_THREADS=1
 
-# The test sources that hold the selections above; fsdp_tests is built from these only.
-TEST_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp'
+# The test sources that hold each selection above; each build's fsdp_tests is built from these only.
+ASAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp'
+TSAN_SOURCES='step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/startup_test.cpp'
 
-# Configures and builds fsdp_tests in $2 with FSDP_SANITIZE=$1, from TEST_SOURCES.
+# Configures and builds fsdp_tests in $2 with FSDP_SANITIZE=$1, from the test sources $3.
 build() {
-  local sanitize=$1 dir=$2
+  local sanitize=$1 dir=$2 sources=$3
   # -O1 -g1: line tables for the reports' stacks at a fraction of -g's compile time.
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
     -DFSDP_SANITIZE="$sanitize" -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF \
-    -DFSDP_TEST_SOURCES="${FSDP_TEST_SOURCES:-$TEST_SOURCES}" >/dev/null
+    -DFSDP_TEST_SOURCES="${FSDP_TEST_SOURCES:-$sources}" >/dev/null
   # The build runs the test binary (gtest_discover_tests), so the options apply there too.
   cmake --build "$dir" -j"$JOBS" --target fsdp_tests
 }
@@ -105,12 +106,13 @@ case ${1:-} in
   --test-only) STEPS=test; shift ;;
 esac
 
-# Builds $2 with FSDP_SANITIZE=$1 and/or runs its tests (selection $3, timing-bound $4), as STEPS says.
+# Builds $2 with FSDP_SANITIZE=$1 from the test sources $5 and/or runs its tests (selection $3,
+# timing-bound $4), as STEPS says.
 job() {
-  local sanitize=$1 dir=$2 tests=$3 timing=$4 name=${1%%,*} start=$SECONDS rc=0
+  local sanitize=$1 dir=$2 tests=$3 timing=$4 sources=$5 name=${1%%,*} start=$SECONDS rc=0
   [ "$name" = address ] && name=asan || name=tsan
   if [ "$STEPS" != test ]; then
-    build "$sanitize" "$dir"
+    build "$sanitize" "$dir" "$sources"
     echo "sanitize: $name build $((SECONDS - start)) s"
   elif [ ! -x "$dir/tests/fsdp_tests" ]; then
     echo "sanitize: $dir/tests/fsdp_tests is missing; build it first (scripts/sanitize.sh --build-only $name)" >&2
@@ -135,7 +137,7 @@ asan() {
   export UBSAN_OPTIONS="suppressions=$SUPP/ubsan.supp:print_stacktrace=1:halt_on_error=1"
   mkdir -p "$logs"
   local rc=0
-  job address,undefined "$dir" "$ASAN_TESTS" "$ASAN_TIMING_BOUND" || rc=$?
+  job address,undefined "$dir" "$ASAN_TESTS" "$ASAN_TIMING_BOUND" "$ASAN_SOURCES" || rc=$?
   unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
   return "$rc"
 }
@@ -148,7 +150,7 @@ tsan() {
   export TSAN_OPTIONS="log_path=$logs/tsan:suppressions=$SUPP/tsan.supp:second_deadlock_stack=1:history_size=4"
   mkdir -p "$logs"
   local rc=0
-  job thread "$dir" "$TSAN_TESTS" "$TSAN_TIMING_BOUND" || rc=$?
+  job thread "$dir" "$TSAN_TESTS" "$TSAN_TIMING_BOUND" "$TSAN_SOURCES" || rc=$?
   unset TSAN_OPTIONS
   return "$rc"
 }

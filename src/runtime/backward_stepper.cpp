@@ -137,7 +137,7 @@ void BackwardStepper::worker_loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     wake_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stopping, nothing left
+    if (stop_) return;  // the module is going away: what is left of a failed backward is not stepped
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
     busy_ = true;
