@@ -84,7 +84,7 @@ struct TrainConfig {
   std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
   int reshard_after_forward_size = 0;              // ranks a resharded block stays sharded over until backward
   bool activation_checkpointing = false;
-  bool step_in_backward = false;  // FullyShardedModule::set_step_in_backward
+  bool step_in_backward = false;     // FullyShardedModule::set_step_in_backward
   std::string step_thread = "auto";  // its fsdp::StepThread
   // Checkpoints (docs/checkpoints.md).
   std::string save_dir;
@@ -907,10 +907,9 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                                                              grad_accum_mode_description(config.grad_accum_mode) + ")"
                                                        : std::string())},
       {"activation checkpointing", config.activation_checkpointing ? "every block (recomputed in backward)" : "off"},
-      {"optimizer step",
-       config.step_in_backward
-           ? "in backward, unit by unit as gradients are reduced (thread: " + config.step_thread + ")"
-           : std::string("after backward")},
+      {"optimizer step", config.step_in_backward
+                             ? "in backward, unit by unit as gradients are reduced (thread: " + config.step_thread + ")"
+                             : std::string("after backward")},
       {"gradient clipping", config.clip_grad_norm > 0 ? "total 2-norm " + fixed(config.clip_grad_norm, 3) : "off"},
       {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
                        ", forward " + (config.forward_prefetch ? "on" : "off")},

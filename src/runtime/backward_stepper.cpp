@@ -35,7 +35,8 @@ void BackwardStepper::set(torch::optim::Optimizer* optimizer, StepThread thread,
         pieces.insert(s.piece.unsafeGetTensorImpl());
         FSDP_CHECK(thread != StepThread::kOwn || s.piece.is_cpu(),
                    "set_step_in_backward(..., StepThread::kOwn): the shard piece of parameter '", s.name, "' is on ",
-                   s.piece.device(), ", where the step is kernels queued in stream order from backward's thread; "
+                   s.piece.device(),
+                   ", where the step is kernels queued in stream order from backward's thread; "
                    "the step's own thread is for shards in host memory (CPU training, or Options::offload). Use "
                    "StepThread::kAuto or kBackward");
         FSDP_CHECK(!s.piece.requires_grad() || held.count(s.piece.unsafeGetTensorImpl()),

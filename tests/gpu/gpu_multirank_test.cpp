@@ -164,9 +164,14 @@ FSDP_WORKER(gpu_train_worker) {
       WORKER_CHECK(on_own_thread == (offload && stepping == "auto"), "the steps ran on the ",
                    on_own_thread ? "optimizer" : "compute", " thread");
     }
+    // With the step in backward, the last step that ran was backward's (the one below finds no
+    // gradient); check it before.
+    if (fused && in_backward)
+      WORKER_CHECK(static_cast<fsdp::FusedAdamW&>(*opt).last_step_fused(), "FusedAdamW fell back in backward");
     if (step == 2 && !in_backward) sharded->clip_grad_norm_(0.05);
     opt->step();
-    if (fused) WORKER_CHECK(static_cast<fsdp::FusedAdamW&>(*opt).last_step_fused(), "FusedAdamW fell back");
+    if (fused && !in_backward)
+      WORKER_CHECK(static_cast<fsdp::FusedAdamW&>(*opt).last_step_fused(), "FusedAdamW fell back");
     const double mine = loss.item<double>(), theirs = losses.at(ctx.rank);
     WORKER_CHECK(std::abs(mine - theirs) <= tol * std::abs(theirs), "step ", step, " loss ", mine, " vs local ",
                  theirs);
@@ -194,9 +199,8 @@ struct Run {
 void run_all(const std::vector<Run>& runs) {
   for (const auto& run : runs) {
     // World 1: NCCL (a group of one); larger worlds share the device through host staging.
-    auto r = launch("gpu_train_worker", run.world,
-                    {run.strategy, run.mixed, run.offload, run.optimizer, run.stepping}, 120,
-                    run.world > 1 ? kStaged : std::vector<std::string>{});
+    auto r = launch("gpu_train_worker", run.world, {run.strategy, run.mixed, run.offload, run.optimizer, run.stepping},
+                    120, run.world > 1 ? kStaged : std::vector<std::string>{});
     ASSERT_TRUE(r.all_ok()) << run.strategy << " world " << run.world << " " << run.mixed << " offload " << run.offload
                             << " " << run.optimizer << "\n"
                             << r.report();
