@@ -436,8 +436,10 @@ bool FlatParam::finish_reduce(bool defer_landing) {
     reduced_ = at::Tensor();
     return false;
   }
-  landing_.values = std::move(reduced_);
-  landing_.slots = std::move(got);
+  Landing landing;
+  landing.values = std::move(reduced_);
+  landing.slots = std::move(got);
+  landing_ = std::move(landing);
   reduced_ = at::Tensor();
   return defer_landing ? false : land_grads();
 }
