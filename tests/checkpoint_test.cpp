@@ -51,7 +51,7 @@ std::string arg(const std::map<std::string, std::string>& a, const std::string& 
 
 // The models: "gpt" (tied embedding and head, a frozen table, 4 blocks), "gpt_wide" (same
 // structure, other widths), "mlp".
-std::shared_ptr<torch::nn::Module> make_model(const std::string& model, at::ScalarType dtype) {
+std::shared_ptr<torch::nn::Module> checkpoint_model(const std::string& model, at::ScalarType dtype) {
   torch::manual_seed(11);
   std::shared_ptr<torch::nn::Module> m;
   if (model == "mlp")
@@ -74,8 +74,8 @@ fsdp::Options make_options(const std::string& strategy, const std::string& wrap)
   return o;
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
-                                                        const std::vector<at::Tensor>& params) {
+std::unique_ptr<torch::optim::Optimizer> checkpoint_optimizer(const std::string& name,
+                                                              const std::vector<at::Tensor>& params) {
   if (name == "sgd")
     return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
   if (name == "adam")
@@ -115,9 +115,9 @@ FSDP_WORKER(ckpt_train) {
   const std::string model_name = arg(a, "model", "gpt"), optim = arg(a, "optim", "adamw");
   const auto dtype = arg(a, "dtype", "f32") == "f64" ? at::kDouble : at::kFloat;
   auto pg = fsdp::ProcessGroup::from_env();
-  auto model = make_model(model_name, dtype);
+  auto model = checkpoint_model(model_name, dtype);
   auto sharded = fsdp::fully_shard(model, pg, make_options(arg(a, "strategy", "FULL_SHARD"), arg(a, "wrap", "block")));
-  auto opt = make_optimizer(optim, sharded->parameters());
+  auto opt = checkpoint_optimizer(optim, sharded->parameters());
   const int first = std::stoi(arg(a, "first", "0")), steps = std::stoi(arg(a, "steps", "0"));
   if (!arg(a, "load").empty()) {
     ckpt::Extra extra;
@@ -349,9 +349,9 @@ FSDP_WORKER(ckpt_bad_inputs) {
   auto barrier = [&] {
     pg->world()->barrier();
   };
-  auto model = make_model("gpt", at::kFloat);
+  auto model = checkpoint_model("gpt", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "block"));
-  auto opt = make_optimizer("adamw", sharded->parameters());
+  auto opt = checkpoint_optimizer("adamw", sharded->parameters());
   opt->zero_grad();
   step_loss("gpt", *model, 0, ctx.rank, ctx.world, at::kFloat).backward();
   opt->step();
@@ -385,14 +385,14 @@ FSDP_WORKER(ckpt_bad_inputs) {
   expect_error([&] { ckpt::load(dir + "/cut_manifest", *sharded, *opt); }, "not valid JSON", "truncated manifest");
   expect_error([&] { ckpt::load(dir + "/model_only", *sharded, *opt); }, "without optimizer state",
                "no optimizer state");
-  auto sgd = make_optimizer("sgd", sharded->parameters());
+  auto sgd = checkpoint_optimizer("sgd", sharded->parameters());
   expect_error([&] { ckpt::load(good, *sharded, *sgd); }, "of kind 'adamw', but the optimizer given is of kind 'sgd'",
                "other optimizer kind");
-  auto rms = make_optimizer("rmsprop", sharded->parameters());
+  auto rms = checkpoint_optimizer("rmsprop", sharded->parameters());
   expect_error([&] { ckpt::save(dir + "/rms", *sharded, *rms); }, "AdamW", "unsupported optimizer");
   WORKER_CHECK(!fs::exists(dir + "/rms"), "a failed save left its directory");
   {
-    auto other = make_model("gpt_wide", at::kFloat);
+    auto other = checkpoint_model("gpt_wide", at::kFloat);
     auto other_sharded = fsdp::fully_shard(other, pg, make_options("FULL_SHARD", "block"));
     expect_error([&] { ckpt::load(good, *other_sharded, nullptr); }, "has shape", "another model's shapes");
     ckpt::export_full(dir + "/wide.safetensors", *other_sharded);
@@ -400,10 +400,10 @@ FSDP_WORKER(ckpt_bad_inputs) {
                  "load_full of another model");
   }
   {
-    auto mlp = make_model("mlp", at::kFloat);
+    auto mlp = checkpoint_model("mlp", at::kFloat);
     auto mlp_sharded = fsdp::fully_shard(mlp, pg, make_options("FULL_SHARD", "none"));
     expect_error([&] { ckpt::load(good, *mlp_sharded, nullptr); }, "does not match the model", "another model");
-    auto d = make_model("gpt", at::kDouble);
+    auto d = checkpoint_model("gpt", at::kDouble);
     auto d_sharded = fsdp::fully_shard(d, pg, make_options("FULL_SHARD", "none"));
     expect_error([&] { ckpt::load(good, *d_sharded, nullptr); }, "has dtype", "another dtype");
   }
@@ -448,9 +448,9 @@ FSDP_WORKER(ckpt_async) {
   const std::string root = ctx.args.at(0), strategy = ctx.args.at(1);
   const int first = std::stoi(ctx.args.at(2)), more = std::stoi(ctx.args.at(3));
   auto pg = fsdp::ProcessGroup::from_env();
-  auto model = make_model("gpt", at::kFloat);
+  auto model = checkpoint_model("gpt", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options(strategy, "block"));
-  auto opt = make_optimizer("adamw", sharded->parameters());
+  auto opt = checkpoint_optimizer("adamw", sharded->parameters());
   auto train = [&](int step) {
     opt->zero_grad();
     step_loss("gpt", *model, step, ctx.rank, ctx.world, at::kFloat).backward();
@@ -523,9 +523,9 @@ FSDP_WORKER(ckpt_async_fails) {
   const std::string root = ctx.args.at(0);
   const int victim = std::stoi(ctx.args.at(1));
   auto pg = fsdp::ProcessGroup::from_env();
-  auto model = make_model("gpt", at::kFloat);
+  auto model = checkpoint_model("gpt", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "block"));
-  auto opt = make_optimizer("adamw", sharded->parameters());
+  auto opt = checkpoint_optimizer("adamw", sharded->parameters());
   opt->zero_grad();
   step_loss("gpt", *model, 0, ctx.rank, ctx.world, at::kFloat).backward();
   opt->step();
@@ -576,9 +576,9 @@ FSDP_WORKER(ckpt_save_forever) {
   const int most = std::stoi(ctx.args.at(1));
   const bool async = ctx.args.size() > 2 && ctx.args[2] == "async";
   auto pg = fsdp::ProcessGroup::from_env();
-  auto model = make_model("big_mlp", at::kFloat);
+  auto model = checkpoint_model("big_mlp", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "linear"));
-  auto opt = make_optimizer("adamw", sharded->parameters());
+  auto opt = checkpoint_optimizer("adamw", sharded->parameters());
   for (int k = 1; k <= most; ++k) {
     if (k % 4 == 1) {
       opt->zero_grad();
@@ -597,9 +597,9 @@ FSDP_WORKER(ckpt_save_forever) {
 // args: directories; loads each at this world size and checks its extra step.
 FSDP_WORKER(ckpt_load_dirs) {
   auto pg = fsdp::ProcessGroup::from_env();
-  auto model = make_model("big_mlp", at::kFloat);
+  auto model = checkpoint_model("big_mlp", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "none"));
-  auto opt = make_optimizer("adamw", sharded->parameters());
+  auto opt = checkpoint_optimizer("adamw", sharded->parameters());
   for (const auto& dir : ctx.args) {
     ckpt::Extra extra;
     ckpt::load(dir, *sharded, *opt, &extra);
@@ -674,9 +674,9 @@ std::string hex_of(const at::Tensor& t) {
 // and writes full_state_dict() (every name, aliases included): {name: {dtype, shape, hex}}.
 FSDP_WORKER(ckpt_interop_export) {
   auto pg = fsdp::ProcessGroup::from_env();
-  auto model = make_model("gpt", at::kFloat);
+  auto model = checkpoint_model("gpt", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "block"));
-  auto opt = make_optimizer("adamw", sharded->parameters());
+  auto opt = checkpoint_optimizer("adamw", sharded->parameters());
   opt->zero_grad();
   step_loss("gpt", *model, 0, ctx.rank, ctx.world, at::kFloat).backward();
   opt->step();
@@ -693,7 +693,7 @@ FSDP_WORKER(ckpt_interop_export) {
 // args: safetensors file written by Python, JSON of the values expected after load_full.
 FSDP_WORKER(ckpt_interop_load) {
   auto pg = fsdp::ProcessGroup::from_env();
-  auto model = make_model("gpt", at::kFloat);
+  auto model = checkpoint_model("gpt", at::kFloat);
   auto sharded = fsdp::fully_shard(model, pg, make_options("FULL_SHARD", "block"));
   ckpt::load_full(ctx.args.at(0), *sharded);
   std::ifstream in(ctx.args.at(1));

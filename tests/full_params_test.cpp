@@ -10,8 +10,6 @@
 namespace fsdp_test {
 namespace {
 
-at::Tensor loss_of(TinyTransformer& m, const at::Tensor& x) { return lm_loss(m->forward(x), x.roll(1, 1)); }
-
 at::Tensor batch(int world, int step) {
   return at::randint(0, 32, {2 * world, 8}, at::detail::createCPUGenerator(40 + step));
 }
@@ -249,7 +247,8 @@ TEST(ReshardAfterForward, ToSmallerGroupKeepsBackwardGathersInsideIt) {
     ASSERT_TRUE(off.all_ok() && on.all_ok()) << mode << "\n" << off.report() << on.report();
     const int64_t world_off = field_of(off, "world"), world_on = field_of(on, "world");
     const int64_t group_on = field_of(on, "group");
-    const int64_t bwd_world = field_of(on, "backward_gathers_world"), bwd_group = field_of(on, "backward_gathers_group");
+    const int64_t bwd_world = field_of(on, "backward_gathers_world"),
+                  bwd_group = field_of(on, "backward_gathers_group");
     std::cout << mode << ": wire bytes per iteration across hosts " << world_off << " -> " << world_on
               << ", inside a host 0 -> " << group_on << std::endl;
     ASSERT_GT(bwd_world, 0);
@@ -261,9 +260,8 @@ TEST(ReshardAfterForward, ToSmallerGroupKeepsBackwardGathersInsideIt) {
 }
 
 TEST(ReshardAfterForward, SmallerGroupSizeIsValidated) {
-  for (const auto& [strategy, k] : std::vector<std::pair<std::string, std::string>>{{"FULL_SHARD", "3"},
-                                                                                    {"FULL_SHARD", "4"},
-                                                                                    {"NO_SHARD", "2"}}) {
+  for (const auto& [strategy, k] :
+       std::vector<std::pair<std::string, std::string>>{{"FULL_SHARD", "3"}, {"FULL_SHARD", "4"}, {"NO_SHARD", "2"}}) {
     auto r = launch("reshard_size_error_worker", 4, {strategy, k});
     ASSERT_TRUE(r.all_ok()) << strategy << " " << k << "\n" << r.report();
   }

@@ -87,6 +87,9 @@ inline at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& y) {
   return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
 }
 
+// The next-token loss of m on the token rows x (each row's target: x rolled by one).
+inline at::Tensor loss_of(TinyTransformer& m, const at::Tensor& x) { return lm_loss(m->forward(x), x.roll(1, 1)); }
+
 // Two TinyTransformer(vocab 32, width 16, 2 heads, 3 blocks, context 8) in f64 with the same
 // initial weights: a local reference and a model to shard.
 inline std::pair<TinyTransformer, TinyTransformer> twin_tiny_transformers() {

@@ -12,7 +12,7 @@
 namespace fsdp_test {
 namespace {
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, std::vector<at::Tensor> params) {
+std::unique_ptr<torch::optim::Optimizer> optimizer_of_kind(const std::string& kind, std::vector<at::Tensor> params) {
   if (kind == "sgd")
     return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.1));
   if (kind == "fused") return std::make_unique<fsdp::FusedAdamW>(params, torch::optim::AdamWOptions(0.01));
@@ -53,9 +53,9 @@ FSDP_WORKER(equal_worker) {
                              .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
     auto sharded_after = fsdp::fully_shard(after, pg, options);
     auto sharded_during = fsdp::fully_shard(during, pg, fsdp::Options(options).trace(true));
-    auto ref_opt = make_optimizer(kind, ref->parameters());
-    auto after_opt = make_optimizer(kind, sharded_after->parameters());
-    auto during_opt = make_optimizer(kind, sharded_during->parameters());
+    auto ref_opt = optimizer_of_kind(kind, ref->parameters());
+    auto after_opt = optimizer_of_kind(kind, sharded_after->parameters());
+    auto during_opt = optimizer_of_kind(kind, sharded_during->parameters());
     sharded_during->set_step_in_backward(during_opt.get(), own ? fsdp::StepThread::kOwn : fsdp::StepThread::kAuto);
     const int rows = 2;
     for (int step = 0; step < 5; ++step) {
@@ -135,8 +135,8 @@ FSDP_WORKER(usage_worker) {
     Branchy model;
     auto sharded =
         fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
-    auto ref_opt = make_optimizer("adamw", ref->parameters());
-    auto opt = make_optimizer("adamw", sharded->parameters());
+    auto ref_opt = optimizer_of_kind("adamw", ref->parameters());
+    auto opt = optimizer_of_kind("adamw", sharded->parameters());
     sharded->set_step_in_backward(opt.get(),
                                   ctx.args.at(0) == "own" ? fsdp::StepThread::kOwn : fsdp::StepThread::kBackward);
     for (int step = 0; step < 3; ++step) {

@@ -18,9 +18,6 @@ fsdp::Options options(const std::string& strategy) {
   return o;
 }
 
-// A transformer whose blocks are units (tied embedding, frozen table: every kind of piece), in f64.
-at::Tensor loss_of(TinyTransformer& m, const at::Tensor& x) { return lm_loss(m->forward(x), x.roll(1, 1)); }
-
 // args: strategy, norm type ("inf" or a number)
 FSDP_WORKER(clip_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
@@ -89,23 +86,24 @@ FSDP_WORKER(no_sync_worker) {
   const std::string strategy = ctx.args.at(0);
   auto [ref, model] = twin_tiny_transformers();
   auto sharded = fsdp::fully_shard(model, pg, options(strategy));
-  accumulate_side_by_side(ref, model, *sharded, ctx, strategy + " no_sync", [&](int m, bool last, const at::Tensor& mine) {
-    if (!last) {
-      auto guard = sharded->no_sync();
-      loss_of(model, mine).backward();
-      WORKER_CHECK(!sharded->requires_gradient_sync(), "no_sync is on inside its scope");
-    } else {
-      WORKER_CHECK(sharded->requires_gradient_sync(), "no_sync is off after its scope");
-      loss_of(model, mine).backward();
-    }
-    if (m == 0 && strategy != "NO_SHARD") {
-      // Nothing reduced yet: the pieces have no gradient, and the unsharded gradients are held.
-      for (const auto& p : sharded->parameters())
-        WORKER_CHECK(!p.grad().defined() || p.grad().abs().sum().item<double>() == 0,
-                     "a piece got a gradient under no_sync");
-      WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "no_sync holds the unsharded gradients");
-    }
-  });
+  accumulate_side_by_side(
+      ref, model, *sharded, ctx, strategy + " no_sync", [&](int m, bool last, const at::Tensor& mine) {
+        if (!last) {
+          auto guard = sharded->no_sync();
+          loss_of(model, mine).backward();
+          WORKER_CHECK(!sharded->requires_gradient_sync(), "no_sync is on inside its scope");
+        } else {
+          WORKER_CHECK(sharded->requires_gradient_sync(), "no_sync is off after its scope");
+          loss_of(model, mine).backward();
+        }
+        if (m == 0 && strategy != "NO_SHARD") {
+          // Nothing reduced yet: the pieces have no gradient, and the unsharded gradients are held.
+          for (const auto& p : sharded->parameters())
+            WORKER_CHECK(!p.grad().defined() || p.grad().abs().sum().item<double>() == 0,
+                         "a piece got a gradient under no_sync");
+          WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "no_sync holds the unsharded gradients");
+        }
+      });
 }
 
 TEST(NoSync, MicroBatchesWithoutCommunicationEqualLocalTraining) {
@@ -128,14 +126,16 @@ FSDP_WORKER(hybrid_accumulation_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   auto [ref, model] = twin_tiny_transformers();
   auto sharded = fsdp::fully_shard(model, pg, options("HYBRID_SHARD").trace(true));
-  accumulate_side_by_side(ref, model, *sharded, ctx, "hybrid accumulation", [&](int m, bool last, const at::Tensor& mine) {
-    sharded->set_requires_all_reduce(last);
-    loss_of(model, mine).backward();
-    const int across =
-        count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kReduceIssued, "all-reduce across replicas");
-    WORKER_CHECK(last ? across > 0 : across == 0, "micro-batch ", m, ": ", across, " all-reduces across replicas");
-    if (!last) WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "the shard groups' sums are kept between micro-batches");
-  });
+  accumulate_side_by_side(
+      ref, model, *sharded, ctx, "hybrid accumulation", [&](int m, bool last, const at::Tensor& mine) {
+        sharded->set_requires_all_reduce(last);
+        loss_of(model, mine).backward();
+        const int across =
+            count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kReduceIssued, "all-reduce across replicas");
+        WORKER_CHECK(last ? across > 0 : across == 0, "micro-batch ", m, ": ", across, " all-reduces across replicas");
+        if (!last)
+          WORKER_CHECK(sharded->memory_stats().grad_bytes > 0, "the shard groups' sums are kept between micro-batches");
+      });
 }
 
 TEST(NoSync, HybridReducesWithinShardGroupsAndAcrossReplicasOnlyAtTheLastMicroBatch) {
@@ -151,18 +151,19 @@ FSDP_WORKER(keep_unsharded_accumulation_worker) {
   auto sharded = fsdp::fully_shard(model, pg, options("SHARD_GRAD_OP").trace(true));
   int64_t all_unsharded = 0;
   for (const auto& u : sharded->units()) all_unsharded += u.padded_bytes + u.shard_bytes;
-  accumulate_side_by_side(
-      ref, model, *sharded, ctx, "accumulation with units kept unsharded", [&](int m, bool last, const at::Tensor& mine) {
-        sharded->set_reshard_after_backward(last);
-        sharded->set_requires_gradient_sync(last);
-        loss_of(model, mine).backward();
-        const int gathers = count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kUnshardIssued);
-        if (m > 0) WORKER_CHECK(gathers == 0, "micro-batch ", m, " gathered ", gathers, " times");
-        if (!last)
-          WORKER_CHECK(sharded->memory_stats().param_bytes == all_unsharded, "micro-batch ", m, ": ",
-                       sharded->memory_stats().param_bytes, " bytes of parameters, expected every unit unsharded ",
-                       all_unsharded);
-      });
+  accumulate_side_by_side(ref, model, *sharded, ctx, "accumulation with units kept unsharded",
+                          [&](int m, bool last, const at::Tensor& mine) {
+                            sharded->set_reshard_after_backward(last);
+                            sharded->set_requires_gradient_sync(last);
+                            loss_of(model, mine).backward();
+                            const int gathers =
+                                count_events(sharded->last_trace(), fsdp::TraceEvent::Kind::kUnshardIssued);
+                            if (m > 0) WORKER_CHECK(gathers == 0, "micro-batch ", m, " gathered ", gathers, " times");
+                            if (!last)
+                              WORKER_CHECK(sharded->memory_stats().param_bytes == all_unsharded, "micro-batch ", m,
+                                           ": ", sharded->memory_stats().param_bytes,
+                                           " bytes of parameters, expected every unit unsharded ", all_unsharded);
+                          });
 }
 
 TEST(NoSync, ReshardAfterBackwardOffGathersNothingBetweenMicroBatches) {
