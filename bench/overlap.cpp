@@ -9,7 +9,8 @@
 // Calibration: the model first runs without a network model and without prefetch; its compute
 // time per iteration (iteration time minus the time spent waiting on collectives, max over ranks)
 // and the bytes its collectives move set the modeled bandwidth: bandwidth = bytes on the wire per
-// iteration / (comm_ratio x compute time). --gbps fixes it instead.
+// iteration / (comm_ratio x compute time). With --recalibrate (default) each configuration then gets
+// the bandwidth that its own computation, measured in its previous run, sets. --gbps fixes it instead.
 #include <CLI/CLI.hpp>
 #include <filesystem>
 
@@ -173,8 +174,9 @@ int main(int argc, char** argv) {
                  "input and bookkeeping)")
       ->check(CLI::IsMember({"units", "step"}));
   app.add_flag("--recalibrate,!--no-recalibrate", a.recalibrate,
-               "re-measure the computation in each repetition's NONE run and reset the modeled bandwidth for the "
-               "rest of that repetition, so that comm-ratio holds while the machine's speed drifts (default on)");
+               "give each configuration the bandwidth at which its own computation, measured in an unrecorded "
+               "first pass and then in each repetition, meets comm-ratio; so every row runs at comm-ratio although "
+               "configurations compute at different speeds and the machine's speed drifts (default on)");
   app.add_option("--latency-us", a.latency_us, "modeled latency per ring step")->check(CLI::NonNegativeNumber);
   app.add_option("--trace-dir", a.trace_dir, "write rank 0's last iteration of each configuration as Chrome JSON here");
   CLI11_PARSE(app, argc, argv);
@@ -240,9 +242,10 @@ int main(int argc, char** argv) {
                 << std::setprecision(2) << modeled_ms / compute_ms << "x compute)\n"
                 << "# " << a.reps << " repetitions x " << a.steps << " iterations (after " << a.warmup
                 << " warm-up) per configuration, interleaved; medians"
-                << (a.recalibrate && a.gbps == 0 ? "; the bandwidth is reset after each repetition's NONE run "
-                                                   "from the computation it measured (--recalibrate)"
-                                                 : "")
+                << (a.recalibrate && a.gbps == 0
+                        ? "; each configuration runs at the bandwidth that its own computation in its previous run "
+                          "(an unrecorded first pass, then each repetition) sets (--recalibrate)"
+                        : "")
                 << "\n";
     }
 
@@ -256,21 +259,27 @@ int main(int argc, char** argv) {
         {"BACKWARD_PRE+forward, 1 reduction", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 1},
         {"BACKWARD_PRE+forward, step in bwd", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 2, true},
     };
+    // Per configuration: its computation (as --calibrate defines it) in its last run, the slowest rank's.
+    const bool per_row = a.recalibrate && a.gbps == 0;
+    std::map<std::string, double> own_ms;
+    auto computation_of = [&](const std::vector<Sample>& s) {
+      std::vector<double> v;
+      for (auto it = s.begin() + a.warmup; it != s.end(); ++it)
+        v.push_back(a.calibrate == "units" ? it->compute_ms : it->step_ms - it->exposed_ms);
+      return max_over_ranks(*pg, median(v));
+    };
+    if (per_row)
+      for (const auto& c : configs) own_ms[c.name] = computation_of(run_config(pg, a, c, a.warmup + a.steps));
     std::map<std::string, std::vector<Sample>> results;
     for (int rep = 0; rep < a.reps; ++rep)
       for (const auto& c : configs) {
         const bool traced = rep == a.reps - 1 && !a.trace_dir.empty();
+        if (per_row) set_bandwidth(bandwidth_for(own_ms[c.name]));
         auto s =
             run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_dir + "/overlap_" + slug(c.name) + ".json" : "");
         for (auto& sample : s) sample.modeled_ms = modeled_ms;
         results[c.name].insert(results[c.name].end(), s.begin() + a.warmup, s.end());
-        if (c.name == "NONE" && a.recalibrate && a.gbps == 0) {
-          // NONE overlaps nothing, so its computation is measured clean, under the current model.
-          std::vector<double> v;
-          for (auto it = s.begin() + a.warmup; it != s.end(); ++it)
-            v.push_back(a.calibrate == "units" ? it->compute_ms : it->step_ms - it->exposed_ms);
-          set_bandwidth(bandwidth_for(max_over_ranks(*pg, median(v))));
-        }
+        if (per_row) own_ms[c.name] = computation_of(s);
       }
 
     struct Row {
