@@ -188,22 +188,32 @@ int main(int argc, char** argv) {
     const bool root = pg->rank() == 0;
     const Config none{"NONE", fsdp::BackwardPrefetch::kNone, false, 2};
 
+    // The slowest rank's median of f over a run's samples after its warm-up.
+    auto slowest_median = [&](const std::vector<Sample>& run, double (*f)(const Sample&)) {
+      std::vector<double> v;
+      for (auto it = run.begin() + a.warmup; it != run.end(); ++it) v.push_back(f(*it));
+      return max_over_ranks(*pg, median(v));
+    };
+    auto units_of = [](const Sample& s) {
+      return s.compute_ms;
+    };
+    auto not_waiting_of = [](const Sample& s) {
+      return s.step_ms - s.exposed_ms;
+    };
+    auto step_of = [](const Sample& s) {
+      return s.step_ms;
+    };
+    // What --calibrate calls computation.
+    double (*const computation)(const Sample&) = a.calibrate == "units" ? +units_of : +not_waiting_of;
+
     // Calibration: real (loopback) communication, no prefetch.
     double compute_ms = 0, units_ms = 0, not_waiting_ms = 0, wire_bytes = 0, calib_step_ms = 0;
     {
-      auto samples = run_config(pg, a, none, a.warmup + a.steps);
-      samples.erase(samples.begin(), samples.begin() + a.warmup);
-      std::vector<double> units, not_waiting;
-      for (const auto& s : samples) {
-        units.push_back(s.compute_ms);
-        not_waiting.push_back(s.step_ms - s.exposed_ms);
-      }
-      units_ms = max_over_ranks(*pg, median(units));
-      not_waiting_ms = max_over_ranks(*pg, median(not_waiting));
+      const auto samples = run_config(pg, a, none, a.warmup + a.steps);
+      units_ms = slowest_median(samples, units_of);
+      not_waiting_ms = slowest_median(samples, not_waiting_of);
       compute_ms = a.calibrate == "units" ? units_ms : not_waiting_ms;
-      std::vector<double> steps;
-      for (const auto& s : samples) steps.push_back(s.step_ms);
-      calib_step_ms = max_over_ranks(*pg, median(steps));
+      calib_step_ms = slowest_median(samples, step_of);
       torch::manual_seed(1234);
       Stack probe(a.width, a.layers);
       auto sharded = fsdp::fully_shard(probe, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>()));
@@ -259,17 +269,12 @@ int main(int argc, char** argv) {
         {"BACKWARD_PRE+forward, 1 reduction", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 1},
         {"BACKWARD_PRE+forward, step in bwd", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 2, true},
     };
-    // Per configuration: its computation (as --calibrate defines it) in its last run, the slowest rank's.
+    // Per configuration: its computation in its last run, the slowest rank's.
     const bool per_row = a.recalibrate && a.gbps == 0;
     std::map<std::string, double> own_ms;
-    auto computation_of = [&](const std::vector<Sample>& s) {
-      std::vector<double> v;
-      for (auto it = s.begin() + a.warmup; it != s.end(); ++it)
-        v.push_back(a.calibrate == "units" ? it->compute_ms : it->step_ms - it->exposed_ms);
-      return max_over_ranks(*pg, median(v));
-    };
     if (per_row)
-      for (const auto& c : configs) own_ms[c.name] = computation_of(run_config(pg, a, c, a.warmup + a.steps));
+      for (const auto& c : configs)
+        own_ms[c.name] = slowest_median(run_config(pg, a, c, a.warmup + a.steps), computation);
     std::map<std::string, std::vector<Sample>> results;
     for (int rep = 0; rep < a.reps; ++rep)
       for (const auto& c : configs) {
@@ -279,7 +284,7 @@ int main(int argc, char** argv) {
             run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_dir + "/overlap_" + slug(c.name) + ".json" : "");
         for (auto& sample : s) sample.modeled_ms = modeled_ms;
         results[c.name].insert(results[c.name].end(), s.begin() + a.warmup, s.end());
-        if (per_row) own_ms[c.name] = computation_of(s);
+        if (per_row) own_ms[c.name] = slowest_median(s, computation);
       }
 
     struct Row {
