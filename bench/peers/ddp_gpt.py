@@ -401,6 +401,7 @@ def main():
         if args.result:
             with open(args.result, "w") as f:
                 json.dump(result, f, indent=1)
+    dist.barrier()  # no rank tears down its connections while another still writes its result
     dist.destroy_process_group()
 
 

@@ -48,6 +48,9 @@ MiB = 1048576.0
 #                 13 MB of gradients, so the step is dominated by compute.
 #  comm-bound:    12.9 M parameters (52 MB) and 32 tokens per rank: ~2.5 GFLOP per rank against
 #                 52 MB all-reduced (DDP) or gathered twice and reduce-scattered (FSDP).
+# Contender kinds that run PyTorch's own processes (Python); every other kind runs our binaries.
+PYTORCH_KINDS = ("pylocal", "ddp", "pyfsdp")
+
 PRESETS = {
     "full": {
         "sizes": [
@@ -346,10 +349,18 @@ class Bench:
                 for rep in range(p["reps"]):
                     order = cs[rep % len(cs):] + cs[:rep % len(cs)]  # rotated: no contender always first
                     for c in order:
-                        res, rc, tail, wall = self.run_contender(c, size, world, inputs, p["warmup"], p["steps"])
-                        if res is None:
+                        # A PyTorch process that dies gets one more try ("Failed peer runs" in
+                        # bench/results/README.md); a libfsdp failure is ours and is never retried.
+                        tries = 2 if c["kind"] in PYTORCH_KINDS else 1
+                        for attempt in range(tries):
+                            res, rc, tail, wall = self.run_contender(c, size, world, inputs, p["warmup"], p["steps"])
+                            if res is not None:
+                                break
                             failures[c["key"]].append(f"exit {rc}: {tail[-600:]}")
-                            log(f"{size['name']} w{world} rep {rep + 1}: {c['label']} FAILED (exit {rc})")
+                            again = ", trying once more" if attempt + 1 < tries else ""
+                            log(f"{size['name']} w{world} rep {rep + 1}: {c['label']} FAILED (exit {rc}{again}); "
+                                f"its output ends:\n{tail[-600:]}")
+                        if res is None:
                             continue
                         res.update({"section": "peers", "size": size["name"], "rep": rep, "key": c["key"]})
                         runs[c["key"]].append(res)
@@ -1200,7 +1211,9 @@ def check_outputs(bench, groups, sections):
                     problems.append(f"peers.md lacks contender {c['label']}")
             for row in t[1:]:
                 if row[1] == "0":
-                    problems.append(f"{row[0]}: no successful run")
+                    key = next((c["key"] for c in g["contenders"] if c["label"] == row[0]), None)
+                    last = g["failures"].get(key) or ["no output recorded"]
+                    problems.append(f"{row[0]}: no successful run; the last failure: {last[-1]}")
                 elif row[-1] not in ("0", "n/a"):
                     if row[0] == "PyTorch FSDP HYBRID_SHARD (F=1)":
                         # PyTorch's own defect, not the benchmark's: with a shard group of one rank
