@@ -148,6 +148,28 @@ def command_output(argv):
         return ""
 
 
+def head_commit_without_git(root):
+    """The short commit of root's checked-out HEAD, read from .git's files; "" where that fails."""
+    git = os.path.join(root, ".git")
+    try:
+        with open(os.path.join(git, "HEAD")) as f:
+            head = f.read().strip()
+        if not head.startswith("ref: "):
+            return head[:7]
+        ref = head[5:]
+        if os.path.exists(os.path.join(git, ref)):
+            with open(os.path.join(git, ref)) as f:
+                return f.read().strip()[:7]
+        with open(os.path.join(git, "packed-refs")) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 2 and parts[1] == ref:
+                    return parts[0][:7]
+    except OSError:
+        pass
+    return ""
+
+
 def machine_description(python):
     lines = []
     lscpu = command_output(["lscpu"])
@@ -176,6 +198,10 @@ def machine_description(python):
     # Earlier results in bench/results do not change what runs.
     dirty = command_output(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no", "--", ".",
                             ":(exclude)bench/results"])
+    if not commit:  # no git here (the trixie root has none): read the checkout's HEAD by hand
+        commit = head_commit_without_git(ROOT)
+        if commit:
+            commit += " (uncommitted changes not checked: no git)"
     return {
         "cpu": lines,
         "usable_cpus": usable_cpus(),
@@ -813,6 +839,10 @@ def report_peers(bench, groups):
                 continue
             r = a / b
             verdict = "-" if goal is None else "met" if r <= goal else f"missed by {100 * (r / goal - 1):.1f}%"
+            peer_worst = loss_check(g["runs"][theirs], g["runs"]["local"])
+            if goal is not None and peer_worst is not None and peer_worst > LOSS_TOLERANCE:
+                verdict = (f"not comparable: PyTorch FSDP trains a different model here (losses {peer_worst:.1e} "
+                           f"from local training), so it skips work")
             vs.append([f"libfsdp {ours.replace('_tcp', '')} / PyTorch FSDP {theirs[3:]}, {how}, "
                        f"{g['size']['name']}, world {g['world']}", "-" if goal is None else f"<= {goal}", fmt(r, 3),
                        verdict])
