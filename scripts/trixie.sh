@@ -18,8 +18,9 @@
 # from the host; the mounts are undone at exit (trap), and leave with the namespace in any case.
 # The command sees a clean environment: PATH, HOME=/root, LANG, TERM, and the host's FSDP_*, OMP_*,
 # CTEST_*, CCACHE_*, GTEST_*, USE_LIBUV, JOBS, MAKEFLAGS and CMAKE_BUILD_PARALLEL_LEVEL. ccache's
-# cache is the root's own (/root/.cache/ccache inside it), so it is kept with the root. Setup
-# holds $FSDP_TRIXIE_ROOT.lock exclusively, runs hold it shared.
+# cache is the root's own (/root/.cache/ccache inside it), so it is kept with the root. Making or
+# mending the root holds $FSDP_TRIXIE_ROOT.lock exclusively; runs, and setup's check that the root
+# is complete, hold it shared, so runs go on side by side.
 #
 # Environment:
 #   FSDP_TRIXIE_ROOT    where the root is (default /var/cache/libfsdp/trixie-root)
@@ -54,15 +55,27 @@ mounts_under_root() {
   awk -v r="$ROOT" '$5 == r || index($5, r "/") == 1 { print $5 }' /proc/self/mountinfo | sort -r
 }
 
+# root_complete PKGS_LINE: the root was made and has exactly these packages (both stamps).
+root_complete() {
+  [ -f "$ROOT/$DEBOOTSTRAP_STAMP" ] && [ "$(cat "$ROOT/$PACKAGES_STAMP" 2>/dev/null)" = "$1" ]
+}
+
 setup() {
   [ "$(id -u)" = 0 ] || die "needs root (debootstrap, chroot, mounts)"
   mkdir -p "$(dirname "$ROOT")"
   # One setup at a time; runs of commands in a complete root hold the lock shared (run below).
-  exec 9>"$ROOT.lock"
-  flock 9
+  # A complete root is recognized under the shared lock, so a run does not wait for other runs;
+  # only making or mending the root takes the lock exclusively (and checks again once it has it).
   local pkgs_line
   pkgs_line=$(printf '%s\n' "${PKGS[@]}" | sort | tr '\n' ' ')
-  if [ -f "$ROOT/$DEBOOTSTRAP_STAMP" ] && [ "$(cat "$ROOT/$PACKAGES_STAMP" 2>/dev/null)" = "$pkgs_line" ]; then
+  exec 9>>"$ROOT.lock"
+  flock -s 9
+  if root_complete "$pkgs_line"; then
+    flock -u 9
+    return
+  fi
+  flock 9
+  if root_complete "$pkgs_line"; then
     flock -u 9
     return
   fi
