@@ -79,13 +79,16 @@ double median(std::vector<double> v) {
   return n == 0 ? 0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
 }
 
-// Max over ranks of a per-rank figure (the communicator only sums: gather every rank's value).
-double max_over_ranks(fsdp::ProcessGroup& pg, double v) {
+// Every rank's value of a per-rank figure, in rank order.
+at::Tensor gather_over_ranks(fsdp::ProcessGroup& pg, double v) {
   at::Tensor mine = torch::tensor({v}, torch::kDouble);
   at::Tensor all = torch::zeros({pg.size()}, torch::kDouble);
   pg.world()->all_gather_into(all, mine)->wait();
-  return all.max().item<double>();
+  return all;
 }
+
+// Max over ranks of a per-rank figure.
+double max_over_ranks(fsdp::ProcessGroup& pg, double v) { return gather_over_ranks(pg, v).max().item<double>(); }
 
 struct Args {
   int layers = 8, width = 384, batch = 32, steps = 6, warmup = 2, reps = 3;
@@ -290,6 +293,7 @@ int main(int argc, char** argv) {
     struct Row {
       double step, comm, exposed, peak, grad_peak, compute, ratio;
       int max_unsharded;
+      double slowest_exposed_pct;  // exposed / comm on the rank with the most computation
     };
     std::map<std::string, Row> rows;
     for (const auto& c : configs) {
@@ -306,22 +310,34 @@ int main(int argc, char** argv) {
         most = std::max(most, s.max_unsharded);
       }
       // The slowest rank sets the pace; report it.
-      rows[c.name] = {max_over_ranks(*pg, median(step)),      max_over_ranks(*pg, median(comm)),
-                      max_over_ranks(*pg, median(exposed)),   max_over_ranks(*pg, median(peak)),
-                      max_over_ranks(*pg, median(grad_peak)), max_over_ranks(*pg, median(compute)),
-                      max_over_ranks(*pg, median(ratio)),     int(max_over_ranks(*pg, most))};
+      rows[c.name] = {max_over_ranks(*pg, median(step)),
+                      max_over_ranks(*pg, median(comm)),
+                      max_over_ranks(*pg, median(exposed)),
+                      max_over_ranks(*pg, median(peak)),
+                      max_over_ranks(*pg, median(grad_peak)),
+                      max_over_ranks(*pg, median(compute)),
+                      max_over_ranks(*pg, median(ratio)),
+                      int(max_over_ranks(*pg, most)),
+                      0.0};
+      // The rank that computes longest sets the pace; what it waits for is communication, while a
+      // faster rank also waits for it (Note [Exposed on the slowest rank] in docs/design.md).
+      const at::Tensor computes = gather_over_ranks(*pg, median(compute));
+      const int64_t slowest = computes.argmax().item<int64_t>();
+      const double exposed_there = gather_over_ranks(*pg, median(exposed))[slowest].item<double>();
+      const double comm_there = gather_over_ranks(*pg, median(comm))[slowest].item<double>();
+      rows[c.name].slowest_exposed_pct = 100.0 * exposed_there / std::max(1e-9, comm_there);
     }
     if (root) {
       const Row& base = rows.at("NONE");
-      std::printf("\n%-36s %9s %7s %9s %6s %11s %11s %9s %11s %7s %7s %9s\n", "configuration", "step ms", "vs NONE",
+      std::printf("\n%-36s %9s %7s %9s %6s %11s %11s %9s %11s %7s %7s %9s %9s\n", "configuration", "step ms", "vs NONE",
                   "units ms", "ratio", "comm ms*", "exposed ms", "exposed%", "exp vs NONE", "peak MB", "grad MB",
-                  "unsharded");
+                  "unsharded", "slowest%");
       for (const auto& c : configs) {
         const Row& r = rows.at(c.name);
-        std::printf("%-36s %9.1f %7.3f %9.1f %6.2f %11.1f %11.1f %8.1f%% %11.3f %7.2f %7.2f %9d\n", c.name.c_str(),
-                    r.step, r.step / base.step, r.compute, r.ratio, r.comm, r.exposed,
+        std::printf("%-36s %9.1f %7.3f %9.1f %6.2f %11.1f %11.1f %8.1f%% %11.3f %7.2f %7.2f %9d %8.1f%%\n",
+                    c.name.c_str(), r.step, r.step / base.step, r.compute, r.ratio, r.comm, r.exposed,
                     100.0 * r.exposed / std::max(1e-9, r.comm), r.exposed / std::max(1e-9, base.exposed), r.peak,
-                    r.grad_peak, r.max_unsharded);
+                    r.grad_peak, r.max_unsharded, r.slowest_exposed_pct);
       }
       std::printf(
           "# units ms: computation inside units' forward and backward (measured); ratio: the modeled "
@@ -329,7 +345,8 @@ int main(int argc, char** argv) {
           "collectives' durations per iteration as the modeled network completed them "
           "(MODELED); exposed ms: time the compute thread waited for collectives (measured); peak MB: FSDP "
           "parameter storage; grad MB: FSDP gradient storage (shards and unsharded buffers); unsharded: most "
-          "non-root units unsharded at once\n");
+          "non-root units unsharded at once; slowest%%: exposed / comm on the rank whose computation (units ms) "
+          "is longest, the one that sets the pace (the other columns take each figure's largest over ranks)\n");
     }
     pg->world()->barrier();
   } catch (const std::exception& e) {
