@@ -362,6 +362,21 @@ class Bench:
                 str(c["factor"]), "--wrap", wrap, "--threads", str(c["threads"]), "--inputs", inputs] + margs
         return self.launch(argv, world, c["threads"], c["label"], timeout, env=dict(env, **c.get("env", {})))
 
+    def run_tried(self, c, where, size, world, inputs, warmup, steps, env=None):
+        """run_contender, logging each failure with the end of its output; a PyTorch process that
+        dies gets one more try ("Failed peer runs" in bench/results/README.md), a libfsdp run none
+        (its failure is ours). Returns (result or None, wall s, failures as "exit N: output")."""
+        tries = 2 if c["kind"] in PYTORCH_KINDS else 1
+        failed = []
+        for attempt in range(tries):
+            res, rc, tail, wall = self.run_contender(c, size, world, inputs, warmup, steps, env=env)
+            if res is not None:
+                return res, wall, failed
+            failed.append(f"exit {rc}: {tail[-600:]}")
+            again = ", trying once more" if attempt + 1 < tries else ""
+            log(f"{where}: {c['label']} FAILED (exit {rc}{again}); its output ends:\n{tail[-600:]}")
+        return None, 0.0, failed
+
     # -----------------------------------------------------------------------------------------
     def section_peers(self):
         p = self.preset
@@ -375,17 +390,9 @@ class Bench:
                 for rep in range(p["reps"]):
                     order = cs[rep % len(cs):] + cs[:rep % len(cs)]  # rotated: no contender always first
                     for c in order:
-                        # A PyTorch process that dies gets one more try ("Failed peer runs" in
-                        # bench/results/README.md); a libfsdp failure is ours and is never retried.
-                        tries = 2 if c["kind"] in PYTORCH_KINDS else 1
-                        for attempt in range(tries):
-                            res, rc, tail, wall = self.run_contender(c, size, world, inputs, p["warmup"], p["steps"])
-                            if res is not None:
-                                break
-                            failures[c["key"]].append(f"exit {rc}: {tail[-600:]}")
-                            again = ", trying once more" if attempt + 1 < tries else ""
-                            log(f"{size['name']} w{world} rep {rep + 1}: {c['label']} FAILED (exit {rc}{again}); "
-                                f"its output ends:\n{tail[-600:]}")
+                        res, wall, failed = self.run_tried(c, f"{size['name']} w{world} rep {rep + 1}", size, world,
+                                                           inputs, p["warmup"], p["steps"])
+                        failures[c["key"]] += failed
                         if res is None:
                             continue
                         res.update({"section": "peers", "size": size["name"], "rep": rep, "key": c["key"]})
@@ -423,9 +430,9 @@ class Bench:
         for rep in range(m["reps"]):
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for c, mode in order:
-                res, rc, tail, wall = self.run_contender(c, size, 1, inputs, warmup, steps, env=MALLOC_MODES[mode])
+                res, wall, failed = self.run_tried(c, f"malloc ({mode})", size, 1, inputs, warmup, steps,
+                                                   env=MALLOC_MODES[mode])
                 if res is None:
-                    log(f"malloc: {c['label']} ({mode}) FAILED (exit {rc}): {tail[-300:]}")
                     continue
                 res.update({"section": "malloc", "size": size["name"], "rep": rep, "key": c["key"], "malloc": mode})
                 runs[(c["key"], mode)].append(res)
