@@ -79,16 +79,25 @@ double median(std::vector<double> v) {
   return n == 0 ? 0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
 }
 
-// Every rank's value of a per-rank figure, in rank order.
-at::Tensor gather_over_ranks(fsdp::ProcessGroup& pg, double v) {
-  at::Tensor mine = torch::tensor({v}, torch::kDouble);
-  at::Tensor all = torch::zeros({pg.size()}, torch::kDouble);
+// Every rank's values of per-rank figures: [ranks, figures], in rank order.
+at::Tensor gather_over_ranks(fsdp::ProcessGroup& pg, const std::vector<double>& v) {
+  at::Tensor mine = torch::tensor(v, torch::kDouble);
+  at::Tensor all = torch::zeros({pg.size() * int64_t(v.size())}, torch::kDouble);
   pg.world()->all_gather_into(all, mine)->wait();
-  return all;
+  return all.view({pg.size(), int64_t(v.size())});
 }
 
 // Max over ranks of a per-rank figure.
-double max_over_ranks(fsdp::ProcessGroup& pg, double v) { return gather_over_ranks(pg, v).max().item<double>(); }
+double max_over_ranks(fsdp::ProcessGroup& pg, double v) { return gather_over_ranks(pg, {v}).max().item<double>(); }
+
+// Exposed / comm in percent on the rank whose computation is longest: it sets the pace, and what it
+// waits for is communication, while a faster rank also waits for it (Note [Exposed on the slowest
+// rank] in docs/design.md).
+double slowest_exposed_pct(fsdp::ProcessGroup& pg, double compute, double exposed, double comm) {
+  const at::Tensor all = gather_over_ranks(pg, {compute, exposed, comm});
+  const at::Tensor there = all[all.select(1, 0).argmax().item<int64_t>()];
+  return 100.0 * there[1].item<double>() / std::max(1e-9, there[2].item<double>());
+}
 
 struct Args {
   int layers = 8, width = 384, batch = 32, steps = 6, warmup = 2, reps = 3;
@@ -318,14 +327,7 @@ int main(int argc, char** argv) {
                       max_over_ranks(*pg, median(compute)),
                       max_over_ranks(*pg, median(ratio)),
                       int(max_over_ranks(*pg, most)),
-                      0.0};
-      // The rank that computes longest sets the pace; what it waits for is communication, while a
-      // faster rank also waits for it (Note [Exposed on the slowest rank] in docs/design.md).
-      const at::Tensor computes = gather_over_ranks(*pg, median(compute));
-      const int64_t slowest = computes.argmax().item<int64_t>();
-      const double exposed_there = gather_over_ranks(*pg, median(exposed))[slowest].item<double>();
-      const double comm_there = gather_over_ranks(*pg, median(comm))[slowest].item<double>();
-      rows[c.name].slowest_exposed_pct = 100.0 * exposed_there / std::max(1e-9, comm_there);
+                      slowest_exposed_pct(*pg, median(compute), median(exposed), median(comm))};
     }
     if (root) {
       const Row& base = rows.at("NONE");
