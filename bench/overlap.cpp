@@ -114,8 +114,21 @@ std::string slug(const std::string& name) {
   return out;
 }
 
+// Bytes each rank sends in one iteration's collectives (ring formulas, the same as the network
+// model's), counted from that iteration's trace: each all-gather and reduce-scatter moves
+// (n-1)/n of its unit's padded bytes.
+double wire_bytes_of(const fsdp::FullyShardedModule& sharded, const fsdp::IterationTrace& trace) {
+  const int n = sharded.world_size();
+  double bytes = 0;
+  for (const auto& e : trace.events)
+    if (e.unit >= 0 && (e.kind == fsdp::TraceEvent::Kind::kUnshard || e.kind == fsdp::TraceEvent::Kind::kReduce))
+      bytes += double(sharded.units()[e.unit].padded_bytes) * (n - 1) / n;
+  return bytes;
+}
+
+// Runs one configuration; `wire_bytes`, if given, receives the bytes of the last iteration's collectives.
 std::vector<Sample> run_config(fsdp::ProcessGroupPtr pg, const Args& a, const Config& c, int iterations,
-                               const std::string& trace_path = "") {
+                               const std::string& trace_path = "", double* wire_bytes = nullptr) {
   torch::manual_seed(1234);
   Stack model(a.width, a.layers);
   auto sharded = fsdp::fully_shard(model, pg,
@@ -147,21 +160,9 @@ std::vector<Sample> run_config(fsdp::ProcessGroupPtr pg, const Args& a, const Co
                    sharded->memory_stats().param_peak_bytes / 1048576.0,
                    sharded->memory_stats().grad_peak_bytes / 1048576.0, compute_us / 1e3, trace.max_unsharded_units});
     if (!trace_path.empty() && it == iterations - 1 && pg->rank() == 0) trace.write_chrome_json(trace_path);
+    if (wire_bytes && it == iterations - 1) *wire_bytes = wire_bytes_of(*sharded, trace);
   }
   return out;
-}
-
-// Bytes each rank sends per iteration for one configuration's collectives (ring formulas, the
-// same as the network model's): two all-gathers (forward, backward) and one reduce-scatter per
-// non-root unit; the root unit is gathered once and reduced once.
-double wire_bytes_per_iteration(const fsdp::FullyShardedModule& sharded) {
-  const int n = sharded.world_size();
-  double bytes = 0;
-  for (size_t u = 0; u < sharded.units().size(); ++u) {
-    const double unit_bytes = double(sharded.units()[u].padded_bytes) * (n - 1) / n;
-    bytes += unit_bytes * (u == 0 ? 2 : 3);
-  }
-  return bytes;
 }
 
 }  // namespace
@@ -221,15 +222,11 @@ int main(int argc, char** argv) {
     // Calibration: real (loopback) communication, no prefetch.
     double compute_ms = 0, units_ms = 0, not_waiting_ms = 0, wire_bytes = 0, calib_step_ms = 0;
     {
-      const auto samples = run_config(pg, a, none, a.warmup + a.steps);
+      const auto samples = run_config(pg, a, none, a.warmup + a.steps, "", &wire_bytes);
       units_ms = slowest_median(samples, units_of);
       not_waiting_ms = slowest_median(samples, not_waiting_of);
       compute_ms = a.calibrate == "units" ? units_ms : not_waiting_ms;
       calib_step_ms = slowest_median(samples, step_of);
-      torch::manual_seed(1234);
-      Stack probe(a.width, a.layers);
-      auto sharded = fsdp::fully_shard(probe, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>()));
-      wire_bytes = wire_bytes_per_iteration(*sharded);
     }
     auto model_for = [&](double bandwidth) {
       return fsdp::NetworkModel()

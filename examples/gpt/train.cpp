@@ -200,8 +200,8 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->transform(CLI::IsMember({"auto", "backward", "own"}, CLI::ignore_case))
       ->capture_default_str();
   app.add_option("--reshard-after-forward", config.reshard_after_forward,
-                 "strategy (its own choice), true or false for every block, or except-last (every block but the "
-                 "last, which backward needs first)")
+                 "strategy (its own choice; FULL_SHARD keeps the block backward needs first from the second step "
+                 "on), true or false for every block, or except-last (every block but the last, from the first step)")
       ->transform(CLI::IsMember({"strategy", "true", "false", "except-last"}, CLI::ignore_case))
       ->capture_default_str();
   app.add_option("--reshard-after-forward-size", config.reshard_after_forward_size,

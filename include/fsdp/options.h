@@ -102,7 +102,8 @@ struct Options {
   // See Note [Forward prefetch] in docs/design.md.
   TORCH_ARG(bool, forward_prefetch) = true;
   // Per-unit reshard after forward (ReshardPolicy above); null: the strategy decides for every
-  // unit. The root always keeps its parameters from forward to backward (paper 3.3.1).
+  // unit, and keeps the unit backward needs first (Note [Kept for backward]). The root always
+  // keeps its parameters from forward to backward (paper 3.3.1).
   TORCH_ARG(ReshardPolicy, reshard_after_forward) = nullptr;
   // Units that reshard after forward keep their parameters sharded over groups of this many
   // consecutive ranks (e.g. one host's) until their backward, whose all-gather then stays inside

@@ -34,6 +34,8 @@ void Scheduler::use(int u) {
 
 void Scheduler::pre_forward(int u) {
   tracer_.leave_compute();
+  // Another forward reached a non-root unit after the kept one: it was not the last after all.
+  if (kept_for_backward_ >= 0 && u != kept_for_backward_ && !units_[u].is_root()) reshard(kept_for_backward_);
   reshard_units_left(u);
   Unit& unit = units_[u];
   // A Checkpointed forward runs without grad but has a backward (Note [Activation checkpointing]).
@@ -66,10 +68,14 @@ void Scheduler::pre_backward(int u) {
   Unit& unit = units_[u];
   unit.mark_used(/*in_backward=*/true, at::GradMode::is_enabled());
   last_used_ = u;
+  if (kept_for_backward_ == u) kept_for_backward_ = -1;
   if (held_back_prefetch_ == u) held_back_prefetch_ = -1;
   if (unit.needs_unshard()) unshard(u, "on demand backward");
-  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre)
-    prefetch(next_pending_in_backward(u), "prefetch backward pre");
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
+    int next = next_pending_in_backward(u);
+    if (next >= 0 && next == kept_for_backward_) next = next_pending_in_backward(next);  // that one is gathered
+    prefetch(next, "prefetch backward pre");
+  }
   unit.wait_for_unshard();
   tracer_.enter_compute(u);
 }
@@ -81,15 +87,24 @@ void Scheduler::reshard_units_left(int u) {
   for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
     if (v == u || !units_[v].reshard_after_forward() || units_[v].prefetched() || !units_[v].is_unsharded()) continue;
     if (std::find(anc.begin(), anc.end(), v) != anc.end()) continue;
-    reshard(v);
+    leave_forward(v);
   }
+}
+
+void Scheduler::leave_forward(int u) {
+  if (u == first_in_backward_ && units_[u].awaits_backward()) {
+    units_[u].mark_prefetched();  // gathered for its backward: counted by the rate limiter
+    kept_for_backward_ = u;
+    return;
+  }
+  reshard(u);
 }
 
 void Scheduler::post_forward(int u) {
   if (!units_[u].reshard_after_forward() || in_backward()) return;
   InternalOpGuard internal;
   tracer_.leave_compute();
-  reshard(u);
+  leave_forward(u);
   if (last_used_ == u) last_used_ = -1;
 }
 
@@ -97,6 +112,14 @@ void Scheduler::begin_backward() {
   if (backward_started_) return;
   backward_started_ = true;
   backward_order_.assign(forward_last_order_.rbegin(), forward_last_order_.rend());
+  // The next forward keeps the first non-root unit of this order, unless a ReshardPolicy decides.
+  first_in_backward_ = -1;
+  if (!options_.reshard_after_forward())
+    for (int v : backward_order_)
+      if (!units_[v].is_root()) {
+        if (units_[v].reshard_after_forward()) first_in_backward_ = v;
+        break;
+      }
 }
 
 void Scheduler::post_backward(int u) {
@@ -124,6 +147,7 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
     unit.reset();
   }
   last_used_ = -1;
+  kept_for_backward_ = -1;
   // The next iteration prefetches along this one's forward order.
   if (!forward_first_order_.empty()) previous_forward_order_ = std::move(forward_first_order_);
   forward_first_order_.clear();
@@ -189,6 +213,7 @@ void Scheduler::prefetch(int v, const char* why) {
 
 void Scheduler::reshard(int u) {
   // A unit whose backward is still to come keeps its post-forward shards for that backward's gathers.
+  if (kept_for_backward_ == u) kept_for_backward_ = -1;
   if (!units_[u].reshard(/*to_post_forward_shards=*/units_[u].awaits_backward())) return;
   tracer_.instant(TraceEvent::Kind::kReshard, u, "");
   if (held_back_prefetch_ >= 0) {

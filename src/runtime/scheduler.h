@@ -55,6 +55,8 @@ class Scheduler {
   void reshard_units_left(int u);
   void unshard(int u, const char* why);
   void prefetch(int v, const char* why);
+  // Leaving u's forward: free it, or keep it for its backward (Note [Kept for backward]).
+  void leave_forward(int u);
   int unsharded_unit_count() const;  // what the rate limiter counts
   // The first unit after u in this backward's order whose backward has not finished (a unit used
   // again after later units finished, such as the root, must not re-gather them).
@@ -75,6 +77,10 @@ class Scheduler {
   // (reversed: this backward's order).
   std::vector<int> forward_first_order_, previous_forward_order_, forward_last_order_, backward_order_;
   int held_back_prefetch_ = -1;  // held back by the rate limiter until a reshard makes room
+  // Note [Kept for backward]: the non-root unit the last backward used first (-1: none, or a
+  // ReshardPolicy decides), and the unit this forward kept unsharded for its backward (-1: none).
+  int first_in_backward_ = -1;
+  int kept_for_backward_ = -1;
   const char* held_back_why_ = "";
   IterationTrace last_trace_;
 };

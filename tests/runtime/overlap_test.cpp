@@ -216,5 +216,96 @@ TEST(TraceOrder, BackwardPrefetchNeverRegathersAFinishedUnit) {
   EXPECT_TRUE(contains(r.ranks[0].output, "root between ok")) << r.report();
 }
 
+// Note [Kept for backward]: from the second iteration on, the unit backward needs first (the last
+// Linear, which the root's scale follows) stays unsharded from its forward to its backward, so it
+// is gathered once per iteration instead of twice; the parameter peak does not grow. A ReshardPolicy turns it off; a
+// forward without grad keeps nothing; a second forward before backward trains exactly.
+int gathers_of(const fsdp::IterationTrace& t, int unit) {
+  int n = 0;
+  for (const auto& e : t.events) n += e.kind == fsdp::TraceEvent::Kind::kUnshardIssued && e.unit == unit;
+  return n;
+}
+
+FSDP_WORKER(kept_for_backward_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int rows = 2;
+  int64_t eval_bytes[2] = {-1, -1};
+  for (const bool with_policy : {false, true}) {
+    auto opts = fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()).trace(true);
+    if (with_policy)
+      opts.reshard_after_forward([](const std::string&, const torch::nn::Module&) { return c10::optional<bool>(); });
+    torch::manual_seed(3);
+    RootBetween ref;
+    torch::manual_seed(3);
+    RootBetween model;
+    auto sharded = fsdp::fully_shard(model, pg, opts);
+    const int n = int(sharded->units().size());
+    WORKER_CHECK(n == 5, "expected the root and 4 Linear units, got ", n);
+    const int last = n - 1;
+    const int64_t resting = sharded->memory_stats().param_bytes;
+    int64_t unkept = -1;  // parameter bytes after the first forward, which keeps nothing
+    const int64_t last_bytes = sharded->units()[last].padded_bytes;
+    torch::optim::SGD ref_opt(ref->parameters(), 0.05), opt(sharded->parameters(), 0.05);
+    std::vector<int64_t> peaks;
+    for (int step = 0; step < 4; ++step) {
+      const auto x = torch::randn({rows * ctx.world, 16}, at::detail::createCPUGenerator(11 + step));
+      const auto mine = x.narrow(0, int64_t(ctx.rank) * rows, rows);
+      ref_opt.zero_grad();
+      opt.zero_grad();
+      sharded->reset_peak_memory_stats();
+      at::Tensor ref_loss, loss;
+      if (step == 3) {  // two forwards, one backward
+        ref_loss = ref->forward(x).pow(2).mean() + ref->forward(x * 0.5).pow(2).mean();
+        loss = model->forward(mine).pow(2).mean() + model->forward(mine * 0.5).pow(2).mean();
+      } else {
+        ref_loss = ref->forward(x).pow(2).mean();
+        loss = model->forward(mine).pow(2).mean();
+      }
+      const int64_t after_forward = sharded->memory_stats().param_bytes;
+      if (step == 0) unkept = after_forward;
+      const bool keeps = !with_policy && step >= 1;
+      WORKER_CHECK(after_forward == unkept + (keeps ? last_bytes : 0), "policy ", with_policy, ", step ", step, ": ",
+                   after_forward, " parameter bytes after forward, expected ", unkept + (keeps ? last_bytes : 0),
+                   keeps ? " (the first forward's and the last unit)" : " (the first forward's)");
+      ref_loss.backward();
+      loss.backward();
+      ref_opt.step();
+      opt.step();
+      WORKER_CHECK(sharded->memory_stats().param_bytes == resting, "step ", step, ": not resharded after backward");
+      peaks.push_back(sharded->memory_stats().param_peak_bytes);
+      const auto t = sharded->last_trace();
+      if (step == 3) continue;  // two forwards gather every unit twice in forward
+      for (int u = 1; u < n; ++u) {
+        const int expected = (keeps && u == last) ? 1 : 2;
+        WORKER_CHECK(gathers_of(t, u) == expected, "policy ", with_policy, ", step ", step, ": unit ", u, " gathered ",
+                     gathers_of(t, u), " times, expected ", expected);
+      }
+    }
+    WORKER_CHECK(peaks[2] == peaks[0], "the parameter peak grew from ", peaks[0], " to ", peaks[2],
+                 " bytes when the last unit was kept");
+    auto full = sharded->full_state_dict();
+    for (const auto& kv : ref->named_parameters()) {
+      const double d = rel_diff(full.at(kv.key()), kv.value().detach());
+      WORKER_CHECK(d <= 1e-5, "parameter ", kv.key(), " differs from local training by rel ", d);
+    }
+    {  // a forward without grad (evaluation) keeps nothing: as much is unsharded as under the policy
+      torch::NoGradGuard no_grad;
+      model->forward(torch::randn({rows, 16}));
+      eval_bytes[with_policy] = sharded->memory_stats().param_bytes;
+    }
+  }
+  WORKER_CHECK(eval_bytes[0] == eval_bytes[1], "after a forward without grad ", eval_bytes[0],
+               " parameter bytes are unsharded, ", eval_bytes[1], " under a ReshardPolicy");
+  if (ctx.rank == 0) std::cout << "kept for backward ok" << std::endl;
+}
+
+TEST(TraceOrder, TheUnitBackwardNeedsFirstIsKeptFromForward) {
+  for (int world : {2, 3}) {
+    auto r = launch("kept_for_backward_worker", world);
+    ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output, "kept for backward ok")) << r.report();
+  }
+}
+
 }  // namespace
 }  // namespace fsdp_test
