@@ -47,6 +47,13 @@ Found find_event(const fsdp::IterationTrace& t, fsdp::TraceEvent::Kind kind, int
   return {};
 }
 
+// All-gathers issued for `unit` in one iteration.
+int gathers_of(const fsdp::IterationTrace& t, int unit) {
+  int n = 0;
+  for (const auto& e : t.events) n += e.kind == fsdp::TraceEvent::Kind::kUnshardIssued && e.unit == unit;
+  return n;
+}
+
 // Replays the trace's instants: units unsharded or being gathered at once (root excluded).
 int replayed_max_unsharded(const fsdp::IterationTrace& t) {
   std::set<int> live;
@@ -195,8 +202,7 @@ FSDP_WORKER(root_between_worker) {
     const int n = int(sharded->units().size());
     WORKER_CHECK(n == 5, "expected the root and 4 Linear units, got ", n);
     for (int u = 1; u < n; ++u) {
-      int gathers = 0;
-      for (const auto& e : t.events) gathers += e.kind == fsdp::TraceEvent::Kind::kUnshardIssued && e.unit == u;
+      const int gathers = gathers_of(t, u);
       WORKER_CHECK(gathers <= 2, fsdp::to_string(prefetch), ": unit ", u, " was gathered ", gathers,
                    " times in one iteration (forward and backward: at most 2)");
     }
@@ -218,14 +224,9 @@ TEST(TraceOrder, BackwardPrefetchNeverRegathersAFinishedUnit) {
 
 // Note [Kept for backward]: from the second iteration on, the unit backward needs first (the last
 // Linear, which the root's scale follows) stays unsharded from its forward to its backward, so it
-// is gathered once per iteration instead of twice; the parameter peak does not grow. A ReshardPolicy turns it off; a
-// forward without grad keeps nothing; a second forward before backward trains exactly.
-int gathers_of(const fsdp::IterationTrace& t, int unit) {
-  int n = 0;
-  for (const auto& e : t.events) n += e.kind == fsdp::TraceEvent::Kind::kUnshardIssued && e.unit == unit;
-  return n;
-}
-
+// is gathered once per iteration instead of twice; the parameter peak does not grow. A
+// ReshardPolicy turns it off; a forward without grad keeps nothing; a second forward before
+// backward trains exactly.
 FSDP_WORKER(kept_for_backward_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const int rows = 2;
