@@ -275,6 +275,7 @@ int main(int argc, char** argv) {
         {"BACKWARD_PRE+forward", fsdp::BackwardPrefetch::kBackwardPre, true, 2},
         {"BACKWARD_PRE+forward, no limiter", fsdp::BackwardPrefetch::kBackwardPre, true, 0},
         {"BACKWARD_PRE+forward, limit 1", fsdp::BackwardPrefetch::kBackwardPre, true, 1},
+        {"BACKWARD_PRE+forward, limit 3", fsdp::BackwardPrefetch::kBackwardPre, true, 3},
         {"BACKWARD_PRE+forward, 1 reduction", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 1},
         {"BACKWARD_PRE+forward, step in bwd", fsdp::BackwardPrefetch::kBackwardPre, true, 2, 2, true},
     };

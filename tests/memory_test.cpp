@@ -33,6 +33,7 @@ FSDP_WORKER(memory_worker) {
       {"per-linear+both-prefetch", full, per_linear, BackwardPrefetch::kBackwardPre, true, 2},
       {"per-linear+both-prefetch-unlimited", full, per_linear, BackwardPrefetch::kBackwardPre, true, 0},
       {"per-linear+both-prefetch+limit-1", full, per_linear, BackwardPrefetch::kBackwardPre, true, 1},
+      {"per-linear+both-prefetch+limit-3", full, per_linear, BackwardPrefetch::kBackwardPre, true, 3},
       {"by-size-150", full, fsdp::wrap::by_size(150), BackwardPrefetch::kNone, false, 2},
       {"whole-model", full, nullptr, BackwardPrefetch::kBackwardPre, true, 2},
       {"per-linear", fsdp::ShardingStrategy::kShardGradOp, per_linear, BackwardPrefetch::kBackwardPre, true, 2},
@@ -52,10 +53,12 @@ FSDP_WORKER(memory_worker) {
     torch::optim::SGD opt(sharded->parameters(), 0.1);
     // Flat wrapping: sum of shards + the largest unit (the paper's formula). Nested units: a
     // parent stays unsharded while its children run, so the largest root-to-unit chain counts.
-    // BACKWARD_PRE and forward prefetch (limit >= 2) keep the next unit unsharded beside the
-    // current one: the largest pair of units adjacent in execution order (module order here)
-    // counts instead. BACKWARD_POST gathers the next unit after resharding the current one.
-    int64_t shards = 0, largest = 0, all_padded = 0, largest_pair = 0;
+    // BACKWARD_PRE and forward prefetch keep the next K - 1 units unsharded beside the current one
+    // (K: the limiter's, 2 without it; Note [Prefetch depth]): the largest K units adjacent in
+    // execution order (module order here) count instead. BACKWARD_POST gathers the next unit after
+    // resharding the current one.
+    const int window = c.all_gather_limit >= 2 ? c.all_gather_limit : 2;
+    int64_t shards = 0, largest = 0, all_padded = 0, largest_window = 0;
     const auto& units = sharded->units();
     for (size_t i = 0; i < units.size(); ++i) {
       const auto& u = units[i];
@@ -67,7 +70,11 @@ FSDP_WORKER(memory_worker) {
         if (v->parent < 0) break;
       }
       largest = std::max(largest, chain);
-      if (i >= 2) largest_pair = std::max(largest_pair, u.padded_bytes + units[i - 1].padded_bytes);
+      if (i >= size_t(window)) {
+        int64_t sum = 0;
+        for (int k = 0; k < window; ++k) sum += units[i - k].padded_bytes;
+        largest_window = std::max(largest_window, sum);
+      }
     }
     const std::string name = c.name;
     const bool flat = name != "by-size-150";
@@ -76,12 +83,12 @@ FSDP_WORKER(memory_worker) {
       for (const auto& u : units) max_unit = std::max(max_unit, u.padded_bytes);
       WORKER_CHECK(largest == max_unit, "flat wrapping: the chain figure must equal the largest unit");
     }
-    const bool prefetching = units.size() > 2 && c.all_gather_limit != 1 &&
+    const bool prefetching = units.size() > size_t(window) && c.all_gather_limit != 1 &&
                              (c.prefetch == BackwardPrefetch::kBackwardPre || c.forward_prefetch);
     if (prefetching) WORKER_CHECK(units[0].padded_bytes == 0, "the prefetch formula assumes an empty root");
     int64_t expected = 0;
     switch (c.strategy) {
-      case fsdp::ShardingStrategy::kFullShard: expected = shards + (prefetching ? largest_pair : largest); break;
+      case fsdp::ShardingStrategy::kFullShard: expected = shards + (prefetching ? largest_window : largest); break;
       case fsdp::ShardingStrategy::kShardGradOp: expected = shards + all_padded; break;
       default: expected = all_padded; break;  // NO_SHARD: the flat buffer is the replica
     }
@@ -96,7 +103,7 @@ FSDP_WORKER(memory_worker) {
       const auto m = sharded->memory_stats();
       WORKER_CHECK(m.param_peak_bytes == expected, fsdp::to_string(c.strategy), " ", c.name, ": peak parameter bytes ",
                    m.param_peak_bytes, " != expected ", expected, " (shards ", shards, ", largest unit ", largest,
-                   ", largest adjacent pair ", largest_pair, ", all units ", all_padded, ")");
+                   ", largest ", window, " adjacent units ", largest_window, ", all units ", all_padded, ")");
     }
     if (ctx.rank == 0)
       std::cout << fsdp::to_string(c.strategy) << " " << c.name << " units " << sharded->units().size() << " peak "

@@ -67,6 +67,7 @@ struct TrainConfig {
   std::string wrap = "block";
   std::string backward_prefetch = "BACKWARD_PRE";
   bool forward_prefetch = true;
+  int all_gather_limit = 2;  // 0: rate limiter off
   std::string init = "deferred";
   std::string data;  // empty: the fortunes corpus
   int log_interval = 25;
@@ -152,6 +153,11 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_flag("--forward-prefetch,!--no-forward-prefetch", config.forward_prefetch,
                "Gather the next unit before computing the current "
                "one in forward (one more unit of memory)");
+  app.add_option("--all-gather-limit", config.all_gather_limit,
+                 "Rate limiter: most blocks unsharded at once; prefetching looks this many minus one ahead "
+                 "(3: one more block of memory, rides out uneven compute; 0: limiter off)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
   app.add_option("--init", config.init,
                  "deferred: build the model on the meta device and let FSDP allocate, "
                  "initialize and shard one unit at a time; eager: build the whole model on every rank first "
@@ -818,6 +824,8 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
                      .sharding_factor(config.sharding_factor)
                      .backward_prefetch(fsdp::parse_backward_prefetch(config.backward_prefetch))
                      .forward_prefetch(config.forward_prefetch)
+                     .limit_all_gathers(config.all_gather_limit > 0)
+                     .all_gather_limit(std::max(1, config.all_gather_limit))
                      .param_init_fn([model_config](const std::string& name, torch::nn::Module& module) {
                        gpt::initialize(model_config, name, module);
                      });
@@ -911,8 +919,10 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                              ? "in backward, unit by unit as gradients are reduced (thread: " + config.step_thread + ")"
                              : std::string("after backward")},
       {"gradient clipping", config.clip_grad_norm > 0 ? "total 2-norm " + fixed(config.clip_grad_norm, 3) : "off"},
-      {"prefetch", "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) +
-                       ", forward " + (config.forward_prefetch ? "on" : "off")},
+      {"prefetch",
+       "backward " + fsdp::to_string(fsdp::parse_backward_prefetch(config.backward_prefetch)) + ", forward " +
+           (config.forward_prefetch ? "on" : "off") + ", rate limiter " +
+           (config.all_gather_limit > 0 ? std::to_string(config.all_gather_limit) + " units" : std::string("off"))},
       {"parameters", with_commas(built.parameter_count) + " (tied embedding and head counted once); initialization " +
                          (config.init == "deferred" ? "deferred (unit by unit in fully_shard)" : "eager")},
       {"model", std::to_string(config.layers) + " layers, width " + std::to_string(config.width) + ", " +

@@ -50,12 +50,16 @@ void Scheduler::pre_forward(int u) {
   last_used_ = u;
   if (held_back_prefetch_ == u) held_back_prefetch_ = -1;
   if (unit.needs_unshard()) unshard(u, "on demand");
-  // Issue the next unit's gather before waiting for this one, so it overlaps this unit's compute.
+  // Issue the next units' gathers before waiting for this one, so they overlap this unit's compute.
   // Only units this forward has not run yet: one used again later (e.g. the root's output layer)
   // must not re-gather what already ran.
   if (options_.forward_prefetch()) {
-    const int next = next_in(previous_forward_order_, u);
-    if (next >= 0 && !units_[next].forward_seen()) prefetch(next, "prefetch forward");
+    int next = u;
+    for (int d = 0; d < prefetch_depth(); ++d) {
+      next = next_in(previous_forward_order_, next);
+      if (next < 0 || units_[next].forward_seen()) break;
+      if (!prefetch(next, "prefetch forward")) break;
+    }
   }
   unit.wait_for_unshard();
   tracer_.enter_compute(u);
@@ -72,9 +76,12 @@ void Scheduler::pre_backward(int u) {
   if (held_back_prefetch_ == u) held_back_prefetch_ = -1;
   if (unit.needs_unshard()) unshard(u, "on demand backward");
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
-    int next = next_pending_in_backward(u);
-    if (next >= 0 && next == kept_for_backward_) next = next_pending_in_backward(next);  // that one is gathered
-    prefetch(next, "prefetch backward pre");
+    int next = u;
+    for (int d = 0; d < prefetch_depth(); ++d) {
+      next = next_pending_in_backward(next);
+      if (next >= 0 && next == kept_for_backward_) next = next_pending_in_backward(next);  // that one is gathered
+      if (next < 0 || !prefetch(next, "prefetch backward pre")) break;
+    }
   }
   unit.wait_for_unshard();
   tracer_.enter_compute(u);
@@ -198,17 +205,23 @@ int Scheduler::next_in(const std::vector<int>& order, int u) {
   return *it;
 }
 
-void Scheduler::prefetch(int v, const char* why) {
-  if (v < 0 || !units_[v].needs_unshard()) return;
-  if (backward_started_ && units_[v].backward_done()) return;  // e.g. a held-back prefetch overtaken by events
+int Scheduler::prefetch_depth() const {
+  return options_.limit_all_gathers() ? std::max(1, options_.all_gather_limit() - 1) : 1;
+}
+
+bool Scheduler::prefetch(int v, const char* why) {
+  if (v < 0) return false;
+  if (!units_[v].needs_unshard()) return true;
+  if (backward_started_ && units_[v].backward_done()) return false;  // e.g. a held-back prefetch overtaken by events
   if (options_.limit_all_gathers() && unsharded_unit_count() >= options_.all_gather_limit()) {
     held_back_prefetch_ = v;  // issued by the next reshard that makes room
     held_back_why_ = why;
-    return;
+    return false;
   }
   if (held_back_prefetch_ == v) held_back_prefetch_ = -1;
   unshard(v, why);
   units_[v].mark_prefetched();
+  return true;
 }
 
 void Scheduler::reshard(int u) {

@@ -54,7 +54,10 @@ class Scheduler {
   void pre_backward(int u);
   void reshard_units_left(int u);
   void unshard(int u, const char* why);
-  void prefetch(int v, const char* why);
+  // Gathers v ahead of use unless the rate limiter holds it back; true if v is (being) gathered.
+  bool prefetch(int v, const char* why);
+  // How many units forward and BACKWARD_PRE prefetch look ahead (Note [Prefetch depth]).
+  int prefetch_depth() const;
   // Leaving u's forward: free it, or keep it for its backward (Note [Kept for backward]).
   void leave_forward(int u);
   int unsharded_unit_count() const;  // what the rate limiter counts

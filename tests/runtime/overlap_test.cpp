@@ -24,6 +24,8 @@ TEST(OverlapExact, EveryPrefetchAndLimiterCombinationMatchesLocalTraining) {
   combos.push_back("gpt4:SHARD_GRAD_OP:sgd:f64:post+fwd+nolim");
   combos.push_back("gpt4:NO_SHARD:adamw:f32:pre+fwd+lim2");
   combos.push_back("mlp:FULL_SHARD:sgd:f64:pre+fwd+lim2");
+  combos.push_back("gpt4:FULL_SHARD:adamw:f32:pre+fwd+lim3");  // two units ahead (Note [Prefetch depth])
+  combos.push_back("gpt4:SHARD_GRAD_OP:adamw:f32:pre+fwd+lim4");
   auto r = launch("exact_worker", 3, combos);
   ASSERT_TRUE(r.all_ok()) << r.report();
   for (const auto& c : combos) EXPECT_TRUE(contains(r.ranks[0].output, c + " ok")) << c << "\n" << r.report();
@@ -78,6 +80,7 @@ FSDP_WORKER(trace_worker) {
     opts.backward_prefetch(fsdp::BackwardPrefetch::kNone).forward_prefetch(true).limit_all_gathers(false);
   if (mode == "limit1") opts.forward_prefetch(true).all_gather_limit(1);
   if (mode == "limit2") opts.forward_prefetch(true).all_gather_limit(2);
+  if (mode == "limit3") opts.forward_prefetch(true).all_gather_limit(3);
   torch::manual_seed(1);
   MLP model(8, 32, 4, 5);  // 6 Linear units
   auto sharded = fsdp::fully_shard(model, pg, opts);
@@ -123,6 +126,26 @@ FSDP_WORKER(trace_worker) {
                    " must be issued before unit ", u, " computes");
     }
   }
+  if (mode == "limit2" || mode == "limit3") {
+    // Note [Prefetch depth]: the limiter's K - 1 units ahead. Under K = 3 unit u+2 is gathered before
+    // unit u computes, in forward and in backward (u-2 before u's reduce-scatter); under K = 2 only
+    // after it.
+    const bool two_ahead = mode == "limit3";
+    for (int u = 1; u + 2 < n; ++u) {
+      const Found ahead = find_event(t, K::kUnshardIssued, u + 2, "prefetch forward");
+      const Found compute = find_event(t, K::kCompute, u);
+      WORKER_CHECK(ahead.index >= 0 && (ahead.index < compute.index) == two_ahead, mode, ": unit ", u + 2,
+                   "'s forward prefetch must be issued ", two_ahead ? "before" : "after", " unit ", u,
+                   " computes (events ", ahead.index, ", ", compute.index, ")");
+    }
+    for (int u = n - 1; u >= 3; --u) {
+      const Found ahead = find_event(t, K::kUnshardIssued, u - 2, "backward pre");
+      const Found reduce = find_event(t, K::kReduceIssued, u);
+      WORKER_CHECK(ahead.index >= 0 && (ahead.index < reduce.index) == two_ahead, mode, ": unit ", u - 2,
+                   "'s backward prefetch must be issued ", two_ahead ? "before" : "after", " unit ", u,
+                   "'s reduce-scatter (events ", ahead.index, ", ", reduce.index, ")");
+    }
+  }
   const int replayed = replayed_max_unsharded(t);
   WORKER_CHECK(replayed == t.max_unsharded_units, "trace reports ", t.max_unsharded_units,
                " units unsharded at most, its events show ", replayed);
@@ -130,6 +153,8 @@ FSDP_WORKER(trace_worker) {
     WORKER_CHECK(t.max_unsharded_units == 1, "limit 1: at most 1 unit unsharded, saw ", t.max_unsharded_units);
   if (mode == "limit2")
     WORKER_CHECK(t.max_unsharded_units == 2, "limit 2: at most 2 units unsharded, saw ", t.max_unsharded_units);
+  if (mode == "limit3")
+    WORKER_CHECK(t.max_unsharded_units == 3, "limit 3: 3 units unsharded at most, saw ", t.max_unsharded_units);
   if (mode == "limit1") {  // held back, not dropped: prefetches still happen after reshards
     bool any = false;
     for (const auto& e : t.events) any |= e.kind == K::kUnshardIssued && contains(e.label, "prefetch");
@@ -160,7 +185,8 @@ TEST_P(TraceOrder, ShowsThePromisedOrdering) {
   EXPECT_TRUE(contains(r.ranks[0].output, "trace " + GetParam() + " ok")) << r.report();
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, TraceOrder, ::testing::Values("pre", "post", "none", "forward", "limit1", "limit2"),
+INSTANTIATE_TEST_SUITE_P(Modes, TraceOrder,
+                         ::testing::Values("pre", "post", "none", "forward", "limit1", "limit2", "limit3"),
                          [](const auto& info) { return info.param; });
 
 // The root's own parameters are used between units (like a transformer's root-level LayerNorms):
