@@ -10,7 +10,8 @@
 // time per iteration (iteration time minus the time spent waiting on collectives, max over ranks)
 // and the bytes its collectives move set the modeled bandwidth: bandwidth = bytes on the wire per
 // iteration / (comm_ratio x compute time). With --recalibrate (default) each configuration then gets
-// the bandwidth that its own computation, measured in its previous run, sets. --gbps fixes it instead.
+// the bandwidth that its own computation, measured in its previous run, and its own bytes on the
+// wire set, so its communication is comm_ratio x its computation. --gbps fixes it instead.
 #include <CLI/CLI.hpp>
 #include <filesystem>
 
@@ -234,9 +235,9 @@ int main(int argc, char** argv) {
           .inter(fsdp::Link().bandwidth_gbps(bandwidth).latency_us(a.latency_us))
           .ranks_per_host(pg->size());
     };
-    // The bandwidth at which one iteration's communication takes comm_ratio x `ms`.
-    auto bandwidth_for = [&](double ms) {
-      return wire_bytes / (a.comm_ratio * ms * 1e-3) / 1e9;
+    // The bandwidth at which one iteration's `bytes` take comm_ratio x `ms`.
+    auto bandwidth_for = [&](double ms, double bytes) {
+      return bytes / (a.comm_ratio * ms * 1e-3) / 1e9;
     };
     double gbps = 0, modeled_ms = 0;  // modeled_ms: one iteration's modeled communication
     auto set_bandwidth = [&](double bandwidth) {
@@ -244,7 +245,7 @@ int main(int argc, char** argv) {
       pg->set_network_model(model_for(gbps));
       modeled_ms = wire_bytes / (gbps * 1e9) * 1e3;
     };
-    set_bandwidth(a.gbps > 0 ? a.gbps : bandwidth_for(compute_ms));
+    set_bandwidth(a.gbps > 0 ? a.gbps : bandwidth_for(compute_ms, wire_bytes));
 
     if (root) {
       std::cout << "# libfsdp overlap benchmark (communication MODELED, computation real)\n"
@@ -263,7 +264,8 @@ int main(int argc, char** argv) {
                 << " warm-up) per configuration, interleaved; medians"
                 << (a.recalibrate && a.gbps == 0
                         ? "; each configuration runs at the bandwidth that its own computation in its previous run "
-                          "(an unrecorded first pass, then each repetition) sets (--recalibrate)"
+                          "(an unrecorded first pass, then each repetition) and its own bytes on the wire set "
+                          "(--recalibrate)"
                         : "")
                 << "\n";
     }
@@ -281,18 +283,21 @@ int main(int argc, char** argv) {
     };
     // Per configuration: its computation in its last run, the slowest rank's.
     const bool per_row = a.recalibrate && a.gbps == 0;
-    std::map<std::string, double> own_ms;
+    // and its bytes on the wire per iteration (configurations that keep more units from forward
+    // gather less).
+    std::map<std::string, double> own_ms, own_bytes;
     if (per_row)
       for (const auto& c : configs)
-        own_ms[c.name] = slowest_median(run_config(pg, a, c, a.warmup + a.steps), computation);
+        own_ms[c.name] = slowest_median(run_config(pg, a, c, a.warmup + a.steps, "", &own_bytes[c.name]), computation);
     std::map<std::string, std::vector<Sample>> results;
     for (int rep = 0; rep < a.reps; ++rep)
       for (const auto& c : configs) {
         const bool traced = rep == a.reps - 1 && !a.trace_dir.empty();
-        if (per_row) set_bandwidth(bandwidth_for(own_ms[c.name]));
-        auto s =
-            run_config(pg, a, c, a.warmup + a.steps, traced ? a.trace_dir + "/overlap_" + slug(c.name) + ".json" : "");
-        for (auto& sample : s) sample.modeled_ms = modeled_ms;
+        if (per_row) set_bandwidth(bandwidth_for(own_ms[c.name], own_bytes[c.name]));
+        double bytes = 0;
+        auto s = run_config(pg, a, c, a.warmup + a.steps,
+                            traced ? a.trace_dir + "/overlap_" + slug(c.name) + ".json" : "", &bytes);
+        for (auto& sample : s) sample.modeled_ms = bytes / (gbps * 1e9) * 1e3;  // this row's own traffic
         results[c.name].insert(results[c.name].end(), s.begin() + a.warmup, s.end());
         if (per_row) own_ms[c.name] = slowest_median(s, computation);
       }
@@ -341,7 +346,8 @@ int main(int argc, char** argv) {
       }
       std::printf(
           "# units ms: computation inside units' forward and backward (measured); ratio: the modeled "
-          "communication of one iteration / units ms, the comm-ratio this row actually ran at; * comm ms: sum of the "
+          "communication of one iteration (its own bytes on the wire) / units ms, the comm-ratio this row actually ran "
+          "at; * comm ms: sum of the "
           "collectives' durations per iteration as the modeled network completed them "
           "(MODELED); exposed ms: time the compute thread waited for collectives (measured); peak MB: FSDP "
           "parameter storage; grad MB: FSDP gradient storage (shards and unsharded buffers); unsharded: most "

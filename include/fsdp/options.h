@@ -111,8 +111,8 @@ struct Options {
   // strictly between 1 and it; 0: free them completely. See Note [Reshard to a smaller group].
   TORCH_ARG(int, reshard_after_forward_size) = 0;
   // Rate limiter: hold a prefetch back while all_gather_limit non-root units are unsharded or
-  // being gathered; gathers needed now are never held back. Prefetching looks all_gather_limit - 1
-  // units ahead. See Notes [Rate limiter] and [Prefetch depth] in docs/design.md.
+  // being gathered; gathers needed now are never held back. Prefetching looks ahead until that
+  // many are. See Notes [Rate limiter] and [Prefetch depth] in docs/design.md.
   TORCH_ARG(bool, limit_all_gathers) = true;
   TORCH_ARG(int, all_gather_limit) = 2;
   // Most gradient reductions left in flight during backward; their buffers are freed by count,

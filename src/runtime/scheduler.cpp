@@ -205,9 +205,7 @@ int Scheduler::next_in(const std::vector<int>& order, int u) {
   return *it;
 }
 
-int Scheduler::prefetch_depth() const {
-  return options_.limit_all_gathers() ? std::max(1, options_.all_gather_limit() - 1) : 1;
-}
+int Scheduler::prefetch_depth() const { return options_.limit_all_gathers() ? options_.all_gather_limit() : 1; }
 
 bool Scheduler::prefetch(int v, const char* why) {
   if (v < 0) return false;

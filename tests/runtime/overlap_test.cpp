@@ -49,6 +49,15 @@ Found find_event(const fsdp::IterationTrace& t, fsdp::TraceEvent::Kind kind, int
   return {};
 }
 
+// The n-th (from 1) event of this kind for `unit`.
+Found nth_event(const fsdp::IterationTrace& t, fsdp::TraceEvent::Kind kind, int unit, int n) {
+  for (size_t i = 0; i < t.events.size(); ++i) {
+    const auto& e = t.events[i];
+    if (e.kind == kind && e.unit == unit && --n == 0) return {int(i), e.start_us};
+  }
+  return {};
+}
+
 // All-gathers issued for `unit` in one iteration.
 int gathers_of(const fsdp::IterationTrace& t, int unit) {
   int n = 0;
@@ -127,23 +136,28 @@ FSDP_WORKER(trace_worker) {
     }
   }
   if (mode == "limit2" || mode == "limit3") {
-    // Note [Prefetch depth]: the limiter's K - 1 units ahead. Under K = 3 unit u+2 is gathered before
-    // unit u computes, in forward and in backward (u-2 before u's reduce-scatter); under K = 2 only
-    // after it.
+    // Note [Prefetch depth]: prefetching looks ahead until the limiter stops it, and the unit it
+    // stops is gathered as soon as a reshard makes room. Under K = 3 unit u+2 is gathered before
+    // unit u computes, in forward and in backward; under K = 2 only after it. Either way a
+    // backward gather is issued before the reduce-scatter of the unit that made room for it.
     const bool two_ahead = mode == "limit3";
     for (int u = 1; u + 2 < n; ++u) {
       const Found ahead = find_event(t, K::kUnshardIssued, u + 2, "prefetch forward");
       const Found compute = find_event(t, K::kCompute, u);
-      WORKER_CHECK(ahead.index >= 0 && (ahead.index < compute.index) == two_ahead, mode, ": unit ", u + 2,
-                   "'s forward prefetch must be issued ", two_ahead ? "before" : "after", " unit ", u,
+      WORKER_CHECK(ahead.index >= 0 && compute.index >= 0 && (ahead.index < compute.index) == two_ahead, mode,
+                   ": unit ", u + 2, "'s forward prefetch must be issued ", two_ahead ? "before" : "after", " unit ", u,
                    " computes (events ", ahead.index, ", ", compute.index, ")");
     }
     for (int u = n - 1; u >= 3; --u) {
       const Found ahead = find_event(t, K::kUnshardIssued, u - 2, "backward pre");
+      const Found compute = nth_event(t, K::kCompute, u, 2);  // its backward
       const Found reduce = find_event(t, K::kReduceIssued, u);
-      WORKER_CHECK(ahead.index >= 0 && (ahead.index < reduce.index) == two_ahead, mode, ": unit ", u - 2,
-                   "'s backward prefetch must be issued ", two_ahead ? "before" : "after", " unit ", u,
-                   "'s reduce-scatter (events ", ahead.index, ", ", reduce.index, ")");
+      WORKER_CHECK(ahead.index >= 0 && compute.index >= 0 && (ahead.index < compute.index) == two_ahead, mode,
+                   ": unit ", u - 2, "'s backward prefetch must be issued ", two_ahead ? "before" : "after", " unit ",
+                   u, "'s backward computes (events ", ahead.index, ", ", compute.index, ")");
+      WORKER_CHECK(reduce.index >= 0 && ahead.index < reduce.index, mode, ": unit ", u - 2,
+                   "'s backward prefetch must be issued before unit ", u, "'s reduce-scatter (events ", ahead.index,
+                   ", ", reduce.index, ")");
     }
   }
   const int replayed = replayed_max_unsharded(t);
