@@ -154,7 +154,7 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                "Gather the next unit before computing the current "
                "one in forward (one more unit of memory)");
   app.add_option("--all-gather-limit", config.all_gather_limit,
-                 "Rate limiter: most blocks unsharded at once; prefetching looks this many minus one ahead "
+                 "Rate limiter: most blocks unsharded at once; prefetching looks ahead until this many are "
                  "(3: one more block of memory, rides out uneven compute; 0: limiter off)")
       ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();

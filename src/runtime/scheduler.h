@@ -56,7 +56,8 @@ class Scheduler {
   void unshard(int u, const char* why);
   // Gathers v ahead of use unless the rate limiter holds it back; true if v is (being) gathered.
   bool prefetch(int v, const char* why);
-  // How many units forward and BACKWARD_PRE prefetch look ahead (Note [Prefetch depth]).
+  // How many units ahead forward and BACKWARD_PRE prefetch try; the rate limiter holds back the
+  // first that does not fit (Note [Prefetch depth]).
   int prefetch_depth() const;
   // Leaving u's forward: free it, or keep it for its backward (Note [Kept for backward]).
   void leave_forward(int u);
