@@ -283,8 +283,7 @@ int main(int argc, char** argv) {
     };
     // Per configuration: its computation in its last run, the slowest rank's.
     const bool per_row = a.recalibrate && a.gbps == 0;
-    // and its bytes on the wire per iteration (configurations that keep more units from forward
-    // gather less).
+    // and its bytes on the wire per iteration (a schedule may gather some units fewer times).
     std::map<std::string, double> own_ms, own_bytes;
     if (per_row)
       for (const auto& c : configs)
