@@ -187,6 +187,19 @@ WorkPtr FlatParam::start_unshard() {
   return gather_work_;
 }
 
+FlatParam::~FlatParam() {
+  // A gather nobody waited for (e.g. a prefetch the computation never reached) or a reduction of
+  // an interrupted backward still writes into, or reads, memory the parameters keep alive.
+  for (WorkPtr* work : {&gather_work_, &pending_work_}) {
+    if (!*work) continue;
+    try {
+      (*work)->wait();
+    } catch (const std::exception&) {
+      // The communicator failed; the error was, or will be, reported where the step waits.
+    }
+  }
+}
+
 void FlatParam::wait_unshard() {
   if (!gather_work_) return;
   WorkPtr work = std::move(gather_work_);

@@ -45,6 +45,10 @@ class FlatParam {
  public:
   FlatParam(int id, int unit, std::vector<ParamSlot> slots, const ShardingGroups& group, const MixedPrecision& mp,
             MemoryTracker* memory, BufferPool* buffers, CpuOffloader* offload = nullptr);
+  // Waits for its collectives still in flight: their buffers outlive it in the module's parameters.
+  ~FlatParam();
+  FlatParam(const FlatParam&) = delete;
+  FlatParam& operator=(const FlatParam&) = delete;
 
   int id() const { return id_; }
   int unit() const { return unit_; }
@@ -187,9 +191,9 @@ class FlatParam {
     bool alias_store = false;    // NO_SHARD: the pieces' .grad alias values, already averaged
   };
   Landing landing_;
-  WorkPtr device_grad_copy_;  // CPU offload: landing_.copy, for release_device_grad() on backward's thread
-  bool reduce_started_ = false;           // start_reduce() ran and finish_reduce() did not yet
-  bool defer_replicas_ = false;           // this reduction skips the replica all-reduce: finish keeps it
+  WorkPtr device_grad_copy_;     // CPU offload: landing_.copy, for release_device_grad() on backward's thread
+  bool reduce_started_ = false;  // start_reduce() ran and finish_reduce() did not yet
+  bool defer_replicas_ = false;  // this reduction skips the replica all-reduce: finish keeps it
   bool replica_reduce_issued_ = false;
   at::Tensor partial_;                   // hybrid: shard-group sums awaiting the replica all-reduce (reduce dtype)
   std::vector<uint8_t> partial_slots_;   // per slot: a gradient of it is in partial_

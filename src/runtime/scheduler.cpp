@@ -47,6 +47,7 @@ void Scheduler::pre_forward(int u) {
     forward_last_order_.push_back(u);
   }
   unit.mark_used(/*in_backward=*/false, with_grad);
+  note_forward_entry(u);
   last_used_ = u;
   if (held_back_prefetch_ == u) held_back_prefetch_ = -1;
   if (unit.needs_unshard()) unshard(u, "on demand");
@@ -57,7 +58,7 @@ void Scheduler::pre_forward(int u) {
     int next = u;
     for (int d = 0; d < prefetch_depth(); ++d) {
       next = next_in(previous_forward_order_, next);
-      if (next < 0 || units_[next].forward_seen()) break;
+      if (next < 0 || units_[next].forward_seen() || ran_in_forward_[next]) break;
       if (!prefetch(next, "prefetch forward")) break;
     }
   }
@@ -85,6 +86,20 @@ void Scheduler::pre_backward(int u) {
   }
   unit.wait_for_unshard();
   tracer_.enter_compute(u);
+}
+
+void Scheduler::note_forward_entry(int u) {
+  ran_in_forward_.resize(units_.size(), 0);
+  // The pass begins at the first non-root unit of the previous forward (the root is entered again
+  // between its children); a forward without grad has no backward to end it.
+  int start = -1;
+  for (int v : previous_forward_order_)
+    if (!units_[v].is_root()) {
+      start = v;
+      break;
+    }
+  if (u == start && ran_in_forward_[u]) std::fill(ran_in_forward_.begin(), ran_in_forward_.end(), 0);
+  ran_in_forward_[u] = 1;
 }
 
 void Scheduler::reshard_units_left(int u) {
@@ -155,6 +170,7 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
   }
   last_used_ = -1;
   kept_for_backward_ = -1;
+  std::fill(ran_in_forward_.begin(), ran_in_forward_.end(), 0);
   // The next iteration prefetches along this one's forward order.
   if (!forward_first_order_.empty()) previous_forward_order_ = std::move(forward_first_order_);
   forward_first_order_.clear();

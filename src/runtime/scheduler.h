@@ -66,6 +66,8 @@ class Scheduler {
   // again after later units finished, such as the root, must not re-gather them).
   int next_pending_in_backward(int u) const;
   static int next_in(const std::vector<int>& order, int u);
+  // Marks u as run by this forward pass, first starting a new pass if u begins one.
+  void note_forward_entry(int u);
 
   std::vector<Unit>& units_;
   const Options& options_;
@@ -80,6 +82,9 @@ class Scheduler {
   // (the next forward prefetches along it), and in the order they were last used in forward
   // (reversed: this backward's order).
   std::vector<int> forward_first_order_, previous_forward_order_, forward_last_order_, backward_order_;
+  // Units the current forward pass entered, with or without grad (Note [Forward prefetch]); a pass
+  // begins when the unit the previous forward began with is entered again.
+  std::vector<char> ran_in_forward_;
   int held_back_prefetch_ = -1;  // held back by the rate limiter until a reshard makes room
   // Note [Kept for backward]: the non-root unit the last backward used first (-1: none, or a
   // ReshardPolicy decides), and the unit this forward kept unsharded for its backward (-1: none).

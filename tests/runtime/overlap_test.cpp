@@ -265,8 +265,8 @@ TEST(TraceOrder, BackwardPrefetchNeverRegathersAFinishedUnit) {
 // Note [Kept for backward]: from the second iteration on, the unit backward needs first (the last
 // Linear, which the root's scale follows) stays unsharded from its forward to its backward, so it
 // is gathered once per iteration instead of twice; the parameter peak does not grow. A
-// ReshardPolicy turns it off; a forward without grad keeps nothing; a second forward before
-// backward trains exactly.
+// ReshardPolicy turns it off; a forward without grad keeps nothing and gathers each unit once; a
+// second forward before backward trains exactly.
 FSDP_WORKER(kept_for_backward_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const int rows = 2;
@@ -333,6 +333,12 @@ FSDP_WORKER(kept_for_backward_worker) {
       torch::NoGradGuard no_grad;
       model->forward(torch::randn({rows, 16}));
       eval_bytes[with_policy] = sharded->memory_stats().param_bytes;
+      // Forward prefetching must not gather again what this forward already ran (the root is
+      // entered between its children), and leaves no gather in flight.
+      const int64_t root_bytes = sharded->units()[0].padded_bytes;
+      WORKER_CHECK(eval_bytes[with_policy] == resting + root_bytes, "policy ", with_policy,
+                   ": after a forward without grad ", eval_bytes[with_policy], " parameter bytes, expected ",
+                   resting + root_bytes, " (the resting shards and the root's unsharded parameters)");
     }
   }
   WORKER_CHECK(eval_bytes[0] == eval_bytes[1], "after a forward without grad ", eval_bytes[0],
