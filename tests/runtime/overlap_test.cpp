@@ -354,5 +354,74 @@ TEST(TraceOrder, TheUnitBackwardNeedsFirstIsKeptFromForward) {
   }
 }
 
+// The root's own parameters read first and last, around four Linear units.
+struct RootAroundImpl : torch::nn::Module {
+  RootAroundImpl() {
+    w_in = register_parameter("w_in", torch::randn({16, 16}) * 0.25);
+    w_out = register_parameter("w_out", torch::randn({16, 16}) * 0.25);
+    for (int i = 0; i < 4; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(16, 16)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = x.matmul(w_in);
+    for (auto& l : layers) x = torch::tanh(l(x));
+    return x.matmul(w_out);
+  }
+  at::Tensor w_in, w_out;
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(RootAround);
+
+// Note [Forward prefetch]: forwards without grad (evaluation) between training steps gather each
+// unit once and leave only the root unsharded, with the root read first and last or between its
+// children, at rate limits 2 and 3; training around them stays exact.
+template <typename Model>
+void train_and_evaluate(const WorkerContext& ctx, const fsdp::ProcessGroupPtr& pg, int limit, const char* name) {
+  torch::manual_seed(5);
+  Model ref;
+  torch::manual_seed(5);
+  Model model;
+  auto sharded = fsdp::fully_shard(
+      model, pg,
+      fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()).all_gather_limit(limit));
+  const int64_t resting = sharded->memory_stats().param_bytes;
+  const int64_t root_bytes = sharded->units()[0].padded_bytes;
+  torch::optim::SGD ref_opt(ref->parameters(), 0.05), opt(sharded->parameters(), 0.05);
+  for (int step = 0; step < 3; ++step) {
+    const auto x = torch::randn({2 * ctx.world, 16}, at::detail::createCPUGenerator(21 + step));
+    step_side_by_side(ref, ref_opt, model, opt, x, ctx.rank, 2);
+    for (int eval = 0; eval < 2; ++eval) {
+      torch::NoGradGuard no_grad;
+      const auto y = model->forward(torch::randn({2, 16}, at::detail::createCPUGenerator(31 + eval)));
+      const auto want = ref->forward(torch::randn({2, 16}, at::detail::createCPUGenerator(31 + eval)));
+      WORKER_CHECK(rel_diff(y, want) <= 1e-5, name, ", limit ", limit, ": an evaluation forward differs from local");
+      const int64_t bytes = sharded->memory_stats().param_bytes;
+      WORKER_CHECK(bytes == resting + root_bytes, name, ", limit ", limit, ", step ", step, ", evaluation ", eval, ": ",
+                   bytes, " parameter bytes unsharded after a forward without grad, expected ", resting + root_bytes,
+                   " (the shards and the root)");
+    }
+  }
+  auto full = sharded->full_state_dict();
+  for (const auto& kv : ref->named_parameters()) {
+    const double d = rel_diff(full.at(kv.key()), kv.value().detach());
+    WORKER_CHECK(d <= 1e-5, name, ", limit ", limit, ": parameter ", kv.key(), " differs from local training by rel ",
+                 d);
+  }
+}
+
+FSDP_WORKER(evaluation_forward_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  for (int limit : {2, 3}) {
+    train_and_evaluate<RootAround>(ctx, pg, limit, "root first and last");
+    train_and_evaluate<RootBetween>(ctx, pg, limit, "root between its children");
+  }
+  if (ctx.rank == 0) std::cout << "evaluation forward ok" << std::endl;
+}
+
+TEST(TraceOrder, AForwardWithoutGradGathersEachUnitOnce) {
+  auto r = launch("evaluation_forward_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "evaluation forward ok")) << r.report();
+}
+
 }  // namespace
 }  // namespace fsdp_test
