@@ -400,12 +400,7 @@ void train_and_evaluate(const WorkerContext& ctx, const fsdp::ProcessGroupPtr& p
                    " (the shards and the root)");
     }
   }
-  auto full = sharded->full_state_dict();
-  for (const auto& kv : ref->named_parameters()) {
-    const double d = rel_diff(full.at(kv.key()), kv.value().detach());
-    WORKER_CHECK(d <= 1e-5, name, ", limit ", limit, ": parameter ", kv.key(), " differs from local training by rel ",
-                 d);
-  }
+  expect_same_parameters(*ref, *sharded, 1e-5, std::string(name) + ", limit " + std::to_string(limit));
 }
 
 FSDP_WORKER(evaluation_forward_worker) {
