@@ -40,6 +40,9 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--only", default="",
+                    help="comma-separated substrings: run only contenders whose name contains one (the last one "
+                         "kept stays the baseline)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bench = os.path.join(args.build_dir, "bench", "gpu_gpt_bench")
@@ -70,6 +73,9 @@ def main():
              f"interleaved runs (min-max in brackets). World size 1.", ""]
     for sec in [s for s in args.sections.split(",") if s]:
         contenders = sections[sec]
+        if args.only:
+            keys = [k for k in args.only.split(",") if k]
+            contenders = {n: c for n, c in contenders.items() if any(k in n for k in keys)}
         results = {k: [] for k in contenders}
         names = list(contenders)
         for rep in range(args.reps):

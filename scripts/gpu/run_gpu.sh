@@ -14,7 +14,7 @@ GEN=""; command -v ninja >/dev/null && GEN="-G Ninja"
   python3 -c 'import torch;print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
   echo "NCCL_ROOT=$NCCL_ROOT"; } | tee "$OUT/machine.txt"
 cmake -S . -B build-gpu $GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX" -DNCCL_ROOT="$NCCL_ROOT" \
-  -DFSDP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
+  -DFSDP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DFSDP_UNITY_BUILD=OFF > "$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
 grep "libfsdp:" "$OUT/configure.log"
 time cmake --build build-gpu -j 16 --target fsdp_gpu_tests gpu_gpt_bench fsdp_bench_cpu_adamw > "$OUT/build.log" 2>&1 \
   || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
