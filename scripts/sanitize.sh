@@ -34,13 +34,13 @@ JOBS=${JOBS:-2}
 
 # ctest names are gtest's: [Instantiation/]Suite.Test[/Param]
 ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|StepInBackward\.|ExactOverTcpTest\.|OverlapExact\.|TraceOrder\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'}
-TSAN_TESTS=${TSAN_TESTS:-'StepInBackward\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|TraceOrder\.|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|^Startup\.'}
+TSAN_TESTS=${TSAN_TESTS:-'StepInBackward\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|TraceOrder\.|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|KilledHoldingConnectionsTest\.|^Startup\.'}
 # Tests that also bound their own wall time (fail-fast within 15 or 30 s of launching the ranks,
 # a shared-memory step faster than a modeled 0.13 s): under a sanitizer, rank start-up alone
 # (loading LibTorch under ASan/TSan interceptors) can take most of that on 2 busy cores. They still
 # run, and their sanitizer reports still fail the job, but a failure on their own timing does not.
 ASAN_TIMING_BOUND='NetworkModel\.IntraAndInterHostLinksFromOptions|NetworkModel\.CompletesNoEarlierThanModeled|SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'
-TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.|KilledAtRandomTest\.|^Startup\.'
+TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.|KilledAtRandomTest\.|KilledHoldingConnectionsTest\.|^Startup\.'
 
 # Ranks run one OpenMP thread (the test harness sets it for them too): LibTorch's OpenMP runtime
 # (libgomp) is not instrumented, and TSan cannot see its barriers.

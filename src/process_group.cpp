@@ -20,9 +20,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -236,6 +238,15 @@ bool read_proc_stat(const std::string& pid, std::string& start_time, char& state
 }
 
 // What names this process among all of a job's: kernel boot, pid namespace, pid, start time.
+// Whether the process `pid` that started at `start_time` (clock ticks after boot) has ended: it
+// is gone, a zombie, or the pid now names a later process.
+bool process_gone(const std::string& pid, const std::string& start_time) {
+  std::string start;
+  char state = '?';
+  if (!read_proc_stat(pid, start, state)) return true;
+  return state == 'Z' || state == 'X' || start != start_time;
+}
+
 std::string process_identity() {
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::string boot_id;
@@ -472,29 +483,48 @@ void ProcessGroup::set_network_model(std::optional<NetworkModel> model) {
 
 c10::intrusive_ptr<c10d::Store> ProcessGroup::store() const { return impl_->store; }
 
-bool ProcessGroup::rank_exited(int r) const {
-  if (r == rank() || r < 0 || r >= size()) return false;
-  std::vector<std::string> theirs;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    auto& cached = impl_->identities;
-    if (!cached.count(rank())) {
-      std::istringstream in(process_identity());
-      for (std::string f; in >> f;) cached[rank()].push_back(f);
-    }
-    if (!cached.count(r)) {
-      const auto raw = impl_->store->get(arrived_key(r));
-      std::istringstream in(std::string(raw.begin(), raw.end()));
-      for (std::string f; in >> f;) cached[r].push_back(f);
-    }
-    theirs = cached[r];
-    const auto& mine = cached[rank()];
-    if (theirs.size() != 4 || mine.size() != 4 || theirs[0] != mine[0] || theirs[1] != mine[1]) return false;
+std::optional<std::pair<std::string, std::string>> ProcessGroup::same_host_process(int r) const {
+  if (r == rank() || r < 0 || r >= size()) return std::nullopt;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto& cached = impl_->identities;
+  if (!cached.count(rank())) {
+    std::istringstream in(process_identity());
+    for (std::string f; in >> f;) cached[rank()].push_back(f);
   }
-  std::string start;
-  char state = '?';
-  if (!read_proc_stat(theirs[2], start, state)) return true;
-  return state == 'Z' || state == 'X' || start != theirs[3];
+  if (!cached.count(r)) {
+    const auto raw = impl_->store->get(arrived_key(r));
+    std::istringstream in(std::string(raw.begin(), raw.end()));
+    for (std::string f; in >> f;) cached[r].push_back(f);
+  }
+  const auto& theirs = cached[r];
+  const auto& mine = cached[rank()];
+  if (theirs.size() != 4 || mine.size() != 4 || theirs[0] != mine[0] || theirs[1] != mine[1]) return std::nullopt;
+  return std::make_pair(theirs[2], theirs[3]);
+}
+
+bool ProcessGroup::rank_exited(int r) const {
+  const auto process = same_host_process(r);
+  return process && process_gone(process->first, process->second);
+}
+
+std::function<std::string()> ProcessGroup::exit_watch(const std::vector<int>& ranks) const {
+  struct Member {
+    int rank;
+    std::string pid, start;
+  };
+  std::vector<Member> members;
+  try {
+    for (int r : ranks)
+      if (const auto process = same_host_process(r)) members.push_back({r, process->first, process->second});
+  } catch (const std::exception&) {
+    return {};  // the store did not answer: no watch, Gloo's own detection remains
+  }
+  if (members.empty()) return {};
+  return [members] {
+    for (const auto& m : members)
+      if (process_gone(m.pid, m.start)) return detail::compose("rank ", m.rank, " (pid ", m.pid, ") died");
+    return std::string();
+  };
 }
 
 CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std::string& key) {
@@ -523,7 +553,7 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
     if (ranks.size() > 1 && options_.transport != Transport::kTcp)
       c = make_shm_communicator(prefixed, my_index, static_cast<int>(ranks.size()), id.str(), options_.timeout,
                                 options_.transport == Transport::kSharedMemory);
-    return c ? c : connect_gloo(prefixed, my_index, static_cast<int>(ranks.size()), id.str());
+    return c ? c : connect_gloo(prefixed, ranks, my_index, id.str());
   };
   if (options_.device.is_cuda()) {
 #ifdef FSDP_WITH_NCCL
@@ -544,8 +574,9 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
   return comm;
 }
 
-CommunicatorPtr ProcessGroup::connect_gloo(const c10::intrusive_ptr<c10d::Store>& prefixed, int my_index, int size,
-                                           const std::string& id) {
+CommunicatorPtr ProcessGroup::connect_gloo(const c10::intrusive_ptr<c10d::Store>& prefixed,
+                                           const std::vector<int>& ranks, int my_index, const std::string& id) {
+  const int size = static_cast<int>(ranks.size());
 #ifndef FSDP_WITH_GLOO
   if (size == 1) return make_self_communicator(id);
   FSDP_FAIL("rank ", rank(), " cannot connect ", id,
@@ -566,7 +597,7 @@ CommunicatorPtr ProcessGroup::connect_gloo(const c10::intrusive_ptr<c10d::Store>
               ". Check that every member rank is alive and that their addresses are reachable "
               "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
   }
-  return make_gloo_communicator(std::move(ctx), id, options_.timeout, options_.check_collectives);
+  return make_gloo_communicator(std::move(ctx), id, options_.timeout, options_.check_collectives, exit_watch(ranks));
 #endif
 }
 

@@ -4,10 +4,12 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/comm.h"
@@ -107,8 +109,14 @@ class ProcessGroup {
 
  private:
   ProcessGroup() = default;
-  CommunicatorPtr connect_gloo(const c10::intrusive_ptr<c10d::Store>& prefixed, int my_index, int size,
-                               const std::string& id);
+  CommunicatorPtr connect_gloo(const c10::intrusive_ptr<c10d::Store>& prefixed, const std::vector<int>& ranks,
+                               int my_index, const std::string& id);
+  // Rank r's pid and start time when it runs on this host (same kernel boot and pid namespace),
+  // read from the store once; nothing for this rank or one elsewhere.
+  std::optional<std::pair<std::string, std::string>> same_host_process(int r) const;
+  // For a communicator over `ranks`: names a same-host member whose process has ended, or returns
+  // empty; itself empty when no member shares this host (Note [Dead members]).
+  std::function<std::string()> exit_watch(const std::vector<int>& ranks) const;
   RankEnv env_;
   ProcessGroupOptions options_;
   struct Impl;

@@ -98,8 +98,7 @@ std::string Fingerprint::describe() const {
   return s.str();
 }
 
-void fail_out_of_step(const std::string& group, int me, const Fingerprint& mine, int other,
-                      const Fingerprint& theirs) {
+void fail_out_of_step(const std::string& group, int me, const Fingerprint& mine, int other, const Fingerprint& theirs) {
   FSDP_FAIL("ranks diverged: member ", me, " of ", group, " issued ", mine.describe(), " while member ", other,
             " issued ", theirs.describe(),
             ". Every rank must issue the same collectives in the same order (same model, same FSDP options, "
@@ -115,7 +114,9 @@ void shutdown_on_destruction(Communicator& comm, const CollectiveQueue& queue) {
   try {
     comm.shutdown()->wait();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "[fsdp] rank %d of %s: %s\n[fsdp] exiting with status 1: this rank must not finish out of step with its peers\n",
+    std::fprintf(stderr,
+                 "[fsdp] rank %d of %s: %s\n[fsdp] exiting with status 1: this rank must not finish out of step with "
+                 "its peers\n",
                  comm.rank(), comm.name().c_str(), e.what());
     std::fflush(stdout);
     std::fflush(stderr);
@@ -172,9 +173,49 @@ CollectiveQueue::~CollectiveQueue() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    stop_watch_ = true;
   }
   cv_.notify_all();
+  watch_cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
   worker_.join();
+}
+
+void CollectiveQueue::watch_members(std::function<std::string()> exited, std::chrono::milliseconds every,
+                                    std::chrono::milliseconds grace) {
+  FSDP_CHECK(exited && !watcher_.joinable(), "internal: watch_members needs a check and is set once");
+  exited_ = std::move(exited);
+  every_ = every;
+  grace_ = grace;
+  watcher_ = std::thread([this] { watch(); });
+}
+
+void CollectiveQueue::watch() {
+  // It polls: the worker never wakes it, so collectives pay nothing for the watch.
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_watch_) {
+    watch_cv_.wait_for(lock, every_);
+    if (stop_watch_ || running_job_ == 0 || std::chrono::steady_clock::now() < running_since_ + every_) continue;
+    const uint64_t job = running_job_;
+    lock.unlock();
+    const std::string why = exited_();
+    lock.lock();
+    if (why.empty() || running_job_ != job) continue;
+    // A member is gone. A collective it had done its part of may still be completing here (its
+    // last bytes in flight), so the job gets `grace` to end on its own.
+    const auto deadline = std::chrono::steady_clock::now() + grace_;
+    while (!stop_watch_ && running_job_ == job && std::chrono::steady_clock::now() < deadline)
+      watch_cv_.wait_until(lock, deadline);
+    if (stop_watch_ || running_job_ != job) continue;
+    std::fprintf(stderr,
+                 "[fsdp] rank %d of %s: collective %s cannot complete: %s while it waited on it (found by "
+                 "libfsdp's member watch; the transport had not reported it)\n[fsdp] exiting with status 1: the "
+                 "transport still owns this collective's buffers\n",
+                 rank_, name_.c_str(), running_op_, why.c_str());
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
 }
 
 bool CollectiveQueue::shut_down() const {
@@ -203,13 +244,14 @@ WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body, Wor
   static const bool debug = std::getenv("FSDP_DEBUG_COMM") != nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   if (shutdown_) {
-    work->finish(detail::compose(op, " on ", name_, " was issued after the communicator was shut down (ProcessGroup::shutdown() or "
+    work->finish(detail::compose(op, " on ", name_,
+                                 " was issued after the communicator was shut down (ProcessGroup::shutdown() or "
                                  "Communicator::shutdown() ran): shut a process group down only after the last "
                                  "forward, backward and state-dict call of every model sharded over it"));
     return work;
   }
   if (debug) std::fprintf(stderr, "[comm] %s #%u %s\n", name_.c_str(), debug_count_++, op);
-  queue_.push_back([this, op, body = std::move(body), after = std::move(after), work, is_shutdown]() mutable {
+  queue_.emplace_back(op, [this, op, body = std::move(body), after = std::move(after), work, is_shutdown]() mutable {
     if (!failure_.empty()) {
       body = nullptr;
       after = nullptr;
@@ -257,10 +299,16 @@ void CollectiveQueue::run() {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) break;
-      job = std::move(queue_.front());
+      running_op_ = queue_.front().first;
+      job = std::move(queue_.front().second);
       queue_.pop_front();
+      running_job_ = ++jobs_started_;
+      running_since_ = std::chrono::steady_clock::now();
     }
     job();
+    job = nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    running_job_ = 0;
   }
   if (on_stop_) on_stop_();
 }

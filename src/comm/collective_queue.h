@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include <torch/torch.h>
 
@@ -89,9 +90,19 @@ class CollectiveQueue {
   bool failed() const { return failed_.load(); }
   bool shut_down() const;
 
+  // Member watch for transports that may not notice a dead peer (Note [Dead members]): once a job
+  // has run for `every`, asks `exited()` each `every` whether a member is known to have died (a
+  // description, or empty). If one has and the same job is still running `grace` later, prints
+  // why and ends the process with status 1: the transport still owns the job's buffers, so
+  // failing its Work and going on would let it write into memory handed back. Call once, before
+  // the first enqueue.
+  void watch_members(std::function<std::string()> exited, std::chrono::milliseconds every,
+                     std::chrono::milliseconds grace);
+
  private:
   WorkPtr enqueue(const char* op, std::function<void()> body, WorkPtr after, bool is_shutdown);
   void run();
+  void watch();
   std::string name_;
   int rank_, size_;
   std::chrono::milliseconds timeout_;
@@ -99,12 +110,21 @@ class CollectiveQueue {
   mutable std::mutex mu_;
   std::mutex shutdown_mu_;  // serializes enqueue_shutdown
   std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
+  std::deque<std::pair<const char*, std::function<void()>>> queue_;  // each job's op and body
   bool stop_ = false;
   std::string failure_;  // only touched by the worker thread
   std::atomic<bool> failed_{false};
   WorkPtr shutdown_;  // under mu_
   uint32_t debug_count_ = 0;
+  // The member watch. The running job (under mu_): its number (0: the worker is idle), op, start.
+  std::function<std::string()> exited_;
+  std::chrono::milliseconds every_{0}, grace_{0};
+  uint64_t jobs_started_ = 0, running_job_ = 0;
+  const char* running_op_ = nullptr;
+  std::chrono::steady_clock::time_point running_since_;
+  bool stop_watch_ = false;
+  std::condition_variable watch_cv_;  // only to stop the watch
+  std::thread watcher_;
   std::thread worker_;
 };
 

@@ -86,6 +86,11 @@ void add_to_output(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
   at::add_out(out, a, b);
 }
 
+// The member watch (Note [Dead members]): a collective running this long is checked for dead
+// members, and one still running this long after a member was found dead is failed.
+constexpr std::chrono::milliseconds kWatchEvery{200};
+constexpr std::chrono::milliseconds kWatchGrace{2000};
+
 // Slot prefixes for our ring reduce-scatter and fingerprint exchange; gloo's own collectives use 0x01..0x08.
 constexpr uint8_t kReduceScatterSlotPrefix = 0x10;
 constexpr uint8_t kFingerprintSlotPrefix = 0x11;
@@ -117,12 +122,15 @@ gloo::AllreduceOptions::Func sum_function(at::ScalarType type) {
 
 class GlooCommunicator : public Communicator, public std::enable_shared_from_this<GlooCommunicator> {
  public:
-  GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::string name, std::chrono::milliseconds timeout, bool check)
+  GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::string name, std::chrono::milliseconds timeout, bool check,
+                   std::function<std::string()> exited)
       : ctx_(std::move(ctx)),
         name_(std::move(name)),
         timeout_(timeout),
         check_(check),
-        queue_(std::make_unique<CollectiveQueue>(name_, ctx_->rank, ctx_->size, timeout_)) {}
+        queue_(std::make_unique<CollectiveQueue>(name_, ctx_->rank, ctx_->size, timeout_)) {
+    if (exited) queue_->watch_members(std::move(exited), kWatchEvery, kWatchGrace);
+  }
   // The queue is declared last, so its worker finishes the queued jobs before the scratch and the
   // context go.
   ~GlooCommunicator() override { shutdown_on_destruction(*this, *queue_); }
@@ -381,8 +389,9 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 }  // namespace
 
 CommunicatorPtr make_gloo_communicator(std::shared_ptr<gloo::Context> context, std::string name,
-                                       std::chrono::milliseconds timeout, bool check) {
-  return std::make_shared<GlooCommunicator>(std::move(context), std::move(name), timeout, check);
+                                       std::chrono::milliseconds timeout, bool check,
+                                       std::function<std::string()> exited) {
+  return std::make_shared<GlooCommunicator>(std::move(context), std::move(name), timeout, check, std::move(exited));
 }
 
 }  // namespace fsdp

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 
 #include "faults/faults.h"
 
@@ -19,6 +20,7 @@ struct KillCase {
   int world, victim;
   std::string point, transport;
   int seed = 1;
+  std::string how = "KILL";  // KILL_HOLDING: a child of the victim keeps its connections open
 };
 void PrintTo(const KillCase& c, std::ostream* os) {
   *os << "world " << c.world << ", victim " << c.victim << " in " << c.point << ", " << c.transport << ", seed "
@@ -28,12 +30,18 @@ void PrintTo(const KillCase& c, std::ostream* os) {
 void expect_survivors_fail_fast(const KillCase& c) {
   TempDir dir;
   const auto t0 = std::chrono::steady_clock::now();
-  RunningRanks running =
-      start("fault_in_step_worker", c.world, {std::to_string(c.victim), c.point, "KILL", std::to_string(c.seed), dir.path},
-            {"FSDP_TRANSPORT=" + c.transport, "FSDP_TIMEOUT_S=120"});
+  RunningRanks running = start("fault_in_step_worker", c.world,
+                               {std::to_string(c.victim), c.point, c.how, std::to_string(c.seed), dir.path},
+                               {"FSDP_TRANSPORT=" + c.transport, "FSDP_TIMEOUT_S=120"});
   const std::vector<int> pids = running.pids;
   auto r = wait_for(running, 240);
   const double seconds = seconds_since(t0);
+  if (c.how == "KILL_HOLDING") {
+    int holder = 0;
+    std::ifstream(dir / "holder.pid") >> holder;
+    EXPECT_GT(holder, 0) << "the victim forked no holder\n" << r.report();
+    if (holder > 0) kill(holder, SIGKILL);
+  }
   ASSERT_FALSE(r.timed_out) << r.report();
   EXPECT_EQ(r.ranks[c.victim].exit_code, 128 + SIGKILL) << r.report();
   for (int rank = 0; rank < c.world; ++rank) {
@@ -71,6 +79,21 @@ INSTANTIATE_TEST_SUITE_P(Victims, KilledInStepTest, ::testing::ValuesIn(kill_cas
   return "world" + std::to_string(info.param.world) + "_rank" + std::to_string(info.param.victim) + "_" +
          info.param.point + "_" + info.param.transport;
 });
+
+// The victim's connections stay open after its death (a child it forked holds them, as a forked
+// helper process would), so no peer's transport sees a closed connection: over TCP only libfsdp's
+// member watch finds the death (Note [Dead members]).
+class KilledHoldingConnectionsTest : public ::testing::TestWithParam<KillCase> {};
+TEST_P(KilledHoldingConnectionsTest, EverySurvivorFailsWithinSeconds) { expect_survivors_fail_fast(GetParam()); }
+INSTANTIATE_TEST_SUITE_P(Victims, KilledHoldingConnectionsTest,
+                         ::testing::Values(KillCase{3, 0, "forward", "tcp", 1, "KILL_HOLDING"},
+                                           KillCase{3, 2, "backward", "tcp", 1, "KILL_HOLDING"},
+                                           KillCase{3, 1, "step", "shm", 1, "KILL_HOLDING"}),
+                         [](const auto& info) {
+                           return "world" + std::to_string(info.param.world) + "_rank" +
+                                  std::to_string(info.param.victim) + "_" + info.param.point + "_" +
+                                  info.param.transport;
+                         });
 
 // A random moment of a long run: world, victim and transport drawn from the seed too.
 class KilledAtRandomTest : public ::testing::TestWithParam<int> {};

@@ -2,7 +2,9 @@
 // state dict every other step and checkpoints, in which one rank (the victim) sends itself a
 // signal at a chosen point of step 2, and a loader that checks the last complete checkpoint.
 #include <signal.h>
+#include <unistd.h>
 
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -13,12 +15,16 @@ namespace {
 
 namespace ckpt = fsdp::checkpoint;
 
-fsdp::Options skippy_options() { return fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()); }
+fsdp::Options skippy_options() {
+  return fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
+}
 
 }  // namespace
 
-// args: victim rank, point (forward, backward, step, full_state_dict, save, anywhere), signal (KILL
-// or STOP), seed, checkpoint root. Checkpoints go to <root>/step-0 and <root>/step-2; the victim's
+// args: victim rank, point (forward, backward, step, full_state_dict, save, anywhere), signal (KILL,
+// STOP, or KILL_HOLDING: before its SIGKILL at a point of forward, backward or step, the victim
+// forks a child that keeps every descriptor it had open, its connections included, for 60 s and
+// writes the child's pid to <root>/holder.pid), seed, checkpoint root. Checkpoints go to <root>/step-0 and <root>/step-2; the victim's
 // signal comes in step 2: inside forward (between units), inside backward (after the last unit's
 // reduction is issued), before the optimizer step, a random moment (0-2 ms, from the seed) into
 // full_state_dict() or the save, or ("anywhere") a random moment (0-30 ms) after step 2 starts,
@@ -26,7 +32,8 @@ fsdp::Options skippy_options() { return fsdp::Options().auto_wrap_policy(fsdp::w
 FSDP_WORKER(fault_in_step_worker) {
   const int victim = std::stoi(ctx.args.at(0));
   const std::string point = ctx.args.at(1);
-  const int sig = ctx.args.at(2) == "STOP" ? SIGSTOP : SIGKILL;
+  const std::string how = ctx.args.at(2);
+  const int sig = how == "STOP" ? SIGSTOP : SIGKILL;
   std::mt19937 rng(static_cast<unsigned>(std::stoi(ctx.args.at(3))));
   const std::string root = ctx.args.at(4);
   auto pg = fsdp::ProcessGroup::from_env();
@@ -37,7 +44,16 @@ FSDP_WORKER(fault_in_step_worker) {
   const bool is_victim = ctx.rank == victim;
   int step = 0;
   auto fire_at = [&](const char* here) {
-    if (is_victim && step == 2 && point == here) raise(sig);
+    if (!is_victim || step != 2 || point != here) return;
+    if (how == "KILL_HOLDING") {
+      const pid_t holder = fork();
+      if (holder == 0) {
+        sleep(60);
+        _exit(0);
+      }
+      std::ofstream(root + "/holder.pid") << holder << std::endl;
+    }
+    raise(sig);
   };
   // A signal `max_us` or less from now, from another thread, whatever this one is doing then.
   std::thread timer;
@@ -49,8 +65,12 @@ FSDP_WORKER(fault_in_step_worker) {
     });
     timer.detach();
   };
-  model->in_forward = [&] { fire_at("forward"); };
-  model->in_backward = [&] { fire_at("backward"); };
+  model->in_forward = [&] {
+    fire_at("forward");
+  };
+  model->in_backward = [&] {
+    fire_at("backward");
+  };
   const int steps = point == "anywhere" ? 100000 : 4;
   for (; step < steps; ++step) {
     if (is_victim && step == 2 && point == "anywhere") fire_later(30000);
