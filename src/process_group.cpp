@@ -514,8 +514,11 @@ std::function<std::string()> ProcessGroup::exit_watch(const std::vector<int>& ra
   };
   std::vector<Member> members;
   try {
+    // Only members seen alive now: one whose /proc entry cannot be read from here (another user's,
+    // under hidepid) would otherwise look dead.
     for (int r : ranks)
-      if (const auto process = same_host_process(r)) members.push_back({r, process->first, process->second});
+      if (const auto process = same_host_process(r); process && !process_gone(process->first, process->second))
+        members.push_back({r, process->first, process->second});
   } catch (const std::exception&) {
     return {};  // the store did not answer: no watch, Gloo's own detection remains
   }
