@@ -33,6 +33,7 @@ void raw_free(void* p, size_t bytes) {
 struct BufferPool::State {
   mutable std::mutex mu;
   bool enabled = true;
+  HostMemory memory{raw_alloc, raw_free};
   std::unordered_map<size_t, std::vector<void*>> idle;  // by exact size
   int64_t idle_bytes = 0;
   int64_t system_allocations = 0;
@@ -46,7 +47,7 @@ struct BufferPool::State {
         return;
       }
     }
-    raw_free(p, bytes);
+    memory.free(p, bytes);
   }
   void* take(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu);
@@ -65,7 +66,7 @@ struct BufferPool::State {
       idle_bytes = 0;
     }
     for (auto& kv : blocks)
-      for (void* p : kv.second) raw_free(p, kv.first);
+      for (void* p : kv.second) memory.free(p, kv.first);
   }
 };
 
@@ -76,10 +77,18 @@ struct Block {
   void* ptr;
   size_t bytes;
   std::weak_ptr<BufferPool::State> pool;
+  void (*free)(void*, size_t);
 };
 }  // namespace
 
-BufferPool::BufferPool(bool enabled) : state_(std::make_shared<State>()) { state_->enabled = enabled; }
+BufferPool::BufferPool(bool enabled) : BufferPool(enabled, HostMemory{}) {}
+
+BufferPool::BufferPool(bool enabled, HostMemory memory) : state_(std::make_shared<State>()) {
+  state_->enabled = enabled;
+  FSDP_CHECK((memory.alloc == nullptr) == (memory.free == nullptr),
+             "internal: BufferPool::HostMemory needs both alloc and free, or neither");
+  if (memory.alloc) state_->memory = memory;
+}
 BufferPool::~BufferPool() { state_->clear(); }
 
 at::DataPtr BufferPool::allocate(size_t bytes, c10::Device device) {
@@ -91,11 +100,11 @@ at::DataPtr BufferPool::allocate(size_t bytes, c10::Device device) {
   if (bytes == 0) return at::DataPtr(nullptr, cpu);
   void* p = state_->take(bytes);
   if (!p) {
-    p = raw_alloc(bytes);
+    p = state_->memory.alloc(bytes);
     std::lock_guard<std::mutex> lock(state_->mu);
     ++state_->system_allocations;
   }
-  auto* ctx = new Block{p, bytes, state_};
+  auto* ctx = new Block{p, bytes, state_, state_->memory.free};
   return at::DataPtr(
       p, ctx,
       [](void* c) {
@@ -103,7 +112,7 @@ at::DataPtr BufferPool::allocate(size_t bytes, c10::Device device) {
         if (auto pool = block->pool.lock())
           pool->put(block->ptr, block->bytes);
         else
-          raw_free(block->ptr, block->bytes);
+          block->free(block->ptr, block->bytes);
       },
       cpu);
 }

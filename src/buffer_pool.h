@@ -17,7 +17,14 @@ namespace fsdp {
 
 class BufferPool {
  public:
+  // Where the pool's CPU blocks come from and go back to: by default plain memory (malloc, or
+  // mmap for large blocks); CPU offload on a GPU passes page-locked memory (cpu_offload.cpp).
+  struct HostMemory {
+    void* (*alloc)(size_t bytes) = nullptr;  // never null on return: throws instead
+    void (*free)(void* p, size_t bytes) = nullptr;
+  };
   explicit BufferPool(bool enabled = true);
+  BufferPool(bool enabled, HostMemory memory);
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;

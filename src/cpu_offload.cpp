@@ -4,6 +4,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #endif
 
 #include "fsdp/check.h"
@@ -51,6 +52,18 @@ class CopyWork : public Work {
   bool waited_ = false;
 };
 
+// Page-locked host memory of exactly the size asked for.
+void* pinned_alloc(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  FSDP_CHECK(e == cudaSuccess && p != nullptr, "CPU offload: could not allocate ", bytes,
+             " bytes of page-locked host memory (", cudaGetErrorString(e),
+             "); the host holds every shard, gradient and optimizer state under offload: use more "
+             "ranks or hosts, or CpuOffload().pin_memory(false)");
+  return p;
+}
+void pinned_free(void* p, size_t) { cudaFreeHost(p); }
+
 }  // namespace
 
 struct CpuOffloader::Streams {
@@ -58,7 +71,10 @@ struct CpuOffloader::Streams {
   at::cuda::CUDAEvent ready;  // re-recorded on the caller's stream before each copy
 };
 
-CpuOffloader::CpuOffloader(c10::Device device, bool pin_memory) : device_(device), pin_memory_(pin_memory) {
+CpuOffloader::CpuOffloader(c10::Device device, bool pin_memory)
+    : device_(device),
+      pin_memory_(pin_memory),
+      host_pool_(true, pin_memory ? BufferPool::HostMemory{pinned_alloc, pinned_free} : BufferPool::HostMemory{}) {
   FSDP_CHECK(device.is_cuda() && device.has_index(), "internal: CpuOffloader needs a CUDA device with an index");
   streams_.reset(new Streams{c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()),
                              c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()),
@@ -68,7 +84,7 @@ CpuOffloader::CpuOffloader(c10::Device device, bool pin_memory) : device_(device
 CpuOffloader::~CpuOffloader() = default;
 
 at::Tensor CpuOffloader::host_empty(int64_t numel, at::ScalarType dtype) const {
-  return at::empty({numel}, at::TensorOptions().dtype(dtype).pinned_memory(pin_memory_));
+  return host_pool_.empty(numel, at::TensorOptions().dtype(dtype));
 }
 
 WorkPtr CpuOffloader::to_device(at::Tensor dst, at::Tensor src) {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 
+#include "buffer_pool.h"
 #include "fsdp/comm.h"
 
 namespace fsdp {
@@ -23,7 +24,7 @@ class CpuOffloader {
   CpuOffloader& operator=(const CpuOffloader&) = delete;
 
   c10::Device device() const { return device_; }
-  // An uninitialized 1-D host tensor (page-locked if pin_memory).
+  // An uninitialized 1-D host tensor (page-locked if pin_memory), its block reused by size.
   at::Tensor host_empty(int64_t numel, at::ScalarType dtype) const;
   // Queues dst (device) = src (host; same numel; the dtype may differ, cast on the device) on the
   // copy stream, after the work queued so far on the caller's current stream. wait() orders the
@@ -45,6 +46,9 @@ class CpuOffloader {
   WorkPtr copy(bool to_host, at::Tensor dst, at::Tensor src);
   c10::Device device_;
   bool pin_memory_;
+  // Host blocks by exact size (page-locked when pin_memory): PyTorch's pinned allocator rounds
+  // each block up to a power of two (Note [CPU offload]).
+  mutable BufferPool host_pool_;
   struct Streams;
   std::unique_ptr<Streams> streams_;
 };

@@ -1,6 +1,10 @@
 // The pool behind Options::reuse_buffers, and its effect in training.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <map>
+#include <vector>
+
 #include "buffer_pool.h"
 #include "harness.h"
 #include "models.h"
@@ -55,6 +59,47 @@ TEST(BufferPool, DisabledFreesAtOnceAndBlocksMayOutliveThePool) {
     survivor = pool.empty(1 << 20, at::TensorOptions(at::kDouble)).fill_(1.5);
   }
   EXPECT_EQ(survivor.sum().item<double>(), 1.5 * (1 << 20));  // freed, not cached, when it dies
+}
+
+// The memory a pool draws from can be replaced (CPU offload on a GPU passes page-locked memory):
+// the backend sees exact sizes, is asked again only for a size with no idle block, and gets every
+// block back, also one whose tensor outlives the pool.
+namespace {
+std::map<void*, size_t> g_backend_blocks;
+std::vector<size_t> g_backend_sizes;
+void* counting_alloc(size_t bytes) {
+  void* p = std::malloc(bytes);
+  g_backend_blocks[p] = bytes;
+  g_backend_sizes.push_back(bytes);
+  return p;
+}
+void counting_free(void* p, size_t bytes) {
+  EXPECT_EQ(g_backend_blocks.at(p), bytes);
+  g_backend_blocks.erase(p);
+  std::free(p);
+}
+}  // namespace
+
+TEST(BufferPool, HostMemoryBackendGetsExactSizesAndEveryBlockBack) {
+  g_backend_blocks.clear();
+  g_backend_sizes.clear();
+  at::Tensor survivor;
+  {
+    fsdp::BufferPool pool(true, {counting_alloc, counting_free});
+    const int64_t odd = (int64_t(1) << 20) + 3;  // not a power of two: kept as is
+    { at::Tensor a = pool.empty(odd, at::TensorOptions(at::kFloat)).fill_(1); }
+    at::Tensor b = pool.empty(odd, at::TensorOptions(at::kFloat)).fill_(2);  // the same block again
+    at::Tensor c = pool.empty(100, at::TensorOptions(at::kDouble)).fill_(3);
+    EXPECT_EQ(g_backend_sizes, (std::vector<size_t>{size_t(odd) * 4, 800}));
+    EXPECT_EQ(pool.system_allocations(), 2);
+    EXPECT_EQ(b.sum().item<double>(), 2.0 * double(odd));
+    survivor = c;
+  }
+  EXPECT_EQ(g_backend_blocks.size(), 1u);  // the survivor's: returned when it dies
+  EXPECT_EQ(survivor.sum().item<double>(), 300.0);
+  survivor = at::Tensor();
+  EXPECT_TRUE(g_backend_blocks.empty());
+  EXPECT_THROW(fsdp::BufferPool(true, {counting_alloc, nullptr}), fsdp::Error);
 }
 
 // Trains with reuse on and off: the same parameters bit for bit; with reuse, no buffer is
