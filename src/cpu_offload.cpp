@@ -73,7 +73,6 @@ struct CpuOffloader::Streams {
 
 CpuOffloader::CpuOffloader(c10::Device device, bool pin_memory)
     : device_(device),
-      pin_memory_(pin_memory),
       host_pool_(true, pin_memory ? BufferPool::HostMemory{pinned_alloc, pinned_free} : BufferPool::HostMemory{}) {
   FSDP_CHECK(device.is_cuda() && device.has_index(), "internal: CpuOffloader needs a CUDA device with an index");
   streams_.reset(new Streams{c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()),
@@ -138,7 +137,7 @@ void CpuOffloader::release_source(const WorkPtr& copy_to_host) {
 
 struct CpuOffloader::Streams {};
 
-CpuOffloader::CpuOffloader(c10::Device device, bool pin_memory) : device_(device), pin_memory_(pin_memory) {
+CpuOffloader::CpuOffloader(c10::Device device, bool) : device_(device) {
   FSDP_FAIL("Options::offload needs a CUDA build of libfsdp and a process group on a CUDA device (got ", device,
             "); remove .offload(...)");
 }

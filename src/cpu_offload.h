@@ -45,7 +45,6 @@ class CpuOffloader {
   // caller's current stream.
   WorkPtr copy(bool to_host, at::Tensor dst, at::Tensor src);
   c10::Device device_;
-  bool pin_memory_;
   // Host blocks by exact size (page-locked when pin_memory): PyTorch's pinned allocator rounds
   // each block up to a power of two (Note [CPU offload]).
   mutable BufferPool host_pool_;

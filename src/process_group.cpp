@@ -237,7 +237,6 @@ bool read_proc_stat(const std::string& pid, std::string& start_time, char& state
   return true;
 }
 
-// What names this process among all of a job's: kernel boot, pid namespace, pid, start time.
 // Whether the process `pid` that started at `start_time` (clock ticks after boot) has ended: it
 // is gone, a zombie, or the pid now names a later process.
 bool process_gone(const std::string& pid, const std::string& start_time) {
@@ -247,6 +246,7 @@ bool process_gone(const std::string& pid, const std::string& start_time) {
   return state == 'Z' || state == 'X' || start != start_time;
 }
 
+// What names this process among all of a job's: kernel boot, pid namespace, pid, start time.
 std::string process_identity() {
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::string boot_id;

@@ -87,7 +87,7 @@ void add_to_output(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
 }
 
 // The member watch (Note [Dead members]): a collective running this long is checked for dead
-// members, and one still running this long after a member was found dead is failed.
+// members, and one still running this long after a member was found dead ends the process.
 constexpr std::chrono::milliseconds kWatchEvery{200};
 constexpr std::chrono::milliseconds kWatchGrace{2000};
 
