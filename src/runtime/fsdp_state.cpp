@@ -167,15 +167,20 @@ void FsdpState::compare_across_ranks(const std::string& mine, const char* differ
     if (r == pg_->rank()) continue;
     const std::string theirs_key = key + std::to_string(r);
     auto pause = std::chrono::milliseconds(1);
-    bool published = false;
-    while (error.empty()) {
+    auto check_published = [&] {
       try {
-        published = store->check({theirs_key});
+        return store->check({theirs_key});
       } catch (const std::exception& e) {
         lost_store(e);
       }
-      if (published) break;
+      return false;
+    };
+    bool published = false;
+    while (error.empty()) {
+      if ((published = check_published())) break;
       if (pg_->rank_exited(r)) {
+        // It may have published, compared and exited since the check above: look once more.
+        if ((published = check_published())) break;
         exited[r] = true;
         error = detail::compose("fully_shard: rank ", r,
                                 " exited before it reached fully_shard() (it failed earlier: "
