@@ -80,6 +80,8 @@ struct Flags {
   uint64_t model_max_bytes = 16 << 20;
   int model_factor = 16;
   bool inject_wrong = false;  // self-test of the #wrong check: corrupt one element of ours
+  std::string only;           // run only the paths whose name contains this
+  bool cpu_idle = false;      // print the machine's idle share of CPU time during each path's timed runs
 };
 constexpr const char* kDefaultModel = "gbps=0.25,latency_us=20";
 
@@ -228,7 +230,18 @@ struct Path {
   // filled by measure():
   int64_t total_wrong = 0;
   double seconds = 0;
+  double idle_ticks = 0, all_ticks = 0;  // machine-wide, rank 0's reading over the timed runs
 };
+
+// Idle (+ iowait) and total CPU ticks of the whole machine so far, from /proc/stat.
+std::pair<double, double> cpu_ticks() {
+  std::ifstream f("/proc/stat");
+  std::string cpu;
+  double v[8] = {0}, all = 0;
+  f >> cpu;
+  for (double& x : v) f >> x, all += x;
+  return {v[3] + v[4], all};
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -236,10 +249,16 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Check every path once, then time them interleaved. Sets total_wrong and seconds. Runs at least
+// Keeps only the paths --only names. Checks every path once, then time them interleaved. Sets total_wrong and seconds. Runs at least
 // `iters` timed iterations, more (up to max_iters) while the slowest path's correctness run says
 // they fit in min_seconds: small collectives are noisy on a shared machine.
 int measure(Bench& b, std::vector<Path>& paths, int warmup, int iters, double min_seconds = 0, int max_iters = 0) {
+  if (!b.flags.only.empty()) {
+    std::vector<Path> kept;
+    for (auto& p : paths)
+      if (p.name.find(b.flags.only) != std::string::npos) kept.push_back(p);
+    paths = std::move(kept);
+  }
   const int P = static_cast<int>(paths.size());
   at::Tensor wrong = torch::zeros({P}, at::kLong);
   at::Tensor first = torch::zeros({1}, at::kDouble);
@@ -270,9 +289,15 @@ int measure(Bench& b, std::vector<Path>& paths, int warmup, int iters, double mi
     for (int p = 0; p < P; ++p) {
       if (paths[p].prepare) paths[p].prepare();
       b.barrier();
+      const auto ticks0 = b.flags.cpu_idle ? cpu_ticks() : std::pair<double, double>{};
       const auto t0 = Clock::now();
       paths[p].run();
       times[p][i] = seconds_since(t0);
+      if (b.flags.cpu_idle) {
+        const auto ticks = cpu_ticks();
+        paths[p].idle_ticks += ticks.first - ticks0.first;
+        paths[p].all_ticks += ticks.second - ticks0.second;
+      }
     }
   b.reduce(times, c10d::ReduceOp::MAX);  // a collective is done when its slowest rank is
   for (int p = 0; p < P; ++p) {
@@ -299,8 +324,11 @@ void print_rows(Bench& b, int64_t bytes, int64_t count, const std::vector<Path>&
   }
   for (const auto& p : paths) {
     const double alg = bytes / p.seconds / 1e9, bus = alg * p.bus_factor;
-    char vs[96] = "";
+    char vs[160] = "";
     if (p.ours && best_raw > 0) std::snprintf(vs, sizeof(vs), "  %.2f of %s", bus / best_raw, best_name.c_str());
+    if (b.flags.cpu_idle && p.all_ticks > 0)
+      std::snprintf(vs + std::strlen(vs), sizeof(vs) - std::strlen(vs), "  [cpu idle %.0f%%]",
+                    100 * p.idle_ticks / p.all_ticks);
     b.print("%14lld %12lld %6s  %-38s %11.1f %8.3f %8.3f %7lld %5d%s\n", (long long)bytes, (long long)count, "float",
             p.name.c_str(), p.seconds * 1e6, alg, bus, (long long)p.total_wrong, iters, vs);
   }
@@ -658,6 +686,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
   app.add_option("--max-iters", f.max_iters)->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  app.add_option("--only", f.only, "run only the paths whose name contains this text (e.g. to profile one path)");
+  app.add_flag("--cpu-idle", f.cpu_idle,
+               "after each row, the machine's idle share of CPU time during that path's timed runs (/proc/stat, "
+               "rank 0's reading; all processes)");
   app.add_option("--uneven-shift", f.uneven_shift, "elements moved from rank 1 to rank 0 for the uneven paths")
       ->delimiter(',')
       ->capture_default_str();
