@@ -17,6 +17,7 @@
 #include <gloo/transport/tcp/device.h>
 #endif
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -238,11 +239,13 @@ bool read_proc_stat(const std::string& pid, std::string& start_time, char& state
 }
 
 // Whether the process `pid` that started at `start_time` (clock ticks after boot) has ended: it
-// is gone, a zombie, or the pid now names a later process.
+// is gone, a zombie, or the pid now names a later process. A /proc entry that cannot be read (no
+// file descriptor left, say) proves nothing: then only the kernel's "no such process" counts.
 bool process_gone(const std::string& pid, const std::string& start_time) {
   std::string start;
   char state = '?';
-  if (!read_proc_stat(pid, start, state)) return true;
+  if (!read_proc_stat(pid, start, state))
+    return ::kill(static_cast<pid_t>(std::strtol(pid.c_str(), nullptr, 10)), 0) != 0 && errno == ESRCH;
   return state == 'Z' || state == 'X' || start != start_time;
 }
 

@@ -2,14 +2,19 @@
 // reduction is in flight, before the optimizer step, inside full_state_dict(), inside a checkpoint
 // save, or at a random moment): every other rank fails within seconds, not at the timeout,
 // however many survivors and whichever rank died (Note [Dead members]); no shared-memory segment
-// is left behind; the last complete checkpoint still loads.
+// is left behind; the last complete checkpoint still loads. And a live member is never taken for
+// dead.
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "faults/faults.h"
 
@@ -103,6 +108,42 @@ TEST_P(KilledAtRandomTest, EverySurvivorFailsWithinSeconds) {
   expect_survivors_fail_fast({world, (seed * 7) % world, "anywhere", seed % 3 == 0 ? "tcp" : "shm", seed});
 }
 INSTANTIATE_TEST_SUITE_P(Seeds, KilledAtRandomTest, ::testing::Range(1, 9));
+
+// Rank 0 waits in an all-reduce for rank 1, which comes 4 s late, while rank 0 has no file
+// descriptor left (the limit lowered to its highest open one, the gaps below filled), so the
+// member watch cannot read rank 1's /proc entry. (A limit of 0 would also fail the store's poll.)
+FSDP_WORKER(unreadable_live_member_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  at::Tensor t = torch::ones({4});
+  rlimit old{};
+  WORKER_CHECK(getrlimit(RLIMIT_NOFILE, &old) == 0, "getrlimit failed");
+  std::vector<int> fillers;
+  if (ctx.rank == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
+  if (ctx.rank == 0) {
+    int highest = 2;
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd"))
+      highest = std::max(highest, std::stoi(e.path().filename().string()));
+    rlimit full = old;
+    full.rlim_cur = static_cast<rlim_t>(highest) + 1;
+    WORKER_CHECK(setrlimit(RLIMIT_NOFILE, &full) == 0, "setrlimit failed");
+    for (int fd; (fd = dup(2)) >= 0;) fillers.push_back(fd);
+    WORKER_CHECK(!std::ifstream("/proc/self/stat"), "a file still opens");
+  }
+  pg->world()->all_reduce(t)->wait();
+  if (ctx.rank == 0) {
+    for (int fd : fillers) close(fd);
+    WORKER_CHECK(setrlimit(RLIMIT_NOFILE, &old) == 0, "setrlimit failed");
+  }
+  WORKER_CHECK(t.equal(torch::full({4}, 2.0)), "the all-reduce is wrong");
+}
+
+// A member whose /proc entry this rank cannot read is alive until the kernel says otherwise
+// (Note [Dead members]): the watch must not end a job that is only waiting.
+TEST(DeadMembers, AMemberThatCannotBeReadIsNotTakenForDead) {
+  auto r = launch("unreadable_live_member_worker", 2, {}, 120, {"FSDP_TRANSPORT=tcp", "FSDP_TIMEOUT_S=60"});
+  ASSERT_FALSE(r.timed_out) << r.report();
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(r.ranks[rank].exit_code, 0) << r.report();
+}
 
 }  // namespace
 }  // namespace fsdp_test
