@@ -517,8 +517,8 @@ std::function<std::string()> ProcessGroup::exit_watch(const std::vector<int>& ra
   };
   std::vector<Member> members;
   try {
-    // Only members seen alive now: one whose /proc entry cannot be read from here (another user's,
-    // under hidepid) would otherwise look dead.
+    // Only members seen alive now. One whose /proc entry cannot be read from here (another user's,
+    // under hidepid) is alive to process_gone until kill(pid, 0) answers ESRCH.
     for (int r : ranks)
       if (const auto process = same_host_process(r); process && !process_gone(process->first, process->second))
         members.push_back({r, process->first, process->second});
