@@ -62,7 +62,7 @@ PRESETS = {
         "warmup": 2,
         "steps": 6,
         "threads_per_rank": 1,
-        "tcp_strategies": ["NO_SHARD", "FULL_SHARD"],
+        "tcp_strategies": ["NO_SHARD", "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"],
         "memory": {"world": 4, "size": "comm-bound", "wraps": ["none", "block", "sublayer", "linear"], "reps": 3},
         "malloc_diagnosis": {"size": "compute-bound", "batch_per_rank": 4,
                              "contenders": ["pylocal", "local1", "local_callback", "NO_SHARD"], "reps": 7},
@@ -78,7 +78,7 @@ PRESETS = {
         "warmup": 1,
         "steps": 2,
         "threads_per_rank": 1,
-        "tcp_strategies": ["FULL_SHARD"],
+        "tcp_strategies": ["FULL_SHARD", "HYBRID_SHARD"],
         "memory": {"world": 2, "size": "tiny", "wraps": ["none", "block"], "reps": 1},
         "malloc_diagnosis": {"size": "tiny", "batch_per_rank": 2,
                              "contenders": ["pylocal", "local1", "local_callback", "NO_SHARD"], "reps": 1},
@@ -319,17 +319,19 @@ class Bench:
                     c["factor"] = max(1, world // 2)
                     c["label"] = f"PyTorch FSDP HYBRID_SHARD (F={c['factor']})"
                 cs.append(c)
-        for s in FSDP_STRATEGIES:
-            c = {"key": s, "label": f"libfsdp {s}", "kind": "fsdp", "strategy": s, "factor": 0}
+        def ours(s, suffix="", label_suffix=""):
+            c = {"key": s + suffix, "label": f"libfsdp {s}{label_suffix}", "kind": "fsdp", "strategy": s, "factor": 0}
             if s == "HYBRID_SHARD":
                 c["factor"] = max(1, world // 2)
-                c["label"] = f"libfsdp HYBRID_SHARD (F={c['factor']})"
-            cs.append(c)
-        # The same two strategies on Gloo over TCP, DDP's transport: how much of the difference
-        # to DDP is libfsdp's default shared-memory transport.
+                c["label"] = f"libfsdp HYBRID_SHARD (F={c['factor']}){label_suffix}"
+            return c
+        cs += [ours(s) for s in FSDP_STRATEGIES]
+        # The preset's strategies again on Gloo over TCP, DDP's and PyTorch FSDP's transport: how
+        # much of the difference is libfsdp's default shared-memory transport.
         for s in self.preset.get("tcp_strategies", []):
-            cs.append({"key": f"{s}_tcp", "label": f"libfsdp {s} (Gloo TCP)", "kind": "fsdp", "strategy": s,
-                       "factor": 0, "env": {"FSDP_TRANSPORT": "tcp"}})
+            c = ours(s, "_tcp", " (Gloo TCP)")
+            c["env"] = {"FSDP_TRANSPORT": "tcp"}
+            cs.append(c)
         for c in cs:
             c["threads"] = usable_cpus() if c["kind"] == "local" else threads
         return cs
@@ -718,7 +720,7 @@ def report_peers(bench, groups):
              "changes). Launcher for every distributed contender: "
              "`build/tools/fsdp-run`. Transport: PyTorch DDP runs Gloo over TCP (loopback); libfsdp runs its "
              "default, shared memory between the ranks of one host (`FSDP_TRANSPORT=auto`), and the "
-             "'(Gloo TCP)' rows run the same strategy with `FSDP_TRANSPORT=tcp`, DDP's transport.", "",
+             "'(Gloo TCP)' rows run the same strategy with `FSDP_TRANSPORT=tcp`, the transport of DDP and PyTorch FSDP.", "",
              f"Each run: {p['warmup']} warm-up steps, then {p['steps']} timed steps; a step is zero_grad, "
              "forward, loss, backward, optimizer step and reading the loss. Per run the median step time; "
              f"per contender the median over {p['reps']} interleaved runs (min-max of the runs' medians in "
@@ -840,6 +842,8 @@ def report_peers(bench, groups):
                                         ("HYBRID_SHARD", "py_HYBRID_SHARD", 0.75, "default transport"),
                                         ("NO_SHARD", "py_NO_SHARD", None, "default transport"),
                                         ("FULL_SHARD_tcp", "py_FULL_SHARD", 0.9, "both on Gloo TCP"),
+                                        ("SHARD_GRAD_OP_tcp", "py_SHARD_GRAD_OP", 0.9, "both on Gloo TCP"),
+                                        ("HYBRID_SHARD_tcp", "py_HYBRID_SHARD", 0.9, "both on Gloo TCP"),
                                         ("NO_SHARD_tcp", "py_NO_SHARD", None, "both on Gloo TCP")):
             a, b = median_of(g["runs"].get(ours, [])), median_of(g["runs"].get(theirs, []))
             if a is None or b is None:
