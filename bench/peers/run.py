@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import socket
 import statistics
@@ -773,7 +774,8 @@ def report_peers(bench, groups):
                          f"{tps:.0f}", fmt(ratio), fmt(tratio), f"{cpu:.3f}", fmt(cpu_ratio),
                          mib(rss), mib(rss_steps), fsdp_col,
                          "n/a" if worst is None else f"{worst:.1e}", wrong])
-            row = summary_rows.setdefault(c["key"], {"label": c["label"].split(" (F=")[0], "cpu": {}})
+            # The factor differs between worlds, so the summary row's label leaves it out.
+            row = summary_rows.setdefault(c["key"], {"label": re.sub(r" \(F=\d+\)", "", c["label"]), "cpu": {}})
             row[(size["name"], world)] = ratio
             row["cpu"][(size["name"], world)] = cpu_ratio
         lines.append(table(["contender", "runs", "step ms", "tokens/s", "step time / DDP", "tokens/s / DDP",
@@ -1100,6 +1102,22 @@ def gnuplot(bench, name, script, data):
 PNG = "set terminal pngcairo noenhanced size 1000,560 font 'DejaVu Sans,10'\n"
 
 
+# Bar colours by strategy; PyTorch's contenders and libfsdp's Gloo TCP runs are told apart by fill.
+STRATEGY_COLOURS = {"NO_SHARD": "#d62728", "FULL_SHARD": "#1f77b4", "SHARD_GRAD_OP": "#9467bd",
+                    "HYBRID_SHARD": "#2ca02c", "DDP": "#17becf", "local": "#7f7f7f"}
+
+
+def histogram_clause(dat, labels):
+    """gnuplot plot clause: one bar per column of `dat` (labels in column order), styled by label."""
+    parts = []
+    for i, label in enumerate(labels, start=2):
+        strategy = next((k for k in STRATEGY_COLOURS if k in label), "local")
+        fill = ("fs pattern 2" if label.startswith("PyTorch FSDP") else
+                "fs pattern 4" if "(Gloo TCP)" in label else "fs solid 0.8")
+        parts.append(f"'{dat}' using {i}:xtic(1) title columnhead({i}) lc rgb '{STRATEGY_COLOURS[strategy]}' {fill}")
+    return ", \\\n     ".join(parts)
+
+
 def plot_peers(bench, summary_rows, cols, groups):
     keys = list(summary_rows)
     data = "group " + " ".join(f'"{summary_rows[k]["label"]}"' for k in keys) + "\n"
@@ -1115,7 +1133,8 @@ set key below
 set ylabel 'step time / DDP'
 set yrange [0:*]
 set grid ytics
-plot for [i=2:{len(keys) + 1}] 'peers_step_ratio.dat' using i:xtic(1) title columnhead(i), 1 with lines lc 'black' dt 2 notitle
+plot {histogram_clause('peers_step_ratio.dat', [summary_rows[k]['label'] for k in keys])}, \\
+     1 with lines lc 'black' dt 2 notitle
 """
     ok = gnuplot(bench, "peers_step_ratio", script, data)
     data = "group " + " ".join(f'"{summary_rows[k]["label"]}"' for k in keys) + "\n"
@@ -1146,7 +1165,7 @@ set key below
 set ylabel 'MiB'
 set yrange [0:*]
 set grid ytics
-plot for [i=2:{len(keys) + 1}] 'peers_rss.dat' using i:xtic(1) title columnhead(i)
+plot {histogram_clause('peers_rss.dat', [summary_rows[k]['label'] for k in keys])}
 """
     return gnuplot(bench, "peers_rss", script, data) and ok
 
