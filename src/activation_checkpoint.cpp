@@ -9,14 +9,13 @@
 #include <unordered_set>
 
 #include "fsdp/check.h"
-#include "runtime/recompute.h"
+#include "runtime/checkpointed_forward.h"
+#include "runtime/hooks.h"
 
 namespace fsdp {
 namespace detail {
 
 namespace {
-
-thread_local bool t_checkpointed_forward = false;
 
 bool cuda_available() {
   static const bool available = torch::cuda::is_available();
@@ -185,14 +184,6 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 };
 
 }  // namespace
-
-bool in_checkpointed_forward() { return t_checkpointed_forward; }
-
-CheckpointedForwardScope::CheckpointedForwardScope() : previous_(t_checkpointed_forward) {
-  t_checkpointed_forward = true;
-}
-
-CheckpointedForwardScope::~CheckpointedForwardScope() { t_checkpointed_forward = previous_; }
 
 at::Tensor checkpoint(std::shared_ptr<torch::nn::Module> module, CheckpointRun run, std::vector<at::Tensor> tensors) {
   auto rc = c10::make_intrusive<Recompute>();

@@ -10,7 +10,7 @@
 
 #include "deferred_init_impl.h"
 #include "fsdp/check.h"
-#include "fsdp/sharded.h"
+#include "fsdp/explicit_unit.h"
 #include "fsdp/wrap_policy.h"
 
 namespace fsdp {

@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "flat_param_collectives.h"
 #include "fsdp/check.h"
 #include "fsdp/fully_shard.h"
 #include "internal_op_guard.h"
@@ -69,7 +70,7 @@ FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module,
   at::NoGradGuard no_grad;
   state.scheduler().reshard_all();  // nothing stale stays gathered behind the guard
   for (auto& fp : state.flat_params()) {
-    Saved::FlatValues v{fp.get(), fp->full_values().clone(), {}};
+    Saved::FlatValues v{fp.get(), gather_full_values(*fp).clone(), {}};
     for (auto& s : fp->slots()) {
       v.before.push_back(s.param.variable_data());
       // The parameter (its identity kept) now shows its whole value, in a storage FSDP does not

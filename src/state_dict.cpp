@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "flat_param_collectives.h"
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
 
@@ -23,7 +24,7 @@ std::unordered_map<std::string, at::Tensor> full_state_dict(FsdpState& state) {
   std::unordered_map<std::string, at::Tensor> out;
   // From the shards (full precision under mixed precision), one FlatParameter at a time.
   for (auto& fp : state.flat_params()) {
-    const at::Tensor full = fp->full_values();
+    const at::Tensor full = gather_full_values(*fp);
     for (const auto& s : fp->slots()) {
       out[s.name] = full.narrow(0, s.offset, s.numel).view(s.shape).clone();
       for (const auto& alias : s.aliases) out[alias] = out[s.name];

@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "fsdp/check.h"
-#include "fsdp/sharded.h"
+#include "fsdp/explicit_unit.h"
 
 namespace fsdp {
 

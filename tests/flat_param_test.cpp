@@ -1,9 +1,11 @@
-// FlatParam (src/flat_param.h): flatten, pad, shard, unshard in place, reshard, and the gradient
-// path, on one rank playing rank r of F through a communicator that stands in for the others.
+// FlatParam (src/flat_param.h) with its collectives (src/flat_param_collectives.h) and gradient
+// (src/flat_grad.h): flatten, pad, shard, unshard in place, reshard, and the gradient path, on one
+// rank playing rank r of F through a communicator that stands in for the others.
 #include <gtest/gtest.h>
 
 #include "buffer_pool.h"
 #include "flat_param.h"
+#include "flat_param_collectives.h"
 #include "memory_tracker.h"
 
 namespace {
@@ -107,7 +109,7 @@ TEST(FlatParam, ReshardFreesTheStorageAndUnshardRefillsItInPlace) {
   EXPECT_FALSE(f.fp->is_unsharded());
   EXPECT_EQ(f.a.storage().nbytes(), 0u);
   const void* impl = f.a.unsafeGetTensorImpl();
-  f.fp->unshard();
+  fsdp::unshard(*f.fp);
   EXPECT_TRUE(f.fp->is_unsharded());
   EXPECT_EQ(f.a.unsafeGetTensorImpl(), impl);
   EXPECT_TRUE(torch::equal(f.a, torch::arange(6, torch::kFloat64).view({2, 3})));
@@ -118,7 +120,7 @@ TEST(FlatParam, ReshardFreesTheStorageAndUnshardRefillsItInPlace) {
     f.fp->slots()[0].piece.add_(1);  // rank 1 holds a's flat elements 3..5
   }
   EXPECT_TRUE(f.fp->unsharded_is_stale());
-  f.fp->unshard();
+  fsdp::unshard(*f.fp);
   EXPECT_FALSE(f.fp->unsharded_is_stale());
   EXPECT_EQ(f.a.view(-1)[3].item<double>(), 4.0);
   EXPECT_EQ(f.comm->gathers, 2);
@@ -126,18 +128,18 @@ TEST(FlatParam, ReshardFreesTheStorageAndUnshardRefillsItInPlace) {
 
 TEST(FlatParam, GradientsReachThePiecesAveragedOverTheWorld) {
   Fixture f(2, 4);  // shard 2: flat elements 6..8, all in b
-  f.fp->unshard();
-  f.fp->ensure_grad_buffer();
+  fsdp::unshard(*f.fp);
+  f.fp->grad().ensure_buffer();
   f.b.mutable_grad() = torch::full({5}, 3.0, torch::kFloat64);  // as AccumulateGrad leaves it
-  f.fp->take_grad(1);
+  f.fp->grad().take(1);
   f.fp->slots()[1].got_grad = true;
   // Moved into the flat buffer; .grad is left a zero with stride 0 (Note [Gradient sentinel]),
   // which the reduction does not take for a gradient.
   ASSERT_TRUE(f.b.grad().defined());
   EXPECT_EQ(f.b.grad().stride(0), 0);
   EXPECT_EQ(f.b.grad().abs().sum().item<double>(), 0.0);
-  f.fp->start_reduce();
-  f.fp->finish_reduce();
+  fsdp::start_reduction(*f.fp);
+  fsdp::finish_reduction(*f.fp);
   const auto& piece = f.fp->slots()[1].piece;
   ASSERT_TRUE(piece.grad().defined());
   // Every rank had gradient 3: the sum over 4 ranks, averaged, is 3 again.
@@ -152,13 +154,13 @@ TEST(FlatParam, AWorldOfOneKeepsTheParametersUnshardedAndTheGradientsAliasOneBuf
   EXPECT_EQ(f.fp->padded_numel(), 11);
   f.fp->reshard();  // nothing to free
   EXPECT_GT(f.a.storage().nbytes(), 0u);
-  EXPECT_EQ(f.fp->start_unshard(), nullptr);
-  f.fp->ensure_grad_buffer();
+  EXPECT_EQ(fsdp::start_all_gather(*f.fp), nullptr);
+  f.fp->grad().ensure_buffer();
   f.a.mutable_grad() = torch::ones({2, 3}, torch::kFloat64);
-  f.fp->take_grad(0);
+  f.fp->grad().take(0);
   f.fp->slots()[0].got_grad = true;
-  f.fp->start_reduce();
-  f.fp->finish_reduce();
+  fsdp::start_reduction(*f.fp);
+  fsdp::finish_reduction(*f.fp);
   const auto& g = f.fp->slots()[0].piece.grad();
   ASSERT_TRUE(g.defined());
   EXPECT_TRUE(torch::equal(g, torch::ones({6}, torch::kFloat64)));

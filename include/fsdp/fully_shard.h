@@ -33,13 +33,6 @@ struct UnitInfo {
   int64_t shard_bytes = 0;   // this rank's shard in bytes
 };
 
-// Where the optimizer step in backward runs (FullyShardedModule::set_step_in_backward).
-enum class StepThread {
-  kAuto,      // kOwn under CPU offload when the optimizer holds only this module's pieces; else kBackward
-  kBackward,  // backward's own thread, between units' gradient computations
-  kOwn,       // a host thread of the module's own, beside backward (the optimizer may hold only its pieces)
-};
-
 class FullyShardedModule {
  public:
   ~FullyShardedModule();

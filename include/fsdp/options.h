@@ -34,6 +34,13 @@ std::string to_string(BackwardPrefetch p);
 // Accepts BACKWARD_PRE, BACKWARD_POST, NONE (any case, '-' or '_').
 BackwardPrefetch parse_backward_prefetch(const std::string& name);
 
+// Where the optimizer step in backward runs (FullyShardedModule::set_step_in_backward).
+enum class StepThread {
+  kAuto,      // kOwn under CPU offload when the optimizer holds only this module's pieces; else kBackward
+  kBackward,  // backward's own thread, between units' gradient computations
+  kOwn,       // a host thread of the module's own, beside backward (the optimizer may hold only its pieces)
+};
+
 // Where a parameter that several units' modules share (e.g. tied embeddings) goes.
 enum class SharedParameterPolicy {
   kLowestCommonAncestor,  // place it in the lowest unit that contains every module using it

@@ -12,6 +12,7 @@
 #include "checkpoint/collective.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/safetensors.h"
+#include "flat_param_collectives.h"
 #include "fsdp/check.h"
 #include "fsdp/checkpoint.h"
 #include "internal_op_guard.h"
@@ -102,7 +103,7 @@ void export_full(const std::string& file, FullyShardedModule& model) {
   for (const Unit& unit : state.units())
     for (const FlatParam* fp : unit.flat_params()) {
       // Collective: every rank gathers the shards (full precision under mixed precision), rank 0 writes.
-      const at::Tensor full = fp->full_values();
+      const at::Tensor full = gather_full_values(*fp);
       if (writer)
         error.run([&] {
           for (const auto& s : fp->slots()) write_tensor(*out, full.narrow(0, s.offset, s.numel).view(s.shape));

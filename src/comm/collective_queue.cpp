@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "fsdp/check.h"
-#include "internal_op_guard.h"
+#include "comm/communicator_work.h"
 
 namespace fsdp {
 
@@ -261,7 +261,7 @@ WorkPtr CollectiveQueue::enqueue(const char* op, std::function<void()> body, Wor
     }
     try {
       at::NoGradGuard no_grad;
-      InternalOpGuard internal;  // the op interception must not take our copies for parameter reads
+      CommunicatorWork own_work;  // its copies and sums are not the model's operations
       if (after) {
         try {
           after->wait();

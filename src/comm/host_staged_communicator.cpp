@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "fsdp/check.h"
-#include "internal_op_guard.h"
+#include "comm/communicator_work.h"
 
 namespace fsdp {
 namespace {
@@ -205,7 +205,7 @@ class HostStagedCommunicator : public Communicator {
   using Run = std::function<WorkPtr(at::Tensor host_in, at::Tensor host_out, CollectiveOptions)>;
   WorkPtr issue(const char* what, at::Tensor in, at::Tensor out, CollectiveOptions opts, const Run& run) {
     c10::cuda::CUDAGuard guard(device_);
-    InternalOpGuard internal;
+    CommunicatorWork own_work;
     // Under one lock: the CPU collectives are issued, and copied back, in the caller's order.
     std::lock_guard<std::mutex> lock(mu_);
     auto w = std::make_shared<StagedWork>(
@@ -228,9 +228,9 @@ class HostStagedCommunicator : public Communicator {
   // The worker: as each CPU collective completes (in issue order), queues its result's copy to
   // the device and records the completion event.
   void copy_back_loop() {
-    // This thread's tensor ops are the communicator's own: FSDP's operator interception (which
-    // takes the runtime's lock, held by a caller waiting for this copy) must not see them.
-    InternalOpGuard internal;
+    // Every tensor operation of this thread is the communicator's own (a caller may wait for this
+    // copy while holding locks that the model's operations take).
+    CommunicatorWork own_work;
     at::NoGradGuard no_grad;
     for (;;) {
       std::shared_ptr<StagedWork> w;

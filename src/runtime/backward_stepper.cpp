@@ -151,7 +151,7 @@ void BackwardStepper::worker_loop() {
       try {
         // The reduction into the pieces' gradients (under CPU offload once its copy to the host
         // is in); backward's thread writes no piece gradient while this thread runs.
-        job.fp->land_grads();
+        job.fp->grad().land();
         span.start = Tracer::Clock::now();
         stepped = run_step(*job.fp, job.unit_name);
         span.end = Tracer::Clock::now();

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "flat_param.h"
-#include "fsdp/fully_shard.h"
+#include "fsdp/options.h"
 #include "runtime/tracer.h"
 
 namespace fsdp {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "flat_param_collectives.h"
 #include "fsdp/check.h"
 
 namespace fsdp {
@@ -39,30 +40,30 @@ void GradientReducer::begin_backward() {
   for (const auto& fp : flat_params_)
     observable = observable || (fp->requires_grad() && fp->padded_numel() - fp->shard_numel() < fp->numel());
   if (zeroed || !observable) backwards_held_ = 0;
-  for (auto& fp : flat_params_) fp->set_backwards_held(backwards_held_);
+  for (auto& fp : flat_params_) fp->grad().set_backwards_held(backwards_held_);
 }
 
 void GradientReducer::prepare_grad(int f, int s) {
   FlatParam& fp = *flat_params_[f];
   if (stepper_.on()) {
-    FSDP_CHECK(!fp.reduce_pending() && !stepper_.stepped(fp), "set_step_in_backward: a gradient of unit '",
+    FSDP_CHECK(!fp.grad().reduce_pending() && !stepper_.stepped(fp), "set_step_in_backward: a gradient of unit '",
                units_[fp.unit()].name().empty() ? "<root>" : units_[fp.unit()].name(),
                "' arrived after that unit's gradients were reduced in this backward (its parameters were used "
                "again, e.g. by two forwards before one backward), so its step cannot run on all of them. Turn the "
                "step in backward off for this model (set_step_in_backward(nullptr)) and call the optimizer's "
                "step() after backward");
   }
-  if (fp.reduce_pending()) {
+  if (fp.grad().reduce_pending()) {
     finish_reduction(f);
     reduce_order_.erase(std::remove(reduce_order_.begin(), reduce_order_.end(), f), reduce_order_.end());
   }
-  if (fp.ensure_grad_buffer()) update_sharded_grad_bytes();
+  if (fp.grad().ensure_buffer()) update_sharded_grad_bytes();
   fp.slots()[s].param.mutable_grad().reset();
 }
 
 bool GradientReducer::take_grad(int f, int s) {
   FlatParam& fp = *flat_params_[f];
-  fp.take_grad(s);
+  fp.grad().take(s);
   ParamSlot& slot = fp.slots()[s];
   const bool complete = units_[fp.unit()].note_grad(every_param_expected_, !slot.used);
   slot.used = true;
@@ -72,7 +73,8 @@ bool GradientReducer::take_grad(int f, int s) {
 
 bool GradientReducer::has_unreduced(int u) const {
   for (const FlatParam* fp : units_[u].flat_params())
-    if ((fp->has_grad_buffer() || (all_reduce_ && fp->has_partial())) && !fp->reduce_pending()) return true;
+    const FlatGrad& grad = fp->grad();
+    if ((grad.has_buffer() || (all_reduce_ && grad.has_partial())) && !grad.reduce_pending()) return true;
   return false;
 }
 
@@ -82,17 +84,18 @@ void GradientReducer::reduce(int u) {
   // allocated; the communicator would run this reduction only after the older ones anyway.
   const size_t in_flight = static_cast<size_t>(options_.reductions_in_flight());
   for (FlatParam* fp : units_[u].flat_params()) {
-    if (fp->reduce_pending()) continue;
-    if (!fp->has_grad_buffer()) {
-      if (!(all_reduce_ && fp->has_partial())) continue;
-      fp->ensure_grad_buffer();  // no gradient in this backward: zeros join the kept partial sums
+    FlatGrad& grad = fp->grad();
+    if (grad.reduce_pending()) continue;
+    if (!grad.has_buffer()) {
+      if (!(all_reduce_ && grad.has_partial())) continue;
+      grad.ensure_buffer();  // no gradient in this backward: zeros join the kept partial sums
     }
     finish_reductions(in_flight > 0 ? in_flight - 1 : 0);
-    fp->start_reduce(all_reduce_);
-    if (fp->reduced_across_replicas())
+    start_reduction(*fp, all_reduce_);
+    if (grad.reduced_across_replicas())
       tracer_.instant(TraceEvent::Kind::kReduceIssued, u, "all-reduce across replicas");
     const char* op = fp->keep_unsharded() ? "all-reduce" : "reduce-scatter";
-    tracer_.collective(TraceEvent::Kind::kReduce, u, op, fp->reduce_track(), fp->reduce_work());
+    tracer_.collective(TraceEvent::Kind::kReduce, u, op, fp->reduce_track(), grad.reduce_work());
     tracer_.instant(TraceEvent::Kind::kReduceIssued, u, op);
     reduce_order_.push_back(fp->id());
   }
@@ -101,22 +104,23 @@ void GradientReducer::reduce(int u) {
 
 void GradientReducer::finish_reduction(int f) {
   FlatParam& fp = *flat_params_[f];
-  const bool done = !fp.reduce_pending() || !fp.reduce_work() || fp.reduce_work()->completed();
+  const FlatGrad& grad = fp.grad();
+  const bool done = !grad.reduce_pending() || !grad.reduce_work() || grad.reduce_work()->completed();
   const auto start = Tracer::Clock::now();
   // With the step on its own thread, that thread writes the pieces' gradients (Note [Step on its
   // own thread]); under CPU offload they land on the host as their copies arrive, and backward's
   // thread lands and steps them at the end of backward (finish_all).
-  const bool grads_in = fp.finish_reduce(/*defer_landing=*/stepper_.own_thread());
+  const bool grads_in = fsdp::finish_reduction(fp, /*defer_landing=*/stepper_.own_thread());
   if (!done)
     tracer_.wait(fp.unit(), fp.keep_unsharded() ? "all-reduce" : "reduce-scatter", start, Tracer::Clock::now());
-  if (grads_in || (stepper_.own_thread() && fp.landing_pending())) step(fp);
+  if (grads_in || (stepper_.own_thread() && grad.landing_pending())) step(fp);
   if (fp.offloaded()) {
     // Its copy to the host overlaps the next reductions' compute; the oldest copies' device
     // buffers are let go in stream order once more than the reductions in flight are pending.
     to_host_order_.push_back(f);
     const size_t keep = static_cast<size_t>(std::max(1, options_.reductions_in_flight()));
     while (to_host_order_.size() > keep) {
-      flat_params_[to_host_order_.front()]->release_device_grad();
+      flat_params_[to_host_order_.front()]->grad().release_device_grad();
       to_host_order_.erase(to_host_order_.begin());
     }
   }
@@ -135,9 +139,9 @@ void GradientReducer::finish_all() {
   finish_reductions(0);
   stepper_.wait_all(tracer_);
   for (auto& fp : flat_params_)
-    if (fp->land_grads()) step(*fp);
+    if (fp->grad().land()) step(*fp);
   stepper_.wait_all(tracer_);
-  for (int f : to_host_order_) flat_params_[f]->release_device_grad();  // their copies have landed
+  for (int f : to_host_order_) flat_params_[f]->grad().release_device_grad();  // their copies have landed
   to_host_order_.clear();
 }
 
@@ -165,7 +169,7 @@ void GradientReducer::broadcast_buffers(const std::vector<std::pair<std::string,
 
 void GradientReducer::end_backward() {
   if (!sync_)
-    for (auto& fp : flat_params_) fp->keep_grads_unreduced();
+    for (auto& fp : flat_params_) fp->grad().keep_unreduced();
   for (auto& unit : units_) unit.reset_grad_count();
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;
@@ -187,7 +191,7 @@ void GradientReducer::end_backward() {
 
 void GradientReducer::update_sharded_grad_bytes() {
   int64_t bytes = 0;
-  for (const auto& fp : flat_params_) bytes += fp->sharded_grad_bytes();
+  for (const auto& fp : flat_params_) bytes += fp->grad().sharded_bytes();
   memory_.set_sharded_grad_bytes(bytes);
 }
 

@@ -10,10 +10,11 @@
 #include <mutex>
 #include <vector>
 
+#include "comm/communicator_work.h"
 #include "fsdp/check.h"
-#include "fsdp/sharded.h"
+#include "fsdp/explicit_unit.h"
 #include "internal_op_guard.h"
-#include "runtime/recompute.h"
+#include "runtime/checkpointed_forward.h"
 
 namespace fsdp {
 
@@ -30,7 +31,7 @@ std::shared_ptr<const HooksList> g_intercepting = std::make_shared<HooksList>();
 at::CallbackHandle g_callback = 0;
 
 std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction& fn) {
-  if (internal_op_flag()) return nullptr;
+  if (internal_op_flag() || in_communicator_work()) return nullptr;
   std::shared_ptr<const HooksList> list = std::atomic_load(&g_intercepting);
   for (Hooks* h : *list) h->on_operator(fn);
   return nullptr;

@@ -33,7 +33,7 @@ class Hooks {
   void on_grad_pre(int flat_param, int slot);
   void on_grad_post(int flat_param, int slot);
   void on_backward_end();
-  // A Checkpointed module of this model recomputes its forward in backward (src/runtime/recompute.h).
+  // A Checkpointed module of this model recomputes its forward in backward (detail::before_recompute).
   void on_recompute();
   void on_unit_enter(int unit);
   void on_unit_exit(int unit);
@@ -50,5 +50,12 @@ class Hooks {
   FsdpState& state_;
   bool final_callback_queued_ = false;
 };
+
+namespace detail {
+// Called by a Checkpointed backward before it recomputes: every live runtime that manages a
+// parameter of `module` begins its backward now, so its end-of-backward callback is queued on the
+// backward running the checkpoint, not on the nested one that the recompute's backward runs.
+void before_recompute(const torch::nn::Module& module);
+}  // namespace detail
 
 }  // namespace fsdp

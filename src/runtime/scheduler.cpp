@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "internal_op_guard.h"
-#include "runtime/recompute.h"
+#include "runtime/checkpointed_forward.h"
 
 namespace fsdp {
 

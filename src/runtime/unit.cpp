@@ -1,5 +1,7 @@
 #include "runtime/unit.h"
 
+#include "flat_param_collectives.h"
+
 namespace fsdp {
 
 const char* to_string(TrainingState s) {
@@ -67,7 +69,7 @@ bool Unit::unshard() {
   bool issued = false;
   for (FlatParam* fp : flat_params_) {
     if (fp->keep_unsharded() || (fp->is_unsharded() && !fp->unsharded_is_stale())) continue;
-    WorkPtr work = fp->start_unshard();
+    WorkPtr work = start_all_gather(*fp);
     tracer_->collective(TraceEvent::Kind::kUnshard, index_, "all-gather", fp->gather_track(), work);
     issued = true;
   }

@@ -1,0 +1,300 @@
+#include "flat_grad.h"
+
+#include <array>
+#include <memory>
+
+#include "fsdp/check.h"
+#include "internal_op_guard.h"
+#include "tensor_alias.h"
+
+namespace fsdp {
+
+FlatGrad::FlatGrad(std::vector<ParamSlot>& slots, const FlatGradLayout& layout, MemoryTracker* memory,
+                   BufferPool* buffers, CpuOffloader* offload)
+    : slots_(slots),
+      layout_(layout),
+      memory_(memory),
+      buffers_(buffers),
+      offload_(offload),
+      like_(at::empty({0}, layout.unsharded_options)) {}
+
+FlatGrad::~FlatGrad() {
+  // A reduction of an interrupted backward still reads memory that this object keeps alive.
+  if (!work_) return;
+  try {
+    work_->wait();
+  } catch (const std::exception&) {
+    // The communicator failed; the error was, or will be, reported where the step waits.
+  }
+}
+
+bool FlatGrad::is_grad_alias(const ParamSlot& s, const at::Tensor& g, const at::Tensor& store) const {
+  return store.defined() && g.defined() &&
+         g.storage().unsafeGetStorageImpl() == store.storage().unsafeGetStorageImpl() &&
+         g.storage_offset() == s.piece_offset && g.dim() == 1 && g.numel() == s.piece_numel && g.is_contiguous();
+}
+
+at::Tensor FlatGrad::grad_alias(const ParamSlot& s, const at::Tensor& store) const {
+  // set_, not narrow: not an autograd view, so optimizers' zero_grad() may detach_() it.
+  return alias(store.storage(), s.piece_offset, {s.piece_numel}, store);
+}
+
+bool FlatGrad::ensure_buffer() {
+  if (buffer_.defined()) return false;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  written_.assign(slots_.size(), 0);
+  kept_.assign(slots_.size(), 0);
+  const int64_t n = layout_.padded_numel;
+  if (layout_.separate_shard) {
+    // Uninitialized: take() writes every region a gradient reaches, begin_reduction() the rest.
+    buffer_ = buffers_->empty(n, layout_.unsharded_options.dtype(layout_.reduce_dtype));
+    memory_->add_grad(n * buffer_.element_size());
+    return false;
+  }
+  auto store = store_.lock();
+  const bool fresh = !store;
+  if (fresh) {
+    buffer_ = buffers_->empty(n, layout_.unsharded_options);
+    store_ = buffer_.storage().getWeakStorageImpl();
+  } else {
+    buffer_ = alias(c10::Storage(std::move(store)), 0, {n}, like_);
+  }
+  // A piece gradient that aliases the store keeps its values (accumulation; after LibTorch 1.13's
+  // zero_grad(), which zeroes in place, they are zeros, and adding to them costs what a copy
+  // would). One the user replaced by their own tensor is copied in and aliased again.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    ParamSlot& s = slots_[i];
+    if (!s.piece.defined()) continue;
+    at::Tensor& g = s.piece.mutable_grad();
+    if (!g.defined()) continue;
+    if (!is_grad_alias(s, g, buffer_)) {
+      buffer_.narrow(0, s.piece_offset, s.piece_numel).copy_(g);
+      g = grad_alias(s, buffer_);
+    }
+    kept_[i] = 1;
+  }
+  return fresh;
+}
+
+std::vector<at::Tensor> FlatGrad::make_sentinels() const {
+  // All strides 0 over one zero element; not views (zero_grad() detach_()es them). On the CPU the
+  // element lives outside LibTorch's allocator, so model-state accounting does not see it.
+  const auto options = layout_.unsharded_options.dtype(slots_.front().param.scalar_type());
+  std::vector<at::Tensor> out;
+  auto zero = std::make_shared<std::array<uint64_t, 2>>();  // zero bits: 0 in every floating dtype
+  for (const auto& t : slots_) {
+    const std::vector<int64_t> strides(t.shape.size(), 0);
+    if (options.device().is_cpu())
+      out.push_back(at::from_blob(
+          zero->data(), t.shape, strides, [zero](void*) {}, options));
+    else
+      out.push_back(at::empty_strided(t.shape, strides, options).zero_());
+  }
+  return out;
+}
+
+void FlatGrad::take(int slot) {
+  ParamSlot& s = slots_[slot];
+  at::Tensor& g = s.param.mutable_grad();
+  if (!g.defined()) return;
+  if (!sentinels_.empty() && g.is_same(sentinels_[slot])) return;
+  FSDP_CHECK(buffer_.defined(), "internal: gradient of '", s.name, "' arrived without a gradient buffer");
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  at::Tensor part = region(buffer_, s.offset, s.shape);
+  if (written_[slot] || kept_[slot]) {
+    part.add_(g);
+  } else if (g.is_sparse()) {  // e.g. Embedding(sparse): copy_ takes no sparse source
+    part.zero_();
+    part.add_(g);
+  } else {
+    part.copy_(g);
+  }
+  written_[slot] = 1;
+  g.reset();
+  if (layout_.separate_shard) {
+    if (sentinels_.empty()) sentinels_ = make_sentinels();
+    g = sentinels_[slot];
+  }
+}
+
+void FlatGrad::keep_unreduced() {
+  if (!buffer_.defined()) return;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    kept_[i] = kept_[i] || written_[i];
+    written_[i] = 0;
+  }
+}
+
+void FlatGrad::begin_reduction() {
+  FSDP_CHECK(buffer_.defined() && !reduce_started_, "internal: a reduction without a gradient buffer");
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  // Regions no gradient reached, and the padding, enter the reduction as zeros.
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    ParamSlot& s = slots_[i];
+    if (s.param.grad().defined()) take(static_cast<int>(i));  // not through the post-hook (defensive)
+    if (!written_[i] && !kept_[i]) region(buffer_, s.offset, {s.numel}).zero_();
+  }
+  if (layout_.padded_numel > layout_.numel)
+    region(buffer_, layout_.numel, {layout_.padded_numel - layout_.numel}).zero_();
+  reduce_started_ = true;
+  across_replicas_ = defer_replicas_ = false;
+}
+
+at::Tensor FlatGrad::new_reduction_output() {
+  at::Tensor out = buffers_->empty(layout_.shard_numel, buffer_.options());
+  memory_->add_grad(layout_.shard_numel * out.element_size());
+  return out;
+}
+
+void FlatGrad::set_reduction(at::Tensor output, WorkPtr work, bool defer_replicas, bool across_replicas) {
+  output_ = std::move(output);
+  work_ = std::move(work);
+  defer_replicas_ = defer_replicas;
+  across_replicas_ = across_replicas;
+}
+
+WorkPtr FlatGrad::take_reduce_work() {
+  WorkPtr work = std::move(work_);
+  work_ = nullptr;
+  return work;
+}
+
+void FlatGrad::add_partial_into(at::Tensor& sums) {
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  sums.add_(partial_);
+  memory_->add_grad(-partial_.nbytes());
+  partial_ = at::Tensor();
+}
+
+bool FlatGrad::complete_reduction(bool defer_landing) {
+  if (!reduce_started_) return false;
+  FSDP_CHECK(!work_, "internal: a reduction completed before its collective was waited for");
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  reduce_started_ = false;
+  if (!layout_.separate_shard) {
+    const double scale = 1.0 / layout_.world_size;
+    // The sum is in the store: average in place (a kept gradient, the same on every rank, comes
+    // back as world * g / world), then give the pieces that got a gradient their alias.
+    if (layout_.world_size > 1) buffer_.mul_(scale);
+    Landing landing;
+    landing.values = std::move(buffer_);  // the pieces' gradients keep the store alive
+    landing.alias_store = true;
+    landing.slots.assign(slots_.size(), 0);
+    for (size_t i = 0; i < slots_.size(); ++i)  // unused: no gradient, as in local training
+      landing.slots[i] = slots_[i].got_grad || kept_[i];
+    buffer_ = at::Tensor();
+    output_ = at::Tensor();
+    landing_ = std::move(landing);
+    return defer_landing ? false : land();
+  }
+  const bool reduced_in_place = output_.is_same(buffer_);
+  memory_->add_grad(-buffer_.nbytes());
+  buffer_ = at::Tensor();
+  if (defer_replicas_) {
+    // Kept, in the reduce dtype, for the reduction across replicas (its memory stays counted).
+    partial_slots_.resize(slots_.size(), 0);
+    for (size_t i = 0; i < slots_.size(); ++i) partial_slots_[i] |= slots_[i].got_grad || kept_[i];
+    if (partial_.defined()) {
+      partial_.add_(output_);
+      memory_->add_grad(-output_.nbytes());
+    } else {
+      partial_ = output_;
+    }
+    output_ = at::Tensor();
+    defer_replicas_ = false;
+    return false;
+  }
+  // Slots that got a gradient; unused ones get none, as in local training.
+  std::vector<uint8_t> got(slots_.size(), 0);
+  for (size_t i = 0; i < slots_.size(); ++i)
+    got[i] = slots_[i].got_grad || kept_[i] || (i < partial_slots_.size() && partial_slots_[i]);
+  partial_slots_.clear();
+  if (!reduced_in_place) memory_->add_grad(-output_.nbytes());
+  if (offload_) {
+    // Copied to the host while backward goes on; land() averages it into the pieces.
+    land();  // an earlier reduction of this backward (a unit run twice)
+    Landing landing;
+    landing.values = offload_->host_empty(layout_.shard_numel, output_.scalar_type());
+    landing.copy = offload_->to_host(landing.values, output_);
+    landing.slots = std::move(got);
+    landing.in_place = true;  // a host copy of its own
+    device_grad_copy_ = landing.copy;
+    landing_ = std::move(landing);
+    output_ = at::Tensor();
+    return false;
+  }
+  Landing landing;
+  landing.values = std::move(output_);
+  landing.slots = std::move(got);
+  landing_ = std::move(landing);
+  output_ = at::Tensor();
+  return defer_landing ? false : land();
+}
+
+void FlatGrad::add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place) {
+  // Averaging is fused into the one pass that moves the sum into the pieces' gradients (cast to
+  // the shard's dtype under mixed precision).
+  const double scale = 1.0 / layout_.world_size;
+  const at::ScalarType dtype = layout_.dtype;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    ParamSlot& s = slots_[i];
+    if (!s.piece.defined() || !slots[i]) continue;
+    at::Tensor part = region(reduced, s.piece_offset, {s.piece_numel});
+    at::Tensor& g = s.piece.mutable_grad();
+    // Each piece owns its gradient (not a view): optimizers' zero_grad() detaches it in place.
+    if (g.defined()) {
+      g.add_(part.to(dtype), scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
+    } else if (in_place && part.scalar_type() == dtype) {
+      if (layout_.world_size > 1) part.mul_(scale);
+      g = part;  // an alias of `reduced`, not an autograd view
+    } else if (part.scalar_type() == dtype && layout_.world_size > 1) {
+      g = part.mul(scale);
+    } else {
+      g = part.to(dtype, /*non_blocking=*/false, /*copy=*/true).mul_(scale);
+    }
+  }
+}
+
+void FlatGrad::release_device_grad() {
+  if (device_grad_copy_) offload_->release_source(device_grad_copy_);
+  device_grad_copy_ = nullptr;
+}
+
+bool FlatGrad::land() {
+  if (!landing_.values.defined()) return false;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  Landing landing = std::move(landing_);
+  landing_ = Landing();
+  if (landing.copy) landing.copy->wait();
+  if (landing.alias_store) {
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      ParamSlot& s = slots_[i];
+      if (!s.piece.defined() || !landing.slots[i]) continue;
+      at::Tensor& g = s.piece.mutable_grad();
+      if (!is_grad_alias(s, g, landing.values)) g = grad_alias(s, landing.values);
+    }
+  } else {
+    add_into_piece_grads(landing.values, landing.slots, landing.in_place);
+  }
+  return true;
+}
+
+int64_t FlatGrad::sharded_bytes() const {
+  if (offload_) return 0;             // host memory, outside the device figures
+  if (!layout_.separate_shard) {      // the store, while any piece's gradient (or a backward) holds it
+    const auto store = store_.lock();
+    return store ? layout_.padded_numel * c10::elementSize(layout_.dtype) : 0;
+  }
+  int64_t bytes = 0;
+  for (const auto& s : slots_)
+    if (s.piece.defined() && s.piece.grad().defined()) bytes += s.piece.grad().nbytes();
+  return bytes;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,154 @@
+#include "flat_param_collectives.h"
+
+#include "fsdp/check.h"
+#include "internal_op_guard.h"
+
+namespace fsdp {
+
+namespace {
+
+// What a collective is for, as its members compare it (Note [Collective fingerprints]): the flat
+// parameter, the purpose, and how many collectives of that purpose it issued before.
+CollectiveOptions label(const FlatParam& fp, const char* purpose, int64_t count) {
+  return CollectiveOptions::labeled(
+      detail::compose("unit ", fp.unit(), " flat parameter ", fp.id(), ": ", purpose, " #", count));
+}
+
+// label(), naming the earlier backward passes whose gradients this rank adds in.
+CollectiveOptions reduction_label(const FlatParam& fp, const char* purpose, int64_t count) {
+  CollectiveOptions o = label(fp, purpose, count);
+  const int64_t held = fp.grad().backwards_held();
+  if (held > 0)
+    o.label = detail::compose(o.label, " (gradients of ", held, " earlier backward", held > 1 ? "s" : "", " held)");
+  return o;
+}
+
+}  // namespace
+
+WorkPtr start_all_gather(FlatParam& fp) {
+  if (fp.keep_unsharded()) return nullptr;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  fp.wait_unshard();  // a gather of older shard values: let it land first
+  fp.alloc_unsharded();
+  const ShardingGroups& group = fp.groups();
+  CpuOffloader* offload = fp.offload();
+  if (!fp.sharded_over_peers() && offload) {
+    // F == 1 offloaded: the "gather" is the shard's copy to the device (cast on the way).
+    WorkPtr copy = offload->to_device(fp.unsharded_alias(), fp.shard());
+    fp.set_pending_gather(copy, at::Tensor(), false);
+    return copy;
+  }
+  if (!fp.sharded_over_peers()) {
+    // F == 1 under mixed precision: the "gather" is a cast of the whole shard. Written through a
+    // tensor of its own, so no version counter that autograd checks moves.
+    fp.unsharded_alias().copy_(fp.shard());
+    return nullptr;
+  }
+  if (at::Tensor kept = fp.take_post_forward_shard(); kept.defined()) {
+    // hpZ: the parts kept after forward, gathered within their group; freed when the gather lands.
+    WorkPtr work = group.post_forward_comm->all_gather_into(fp.unsharded(), kept,
+                                                            label(fp, "parameter all-gather", fp.count_gather()));
+    fp.set_pending_gather(work, kept, true);
+    return work;
+  }
+  at::Tensor input = fp.shard();
+  if (offload) {
+    // The host shard to the device (cast there) on the copy stream; the gather, issued from that
+    // stream, follows it, so compute goes on meanwhile.
+    input = fp.buffers().empty(fp.shard_numel(), fp.unsharded().options());
+    offload->to_device(input, fp.shard());
+    fp.memory().add_param(fp.shard_numel() * fp.compute_element_size());
+    WorkPtr work;
+    offload->on_copy_stream([&] {
+      work = group.shard_comm->all_gather_into(fp.unsharded(), input,
+                                               label(fp, "parameter all-gather", fp.count_gather()));
+    });
+    fp.set_pending_gather(work, input, false);
+    return work;
+  }
+  at::Tensor gather_input;
+  if (fp.compute_dtype() != fp.dtype()) {
+    // Cast before the gather, so the gather moves compute-dtype bytes.
+    input = fp.buffers().empty(fp.shard_numel(), fp.unsharded().options());
+    input.copy_(fp.shard());
+    fp.memory().add_param(fp.shard_numel() * fp.compute_element_size());
+    gather_input = input;
+  }
+  // Gloo writes through the raw pointer: no tensor op, so the parameters' version counters (which
+  // autograd checks for saved tensors) do not move.
+  WorkPtr work =
+      group.shard_comm->all_gather_into(fp.unsharded(), input, label(fp, "parameter all-gather", fp.count_gather()));
+  fp.set_pending_gather(work, gather_input, false);
+  return work;
+}
+
+void start_reduction(FlatParam& fp, bool across_replicas) {
+  FlatGrad& grad = fp.grad();
+  grad.begin_reduction();
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  const ShardingGroups& group = fp.groups();
+  if (!fp.sharded_over_peers()) {
+    // F == 1: the whole buffer is the shard (NO_SHARD, a world of one), reduced in place.
+    WorkPtr work = group.world_size > 1 ? group.world_comm->all_reduce(
+                                              grad.buffer(), reduction_label(fp, "gradient all-reduce",
+                                                                             grad.count_reduction()))
+                                        : nullptr;
+    grad.set_reduction(grad.buffer(), work, false, false);
+    return;
+  }
+  at::Tensor sums = grad.new_reduction_output();
+  WorkPtr work = group.shard_comm->reduce_scatter(
+      sums, grad.buffer(), reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
+  const bool replicas = group.replicate_comm && group.replicate_comm->size() > 1;
+  if (replicas && !across_replicas) {
+    grad.set_reduction(sums, work, /*defer_replicas=*/true, false);  // completion adds them to the partial sums
+  } else if (replicas && grad.has_partial()) {
+    // The earlier micro-batches' shard-group sums join this one before the replica all-reduce.
+    work->wait();
+    grad.add_partial_into(sums);
+    work = group.replicate_comm->all_reduce(
+        sums, reduction_label(fp, "replica gradient all-reduce", grad.count_replica_reduction()));
+    grad.set_reduction(sums, work, false, true);
+  } else if (replicas) {
+    // Hybrid: the shard's sum across replicas, chained after the reduce-scatter on the replica
+    // group's thread, so both overlap the rest of backward.
+    CollectiveOptions after_scatter =
+        reduction_label(fp, "replica gradient all-reduce", grad.count_replica_reduction());
+    after_scatter.after = work;
+    work = group.replicate_comm->all_reduce(sums, after_scatter);
+    grad.set_reduction(sums, work, false, true);
+  } else {
+    grad.set_reduction(sums, work, false, false);
+  }
+}
+
+bool finish_reduction(FlatParam& fp, bool defer_landing) {
+  FlatGrad& grad = fp.grad();
+  if (!grad.reduce_pending()) return false;
+  if (WorkPtr work = grad.take_reduce_work()) {
+    try {
+      work->wait();
+    } catch (...) {
+      grad.abandon_reduction();
+      throw;
+    }
+  }
+  return grad.complete_reduction(defer_landing);
+}
+
+at::Tensor gather_full_values(const FlatParam& fp) {
+  if (fp.keep_unsharded()) return fp.unsharded();
+  InternalOpGuard internal;
+  // Offloaded: on the device, as without offload (the collectives move device tensors).
+  const at::Tensor shard = fp.offloaded() ? fp.shard().to(fp.unsharded().device()) : fp.shard();
+  if (!fp.sharded_over_peers()) return shard;
+  at::Tensor out = at::empty({fp.padded_numel()}, shard.options().requires_grad(false));
+  fp.groups()
+      .shard_comm->all_gather_into(out, shard, label(fp, "full-values all-gather", fp.count_gather()))
+      ->wait();
+  return out;
+}
+
+}  // namespace fsdp
