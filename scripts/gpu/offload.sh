@@ -1,9 +1,10 @@
 #!/bin/bash
-# One device call for what issue 20 left to a GPU: build and run the GPU tests (run_gpu.sh), then
-# the offload benchmark's FusedAdamW contenders (step after backward; step in backward on its own
-# host thread) against FSDP2's fastest offload setting, then the host AdamW outside training.
-# Each phase has its own time limit, so a slow one leaves the earlier results in $OUT.
-#   scripts/gpu/offload_round.sh            (env: BUILD_TEST_S, OFFLOAD_S, ADAMW_S, REPS)
+# CPU offload on a GPU machine in one call: build and run the GPU tests (run_gpu.sh), then the
+# offload benchmark's FusedAdamW contenders (step after backward; step in backward on its own host
+# thread) against FSDP2's fastest offload setting (offload.md), then the host AdamW outside
+# training (host_adamw.md). Each phase has its own time limit, so a slow one leaves the earlier
+# results in $OUT; bench/results/gpu keeps offload.md and host_adamw.md.
+#   scripts/gpu/offload.sh            (env: BUILD_TEST_S, OFFLOAD_S, ADAMW_S, REPS)
 set -uo pipefail
 export OUT=${OUT:-$PWD/out-gpu} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -16,5 +17,5 @@ timeout "${OFFLOAD_S:-150}" python3 bench/gpu/offload.py --build-dir build-gpu -
   --reps "${REPS:-2}" --only "FusedAdamW,AdamW(fused)"
 phase "offload benchmark: exit $?"
 timeout "${ADAMW_S:-60}" python3 bench/gpu/host_adamw.py --build-dir build-gpu --elements 268435456 --tensors 64 \
-  --reps 3 | tee "$OUT/host_adamw.txt"
+  --reps 3 | tee "$OUT/host_adamw.md"
 phase "host AdamW: exit $?"
