@@ -121,8 +121,8 @@ int64_t wrong_reduced(const at::Tensor& actual, int64_t scale, int64_t idx0) {
 
 // Runs jobs on one thread that does nothing else, and waits for each. Our communicator and c10d
 // both run collectives on such threads; raw gloo called from the main thread (which also fills
-// and checks buffers) was seen to wait a whole scheduler tick (4 ms) per small collective on this
-// oversubscribed machine, a scheduling artifact rather than a property of gloo.
+// and checks buffers) waits a whole scheduler tick per small collective on an oversubscribed
+// machine, a scheduling artifact rather than a property of gloo.
 class CommThread {
  public:
   CommThread() : thread_([this] { loop(); }) {}

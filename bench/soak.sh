@@ -14,7 +14,7 @@
 # default "--layers 4 --width 128 --heads 4 --context 64 --batch-per-rank 8").
 # Checkpoints go to OUT_DIR/checkpoints (the newest 3 kept; removed at the end).
 # Writes OUT_DIR/samples.csv, OUT_DIR/restarts.csv, OUT_DIR/metrics-<k>.jsonl, OUT_DIR/run-<k>.log
-# and OUT_DIR/soak.md (bench/soak_report.py).
+# and OUT_DIR/soak.md (bench/soak_report.py); bench/results/soak keeps only soak.md.
 set -euo pipefail
 BUILD=$(cd "${1:?usage: $0 BUILD_DIR OUT_DIR}" && pwd)
 OUT=${2:?usage: $0 BUILD_DIR OUT_DIR}

@@ -16,8 +16,10 @@ def main(out):
             k = int(name[len("metrics-"):-len(".jsonl")])
             segments[k] = [json.loads(line) for line in open(os.path.join(out, name)) if line.strip()]
 
+    machine_txt = os.path.join(out, "machine.txt")
+    machine = open(machine_txt).read().strip() if os.path.exists(machine_txt) else "machine: not recorded"
     print("# Soak run\n")
-    print(f"Run directory: `{out}`. Command and settings: see README.md beside this file.\n")
+    print(f"Run directory: `{out}`; {machine}. Command and settings: bench/results/README.md, \"Soak\".\n")
     print("## Restarts\n")
     print("| segment | started (s) | killed at (s) | victim rank | launcher exit | all ranks gone after (s) "
           "| processes left | /dev/shm segments left | resumed from step | steps trained |")

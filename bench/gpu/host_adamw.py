@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The host's optimizer step under CPU offload, outside a training step (issue 20): fsdp::FusedAdamW's
+"""The host's optimizer step under CPU offload, outside a training step: fsdp::FusedAdamW's
 CPU kernel (bench/cpu_adamw.cpp, built against the same LibTorch) against PyTorch's CPU AdamW, its
 default and fused=True, on the same number of float32 elements split into the same number
 of tensors, at the same thread count. Run on the GPU machine's host after scripts/gpu/run_gpu.sh

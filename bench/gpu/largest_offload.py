@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The largest GPT each framework trains with CPU offload under the same host-memory cap (issue 20):
+"""The largest GPT each framework trains with CPU offload under the same host-memory cap:
 libfsdp (FusedAdamW, step in backward on its own host thread) against PyTorch FSDP2
 (CPUOffloadPolicy, AdamW(fused=True)), both with f32 masters and bf16 compute, on one GPU.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU benchmark, round 2: mixed precision and CPU offload on one device, libfsdp vs PyTorch FSDP2.
+"""GPU benchmark: mixed precision and CPU offload on one device, libfsdp vs PyTorch FSDP2.
 
 Two sections, each run interleaved and repeated on the same GPT (bench/gpu/run.py's model and step),
 float32 master weights and a bf16 compute policy (param bf16, reduce f32) for every contender:
@@ -10,7 +10,7 @@ float32 master weights and a bf16 compute policy (param bf16, reduce f32) for ev
            with its fastest (fsdp::FusedAdamW's CPU kernel / torch AdamW(fused=True) on the CPU); and
            libfsdp with FusedAdamW stepping each unit in backward, on a host thread beside the
            device's backward (set_step_in_backward).
-Writes raw-offload.jsonl and offload.md (medians, ratios, host memory, optimizer wall time, the
+Appends to raw-offload.jsonl and offload.md (medians, ratios, host memory, optimizer wall time, the
 bytes each step moves between host and device).
 
     bench/gpu/offload.py --build-dir build-gpu --out OUT [--sections mp,offload] [--reps 2] [--layers 24 ...]
@@ -65,7 +65,7 @@ def main():
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     raw = open(os.path.join(args.out, "raw-offload.jsonl"), "a")
-    lines = ["# GPU round 2: mixed precision and CPU offload, libfsdp vs PyTorch FSDP2", "",
+    lines = ["# Mixed precision and CPU offload on one GPU: libfsdp against PyTorch FSDP2", "",
              f"Produced by `bench/gpu/offload.py`, {started}. GPT {args.layers} layers, width {args.width}, "
              f"{args.heads} heads, context {args.context}, {args.batch} sequences per step; float32 masters, "
              f"bf16 compute (param bf16, reduce f32); AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1; "

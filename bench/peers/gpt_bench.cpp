@@ -92,7 +92,7 @@ int64_t proc_status_bytes(const char* field) {
 // the benchmark can check the library's own accounting against what was really allocated.
 // LibTorch requires CPU data pointers to be their own deleter context (raw_allocate), so sizes
 // are remembered by address.
-// --operator-callback: the per-operator work of libfsdp's interception (src/runtime/interception.cpp)
+// --operator-callback: the per-operator work of libfsdp's interception (src/runtime/hooks.cpp)
 // without the rest of FSDP: RecordFunction boxes every operator's inputs for the callback, which
 // looks each tensor input's storage up in a table of the parameters' storages.
 std::unordered_set<const c10::StorageImpl*> g_parameter_storages;
