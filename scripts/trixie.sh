@@ -24,11 +24,13 @@
 #
 # Environment:
 #   FSDP_TRIXIE_ROOT    where the root is (default /var/cache/libfsdp/trixie-root)
-#   FSDP_TRIXIE_MIRROR  the Debian mirror (default http://deb.debian.org/debian)
+#   FSDP_TRIXIE_MIRROR  the Debian archive to install from (default: the one the host's own apt
+#                       sources name, /etc/apt/sources.list and /etc/apt/sources.list.d/, so the
+#                       root comes from whatever mirror this machine is configured with)
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd -P)
 ROOT=${FSDP_TRIXIE_ROOT:-/var/cache/libfsdp/trixie-root}
-MIRROR=${FSDP_TRIXIE_MIRROR:-http://deb.debian.org/debian}
+MIRROR=${FSDP_TRIXIE_MIRROR:-}
 TIMES=$ROOT.times
 DEBOOTSTRAP_STAMP=.libfsdp-debootstrap-done
 PACKAGES_STAMP=.libfsdp-packages-done
@@ -46,6 +48,46 @@ PKGS=(
 )
 
 die() { echo "trixie: $*" >&2; exit 1; }
+# The Debian archive the host's apt installs from: the URI of the first enabled 'deb' source
+# (one-line .list or deb822 .sources) for a release suite (no -security, -updates, ...) with the
+# 'main' component, over http(s), ftp or file. Prints nothing if there is none.
+host_mirror() {
+  local f
+  {
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+      [ -f "$f" ] || continue
+      awk '$1 == "deb" {
+        i = 2
+        if ($i ~ /^\[/) { while (i < NF && $i !~ /\]$/) i++; i++ }
+        comps = ""
+        for (j = i + 2; j <= NF && $j !~ /^#/; j++) comps = comps " " $j " "
+        if ($(i + 1) !~ /-/ && comps ~ / main /) print $i
+      }' "$f"
+    done
+    for f in /etc/apt/sources.list.d/*.sources; do
+      [ -f "$f" ] || continue
+      awk 'BEGIN { RS = ""; FS = "\n" }
+      {
+        types = uris = suites = comps = ""; enabled = "yes"
+        for (k = 1; k <= NF; k++) {
+          line = $k
+          if (line ~ /^[ \t]*#/) continue
+          key = tolower(line); sub(/:.*/, "", key); val = line; sub(/^[^:]*:[ \t]*/, "", val)
+          if (key == "types") types = " " val " "
+          else if (key == "uris") uris = val
+          else if (key == "suites") suites = " " val " "
+          else if (key == "components") comps = " " val " "
+          else if (key == "enabled") enabled = tolower(val)
+        }
+        if (enabled == "no" || types !~ / deb / || comps !~ / main /) next
+        n = split(suites, s, /[ \t]+/); release = 0
+        for (j = 1; j <= n; j++) if (s[j] != "" && s[j] !~ /-/) release = 1
+        if (!release) next
+        split(uris, u, /[ \t]+/); print u[1]
+      }' "$f"
+    done
+  } | grep -E '^(https?|ftp|file):' | head -n 1
+}
 log_time() {  # log_time STEP SECONDS
   echo "trixie: $1 took $2 s"
   echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) $1 $2 s" >>"$TIMES"
@@ -88,6 +130,8 @@ setup() {
     fi
     command -v debootstrap >/dev/null ||
       die "debootstrap is missing: apt-get -o DPkg::Lock::Timeout=900 install -y debootstrap"
+    [ -n "$MIRROR" ] || MIRROR=$(host_mirror)
+    [ -n "$MIRROR" ] || die "no Debian archive found in the host's apt sources (/etc/apt/sources.list, /etc/apt/sources.list.d/); set FSDP_TRIXIE_MIRROR to one"
     echo "trixie: debootstrap --variant=minbase trixie $ROOT $MIRROR"
     local t=$SECONDS
     debootstrap --variant=minbase trixie "$ROOT" "$MIRROR" >"$ROOT.debootstrap.log" 2>&1 ||

@@ -7,6 +7,7 @@
 
 #include "clip_grad_norm.h"
 #include "fsdp/check.h"
+#include "mixed_precision.h"
 #include "runtime/fsdp_state.h"
 #include "runtime/hooks.h"
 #include "state_dict.h"
@@ -121,8 +122,7 @@ void FullyShardedModule::reset_peak_memory_stats() { state_->reset_peak_memory_s
 void FullyShardedModule::release_cached_memory() { state_->release_cached_memory(); }
 
 at::Tensor FullyShardedModule::cast_forward_input(at::Tensor input) const {
-  const MixedPrecision& mp = state_->options().mixed_precision();
-  return mp.cast_forward_inputs() ? cast_floating(std::move(input), mp.param_dtype()) : input;
+  return fsdp::cast_forward_input(state_->options().mixed_precision(), std::move(input));
 }
 const std::vector<UnitInfo>& FullyShardedModule::units() const { return units_; }
 ShardingStrategy FullyShardedModule::sharding_strategy() const { return state_->options().sharding_strategy(); }

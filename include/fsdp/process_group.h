@@ -1,6 +1,6 @@
 #pragma once
-// Process-group bootstrap: rank environment, c10d TCPStore rendezvous, and communicators for the
-// world and sub-groups. See docs/launchers.md and docs/transports.md.
+// ProcessGroup: the job's ranks after the rendezvous (rank 0 hosts a c10d TCPStore), and the
+// communicators for the world and sub-groups. See docs/launchers.md and docs/transports.md.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -14,28 +14,13 @@
 
 #include "fsdp/comm.h"
 #include "fsdp/network_model.h"
+#include "fsdp/rank_env.h"
 
 namespace c10d {
 class Store;
 }
 
 namespace fsdp {
-
-// Where this process sits in the job, read from the launcher's environment.
-struct RankEnv {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
-  std::string source;  // which convention supplied it: "torchrun", "mpirun", "srun"
-
-  // Reads torchrun/fsdp-run's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, else mpirun's
-  // OMPI_COMM_WORLD_*, else srun's SLURM_* (table in docs/launchers.md), and MASTER_ADDR (required
-  // when the job spans hosts) / MASTER_PORT. Throws fsdp::Error naming the bad variable.
-  static RankEnv from_env();
-};
 
 // How a communicator's collectives travel between its members.
 enum class Transport {
@@ -109,14 +94,6 @@ class ProcessGroup {
 
  private:
   ProcessGroup() = default;
-  CommunicatorPtr connect_gloo(const c10::intrusive_ptr<c10d::Store>& prefixed, const std::vector<int>& ranks,
-                               int my_index, const std::string& id);
-  // Rank r's pid and start time when it runs on this host (same kernel boot and pid namespace),
-  // read from the store once; nothing for this rank or one elsewhere.
-  std::optional<std::pair<std::string, std::string>> same_host_process(int r) const;
-  // For a communicator over `ranks`: names a same-host member whose process has ended, or returns
-  // empty; itself empty when no member shares this host (Note [Dead members]).
-  std::function<std::string()> exit_watch(const std::vector<int>& ranks) const;
   RankEnv env_;
   ProcessGroupOptions options_;
   struct Impl;

@@ -141,4 +141,13 @@ std::string parent_dir(const std::string& path) {
   return parent.empty() ? std::string(".") : parent.string();
 }
 
+std::string join_path(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+std::string last_component(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const auto slash = p.rfind('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
 }  // namespace fsdp::checkpoint::detail

@@ -41,6 +41,10 @@ bool path_exists(const std::string& path);
 std::string read_file(const std::string& path, uint64_t max_bytes);
 // "<path>.tmp-<16 hex digits>" with the given random value.
 std::string temporary_name(const std::string& path, uint64_t random);
+// `dir` + "/" + `name`.
+std::string join_path(const std::string& dir, const std::string& name);
+// The last component of a path (trailing slashes ignored).
+std::string last_component(const std::string& path);
 // The parent directory of a path ("." for a bare name).
 std::string parent_dir(const std::string& path);
 

@@ -188,4 +188,13 @@ void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::
   }
 }
 
+std::map<const c10::TensorImpl*, int> groups_by_tensor(const torch::optim::Optimizer* optimizer) {
+  std::map<const c10::TensorImpl*, int> out;
+  if (!optimizer) return out;
+  const auto& groups = optimizer->param_groups();
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (const auto& p : groups[g].params()) out[p.unsafeGetTensorImpl()] = static_cast<int>(g);
+  return out;
+}
+
 }  // namespace fsdp::checkpoint::detail

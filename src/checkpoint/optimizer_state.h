@@ -21,6 +21,9 @@ nlohmann::json group_options(OptimizerKind kind, const torch::optim::OptimizerOp
 void restore_group_options(OptimizerKind kind, const nlohmann::json& saved, torch::optim::OptimizerOptions& options,
                            const std::string& where);
 
+// The optimizer's parameter group of each tensor it holds (by TensorImpl); empty for null.
+std::map<const c10::TensorImpl*, int> groups_by_tensor(const torch::optim::Optimizer* optimizer);
+
 struct PieceState {
   bool present = false;                       // false: the optimizer has no state for it (never stepped)
   int64_t step = 0;                           // Adam / AdamW

@@ -23,185 +23,26 @@
 #include <vector>
 
 #include "comm/collective_queue.h"
+#include "comm/shm_segment.h"
 #include "fsdp/check.h"
 
 namespace fsdp {
 namespace {
 
-// How the segment works
-// ---------------------
-// Every member owns two staging buffers of slot_bytes(size) in the segment and a control block. A
-// collective is a sequence of rounds; all members run the same rounds in the same order. In round
-// g a member writes its data into its buffer g % 2, publishes a descriptor of the collective, sets
-// its `posted` counter to g + 1 and then waits until every member has posted g + 1; then it reads
-// what it needs from the other members' buffers g % 2. A member can only write buffer g % 2 again
-// in round g + 2, after every member posted g + 1, which each does only after finishing its reads
-// of round g: two buffers make one counter per member enough, without acknowledgements.
-//
-// Waiting spins briefly, then sleeps on the peer's counter (a futex shared between processes).
-// While asleep it checks, every kLivenessPeriod, that the peer is alive: each member's worker
-// thread holds a robust process-shared mutex for as long as it runs, so a member that died (or
-// destroyed its communicator) is seen at once, not at the timeout.
-constexpr uint64_t kMagic = 0x326d68737064736full;  // "fsdpshm2"
-// Staging buffers: 1 MiB each up to 8 members, smaller beyond, so a segment stays at 16 MiB
-// (containers often give /dev/shm 64 MiB) whatever the number of ranks per host.
-constexpr int64_t kMaxSlotBytes = int64_t(1) << 20, kMinSlotBytes = int64_t(64) << 10;
-constexpr int64_t kSegmentDataBytes = int64_t(16) << 20;
+// Every member's worker thread runs the rounds of shm_segment.h's protocol.
+constexpr int kSpins = 256;
+constexpr auto kSleepSlice = std::chrono::milliseconds(20);
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
+
 // memcpy for the pieces of a collective: a collective of nothing still runs one empty round,
 // where the tensor's data_ptr() is null, and memcpy's pointers must not be null even for 0 bytes.
 void copy_bytes(void* dst, const void* src, int64_t n) {
   if (n > 0) std::memcpy(dst, src, n);
 }
-int64_t slot_bytes(int size) {
-  return std::max(kMinSlotBytes, std::min(kMaxSlotBytes, kSegmentDataBytes / (2 * size) / 4096 * 4096));
-}
-constexpr int kSpins = 256;
-constexpr auto kSleepSlice = std::chrono::milliseconds(20);
-constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
-
-using Descriptor = Fingerprint;  // what a member is doing in a round; every member must be doing the same
-
-// A member's state as the others see it; written once, by the member or by the first to find it gone.
-enum MemberState : uint32_t { kRunning = 0, kDied, kLeft, kFailed };
-
-struct alignas(64) MemberControl {
-  std::atomic<uint32_t> posted;   // rounds this member has posted (a futex word)
-  std::atomic<uint32_t> waiters;  // members asleep on `posted`
-  std::atomic<uint32_t> state;    // MemberState
-  int32_t pid;
-  uint64_t pid_namespace;    // inode of its /proc/self/ns/pid (0: unknown)
-  Descriptor descriptor[2];  // per buffer, like the data
-  pthread_mutex_t alive;     // held by the member's worker thread while it runs (robust)
-};
-
-uint64_t pid_namespace() {
-  struct stat st {};
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
-}
-
-struct alignas(64) Header {
-  std::atomic<uint64_t> magic;  // written last by the creator
-  uint64_t nonce;
-  int32_t size;
-  int64_t slot_bytes;
-};
-
-static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain 32-bit integers");
-
-int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
-int64_t controls_offset() { return round_up(sizeof(Header), 64); }
-int64_t data_offset(int size) { return round_up(controls_offset() + int64_t(sizeof(MemberControl)) * size, 4096); }
-int64_t segment_bytes(int size) { return data_offset(size) + int64_t(2) * size * slot_bytes(size); }
-
-void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-// Shared (not process-private) futex operations: the word lives in a segment mapped by several processes.
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::milliseconds slice) {
-  timespec ts{};
-  ts.tv_sec = slice.count() / 1000;
-  ts.tv_nsec = (slice.count() % 1000) * 1000000;
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-void futex_wake_all(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-std::string errno_text(int err) { return std::strerror(err); }
-
-// One mapping of the segment; the creator also owns the name until every member has mapped it.
-class Segment {
- public:
-  ~Segment() {
-    if (base_ != nullptr) munmap(base_, bytes_);
-  }
-  // Creates and initializes a fresh segment for `size` members; on failure returns the reason.
-  std::string create(const std::string& name, uint64_t nonce, int size) {
-    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) return "shm_open(" + name + ") failed: " + errno_text(errno);
-    const int64_t bytes = segment_bytes(size);
-    // Reserve the pages now: a size-limited /dev/shm (containers often have 64 MiB) would otherwise
-    // accept the size and raise SIGBUS at the first page touched beyond its limit.
-    if (const int err = posix_fallocate(fd, 0, bytes); err != 0) {
-      close(fd);
-      shm_unlink(name.c_str());
-      return "reserving " + std::to_string(bytes) + " bytes for " + name + " failed: " + errno_text(err) +
-             " (is /dev/shm full or too small?)";
-    }
-    std::string error = map(fd, bytes, name);
-    close(fd);
-    if (!error.empty()) {
-      shm_unlink(name.c_str());
-      return error;
-    }
-    auto* h = new (base_) Header;
-    h->nonce = nonce;
-    h->size = size;
-    h->slot_bytes = slot_bytes(size);
-    pthread_mutexattr_t attr;
-    pthread_mutexattr_init(&attr);
-    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-    for (int m = 0; m < size; ++m) {
-      auto* c = new (control(m)) MemberControl;
-      c->posted.store(0);
-      c->waiters.store(0);
-      c->state.store(kRunning);
-      c->pid = 0;
-      c->pid_namespace = 0;
-      pthread_mutex_init(&c->alive, &attr);
-    }
-    pthread_mutexattr_destroy(&attr);
-    h->magic.store(kMagic, std::memory_order_release);
-    return "";
-  }
-  // Maps an existing segment and checks that it is the one the creator announced.
-  std::string open(const std::string& name, uint64_t nonce, int size) {
-    const int fd = shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) return "shm_open(" + name + ") failed: " + errno_text(errno);
-    std::string error = map(fd, segment_bytes(size), name);
-    close(fd);
-    if (!error.empty()) return error;
-    const auto* h = header();
-    if (h->magic.load(std::memory_order_acquire) != kMagic || h->nonce != nonce || h->size != size ||
-        h->slot_bytes != slot_bytes(size))
-      return name + " is not the segment the group's first member created (another host or /dev/shm namespace)";
-    return "";
-  }
-  Header* header() const { return static_cast<Header*>(base_); }
-  MemberControl* control(int m) const {
-    return reinterpret_cast<MemberControl*>(static_cast<char*>(base_) + controls_offset()) + m;
-  }
-  uint8_t* buffer(int m, uint32_t round) const {
-    return static_cast<uint8_t*>(base_) + data_offset(header()->size) +
-           (int64_t(m) * 2 + round % 2) * header()->slot_bytes;
-  }
-  int64_t bytes() const { return bytes_; }
-
- private:
-  std::string map(int fd, int64_t bytes, const std::string& name) {
-    struct stat st {};
-    if (fstat(fd, &st) != 0) return "fstat of " + name + " failed: " + errno_text(errno);
-    if (st.st_size < bytes)
-      return name + " has " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(bytes);
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) return "mmap of " + name + " failed: " + errno_text(errno);
-    base_ = p;
-    bytes_ = bytes;
-    return "";
-  }
-  void* base_ = nullptr;
-  int64_t bytes_ = 0;
-};
 
 class ShmCommunicator : public Communicator {
  public:
-  ShmCommunicator(std::unique_ptr<Segment> segment, int index, int size, std::string name,
+  ShmCommunicator(std::unique_ptr<ShmSegment> segment, int index, int size, std::string name,
                   std::chrono::milliseconds timeout)
       : segment_(std::move(segment)),
         rank_(index),
@@ -456,7 +297,7 @@ class ShmCommunicator : public Communicator {
     }
   }
 
-  std::unique_ptr<Segment> segment_;
+  std::unique_ptr<ShmSegment> segment_;
   int rank_, size_;
   int64_t slot_;  // bytes of each staging buffer
   std::string name_;
@@ -502,7 +343,7 @@ void wait_for_members(c10d::Store& store, const std::string& prefix, int size, c
 CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& store, int index, int size,
                                       std::string name, std::chrono::milliseconds timeout, bool required) {
   FSDP_CHECK(size >= 1 && index >= 0 && index < size, "make_shm_communicator: member ", index, " of ", size);
-  auto segment = std::make_unique<Segment>();
+  auto segment = std::make_unique<ShmSegment>();
   // The first member creates the segment and announces "<name> <nonce>" (or "!<why>").
   std::string shm_name;
   uint64_t nonce = 0;

@@ -87,8 +87,6 @@ class FsdpState {
   static void check_offload(const CpuOffload& offload, const at::Device& device);
   void check_same_model_on_all_ranks(const UnitPlan& plan) const;
   void check_same_options_on_all_ranks() const;
-  // Publishes `mine` through the store and fails naming the first line where a rank's differs.
-  void compare_across_ranks(const std::string& mine, const char* differ, const char* fix) const;
   void build_flat_params(UnitPlan& plan);
 
   std::shared_ptr<torch::nn::Module> module_;

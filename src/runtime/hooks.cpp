@@ -14,6 +14,7 @@
 #include "fsdp/check.h"
 #include "fsdp/explicit_unit.h"
 #include "internal_op_guard.h"
+#include "mixed_precision.h"
 #include "runtime/checkpointed_forward.h"
 
 namespace fsdp {
@@ -114,12 +115,17 @@ struct GradPostHook : torch::autograd::FunctionPostHook {
   int flat_param, slot;
 };
 
-}  // namespace
-
-at::Tensor cast_floating(at::Tensor t, const c10::optional<at::ScalarType>& dtype) {
-  if (!dtype || !t.defined() || !t.is_floating_point() || t.scalar_type() == *dtype) return t;
-  return t.to(*dtype);
+// The error for an in-place write to `what` (a parameter of a sharded module, or a tensor over its
+// storage): the write is lost at the next reshard.
+std::string in_place_write_error(const char* op, const std::string& what) {
+  return detail::compose("libfsdp: in-place operation ", op, " on ", what,
+                         ": the change is lost at the next reshard. If this is an optimizer "
+                         "step, build the optimizer over FullyShardedModule::parameters() (the shards), not "
+                         "module->parameters(); to set values use load_full_state_dict() or "
+                         "summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
 }
+
+}  // namespace
 
 std::string Hooks::managed_parameter(torch::nn::Module& module) {
   std::shared_ptr<const HooksList> list = std::atomic_load(&g_all);
@@ -195,24 +201,14 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       const bool writes = i == 0 && is_inplace_op(fn.name()) && !state_.has_pending_error();
       if (const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl())) {
         ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
-        if (writes) {
-          state_.set_pending_error(detail::compose(
-              "libfsdp: in-place operation ", fn.name(), " on parameter '", s.name,
-              "' of a sharded module: the change is lost at the next reshard. If this is an optimizer step, build "
-              "the optimizer over FullyShardedModule::parameters() (the shards), not module->parameters(); to set "
-              "values use load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it "
-              "before fully_shard()."));
-        }
+        if (writes) state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"));
         if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
       } else if (writes && !state_.flat_params()[f]->keep_unsharded()) {
         // Another tensor over the same storage: p.data(), p.detach(), a view of a parameter.
-        state_.set_pending_error(detail::compose(
-            "libfsdp: in-place operation ", fn.name(), " on a tensor sharing the storage of parameter '",
-            parameter_at(*state_.flat_params()[f], t.storage_offset()),
-            "' of a sharded module (its .data(), .detach() or a view of it): the change is lost at the next "
-            "reshard. If this is an optimizer step, build the optimizer over FullyShardedModule::parameters() (the "
-            "shards), not module->parameters(); to set values use load_full_state_dict() or "
-            "summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard()."));
+        state_.set_pending_error(in_place_write_error(
+            fn.name(), "a tensor sharing the storage of parameter '" +
+                           parameter_at(*state_.flat_params()[f], t.storage_offset()) +
+                           "' of a sharded module (its .data(), .detach() or a view of it)"));
       }
       // Unshard even for a refused in-place op, so its kernel writes valid memory.
       state_.scheduler().use(state_.flat_params()[f]->unit());
@@ -309,14 +305,13 @@ void exit_unit(const torch::nn::Module& module) {
 at::Tensor cast_forward_input(const torch::nn::Module& module, at::Tensor input) {
   auto [hooks, unit] = find_unit(module);
   if (!hooks) return input;
-  const MixedPrecision& mp = hooks->state().options().mixed_precision();
-  return mp.cast_forward_inputs() ? cast_floating(std::move(input), mp.param_dtype()) : input;
+  return fsdp::cast_forward_input(hooks->state().options().mixed_precision(), std::move(input));
 }
 
 at::Tensor cast_forward_output(const torch::nn::Module& module, at::Tensor output) {
   auto [hooks, unit] = find_unit(module);
   if (!hooks) return output;
-  return cast_floating(std::move(output), hooks->state().options().mixed_precision().output_dtype());
+  return fsdp::cast_forward_output(hooks->state().options().mixed_precision(), std::move(output));
 }
 
 at::Tensor attach_pre_backward(const torch::nn::Module& module, at::Tensor output) {

@@ -11,10 +11,6 @@
 
 namespace fsdp {
 
-// `t` cast to `dtype` if both are floating point and they differ (mixed precision's input and
-// output casts; the cast is differentiable).
-at::Tensor cast_floating(at::Tensor t, const c10::optional<at::ScalarType>& dtype);
-
 class Hooks {
  public:
   // Registers every hook of `state` (which must outlive this object).
