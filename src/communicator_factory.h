@@ -8,7 +8,8 @@
 #include <vector>
 
 #include "fsdp/comm.h"
-#include "fsdp/process_group.h"
+#include "fsdp/process_group_options.h"
+#include "fsdp/rank_env.h"
 #include "member_watch.h"
 
 namespace fsdp {

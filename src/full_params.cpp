@@ -1,14 +1,15 @@
 // Explicit unshard and full parameters (FullyShardedModule::unshard / reshard /
 // summon_full_params): the user's ways to see whole parameters outside FSDP's own schedule.
+#include "fsdp/fully_shard.h"
+
 #include <torch/csrc/autograd/variable.h>
 
 #include <vector>
 
 #include "flat_param_collectives.h"
 #include "fsdp/check.h"
-#include "fsdp/fully_shard.h"
 #include "internal_op_guard.h"
-#include "state_access.h"
+#include "runtime/fsdp_state.h"
 
 namespace fsdp {
 
@@ -23,7 +24,7 @@ FullyShardedModule::UnshardHandle FullyShardedModule::unshard() {
 
 void FullyShardedModule::UnshardHandle::wait() {
   if (!module_) return;
-  FsdpState& state = detail::StateAccess::of(*module_);
+  FsdpState& state = *module_->state_;
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   for (Unit& unit : state.units()) unit.wait_for_unshard("all-gather (explicit unshard)");
   module_ = nullptr;
@@ -62,7 +63,7 @@ FullyShardedModule::FullParamsGuard FullyShardedModule::summon_full_params(bool 
 
 FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module, bool writeback)
     : module_(module), writeback_(writeback), saved_(std::make_unique<Saved>()) {
-  FsdpState& state = detail::StateAccess::of(*module_);
+  FsdpState& state = *module_->state_;
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
   FSDP_CHECK(!Scheduler::in_backward(), "summon_full_params: called during backward; call it between training steps");
@@ -88,7 +89,7 @@ FullyShardedModule::FullParamsGuard::FullParamsGuard(FullParamsGuard&& other) no
 
 FullyShardedModule::FullParamsGuard::~FullParamsGuard() {
   if (!module_ || !saved_) return;
-  FsdpState& state = detail::StateAccess::of(*module_);
+  FsdpState& state = *module_->state_;
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   InternalOpGuard internal;
   at::NoGradGuard no_grad;

@@ -14,6 +14,7 @@
 
 #include "fsdp/comm.h"
 #include "fsdp/network_model.h"
+#include "fsdp/process_group_options.h"
 #include "fsdp/rank_env.h"
 
 namespace c10d {
@@ -21,40 +22,6 @@ class Store;
 }
 
 namespace fsdp {
-
-// How a communicator's collectives travel between its members.
-enum class Transport {
-  kAuto,          // shared memory when all members are on this host, Gloo over TCP otherwise
-  kTcp,           // always Gloo over TCP
-  kSharedMemory,  // always shared memory; an error when the members cannot share a segment
-};
-// "auto", "tcp", "shm"; throws fsdp::Error naming the accepted values.
-Transport parse_transport(const std::string& name, const char* source);
-const char* to_string(Transport transport);
-
-struct ProcessGroupOptions {
-  // How long a collective or rendezvous may wait for a peer. FSDP_TIMEOUT_S overrides it.
-  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
-  // Local address Gloo binds to. Empty: the one that routes to master_addr. GLOO_SOCKET_IFNAME /
-  // FSDP_BIND_ADDR override.
-  std::string bind_addr;
-  // A modeled network (network_model.h) wrapping every communicator this group creates. Unset:
-  // FSDP_NETWORK_MODEL decides. options() shows the resolved model.
-  std::optional<NetworkModel> network_model;
-  // Gloo over TCP: compare every collective's fingerprint across members before its data moves
-  // (one extra small message per pair per collective), so ranks out of step fail at once instead of
-  // at the timeout or with wrong sums. Shared memory always checks (free); the end-of-job agreement
-  // always runs. FSDP_CHECK_COLLECTIVES=0/1 overrides (Note [Collective fingerprints]).
-  bool check_collectives = true;
-  // Chosen per communicator, identically on every member. kAuto: FSDP_TRANSPORT if set, else
-  // shared memory where every member can map a segment and Gloo otherwise. On a CUDA device kAuto
-  // is NCCL; kSharedMemory / kTcp stage CUDA tensors through host memory over that transport
-  // (ranks sharing one GPU; docs/transports.md).
-  Transport transport = Transport::kAuto;
-  // The device whose tensors the communicators move: CPU (shared memory or Gloo), or a CUDA
-  // device per rank (NCCL; needs built_with_nccl()). Left at CPU: FSDP_DEVICE decides (docs/gpu.md).
-  c10::Device device = c10::Device(c10::kCPU);
-};
 
 // Whether this build has the NCCL communicator (CUDA LibTorch), and Gloo.
 bool built_with_nccl();

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "fsdp/explicit_unit.h"
+#include "fsdp/unit_scope.h"
 #include "fsdp/wrap_policy.h"
 
 namespace fsdp {
@@ -33,16 +34,6 @@ T attach_pre_backward(const torch::nn::Module&, T output) {
   return output;  // non-tensor outputs: the interception gathers the unit in backward
 }
 
-class UnitScope {
- public:
-  explicit UnitScope(const torch::nn::Module& module) : module_(module) { enter_unit(module_); }
-  ~UnitScope() { exit_unit(module_); }
-  UnitScope(const UnitScope&) = delete;
-  UnitScope& operator=(const UnitScope&) = delete;
-
- private:
-  const torch::nn::Module& module_;
-};
 }  // namespace detail
 
 template <typename Holder, typename ForwardSignature = decltype(&Holder::ContainedType::forward)>

@@ -121,7 +121,7 @@ std::string write_rank_file(RankPlan& plan, const std::string& tmp) {
 }
 
 Manifest manifest_skeleton(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind,
-                           const Extra& extra) {
+                           const std::map<std::string, std::string>& extra) {
   Manifest m;
   m.world_size = state.groups().world_size;
   m.sharding_strategy = to_string(state.options().sharding_strategy());

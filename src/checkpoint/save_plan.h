@@ -4,6 +4,7 @@
 // published last, by rename. See Note [Checkpoint format] in docs/design.md.
 #include <torch/torch.h>
 
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,7 +13,6 @@
 
 #include "checkpoint/manifest.h"
 #include "checkpoint/optimizer_state.h"
-#include "fsdp/checkpoint.h"
 #include "runtime/fsdp_state.h"
 
 namespace fsdp::checkpoint::detail {
@@ -32,7 +32,7 @@ RankPlan plan_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, Op
 std::string write_rank_file(RankPlan& plan, const std::string& tmp);
 // Rank 0: the manifest's model, optimizer and user parts (no files or pieces yet).
 Manifest manifest_skeleton(FsdpState& state, torch::optim::Optimizer* optimizer, OptimizerKind kind,
-                           const Extra& extra);
+                           const std::map<std::string, std::string>& extra);
 // Rank 0: every rank's file and pieces into the manifest, from their reports.
 void add_reports(Manifest& m, const std::vector<std::string>& reports);
 // Rank 0: writes the manifest into `tmp` last, makes it durable and renames `tmp` to `dir`.

@@ -72,9 +72,10 @@ bool GradientReducer::take_grad(int f, int s) {
 }
 
 bool GradientReducer::has_unreduced(int u) const {
-  for (const FlatParam* fp : units_[u].flat_params())
+  for (const FlatParam* fp : units_[u].flat_params()) {
     const FlatGrad& grad = fp->grad();
     if ((grad.has_buffer() || (all_reduce_ && grad.has_partial())) && !grad.reduce_pending()) return true;
+  }
   return false;
 }
 

@@ -12,7 +12,7 @@
 
 #include "comm/communicator_work.h"
 #include "fsdp/check.h"
-#include "fsdp/explicit_unit.h"
+#include "fsdp/unit_scope.h"
 #include "internal_op_guard.h"
 #include "mixed_precision.h"
 #include "runtime/checkpointed_forward.h"
