@@ -4,6 +4,7 @@
 #   --bench  also installs what the peer benchmark (bench/peers/run.py) needs beyond the build:
 #            python3-torch (PyTorch 1.13 for the DDP baseline, ~30 MB of packages) and gnuplot-nox
 #            (its plots). scripts/test.sh passes it so CI runs the benchmark's CI-sized variant.
+# FSDP_CMAKE_ARGS: further arguments for the configure step (CI: -DFSDP_WERROR=ON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BENCH=0
@@ -36,5 +37,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 # compile_commands.json: for scripts/tidy.sh (clang-tidy) and editors.
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null
+# shellcheck disable=SC2086  # FSDP_CMAKE_ARGS holds several arguments
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON ${FSDP_CMAKE_ARGS:-} >/dev/null
 cmake --build "$BUILD_DIR" -j"$(nproc)"
