@@ -25,6 +25,7 @@ std::string launcher_variables(const fsdp::RankEnv& env) {
   return "no launcher";
 }
 
+// Two columns, the keys padded to the longest.
 void print_table(const std::vector<std::pair<std::string, std::string>>& rows) {
   size_t key_width = 0;
   for (const auto& row : rows) key_width = std::max(key_width, row.first.size());

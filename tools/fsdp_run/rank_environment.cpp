@@ -17,6 +17,7 @@ namespace fsdp_run {
 
 namespace {
 
+// CPUs this launcher may run on, at least 1.
 int usable_cpu_count() {
 #ifdef __linux__
   // Honour taskset / cpuset limits, not just the number of cores installed.
