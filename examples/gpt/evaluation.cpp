@@ -1,0 +1,56 @@
+#include "evaluation.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "training_data.h"
+
+namespace fsdp_gpt {
+
+namespace {
+
+// Validation batches have a fixed size, so the loss is comparable across world sizes and batch sizes.
+constexpr int64_t kValidationRows = 16;
+
+}  // namespace
+
+torch::Tensor next_token_loss(gpt::GPT& model, const gpt::Batch& batch) {
+  auto logits = model->forward(batch.inputs).to(torch::kFloat);  // the loss in float32 under mixed precision
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), batch.targets.reshape({-1}));
+}
+
+double validation_loss(gpt::GPT& model, const torch::Tensor& tokens, const TrainConfig& c) {
+  torch::NoGradGuard no_grad;
+  double total = 0.0;
+  for (int i = 0; i < c.eval_batches; ++i) {
+    const auto batch = gpt::sample_batch(tokens, c.context, gpt::batch_key(c.seed, kValidationStream, i),
+                                         kValidationRows, 0, kValidationRows);
+    total += next_token_loss(model, batch).item<double>();
+  }
+  return total / c.eval_batches;
+}
+
+std::string generate(gpt::GPT& model, const std::string& prompt, const TrainConfig& c) {
+  torch::NoGradGuard no_grad;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(gpt::batch_key(c.seed, kSampleStream, 0));
+  auto tokens = gpt::encode(prompt);
+  for (int i = 0; i < c.sample_bytes; ++i) {
+    const int64_t window = std::min<int64_t>(tokens.numel(), c.context);
+    auto logits = model->forward(tokens.narrow(0, tokens.numel() - window, window).unsqueeze(0));
+    auto last = logits[0][window - 1];
+    torch::Tensor next;
+    if (c.temperature == 0.0) {
+      next = last.argmax().reshape({1});
+    } else {
+      next = torch::multinomial(torch::softmax(last / c.temperature, -1), 1, false, generator);
+    }
+    tokens = torch::cat({tokens, next});
+  }
+  return gpt::decode(tokens);
+}
+
+}  // namespace fsdp_gpt

@@ -1,0 +1,62 @@
+#include "measurements.h"
+
+#include <fsdp/fsdp.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+#include "timing.h"
+
+namespace fsdp_gpt {
+
+namespace {
+
+// Matmul throughput of this rank in FLOP/s: a few 1024x1024 float matmuls, 2 * n^3 FLOPs each,
+// on the rank's own thread count. All ranks measure at the same time (after a barrier), so ranks
+// sharing a host also share its cores as they will while training, and the sum over ranks is the
+// job's peak:  peak = sum over ranks r of 2 * n^3 * reps / seconds_r
+//                   (= per-rank rate x ranks per host x hosts, for identical hosts).
+// MFU = achieved model FLOP/s / peak. The fastest of several matmuls counts: a peak is what the
+// hardware can do, and a slower one was interrupted (other processes on a shared machine),
+// which would understate the peak and overstate MFU.
+double measure_matmul_flops() {
+  const int64_t n = 1024, reps = 8;
+  auto a = torch::randn({n, n}), b = torch::randn({n, n});
+  auto c = torch::mm(a, b);  // warm-up: thread pool start, page faults
+  double fastest = 1e30;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = Clock::now();
+    c = torch::mm(a, b);
+    fastest = std::min(fastest, seconds_since(start));
+  }
+  return 2.0 * n * n * n / fastest;
+}
+
+}  // namespace
+
+int64_t resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "VmRSS:  1234 kB"
+  return 0;
+}
+
+double training_flops_per_token(int64_t parameters, const TrainConfig& c) {
+  return 6.0 * static_cast<double>(parameters) + 12.0 * c.layers * c.context * c.width;
+}
+
+MatmulPeak measure_peak(fsdp::ProcessGroup& pg) {
+  if (pg.size() > 1) pg.world()->barrier();
+  auto peak = torch::tensor({measure_matmul_flops()}, torch::kDouble);
+  MatmulPeak result;
+  result.rank0_flops = peak.item<double>();
+  if (pg.size() > 1) pg.world()->all_reduce(peak)->wait();
+  result.job_flops = peak.item<double>();
+  return result;
+}
+
+}  // namespace fsdp_gpt

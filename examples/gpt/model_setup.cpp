@@ -1,0 +1,93 @@
+#include "model_setup.h"
+
+#include <fsdp/fsdp.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp_gpt {
+
+void resolve_init(TrainConfig& config, int rank) {
+  if (config.init == "deferred" && !fsdp::DeferredInit::supported()) {
+    if (rank == 0) std::cerr << "fsdp_gpt: this LibTorch cannot defer initialization; building the model eagerly\n";
+    config.init = "eager";
+  }
+}
+
+BuiltModel build_model(const TrainConfig& config) {
+  torch::manual_seed(config.seed);
+  BuiltModel built;
+  built.config.context = config.context;
+  built.config.width = config.width;
+  built.config.layers = config.layers;
+  built.config.heads = config.heads;
+  built.config.activation_checkpointing = config.activation_checkpointing;
+  if (config.init == "deferred") {
+    fsdp::DeferredInit deferred;  // no parameter memory until fully_shard materializes each unit
+    built.model = gpt::GPT(built.config);
+  } else {
+    built.model = gpt::GPT(built.config);
+  }
+  built.parameter_count = gpt::count_parameters(*built.model);
+  // Weight decay applies to matrices (weights, embeddings), not to biases or LayerNorm gains. The
+  // shard pieces are 1-D, so remember each parameter's original rank by name.
+  for (const auto& item : built.model->named_parameters()) built.original_dims[item.key()] = item.value().dim();
+  return built;
+}
+
+std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const TrainConfig& config,
+                                                      fsdp::ProcessGroupPtr pg) {
+  const gpt::GPTConfig model_config = built.config;
+  auto options = fsdp::Options()
+                     .sharding_strategy(fsdp::parse_sharding_strategy(config.strategy))
+                     .sharding_factor(config.sharding_factor)
+                     .backward_prefetch(fsdp::parse_backward_prefetch(config.backward_prefetch))
+                     .forward_prefetch(config.forward_prefetch)
+                     .limit_all_gathers(config.all_gather_limit > 0)
+                     .all_gather_limit(std::max(1, config.all_gather_limit))
+                     .param_init_fn([model_config](const std::string& name, torch::nn::Module& module) {
+                       gpt::initialize(model_config, name, module);
+                     });
+  if (config.wrap == "block") options.auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>());
+  if (config.mixed_precision != "none")
+    options.mixed_precision(fsdp::MixedPrecision()
+                                .param_dtype(config.mixed_precision == "bf16" ? torch::kBFloat16 : torch::kFloat16)
+                                .reduce_dtype(torch::kFloat32));
+  if (config.reshard_after_forward != "strategy") {
+    const std::string choice = config.reshard_after_forward;
+    const std::string last = "blocks." + std::to_string(config.layers - 1);
+    options.reshard_after_forward([choice, last](const std::string& name, const torch::nn::Module&) {
+      return c10::optional<bool>(choice == "true" || (choice == "except-last" && name != last));
+    });
+  }
+  options.reshard_after_forward_size(config.reshard_after_forward_size);
+  return fsdp::fully_shard(built.model, std::move(pg), options);
+}
+
+std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded,
+                                                     const std::map<std::string, int64_t>& original_dims,
+                                                     const TrainConfig& config) {
+  std::vector<torch::Tensor> decayed, not_decayed;
+  for (const auto& [name, piece] : sharded.named_parameters())
+    (original_dims.at(name) >= 2 ? decayed : not_decayed).push_back(piece);
+  // beta2 0.99 instead of 0.999 (nanoGPT's choice for small character-level runs): the
+  // second-moment estimate then adapts within ~100 steps, a fraction of a run this short.
+  auto adamw = [&](double weight_decay) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(config.lr).betas({0.9, 0.99}).weight_decay(weight_decay));
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decayed, adamw(config.weight_decay));
+  groups.emplace_back(not_decayed, adamw(0.0));
+  auto optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), *adamw(config.weight_decay));
+  sharded.check_optimizer(*optimizer);
+  return optimizer;
+}
+
+}  // namespace fsdp_gpt

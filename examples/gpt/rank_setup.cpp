@@ -1,0 +1,61 @@
+#include "rank_setup.h"
+
+#include <dlfcn.h>
+#include <fsdp/fsdp.h>
+#include <sched.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+namespace fsdp_gpt {
+
+std::string g_rank_label;
+
+namespace {
+
+// CPUs this process may run on (respects taskset / cgroup cpusets, unlike the core count).
+int usable_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+// OpenBLAS (Debian's LibTorch calls it for matmuls) keeps its own thread pool, sized from
+// OMP_NUM_THREADS when it loads and left alone by torch::set_num_threads; without this, every
+// rank started without OMP_NUM_THREADS (mpirun, srun) would run one BLAS thread per core.
+void set_openblas_threads(int threads) {
+  using SetThreads = void (*)(int);
+  if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(threads);
+}
+
+}  // namespace
+
+fsdp::RankEnv read_rank_env() {
+  fsdp::RankEnv env;
+  try {
+    env = fsdp::RankEnv::from_env();
+    if (env.world_size > 1) g_rank_label = " [rank " + std::to_string(env.rank) + "]";
+  } catch (const fsdp::Error&) {
+    // A broken launcher environment: parse flags as a single process; ProcessGroup::from_env
+    // reports the problem once the flags are parsed.
+  }
+  return env;
+}
+
+// Sets this rank's compute threads (unless OMP_NUM_THREADS did) and returns how many it uses.
+int set_threads_per_rank(const fsdp::RankEnv& env) {
+  // Ranks on one host share its cores. OMP_NUM_THREADS, if set, is the user's choice (LibTorch
+  // already applied it); otherwise split the usable cores between the local ranks, since more
+  // threads than cores makes every rank slower.
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const int threads = std::max(1, usable_cpus() / env.local_world_size);
+    torch::set_num_threads(threads);
+    set_openblas_threads(threads);
+  }
+  return torch::get_num_threads();
+}
+
+}  // namespace fsdp_gpt

@@ -1,0 +1,80 @@
+#include "step_log.h"
+
+#include <fsdp/fsdp.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+
+#include "formatting.h"
+#include "measurements.h"
+
+namespace fsdp_gpt {
+
+std::ofstream open_metrics(const TrainConfig& config, bool is_main) {
+  std::ofstream metrics;
+  if (is_main && !config.metrics_file.empty()) {
+    metrics.open(config.metrics_file);
+    if (!metrics) throw std::runtime_error("cannot write --metrics-file " + config.metrics_file);
+  }
+  return metrics;
+}
+
+void log_window(const TrainingLoop& loop, int step, double lr, double local_loss, LogWindow& window,
+                TrainingResult& result, ProgressBar& progress) {
+  const TrainConfig& config = loop.config;
+  const int world = loop.pg.size();
+  // The logged loss is the mean over the window's steps and over all ranks' slices.
+  auto loss_sum = torch::tensor({window.loss}, torch::kDouble);
+  if (world > 1) loop.pg.world()->all_reduce(loss_sum)->wait();
+  const double mean_loss = loss_sum.item<double>() / (window.steps * world);
+  result.last_logged_loss = mean_loss;
+
+  const double ms_per_step = 1000.0 * window.seconds / window.steps;
+  const double tokens_per_s = loop.job.tokens_per_step * window.steps / window.seconds;
+  const double model_flops = loop.job.flops_per_token * tokens_per_s;
+  const double peak_flops = loop.job.peak.job_flops;
+  const auto memory = loop.sharded.memory_stats();
+  const int64_t fsdp_peak = memory.param_peak_bytes + memory.grad_peak_bytes;
+  result.param_peak_bytes = std::max(result.param_peak_bytes, memory.param_peak_bytes);
+  result.grad_peak_bytes = std::max(result.grad_peak_bytes, memory.grad_peak_bytes);
+  const int64_t rss = resident_bytes();
+  if (loop.is_main) {
+    progress.clear();
+    std::cout << "step " << std::setw(std::to_string(config.steps).size()) << step << "/" << config.steps << " | loss "
+              << fixed(mean_loss, 4) << " | lr " << std::scientific << std::setprecision(2) << lr << std::defaultfloat
+              << " | " << std::setw(7) << fixed(ms_per_step, 1) << " ms/step | " << std::setw(7)
+              << with_commas(std::llround(tokens_per_s)) << " tok/s | " << fixed(model_flops / 1e12, 4)
+              << " TFLOP/s | MFU " << fixed(100.0 * model_flops / peak_flops, 1) << "% | fsdp peak " << mib(fsdp_peak)
+              << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
+              << std::flush;
+    progress.draw(step, local_loss, result.train_seconds);
+    if (loop.metrics.is_open())
+      loop.metrics << nlohmann::json{{"step", step},
+                                     {"loss", mean_loss},
+                                     {"lr", lr},
+                                     {"ms_per_step", ms_per_step},
+                                     {"tokens_per_s", tokens_per_s},
+                                     {"model_tflops", model_flops / 1e12},
+                                     {"mfu", model_flops / peak_flops},
+                                     {"fsdp_param_peak_bytes", memory.param_peak_bytes},
+                                     {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
+                                     {"rss_bytes", rss},
+                                     {"elapsed_s", seconds_since(loop.program_start)}}
+                          .dump()
+                   << "\n"
+                   << std::flush;
+  }
+  loop.sharded.reset_peak_memory_stats();
+  window = LogWindow();
+}
+
+}  // namespace fsdp_gpt

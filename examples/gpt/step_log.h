@@ -1,0 +1,25 @@
+#pragma once
+// The step log: one line per logged step on rank 0 (loss, learning rate, speed, MFU, memory), and
+// the same as JSON in --metrics-file.
+#include <fstream>
+
+#include "progress_bar.h"
+#include "train_config.h"
+#include "training.h"
+
+namespace fsdp_gpt {
+
+// Rank 0 with --metrics-file: the open file (throws if it cannot be written); otherwise not open.
+std::ofstream open_metrics(const TrainConfig& config, bool is_main);
+
+// The steps since the last log line: their time and their summed local losses.
+struct LogWindow {
+  double seconds = 0.0, loss = 0.0;
+  int steps = 0;
+};
+
+// Closes a log window (collective): rank 0 logs its mean loss, speed and memory; a new window starts.
+void log_window(const TrainingLoop& loop, int step, double lr, double local_loss, LogWindow& window,
+                TrainingResult& result, ProgressBar& progress);
+
+}  // namespace fsdp_gpt

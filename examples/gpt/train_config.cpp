@@ -1,0 +1,233 @@
+#include "train_config.h"
+
+#include <fsdp/fsdp.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "data.h"
+
+namespace fsdp_gpt {
+
+namespace {
+
+// Declares every flag on `app`, each parsed into its field of `config`.
+void add_flags(CLI::App& app, TrainConfig& config) {
+  app.add_option("--layers", config.layers, "Transformer blocks")->check(CLI::Range(1, 256))->capture_default_str();
+  app.add_option("--width", config.width, "Embedding width")->check(CLI::Range(8, 16384))->capture_default_str();
+  app.add_option("--heads", config.heads, "Attention heads (must divide --width)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--context", config.context, "Tokens per training sequence")
+      ->check(CLI::Range(2, 8192))
+      ->capture_default_str();
+  app.add_option("--batch-per-rank", config.batch_per_rank,
+                 "Sequences per rank per step; the global batch is "
+                 "world size times this")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
+  app.add_option("--grad-accum-mode", config.grad_accum_mode,
+                 "With --grad-accum: no-sync (unsharded gradients kept local, parameters re-gathered per "
+                 "micro-batch), no-sync-unsharded (the same, parameters kept unsharded between micro-batches: no "
+                 "re-gather, more memory), reduce (every micro-batch reduce-scatters: least memory, most "
+                 "communication), replica-deferred (HYBRID_SHARD: reduce-scatter in the shard group every "
+                 "micro-batch, the replica all-reduce only on the last)")
+      ->transform(CLI::IsMember({"no-sync", "no-sync-unsharded", "reduce", "replica-deferred"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--steps", config.steps, "Optimizer steps")->check(CLI::Range(1, 100000000))->capture_default_str();
+  app.add_option("--lr", config.lr, "Peak learning rate (AdamW)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--min-lr", config.min_lr, "Learning rate at the end of the cosine decay")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--warmup", config.warmup, "Steps of linear warm-up from 0 to --lr (default: a tenth of --steps)")
+      ->check(CLI::Range(0, 100000000));
+  app.add_option("--schedule", config.schedule, "Learning-rate schedule after warm-up")
+      ->transform(CLI::IsMember({"cosine", "constant"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--weight-decay", config.weight_decay, "AdamW weight decay for weight matrices and embeddings")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--seed", config.seed, "Seed for initialization, batches and sampling")->capture_default_str();
+  app.add_option("--strategy", config.strategy, "FSDP sharding strategy")
+      ->transform(CLI::IsMember({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--sharding-factor", config.sharding_factor,
+                 "HYBRID_SHARD: ranks per shard group (0: ranks per "
+                 "host); others accept 0 or their implied factor")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--wrap", config.wrap,
+                 "FSDP units: 'block' makes every transformer block a unit, 'none' makes "
+                 "the whole model one unit")
+      ->transform(CLI::IsMember({"block", "none"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--backward-prefetch", config.backward_prefetch,
+                 "When to gather the next unit in backward: "
+                 "BACKWARD_PRE, BACKWARD_POST or NONE")
+      ->capture_default_str();
+  app.add_flag("--forward-prefetch,!--no-forward-prefetch", config.forward_prefetch,
+               "Gather the next unit before computing the current "
+               "one in forward (one more unit of memory)");
+  app.add_option("--all-gather-limit", config.all_gather_limit,
+                 "Rate limiter: most blocks unsharded at once; prefetching looks ahead until this many are "
+                 "(3: one more block of memory, rides out uneven compute; 0: limiter off)")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--init", config.init,
+                 "deferred: build the model on the meta device and let FSDP allocate, "
+                 "initialize and shard one unit at a time; eager: build the whole model on every rank first "
+                 "(same weights)")
+      ->check(CLI::IsMember({"deferred", "eager"}))
+      ->capture_default_str();
+  app.add_option("--data", config.data,
+                 std::string("Text file to train on (default: the fortunes in ") + gpt::kFortunesDir + ")")
+      ->check(CLI::ExistingFile);
+  app.add_option("--log-interval", config.log_interval, "Steps between log lines")
+      ->check(CLI::Range(1, 100000000))
+      ->capture_default_str();
+  app.add_option("--eval-batches", config.eval_batches, "Held-out batches (16 sequences each) in each validation loss")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--metrics-file", config.metrics_file, "Write one JSON object per logged step to this file");
+  app.add_option("--sample-bytes", config.sample_bytes, "Bytes to generate after training (0: none)")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  app.add_option("--prompt", config.prompt, "Start of the generated sample")->capture_default_str();
+  app.add_option("--temperature", config.temperature, "Sampling temperature (0: greedy)")
+      ->check(CLI::Range(0.0, 10.0))
+      ->capture_default_str();
+  app.add_flag("--show-memory", config.show_memory, "Print per-rank model-state memory next to NO_SHARD's");
+  app.add_option("--mixed-precision", config.mixed_precision,
+                 "none; bf16 (bf16 gathers and compute, fp32 reduction and master weights); fp16 (the same in "
+                 "float16, with the sharded gradient scaler)")
+      ->transform(CLI::IsMember({"none", "bf16", "fp16"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--grad-accum", config.grad_accum,
+                 "Micro-batches per step (must divide --batch-per-rank); all but the last run without "
+                 "gradient communication")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
+  app.add_option("--clip-grad-norm", config.clip_grad_norm, "Clip the gradients' total 2-norm to this (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_flag("--activation-checkpointing", config.activation_checkpointing,
+               "Keep only each block's input in forward and recompute the block in backward");
+  app.add_flag("--step-in-backward", config.step_in_backward,
+               "Step the optimizer on each unit's shard as soon as its gradients are reduced, overlapping the step "
+               "with communication (not with --clip-grad-norm, fp16 or --grad-accum-mode reduce)");
+  app.add_option("--step-thread", config.step_thread,
+                 "With --step-in-backward, where the steps run: auto (a thread of their own under offload, else "
+                 "backward's), backward, or own (a host thread beside backward)")
+      ->transform(CLI::IsMember({"auto", "backward", "own"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--reshard-after-forward", config.reshard_after_forward,
+                 "strategy (its own choice; FULL_SHARD keeps the block backward needs first from the second step "
+                 "on), true or false for every block, or except-last (every block but the last, from the first step)")
+      ->transform(CLI::IsMember({"strategy", "true", "false", "except-last"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--reshard-after-forward-size", config.reshard_after_forward_size,
+                 "Blocks resharded after forward stay sharded over groups of this many consecutive ranks (e.g. "
+                 "one host's) until backward, whose all-gathers then stay in the group; 0: free them completely")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--save-dir", config.save_dir,
+                 "Save sharded checkpoints (model, AdamW state, data position) under "
+                 "this directory as step-NNNNNNNN, at the end and on SIGTERM");
+  app.add_option("--save-every", config.save_every, "Also save every N steps (needs --save-dir)")
+      ->check(CLI::Range(0, 100000000));
+  app.add_flag("--resume", config.resume,
+               "Continue from the newest complete checkpoint under --save-dir (start "
+               "afresh if there is none)");
+  app.add_option("--stop-after", config.stop_after,
+                 "Save and exit after this step; the schedule still follows "
+                 "--steps (needs --save-dir)")
+      ->check(CLI::Range(1, 100000000));
+  app.add_flag("--async-save", config.async_save,
+               "Write --save-every checkpoints in the background: training pauses only to copy its shards to "
+               "host memory (the final, --stop-after and SIGTERM saves stay synchronous)");
+  app.add_option("--export", config.export_file, "Write the trained model as one safetensors file");
+}
+
+// Checks that involve several flags, thrown as CLI::ValidationError like CLI11's own; resolves --warmup.
+void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
+  if (config.width % config.heads != 0)
+    throw CLI::ValidationError(
+        "--heads", std::to_string(config.heads) + " does not divide --width " + std::to_string(config.width));
+  if (config.warmup < 0) config.warmup = config.steps / 10;
+  if (config.warmup > config.steps)
+    throw CLI::ValidationError("--warmup",
+                               std::to_string(config.warmup) + " is more than --steps " + std::to_string(config.steps));
+  if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
+  if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
+  if (config.mixed_precision == "fp16") {
+    try {  // LibTorch 1.13 has no float16 matrix product on the CPU; 2.x and GPUs have
+      torch::mm(torch::ones({2, 2}, torch::kHalf), torch::ones({2, 2}, torch::kHalf));
+    } catch (const c10::Error&) {
+      throw CLI::ValidationError("--mixed-precision", "fp16: this LibTorch has no float16 matrix product on the CPU; "
+                                                      "use bf16 (or LibTorch 2.x, or a GPU)");
+    }
+  }
+  if (config.grad_accum_mode == "replica-deferred" && config.strategy != "HYBRID_SHARD")
+    throw CLI::ValidationError("--grad-accum-mode", "replica-deferred needs --strategy HYBRID_SHARD (got " +
+                                                        config.strategy + "); use no-sync");
+  if (!config.step_in_backward && config.step_thread != "auto")
+    throw CLI::ValidationError("--step-thread", "says where the steps in backward run; add --step-in-backward");
+  if (config.step_in_backward) {
+    if (config.clip_grad_norm > 0)
+      throw CLI::ValidationError("--step-in-backward",
+                                 "cannot clip: each unit is stepped before the total norm exists; "
+                                 "drop --clip-grad-norm or --step-in-backward");
+    if (config.mixed_precision == "fp16")
+      throw CLI::ValidationError("--step-in-backward", "fp16 loss scaling must unscale and check every gradient "
+                                                       "before the step; use bf16 or drop --step-in-backward");
+    if (config.grad_accum > 1 && config.grad_accum_mode == "reduce")
+      throw CLI::ValidationError("--step-in-backward", "--grad-accum-mode reduce reduces every micro-batch, and "
+                                                       "each reducing backward would step; use no-sync");
+  }
+  if (config.batch_per_rank % config.grad_accum != 0)
+    throw CLI::ValidationError("--grad-accum", std::to_string(config.grad_accum) +
+                                                   " does not divide --batch-per-rank " +
+                                                   std::to_string(config.batch_per_rank));
+  for (const auto& [flag, used] : {std::pair<const char*, bool>{"--save-every", config.save_every > 0},
+                                   {"--resume", config.resume},
+                                   {"--stop-after", config.stop_after > 0},
+                                   {"--async-save", config.async_save}})
+    if (used && config.save_dir.empty()) throw CLI::ValidationError(flag, "needs --save-dir");
+  const int world = env.world_size, factor = config.sharding_factor;
+  if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
+    throw CLI::ValidationError("--sharding-factor", std::to_string(factor) + " does not divide the world size " +
+                                                        std::to_string(world) + " (shard groups are " +
+                                                        "consecutive ranks)");
+  if ((config.strategy == "FULL_SHARD" || config.strategy == "SHARD_GRAD_OP") && factor != 0 && factor != world)
+    throw CLI::ValidationError("--sharding-factor", config.strategy + " shards over all " + std::to_string(world) +
+                                                        " ranks; use 0 or " + std::to_string(world) +
+                                                        ", or --strategy HYBRID_SHARD to shard over fewer");
+  if (config.strategy == "NO_SHARD" && factor > 1)
+    throw CLI::ValidationError("--sharding-factor", "NO_SHARD does not shard; use 0 or 1");
+}
+
+}  // namespace
+
+int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config) {
+  CLI::App app{"Train a small GPT on text with libfsdp (Fully Sharded Data Parallel).", "fsdp_gpt"};
+  app.get_formatter()->column_width(32);
+  add_flags(app, config);
+  try {
+    app.parse(argc, argv);
+    check_flag_combinations(env, config);
+  } catch (const CLI::ParseError& e) {
+    if (env.rank == 0) return app.exit(e);
+    // Every rank fails alike; give rank 0 a moment to print before a launcher that stops all
+    // ranks at the first failure stops it too.
+    if (e.get_exit_code() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    return e.get_exit_code();
+  }
+  return -1;
+}
+
+}  // namespace fsdp_gpt

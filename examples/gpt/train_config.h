@@ -1,0 +1,62 @@
+#pragma once
+// The trainer's configuration: every command-line flag, its checks, and the parsed result.
+#include <fsdp/fsdp.h>
+
+#include <cstdint>
+#include <string>
+
+namespace fsdp_gpt {
+
+// Every flag's value; parse_flags fills it.
+struct TrainConfig {
+  int layers = 4;
+  int width = 128;
+  int heads = 4;
+  int context = 64;
+  int batch_per_rank = 8;
+  int steps = 250;
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int warmup = -1;  // unset: a tenth of --steps
+  std::string schedule = "cosine";
+  double weight_decay = 0.1;
+  uint64_t seed = 1;
+  std::string strategy = "FULL_SHARD";
+  int sharding_factor = 0;  // 0: the library's default for the strategy
+  std::string wrap = "block";
+  std::string backward_prefetch = "BACKWARD_PRE";
+  bool forward_prefetch = true;
+  int all_gather_limit = 2;  // 0: rate limiter off
+  std::string init = "deferred";
+  std::string data;  // empty: the fortunes corpus
+  int log_interval = 25;
+  int eval_batches = 8;
+  std::string metrics_file;
+  int sample_bytes = 200;
+  std::string prompt = "The ";
+  double temperature = 0.8;
+  bool show_memory = false;
+  // Training controls (docs/usage.md).
+  std::string mixed_precision = "none";            // none, bf16, fp16
+  int grad_accum = 1;                              // micro-batches per step
+  std::string grad_accum_mode = "no-sync";         // how micro-batches other than the last treat gradients
+  double clip_grad_norm = 0;                       // 0: no clipping
+  std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
+  int reshard_after_forward_size = 0;              // ranks a resharded block stays sharded over until backward
+  bool activation_checkpointing = false;
+  bool step_in_backward = false;     // FullyShardedModule::set_step_in_backward
+  std::string step_thread = "auto";  // its fsdp::StepThread
+  // Checkpoints (docs/checkpoints.md).
+  std::string save_dir;
+  int save_every = 0;  // 0: only at the end (and at --stop-after / SIGTERM)
+  bool resume = false;
+  int stop_after = 0;       // 0: run to --steps
+  bool async_save = false;  // --save-every saves written in the background
+  std::string export_file;
+};
+
+// Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is
+// reported once, while every rank exits with the same code.
+int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config);
+
+}  // namespace fsdp_gpt

@@ -1,0 +1,100 @@
+#include "training.h"
+
+#include <fsdp/fsdp.h>
+#include <torch/torch.h>
+
+#include <optional>
+#include <string>
+
+#include "checkpointing.h"
+#include "evaluation.h"
+#include "lr_schedule.h"
+#include "progress_bar.h"
+#include "step_log.h"
+#include "stop_signal.h"
+#include "training_data.h"
+
+namespace fsdp_gpt {
+
+namespace {
+
+// One optimizer step at `lr` on this rank's rows of the step's global batch; returns the rank's loss.
+double train_step(const TrainingLoop& loop, int step, double lr) {
+  const TrainConfig& config = loop.config;
+  for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  const int64_t world = loop.pg.size(), rank = loop.pg.rank();
+  const auto batch =
+      gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step),
+                        world * config.batch_per_rank, rank * config.batch_per_rank, config.batch_per_rank);
+  loop.optimizer.zero_grad();
+  // --grad-accum micro-batches; all but the last treat their gradients as --grad-accum-mode says.
+  const int64_t micro = config.batch_per_rank / config.grad_accum;
+  const std::string& mode = config.grad_accum_mode;
+  double loss_sum = 0;
+  for (int m = 0; m < config.grad_accum; ++m) {
+    gpt::Batch part{batch.inputs.narrow(0, m * micro, micro), batch.targets.narrow(0, m * micro, micro)};
+    const bool last = m + 1 == config.grad_accum;
+    std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
+    if (!last && (mode == "no-sync" || mode == "no-sync-unsharded")) no_sync.emplace(loop.sharded.no_sync());
+    if (mode == "no-sync-unsharded") loop.sharded.set_reshard_after_backward(last);
+    if (mode == "replica-deferred") loop.sharded.set_requires_all_reduce(last);
+    auto loss = next_token_loss(loop.model, part) / config.grad_accum;
+    (loop.scaler ? loop.scaler->scale(loss) : loss).backward();
+    loss_sum += loss.item<double>();
+  }
+  if (loop.scaler && config.clip_grad_norm > 0) loop.scaler->unscale_(loop.optimizer);
+  if (config.clip_grad_norm > 0) loop.sharded.clip_grad_norm_(config.clip_grad_norm);
+  if (loop.scaler) {
+    loop.scaler->step(loop.optimizer);
+    loop.scaler->update();
+  } else {
+    loop.optimizer.step();
+  }
+  return loss_sum;
+}
+
+}  // namespace
+
+TrainingResult train(const TrainingLoop& loop) {
+  const TrainConfig& config = loop.config;
+  ProgressBar progress(loop.is_main && stdout_is_terminal(loop.pg.env()), config.steps);
+  loop.sharded.reset_peak_memory_stats();
+  TrainingResult result;
+  LogWindow window;
+  const Progress resumed =
+      config.resume ? resume(loop.pg, config, loop.sharded, loop.optimizer, loop.scaler) : Progress{};
+  window.loss = resumed.window_loss, window.steps = resumed.window_steps;
+  if (!config.save_dir.empty()) install_stop_handler();
+  PendingSave pending;
+  for (int step = resumed.step + 1; step <= config.steps; ++step) {
+    const auto step_start = Clock::now();
+    const double lr = learning_rate(step, config);
+    const double local_loss = train_step(loop, step, lr);
+    const double step_seconds = seconds_since(step_start);
+    result.train_seconds += step_seconds;
+    window.seconds += step_seconds;
+    window.loss += local_loss;
+    ++window.steps;
+    progress.draw(step, local_loss, result.train_seconds);
+    if (step == 1 || step % config.log_interval == 0 || step == config.steps)
+      log_window(loop, step, lr, local_loss, window, result, progress);
+    if (!config.save_dir.empty()) {
+      const bool stop = step == config.stop_after || stop_requested_anywhere(loop.pg);
+      const bool last = stop || step == config.steps;
+      if (last || (config.save_every > 0 && step % config.save_every == 0)) {
+        progress.clear();
+        save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer, Progress{step, window.loss, window.steps},
+                        loop.scaler, config.async_save && !last, pending);
+      }
+      if (stop && step < config.steps) {
+        result.stopped_after = step;
+        break;
+      }
+    }
+  }
+  pending.finish(loop.pg);
+  progress.clear();
+  return result;
+}
+
+}  // namespace fsdp_gpt

@@ -1,0 +1,116 @@
+#include "options.h"
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "exit_codes.h"
+
+namespace fsdp_run {
+
+std::string format_seconds(double seconds) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g s", seconds);
+  return buf;
+}
+
+namespace {
+
+// Returns an explanation of the first invalid setting, or "" if all are fine.
+std::string validate(const Options& o) {
+  auto s = [](auto v) {
+    return std::to_string(v);
+  };
+  if (o.nproc_per_node < 1)
+    return "--nproc-per-node must be at least 1 (got " + s(o.nproc_per_node) +
+           "); pass the number of ranks to start on this node, e.g. --nproc-per-node 2";
+  if (o.nnodes < 1)
+    return "--nnodes must be at least 1 (got " + s(o.nnodes) +
+           "); pass the number of machines taking part, or leave it out for a single machine";
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+    return "--node-rank must be between 0 and --nnodes - 1 = " + s(o.nnodes - 1) + " (got " + s(o.node_rank) +
+           "); give every node a distinct rank below --nnodes";
+  if (o.master_addr.empty()) return "--master-addr must not be empty; pass the host name or IP address of node 0";
+  if (o.master_port < 1 || o.master_port > 65535)
+    return "--master-port must be between 1 and 65535 (got " + s(o.master_port) +
+           "); pick a free TCP port, e.g. --master-port 29500";
+  if (o.threads_per_rank && *o.threads_per_rank < 1)
+    return "--threads-per-rank must be at least 1 (got " + s(*o.threads_per_rank) +
+           "); or leave it out to split the CPU cores evenly between the ranks";
+  if (!std::isfinite(o.grace_seconds) || o.grace_seconds < 0)
+    return "--grace-seconds must be a non-negative number of seconds (got " + format_seconds(o.grace_seconds) +
+           "), e.g. --grace-seconds 5";
+  if (o.command.empty())
+    return "no program given; usage: fsdp-run [OPTIONS] PROGRAM [ARGS...], "
+           "e.g. fsdp-run --nproc-per-node 2 ./train --epochs 1";
+  return "";
+}
+
+void print_usage_error(const std::string& what) {
+  std::fprintf(stderr, "fsdp-run: %s\nRun 'fsdp-run --help' for all options.\n", what.c_str());
+}
+
+// CLI11 knows nothing of PROGRAM (it is taken via prefix_command), so spell
+// out the usage line ourselves.
+class UsageFormatter : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App*, std::string name) const override {
+    return "Usage: " + name + " [OPTIONS] PROGRAM [ARGS...]\n";
+  }
+};
+
+}  // namespace
+
+std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
+  CLI::App app{"Start PROGRAM once per local rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
+               "GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT and OMP_NUM_THREADS set, forward the\n"
+               "ranks' output prefixed with '[rank R] ', and stop every rank as soon as one fails.\n",
+               "fsdp-run"};
+  // Everything from PROGRAM on belongs to the program, including its flags.
+  app.prefix_command();
+  app.formatter(std::make_shared<UsageFormatter>());
+  app.footer("Exit code: 0 if all ranks succeed, else the first failing rank's code\n"
+             "(128+N for a rank killed by signal N), 130/143 if fsdp-run got SIGINT/SIGTERM,\n"
+             "2 for bad options, 127 if PROGRAM cannot be executed.");
+
+  app.add_option("--nproc-per-node", o.nproc_per_node, "Ranks to start on this node")->capture_default_str();
+  app.add_option("--nnodes", o.nnodes, "Number of nodes taking part")->capture_default_str();
+  app.add_option("--node-rank", o.node_rank, "Index of this node, 0..nnodes-1")->capture_default_str();
+  app.add_option("--master-addr", o.master_addr, "Address of node 0 (MASTER_ADDR)")->capture_default_str();
+  app.add_option("--master-port", o.master_port, "Port on node 0 (MASTER_PORT)")->capture_default_str();
+  app.add_flag("--no-prefix", o.no_prefix, "Do not prefix output lines with '[rank R] '");
+  app.add_option("--threads-per-rank", o.threads_per_rank,
+                 "OMP_NUM_THREADS for each rank (default: keep an existing OMP_NUM_THREADS,\n"
+                 "else CPU cores / nproc-per-node, at least 1)");
+  app.add_option("--grace-seconds", o.grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    print_usage_error(e.what());
+    return kExitUsage;
+  }
+
+  o.command = app.remaining();
+  // "fsdp-run [options] -- PROGRAM ...": the separator is not part of the command.
+  if (!o.command.empty() && o.command.front() == "--") o.command.erase(o.command.begin());
+  // With prefix_command() CLI11 hands unknown launcher options over as if they
+  // were the program; a program name starting with '-' is almost surely a typo.
+  if (!o.command.empty() && o.command.front().size() > 1 && o.command.front()[0] == '-') {
+    print_usage_error("unknown option '" + o.command.front() +
+                      "'; put launcher options before PROGRAM, see the list below --help");
+    return kExitUsage;
+  }
+  if (std::string problem = validate(o); !problem.empty()) {
+    print_usage_error(problem);
+    return kExitUsage;
+  }
+  return std::nullopt;
+}
+
+}  // namespace fsdp_run

@@ -1,0 +1,28 @@
+#pragma once
+// fsdp-run's command line: the options, their checks, and the usage messages.
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp_run {
+
+struct Options {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool no_prefix = false;
+  std::optional<int> threads_per_rank;
+  double grace_seconds = 5.0;
+  std::vector<std::string> command;  // PROGRAM ARGS...
+};
+
+// "5 s": seconds as the launcher's messages print them.
+std::string format_seconds(double seconds);
+
+// Parses argv into `o`. Returns an exit code if the launcher should stop right
+// away (help printed, or bad input), nothing if it should go on.
+std::optional<int> parse_command_line(int argc, char** argv, Options& o);
+
+}  // namespace fsdp_run
