@@ -17,10 +17,7 @@ std::string shape_str(at::IntArrayRef s) {
 }  // namespace
 
 std::unordered_map<std::string, at::Tensor> full_state_dict(FsdpState& state) {
-  std::lock_guard<std::recursive_mutex> lock(state.mutex());
-  state.rethrow_pending_error();
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
+  RuntimeCall call(state);
   std::unordered_map<std::string, at::Tensor> out;
   // From the shards (full precision under mixed precision), one FlatParameter at a time.
   for (auto& fp : state.flat_params()) {

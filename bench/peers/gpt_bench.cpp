@@ -42,6 +42,7 @@
 #include "counting_allocator.h"
 #include "data.h"
 #include "model.h"
+#include "optimizer.h"
 
 namespace {
 
@@ -265,22 +266,6 @@ torch::Tensor read_global_batches(const BenchConfig& c) {
   return batches;
 }
 
-// AdamW as the example trainer builds it: weight decay on matrices and embeddings only, betas
-// (0.9, 0.99). `dims` maps each parameter name to its original rank (shard pieces are 1-D).
-std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<std::pair<std::string, torch::Tensor>>& named,
-                                                const std::map<std::string, int64_t>& dims, const BenchConfig& c) {
-  std::vector<torch::Tensor> decayed, not_decayed;
-  for (const auto& [name, p] : named) (dims.at(name) >= 2 ? decayed : not_decayed).push_back(p);
-  auto options = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(
-        torch::optim::AdamWOptions(c.lr).betas({0.9, 0.99}).weight_decay(wd));
-  };
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decayed, options(c.weight_decay));
-  groups.emplace_back(not_decayed, options(0.0));
-  return std::make_unique<torch::optim::AdamW>(std::move(groups), *options(c.weight_decay));
-}
-
 int64_t optimizer_state_bytes(const torch::optim::AdamW& opt) {
   int64_t bytes = 0;
   for (const auto& kv : opt.state()) {
@@ -476,7 +461,7 @@ int run(int argc, char** argv) {
     sharded = fsdp::fully_shard(model, pg, options);
     trained = sharded->named_parameters();
   }
-  auto optimizer = make_adamw(trained, dims, c);
+  auto optimizer = gpt::make_adamw(trained, dims, c.lr, c.weight_decay);
   if (sharded) sharded->check_optimizer(*optimizer);
   int64_t piece_bytes = 0;  // this rank's part of the parameters (the optimizer's tensors)
   for (const auto& [name, p] : trained) piece_bytes += p.nbytes();

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "optimizer.h"
+
 namespace fsdp_gpt {
 
 void resolve_init(TrainConfig& config, int rank) {
@@ -73,19 +75,7 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
 std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded,
                                                      const std::map<std::string, int64_t>& original_dims,
                                                      const TrainConfig& config) {
-  std::vector<torch::Tensor> decayed, not_decayed;
-  for (const auto& [name, piece] : sharded.named_parameters())
-    (original_dims.at(name) >= 2 ? decayed : not_decayed).push_back(piece);
-  // beta2 0.99 instead of 0.999 (nanoGPT's choice for small character-level runs): the
-  // second-moment estimate then adapts within ~100 steps, a fraction of a run this short.
-  auto adamw = [&](double weight_decay) {
-    return std::make_unique<torch::optim::AdamWOptions>(
-        torch::optim::AdamWOptions(config.lr).betas({0.9, 0.99}).weight_decay(weight_decay));
-  };
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decayed, adamw(config.weight_decay));
-  groups.emplace_back(not_decayed, adamw(0.0));
-  auto optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), *adamw(config.weight_decay));
+  auto optimizer = gpt::make_adamw(sharded.named_parameters(), original_dims, config.lr, config.weight_decay);
   sharded.check_optimizer(*optimizer);
   return optimizer;
 }

@@ -15,7 +15,6 @@
 #include "flat_param_collectives.h"
 #include "fsdp/check.h"
 #include "fsdp/checkpoint.h"
-#include "internal_op_guard.h"
 #include "state_access.h"
 
 namespace fsdp::checkpoint {
@@ -58,10 +57,7 @@ void write_tensor(File& f, const at::Tensor& t) {
 
 void export_full(const std::string& file, FullyShardedModule& model) {
   FsdpState& state = fsdp::detail::StateAccess::of(model);
-  std::lock_guard<std::recursive_mutex> lock(state.mutex());
-  state.rethrow_pending_error();
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
+  RuntimeCall call(state);
   Communicator& world = *state.groups().world_comm;
   const bool writer = world.rank() == 0;
   const std::string what = "checkpoint::export_full('" + file + "')";
@@ -130,10 +126,7 @@ void export_full(const std::string& file, FullyShardedModule& model) {
 
 void load_full(const std::string& file, FullyShardedModule& model) {
   FsdpState& state = fsdp::detail::StateAccess::of(model);
-  std::lock_guard<std::recursive_mutex> lock(state.mutex());
-  state.rethrow_pending_error();
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
+  RuntimeCall call(state);
   Communicator& world = *state.groups().world_comm;
   const bool reader = world.rank() == 0;
   const std::string what = "checkpoint::load_full('" + file + "')";

@@ -26,7 +26,6 @@
 #include "checkpoint/sharded_load.h"
 #include "fsdp/check.h"
 #include "fsdp/checkpoint.h"
-#include "internal_op_guard.h"
 #include "state_access.h"
 
 namespace fsdp::checkpoint {
@@ -162,11 +161,8 @@ void finish_unwaited(std::shared_ptr<detail::SaveJob>& job) {
 void save(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer, const Extra& extra,
           const SaveOptions& options) {
   FsdpState& state = fsdp::detail::StateAccess::of(model);
-  std::lock_guard<std::recursive_mutex> lock(state.mutex());
-  state.rethrow_pending_error();
+  RuntimeCall call(state);
   wait_for_in_flight_save(state);
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
   Communicator& world = *state.groups().world_comm;
   PreparedSave p = prepare_save(state, world, "checkpoint::save('" + dir + "')", dir, optimizer, extra, options, false);
   write_and_publish(world, p);
@@ -175,11 +171,8 @@ void save(const std::string& dir, FullyShardedModule& model, torch::optim::Optim
 SaveHandle async_save(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer,
                       const Extra& extra, const SaveOptions& options) {
   FsdpState& state = fsdp::detail::StateAccess::of(model);
-  std::lock_guard<std::recursive_mutex> lock(state.mutex());
-  state.rethrow_pending_error();
+  RuntimeCall call(state);
   wait_for_in_flight_save(state);
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
   Communicator& world = *state.groups().world_comm;
   // Its own communicator: the background thread's collectives never interleave with training's.
   std::vector<int> all(world.size());
@@ -223,11 +216,8 @@ bool SaveHandle::done() const { return !job_ || job_->finished.load(); }
 
 void load(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer, Extra* extra) {
   FsdpState& state = fsdp::detail::StateAccess::of(model);
-  std::lock_guard<std::recursive_mutex> lock(state.mutex());
-  state.rethrow_pending_error();
+  RuntimeCall call(state);
   wait_for_in_flight_save(state);
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
   Manifest m;
   run_agreed(*state.groups().world_comm, "checkpoint::load('" + dir + "')",
              [&] {

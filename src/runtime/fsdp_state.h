@@ -17,6 +17,7 @@
 #include "fsdp/memory.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
+#include "internal_op_guard.h"
 #include "memory_tracker.h"
 #include "runtime/gradient_reducer.h"
 #include "runtime/scheduler.h"
@@ -113,6 +114,20 @@ class FsdpState {
   std::string pending_error_;
   std::weak_ptr<checkpoint::detail::SaveJob> in_flight_save_;
   std::vector<const c10::TensorImpl*> parameters_at_shard_;  // module_->parameters() at the end of fully_shard()
+};
+
+// An API call's hold on the runtime for its duration: the runtime's lock, an error kept from the
+// operator hook rethrown, and the call's tensor operations FSDP's own (InternalOpGuard), without grad.
+class RuntimeCall {
+ public:
+  explicit RuntimeCall(FsdpState& state) : lock_(state.mutex()) { state.rethrow_pending_error(); }
+  RuntimeCall(const RuntimeCall&) = delete;
+  RuntimeCall& operator=(const RuntimeCall&) = delete;
+
+ private:
+  std::lock_guard<std::recursive_mutex> lock_;
+  InternalOpGuard internal_;
+  at::NoGradGuard no_grad_;
 };
 
 }  // namespace fsdp
