@@ -64,7 +64,7 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
   if (config.reshard_after_forward != "strategy") {
     const std::string choice = config.reshard_after_forward;
     const std::string last = "blocks." + std::to_string(config.layers - 1);
-    options.reshard_after_forward([choice, last](const std::string& name, const torch::nn::Module&) {
+    options.reshard_after_forward_policy([choice, last](const std::string& name, const torch::nn::Module&) {
       return c10::optional<bool>(choice == "true" || (choice == "except-last" && name != last));
     });
   }

@@ -111,7 +111,7 @@ struct Options {
   // Per-unit reshard after forward (ReshardPolicy above); null: the strategy decides for every
   // unit, and keeps the unit backward needs first (Note [Kept for backward]). The root always
   // keeps its parameters from forward to backward (paper 3.3.1).
-  TORCH_ARG(ReshardPolicy, reshard_after_forward) = nullptr;
+  TORCH_ARG(ReshardPolicy, reshard_after_forward_policy) = nullptr;
   // Units that reshard after forward keep their parameters sharded over groups of this many
   // consecutive ranks (e.g. one host's) until their backward, whose all-gather then stays inside
   // the group (hpZ; FSDP2's integer reshard_after_forward). A divisor of the shard group's size,

@@ -24,7 +24,7 @@ std::string describe_options(const Options& o) {
     << o.sync_module_states() << "\nbroadcast_buffers " << o.broadcast_buffers() << "\nshared_parameters "
     << static_cast<int>(o.shared_parameters()) << "\nauto_wrap_policy " << (o.auto_wrap_policy() ? "set" : "unset")
     << "\nwrap_modules " << o.wrap_modules().size() << "\nreshard_after_forward policy "
-    << (o.reshard_after_forward() ? "set" : "unset") << "\nmixed_precision param_dtype " << dtype(mp.param_dtype())
+    << (o.reshard_after_forward_policy() ? "set" : "unset") << "\nmixed_precision param_dtype " << dtype(mp.param_dtype())
     << "\nmixed_precision reduce_dtype " << dtype(mp.reduce_dtype()) << "\nmixed_precision buffer_dtype "
     << dtype(mp.buffer_dtype()) << "\nmixed_precision output_dtype " << dtype(mp.output_dtype())
     << "\nmixed_precision cast_forward_inputs " << mp.cast_forward_inputs();

@@ -35,8 +35,8 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   const bool by_strategy = ShardingGroups::reshards_after_forward(options_.sharding_strategy());
   for (const auto& pu : plan.units) {
     c10::optional<bool> choice;
-    if (options_.reshard_after_forward() && pu.parent >= 0)
-      choice = options_.reshard_after_forward()(pu.name, *pu.module);
+    if (options_.reshard_after_forward_policy() && pu.parent >= 0)
+      choice = options_.reshard_after_forward_policy()(pu.name, *pu.module);
     reshard_after_forward_.push_back(pu.parent >= 0 && choice.value_or(by_strategy));
   }
   check_same_model_on_all_ranks(plan);

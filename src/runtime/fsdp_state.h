@@ -95,7 +95,7 @@ class FsdpState {
   Options options_;
   ShardingGroups groups_;
   bool intercepting_ = false;
-  std::vector<bool> reshard_after_forward_;  // per unit, from the strategy and Options::reshard_after_forward
+  std::vector<bool> reshard_after_forward_;  // per unit, from the strategy and Options::reshard_after_forward_policy
   MemoryTracker memory_;
   BufferPool pool_;
   std::unique_ptr<CpuOffloader> offloader_;  // CPU offload only; outlives the FlatParameters below

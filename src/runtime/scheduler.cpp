@@ -136,7 +136,7 @@ void Scheduler::begin_backward() {
   backward_order_.assign(forward_last_order_.rbegin(), forward_last_order_.rend());
   // The next forward keeps the first non-root unit of this order, unless a ReshardPolicy decides.
   first_in_backward_ = -1;
-  if (!options_.reshard_after_forward())
+  if (!options_.reshard_after_forward_policy())
     for (int v : backward_order_)
       if (!units_[v].is_root()) {
         if (units_[v].reshard_after_forward()) first_in_backward_ = v;

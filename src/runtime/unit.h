@@ -30,7 +30,7 @@ class Unit {
   const std::string& name() const { return name_; }
   int parent() const { return parent_; }  // -1 for the root
   bool is_root() const { return parent_ < 0; }
-  // Frees its parameters after its forward (never for the root: Options::reshard_after_forward).
+  // Frees its parameters after its forward (never for the root: Options::reshard_after_forward_policy).
   bool reshard_after_forward() const { return reshard_after_forward_; }
   const std::vector<int>& ancestors() const { return ancestors_; }  // nearest first
   const std::vector<FlatParam*>& flat_params() const { return flat_params_; }
