@@ -139,7 +139,7 @@ TEST_P(DeadRankTest, MakesTheOthersFailFast) {
   EXPECT_LT(seconds, 30) << r.report();
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, DeadRankTest, ::testing::Values("tcp", "shm"),
+INSTANTIATE_TEST_SUITE_P(EachTransport, DeadRankTest, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
 
 // Rank 0 waits in an all-reduce for rank 1, which comes 4 s late, while rank 0 has no file

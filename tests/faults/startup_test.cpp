@@ -61,7 +61,7 @@ TEST_P(DifferentOptionsTest, FailEveryRankNamingTheOption) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Options, DifferentOptionsTest,
+INSTANTIATE_TEST_SUITE_P(OptionNames, DifferentOptionsTest,
                          ::testing::Values("strategy", "backward_prefetch", "sync_module_states"),
                          [](const auto& info) { return info.param; });
 
