@@ -29,7 +29,7 @@ FSDP_WORKER(buffers_worker) {
   WORKER_CHECK(mean.abs().sum().item<double>() > 0, "running_mean never updated");
 }
 
-TEST(Cases, BuffersStayReplicated) {
+TEST(Buffers, StayReplicatedAcrossRanks) {
   auto r = launch("buffers_worker", 2);
   ASSERT_TRUE(r.all_ok()) << r.report();
 }

@@ -69,7 +69,7 @@ FSDP_WORKER(accumulation_worker) {
   if (ctx.rank == 0) std::cout << strategy << " accumulation ok" << std::endl;
 }
 
-TEST(Cases, GradientAccumulationAndUserHandledGradientsMatchLocalTraining) {
+TEST(GradientAccumulation, MicroBatchesAndUserHandledGradientsMatchLocalTraining) {
   for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}) {
     auto r = launch("accumulation_worker", 3, {strategy});
     ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();

@@ -21,6 +21,8 @@
 #include <sstream>
 #include <thread>
 
+#include "models.h"
+
 namespace fsdp_test {
 
 std::map<std::string, WorkerFn>& worker_registry() {
@@ -80,6 +82,39 @@ void expect_error(const std::function<void()>& fn, const std::string& needle, co
     return;
   }
   throw std::runtime_error(what + ": no error (expected one mentioning '" + needle + "')");
+}
+
+at::Tensor token_batch(int world, int step) {
+  return at::randint(0, 32, {2 * world, 8}, at::detail::createCPUGenerator(40 + step));
+}
+
+void lm_step_side_by_side(TinyTransformer& ref, torch::optim::Optimizer& ref_opt, TinyTransformer& model,
+                          torch::optim::Optimizer& opt, const WorkerContext& ctx, int step,
+                          const std::function<void()>& after_forward, const std::function<void()>& after_backward) {
+  const auto x = token_batch(ctx.world, step);
+  ref_opt.zero_grad();
+  loss_of(ref, x).backward();
+  ref_opt.step();
+  opt.zero_grad();
+  auto loss = loss_of(model, x.narrow(0, ctx.rank * 2, 2));
+  if (after_forward) after_forward();
+  loss.backward();
+  if (after_backward) after_backward();
+  opt.step();
+}
+
+int64_t shard_bytes(fsdp::FullyShardedModule& sharded) {
+  int64_t b = 0;
+  for (const auto& u : sharded.units()) b += u.shard_bytes;
+  return b;
+}
+
+fsdp::Options block_unit_options(const std::string& strategy) {
+  auto o = fsdp::Options()
+               .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+               .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>());
+  if (strategy == "HYBRID_SHARD") o.sharding_factor(2);
+  return o;
 }
 
 namespace {

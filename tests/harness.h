@@ -114,4 +114,24 @@ void step_side_by_side(Ref& ref, torch::optim::Optimizer& ref_opt, Model& model,
   opt.step();
 }
 
+class TinyTransformer;  // models.h
+
+// Step `step`'s global batch of token rows for a TinyTransformer (models.h): 2 rows per rank.
+at::Tensor token_batch(int world, int step);
+
+// One step of local training of `ref` on token_batch(ctx.world, step) and of sharded training of
+// `model` on this rank's rows of it, both on loss_of (models.h); after_forward / after_backward
+// run between the sharded model's phases.
+void lm_step_side_by_side(TinyTransformer& ref, torch::optim::Optimizer& ref_opt, TinyTransformer& model,
+                          torch::optim::Optimizer& opt, const WorkerContext& ctx, int step,
+                          const std::function<void()>& after_forward = nullptr,
+                          const std::function<void()>& after_backward = nullptr);
+
+// The bytes of every unit's shard of `sharded`, together.
+int64_t shard_bytes(fsdp::FullyShardedModule& sharded);
+
+// Options with `strategy` (HYBRID_SHARD with a sharding factor of 2) and each BlockImpl (models.h)
+// as a unit.
+fsdp::Options block_unit_options(const std::string& strategy);
+
 }  // namespace fsdp_test

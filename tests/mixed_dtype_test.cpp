@@ -36,7 +36,7 @@ FSDP_WORKER(mixed_dtype_worker) {
     WORKER_CHECK(rel_diff(full.at(kv.key()), kv.value().detach()) <= 1e-5, "mixed dtype parameter ", kv.key());
 }
 
-TEST(Cases, MixedDtypesInOneUnit) {
+TEST(MixedDtype, FloatAndDoubleInOneUnitMatchLocalTraining) {
   auto r = launch("mixed_dtype_worker", 2);
   ASSERT_TRUE(r.all_ok()) << r.report();
 }

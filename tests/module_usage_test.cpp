@@ -63,7 +63,7 @@ FSDP_WORKER(cases_worker) {
   }
 }
 
-TEST(Cases, UnusedTwoForwardsCalledTwiceDirectSubmoduleAndBuffersMatchLocalTraining) {
+TEST(ModuleUsage, UnusedTwoForwardsCalledTwiceDirectSubmoduleAndBuffersMatchLocalTraining) {
   auto r = launch("cases_worker", 3, {"unused", "two_forwards", "called_twice", "direct_submodule", "eval_bn"});
   ASSERT_TRUE(r.all_ok()) << r.report();
   EXPECT_TRUE(contains(r.ranks[0].output, "eval_bn ok")) << r.report();

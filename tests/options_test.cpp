@@ -6,7 +6,7 @@
 namespace fsdp_test {
 namespace {
 
-TEST(BadInput, UnknownStrategyName) {
+TEST(Options, UnknownStrategyName) {
   try {
     fsdp::parse_sharding_strategy("FULLSHARD");
     FAIL();

@@ -55,7 +55,7 @@ std::string error_of(const std::vector<std::pair<const char*, const char*>>& var
 }
 
 // fsdp-run's and torchrun's variables.
-TEST(BadInput, RankEnvironmentErrorsNameTheVariable) {
+TEST(RankEnv, TorchrunErrorsNameTheVariable) {
   EXPECT_TRUE(contains(error_of({{"RANK", "0"}}), "WORLD_SIZE"));
   EXPECT_TRUE(contains(error_of({{"WORLD_SIZE", "2"}}), "RANK is not"));
   EXPECT_TRUE(contains(error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}), "RANK=2 is not below WORLD_SIZE=2"));

@@ -20,7 +20,7 @@ unset OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK OMPI_
 unset SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_NTASKS_PER_NODE SLURM_STEP_TASKS_PER_NODE SLURM_NODEID
 
 # One thread per rank (fsdp-run keeps it): the model is too small for more, and CI machines are
-# shared; two OpenMP threads per rank on a loaded 2-core machine were seen to run 40x slower.
+# shared; two OpenMP threads per rank on a loaded 2-core machine run many times slower.
 export OMP_NUM_THREADS=1
 
 # A tiny GPT: 2 blocks of width 64 (~0.1 M parameters); 40 steps lower the loss by well over a nat.

@@ -2,8 +2,8 @@
 // reduction is in flight, before the optimizer step, inside full_state_dict(), inside a checkpoint
 // save, or at a random moment): every other rank fails within seconds, not at the timeout,
 // however many survivors and whichever rank died (Note [Dead members]); no shared-memory segment
-// is left behind; the last complete checkpoint still loads. And a live member is never taken for
-// dead.
+// is left behind; the last complete checkpoint still loads. A rank that exits between two steps
+// makes the others fail fast too. And a live member is never taken for dead.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "faults/faults.h"
+#include "models.h"
 
 namespace fsdp_test {
 namespace {
@@ -108,6 +109,38 @@ TEST_P(KilledAtRandomTest, EverySurvivorFailsWithinSeconds) {
   expect_survivors_fail_fast({world, (seed * 7) % world, "anywhere", seed % 3 == 0 ? "tcp" : "shm", seed});
 }
 INSTANTIATE_TEST_SUITE_P(Seeds, KilledAtRandomTest, ::testing::Range(1, 9));
+
+// A rank that dies mid-training makes the others fail fast (TCP: the connection closes; shared
+// memory: its liveness lock is released by the kernel), not hang.
+FSDP_WORKER(dead_rank_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  torch::optim::SGD opt(sharded->parameters(), 0.1);
+  for (int step = 0; step < 50; ++step) {
+    if (step == 2 && ctx.rank == 1) _exit(3);
+    opt.zero_grad();
+    model->forward(torch::randn({2, 6})).sum().backward();
+    opt.step();
+  }
+}
+
+class DeadRankTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DeadRankTest, MakesTheOthersFailFast) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = launch("dead_rank_worker", 3, {}, 60, {"FSDP_TRANSPORT=" + GetParam()});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(r.timed_out) << r.report();
+  EXPECT_EQ(r.ranks[1].exit_code, 3);
+  EXPECT_NE(r.ranks[0].exit_code, 0) << r.report();
+  EXPECT_NE(r.ranks[2].exit_code, 0) << r.report();
+  EXPECT_LT(seconds, 30) << r.report();
+}
+
+INSTANTIATE_TEST_SUITE_P(EachTransport, DeadRankTest, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
 
 // Rank 0 waits in an all-reduce for rank 1, which comes 4 s late, while rank 0 has no file
 // descriptor left (the limit lowered to its highest open one, the gaps below filled), so the

@@ -43,14 +43,13 @@ struct Case {
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.strategy << " " << c.what << " " << c.transport; }
 
-
 class DesyncTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DesyncTest, EveryRankFailsFastNamingBothCollectives) {
   const Case c = GetParam();
   const auto t0 = std::chrono::steady_clock::now();
-  RunningRanks running = start("desync_worker", 3, {c.strategy, c.what},
-                               {"FSDP_TRANSPORT=" + c.transport, "FSDP_TIMEOUT_S=120"});
+  RunningRanks running =
+      start("desync_worker", 3, {c.strategy, c.what}, {"FSDP_TRANSPORT=" + c.transport, "FSDP_TIMEOUT_S=120"});
   const std::vector<int> pids = running.pids;
   auto r = wait_for(running, 240);
   const double seconds = seconds_since(t0);
@@ -68,7 +67,7 @@ TEST_P(DesyncTest, EveryRankFailsFastNamingBothCollectives) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Cases, DesyncTest,
+    Divergences, DesyncTest,
     ::testing::Values(Case{"NO_SHARD", "skip_unit", "shm"}, Case{"NO_SHARD", "skip_unit", "tcp"},
                       Case{"FULL_SHARD", "skip_unit", "shm"}, Case{"FULL_SHARD", "skip_unit", "tcp"},
                       Case{"NO_SHARD", "extra_micro_batch", "shm"}, Case{"NO_SHARD", "extra_micro_batch", "tcp"},

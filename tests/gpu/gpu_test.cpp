@@ -11,9 +11,12 @@
 #include <map>
 
 #include "fsdp/fsdp.h"
+#include "harness.h"
 #include "model.h"
 
 namespace {
+
+using fsdp_test::rel_diff;
 
 #define REQUIRE_GPU() \
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"
@@ -24,12 +27,6 @@ fsdp::ProcessGroupPtr gpu_group() {
   fsdp::ProcessGroupOptions o;
   o.device = kGpu;
   return fsdp::ProcessGroup::create(fsdp::RankEnv{}, o);
-}
-
-double rel_diff(const at::Tensor& a, const at::Tensor& b) {
-  const double scale = b.abs().max().item<double>();
-  const double d = (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
-  return scale == 0 ? d : d / scale;
 }
 
 TEST(Gpu, NcclCollectivesAtWorld1) {

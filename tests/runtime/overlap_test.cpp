@@ -205,8 +205,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, TraceOrder,
 
 // The root's own parameters are used between units (like a transformer's root-level LayerNorms):
 // backward touches the root again after each unit has finished. BACKWARD_PRE must then prefetch
-// the next unit still to run, never re-gather one whose backward is done (seen on the GPT: the
-// last block's MLP gathered a third time and held until the end of backward).
+// the next unit still to run, never re-gather one whose backward is done (on the GPT, the last
+// block's MLP would be gathered a third time and held until the end of backward).
 struct RootBetweenImpl : torch::nn::Module {
   RootBetweenImpl() {
     scale = register_parameter("scale", torch::ones({16}));
