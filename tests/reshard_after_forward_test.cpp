@@ -20,7 +20,7 @@ FSDP_WORKER(reshard_policy_worker) {
                .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
                .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>())
                .forward_prefetch(false)
-               .reshard_after_forward([&](const std::string& name, const torch::nn::Module&) -> c10::optional<bool> {
+               .reshard_after_forward_policy([&](const std::string& name, const torch::nn::Module&) -> c10::optional<bool> {
                  if (name == chosen) return reshard;
                  return c10::nullopt;
                });
