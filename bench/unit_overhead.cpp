@@ -9,8 +9,8 @@
 //
 // Output (rank 0): medians over --reps rounds of --steps iterations; the overhead columns are the
 // median of the rounds' paired differences (FSDP round minus the plain round before it).
-#include <CLI/CLI.hpp>
 #include <ATen/record_function.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -75,7 +75,8 @@ int main(int argc, char** argv) {
   torch::optim::SGD local_opt(local->parameters(), torch::optim::SGDOptions(0.01));
   torch::manual_seed(1);
   Tiny model(units, width);
-  auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
   torch::optim::SGD opt(sharded->parameters(), torch::optim::SGDOptions(0.01));
 
   // Operators per iteration of the plain model that read one of its parameters.
@@ -84,8 +85,8 @@ int main(int argc, char** argv) {
   static std::atomic<int64_t> param_ops{0};
   static std::unordered_set<const c10::TensorImpl*>* watched = nullptr;
   watched = &params;
-  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
-      [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+  auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
         for (const auto& v : fn.inputs())
           if (v.isTensor() && v.toTensor().defined() && watched->count(v.toTensor().unsafeGetTensorImpl())) {
             ++param_ops;
@@ -93,8 +94,8 @@ int main(int argc, char** argv) {
           }
         return nullptr;
       })
-      .needsInputs(true)
-      .scopes({at::RecordScope::FUNCTION}));
+          .needsInputs(true)
+          .scopes({at::RecordScope::FUNCTION}));
   time_steps(local, local_opt, x, 1);
   at::removeCallback(handle);
   const int64_t ops_per_iteration = param_ops.load();
@@ -139,8 +140,7 @@ int main(int argc, char** argv) {
     std::printf("%10s %10s %12s %14s %14s %18s %16s\n", "local_us", "fsdp_us", "ratio", "wait_us(traced)",
                 "us/unit/iter", "us/unit/iter-wait", "us/param-op");
     std::printf("%10.0f %10.0f %12.2f %14.0f %14.2f %18.2f %16.2f\n", local_us, fsdp_us, fsdp_us / local_us, wait_us,
-                per_unit, per_unit_no_wait,
-                ops_per_iteration ? (extra_us - wait_us) / double(ops_per_iteration) : 0.0);
+                per_unit, per_unit_no_wait, ops_per_iteration ? (extra_us - wait_us) / double(ops_per_iteration) : 0.0);
   }
   pg->shutdown();
   return 0;

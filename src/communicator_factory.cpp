@@ -85,8 +85,7 @@ CommunicatorFactory::CommunicatorFactory(const RankEnv& env, const ProcessGroupO
 }
 
 CommunicatorPtr CommunicatorFactory::connect(const c10::intrusive_ptr<c10d::Store>& store,
-                                             const std::vector<int>& ranks, int my_index,
-                                             const std::string& id) const {
+                                             const std::vector<int>& ranks, int my_index, const std::string& id) const {
   CommunicatorPtr comm;
   auto host_comm = [&] {
     CommunicatorPtr c;
@@ -138,7 +137,8 @@ CommunicatorPtr CommunicatorFactory::connect_gloo(const c10::intrusive_ptr<c10d:
               ". Check that every member rank is alive and that their addresses are reachable "
               "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
   }
-  return make_gloo_communicator(std::move(ctx), id, options_.timeout, options_.check_collectives, members_->exit_watch(ranks));
+  return make_gloo_communicator(std::move(ctx), id, options_.timeout, options_.check_collectives,
+                                members_->exit_watch(ranks));
 #endif
 }
 

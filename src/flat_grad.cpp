@@ -286,8 +286,8 @@ bool FlatGrad::land() {
 }
 
 int64_t FlatGrad::sharded_bytes() const {
-  if (offload_) return 0;             // host memory, outside the device figures
-  if (!layout_.separate_shard) {      // the store, while any piece's gradient (or a backward) holds it
+  if (offload_) return 0;         // host memory, outside the device figures
+  if (!layout_.separate_shard) {  // the store, while any piece's gradient (or a backward) holds it
     const auto store = store_.lock();
     return store ? layout_.padded_numel * c10::elementSize(layout_.dtype) : 0;
   }

@@ -110,7 +110,7 @@ class FlatGrad {
   MemoryTracker* memory_;
   BufferPool* buffers_;
   CpuOffloader* offload_;  // null unless the shard lives in host memory
-  at::Tensor like_;  // empty, with the unsharded options: the dtype and keys of the store's aliases
+  at::Tensor like_;        // empty, with the unsharded options: the dtype and keys of the store's aliases
   at::Tensor buffer_;
   // Per slot, for the current buffer: its region holds a gradient of this backward / a gradient
   // kept from earlier ones (NO_SHARD accumulation), which later gradients add to.

@@ -91,10 +91,10 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
   const ShardingGroups& group = fp.groups();
   if (!fp.sharded_over_peers()) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one), reduced in place.
-    WorkPtr work = group.world_size > 1 ? group.world_comm->all_reduce(
-                                              grad.buffer(), reduction_label(fp, "gradient all-reduce",
-                                                                             grad.count_reduction()))
-                                        : nullptr;
+    WorkPtr work = group.world_size > 1
+                       ? group.world_comm->all_reduce(
+                             grad.buffer(), reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
+                       : nullptr;
     grad.set_reduction(grad.buffer(), work, false, false);
     return;
   }
@@ -145,9 +145,7 @@ at::Tensor gather_full_values(const FlatParam& fp) {
   const at::Tensor shard = fp.offloaded() ? fp.shard().to(fp.unsharded().device()) : fp.shard();
   if (!fp.sharded_over_peers()) return shard;
   at::Tensor out = at::empty({fp.padded_numel()}, shard.options().requires_grad(false));
-  fp.groups()
-      .shard_comm->all_gather_into(out, shard, label(fp, "full-values all-gather", fp.count_gather()))
-      ->wait();
+  fp.groups().shard_comm->all_gather_into(out, shard, label(fp, "full-values all-gather", fp.count_gather()))->wait();
   return out;
 }
 

@@ -4,8 +4,8 @@
 #include <signal.h>
 #include <sys/socket.h>
 
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <cstdlib>

@@ -8,15 +8,16 @@
 namespace fsdp {
 
 struct ShardingGroups {
-  CommunicatorPtr shard_comm;      // the F ranks a FlatParameter is split over; null under NO_SHARD and hybrid F == 1, the world (of one) at world size 1
+  CommunicatorPtr
+      shard_comm;  // the F ranks a FlatParameter is split over; null under NO_SHARD and hybrid F == 1, the world (of one) at world size 1
   CommunicatorPtr replicate_comm;  // hybrid: ranks holding the same shard; null otherwise
   CommunicatorPtr world_comm;      // all ranks (NO_SHARD's all-reduce, broadcasts)
   // Options::reshard_after_forward_size consecutive ranks of the shard group, over which
   // parameters stay sharded between forward and backward; null if that size is 0.
   CommunicatorPtr post_forward_comm;
-  int world_size = 1;              // gradients are averaged over all ranks
-  int sharding_factor = 1;         // F
-  bool keep_unsharded = false;     // F == 1 (NO_SHARD, world of one): no separate shard copy
+  int world_size = 1;           // gradients are averaged over all ranks
+  int sharding_factor = 1;      // F
+  bool keep_unsharded = false;  // F == 1 (NO_SHARD, world of one): no separate shard copy
 
   // Validates the strategy's options against the world (local, no communication); returns F.
   static int check(const ProcessGroup& pg, const Options& options);

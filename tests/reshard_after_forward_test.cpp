@@ -16,14 +16,15 @@ FSDP_WORKER(reshard_policy_worker) {
   const std::string strategy = ctx.args.at(0), chosen = ctx.args.at(1);
   const bool reshard = ctx.args.at(2) == "true";
   auto [ref, model] = twin_tiny_transformers();
-  auto o = fsdp::Options()
-               .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
-               .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>())
-               .forward_prefetch(false)
-               .reshard_after_forward_policy([&](const std::string& name, const torch::nn::Module&) -> c10::optional<bool> {
-                 if (name == chosen) return reshard;
-                 return c10::nullopt;
-               });
+  auto o =
+      fsdp::Options()
+          .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+          .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>())
+          .forward_prefetch(false)
+          .reshard_after_forward_policy([&](const std::string& name, const torch::nn::Module&) -> c10::optional<bool> {
+            if (name == chosen) return reshard;
+            return c10::nullopt;
+          });
   if (strategy == "HYBRID_SHARD") o.sharding_factor(2);
   auto sharded = fsdp::fully_shard(model, pg, o);
   torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),

@@ -40,9 +40,7 @@ class CountingAllocator final : public c10::Allocator {
   }
   c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 #endif
 
   int64_t live() const {

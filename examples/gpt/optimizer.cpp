@@ -10,7 +10,8 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<std::pair<std:
   // beta2 0.99 instead of 0.999 (nanoGPT's choice for small character-level runs): the
   // second-moment estimate then adapts within ~100 steps, a fraction of a run this short.
   auto options = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).betas({0.9, 0.99}).weight_decay(wd));
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(lr).betas({0.9, 0.99}).weight_decay(wd));
   };
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decayed, options(weight_decay));

@@ -72,9 +72,7 @@ class CheckpointedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Mo
                 "fsdp::Checkpointed<fsdp::Sharded<M>> is not supported: write fsdp::Sharded<fsdp::Checkpointed<M>>");
 
  public:
-  explicit CheckpointedImpl(Holder inner) : inner_(std::move(inner)) {
-    detail::adopt_members(*this, *inner_);
-  }
+  explicit CheckpointedImpl(Holder inner) : inner_(std::move(inner)) { detail::adopt_members(*this, *inner_); }
 
   // M's forward; with grad mode on and checkpointing enabled, its activations are recomputed in
   // backward instead of kept. Non-tensor arguments are copied and kept until backward.

@@ -42,9 +42,7 @@ class ShardedImpl;
 template <typename Holder, typename Result, typename Impl, typename... Args>
 class ShardedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Module, public ExplicitUnit {
  public:
-  explicit ShardedImpl(Holder inner) : inner_(std::move(inner)) {
-    detail::adopt_members(*this, *inner_);
-  }
+  explicit ShardedImpl(Holder inner) : inner_(std::move(inner)) { detail::adopt_members(*this, *inner_); }
 
   Result forward(Args... args) {
     detail::UnitScope unit(*this);

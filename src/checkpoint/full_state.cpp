@@ -194,13 +194,15 @@ void load_full(const std::string& file, FullyShardedModule& model) {
     at::Tensor full = at::zeros({fp->padded_numel()}, at::TensorOptions().dtype(fp->dtype()).device(device));
     if (reader)
       for (const auto& s : fp->slots()) read_into(s.name, full.narrow(0, s.offset, s.numel));
-    if (world.size() > 1) world.broadcast(full, 0, CollectiveOptions::labeled("load_full_state_dict: flat parameter"))->wait();
+    if (world.size() > 1)
+      world.broadcast(full, 0, CollectiveOptions::labeled("load_full_state_dict: flat parameter"))->wait();
     fp->copy_full_into_shard(full);
   }
   for (const auto& [name, t] : state.buffers()) {
     at::Tensor value = at::empty(t.sizes(), t.options().device(device));
     if (reader) read_into(name, value);
-    if (world.size() > 1) world.broadcast(value, 0, CollectiveOptions::labeled("load_full_state_dict: buffer " + name))->wait();
+    if (world.size() > 1)
+      world.broadcast(value, 0, CollectiveOptions::labeled("load_full_state_dict: buffer " + name))->wait();
     at::Tensor b = t;
     b.detach().copy_(value);
   }

@@ -219,11 +219,10 @@ void load(const std::string& dir, FullyShardedModule& model, torch::optim::Optim
   RuntimeCall call(state);
   wait_for_in_flight_save(state);
   Manifest m;
-  run_agreed(*state.groups().world_comm, "checkpoint::load('" + dir + "')",
-             [&] {
-               check_optimizer_holds_pieces(state, optimizer, "checkpoint::load");
-               load_local(dir, state, optimizer, m);
-             });
+  run_agreed(*state.groups().world_comm, "checkpoint::load('" + dir + "')", [&] {
+    check_optimizer_holds_pieces(state, optimizer, "checkpoint::load");
+    load_local(dir, state, optimizer, m);
+  });
   if (extra) *extra = m.extra;
 }
 

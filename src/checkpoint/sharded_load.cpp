@@ -102,7 +102,8 @@ class Readers {
   void run() {
     for (auto& [file, reqs] : requests_) {
       if (!readers_[file])
-        readers_[file] = std::make_unique<DataReader>(join_path(dir_, m_.files[file].name), m_.files[file], m_.chunk_bytes);
+        readers_[file] =
+            std::make_unique<DataReader>(join_path(dir_, m_.files[file].name), m_.files[file], m_.chunk_bytes);
       readers_[file]->read(std::move(reqs));
     }
     requests_.clear();

@@ -8,8 +8,8 @@
 #include <exception>
 #include <sstream>
 
-#include "fsdp/check.h"
 #include "comm/communicator_work.h"
+#include "fsdp/check.h"
 
 namespace fsdp {
 

@@ -12,8 +12,8 @@
 #include <mutex>
 #include <thread>
 
-#include "fsdp/check.h"
 #include "comm/communicator_work.h"
+#include "fsdp/check.h"
 
 namespace fsdp {
 namespace {

@@ -4,9 +4,9 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 

@@ -23,15 +23,12 @@ constexpr uint64_t kMagic = 0x326d68737064736full;  // "fsdpshm2"
 constexpr int64_t kMaxSlotBytes = int64_t(1) << 20, kMinSlotBytes = int64_t(64) << 10;
 constexpr int64_t kSegmentDataBytes = int64_t(16) << 20;
 
-
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain 32-bit integers");
 
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 int64_t controls_offset() { return round_up(sizeof(ShmHeader), 64); }
 int64_t data_offset(int size) { return round_up(controls_offset() + int64_t(sizeof(MemberControl)) * size, 4096); }
 int64_t segment_bytes(int size) { return data_offset(size) + int64_t(2) * size * slot_bytes(size); }
-
-
 
 std::string errno_text(int err) { return std::strerror(err); }
 

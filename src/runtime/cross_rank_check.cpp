@@ -24,10 +24,10 @@ std::string describe_options(const Options& o) {
     << o.sync_module_states() << "\nbroadcast_buffers " << o.broadcast_buffers() << "\nshared_parameters "
     << static_cast<int>(o.shared_parameters()) << "\nauto_wrap_policy " << (o.auto_wrap_policy() ? "set" : "unset")
     << "\nwrap_modules " << o.wrap_modules().size() << "\nreshard_after_forward policy "
-    << (o.reshard_after_forward_policy() ? "set" : "unset") << "\nmixed_precision param_dtype " << dtype(mp.param_dtype())
-    << "\nmixed_precision reduce_dtype " << dtype(mp.reduce_dtype()) << "\nmixed_precision buffer_dtype "
-    << dtype(mp.buffer_dtype()) << "\nmixed_precision output_dtype " << dtype(mp.output_dtype())
-    << "\nmixed_precision cast_forward_inputs " << mp.cast_forward_inputs();
+    << (o.reshard_after_forward_policy() ? "set" : "unset") << "\nmixed_precision param_dtype "
+    << dtype(mp.param_dtype()) << "\nmixed_precision reduce_dtype " << dtype(mp.reduce_dtype())
+    << "\nmixed_precision buffer_dtype " << dtype(mp.buffer_dtype()) << "\nmixed_precision output_dtype "
+    << dtype(mp.output_dtype()) << "\nmixed_precision cast_forward_inputs " << mp.cast_forward_inputs();
   return d.str();
 }
 
@@ -38,8 +38,8 @@ std::string describe_model(const Options& options, int sharding_factor, const st
   auto name = [](const c10::optional<at::ScalarType>& t) {
     return t ? std::string(c10::toString(*t)) : std::string("-");
   };
-  d << "strategy " << to_string(options.sharding_strategy()) << " factor " << sharding_factor
-    << " mixed precision " << name(mp.param_dtype()) << "/" << name(mp.reduce_dtype()) << "/" << name(mp.buffer_dtype())
+  d << "strategy " << to_string(options.sharding_strategy()) << " factor " << sharding_factor << " mixed precision "
+    << name(mp.param_dtype()) << "/" << name(mp.reduce_dtype()) << "/" << name(mp.buffer_dtype())
     << "\nreshard after forward";
   for (bool r : reshard_after_forward) d << " " << r;
   d << " to " << options.reshard_after_forward_size() << " ranks";
@@ -120,9 +120,9 @@ void check_same_on_all_ranks(ProcessGroup& pg, const std::string& mine, const ch
       if (!ga) la = "<nothing>";
       if (!gb) lb = "<nothing>";
       if (la != lb)
-        error = detail::compose("fully_shard: rank ", pg.rank(), " and rank ", r, " ", differ,
-                                "; first difference (line ", line, "): this rank has '", la, "', rank ", r, " has '",
-                                lb, "'. ", fix);
+        error =
+            detail::compose("fully_shard: rank ", pg.rank(), " and rank ", r, " ", differ, "; first difference (line ",
+                            line, "): this rank has '", la, "', rank ", r, " has '", lb, "'. ", fix);
     }
   }
   // Each rank says it is done reading (failed/ or read/); rank 0 waits (bounded) for every verdict

@@ -201,14 +201,15 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       const bool writes = i == 0 && is_inplace_op(fn.name()) && !state_.has_pending_error();
       if (const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl())) {
         ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
-        if (writes) state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"));
+        if (writes)
+          state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"));
         if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
       } else if (writes && !state_.flat_params()[f]->keep_unsharded()) {
         // Another tensor over the same storage: p.data(), p.detach(), a view of a parameter.
-        state_.set_pending_error(in_place_write_error(
-            fn.name(), "a tensor sharing the storage of parameter '" +
-                           parameter_at(*state_.flat_params()[f], t.storage_offset()) +
-                           "' of a sharded module (its .data(), .detach() or a view of it)"));
+        state_.set_pending_error(
+            in_place_write_error(fn.name(), "a tensor sharing the storage of parameter '" +
+                                                parameter_at(*state_.flat_params()[f], t.storage_offset()) +
+                                                "' of a sharded module (its .data(), .detach() or a view of it)"));
       }
       // Unshard even for a refused in-place op, so its kernel writes valid memory.
       state_.scheduler().use(state_.flat_params()[f]->unit());

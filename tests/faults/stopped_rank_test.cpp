@@ -52,7 +52,8 @@ TEST_P(StoppedInStepTest, EverySurvivorFailsAtTheTimeout) {
     const std::string& out = r.ranks[rank].output;
     EXPECT_TRUE(contains(out, "within 10") || contains(out, "imed out") || contains(out, "imeout") ||
                 contains(out, "failed a collective"))
-        << "rank " << rank << "\n" << r.report();
+        << "rank " << rank << "\n"
+        << r.report();
   }
   EXPECT_LT(seconds, timeout_s + 5) << r.report();
   EXPECT_TRUE(leftover_segments(pids).empty()) << leftover_segments(pids).front();

@@ -274,7 +274,8 @@ FSDP_WORKER(kept_for_backward_worker) {
   for (const bool with_policy : {false, true}) {
     auto opts = fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()).trace(true);
     if (with_policy)
-      opts.reshard_after_forward_policy([](const std::string&, const torch::nn::Module&) { return c10::optional<bool>(); });
+      opts.reshard_after_forward_policy(
+          [](const std::string&, const torch::nn::Module&) { return c10::optional<bool>(); });
     torch::manual_seed(3);
     RootBetween ref;
     torch::manual_seed(3);
