@@ -2,7 +2,7 @@
 # The repository's style checks, each failing with the files it names:
 #   format    every C++ file as clang-format formats it (scripts/format.sh --check)
 #   layers    library layers only look down, no cycles (scripts/layering.py)
-#   notes     every "Note [Name]" cited in code, scripts and docs is a heading of docs/design.md
+#   notes     every "Note [...]" cited in code, scripts and docs is a heading of docs/design.md
 #   size      no file of src/, include/, tools/, examples/ over 500 lines
 #   tidy      clang-tidy finds nothing in src/ and include/ (scripts/tidy.sh; needs a configured
 #             build: BUILD_DIR, default build)
@@ -32,7 +32,7 @@ fi
 notes() {
   local missing
   missing=$(comm -23 \
-    <(git grep -hoE 'Note \[[^]]+\]' -- . ':!docs/design.md' | sed -E 's/^Note //' | sort -u) \
+    <(git grep -hoE 'Note \[[A-Z][^]]*\]' -- . ':!docs/design.md' | sed -E 's/^Note //' | sort -u) \
     <(grep -oE '^### Note \[[^]]+\]' docs/design.md | sed -E 's/^### Note //' | sort -u))
   [ -z "$missing" ] || { echo "notes: cited but not in docs/design.md: $missing" >&2; return 1; }
   echo "notes: every cited note is in docs/design.md"
