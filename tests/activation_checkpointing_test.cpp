@@ -18,43 +18,11 @@
 namespace fsdp_test {
 namespace {
 
-// A transformer block with dropout on the attention weights and on the MLP's hidden layer.
-struct DropBlockImpl : torch::nn::Module {
-  DropBlockImpl(int d, int heads, double p) : heads(heads) {
-    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(d, 3 * d).bias(false)));
-    proj = register_module("proj", torch::nn::Linear(d, d));
-    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    fc1 = register_module("fc1", torch::nn::Linear(d, 4 * d));
-    fc2 = register_module("fc2", torch::nn::Linear(4 * d, d));
-    drop = register_module("drop", torch::nn::Dropout(p));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
-    auto q_k_v = qkv(ln1(x)).chunk(3, -1);
-    auto split = [&](const torch::Tensor& t) {
-      return t.view({B, T, heads, hd}).transpose(1, 2);
-    };
-    auto q = split(q_k_v[0]), k = split(q_k_v[1]), v = split(q_k_v[2]);
-    auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
-    auto mask = torch::ones({T, T}, torch::kBool).triu(1);
-    att = drop(torch::softmax(att.masked_fill(mask, -1e9), -1));
-    auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, D});
-    x = x + proj(y);
-    return x + fc2(drop(torch::gelu(fc1(ln2(x)))));
-  }
-  int heads;
-  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
-  torch::nn::Dropout drop{nullptr};
-};
-TORCH_MODULE(DropBlock);
-
 // How the blocks (and the head) are written.
 enum class Form {
-  kPlain,         // DropBlock, Linear head
-  kCheckpointed,  // Checkpointed<DropBlock>, Checkpointed<Linear> head (units by wrap policy)
-  kSharded,       // Sharded<Checkpointed<DropBlock>>, Checkpointed<Linear> head (explicit units)
+  kPlain,         // Block, Linear head
+  kCheckpointed,  // Checkpointed<Block>, Checkpointed<Linear> head (units by wrap policy)
+  kSharded,       // Sharded<Checkpointed<Block>>, Checkpointed<Linear> head (explicit units)
 };
 
 Form parse_form(const std::string& s) {
@@ -70,18 +38,18 @@ struct NetImpl : torch::nn::Module {
   NetImpl(Form form, int vocab, int d, int heads, int layers, double p) {
     tok = register_module("tok", torch::nn::Embedding(vocab, d));
     for (int i = 0; i < layers; ++i) {
-      DropBlock block(d, heads, p);
+      Block block(d, heads, p);
       if (form == Form::kPlain) {
         blocks->push_back(block);
         calls.push_back([block](const at::Tensor& x) mutable { return block->forward(x); });
       } else if (form == Form::kCheckpointed) {
-        fsdp::Checkpointed<DropBlock> c(block);
+        fsdp::Checkpointed<Block> c(block);
         blocks->push_back(c);
         checkpointed.push_back(c.get());
         calls.push_back([c](const at::Tensor& x) mutable { return c->forward(x); });
       } else {
-        fsdp::Checkpointed<DropBlock> c(block);
-        fsdp::Sharded<fsdp::Checkpointed<DropBlock>> s(c);
+        fsdp::Checkpointed<Block> c(block);
+        fsdp::Sharded<fsdp::Checkpointed<Block>> s(c);
         blocks->push_back(s);
         checkpointed.push_back(c.get());
         calls.push_back([s](const at::Tensor& x) mutable { return s->forward(x); });
@@ -250,10 +218,10 @@ TEST(ActivationCheckpointing, TensorAndNonTensorArgumentsAndInputsWithoutGrad) {
 // A checkpoint inside a checkpointed forward runs plain there, and checkpoints in the recompute.
 TEST(ActivationCheckpointing, NestedCheckpointsEqualNoCheckpointing) {
   torch::manual_seed(6);
-  DropBlock plain(kDim, kHeads, kDropout);
+  Block plain(kDim, kHeads, kDropout);
   torch::manual_seed(6);
-  fsdp::Checkpointed<fsdp::Checkpointed<DropBlock>> nested(
-      fsdp::Checkpointed<DropBlock>(DropBlock(kDim, kHeads, kDropout)));
+  fsdp::Checkpointed<fsdp::Checkpointed<Block>> nested(
+      fsdp::Checkpointed<Block>(Block(kDim, kHeads, kDropout)));
   ASSERT_EQ(nested->named_parameters().keys(), plain->named_parameters().keys());
   const auto x = torch::randn({3, kContext, kDim});
   auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
@@ -290,11 +258,11 @@ bool cpu_autocast_enabled() {
 TEST(ActivationCheckpointing, RecomputeUsesTheForwardsAutocastState) {
   auto make = [] {
     torch::manual_seed(6);
-    return DropBlock(kDim, kHeads, kDropout);
+    return Block(kDim, kHeads, kDropout);
   };
-  DropBlock plain = make(), plain_f32 = make();
+  Block plain = make(), plain_f32 = make();
   torch::manual_seed(6);
-  fsdp::Checkpointed<DropBlock> checkpointed(DropBlock(kDim, kHeads, kDropout));
+  fsdp::Checkpointed<Block> checkpointed(Block(kDim, kHeads, kDropout));
   const auto x = torch::randn({3, kContext, kDim});
   auto run = [&](auto& module, bool autocast) {
     set_cpu_autocast(autocast);
@@ -321,16 +289,16 @@ TEST(ActivationCheckpointing, ApplyByPolicyEnablesTheSelectedWrappersOnly) {
   Net net = make_net(Form::kCheckpointed);
   ASSERT_EQ(net->checkpointed.size(), size_t(kLayers + 1));
   for (auto* c : net->checkpointed) EXPECT_TRUE(c->enabled()) << "enabled by default";
-  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_type<DropBlockImpl>()), kLayers);
+  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_type<BlockImpl>()), kLayers);
   for (int i = 0; i < kLayers; ++i) EXPECT_TRUE(net->checkpointed[i]->enabled());
   EXPECT_FALSE(net->checkpointed[kLayers]->enabled()) << "the head is a Linear";
   EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_names({"blocks.1", "head"})), 2);
   EXPECT_TRUE(net->checkpointed[1]->enabled() && net->checkpointed[kLayers]->enabled());
   EXPECT_FALSE(net->checkpointed[0]->enabled() || net->checkpointed[2]->enabled());
   // The wrapper's own type selects it too; by_type sees through it.
-  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_type<fsdp::CheckpointedImpl<DropBlock>>()),
+  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_type<fsdp::CheckpointedImpl<Block>>()),
             kLayers);
-  EXPECT_TRUE(fsdp::wrap::by_type<DropBlockImpl>()("blocks.0", *net->blocks[0], 0));
+  EXPECT_TRUE(fsdp::wrap::by_type<BlockImpl>()("blocks.0", *net->blocks[0], 0));
   EXPECT_FALSE(fsdp::wrap::by_type<torch::nn::LinearImpl>()("blocks.0", *net->blocks[0], 0));
 }
 
@@ -367,7 +335,7 @@ TEST(ActivationCheckpointing, DeferredInitInitializesTheWrappedModule) {
 
 fsdp::Options options(const std::string& strategy, bool unit_per_block) {
   auto o = fsdp::Options().sharding_strategy(fsdp::parse_sharding_strategy(strategy)).trace(true);
-  if (unit_per_block) o.auto_wrap_policy(fsdp::wrap::by_type<DropBlockImpl>());
+  if (unit_per_block) o.auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>());
   if (strategy == "HYBRID_SHARD") o.sharding_factor(2);
   return o;
 }
@@ -572,9 +540,9 @@ FSDP_WORKER(ac_memory_worker) {
     std::vector<std::function<at::Tensor(const at::Tensor&)>> blocks;
     std::vector<std::shared_ptr<torch::nn::Module>> keep;
     for (int i = 0; i < layers; ++i) {
-      DropBlock b(D, heads, 0.1);
+      Block b(D, heads, 0.1);
       if (checkpointing) {
-        fsdp::Checkpointed<DropBlock> c(b);
+        fsdp::Checkpointed<Block> c(b);
         keep.push_back(c.ptr());
         blocks.push_back([c](const at::Tensor& x) mutable { return c->forward(x); });
       } else {

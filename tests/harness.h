@@ -134,4 +134,9 @@ int64_t shard_bytes(fsdp::FullyShardedModule& sharded);
 // as a unit.
 fsdp::Options block_unit_options(const std::string& strategy);
 
+// The GPU tests' device (tests/gpu/), and their guard: skip where no CUDA device is visible.
+inline const torch::Device kGpu(torch::kCUDA, 0);
+#define REQUIRE_GPU() \
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"
+
 }  // namespace fsdp_test

@@ -1,5 +1,7 @@
 #pragma once
-// Small models written as a LibTorch user would, with no knowledge of FSDP.
+// Small models written as a LibTorch user would, with no knowledge of FSDP but for the explicit
+// form of units (fsdp::Sharded) where asked.
+#include <fsdp/sharded.h>
 #include <torch/torch.h>
 
 namespace fsdp_test {
@@ -20,8 +22,10 @@ struct MLPImpl : torch::nn::Module {
 };
 TORCH_MODULE(MLP);
 
+// A transformer block; with `dropout` > 0, dropout on the attention weights and on the MLP's
+// hidden layer (a submodule "drop").
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int d, int heads) : heads(heads) {
+  BlockImpl(int d, int heads, double dropout = 0.0) : heads(heads) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
     // No qkv bias: its key part has an exactly-zero true gradient (softmax ignores a per-row
     // shift), and Adam would turn rounding noise there into full-size steps in any comparison.
@@ -30,8 +34,10 @@ struct BlockImpl : torch::nn::Module {
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
     fc1 = register_module("fc1", torch::nn::Linear(d, 4 * d));
     fc2 = register_module("fc2", torch::nn::Linear(4 * d, d));
+    if (dropout > 0) drop = register_module("drop", torch::nn::Dropout(dropout));
   }
   torch::Tensor forward(torch::Tensor x) {
+    auto dropped = [&](const torch::Tensor& t) { return drop.is_empty() ? t : drop(t); };
     const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
     auto q_k_v = qkv(ln1(x)).chunk(3, -1);
     auto split = [&](const torch::Tensor& t) {
@@ -40,14 +46,15 @@ struct BlockImpl : torch::nn::Module {
     auto q = split(q_k_v[0]), k = split(q_k_v[1]), v = split(q_k_v[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
     auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
-    att = torch::softmax(att.masked_fill(mask, -1e9), -1);
+    att = dropped(torch::softmax(att.masked_fill(mask, -1e9), -1));
     auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, D});
     x = x + proj(y);
-    return x + fc2(torch::gelu(fc1(ln2(x))));
+    return x + fc2(dropped(torch::gelu(fc1(ln2(x)))));
   }
   int heads;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+  torch::nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(Block);
 
@@ -60,20 +67,29 @@ struct TiedHeadImpl : torch::nn::Module {
 TORCH_MODULE(TiedHead);
 
 // Token embedding tied to the LM head, a frozen positional table, and an unused parameter.
+// `explicit_units`: each block is marked as a unit in the model's code (fsdp::Sharded<Block>).
 struct TinyTransformerImpl : torch::nn::Module {
-  TinyTransformerImpl(int vocab, int d, int heads, int layers, int context) {
+  TinyTransformerImpl(int vocab, int d, int heads, int layers, int context, bool explicit_units = false)
+      : explicit_units(explicit_units) {
     tok = register_module("tok", torch::nn::Embedding(vocab, d));
     pos = register_parameter("pos", torch::randn({context, d}) * 0.02, /*requires_grad=*/false);
-    for (int i = 0; i < layers; ++i) blocks->push_back(Block(d, heads));
+    for (int i = 0; i < layers; ++i) {
+      if (explicit_units)
+        blocks->push_back(fsdp::Sharded<Block>(Block(d, heads)));
+      else
+        blocks->push_back(Block(d, heads));
+    }
     register_module("blocks", blocks);
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
     head = register_module("head", TiedHead(tok->weight));
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     auto x = tok(idx) + pos.narrow(0, 0, idx.size(1));
-    for (auto& b : *blocks) x = b->as<BlockImpl>()->forward(x);
+    for (auto& b : *blocks)
+      x = explicit_units ? b->as<fsdp::ShardedImpl<Block>>()->forward(x) : b->as<BlockImpl>()->forward(x);
     return head(ln_f(x));
   }
+  bool explicit_units;
   torch::nn::Embedding tok{nullptr};
   torch::Tensor pos;
   torch::nn::ModuleList blocks;

@@ -7,29 +7,6 @@
 namespace fsdp_test {
 namespace {
 
-// The tiny transformer of models.h, with its blocks marked as units in the model's own code.
-struct ExplicitTransformerImpl : torch::nn::Module {
-  ExplicitTransformerImpl(int vocab, int d, int heads, int layers, int context) {
-    tok = register_module("tok", torch::nn::Embedding(vocab, d));
-    pos = register_parameter("pos", torch::randn({context, d}) * 0.02, /*requires_grad=*/false);
-    for (int i = 0; i < layers; ++i) blocks->push_back(fsdp::Sharded<Block>(Block(d, heads)));
-    register_module("blocks", blocks);
-    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    head = register_module("head", TiedHead(tok->weight));
-  }
-  torch::Tensor forward(const torch::Tensor& idx) {
-    auto x = tok(idx) + pos.narrow(0, 0, idx.size(1));
-    for (auto& b : *blocks) x = b->as<fsdp::ShardedImpl<Block>>()->forward(x);
-    return head(ln_f(x));
-  }
-  torch::nn::Embedding tok{nullptr};
-  torch::Tensor pos;
-  torch::nn::ModuleList blocks;
-  torch::nn::LayerNorm ln_f{nullptr};
-  TiedHead head{nullptr};
-};
-TORCH_MODULE(ExplicitTransformer);
-
 FSDP_WORKER(sharded_exact_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   for (const auto& combo : ctx.args) {  // "STRATEGY:dtype"
@@ -40,7 +17,7 @@ FSDP_WORKER(sharded_exact_worker) {
     torch::manual_seed(11);
     TinyTransformer reference(32, 16, 2, 3, 8);  // the same model written without FSDP
     torch::manual_seed(11);
-    ExplicitTransformer model(32, 16, 2, 3, 8);
+    TinyTransformer model(32, 16, 2, 3, 8, /*explicit_units=*/true);
     reference->to(dtype);
     model->to(dtype);
     std::vector<std::string> ref_names, names;

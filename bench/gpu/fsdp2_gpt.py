@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
 from ddp_gpt import GPT, Block  # noqa: E402
+from gpt_args import add_gpt_args
 
 
 def gpt2_init(model, layers):
@@ -44,13 +45,7 @@ def gpt2_init(model, layers):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    add_gpt_args(ap, warmup=3, steps=10)
     ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=0.0)

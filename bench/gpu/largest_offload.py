@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from gpt_args import add_gpt_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = 2 ** 30
@@ -45,13 +46,8 @@ def main():
     ap.add_argument("--build-dir", default="build-gpu")
     ap.add_argument("--out", default="bench/results/gpu")
     ap.add_argument("--cap-gib", type=float, default=48.0)
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
+    add_gpt_args(ap, warmup=1, steps=2, layers=False)  # --layers is what it searches
     ap.add_argument("--probe-layers", default="8,16")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--timeout-s", type=int, default=300)
     ap.add_argument("--only", default="", help="comma-separated substrings of contender names")
     args = ap.parse_args()

@@ -25,6 +25,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from run import run_json  # noqa: E402
+from gpt_args import add_gpt_args
 
 
 def main():
@@ -33,13 +34,7 @@ def main():
     ap.add_argument("--out", default="bench/results/gpu")
     ap.add_argument("--sections", default="mp,offload")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    add_gpt_args(ap, warmup=2, steps=5)
     ap.add_argument("--only", default="",
                     help="comma-separated substrings: run only contenders whose name contains one (the last one "
                          "kept stays the baseline)")

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from gpt_args import add_gpt_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,13 +39,7 @@ def main():
     ap.add_argument("--build-dir", default="build-gpu")
     ap.add_argument("--out", default="bench/results/gpu")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    add_gpt_args(ap, warmup=3, steps=10)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bench = os.path.join(args.build_dir, "bench", "gpu_gpt_bench")

@@ -28,13 +28,8 @@ STEPS=40
 TINY=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 8 --steps "$STEPS" --log-interval 10
       --lr 3e-3 --eval-batches 2 --sample-bytes 48 --prompt "The ")
 
-fail() {
-  echo "FAIL: $*" >&2
-  for f in "$TMP"/out "$TMP"/err; do
-    [ -f "$f" ] && { echo "--- $(basename "$f"):" >&2; cat "$f" >&2; }
-  done
-  exit 1
-}
+# shellcheck source=../harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../harness.sh"
 
 # A TCP port nobody listens on now, for the rendezvous (ctest runs tests in parallel, and other
 # jobs on the machine may use the default 29500).

@@ -19,11 +19,6 @@
 namespace fsdp_test {
 namespace {
 
-#define REQUIRE_GPU() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"
-
-const torch::Device kGpu(torch::kCUDA, 0);
-
 fsdp::ProcessGroupPtr group_on_gpu() {
   fsdp::ProcessGroupOptions o;
   o.device = kGpu;

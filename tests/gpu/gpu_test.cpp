@@ -16,12 +16,8 @@
 
 namespace {
 
+using fsdp_test::kGpu;
 using fsdp_test::rel_diff;
-
-#define REQUIRE_GPU() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"
-
-const torch::Device kGpu(torch::kCUDA, 0);
 
 fsdp::ProcessGroupPtr gpu_group() {
   fsdp::ProcessGroupOptions o;
@@ -161,7 +157,9 @@ Trained train(const std::string& strategy, torch::Dtype dtype, bool deferred, in
     loss.backward();
     opt.step();
     out.losses.push_back(loss.item<double>());
-    if (fused) EXPECT_TRUE(static_cast<fsdp::FusedAdamW&>(opt).last_step_fused());
+    if (fused) {
+      EXPECT_TRUE(static_cast<fsdp::FusedAdamW&>(opt).last_step_fused());
+    }
   }
   if (sharded) {
     for (const auto& kv : sharded->full_state_dict()) out.params[kv.first] = kv.second.to(torch::kCPU);

@@ -14,13 +14,8 @@ shift
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_run_test.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
 
-fail() {
-  echo "FAIL: $*" >&2
-  for f in "$TMP"/out "$TMP"/err; do
-    [ -f "$f" ] && { echo "--- $(basename "$f"):" >&2; cat "$f" >&2; }
-  done
-  exit 1
-}
+# shellcheck source=../harness.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../harness.sh"
 
 # Microseconds since the epoch (bash >= 5).
 now_us() { echo "${EPOCHREALTIME/./}"; }
