@@ -220,8 +220,7 @@ TEST(ActivationCheckpointing, NestedCheckpointsEqualNoCheckpointing) {
   torch::manual_seed(6);
   Block plain(kDim, kHeads, kDropout);
   torch::manual_seed(6);
-  fsdp::Checkpointed<fsdp::Checkpointed<Block>> nested(
-      fsdp::Checkpointed<Block>(Block(kDim, kHeads, kDropout)));
+  fsdp::Checkpointed<fsdp::Checkpointed<Block>> nested(fsdp::Checkpointed<Block>(Block(kDim, kHeads, kDropout)));
   ASSERT_EQ(nested->named_parameters().keys(), plain->named_parameters().keys());
   const auto x = torch::randn({3, kContext, kDim});
   auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
@@ -296,8 +295,7 @@ TEST(ActivationCheckpointing, ApplyByPolicyEnablesTheSelectedWrappersOnly) {
   EXPECT_TRUE(net->checkpointed[1]->enabled() && net->checkpointed[kLayers]->enabled());
   EXPECT_FALSE(net->checkpointed[0]->enabled() || net->checkpointed[2]->enabled());
   // The wrapper's own type selects it too; by_type sees through it.
-  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_type<fsdp::CheckpointedImpl<Block>>()),
-            kLayers);
+  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_type<fsdp::CheckpointedImpl<Block>>()), kLayers);
   EXPECT_TRUE(fsdp::wrap::by_type<BlockImpl>()("blocks.0", *net->blocks[0], 0));
   EXPECT_FALSE(fsdp::wrap::by_type<torch::nn::LinearImpl>()("blocks.0", *net->blocks[0], 0));
 }

@@ -1,5 +1,6 @@
 #include "harness.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -446,6 +447,38 @@ int run_worker(const std::string& name, const std::vector<std::string>& args) {
 }
 
 }  // namespace
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::vector<std::string> leftover_segments(const std::vector<int>& pids) {
+  std::vector<std::string> left;
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      for (int pid : pids)
+        if (name.rfind("fsdp-" + std::to_string(pid) + "-", 0) == 0) left.push_back(name);
+    }
+    closedir(d);
+  }
+  return left;
+}
+
+char process_state(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  std::getline(in, stat);
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
+}
+
+bool names_dead_member(const std::string& out) {
+  for (const char* part : {") died", "failed a collective", "Connection", "connection"})
+    if (out.find(part) != std::string::npos) return true;
+  return false;
+}
+
 }  // namespace fsdp_test
 
 int main(int argc, char** argv) {

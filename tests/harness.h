@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <string>
@@ -133,6 +134,16 @@ int64_t shard_bytes(fsdp::FullyShardedModule& sharded);
 // Options with `strategy` (HYBRID_SHARD with a sharding factor of 2) and each BlockImpl (models.h)
 // as a unit.
 fsdp::Options block_unit_options(const std::string& strategy);
+
+// Seconds since t0.
+double seconds_since(std::chrono::steady_clock::time_point t0);
+// Names of /dev/shm entries a rank with one of `pids` created (ours are "fsdp-<creator pid>-...").
+std::vector<std::string> leftover_segments(const std::vector<int>& pids);
+// The state letter of process `pid` in /proc (R, S, T stopped, Z exited, ...), or '?' if gone.
+char process_state(int pid);
+// Whether a survivor's output names the dead member: its death seen by this rank, a peer that saw
+// it and failed first, or its closed connection (Gloo over TCP).
+bool names_dead_member(const std::string& out);
 
 // The GPU tests' device (tests/gpu/), and their guard: skip where no CUDA device is visible.
 inline const torch::Device kGpu(torch::kCUDA, 0);

@@ -4,6 +4,8 @@
 #include <fsdp/sharded.h>
 #include <torch/torch.h>
 
+#include <functional>
+
 namespace fsdp_test {
 
 struct MLPImpl : torch::nn::Module {
@@ -37,7 +39,9 @@ struct BlockImpl : torch::nn::Module {
     if (dropout > 0) drop = register_module("drop", torch::nn::Dropout(dropout));
   }
   torch::Tensor forward(torch::Tensor x) {
-    auto dropped = [&](const torch::Tensor& t) { return drop.is_empty() ? t : drop(t); };
+    auto dropped = [&](const torch::Tensor& t) {
+      return drop.is_empty() ? t : drop(t);
+    };
     const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
     auto q_k_v = qkv(ln1(x)).chunk(3, -1);
     auto split = [&](const torch::Tensor& t) {
@@ -97,6 +101,27 @@ struct TinyTransformerImpl : torch::nn::Module {
   TiedHead head{nullptr};
 };
 TORCH_MODULE(TinyTransformer);
+
+// The fault tests' model: one unit per layer; its forward can skip the middle unit and call back
+// inside forward and backward.
+struct SkippyImpl : torch::nn::Module {
+  SkippyImpl() {
+    l0 = register_module("l0", torch::nn::Linear(8, 16));
+    l1 = register_module("l1", torch::nn::Linear(16, 16));
+    l2 = register_module("l2", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool skip_middle = false) {
+    auto h = torch::tanh(l0(x));
+    if (in_forward) in_forward();  // between units: l0's gathered, l1's not yet
+    if (!skip_middle) h = torch::tanh(l1(h));
+    // Runs in backward once l2's gradients exist (its reduction issued), before l1's backward.
+    if (in_backward && h.requires_grad()) h.register_hook([this](const torch::Tensor&) { in_backward(); });
+    return l2(h);
+  }
+  torch::nn::Linear l0{nullptr}, l1{nullptr}, l2{nullptr};
+  std::function<void()> in_forward, in_backward;
+};
+TORCH_MODULE(Skippy);
 
 // Cross entropy of logits [..., vocab] against the token ids y of the same leading shape.
 inline at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& y) {

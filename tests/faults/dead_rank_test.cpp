@@ -16,7 +16,7 @@
 #include <fstream>
 #include <thread>
 
-#include "faults/faults.h"
+#include "harness.h"
 #include "models.h"
 
 namespace fsdp_test {

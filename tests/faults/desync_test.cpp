@@ -5,7 +5,8 @@
 
 #include <chrono>
 
-#include "faults/faults.h"
+#include "harness.h"
+#include "models.h"
 
 namespace fsdp_test {
 namespace {

@@ -8,7 +8,8 @@
 #include <random>
 #include <thread>
 
-#include "faults/faults.h"
+#include "harness.h"
+#include "models.h"
 
 namespace fsdp_test {
 namespace {

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "faults/faults.h"
+#include "harness.h"
 #include "models.h"
 
 namespace fsdp_test {
