@@ -142,7 +142,7 @@ at::Tensor gather_full_values(const FlatParam& fp) {
   if (fp.keep_unsharded()) return fp.unsharded();
   InternalOpGuard internal;
   // Offloaded: on the device, as without offload (the collectives move device tensors).
-  const at::Tensor shard = fp.offloaded() ? fp.shard().to(fp.unsharded().device()) : fp.shard();
+  at::Tensor shard = fp.offloaded() ? fp.shard().to(fp.unsharded().device()) : fp.shard();
   if (!fp.sharded_over_peers()) return shard;
   at::Tensor out = at::empty({fp.padded_numel()}, shard.options().requires_grad(false));
   fp.groups().shard_comm->all_gather_into(out, shard, label(fp, "full-values all-gather", fp.count_gather()))->wait();

@@ -136,7 +136,7 @@ void ProcessGroup::set_network_model(std::optional<NetworkModel> model) {
     if (model->ranks_per_host() == 0) model->ranks_per_host(env_.local_world_size);
     model->validate();
   }
-  options_.network_model = std::move(model);
+  options_.network_model = model;
   groups_.clear();  // handed-out communicators keep their model; new requests get the new one
   std::vector<int> all(env_.world_size);
   for (int i = 0; i < env_.world_size; ++i) all[i] = i;

@@ -19,7 +19,21 @@
 
 namespace fsdp::checkpoint {
 
-using namespace detail;
+using detail::dtype_name;
+using detail::File;
+using detail::make_dirs;
+using detail::make_safetensors_header;
+using detail::parent_dir;
+using detail::parse_safetensors_header;
+using detail::rename_path;
+using detail::run_agreed;
+using detail::safetensors_header_length;
+using detail::SafetensorsHeader;
+using detail::SafetensorsTensor;
+using detail::scalar_type_of;
+using detail::shared_random;
+using detail::sync_dir;
+using detail::temporary_name;
 
 namespace {
 

@@ -30,7 +30,23 @@
 
 namespace fsdp::checkpoint {
 
-using namespace detail;
+using detail::add_reports;
+using detail::all_gather_strings;
+using detail::complete_manifest;
+using detail::load_local;
+using detail::make_dirs;
+using detail::Manifest;
+using detail::manifest_skeleton;
+using detail::optimizer_kind;
+using detail::OptimizerKind;
+using detail::path_exists;
+using detail::plan_rank_file;
+using detail::publish;
+using detail::RankPlan;
+using detail::run_agreed;
+using detail::shared_random;
+using detail::temporary_name;
+using detail::write_rank_file;
 
 namespace {
 
@@ -78,6 +94,8 @@ struct SaveJob {
 };
 
 }  // namespace detail
+
+using detail::PreparedSave;
 
 namespace {
 

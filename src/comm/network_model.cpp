@@ -107,7 +107,7 @@ NetworkModel NetworkModel::parse(const std::string& spec, const std::string& sou
   static const char* known[] = {
       "gbps", "intra_gbps", "inter_gbps", "latency_us", "intra_latency_us", "inter_latency_us", "ranks_per_host"};
   for (const auto& [key, value] : kv) {
-    const bool ok = std::any_of(std::begin(known), std::end(known), [&](const char* k) { return key == k; });
+    const bool ok = std::any_of(std::begin(known), std::end(known), [&name = key](const char* k) { return name == k; });
     FSDP_CHECK(ok, where, ": unknown key '", key,
                "'; known keys: gbps, intra_gbps, inter_gbps, latency_us, intra_latency_us, inter_latency_us, "
                "ranks_per_host; example: ",

@@ -273,11 +273,12 @@ class ShmCommunicator : public Communicator {
       if (rc == 0) {
         pthread_mutex_unlock(&c->alive);
         found = kLeft;
-      } else if (rc == EOWNERDEAD || rc == ENOTRECOVERABLE) {
-        found = kDied;  // the lock is left owned (or unrecoverable): the state word is the record
-      } else if (c->pid > 0 && c->pid_namespace != 0 && c->pid_namespace == pid_namespace() && kill(c->pid, 0) != 0 &&
-                 errno == ESRCH) {
-        found = kDied;  // the process is gone although its lock reads as held
+      } else if (rc == EOWNERDEAD || rc == ENOTRECOVERABLE ||
+                 (c->pid > 0 && c->pid_namespace != 0 && c->pid_namespace == pid_namespace() && kill(c->pid, 0) != 0 &&
+                  errno == ESRCH)) {
+        // The lock is left owned (or unrecoverable): the state word is the record. Or the process
+        // is gone although its lock reads as held.
+        found = kDied;
       }
       if (found != kRunning) {
         uint32_t expected = kRunning;
@@ -341,7 +342,7 @@ void wait_for_members(c10d::Store& store, const std::string& prefix, int size, c
 }  // namespace
 
 CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& store, int index, int size,
-                                      std::string name, std::chrono::milliseconds timeout, bool required) {
+                                      const std::string& name, std::chrono::milliseconds timeout, bool required) {
   FSDP_CHECK(size >= 1 && index >= 0 && index < size, "make_shm_communicator: member ", index, " of ", size);
   auto segment = std::make_unique<ShmSegment>();
   // The first member creates the segment and announces "<name> <nonce>" (or "!<why>").

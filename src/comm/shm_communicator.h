@@ -21,6 +21,6 @@ namespace fsdp {
 // Returns nullptr on every member alike when some member cannot map the segment (another host,
 // another /dev/shm namespace), unless `required`, where that is an error naming the member.
 CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& store, int index, int size,
-                                      std::string name, std::chrono::milliseconds timeout, bool required);
+                                      const std::string& name, std::chrono::milliseconds timeout, bool required);
 
 }  // namespace fsdp

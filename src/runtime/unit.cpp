@@ -39,10 +39,9 @@ void Unit::mark_used(bool in_backward, bool grad_enabled) {
     state_ = TrainingState::kForward;
   } else if (state_ == TrainingState::kForwardPrefetched) {
     state_ = TrainingState::kIdle;  // used outside a forward with grad (e.g. evaluation)
-  } else if (in_backward && (state_ == TrainingState::kForward || state_ == TrainingState::kBackwardPrefetched)) {
-    state_ = TrainingState::kBackward;
-  } else if (state_ == TrainingState::kBackwardPrefetched) {
-    state_ = TrainingState::kForward;
+  } else if (state_ == TrainingState::kForward || state_ == TrainingState::kBackwardPrefetched) {
+    // Used by its backward, or (prefetched for backward) again by a forward.
+    state_ = in_backward ? TrainingState::kBackward : TrainingState::kForward;
   }
 }
 
