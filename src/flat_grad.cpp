@@ -16,7 +16,9 @@ FlatGrad::FlatGrad(std::vector<ParamSlot>& slots, const FlatGradLayout& layout, 
       memory_(memory),
       buffers_(buffers),
       offload_(offload),
-      like_(at::empty({0}, layout.unsharded_options)) {}
+      like_(at::empty({0}, layout.unsharded_options)) {
+  if (layout_.separate_shard) sentinels_ = make_sentinels();
+}
 
 FlatGrad::~FlatGrad() {
   // A reduction of an interrupted backward still reads memory that this object keeps alive.
@@ -113,10 +115,7 @@ void FlatGrad::take(int slot) {
   }
   written_[slot] = 1;
   g.reset();
-  if (layout_.separate_shard) {
-    if (sentinels_.empty()) sentinels_ = make_sentinels();
-    g = sentinels_[slot];
-  }
+  if (layout_.separate_shard) g = sentinels_[slot];
 }
 
 void FlatGrad::keep_unreduced() {

@@ -41,6 +41,10 @@ class FlatGrad {
   FlatGrad(const FlatGrad&) = delete;
   FlatGrad& operator=(const FlatGrad&) = delete;
 
+  // Per slot, what its module parameter's .grad holds between backwards when the shard is separate
+  // (a zero of the parameter's shape, all strides 0: Note [Gradient sentinel]); empty otherwise.
+  const std::vector<at::Tensor>& sentinels() const { return sentinels_; }
+
   // The flat gradient buffer exists during backward (padded_numel elements, reduce dtype).
   bool has_buffer() const { return buffer_.defined(); }
   const at::Tensor& buffer() const { return buffer_; }

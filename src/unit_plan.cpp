@@ -116,6 +116,7 @@ UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device
     at::Tensor param;
     std::vector<int> units;
     std::vector<std::string> names;
+    bool full_precision = false;
   };
   std::vector<Seen> seen;
   std::map<const c10::TensorImpl*, size_t> seen_index;
@@ -128,6 +129,7 @@ UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device
       if (fresh) seen.push_back({p, {}, {}});
       Seen& s = seen[it->second];
       s.names.push_back(full);
+      s.full_precision = s.full_precision || options.mixed_precision().keeps_full_precision(*nodes[i].module);
       if (std::find(s.units.begin(), s.units.end(), owner[i]) == s.units.end()) s.units.push_back(owner[i]);
     }
   }
@@ -151,7 +153,8 @@ UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device
       unit = common.front();  // nearest first: the lowest common ancestor
     }
     check_parameter(s.names[0], s.param, device);
-    plan.params.push_back({s.names[0], std::vector<std::string>(s.names.begin() + 1, s.names.end()), s.param, unit});
+    plan.params.push_back(
+        {s.names[0], std::vector<std::string>(s.names.begin() + 1, s.names.end()), s.param, unit, s.full_precision});
   }
 
   // Units without parameters add nothing; drop them (their children move up), keeping the root.
@@ -173,7 +176,7 @@ UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device
   for (auto& unit : plan.units)
     for (int v = unit.parent; v >= 0; v = plan.units[v].parent) unit.ancestors.push_back(v);
 
-  // FlatParameters: per unit, one per (dtype, requires_grad) group, in module order.
+  // FlatParameters: per unit, one per (dtype, requires_grad, full precision) group, in module order.
   for (size_t u = 0; u < plan.units.size(); ++u) {
     const size_t first = plan.flat_params.size();
     for (size_t i = 0; i < plan.params.size(); ++i) {
@@ -182,10 +185,11 @@ UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device
       auto it =
           std::find_if(plan.flat_params.begin() + first, plan.flat_params.end(), [&](const UnitPlan::FlatParam& f) {
             const at::Tensor& q = plan.params[f.params[0]].param;
-            return q.scalar_type() == p.scalar_type() && q.requires_grad() == p.requires_grad();
+            return q.scalar_type() == p.scalar_type() && q.requires_grad() == p.requires_grad() &&
+                   f.full_precision == plan.params[i].full_precision;
           });
       if (it == plan.flat_params.end()) {
-        plan.flat_params.push_back({static_cast<int>(u), {}});
+        plan.flat_params.push_back({static_cast<int>(u), {}, plan.params[i].full_precision});
         it = plan.flat_params.end() - 1;
       }
       it->params.push_back(static_cast<int>(i));
@@ -200,7 +204,7 @@ std::string UnitPlan::describe() const {
   std::ostringstream d;
   for (const auto& p : params)
     d << p.name << " " << p.param.sizes() << " " << p.param.scalar_type() << (p.param.requires_grad() ? "" : " frozen")
-      << " unit '" << units[p.unit].name << "'\n";
+      << (p.full_precision ? " full precision" : "") << " unit '" << units[p.unit].name << "'\n";
   return d.str();
 }
 

@@ -17,6 +17,7 @@ struct UnitPlan {
     std::vector<std::string> aliases;  // further names of a shared (tied) parameter
     at::Tensor param;
     int unit = 0;
+    bool full_precision = false;  // a module registering it keeps full precision (MixedPrecision)
   };
   struct Unit {
     std::string name;  // qualified module name; "" for the root
@@ -25,16 +26,19 @@ struct UnitPlan {
     std::vector<int> ancestors;  // enclosing units, nearest first
     std::vector<int> flat_params;
   };
-  // One per (dtype, requires_grad) group of a unit's parameters, in module order; ids in unit order.
+  // One per (dtype, requires_grad, full precision) group of a unit's parameters, in module order;
+  // ids in unit order.
   struct FlatParam {
     int unit = 0;
     std::vector<int> params;  // indices into `params`
+    bool full_precision = false;
   };
   std::vector<Unit> units;
   std::vector<Param> params;
   std::vector<FlatParam> flat_params;
 
-  // One line per parameter (name, shape, dtype, frozen, unit): equal on ranks with equal models.
+  // One line per parameter (name, shape, dtype, frozen, full precision, unit): equal on ranks with
+  // equal models.
   std::string describe() const;
 };
 

@@ -113,6 +113,7 @@ FSDP_WORKER(wrong_optimizer_worker) {
     torch::NoGradGuard no_grad;
     model->parameters()[0].mul_(0.5);
   }
+  std::cout << "wrote in place" << std::endl;  // the error is on stderr already
   try {
     model->forward(torch::randn({2, 6})).sum().backward();
     throw std::runtime_error("the in-place update of an original parameter was not reported");
@@ -125,6 +126,11 @@ FSDP_WORKER(wrong_optimizer_worker) {
 TEST(BadInput, OptimizerOverOriginalParametersIsDetected) {
   auto r = launch("wrong_optimizer_worker", 2, {}, 120);
   ASSERT_TRUE(r.all_ok()) << r.report();
+  for (const auto& rank : r.ranks) {
+    const size_t reported = rank.output.find("found inside an operator; thrown by the next backward");
+    EXPECT_NE(reported, std::string::npos) << r.report();
+    EXPECT_LT(reported, rank.output.find("wrote in place")) << "reported after the write's next step\n" << r.report();
+  }
 }
 
 // A stock optimizer over module->parameters() (not the shards) never gets to train silently: the

@@ -55,7 +55,7 @@ int run(int argc, char** argv) {
   resolve_init(config, rank);
   BuiltModel built = build_model(config);
   auto sharded = shard_model(built, config, pg);
-  auto optimizer = build_optimizer(*sharded, built.original_dims, config);
+  auto optimizer = build_optimizer(*sharded, config);
   if (config.step_in_backward)
     sharded->set_step_in_backward(optimizer.get(), config.step_thread == "own"        ? fsdp::StepThread::kOwn
                                                    : config.step_thread == "backward" ? fsdp::StepThread::kBackward

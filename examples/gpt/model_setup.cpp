@@ -39,7 +39,6 @@ BuiltModel build_model(const TrainConfig& config) {
   built.parameter_count = gpt::count_parameters(*built.model);
   // Weight decay applies to matrices (weights, embeddings), not to biases or LayerNorm gains. The
   // shard pieces are 1-D, so remember each parameter's original rank by name.
-  for (const auto& item : built.model->named_parameters()) built.original_dims[item.key()] = item.value().dim();
   return built;
 }
 
@@ -72,10 +71,15 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
   return fsdp::fully_shard(built.model, std::move(pg), options);
 }
 
-std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded,
-                                                     const std::map<std::string, int64_t>& original_dims,
-                                                     const TrainConfig& config) {
-  auto optimizer = gpt::make_adamw(sharded.named_parameters(), original_dims, config.lr, config.weight_decay);
+std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded, const TrainConfig& config) {
+  // The pieces are 1-D; their parameters' shapes decide the weight decay.
+  std::vector<std::pair<std::string, torch::Tensor>> pieces;
+  std::map<std::string, int64_t> dims;
+  for (const auto& p : sharded.shard_pieces()) {
+    pieces.emplace_back(p.name, p.piece);
+    dims[p.name] = static_cast<int64_t>(p.shape.size());
+  }
+  auto optimizer = gpt::make_adamw(pieces, dims, config.lr, config.weight_decay);
   sharded.check_optimizer(*optimizer);
   return optimizer;
 }

@@ -22,7 +22,6 @@ struct BuiltModel {
   gpt::GPTConfig config;
   gpt::GPT model{nullptr};
   int64_t parameter_count = 0;
-  std::map<std::string, int64_t> original_dims;  // each parameter's rank, by name
 };
 
 // The model as it would be built without FSDP, seeded with --seed (deferred: no parameter memory).
@@ -33,8 +32,6 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
                                                       fsdp::ProcessGroupPtr pg);
 
 // AdamW over the shard pieces, weight decay on the pieces of matrices only; checked by FSDP.
-std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded,
-                                                     const std::map<std::string, int64_t>& original_dims,
-                                                     const TrainConfig& config);
+std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded, const TrainConfig& config);
 
 }  // namespace fsdp_gpt

@@ -22,6 +22,14 @@ namespace detail {
 struct StateAccess;  // libfsdp's own code (src/) reaches the runtime behind a handle through it
 }
 
+// One original parameter's part on this rank (FullyShardedModule::shard_pieces()).
+struct ShardPiece {
+  std::string name;            // the original parameter's qualified name
+  at::Tensor piece;            // the 1-D leaf the optimizer steps; after backward, its .grad is the gradient's part
+  std::vector<int64_t> shape;  // the original parameter's shape
+  int64_t begin = 0;           // `piece` holds elements [begin, begin + piece.numel()) of the flattened parameter
+};
+
 // One unit as FSDP built it (for printing, tests and memory estimates).
 struct UnitInfo {
   std::string name;  // qualified module name; "" for the root
@@ -45,6 +53,15 @@ class FullyShardedModule {
   std::vector<at::Tensor> parameters() const;
   // The same pieces under the original parameters' names.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  // The same pieces with each original parameter's shape and the elements the piece holds (a
+  // contiguous range of the flattened parameter; ranks hold consecutive ranges, in rank order, and
+  // some none): e.g. to group them for an optimizer by the original parameter's dimensions.
+  std::vector<ShardPiece> shard_pieces() const;
+  // Collective over the shard group: the `norm_type`-norm (p > 0, or infinity) of each original
+  // parameter's gradient after backward, by name, in parameter order, equal on every rank; only
+  // parameters whose gradient exists (not frozen, used in this backward). A sharded parameter's own
+  // .grad is a placeholder, not its gradient: see docs/usage.md ("Gradients").
+  std::vector<std::pair<std::string, double>> grad_norms(double norm_type = 2.0);
   // Throws if `params` (e.g. an optimizer's parameters) contains an original parameter of the
   // sharded module instead of a shard piece.
   void check_optimizer_parameters(const std::vector<at::Tensor>& params) const;
@@ -153,8 +170,9 @@ class FullyShardedModule {
   ShardingStrategy sharding_strategy() const;
   int sharding_factor() const;  // ranks a FlatParameter is split over (1 for kNoShard)
   int world_size() const;
-  // Mixed precision: `input` cast to MixedPrecision::param_dtype if both are floating point (for
-  // the root's inputs, which FSDP does not see; explicit units cast theirs). Else `input` itself.
+  // Mixed precision: `input` cast to MixedPrecision::param_dtype if both are floating point and
+  // cast_forward_inputs is on (for the root's inputs, which FSDP does not see; explicit units cast
+  // theirs). Else `input` itself.
   at::Tensor cast_forward_input(at::Tensor input) const;
   std::shared_ptr<torch::nn::Module> module() const;
   // A table of units, sizes and the strategy, then the communicators and their transports, for logs.

@@ -4,8 +4,10 @@
 #include <torch/arg.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "fsdp/deferred_init.h"
@@ -47,9 +49,14 @@ enum class SharedParameterPolicy {
   kError,                 // refuse, naming the parameter
 };
 
+// Which modules a MixedPrecision keeps in full precision (MixedPrecision::keep_full_precision).
+using ModulePredicate = std::function<bool(const torch::nn::Module& module)>;
+
 // Native mixed precision (paper 4.1): the optimizer steps full-precision shards; each shard is cast
 // to param_dtype before its all-gather, forward and backward compute in param_dtype, and gradients
-// are reduced in reduce_dtype into full-precision shard gradients. See Note [Mixed precision].
+// are reduced in reduce_dtype into full-precision shard gradients. Modules that keep_full_precision
+// selects (BatchNorm by default) keep their parameters and buffers in their own dtype. See Note
+// [Mixed precision].
 struct MixedPrecision {
   // Dtype of the unsharded parameters (floating-point ones only). Unset: the parameters' own.
   TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
@@ -62,8 +69,45 @@ struct MixedPrecision {
   // Explicit units cast their floating-point tensor arguments to param_dtype. The root's inputs
   // are the caller's: cast them with FullyShardedModule::cast_forward_input().
   TORCH_ARG(bool, cast_forward_inputs) = true;
+  // Modules whose own parameters and buffers stay in their dtype (no param_dtype, reduce_dtype or
+  // buffer_dtype for them): their operators take low-precision inputs with full-precision weights
+  // and statistics, as LibTorch's BatchNorm kernels do. Default: BatchNorm1d/2d/3d. Null: none.
+  TORCH_ARG(ModulePredicate, keep_full_precision) = is_batch_norm;
+
+ public:
+  // keep_full_precision for modules of these types (module or holder types, e.g. BatchNorm2d).
+  template <typename... Modules>
+  MixedPrecision& keep_full_precision_of() {
+    keep_full_precision_ = [](const torch::nn::Module& m) {
+      return (is_module_type<Modules>(m) || ...);
+    };
+    return *this;
+  }
 
   bool enabled() const { return param_dtype_.has_value() || reduce_dtype_.has_value(); }
+  // Whether `module`'s own parameters and buffers keep their dtype under this policy.
+  bool keeps_full_precision(const torch::nn::Module& module) const {
+    return enabled() && keep_full_precision_ && keep_full_precision_(module);
+  }
+  // The default of keep_full_precision.
+  static bool is_batch_norm(const torch::nn::Module& m) {
+    return is_module_type<torch::nn::BatchNorm1dImpl>(m) || is_module_type<torch::nn::BatchNorm2dImpl>(m) ||
+           is_module_type<torch::nn::BatchNorm3dImpl>(m);
+  }
+
+ private:
+  // Whether `m` is a `M` (a module type or a ModuleHolder of one).
+  template <typename M>
+  static bool is_module_type(const torch::nn::Module& m) {
+    if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
+      return dynamic_cast<const M*>(&m) != nullptr;
+    } else {
+      static_assert(std::is_base_of_v<torch::nn::Module, typename M::ContainedType>,
+                    "MixedPrecision::keep_full_precision_of<M...>: each M must be a module type (e.g. "
+                    "torch::nn::BatchNorm2dImpl) or a module holder (e.g. torch::nn::BatchNorm2d)");
+      return dynamic_cast<const typename M::ContainedType*>(&m) != nullptr;
+    }
+  }
 };
 
 // CPU offload (ZeRO-Offload, FSDP2's CPUOffloadPolicy): sharded parameters, their gradients and so

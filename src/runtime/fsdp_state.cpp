@@ -47,10 +47,16 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   intercepting_ =
       std::any_of(flat_params_.begin(), flat_params_.end(), [](const auto& fp) { return !fp->keep_unsharded(); });
   if (const auto dtype = options_.mixed_precision().buffer_dtype()) {
+    // Every floating-point buffer but those of modules that keep full precision.
     InternalOpGuard internal;
     at::NoGradGuard no_grad;
+    std::unordered_set<const c10::TensorImpl*> kept;
+    for (const auto& m : module_->modules(/*include_self=*/true))
+      if (options_.mixed_precision().keeps_full_precision(*m))
+        for (const auto& b : m->buffers(/*recurse=*/false)) kept.insert(b.unsafeGetTensorImpl());
     for (const auto& kv : module_->named_buffers(/*recurse=*/true))
-      if (kv.value().is_floating_point()) kv.value().set_data(kv.value().to(*dtype));
+      if (kv.value().is_floating_point() && !kept.count(kv.value().unsafeGetTensorImpl()))
+        kv.value().set_data(kv.value().to(*dtype));
   }
   for (const auto& kv : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(kv.key(), kv.value());
   tracer_.enable(options_.trace());
@@ -137,11 +143,15 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
     }
     flat_params_[id] =
         std::make_unique<FlatParam>(static_cast<int>(id), plan.flat_params[id].unit, std::move(slots), groups_,
-                                    options_.mixed_precision(), &memory_, &pool_, offloader_.get());
+                                    plan.flat_params[id].full_precision ? MixedPrecision() : options_.mixed_precision(),
+                                    &memory_, &pool_, offloader_.get());
     FlatParam& fp = *flat_params_[id];
     flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
     for (size_t s = 0; s < fp.slots().size(); ++s)
       slot_of_param_[fp.slots()[s].param.unsafeGetTensorImpl()] = {static_cast<int>(id), static_cast<int>(s)};
+    const auto& sentinels = fp.grad().sentinels();
+    for (size_t s = 0; s < sentinels.size(); ++s)
+      sentinel_of_storage_[sentinels[s].storage().unsafeGetStorageImpl()] = {static_cast<int>(id), static_cast<int>(s)};
     fp.reshard();
   };
 
@@ -193,6 +203,11 @@ const std::pair<int, int>* FsdpState::slot_of_param(const c10::TensorImpl* param
   return it == slot_of_param_.end() ? nullptr : &it->second;
 }
 
+const std::pair<int, int>* FsdpState::sentinel_of_storage(const c10::StorageImpl* storage) const {
+  auto it = sentinel_of_storage_.find(storage);
+  return it == sentinel_of_storage_.end() ? nullptr : &it->second;
+}
+
 int FsdpState::unit_of_module(const torch::nn::Module* module) const {
   auto it = unit_of_module_.find(module);
   return it == unit_of_module_.end() ? -1 : it->second;
@@ -209,9 +224,15 @@ FsdpState::~FsdpState() {
   std::_Exit(1);
 }
 
-void FsdpState::set_pending_error(const std::string& message) {
+void FsdpState::set_pending_error(const std::string& message, bool print_now) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  if (pending_error_.empty()) pending_error_ = message;
+  if (!pending_error_.empty()) return;
+  pending_error_ = message;
+  if (!print_now) return;
+  std::fprintf(stderr,
+               "[fsdp] rank %d: %s\n[fsdp] (found inside an operator; thrown by the next backward or FSDP call)\n",
+               pg_->rank(), message.c_str());
+  std::fflush(stderr);
 }
 
 void FsdpState::rethrow_pending_error() {

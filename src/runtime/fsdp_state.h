@@ -62,12 +62,14 @@ class FsdpState {
   int flat_param_of_storage(const c10::StorageImpl* storage) const;
   const std::pair<int, int>* slot_of_param(const c10::TensorImpl* param) const;  // {flat param, slot}
   int unit_of_module(const torch::nn::Module* module) const;
+  // The {flat param, slot} whose gradient placeholder (Note [Gradient sentinel]) has this storage.
+  const std::pair<int, int>* sentinel_of_storage(const c10::StorageImpl* storage) const;
 
   // Held by every hook and API call that touches the runtime.
   std::recursive_mutex& mutex() { return mu_; }
   // Errors met where they cannot be thrown (the operator hook) are kept, first one wins, and
-  // thrown by the next hook or API call.
-  void set_pending_error(const std::string& message);
+  // thrown by the next hook or API call; `print_now` also writes the first one to stderr at once.
+  void set_pending_error(const std::string& message, bool print_now = false);
   bool has_pending_error() const { return !pending_error_.empty(); }
   void rethrow_pending_error();
 
@@ -109,6 +111,7 @@ class FsdpState {
   std::unordered_map<const c10::StorageImpl*, int> flat_param_of_storage_;
   std::unordered_map<const c10::TensorImpl*, std::pair<int, int>> slot_of_param_;
   std::unordered_map<const torch::nn::Module*, int> unit_of_module_;
+  std::unordered_map<const c10::StorageImpl*, std::pair<int, int>> sentinel_of_storage_;
 
   std::recursive_mutex mu_;
   std::string pending_error_;

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include "internal_op_guard.h"
 #include "mixed_precision.h"
 #include "runtime/checkpointed_forward.h"
+#include "runtime/dtype_hint.h"
 
 namespace fsdp {
 
@@ -31,11 +33,33 @@ std::shared_ptr<const HooksList> g_all = std::make_shared<HooksList>();
 std::shared_ptr<const HooksList> g_intercepting = std::make_shared<HooksList>();
 at::CallbackHandle g_callback = 0;
 
+// Operators nest (conv2d calls convolution calls a kernel): per thread, the depth of the operator
+// running now, and the hint of the outermost one in this nest whose inputs mix dtypes under mixed
+// precision. Printed once, when that nest unwinds with an exception.
+thread_local int t_operator_depth = 0;
+thread_local std::string t_mixed_dtype_hint;
+
 std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction& fn) {
+  if (t_operator_depth++ == 0) t_mixed_dtype_hint.clear();
   if (internal_op_flag() || in_communicator_work()) return nullptr;
   std::shared_ptr<const HooksList> list = std::atomic_load(&g_intercepting);
   for (Hooks* h : *list) h->on_operator(fn);
+  if (t_mixed_dtype_hint.empty())
+    for (Hooks* h : *list)
+      if (std::string hint = mixed_precision_mismatch(h->state(), fn); !hint.empty()) {
+        t_mixed_dtype_hint = std::move(hint);
+        break;
+      }
   return nullptr;
+}
+
+// The kernel's own error for a dtype mix names no unit and no fix: the hint goes to stderr beside
+// it, when the outermost operator of the nest ends with an exception in flight.
+void on_operator_end(const at::RecordFunction&, at::ObserverContext*) {
+  if (t_operator_depth > 0) --t_operator_depth;  // an operator that began before the callback: no start
+  if (t_operator_depth > 0 || t_mixed_dtype_hint.empty()) return;
+  if (std::uncaught_exceptions() > 0) std::fprintf(stderr, "libfsdp: %s\n", t_mixed_dtype_hint.c_str());
+  t_mixed_dtype_hint.clear();
 }
 
 std::shared_ptr<const HooksList> with(const std::shared_ptr<const HooksList>& list, Hooks* add, Hooks* remove) {
@@ -52,8 +76,9 @@ void register_model(Hooks* hooks, bool intercept) {
   if (!intercept) return;
   std::atomic_store(&g_intercepting, with(g_intercepting, hooks, nullptr));
   if (g_callback == 0)
-    g_callback = at::addGlobalCallback(
-        at::RecordFunctionCallback(&on_operator_start).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+    g_callback = at::addGlobalCallback(at::RecordFunctionCallback(&on_operator_start, &on_operator_end)
+                                           .needsInputs(true)
+                                           .scopes({at::RecordScope::FUNCTION}));
 }
 
 void unregister_model(Hooks* hooks) {
@@ -186,7 +211,7 @@ void Hooks::on_operator(const at::RecordFunction& fn) {
   try {
     intercept(fn);
   } catch (const std::exception& e) {
-    state_.set_pending_error(e.what());
+    state_.set_pending_error(e.what(), /*print_now=*/true);
   }
 }
 
@@ -196,20 +221,25 @@ void Hooks::intercept(const at::RecordFunction& fn) {
     auto visit = [&](const at::Tensor& t) {
       if (!t.defined() || !t.has_storage()) return;
       const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
-      if (f < 0) return;
+      if (f < 0) {
+        check_sentinel_read(fn, t);
+        return;
+      }
       std::lock_guard<std::recursive_mutex> lock(state_.mutex());
       const bool writes = i == 0 && is_inplace_op(fn.name()) && !state_.has_pending_error();
       if (const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl())) {
         ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
         if (writes)
-          state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"));
+          state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"),
+                                   /*print_now=*/true);
         if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
       } else if (writes && !state_.flat_params()[f]->keep_unsharded()) {
         // Another tensor over the same storage: p.data(), p.detach(), a view of a parameter.
         state_.set_pending_error(
             in_place_write_error(fn.name(), "a tensor sharing the storage of parameter '" +
                                                 parameter_at(*state_.flat_params()[f], t.storage_offset()) +
-                                                "' of a sharded module (its .data(), .detach() or a view of it)"));
+                                                "' of a sharded module (its .data(), .detach() or a view of it)"),
+            /*print_now=*/true);
       }
       // Unshard even for a refused in-place op, so its kernel writes valid memory.
       state_.scheduler().use(state_.flat_params()[f]->unit());
@@ -221,6 +251,26 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
     }
   }
+}
+
+void Hooks::check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& t) {
+  const auto* slot = state_.sentinel_of_storage(t.storage().unsafeGetStorageImpl());
+  // Zeroing it and detaching it (zero_grad) are fine; reading it as a gradient is not.
+  const char* op = fn.name();
+  if (!slot || is_inplace_op(op) || std::strcmp(op, "aten::detach") == 0 || std::strcmp(op, "aten::detach_") == 0 ||
+      std::strcmp(op, "aten::requires_grad_") == 0)
+    return;
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  if (state_.has_pending_error()) return;
+  const ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
+  state_.set_pending_error(
+      detail::compose(
+          "libfsdp: operator ", fn.name(), " read the .grad of parameter '", s.name,
+          "' of a sharded module, which is a placeholder (zeros), not its gradient: after backward a sharded "
+          "parameter's gradient is in its shard pieces. Read them with FullyShardedModule::shard_pieces() (each "
+          "piece's .grad, with the parameter's name and shape), or each parameter's gradient norm with grad_norms(). "
+          "An optimizer reads gradients too: build the optimizer over FullyShardedModule::parameters() (the shards)"),
+      /*print_now=*/true);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -37,6 +37,9 @@ class Hooks {
 
  private:
   void intercept(const at::RecordFunction& fn);
+  // Keeps an error if `fn` reads (not zeroes) a parameter's gradient placeholder (Note [Gradient
+  // sentinel]): the gradient is in the shard pieces.
+  void check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& t);
   void add_grad_hooks();
   void remove_grad_hooks();
   // The first gradient hook (or recompute) of a backward: queue the end-of-backward callback on

@@ -70,6 +70,7 @@ void Scheduler::pre_backward(int u) {
   begin_backward();
   tracer_.leave_compute();
   reshard_units_left(u);
+  reshard_lingering_left(u);
   Unit& unit = units_[u];
   unit.mark_used(/*in_backward=*/true, at::GradMode::is_enabled());
   last_used_ = u;
@@ -144,10 +145,28 @@ void Scheduler::begin_backward() {
       }
 }
 
+void Scheduler::reshard_lingering_left(int u) {
+  const auto& anc = units_[u].ancestors();
+  std::vector<int> keep;
+  for (int v : lingering_) {
+    if (v == u || std::find(anc.begin(), anc.end(), v) != anc.end())
+      keep.push_back(v);  // still in its computation, or around it
+    else
+      reshard(v);
+  }
+  lingering_ = std::move(keep);
+}
+
 void Scheduler::post_backward(int u) {
   tracer_.leave_compute();
   units_[u].mark_backward_done();
-  if (options_.sharding_strategy() != ShardingStrategy::kNoShard && reshard_after_backward_) reshard(u);
+  if (options_.sharding_strategy() != ShardingStrategy::kNoShard && reshard_after_backward_) {
+    // Frozen parameters get no gradient, so "all gradients in" is not the end of their last use.
+    if (units_[u].has_frozen_params() && in_backward())
+      lingering_.push_back(u);
+    else
+      reshard(u);
+  }
   if (last_used_ == u) last_used_ = -1;
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost && backward_started_)
     prefetch(next_pending_in_backward(u), "prefetch backward post");
@@ -170,6 +189,7 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
   }
   last_used_ = -1;
   kept_for_backward_ = -1;
+  lingering_.clear();
   std::fill(ran_in_forward_.begin(), ran_in_forward_.end(), 0);
   // The next iteration prefetches along this one's forward order.
   if (!forward_first_order_.empty()) previous_forward_order_ = std::move(forward_first_order_);

@@ -90,6 +90,11 @@ class Scheduler {
   // ReshardPolicy decides), and the unit this forward kept unsharded for its backward (-1: none).
   int first_in_backward_ = -1;
   int kept_for_backward_ = -1;
+  // Units whose gradients are all in but whose frozen parameters the rest of their backward (the
+  // gradient of their inputs) still reads: resharded when backward's computation leaves them (Note
+  // [Frozen parameters in backward]).
+  std::vector<int> lingering_;
+  void reshard_lingering_left(int u);
   const char* held_back_why_ = "";
   IterationTrace last_trace_;
 };

@@ -52,6 +52,12 @@ void Unit::mark_prefetched() {
     state_ = TrainingState::kBackwardPrefetched;
 }
 
+bool Unit::has_frozen_params() const {
+  for (const FlatParam* fp : flat_params_)
+    if (!fp->keep_unsharded() && !fp->requires_grad()) return true;
+  return false;
+}
+
 bool Unit::is_unsharded() const {
   for (const FlatParam* fp : flat_params_)
     if (!fp->keep_unsharded() && fp->is_unsharded()) return true;

@@ -34,6 +34,9 @@ class Unit {
   bool reshard_after_forward() const { return reshard_after_forward_; }
   const std::vector<int>& ancestors() const { return ancestors_; }  // nearest first
   const std::vector<FlatParam*>& flat_params() const { return flat_params_; }
+  // Some FlatParameter that is freed after use holds frozen parameters (no gradient counts their
+  // last use in backward).
+  bool has_frozen_params() const;
 
   TrainingState state() const { return state_; }
   bool prefetched() const;

@@ -1,0 +1,200 @@
+// Modules that keep full precision under mixed precision (MixedPrecision::keep_full_precision,
+// BatchNorm by default): a convolutional network with BatchNorm and a raw parameter trains under
+// bfloat16 with no further option, equal to a local reference in which BatchNorm's parameters and
+// running statistics stay float32 and the rest computes in bfloat16; buffer_dtype leaves BatchNorm's
+// statistics alone; a forgotten input cast fails with a hint naming the unit and the fix.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "harness.h"
+#include "mixed_precision_reference.h"
+
+namespace fsdp_test {
+namespace {
+
+// A convolution, BatchNorm and ReLU: one unit each under the wrap policy below.
+struct ConvBnImpl : torch::nn::Module {
+  explicit ConvBnImpl(int channels) {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, channels, 3).padding(1)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(channels));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::relu(bn(conv(x))); }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+};
+TORCH_MODULE(ConvBn);
+
+// Input channels 3 -> 8, two residual ConvBn blocks, one scaled by a raw per-channel parameter (a
+// layer scale), global average pooling, a linear head over 4 classes. With `standardize`, an input
+// standardization with float32 mean and std buffers comes first.
+struct ResNetImpl : torch::nn::Module {
+  explicit ResNetImpl(bool standardize) {
+    if (standardize) {
+      mean = register_buffer("mean", torch::full({1, 3, 1, 1}, 0.1));
+      std_dev = register_buffer("std", torch::full({1, 3, 1, 1}, 2.0));
+    }
+    stem = register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+    stem_bn = register_module("stem_bn", torch::nn::BatchNorm2d(8));
+    block1 = register_module("block1", ConvBn(8));
+    block2 = register_module("block2", ConvBn(8));
+    layer_scale = register_parameter("layer_scale", torch::full({1, 8, 1, 1}, 0.5));
+    head = register_module("head", torch::nn::Linear(8, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    if (mean.defined()) x = (x - mean) / std_dev;
+    auto h = torch::relu(stem_bn(stem(x)));
+    h = h + block1(h);
+    h = h + layer_scale * block2(h);
+    return head(h.mean({2, 3}));
+  }
+  torch::Tensor mean, std_dev;
+  torch::nn::Conv2d stem{nullptr};
+  torch::nn::BatchNorm2d stem_bn{nullptr};
+  ConvBn block1{nullptr}, block2{nullptr};
+  torch::Tensor layer_scale;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(ResNet);
+
+ResNet make_resnet(bool standardize) {
+  torch::manual_seed(7);
+  return ResNet(standardize);
+}
+
+// Cross entropy of the float32 logits of `x` (images) against labels derived from it.
+at::Tensor classification_loss(ResNet& m, const at::Tensor& x) {
+  const at::Tensor labels = x.sum({1, 2, 3}).gt(0).to(at::kLong) + 2 * x.select(1, 0).mean({1, 2}).gt(0).to(at::kLong);
+  return torch::cross_entropy_loss(m->forward(x).to(at::kFloat), labels);
+}
+
+// args: strategy, "standardize" or "plain". 3 AdamW steps on 2 images of 6x6 per rank, bfloat16
+// compute, float32 reduction, no other option (buffer_dtype bfloat16 with "standardize").
+FSDP_WORKER(full_precision_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0);
+  const bool standardize = ctx.args.at(1) == "standardize";
+  ResNet ref = make_resnet(standardize), compute = make_resnet(standardize), model = make_resnet(standardize);
+  LocalMixedPrecision<ResNet> local(ref, compute, at::kBFloat16, at::kFloat, fsdp::MixedPrecision::is_batch_norm);
+  if (standardize) {
+    at::NoGradGuard no_grad;
+    compute->mean.set_data(compute->mean.to(at::kBFloat16));  // as buffer_dtype casts it
+    compute->std_dev.set_data(compute->std_dev.to(at::kBFloat16));
+  }
+  auto mp = fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat);
+  if (standardize) mp.buffer_dtype(at::kBFloat16);
+  auto options = fsdp::Options()
+                     .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+                     .auto_wrap_policy(fsdp::wrap::by_type<ConvBnImpl>())
+                     .mixed_precision(mp);
+  if (strategy == "HYBRID_SHARD") options.sharding_factor(2);
+  auto sharded = fsdp::fully_shard(model, pg, options);
+
+  // BatchNorm's parameters and statistics stay float32; every other parameter computes in bfloat16.
+  for (const auto& kv : model->named_parameters()) {
+    const bool norm = contains(kv.key(), "bn.") || contains(kv.key(), "stem_bn.");
+    WORKER_CHECK(kv.value().scalar_type() == (norm ? at::kFloat : at::kBFloat16), "parameter '", kv.key(), "' is ",
+                 kv.value().scalar_type());
+  }
+  for (const auto& kv : model->named_buffers()) {
+    const bool stats = contains(kv.key(), "running_");
+    if (stats)
+      WORKER_CHECK(kv.value().scalar_type() == at::kFloat, "buffer '", kv.key(), "' is ", kv.value().scalar_type());
+    if (standardize && !contains(kv.key(), "bn"))
+      WORKER_CHECK(kv.value().scalar_type() == at::kBFloat16, "buffer '", kv.key(), "' is ", kv.value().scalar_type());
+  }
+
+  torch::optim::AdamW ref_opt(local.parameters(), torch::optim::AdamWOptions(0.01)),
+      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+  const int rows = 2;
+  for (int step = 0; step < 3; ++step) {
+    const auto x = at::randn({rows * ctx.world, 3, 6, 6}, at::detail::createCPUGenerator(60 + step));
+    ref_opt.zero_grad();
+    const auto losses = local.backward(x, ctx.world, rows, 1.0, [&](ResNet& m, const at::Tensor& xs) {
+      return classification_loss(m, xs.to(at::kBFloat16));
+    });
+    ref_opt.step();
+    opt.zero_grad();
+    at::Tensor loss = classification_loss(model, sharded->cast_forward_input(x.narrow(0, ctx.rank * rows, rows)));
+    loss.backward();
+    opt.step();
+    const double mine = loss.item<double>(), theirs = losses.at(ctx.rank);
+    WORKER_CHECK(std::abs(mine - theirs) <= 1e-6 * std::abs(theirs), "step ", step, " loss ", mine, " vs local ",
+                 theirs);
+  }
+  expect_same_parameters(*ref, *sharded, 1e-5, strategy);
+  // Rank 0's statistics after 3 steps, broadcast to every rank, as in the reference.
+  auto ref_buffers = compute->named_buffers();
+  for (const auto& kv : model->named_buffers()) {
+    const at::Tensor& theirs = ref_buffers[kv.key()];
+    WORKER_CHECK(kv.value().scalar_type() == theirs.scalar_type(), "buffer '", kv.key(), "'");
+    WORKER_CHECK(rel_diff(kv.value().to(at::kDouble), theirs.to(at::kDouble)) <= 1e-6, "buffer '", kv.key(),
+                 "' differs by ", rel_diff(kv.value().to(at::kDouble), theirs.to(at::kDouble)));
+  }
+  WORKER_CHECK(model->stem_bn->num_batches_tracked.item<int64_t>() == 3, "num_batches_tracked ",
+               model->stem_bn->num_batches_tracked.item<int64_t>());
+  if (ctx.rank == 0) std::cout << strategy << " world " << ctx.world << " full precision modules ok" << std::endl;
+}
+
+TEST(FullPrecisionModules, BatchNormKeepsFloat32AndTrainsLikeTheReferenceUnderBf16) {
+  for (int world : {1, 2, 4}) {
+    auto r = launch("full_precision_worker", world, {"FULL_SHARD", "plain"});
+    ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
+  }
+  for (const char* strategy : {"SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
+    auto r = launch("full_precision_worker", 4, {strategy, "plain"});
+    ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
+TEST(FullPrecisionModules, BufferDtypeCastsOtherBuffersAndLeavesBatchNormStatisticsFloat32) {
+  auto r = launch("full_precision_worker", 2, {"FULL_SHARD", "standardize"});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
+// args: what the policy keeps ("default", "none", "linear"). Checks each parameter's dtype, then
+// (with "none") runs a forward on an input left in float32, which must fail with the hint.
+FSDP_WORKER(keep_policy_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string keep = ctx.args.at(0);
+  ResNet model = make_resnet(false);
+  auto mp = fsdp::MixedPrecision().param_dtype(at::kBFloat16);
+  if (keep == "none") mp.keep_full_precision(nullptr);
+  if (keep == "linear") mp.keep_full_precision_of<torch::nn::Linear, torch::nn::BatchNorm2dImpl>();
+  auto sharded = fsdp::fully_shard(
+      model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<ConvBnImpl>()).mixed_precision(mp));
+  for (const auto& kv : model->named_parameters()) {
+    const bool bn = contains(kv.key(), "bn.");
+    const bool kept = (keep != "none" && bn) || (keep == "linear" && contains(kv.key(), "head."));
+    WORKER_CHECK(kv.value().scalar_type() == (kept ? at::kFloat : at::kBFloat16), "parameter '", kv.key(), "' is ",
+                 kv.value().scalar_type(), " with keep ", keep);
+  }
+  if (keep == "none") {
+    try {
+      model->forward(torch::randn({2, 3, 6, 6}));  // not cast: the stem's bfloat16 weight meets a float32 input
+      WORKER_CHECK(false, "a float32 input to bfloat16 parameters did not fail");
+    } catch (const c10::Error&) {
+    }
+  }
+}
+
+TEST(FullPrecisionModules, ThePolicyChoosesWhichModulesKeepFloat32) {
+  for (const char* keep : {"default", "none", "linear"}) {
+    auto r = launch("keep_policy_worker", 2, {keep});
+    ASSERT_TRUE(r.all_ok()) << keep << "\n" << r.report();
+  }
+}
+
+TEST(FullPrecisionModules, AnInputLeftInFloat32FailsWithAHintNamingTheUnitAndTheFix) {
+  auto r = launch("keep_policy_worker", 2, {"none"});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  for (const auto& rank : r.ranks) {
+    EXPECT_TRUE(contains(rank.output, "libfsdp: operator aten::")) << rank.output;
+    EXPECT_TRUE(contains(rank.output, "parameter 'stem.weight' of unit '<root>' in BFloat16")) << rank.output;
+    EXPECT_TRUE(contains(rank.output, "FullyShardedModule::cast_forward_input(x)")) << rank.output;
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_test
