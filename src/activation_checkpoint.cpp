@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include "fsdp/check.h"
+#include "internal_op_guard.h"
 #include "runtime/checkpointed_forward.h"
 #include "runtime/hooks.h"
 
@@ -96,6 +97,32 @@ class AutocastReplay {
   bool cache_;
 };
 
+// While alive, each buffer of a module's tree computes on a copy of its data: whatever the
+// recompute writes to a buffer (in place, or by set_data) lands in the copy, and the buffer gets its
+// own data back when this goes. See Note [Activation checkpointing] in docs/design.md.
+class BufferShield {
+ public:
+  explicit BufferShield(const torch::nn::Module& module) {
+    InternalOpGuard internal;
+    at::NoGradGuard no_grad;
+    std::unordered_set<const c10::TensorImpl*> seen;
+    for (const at::Tensor& b : module.buffers(/*recurse=*/true)) {
+      if (!b.defined() || !seen.insert(b.unsafeGetTensorImpl()).second) continue;
+      saved_.emplace_back(b, b.variable_data());
+      b.set_data(b.clone());
+    }
+  }
+  ~BufferShield() {
+    InternalOpGuard internal;
+    for (auto& [buffer, data] : saved_) buffer.set_data(data);
+  }
+  BufferShield(const BufferShield&) = delete;
+  BufferShield& operator=(const BufferShield&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // {buffer, its own data}
+};
+
 // What backward needs to recompute one checkpointed forward, kept in the autograd context.
 struct Recompute : torch::CustomClassHolder {
   std::shared_ptr<torch::nn::Module> module;
@@ -167,6 +194,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> inputs;
     for (const auto& t : saved) inputs.push_back(t.detach().requires_grad_(t.requires_grad()));
     before_recompute(*rc->module);
+    BufferShield shield(*rc->module);  // through the nested backward, which may read the buffers
     at::Tensor out;
     {
       RngReplay replay(rc->rng);

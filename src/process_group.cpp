@@ -174,4 +174,17 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
   return comm;
 }
 
+double mean_across_ranks(const ProcessGroup& pg, double value) {
+  return mean_across_ranks(pg, at::tensor({value}, at::kDouble)).item<double>();
+}
+
+at::Tensor mean_across_ranks(const ProcessGroup& pg, const at::Tensor& value) {
+  FSDP_CHECK(value.defined(), "mean_across_ranks: the tensor is undefined");
+  const CommunicatorPtr world = pg.world();
+  at::Tensor sum =
+      value.detach().to(world->device(), value.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+  if (pg.size() > 1) world->all_reduce(sum)->wait();
+  return (sum / pg.size()).to(value.device());
+}
+
 }  // namespace fsdp

@@ -10,6 +10,8 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <sstream>
+#include <tuple>
 
 #include "counting_allocator.h"
 #include "harness.h"
@@ -520,6 +522,175 @@ TEST(ActivationCheckpointing, WithMixedPrecisionEqualsNoCheckpointing) {
     auto r = launch("ac_mixed_precision_worker", 2, {form});
     ASSERT_TRUE(r.all_ok()) << form << "\n" << r.report();
     EXPECT_TRUE(contains(r.ranks[0].output, std::string(form) + " mixed precision ok")) << r.report();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buffers: a recompute leaves them as the forward left them, so BatchNorm's running statistics and
+// num_batches_tracked (and a block's own buffers) end as without checkpointing.
+
+// NormBlocks (models.h), each written as `form` says, then a Linear head.
+struct NormNetImpl : torch::nn::Module {
+  NormNetImpl(Form form, int d, int layers) {
+    for (int i = 0; i < layers; ++i) {
+      NormBlock block(d);
+      if (form == Form::kPlain) {
+        blocks->push_back(block);
+        calls.push_back([block](const at::Tensor& x) mutable { return block->forward(x); });
+      } else if (form == Form::kCheckpointed) {
+        fsdp::Checkpointed<NormBlock> c(block);
+        blocks->push_back(c);
+        calls.push_back([c](const at::Tensor& x) mutable { return c->forward(x); });
+      } else {
+        fsdp::Sharded<fsdp::Checkpointed<NormBlock>> s{fsdp::Checkpointed<NormBlock>(block)};
+        blocks->push_back(s);
+        calls.push_back([s](const at::Tensor& x) mutable { return s->forward(x); });
+      }
+    }
+    register_module("blocks", blocks);
+    head = register_module("head", torch::nn::Linear(d, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = x;
+    for (auto& call : calls) h = call(h);
+    return head(h);
+  }
+  torch::nn::ModuleList blocks;
+  std::vector<std::function<at::Tensor(const at::Tensor&)>> calls;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(NormNet);
+
+constexpr int kNormDim = 6, kNormLayers = 3, kNormSteps = 6, kMicroBatches = 2, kNormRows = 4;
+
+NormNet make_norm_net(Form form) {
+  torch::manual_seed(12);
+  NormNet net(form, kNormDim, kNormLayers);
+  net->to(at::kDouble);
+  return net;
+}
+
+// Micro-batch m of step s: kNormRows rows for each of `world` ranks, and their targets.
+std::pair<at::Tensor, at::Tensor> norm_batch(int step, int micro, int world) {
+  auto gen = at::detail::createCPUGenerator(700 + 10 * step + micro);
+  const auto x = at::randn({kNormRows * world, kNormDim}, gen, at::kDouble) * 2 + 1;
+  return {x, at::randn({kNormRows * world, 1}, gen, at::kDouble)};
+}
+
+// The first tensor of `a` that differs from the one of the same name in `b` (integer ones exactly,
+// floating ones beyond `tol` by rel_diff), or "" if none does.
+std::string first_difference(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b,
+                             double tol) {
+  if (a.size() != b.size()) return std::to_string(a.size()) + " tensors against " + std::to_string(b.size());
+  for (const auto& [name, t] : a) {
+    auto it = b.find(name);
+    if (it == b.end()) return "no " + name + " in the other";
+    const bool same = t.is_floating_point() ? rel_diff(t, it->second) <= tol : torch::equal(t, it->second);
+    if (!same) {
+      std::ostringstream o;
+      o << name << ": " << t << " against " << it->second;
+      return o.str();
+    }
+  }
+  return "";
+}
+
+std::map<std::string, at::Tensor> buffers_of(const torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& kv : m.named_buffers()) out[kv.key()] = kv.value().clone();
+  return out;
+}
+
+TEST(ActivationCheckpointing, AloneLeavesBuffersAsWithoutCheckpointing) {
+  NormNet ref = make_norm_net(Form::kPlain), model = make_norm_net(Form::kCheckpointed);
+  ASSERT_EQ(buffers_of(*model).size(), size_t(kNormLayers * 5)) << "each block: 3 BatchNorm buffers and 2 of its own";
+  ASSERT_TRUE(model->blocks[0]->as<fsdp::CheckpointedImpl<NormBlock>>()->enabled());
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(0.01));
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(0.01));
+  for (int step = 0; step < kNormSteps; ++step) {
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    for (int micro = 0; micro < kMicroBatches; ++micro) {
+      const auto [x, y] = norm_batch(step, micro, 1);
+      auto ref_loss = torch::mse_loss(ref->forward(x), y) / kMicroBatches;
+      ref_loss.backward();
+      auto loss = torch::mse_loss(model->forward(x), y) / kMicroBatches;
+      loss.backward();
+      EXPECT_EQ(loss.item<double>(), ref_loss.item<double>()) << "step " << step << " micro-batch " << micro;
+    }
+    ref_opt.step();
+    opt.step();
+  }
+  const auto buffers = buffers_of(*model);
+  for (int i = 0; i < kNormLayers; ++i) {
+    const std::string block = "blocks." + std::to_string(i) + ".";
+    EXPECT_EQ(buffers.at(block + "bn.num_batches_tracked").item<int64_t>(), kNormSteps * kMicroBatches) << block;
+    EXPECT_EQ(buffers.at(block + "calls").item<int64_t>(), kNormSteps * kMicroBatches) << block;
+  }
+  EXPECT_EQ(first_difference(buffers, buffers_of(*ref), 1e-12), "");
+  auto ref_params = ref->named_parameters();
+  for (const auto& kv : model->named_parameters())
+    EXPECT_LE(rel_diff(kv.value(), ref_params[kv.key()]), 1e-12) << kv.key();
+  // Evaluation uses the running statistics.
+  ref->eval();
+  model->eval();
+  const auto x = norm_batch(99, 0, 1).first;
+  EXPECT_LE(rel_diff(model->forward(x), ref->forward(x)), 1e-12);
+}
+
+// args: strategy, form ("checkpointed": units by the wrap policy; "sharded": explicit units).
+// Trains with checkpointing and without, kMicroBatches backwards per step: the same losses,
+// parameters and buffers.
+FSDP_WORKER(ac_buffers_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0);
+  const Form form = parse_form(ctx.args.at(1));
+  std::vector<double> losses[2];
+  std::map<std::string, at::Tensor> state[2];
+  for (const bool checkpointing : {true, false}) {
+    NormNet model = make_norm_net(form);
+    fsdp::apply_activation_checkpointing(
+        *model, [&](const std::string&, const torch::nn::Module&, int64_t) { return checkpointing; });
+    auto o = fsdp::Options().sharding_strategy(fsdp::parse_sharding_strategy(strategy));
+    if (form == Form::kCheckpointed) o.auto_wrap_policy(fsdp::wrap::by_type<NormBlockImpl>());
+    if (strategy == "HYBRID_SHARD") o.sharding_factor(2);
+    auto sharded = fsdp::fully_shard(model, pg, o);
+    WORKER_CHECK(sharded->units().size() == size_t(kNormLayers + 1), sharded->describe());
+    torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+    for (int step = 0; step < kNormSteps; ++step) {
+      opt.zero_grad();
+      for (int micro = 0; micro < kMicroBatches; ++micro) {
+        const auto [x, y] = norm_batch(step, micro, ctx.world);
+        auto out = model->forward(x.narrow(0, ctx.rank * kNormRows, kNormRows));
+        auto loss = torch::mse_loss(out, y.narrow(0, ctx.rank * kNormRows, kNormRows)) / kMicroBatches;
+        loss.backward();
+        losses[checkpointing].push_back(loss.item<double>());
+      }
+      opt.step();
+    }
+    for (const auto& kv : sharded->full_state_dict()) state[checkpointing][kv.first] = kv.second;
+    for (const auto& kv : model->named_buffers())
+      if (contains(kv.key(), "num_batches_tracked") || contains(kv.key(), "calls"))
+        WORKER_CHECK(kv.value().item<int64_t>() == kNormSteps * kMicroBatches, kv.key(), " is ",
+                     kv.value().item<int64_t>(), (checkpointing ? " with" : " without"), " checkpointing");
+  }
+  for (size_t i = 0; i < losses[0].size(); ++i)
+    WORKER_CHECK(std::abs(losses[1][i] - losses[0][i]) <= 1e-12 * std::abs(losses[0][i]), "micro-batch ", i, ": loss ",
+                 losses[1][i], " with checkpointing, ", losses[0][i], " without");
+  const std::string d = first_difference(state[1], state[0], 1e-12);
+  WORKER_CHECK(d.empty(), "with checkpointing and without, the state differs: ", d);
+  if (ctx.rank == 0) std::cout << ctx.args.at(0) << " " << ctx.args.at(1) << " buffers ok" << std::endl;
+}
+
+TEST(ActivationCheckpointing, WithFsdpLeavesBuffersAsWithoutCheckpointing) {
+  const std::vector<std::tuple<int, const char*, const char*>> runs = {
+      {1, "FULL_SHARD", "checkpointed"},    {2, "FULL_SHARD", "checkpointed"},  {2, "FULL_SHARD", "sharded"},
+      {2, "SHARD_GRAD_OP", "checkpointed"}, {2, "NO_SHARD", "sharded"},         {3, "FULL_SHARD", "checkpointed"},
+      {3, "SHARD_GRAD_OP", "sharded"},      {4, "HYBRID_SHARD", "checkpointed"}};
+  for (const auto& [world, strategy, form] : runs) {
+    auto r = launch("ac_buffers_worker", world, {strategy, form});
+    ASSERT_TRUE(r.all_ok()) << strategy << " " << form << " world " << world << "\n" << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output, std::string(strategy) + " " + form + " buffers ok")) << r.report();
   }
 }
 

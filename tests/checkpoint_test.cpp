@@ -372,8 +372,25 @@ FSDP_WORKER(ckpt_bad_inputs) {
     flip_byte(dir + "/bad_manifest/manifest.json", fs::file_size(dir + "/bad_manifest/manifest.json") / 2);
     copy_dir(good, dir + "/cut_manifest");
     fs::resize_file(dir + "/cut_manifest/manifest.json", fs::file_size(dir + "/cut_manifest/manifest.json") / 2);
+    fs::create_directories(dir + "/empty_root/unfinished.tmp-0123456789abcdef");
+    copy_dir(good, dir + "/split0/good");  // rank 0's root holds a checkpoint, rank 1's (split1) none
+    fs::create_directories(dir + "/split1");
   }
   barrier();
+  // latest() finds nothing: load("") says what that means, load_latest names the root.
+  WORKER_CHECK(ckpt::latest(dir + "/empty_root").empty(), "latest() found '", ckpt::latest(dir + "/empty_root"), "'");
+  expect_error([&] { ckpt::load(ckpt::latest(dir + "/empty_root"), *sharded, *opt); },
+               "the checkpoint directory is \"\": checkpoint::latest(root) returns \"\" when root holds no complete",
+               "load of latest() with no checkpoint");
+  expect_error(
+      [&] { ckpt::load_latest(dir + "/empty_root", *sharded, *opt); },
+      "no complete checkpoint under '" + dir + "/empty_root' (saves that did not finish, *.tmp-*, do not count)",
+      "load_latest with no checkpoint");
+  expect_error([&] { ckpt::load_latest(dir + "/absent", *sharded, *opt); },
+               "no complete checkpoint under '" + dir + "/absent' (the directory does not exist)",
+               "load_latest of a missing directory");
+  expect_error([&] { ckpt::load_latest(dir + "/split" + std::to_string(ctx.rank), *sharded, *opt); },
+               "the ranks found different newest checkpoints", "load_latest where the ranks see different files");
   expect_error([&] { ckpt::load(dir + "/no_manifest", *sharded, *opt); }, "has no manifest.json", "no manifest");
   expect_error([&] { ckpt::load(dir + "/unfinished.tmp-0123456789abcdef", *sharded, *opt); }, "did not finish",
                "unfinished save");
@@ -429,6 +446,8 @@ FSDP_WORKER(ckpt_bad_inputs) {
   WORKER_CHECK(!ckpt::is_complete(dir + "/no_manifest") && !ckpt::is_complete(dir + "/truncated") &&
                    !ckpt::is_complete(dir + "/bad_manifest") && ckpt::is_complete(good),
                "is_complete");
+  const std::string loaded = ckpt::load_latest(dir, *sharded, nullptr);
+  WORKER_CHECK(loaded == dir + "/model_only", "load_latest(", dir, ") loaded '", loaded, "'");
   if (ctx.rank == 0) std::cout << "bad inputs ok" << std::endl;
 }
 

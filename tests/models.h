@@ -143,6 +143,30 @@ inline std::pair<TinyTransformer, TinyTransformer> twin_tiny_transformers() {
   return {ref, model};
 }
 
+// A residual block whose training forward changes buffers: BatchNorm's running statistics and
+// num_batches_tracked, `calls` counted up in place, and `input_mean` (a running mean of its inputs)
+// replaced with set_data.
+struct NormBlockImpl : torch::nn::Module {
+  explicit NormBlockImpl(int d) {
+    fc = register_module("fc", torch::nn::Linear(d, d));
+    bn = register_module("bn", torch::nn::BatchNorm1d(d));
+    calls = register_buffer("calls", torch::zeros({}, torch::kLong));
+    input_mean = register_buffer("input_mean", torch::zeros({d}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (bn->is_training()) {  // the block's own flag: a wrapper's train() does not reach it
+      torch::NoGradGuard no_grad;
+      calls.add_(1);
+      input_mean.set_data(0.9 * input_mean + 0.1 * x.mean(0));
+    }
+    return x + torch::tanh(bn(fc(x)));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  torch::Tensor calls, input_mean;
+};
+TORCH_MODULE(NormBlock);
+
 // Two Linear layers the tests use in unusual ways, one never used, and a BatchNorm (buffers); no
 // forward: each test composes its own from the submodules.
 struct BranchyImpl : torch::nn::Module {

@@ -31,11 +31,8 @@ std::ofstream open_metrics(const TrainConfig& config, bool is_main) {
 void log_window(const TrainingLoop& loop, int step, double lr, double local_loss, LogWindow& window,
                 TrainingResult& result, ProgressBar& progress) {
   const TrainConfig& config = loop.config;
-  const int world = loop.pg.size();
   // The logged loss is the mean over the window's steps and over all ranks' slices.
-  auto loss_sum = torch::tensor({window.loss}, torch::kDouble);
-  if (world > 1) loop.pg.world()->all_reduce(loss_sum)->wait();
-  const double mean_loss = loss_sum.item<double>() / (window.steps * world);
+  const double mean_loss = fsdp::mean_across_ranks(loop.pg, window.loss) / window.steps;
   result.last_logged_loss = mean_loss;
 
   const double ms_per_step = 1000.0 * window.seconds / window.steps;

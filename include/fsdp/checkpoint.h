@@ -82,10 +82,21 @@ inline void load(const std::string& dir, FullyShardedModule& model, torch::optim
   load(dir, model, &optimizer, extra);
 }
 
+// Collective. load() of latest(root), which every rank must find the same; returns its path.
+// Throws fsdp::Error on every rank, naming `root`, if it holds no complete checkpoint (to start
+// from scratch then, test latest(root).empty() first) or the ranks found different ones.
+std::string load_latest(const std::string& root, FullyShardedModule& model, torch::optim::Optimizer* optimizer,
+                        Extra* extra = nullptr);
+inline std::string load_latest(const std::string& root, FullyShardedModule& model, torch::optim::Optimizer& optimizer,
+                               Extra* extra = nullptr) {
+  return load_latest(root, model, &optimizer, extra);
+}
+
 // True if `dir` holds a complete checkpoint (a readable manifest, every file of the size it names).
 bool is_complete(const std::string& dir);
 // The newest complete checkpoint directly under `root` (by the time its manifest was written), or
-// "" if there is none. Directories of unfinished saves (*.tmp-*) are never picked.
+// "" if there is none (load("") is refused: test for it, or use load_latest). Directories of
+// unfinished saves (*.tmp-*) are never picked.
 std::string latest(const std::string& root);
 
 // Collective. Rank 0 writes the whole model (parameters under their own names, then buffers) as

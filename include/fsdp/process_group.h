@@ -72,4 +72,12 @@ class ProcessGroup {
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 
+// Collective over the world: every rank must call it, in the same order as its other collectives on
+// pg.world(). The mean of `value` over the ranks (their sum divided by the world size), the same on
+// every rank: e.g. the loss to log.
+double mean_across_ranks(const ProcessGroup& pg, double value);
+// The same, element by element, for a tensor of the same shape and dtype on every rank; returns a
+// new tensor on `value`'s device (an integer tensor's mean is floating point, as Tensor::div gives).
+at::Tensor mean_across_ranks(const ProcessGroup& pg, const at::Tensor& value);
+
 }  // namespace fsdp

@@ -1,8 +1,10 @@
 // Sharded checkpoints, the public calls: save and async_save (each rank writes its pieces, rank 0
-// publishes the manifest last: save_plan.h), load at any layout (sharded_load.h), latest().
+// publishes the manifest last: save_plan.h), load at any layout (sharded_load.h), latest(),
+// load_latest().
 // See Note [Checkpoint format] in docs/design.md.
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -232,16 +234,45 @@ void SaveHandle::wait() {
 
 bool SaveHandle::done() const { return !job_ || job_->finished.load(); }
 
-void load(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer, Extra* extra) {
-  FsdpState& state = fsdp::detail::StateAccess::of(model);
-  RuntimeCall call(state);
-  wait_for_in_flight_save(state);
+namespace {
+
+// Collective: load() once the runtime is held and no save is in flight.
+void load_agreed(FsdpState& state, const std::string& dir, torch::optim::Optimizer* optimizer, Extra* extra) {
   Manifest m;
   run_agreed(*state.groups().world_comm, "checkpoint::load('" + dir + "')", [&] {
     check_optimizer_holds_pieces(state, optimizer, "checkpoint::load");
     load_local(dir, state, optimizer, m);
   });
   if (extra) *extra = m.extra;
+}
+
+}  // namespace
+
+void load(const std::string& dir, FullyShardedModule& model, torch::optim::Optimizer* optimizer, Extra* extra) {
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
+  RuntimeCall call(state);
+  wait_for_in_flight_save(state);
+  load_agreed(state, dir, optimizer, extra);
+}
+
+std::string load_latest(const std::string& root, FullyShardedModule& model, torch::optim::Optimizer* optimizer,
+                        Extra* extra) {
+  FsdpState& state = fsdp::detail::StateAccess::of(model);
+  RuntimeCall call(state);
+  wait_for_in_flight_save(state);
+  const std::vector<std::string> found = all_gather_strings(*state.groups().world_comm, latest(root));
+  if (std::any_of(found.begin(), found.end(), [&](const std::string& dir) { return dir != found[0]; })) {
+    std::ostringstream o;
+    for (size_t r = 0; r < found.size(); ++r) o << (r ? ", " : "") << "rank " << r << ": '" << found[r] << "'";
+    FSDP_FAIL("checkpoint::load_latest: the ranks found different newest checkpoints under '", root, "' (", o.str(),
+              "); put '", root, "' on a file system every rank sees at the same path");
+  }
+  FSDP_CHECK(!found[0].empty(), "checkpoint::load_latest: no complete checkpoint under '", root, "' (",
+             path_exists(root) ? "saves that did not finish, *.tmp-*, do not count" : "the directory does not exist",
+             "). Save one there first, or, to start from scratch when there is none, test "
+             "checkpoint::latest(root).empty() before loading");
+  load_agreed(state, found[0], optimizer, extra);
+  return found[0];
 }
 
 bool is_complete(const std::string& dir) { return complete_manifest(dir, nullptr); }

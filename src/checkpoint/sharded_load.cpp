@@ -28,6 +28,10 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 }  // namespace
 
 Manifest read_manifest(const std::string& dir) {
+  FSDP_CHECK(!dir.empty(),
+             "the checkpoint directory is \"\": checkpoint::latest(root) returns \"\" when root holds no complete "
+             "checkpoint. Test its result before loading (and start from scratch when it is empty), or call "
+             "checkpoint::load_latest(root, ...), whose error names root");
   FSDP_CHECK(last_component(dir).find(".tmp-") == std::string::npos, "'", dir,
              "' is the directory of a save that did not finish (*.tmp-*); it is not a checkpoint. "
              "Use checkpoint::latest(root) to find the newest complete one");
