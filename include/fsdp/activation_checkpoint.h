@@ -63,21 +63,49 @@ decltype(auto) pick_arg(Stored& stored, std::vector<at::Tensor>& tensors) {
 }
 }  // namespace detail
 
-template <typename Holder, typename ForwardSignature = decltype(&Holder::ContainedType::forward)>
-class CheckpointedImpl;
+// The forms refused, each with its message: M not a module, M's forward not taken over unnamed,
+// Forward not a function type.
+template <typename M, typename Forward = detail::default_forward_t<M>>
+class CheckpointedImpl {
+  static_assert(detail::is_module_type<M>,
+                "fsdp::Checkpointed<M>: M must be a module holder (Block, declared by TORCH_MODULE(Block)) or a "
+                "module class (BlockImpl, deriving from torch::nn::Module)");
+  static_assert(!detail::is_module_type<M> || !std::is_same_v<Forward, detail::UnresolvedForward>,
+                "fsdp::Checkpointed<M>: M's forward must be one member function, neither overloaded nor a template "
+                "(the wrapper's forward takes its signature; torch::nn::Sequential's counts as "
+                "at::Tensor(at::Tensor)). For another module, name the forward to wrap: fsdp::Checkpointed<M, "
+                "at::Tensor(const at::Tensor&)>, its result and argument types");
+  static_assert(!detail::is_module_type<M> || std::is_same_v<Forward, detail::UnresolvedForward>,
+                "fsdp::Checkpointed<M, Forward>: Forward must be a function type, Result(Args...), e.g. "
+                "at::Tensor(const at::Tensor&)");
+};
 
-template <typename Holder, typename Result, typename Impl, typename... Args>
-class CheckpointedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Module, public CheckpointedBase {
-  static_assert(!std::is_base_of_v<ExplicitUnit, typename Holder::ContainedType>,
+// M: a module holder (Block) or module class (BlockImpl). Forward: the wrapper's forward,
+// Result(Args...), which calls M's forward with the same arguments.
+template <typename M, typename Result, typename... Args>
+class CheckpointedImpl<M, Result(Args...)> : public detail::WrapperModule, public CheckpointedBase {
+  static_assert(detail::is_module_type<M>,
+                "fsdp::Checkpointed<M>: M must be a module holder (Block, declared by TORCH_MODULE(Block)) or a "
+                "module class (BlockImpl, deriving from torch::nn::Module)");
+  using Holder = detail::holder_t<M>;
+  using Impl = typename Holder::ContainedType;
+  static_assert(!std::is_base_of_v<ExplicitUnit, Impl>,
                 "fsdp::Checkpointed<fsdp::Sharded<M>> is not supported: write fsdp::Sharded<fsdp::Checkpointed<M>>");
+  static_assert(detail::forward_callable<Impl, Result(Args...)>,
+                "fsdp::Checkpointed<M, Result(Args...)>: M's forward cannot be called with arguments of types "
+                "Args... to return a Result");
 
  public:
-  explicit CheckpointedImpl(Holder inner) : inner_(std::move(inner)) { detail::adopt_members(*this, *inner_); }
+  explicit CheckpointedImpl(Holder inner)
+      : detail::WrapperModule(static_cast<unsigned int>(sizeof...(Args))), inner_(std::move(inner)) {
+    detail::adopt_members(*this, *inner_);
+  }
 
   // M's forward; with grad mode on and checkpointing enabled, its activations are recomputed in
   // backward instead of kept. Non-tensor arguments are copied and kept until backward.
   Result forward(Args... args) {
-    if (!enabled() || !at::GradMode::is_enabled()) return inner_->forward(std::forward<Args>(args)...);
+    if (!enabled() || !at::GradMode::is_enabled())
+      return detail::call_forward<Result>(*inner_, std::forward<Args>(args)...);
     static_assert(std::is_same_v<Result, at::Tensor>, "fsdp::Checkpointed: the wrapped forward must return a Tensor");
     static_assert(!(std::is_rvalue_reference_v<Args> || ...),
                   "fsdp::Checkpointed: forward arguments taken by rvalue reference are not supported");
@@ -89,7 +117,7 @@ class CheckpointedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Mo
     // The non-tensor arguments; the tensors are kept by the autograd graph, not here.
     auto stored = std::make_shared<std::tuple<std::decay_t<Args>...>>(args...);
     std::apply([](auto&... a) { (drop_tensor(a), ...); }, *stored);
-    std::shared_ptr<typename Holder::ContainedType> inner = inner_.ptr();
+    std::shared_ptr<Impl> inner = inner_.ptr();
     detail::CheckpointRun run = [inner, stored](std::vector<at::Tensor>& ts) {
       return call(*inner, *stored, ts, std::index_sequence_for<Args...>{});
     };
@@ -106,6 +134,9 @@ class CheckpointedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Mo
     stream << ">";
   }
 
+ protected:
+  torch::nn::Module& forward_target() override { return *inner_; }
+
  private:
   template <typename A>
   static void collect(std::vector<at::Tensor>& tensors, const A& arg) {
@@ -118,18 +149,20 @@ class CheckpointedImpl<Holder, Result (Impl::*)(Args...)> : public torch::nn::Mo
   }
 
   template <size_t... K>
-  static Result call(typename Holder::ContainedType& inner, std::tuple<std::decay_t<Args>...>& stored,
-                     std::vector<at::Tensor>& tensors, std::index_sequence<K...>) {
+  static Result call(Impl& inner, std::tuple<std::decay_t<Args>...>& stored, std::vector<at::Tensor>& tensors,
+                     std::index_sequence<K...>) {
     constexpr auto index = detail::tensor_indices<Args...>();
-    return inner.forward(detail::pick_arg<index[K]>(std::get<K>(stored), tensors)...);
+    return detail::call_forward<Result>(inner, detail::pick_arg<index[K]>(std::get<K>(stored), tensors)...);
   }
 
   Holder inner_;
 };
 
 // fsdp::Checkpointed<Block>(Block(...)) in place of Block(...): parameter names do not change.
-template <typename Holder>
-using Checkpointed = torch::nn::ModuleHolder<CheckpointedImpl<Holder>>;
+// fsdp::Checkpointed<M, at::Tensor(const at::Tensor&)> names the forward to wrap (M's is
+// overloaded, a template, or has default arguments to leave out).
+template <typename M, typename Forward = detail::default_forward_t<M>>
+using Checkpointed = torch::nn::ModuleHolder<CheckpointedImpl<M, Forward>>;
 
 // Enables every Checkpointed wrapper in `root`'s tree (root included) that `policy` selects, given
 // the wrapper or its wrapped module, the wrapper's qualified name and its parameter count, and

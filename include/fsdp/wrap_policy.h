@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace fsdp {
@@ -24,6 +25,22 @@ class ModuleWrapper {
 };
 
 namespace detail {
+// The module class a type names: Impl for a module holder (Block, torch::nn::Linear: a
+// torch::nn::ModuleHolder<Impl>), the type itself otherwise (BlockImpl).
+template <typename T, bool = torch::detail::is_module_holder<T>::value>
+struct module_impl {
+  using type = T;
+};
+template <typename T>
+struct module_impl<T, true> {
+  using type = typename T::ContainedType;
+};
+template <typename T>
+using module_impl_t = typename module_impl<std::remove_cv_t<T>>::type;
+// Whether T is a module class (BlockImpl) or a module holder (Block).
+template <typename T>
+inline constexpr bool is_module_type = std::is_base_of_v<torch::nn::Module, module_impl_t<T>>;
+
 // Registers `inner`'s children, own parameters and own buffers on `self` under their own names, so
 // that a wrapper (fsdp::Sharded, fsdp::Checkpointed) changes no qualified name.
 inline void adopt_members(torch::nn::Module& self, torch::nn::Module& inner) {
@@ -36,13 +53,18 @@ inline void adopt_members(torch::nn::Module& self, torch::nn::Module& inner) {
 
 namespace wrap {
 
-// Wrap every module whose implementation type is one of ModuleImpls (e.g. BlockImpl), or that
-// stands in for one (fsdp::Checkpointed<Block>).
-template <typename... ModuleImpls>
+// Wrap every module of one of these types, or that stands in for one (fsdp::Checkpointed<Block>).
+// Each type is a module class (BlockImpl) or its holder (Block, torch::nn::Linear): a holder
+// stands for its module class.
+template <typename... Modules>
 WrapPolicy by_type() {
+  static_assert(sizeof...(Modules) > 0, "fsdp::wrap::by_type<M...>(): name at least one module type");
+  static_assert((detail::is_module_type<Modules> && ...),
+                "fsdp::wrap::by_type<M...>(): each M must be a module class (BlockImpl, deriving from "
+                "torch::nn::Module) or a module holder (Block, declared by TORCH_MODULE(Block))");
   return [](const std::string&, const torch::nn::Module& m, int64_t) {
     for (const torch::nn::Module* t = &m;;) {
-      if (((dynamic_cast<const ModuleImpls*>(t) != nullptr) || ...)) return true;
+      if (((dynamic_cast<const detail::module_impl_t<Modules>*>(t) != nullptr) || ...)) return true;
       const auto* wrapper = dynamic_cast<const ModuleWrapper*>(t);
       if (wrapper == nullptr) return false;
       t = &wrapper->wrapped();
