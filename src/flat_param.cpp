@@ -80,7 +80,7 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
   layout.numel = numel_;
   layout.padded_numel = padded_numel_;
   layout.shard_numel = shard_numel_;
-  layout.dtype = dtype_;
+  layout.dtype = floating && mp.keep_low_precision_grads() ? reduce_dtype_ : dtype_;
   layout.reduce_dtype = reduce_dtype_;
   layout.unsharded_options = full_.options();
   layout.separate_shard = separate_shard_;

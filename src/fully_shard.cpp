@@ -7,6 +7,7 @@
 
 #include "clip_grad_norm.h"
 #include "fsdp/check.h"
+#include "internal_op_guard.h"
 #include "mixed_precision.h"
 #include "runtime/fsdp_state.h"
 #include "runtime/hooks.h"
@@ -34,8 +35,21 @@ std::vector<UnitInfo> describe_units(const FsdpState& state) {
 }
 }  // namespace
 
+namespace {
+// The module, refused if null or already sharded by a live handle.
+std::shared_ptr<torch::nn::Module> unsharded_module(std::shared_ptr<torch::nn::Module> module) {
+  FSDP_CHECK(module != nullptr, "fully_shard: the module is null");
+  const std::string managed = Hooks::managed_parameter(*module);
+  FSDP_CHECK(managed.empty(), "fully_shard: parameter '", managed,
+             "' is already sharded by an earlier fully_shard() "
+             "whose handle is still alive; call fully_shard() once per model and keep the handle it returned (or "
+             "drop that handle first)");
+  return module;
+}
+}  // namespace
+
 FullyShardedModule::FullyShardedModule(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options)
-    : state_(std::make_unique<FsdpState>(std::move(module), std::move(pg), std::move(options))),
+    : state_(std::make_unique<FsdpState>(unsharded_module(std::move(module)), std::move(pg), std::move(options))),
       hooks_(std::make_unique<Hooks>(*state_)),
       units_(describe_units(*state_)) {}
 
@@ -43,12 +57,6 @@ FullyShardedModule::~FullyShardedModule() = default;
 
 std::shared_ptr<FullyShardedModule> fully_shard(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg,
                                                 Options options) {
-  FSDP_CHECK(module != nullptr, "fully_shard: the module is null");
-  const std::string managed = Hooks::managed_parameter(*module);
-  FSDP_CHECK(managed.empty(), "fully_shard: parameter '", managed,
-             "' is already sharded by an earlier fully_shard() "
-             "whose handle is still alive; call fully_shard() once per model and keep the handle it returned (or "
-             "drop that handle first)");
   return std::shared_ptr<FullyShardedModule>(
       new FullyShardedModule(std::move(module), std::move(pg), std::move(options)));
 }
@@ -65,6 +73,29 @@ std::vector<at::Tensor> FullyShardedModule::parameters() const {
   std::vector<at::Tensor> out;
   for (auto& kv : named_parameters()) out.push_back(kv.second);
   return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedModule::ignored_parameters() const {
+  return state_->ignored_parameters();
+}
+
+void FullyShardedModule::all_reduce_ignored_gradients() {
+  RuntimeCall call(*state_);
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  const CommunicatorPtr& world = state_->groups().world_comm;
+  const int n = world->size();
+  for (const auto& [name, p] : state_->ignored_parameters()) {
+    if (!p.requires_grad()) continue;
+    at::Tensor& g = p.mutable_grad();
+    if (!g.defined()) g = at::zeros_like(p, at::MemoryFormat::Contiguous);
+    FSDP_CHECK(g.layout() == at::kStrided, "all_reduce_ignored_gradients: the gradient of '", name,
+               "' is not dense; reduce it yourself");
+    at::Tensor sum = g.is_contiguous() ? g : g.contiguous();
+    if (n > 1) world->all_reduce(sum, CollectiveOptions::labeled("ignored gradient " + name))->wait();
+    sum.div_(n);
+    if (!sum.is_same(g)) g.copy_(sum);
+  }
 }
 
 void FullyShardedModule::check_optimizer_parameters(const std::vector<at::Tensor>& params) const {

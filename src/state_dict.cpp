@@ -27,7 +27,10 @@ std::unordered_map<std::string, at::Tensor> full_state_dict(FsdpState& state) {
       for (const auto& alias : s.aliases) out[alias] = out[s.name];
     }
   }
-  for (const auto& kv : state.buffers()) out[kv.first] = kv.second.detach().clone();
+  for (const auto& w : state.whole_tensors()) {
+    out[w.name] = w.tensor.detach().clone();
+    for (const auto& alias : w.aliases) out[alias] = out[w.name];
+  }
   return out;
 }
 
@@ -48,11 +51,10 @@ void load_full_state_dict(FsdpState& state, const std::unordered_map<std::string
     }
     fp->copy_full_into_shard(full);
   }
-  for (const auto& kv : state.buffers()) {
-    auto it = values.find(kv.first);
-    FSDP_CHECK(it != values.end(), "load_full_state_dict: buffer '", kv.first, "' is missing from the state");
-    at::Tensor b = kv.second;
-    b.copy_(it->second);
+  for (const auto& w : state.whole_tensors()) {
+    auto it = values.find(w.name);
+    FSDP_CHECK(it != values.end(), "load_full_state_dict: ", w.kind, " '", w.name, "' is missing from the state");
+    w.tensor.detach().copy_(it->second);
   }
 }
 

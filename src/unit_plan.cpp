@@ -42,7 +42,8 @@ std::vector<Node> module_tree(torch::nn::Module& root) {
 
 // Bottom-up: a module becomes a unit if annotated, an explicit unit, or the policy says so given
 // the parameter elements of its subtree that no nested unit took. The root always is one.
-std::vector<char> choose_units(const std::vector<Node>& nodes, const Options& options) {
+std::vector<char> choose_units(const std::vector<Node>& nodes, const std::vector<char>& ignored,
+                               const Options& options) {
   std::set<torch::nn::Module*> annotated;
   for (const auto& m : options.wrap_modules()) {
     const bool in_model =
@@ -53,6 +54,7 @@ std::vector<char> choose_units(const std::vector<Node>& nodes, const Options& op
   std::vector<char> is_unit(nodes.size(), 0);
   std::set<const c10::TensorImpl*> counted;
   std::function<int64_t(int)> decide = [&](int i) -> int64_t {
+    if (ignored[i]) return 0;  // neither a unit nor counted by the policy
     int64_t unwrapped = 0;
     for (int c : nodes[i].children) unwrapped += decide(c);
     for (const auto& kv : nodes[i].module->named_parameters(/*recurse=*/false))
@@ -74,6 +76,50 @@ std::vector<char> choose_units(const std::vector<Node>& nodes, const Options& op
   return is_unit;
 }
 
+std::string quoted(const std::string& name) { return name.empty() ? "the root module" : "'" + name + "'"; }
+
+// Per node, whether it lies in an ignored module's subtree (Options::ignored_modules). Refuses an
+// ignored module that is not in the model, the root, or one that is also made a unit.
+std::vector<char> ignored_nodes(const std::vector<Node>& nodes, const Options& options) {
+  std::vector<char> ignored(nodes.size(), 0);
+  if (options.ignored_modules().empty()) return ignored;
+  FSDP_CHECK(options.ignored_parameters().empty(),
+             "Options: set ignored_modules or ignored_parameters, not both; list the modules' parameters in "
+             "ignored_parameters instead");
+  std::set<const torch::nn::Module*> annotated;
+  for (const auto& m : options.wrap_modules()) annotated.insert(m.get());
+  for (const auto& m : options.ignored_modules()) {
+    FSDP_CHECK(m != nullptr, "Options::ignored_modules lists a null module");
+    auto it = std::find_if(nodes.begin(), nodes.end(), [&](const Node& n) { return n.module == m.get(); });
+    if (it == nodes.end()) {
+      for (const Node& n : nodes) {
+        const auto* unit = dynamic_cast<const ExplicitUnit*>(n.module);
+        FSDP_CHECK(!unit || const_cast<ExplicitUnit*>(unit)->wrapped_module() != m.get(),
+                   "Options::ignored_modules lists the module wrapped in fsdp::Sharded at ", quoted(n.name),
+                   ", which makes it a unit; ignore it or make it a unit, not both (unwrap it to ignore it)");
+      }
+      FSDP_FAIL("Options::ignored_modules lists a module that is not part of the model");
+    }
+    const int i = static_cast<int>(it - nodes.begin());
+    FSDP_CHECK(i != 0, "Options::ignored_modules lists the root module; FSDP needs the root (leave it out, or do not "
+                       "call fully_shard)");
+    FSDP_CHECK(!annotated.count(m.get()), "module ", quoted(nodes[i].name),
+               " is in both Options::ignored_modules and Options::wrap_modules; ignore it or make it a unit, not both");
+    std::function<void(int)> mark = [&](int k) {
+      ignored[k] = 1;
+      FSDP_CHECK(dynamic_cast<const ExplicitUnit*>(nodes[k].module) == nullptr, "module ", quoted(nodes[k].name),
+                 " is an fsdp::Sharded unit inside ignored module ", quoted(nodes[i].name),
+                 "; ignore it or make it a unit, not both");
+      FSDP_CHECK(k == i || !annotated.count(nodes[k].module), "module ", quoted(nodes[k].name),
+                 " is in Options::wrap_modules inside ignored module ", quoted(nodes[i].name),
+                 "; ignore it or make it a unit, not both");
+      for (int c : nodes[k].children) mark(c);
+    };
+    mark(i);
+  }
+  return ignored;
+}
+
 void check_parameter(const std::string& name, const at::Tensor& p, c10::Device device) {
   FSDP_CHECK(p.layout() == at::kStrided && !p.is_quantized(), "parameter '", name,
              "' is not a dense tensor; FSDP shards dense parameters only");
@@ -90,7 +136,13 @@ void check_parameter(const std::string& name, const at::Tensor& p, c10::Device d
 
 UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device device) {
   const std::vector<Node> nodes = module_tree(root);
-  const std::vector<char> is_unit = choose_units(nodes, options);
+  const std::vector<char> ignored = ignored_nodes(nodes, options);
+  const std::vector<char> is_unit = choose_units(nodes, ignored, options);
+  std::set<const c10::TensorImpl*> ignored_tensors;
+  for (const auto& p : options.ignored_parameters()) {
+    FSDP_CHECK(p.defined(), "Options::ignored_parameters lists an undefined tensor");
+    ignored_tensors.insert(p.unsafeGetTensorImpl());
+  }
 
   // Owning unit of every module: its nearest unit ancestor-or-self.
   std::vector<int> owner(nodes.size());
@@ -120,11 +172,25 @@ UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device
   };
   std::vector<Seen> seen;
   std::map<const c10::TensorImpl*, size_t> seen_index;
+  UnitPlan plan;
+  std::map<const c10::TensorImpl*, size_t> ignored_index;  // into plan.ignored_params
   for (size_t i = 0; i < nodes.size(); ++i) {
+    const std::string prefix = nodes[i].name.empty() ? "" : nodes[i].name + ".";
+    if (ignored[i])
+      for (const auto& kv : nodes[i].module->named_buffers(/*recurse=*/false))
+        plan.ignored_buffers.emplace_back(prefix + kv.key(), kv.value());
     for (const auto& kv : nodes[i].module->named_parameters(/*recurse=*/false)) {
-      const std::string full = nodes[i].name.empty() ? kv.key() : nodes[i].name + "." + kv.key();
+      const std::string full = prefix + kv.key();
       const at::Tensor& p = kv.value();
       FSDP_CHECK(p.defined(), "parameter '", full, "' is undefined; register defined tensors only");
+      if (ignored[i] || ignored_tensors.count(p.unsafeGetTensorImpl())) {
+        auto [it, fresh] = ignored_index.emplace(p.unsafeGetTensorImpl(), plan.ignored_params.size());
+        if (fresh)
+          plan.ignored_params.push_back({full, {}, p, -1, false});
+        else
+          plan.ignored_params[it->second].aliases.push_back(full);
+        continue;
+      }
       auto [it, fresh] = seen_index.emplace(p.unsafeGetTensorImpl(), seen.size());
       if (fresh) seen.push_back({p, {}, {}});
       Seen& s = seen[it->second];
@@ -133,7 +199,14 @@ UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device
       if (std::find(s.units.begin(), s.units.end(), owner[i]) == s.units.end()) s.units.push_back(owner[i]);
     }
   }
-  UnitPlan plan;
+  for (const auto& t : options.ignored_parameters())
+    FSDP_CHECK(ignored_index.count(t.unsafeGetTensorImpl()), "Options::ignored_parameters lists a tensor (shape ",
+               t.sizes(), ") that is not a parameter of the model");
+  for (const auto& s : seen) {  // a tensor both ignored and managed: tied across the boundary
+    auto it = ignored_index.find(s.param.unsafeGetTensorImpl());
+    FSDP_CHECK(it == ignored_index.end(), "parameter '", s.names[0], "' is the same tensor as ignored parameter '",
+               plan.ignored_params[it->second].name, "' (tied); ignore both or neither");
+  }
   for (auto& s : seen) {
     int unit = s.units[0];
     if (s.units.size() > 1) {
@@ -205,6 +278,10 @@ std::string UnitPlan::describe() const {
   for (const auto& p : params)
     d << p.name << " " << p.param.sizes() << " " << p.param.scalar_type() << (p.param.requires_grad() ? "" : " frozen")
       << (p.full_precision ? " full precision" : "") << " unit '" << units[p.unit].name << "'\n";
+  for (const auto& p : ignored_params)
+    d << p.name << " " << p.param.sizes() << " " << p.param.scalar_type() << (p.param.requires_grad() ? "" : " frozen")
+      << " ignored\n";
+  for (const auto& [name, b] : ignored_buffers) d << name << " " << b.sizes() << " " << b.scalar_type() << " ignored\n";
   return d.str();
 }
 

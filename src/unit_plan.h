@@ -36,9 +36,13 @@ struct UnitPlan {
   std::vector<Unit> units;
   std::vector<Param> params;
   std::vector<FlatParam> flat_params;
+  // What Options::ignored_modules / ignored_parameters leave alone, in module order: parameters
+  // (first name; unit -1) and the ignored modules' buffers.
+  std::vector<Param> ignored_params;
+  std::vector<std::pair<std::string, at::Tensor>> ignored_buffers;
 
-  // One line per parameter (name, shape, dtype, frozen, full precision, unit): equal on ranks with
-  // equal models.
+  // One line per parameter (name, shape, dtype, frozen, full precision, unit or ignored): equal on
+  // ranks with equal models.
   std::string describe() const;
 };
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <string>
 
+#include "fsdp/activation_checkpoint.h"
 #include "harness.h"
 #include "mixed_precision_reference.h"
 
@@ -28,39 +29,43 @@ TORCH_MODULE(ConvBn);
 
 // Input channels 3 -> 8, two residual ConvBn blocks, one scaled by a raw per-channel parameter (a
 // layer scale), global average pooling, a linear head over 4 classes. With `standardize`, an input
-// standardization with float32 mean and std buffers comes first.
+// standardization with float32 mean and std buffers comes first; with `checkpointed`, the blocks are
+// fsdp::Checkpointed (the same parameter and buffer names).
 struct ResNetImpl : torch::nn::Module {
-  explicit ResNetImpl(bool standardize) {
+  explicit ResNetImpl(bool standardize, bool checkpointed = false) {
     if (standardize) {
       mean = register_buffer("mean", torch::full({1, 3, 1, 1}, 0.1));
       std_dev = register_buffer("std", torch::full({1, 3, 1, 1}, 2.0));
     }
     stem = register_module("stem", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
     stem_bn = register_module("stem_bn", torch::nn::BatchNorm2d(8));
-    block1 = register_module("block1", ConvBn(8));
-    block2 = register_module("block2", ConvBn(8));
+    for (auto* block : {&block1, &block2}) {
+      *block =
+          checkpointed ? torch::nn::AnyModule(fsdp::Checkpointed<ConvBn>(ConvBn(8))) : torch::nn::AnyModule(ConvBn(8));
+      register_module(block == &block1 ? "block1" : "block2", block->ptr());
+    }
     layer_scale = register_parameter("layer_scale", torch::full({1, 8, 1, 1}, 0.5));
     head = register_module("head", torch::nn::Linear(8, 4));
   }
   torch::Tensor forward(torch::Tensor x) {
     if (mean.defined()) x = (x - mean) / std_dev;
     auto h = torch::relu(stem_bn(stem(x)));
-    h = h + block1(h);
-    h = h + layer_scale * block2(h);
+    h = h + block1.forward(h);
+    h = h + layer_scale * block2.forward(h);
     return head(h.mean({2, 3}));
   }
   torch::Tensor mean, std_dev;
   torch::nn::Conv2d stem{nullptr};
   torch::nn::BatchNorm2d stem_bn{nullptr};
-  ConvBn block1{nullptr}, block2{nullptr};
+  torch::nn::AnyModule block1, block2;
   torch::Tensor layer_scale;
   torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(ResNet);
 
-ResNet make_resnet(bool standardize) {
+ResNet make_resnet(bool standardize, bool checkpointed = false) {
   torch::manual_seed(7);
-  return ResNet(standardize);
+  return ResNet(standardize, checkpointed);
 }
 
 // Cross entropy of the float32 logits of `x` (images) against labels derived from it.
@@ -75,7 +80,9 @@ FSDP_WORKER(full_precision_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0);
   const bool standardize = ctx.args.at(1) == "standardize";
-  ResNet ref = make_resnet(standardize), compute = make_resnet(standardize), model = make_resnet(standardize);
+  const bool checkpointed = ctx.args.size() > 2 && ctx.args[2] == "checkpointed";
+  ResNet ref = make_resnet(standardize), compute = make_resnet(standardize),
+         model = make_resnet(standardize, checkpointed);
   LocalMixedPrecision<ResNet> local(ref, compute, at::kBFloat16, at::kFloat, fsdp::MixedPrecision::is_batch_norm);
   if (standardize) {
     at::NoGradGuard no_grad;
@@ -116,7 +123,11 @@ FSDP_WORKER(full_precision_worker) {
     });
     ref_opt.step();
     opt.zero_grad();
-    at::Tensor loss = classification_loss(model, sharded->cast_forward_input(x.narrow(0, ctx.rank * rows, rows)));
+    // The handle's forward casts the root's input (as PyTorch FSDP does): no cast in user code.
+    const at::Tensor rows_here = x.narrow(0, ctx.rank * rows, rows);
+    const at::Tensor labels =
+        rows_here.sum({1, 2, 3}).gt(0).to(at::kLong) + 2 * rows_here.select(1, 0).mean({1, 2}).gt(0).to(at::kLong);
+    at::Tensor loss = torch::cross_entropy_loss(sharded->forward(rows_here).to(at::kFloat), labels);
     loss.backward();
     opt.step();
     const double mine = loss.item<double>(), theirs = losses.at(ctx.rank);
@@ -132,8 +143,10 @@ FSDP_WORKER(full_precision_worker) {
     WORKER_CHECK(rel_diff(kv.value().to(at::kDouble), theirs.to(at::kDouble)) <= 1e-6, "buffer '", kv.key(),
                  "' differs by ", rel_diff(kv.value().to(at::kDouble), theirs.to(at::kDouble)));
   }
-  WORKER_CHECK(model->stem_bn->num_batches_tracked.item<int64_t>() == 3, "num_batches_tracked ",
-               model->stem_bn->num_batches_tracked.item<int64_t>());
+  // Each forward counts once, also in a checkpointed block (its recompute leaves buffers alone).
+  for (const auto& kv : model->named_buffers())
+    if (contains(kv.key(), "num_batches_tracked"))
+      WORKER_CHECK(kv.value().item<int64_t>() == 3, kv.key(), " ", kv.value().item<int64_t>());
   if (ctx.rank == 0) std::cout << strategy << " world " << ctx.world << " full precision modules ok" << std::endl;
 }
 
@@ -145,6 +158,13 @@ TEST(FullPrecisionModules, BatchNormKeepsFloat32AndTrainsLikeTheReferenceUnderBf
   for (const char* strategy : {"SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
     auto r = launch("full_precision_worker", 4, {strategy, "plain"});
     ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
+TEST(FullPrecisionModules, CheckpointedBlocksUpdateBatchNormStatisticsOnce) {
+  for (int world : {1, 2, 4}) {
+    auto r = launch("full_precision_worker", world, {"FULL_SHARD", "plain", "checkpointed"});
+    ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
   }
 }
 

@@ -38,6 +38,7 @@ struct LocalMixedPrecision {
   Model master, compute;
   std::vector<std::pair<at::Tensor, at::Tensor>> pairs;  // (master, compute), each parameter once
   std::vector<at::ScalarType> reduce_dtypes;             // per pair
+  bool keep_low_precision_grads = false;                 // the averaged gradients stay in the reduce dtype
 
   LocalMixedPrecision(Model m, Model c, at::ScalarType param_dtype, at::ScalarType reduce,
                       const std::function<bool(const torch::nn::Module&)>& keep = nullptr)
@@ -102,7 +103,12 @@ struct LocalMixedPrecision {
     }
     for (size_t i = 0; i < pairs.size(); ++i) {
       at::Tensor& g = pairs[i].first.mutable_grad();
-      g = sums[i].defined() ? sums[i].to(pairs[i].first.scalar_type(), false, true).mul_(1.0 / world) : at::Tensor();
+      if (!sums[i].defined())
+        g = at::Tensor();
+      else if (keep_low_precision_grads)
+        g = world > 1 ? sums[i].mul(1.0 / world) : sums[i];
+      else
+        g = sums[i].to(pairs[i].first.scalar_type(), false, true).mul_(1.0 / world);
     }
     return losses;
   }

@@ -6,9 +6,12 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include "fsdp/check.h"
 #include "fsdp/memory.h"
 #include "fsdp/options.h"
 #include "fsdp/process_group.h"
@@ -62,6 +65,12 @@ class FullyShardedModule {
   // parameters whose gradient exists (not frozen, used in this backward). A sharded parameter's own
   // .grad is a placeholder, not its gradient: see docs/usage.md ("Gradients").
   std::vector<std::pair<std::string, double>> grad_norms(double norm_type = 2.0);
+  // What Options::ignored_modules / ignored_parameters left alone, by first name: whole,
+  // rank-local tensors that parameters() does not include (see docs/usage.md, "Ignored modules").
+  std::vector<std::pair<std::string, at::Tensor>> ignored_parameters() const;
+  // Collective over the world: averages the ignored parameters' gradients over the ranks (a rank
+  // without one counts zeros), as FSDP does for its own; they then stay equal across ranks.
+  void all_reduce_ignored_gradients();
   // Throws if `params` (e.g. an optimizer's parameters) contains an original parameter of the
   // sharded module instead of a shard piece.
   void check_optimizer_parameters(const std::vector<at::Tensor>& params) const;
@@ -183,10 +192,13 @@ class FullyShardedModule {
   void set_trace(bool on);
   IterationTrace last_trace() const;
 
+ protected:
+  // Applies FSDP (fully_shard()).
+  FullyShardedModule(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
+
  private:
   friend struct detail::StateAccess;
   friend std::shared_ptr<FullyShardedModule> fully_shard(std::shared_ptr<torch::nn::Module>, ProcessGroupPtr, Options);
-  FullyShardedModule(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
 
   std::unique_ptr<FsdpState> state_;
   std::unique_ptr<Hooks> hooks_;  // removed before the state they call goes
@@ -197,10 +209,38 @@ class FullyShardedModule {
 // of the same structure (checked: a mismatch names the first differing parameter).
 std::shared_ptr<FullyShardedModule> fully_shard(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg,
                                                 Options options = {});
+
+// What fully_shard() returns for a module holder: the handle, and the root module's forward.
 template <typename ModuleImpl>
-std::shared_ptr<FullyShardedModule> fully_shard(torch::nn::ModuleHolder<ModuleImpl>& module, ProcessGroupPtr pg,
-                                                Options options = {}) {
-  return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), std::move(pg), std::move(options));
+class FullyShardedModuleOf : public FullyShardedModule {
+ public:
+  FullyShardedModuleOf(std::shared_ptr<ModuleImpl> impl, ProcessGroupPtr pg, Options options)
+      : FullyShardedModule(impl, std::move(pg), std::move(options)), impl_(std::move(impl)) {}
+
+  // The root module's forward, its tensor arguments cast by cast_forward_input() (PyTorch FSDP's
+  // cast of the root's inputs); other arguments pass as given.
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    return impl_->forward(cast_root_argument(std::forward<Args>(args))...);
+  }
+
+ private:
+  template <typename A>
+  decltype(auto) cast_root_argument(A&& arg) const {
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>)
+      return cast_forward_input(arg);
+    else
+      return std::forward<A>(arg);
+  }
+
+  std::shared_ptr<ModuleImpl> impl_;
+};
+
+template <typename ModuleImpl>
+std::shared_ptr<FullyShardedModuleOf<ModuleImpl>> fully_shard(torch::nn::ModuleHolder<ModuleImpl>& module,
+                                                              ProcessGroupPtr pg, Options options = {}) {
+  FSDP_CHECK(!module.is_empty(), "fully_shard: the module is null");
+  return std::make_shared<FullyShardedModuleOf<ModuleImpl>>(module.ptr(), std::move(pg), std::move(options));
 }
 
 }  // namespace fsdp

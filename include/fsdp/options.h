@@ -66,13 +66,16 @@ struct MixedPrecision {
   TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
   // Explicit units (fsdp::Sharded) cast their floating-point tensor outputs to it. Unset: no cast.
   TORCH_ARG(c10::optional<at::ScalarType>, output_dtype) = c10::nullopt;
-  // Explicit units cast their floating-point tensor arguments to param_dtype. The root's inputs
-  // are the caller's: cast them with FullyShardedModule::cast_forward_input().
+  // Explicit units and the root's forward through the handle (FullyShardedModuleOf::forward) cast
+  // their floating-point tensor arguments to param_dtype.
   TORCH_ARG(bool, cast_forward_inputs) = true;
   // Modules whose own parameters and buffers stay in their dtype (no param_dtype, reduce_dtype or
   // buffer_dtype for them): their operators take low-precision inputs with full-precision weights
   // and statistics, as LibTorch's BatchNorm kernels do. Default: BatchNorm1d/2d/3d. Null: none.
   TORCH_ARG(ModulePredicate, keep_full_precision) = is_batch_norm;
+  // The shard gradients the optimizer sees stay in reduce_dtype instead of the parameters' dtype
+  // (less gradient memory; accumulation across backwards then also runs in reduce_dtype).
+  TORCH_ARG(bool, keep_low_precision_grads) = false;
 
  public:
   // keep_full_precision for modules of these types (module or holder types, e.g. BatchNorm2d).
@@ -139,6 +142,11 @@ struct Options {
   // These submodules become units too (manual annotation).
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, wrap_modules) = {};
   TORCH_ARG(SharedParameterPolicy, shared_parameters) = SharedParameterPolicy::kLowestCommonAncestor;
+  // Submodules FSDP leaves alone, with their children: their parameters and buffers are not
+  // flattened, sharded, gathered, reduced, broadcast or cast (PyTorch FSDP's ignored_modules).
+  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
+  // Parameters FSDP leaves alone, as ignored_modules does (set one of the two, not both).
+  TORCH_ARG(std::vector<at::Tensor>, ignored_parameters) = {};
   // Broadcast rank 0's parameters and buffers when FSDP is applied.
   TORCH_ARG(bool, sync_module_states) = true;
   // Broadcast rank 0's buffers at the end of every backward (DDP's broadcast_buffers).

@@ -93,8 +93,10 @@ void export_full(const std::string& file, FullyShardedModule& model) {
           add(s.name, fp->dtype(), s.shape, s.numel * fp->element_size());
           for (const auto& a : s.aliases) aliases[a] = s.name;
         }
-    for (const auto& [name, t] : state.buffers())
-      add(name, t.scalar_type(), t.sizes().vec(), t.numel() * t.element_size());
+    for (const auto& w : state.whole_tensors()) {
+      add(w.name, w.tensor.scalar_type(), w.tensor.sizes().vec(), w.tensor.numel() * w.tensor.element_size());
+      for (const auto& a : w.aliases) aliases[a] = w.name;
+    }
   });
   std::map<std::string, std::string> metadata{{"format", "pt"}};
   if (!aliases.empty()) metadata["libfsdp.aliases"] = aliases.dump();
@@ -121,7 +123,7 @@ void export_full(const std::string& file, FullyShardedModule& model) {
     }
   if (writer)
     error.run([&] {
-      for (const auto& kv : state.buffers()) write_tensor(*out, kv.second);
+      for (const auto& w : state.whole_tensors()) write_tensor(*out, w.tensor.detach());
       out->sync();
       out->close();
       rename_path(tmp, file);
@@ -185,7 +187,11 @@ void load_full(const std::string& file, FullyShardedModule& model) {
         names.insert(names.end(), s.aliases.begin(), s.aliases.end());
         check(names, s.shape, "parameter");
       }
-    for (const auto& [name, t] : state.buffers()) check({name}, t.sizes().vec(), "buffer");
+    for (const auto& w : state.whole_tensors()) {
+      std::vector<std::string> names{w.name};
+      names.insert(names.end(), w.aliases.begin(), w.aliases.end());
+      check(names, w.tensor.sizes().vec(), w.kind);
+    }
     for (const auto& t : header.tensors)
       FSDP_CHECK(used.count(t.name), "safetensors file '", file, "' has tensor '", t.name,
                  "', which the model does not have", hint);
@@ -212,13 +218,15 @@ void load_full(const std::string& file, FullyShardedModule& model) {
       world.broadcast(full, 0, CollectiveOptions::labeled("load_full_state_dict: flat parameter"))->wait();
     fp->copy_full_into_shard(full);
   }
-  for (const auto& [name, t] : state.buffers()) {
-    at::Tensor value = at::empty(t.sizes(), t.options().device(device));
-    if (reader) read_into(name, value);
+  for (const auto& w : state.whole_tensors()) {
+    at::Tensor value = at::empty(w.tensor.sizes(), w.tensor.options().device(device).requires_grad(false));
+    if (reader) read_into(w.name, value);
     if (world.size() > 1)
-      world.broadcast(value, 0, CollectiveOptions::labeled("load_full_state_dict: buffer " + name))->wait();
-    at::Tensor b = t;
-    b.detach().copy_(value);
+      world
+          .broadcast(value, 0,
+                     CollectiveOptions::labeled("load_full_state_dict: " + std::string(w.kind) + " " + w.name))
+          ->wait();
+    w.tensor.detach().copy_(value);
   }
   run_agreed(world, what, [&] { error.rethrow(); });
 }

@@ -98,10 +98,11 @@ RankPlan plan_rank_file(FsdpState& state, torch::optim::Optimizer* optimizer, Op
   }
   json buffers = json::array();
   if (rank == 0)
-    for (const auto& [name, t] : state.buffers()) {
-      if (t.numel())
-        plan.tensors.emplace_back(keep(t.detach()), pointer_to("/buffers/" + std::to_string(buffers.size()), "offset"));
-      buffers.push_back({{"name", name}, {"offset", 0}});
+    for (const auto& w : state.whole_tensors()) {
+      if (w.tensor.numel())
+        plan.tensors.emplace_back(keep(w.tensor.detach()),
+                                  pointer_to("/buffers/" + std::to_string(buffers.size()), "offset"));
+      buffers.push_back({{"name", w.name}, {"offset", 0}});
     }
   plan.report = {{"pieces", std::move(pieces)}, {"buffers", std::move(buffers)}};
   return plan;
@@ -141,12 +142,12 @@ Manifest manifest_skeleton(FsdpState& state, torch::optim::Optimizer* optimizer,
       t.numel = s.numel;
       m.parameters.push_back(std::move(t));
     }
-  for (const auto& [name, t] : state.buffers()) {
+  for (const auto& w : state.whole_tensors()) {  // buffers and ignored parameters: rank 0's, whole
     TensorEntry b;
-    b.name = name;
-    b.shape = t.sizes().vec();
-    b.dtype = dtype_name(t.scalar_type());
-    b.numel = t.numel();
+    b.name = w.name;
+    b.shape = w.tensor.sizes().vec();
+    b.dtype = dtype_name(w.tensor.scalar_type());
+    b.numel = w.tensor.numel();
     m.buffers.push_back(std::move(b));
   }
   return m;

@@ -59,11 +59,20 @@ void check_optimizer_holds_pieces(const FsdpState& state, const torch::optim::Op
   for (const auto& fp : state.flat_params())
     for (const auto& s : fp->slots())
       if (s.piece.defined()) pieces.insert(s.piece.unsafeGetTensorImpl());
+  std::map<const c10::TensorImpl*, std::string> ignored;
+  for (const auto& [name, t] : state.ignored_parameters()) ignored[t.unsafeGetTensorImpl()] = name;
   for (const auto& group : optimizer->param_groups())
-    for (const auto& p : group.params())
+    for (const auto& p : group.params()) {
+      auto it = ignored.find(p.unsafeGetTensorImpl());
+      FSDP_CHECK(it == ignored.end(), what, ": the optimizer holds ignored parameter '",
+                 it == ignored.end() ? "" : it->second,
+                 "'; checkpoints hold the optimizer state of shard pieces only (ignored parameters' values are in the "
+                 "checkpoint). Step ignored parameters with an optimizer of their own and save its state yourself "
+                 "(torch::save)");
       FSDP_CHECK(
           pieces.count(p.unsafeGetTensorImpl()), what, ": the optimizer holds a tensor (shape ", p.sizes(),
           ") that is not a shard piece of this model; build the optimizer over FullyShardedModule::parameters()");
+    }
 }
 
 }  // namespace

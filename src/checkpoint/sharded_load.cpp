@@ -82,17 +82,17 @@ std::vector<std::vector<const TensorEntry*>> match_model(const FsdpState& state,
     FSDP_CHECK(matched.count(&t), prefix, "the model has no parameter '", t.name, "'", hint);
   std::map<std::string, const TensorEntry*> buffers;
   for (const auto& b : m.buffers) buffers[b.name] = &b;
-  for (const auto& [name, t] : state.buffers()) {
-    auto it = buffers.find(name);
-    FSDP_CHECK(it != buffers.end(), prefix, "it has no buffer '", name, "'", hint);
-    FSDP_CHECK(it->second->shape == t.sizes().vec() && it->second->dtype == dtype_name(t.scalar_type()), prefix,
-               "buffer '", name, "' is ", it->second->dtype, " ", shape_str(it->second->shape),
-               " in the checkpoint and ", dtype_name(t.scalar_type()), " ", shape_str(t.sizes().vec()), " in the model",
-               hint);
+  for (const auto& w : state.whole_tensors()) {
+    const at::Tensor& t = w.tensor;
+    auto it = buffers.find(w.name);
+    FSDP_CHECK(it != buffers.end(), prefix, "it has no ", w.kind, " '", w.name, "'", hint);
+    FSDP_CHECK(it->second->shape == t.sizes().vec() && it->second->dtype == dtype_name(t.scalar_type()), prefix, w.kind,
+               " '", w.name, "' is ", it->second->dtype, " ", shape_str(it->second->shape), " in the checkpoint and ",
+               dtype_name(t.scalar_type()), " ", shape_str(t.sizes().vec()), " in the model", hint);
     buffers.erase(it);
   }
-  FSDP_CHECK(buffers.empty(), prefix, "the model has no buffer '", buffers.empty() ? "" : buffers.begin()->first, "'",
-             hint);
+  FSDP_CHECK(buffers.empty(), prefix, "the model has no buffer or ignored parameter '",
+             buffers.empty() ? "" : buffers.begin()->first, "'", hint);
   return out;
 }
 
@@ -226,8 +226,9 @@ void load_local(const std::string& dir, FsdpState& state, torch::optim::Optimize
   std::map<std::string, const TensorEntry*> buffers;
   for (const auto& b : m.buffers) buffers[b.name] = &b;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffer_copies;
-  for (const auto& [name, t] : state.buffers()) {
-    const TensorEntry& e = *buffers.at(name);
+  for (const auto& w : state.whole_tensors()) {
+    const at::Tensor& t = w.tensor;
+    const TensorEntry& e = *buffers.at(w.name);
     at::Tensor staging = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
     request_range(readers, e, 0, e.numel, t.element_size(), static_cast<char*>(staging.data_ptr()), "");
     buffer_copies.emplace_back(t, staging);

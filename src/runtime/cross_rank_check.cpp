@@ -28,7 +28,8 @@ std::string describe_options(const Options& o) {
     << dtype(mp.param_dtype()) << "\nmixed_precision reduce_dtype " << dtype(mp.reduce_dtype())
     << "\nmixed_precision buffer_dtype " << dtype(mp.buffer_dtype()) << "\nmixed_precision output_dtype "
     << dtype(mp.output_dtype()) << "\nmixed_precision cast_forward_inputs " << mp.cast_forward_inputs()
-    << "\nmixed_precision keep_full_precision " << (mp.keep_full_precision() ? "set" : "unset");
+    << "\nmixed_precision keep_full_precision " << (mp.keep_full_precision() ? "set" : "unset")
+    << "\nmixed_precision keep_low_precision_grads " << mp.keep_low_precision_grads();
   return d.str();
 }
 

@@ -32,6 +32,12 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   groups_ = ShardingGroups::create(*pg_, options_);
 
   UnitPlan plan = plan_units(*module_, options_, pg_->world()->device());
+  {
+    std::unordered_set<const c10::TensorImpl*> ignored;
+    for (const auto& [name, b] : plan.ignored_buffers) ignored.insert(b.unsafeGetTensorImpl());
+    for (const auto& kv : module_->named_buffers(/*recurse=*/true))
+      if (!ignored.count(kv.value().unsafeGetTensorImpl())) buffers_.emplace_back(kv.key(), kv.value());
+  }
   const bool by_strategy = ShardingGroups::reshards_after_forward(options_.sharding_strategy());
   for (const auto& pu : plan.units) {
     c10::optional<bool> choice;
@@ -47,18 +53,19 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   intercepting_ =
       std::any_of(flat_params_.begin(), flat_params_.end(), [](const auto& fp) { return !fp->keep_unsharded(); });
   if (const auto dtype = options_.mixed_precision().buffer_dtype()) {
-    // Every floating-point buffer but those of modules that keep full precision.
+    // Every managed floating-point buffer but those of modules that keep full precision.
     InternalOpGuard internal;
     at::NoGradGuard no_grad;
     std::unordered_set<const c10::TensorImpl*> kept;
     for (const auto& m : module_->modules(/*include_self=*/true))
       if (options_.mixed_precision().keeps_full_precision(*m))
         for (const auto& b : m->buffers(/*recurse=*/false)) kept.insert(b.unsafeGetTensorImpl());
-    for (const auto& kv : module_->named_buffers(/*recurse=*/true))
-      if (kv.value().is_floating_point() && !kept.count(kv.value().unsafeGetTensorImpl()))
-        kv.value().set_data(kv.value().to(*dtype));
+    for (const auto& [name, b] : buffers_)
+      if (b.is_floating_point() && !kept.count(b.unsafeGetTensorImpl())) b.set_data(b.to(*dtype));
   }
-  for (const auto& kv : module_->named_buffers(/*recurse=*/true)) buffers_.emplace_back(kv.key(), kv.value());
+  for (const auto& [name, b] : buffers_) whole_tensors_.push_back({name, {}, b, "buffer"});
+  for (const auto& [name, b] : plan.ignored_buffers) whole_tensors_.push_back({name, {}, b, "buffer"});
+  for (const auto& p : plan.ignored_params) whole_tensors_.push_back({p.name, p.aliases, p.param, "ignored parameter"});
   tracer_.enable(options_.trace());
   reducer_ = std::make_unique<GradientReducer>(units_, flat_params_, options_, /*every_param_expected=*/!intercepting(),
                                                groups_.world_comm, tracer_, memory_);
@@ -180,7 +187,7 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
     }
   }
   if (sync)
-    for (const auto& kv : module_->named_buffers(/*recurse=*/true)) broadcast_from_rank0(kv.value());
+    for (const auto& [name, b] : buffers_) broadcast_from_rank0(b);
 
   units_.reserve(plan.units.size());
   for (size_t u = 0; u < plan.units.size(); ++u) {
@@ -191,6 +198,13 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
                         reshard_after_forward_[u], &tracer_);
     unit_of_module_[pu.module] = static_cast<int>(u);
   }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FsdpState::ignored_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& w : whole_tensors_)
+    if (w.kind == std::string("ignored parameter")) out.emplace_back(w.name, w.tensor);
+  return out;
 }
 
 int FsdpState::flat_param_of_storage(const c10::StorageImpl* storage) const {

@@ -49,7 +49,19 @@ class FsdpState {
   const std::vector<Unit>& units() const { return units_; }
   std::vector<std::unique_ptr<FlatParam>>& flat_params() { return flat_params_; }
   const std::vector<std::unique_ptr<FlatParam>>& flat_params() const { return flat_params_; }
+  // The managed buffers (broadcast by broadcast_buffers), not those of ignored modules.
   const std::vector<std::pair<std::string, at::Tensor>>& buffers() const { return buffers_; }
+  // What checkpoints and state dicts hold whole (rank 0's values): the managed buffers, then what
+  // Options::ignored_modules / ignored_parameters leave alone.
+  struct WholeTensor {
+    std::string name;
+    std::vector<std::string> aliases;  // further names of a tied ignored parameter
+    at::Tensor tensor;
+    const char* kind;  // "buffer" or "ignored parameter"
+  };
+  const std::vector<WholeTensor>& whole_tensors() const { return whole_tensors_; }
+  // The ignored parameters (Options::ignored_modules / ignored_parameters), under their first names.
+  std::vector<std::pair<std::string, at::Tensor>> ignored_parameters() const;
   Scheduler& scheduler() { return *scheduler_; }
   GradientReducer& reducer() { return *reducer_; }
   // False if nothing is ever sharded (NO_SHARD, world of one): no operator interception
@@ -105,6 +117,7 @@ class FsdpState {
   std::vector<std::unique_ptr<FlatParam>> flat_params_;
   std::vector<Unit> units_;
   std::vector<std::pair<std::string, at::Tensor>> buffers_;
+  std::vector<WholeTensor> whole_tensors_;
   std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<Scheduler> scheduler_;
 
