@@ -125,7 +125,7 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
   }
   if (extra.count("global_batch")) p.global_batch = std::stoi(extra.at("global_batch"));
   p.dir = dir;
-  if (scaler && extra.count("grad_scale"))         // a checkpoint of a run without fp16 starts the scaler afresh
+  if (scaler && extra.count("grad_scale"))  // a checkpoint of a run without fp16 starts the scaler afresh
     scaler->load(double_of_bytes(extra.at("grad_scale"), "grad_scale"),
                  std::stoll(extra.at("grad_scaler_growth_tracker")));
   const std::string& rng = extra.at("cpu_rng_state");
@@ -137,8 +137,8 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
     generator.set_state(state);
   }
   if (pg.rank() == 0)
-    std::cout << "checkpoint: resumed from " << dir << " at step " << p.step << " (saved by "
-              << extra.at("world_size") << " ranks, resumed on " << pg.size() << ")\n"
+    std::cout << "checkpoint: resumed from " << dir << " at step " << p.step << " (saved by " << extra.at("world_size")
+              << " ranks, resumed on " << pg.size() << ")\n"
               << std::flush;
   return p;
 }

@@ -116,9 +116,10 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                     std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +
                     ", vocab 256 (bytes)"},
       {"batch", "global " + std::to_string(plan.global) + " sequences (--global-batch) = " + std::to_string(world) +
-                    (world == 1 ? " rank x " : " ranks x ") + std::to_string(plan.accum) + " micro-batch" + (plan.accum == 1 ? "" : "es") +
-                    " x " + std::to_string(plan.micro) + " (--batch-size); " + std::to_string(plan.global) + " x " +
-                    std::to_string(config.context) + " = " + with_commas(job.tokens_per_step) + " tokens per step"},
+                    (world == 1 ? " rank x " : " ranks x ") + std::to_string(plan.accum) + " micro-batch" +
+                    (plan.accum == 1 ? "" : "es") + " x " + std::to_string(plan.micro) + " (--batch-size); " +
+                    std::to_string(plan.global) + " x " + std::to_string(config.context) + " = " +
+                    with_commas(job.tokens_per_step) + " tokens per step"},
       {"steps", std::to_string(config.steps) + " (log every " + std::to_string(config.log_interval) + ")"},
       {"optimizer", "AdamW, lr " + fixed(config.lr, 6) + ", warm-up " + std::to_string(config.warmup) + ", then " +
                         (config.schedule == "cosine" ? "cosine to " + fixed(config.min_lr, 6) : "constant") +

@@ -53,8 +53,7 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
               << " | " << std::setw(7) << fixed(ms_per_step, 1) << " ms/step | " << std::setw(7)
               << with_commas(std::llround(tokens_per_s)) << " tok/s | " << fixed(model_flops / 1e12, 4)
               << " TFLOP/s | MFU " << (mfu_possible ? fixed(100.0 * mfu, 1) + "%" : std::string("n/a (over the peak)"))
-              << " | fsdp peak " << mib(fsdp_peak)
-              << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
+              << " | fsdp peak " << mib(fsdp_peak) << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
               << std::flush;
     progress.draw(step, local_loss, result.train_seconds);
     if (loop.metrics.is_open())

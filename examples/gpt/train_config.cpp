@@ -228,12 +228,16 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
 }  // namespace
 
 void resolve_batch(TrainConfig& config, int world, int saved_global, const std::string& saved_from) {
-  const auto str = [](int64_t v) { return std::to_string(v); };
+  const auto str = [](int64_t v) {
+    return std::to_string(v);
+  };
   const std::string ranks = str(world) + (world == 1 ? " rank" : " ranks");
   if (config.global_batch > 0 && saved_global > 0 && config.global_batch != saved_global)
-    throw BatchError("--global-batch", "--global-batch " + str(config.global_batch) + " differs from the global batch " +
-                                           str(saved_global) + " of " + saved_from + "; leave --global-batch out to "
-                                           "continue with " + str(saved_global) + ", or start afresh in another --save-dir");
+    throw BatchError("--global-batch", "--global-batch " + str(config.global_batch) +
+                                           " differs from the global batch " + str(saved_global) + " of " + saved_from +
+                                           "; leave --global-batch out to "
+                                           "continue with " +
+                                           str(saved_global) + ", or start afresh in another --save-dir");
   if (config.batch_per_rank % config.grad_accum != 0)
     throw BatchError("--grad-accum",
                      str(config.grad_accum) + " does not divide --batch-per-rank " + str(config.batch_per_rank));
@@ -250,8 +254,7 @@ void resolve_batch(TrainConfig& config, int world, int saved_global, const std::
     source = "the global batch " + str(b.global) + " (world size " + str(world) + " x --batch-per-rank " +
              str(config.batch_per_rank) + ")";
   }
-  if (b.global % world != 0)
-    throw BatchError("--global-batch", source + " does not split evenly over " + ranks);
+  if (b.global % world != 0) throw BatchError("--global-batch", source + " does not split evenly over " + ranks);
   b.per_rank = b.global / world;
   if (config.batch_size > 0) {
     b.micro = config.batch_size;
@@ -262,9 +265,10 @@ void resolve_batch(TrainConfig& config, int world, int saved_global, const std::
     b.micro = std::min(config.batch_per_rank / config.grad_accum, b.per_rank);
     if (b.per_rank % b.micro != 0)
       throw BatchError("--global-batch", source + " gives " + str(b.per_rank) + " sequences per rank over " + ranks +
-                                             ", not a multiple of the micro-batch " +
-                                             str(b.micro) + " (--batch-per-rank / --grad-accum); pass a --batch-size "
-                                             "that divides " + str(b.per_rank));
+                                             ", not a multiple of the micro-batch " + str(b.micro) +
+                                             " (--batch-per-rank / --grad-accum); pass a --batch-size "
+                                             "that divides " +
+                                             str(b.per_rank));
   }
   b.accum = b.per_rank / b.micro;
   if (config.step_in_backward && b.accum > 1 && config.grad_accum_mode == "reduce")

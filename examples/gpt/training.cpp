@@ -24,9 +24,9 @@ double train_step(const TrainingLoop& loop, int step, double lr) {
   for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   const int64_t rank = loop.pg.rank();
   const BatchPlan& plan = config.batch;
-  const auto batch = gpt::sample_batch(loop.train_tokens, config.context,
-                                       gpt::batch_key(config.seed, kTrainStream, step), plan.global,
-                                       rank * plan.per_rank, plan.per_rank);
+  const auto batch =
+      gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step), plan.global,
+                        rank * plan.per_rank, plan.per_rank);
   loop.optimizer.zero_grad();
   // plan.accum micro-batches; all but the last treat their gradients as --grad-accum-mode says.
   const int64_t micro = plan.micro;
@@ -84,8 +84,9 @@ TrainingResult train(const TrainingLoop& loop) {
       const bool last = stop || step == config.steps;
       if (last || (config.save_every > 0 && step % config.save_every == 0)) {
         progress.clear();
-        save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer, Progress{step, window.loss, window.steps, config.batch.global, ""},
-                        loop.scaler, config.async_save && !last, pending);
+        save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer,
+                        Progress{step, window.loss, window.steps, config.batch.global, ""}, loop.scaler,
+                        config.async_save && !last, pending);
       }
       if (stop && step < config.steps) {
         result.stopped_after = step;
