@@ -138,7 +138,7 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
   }
   if (pg.rank() == 0)
     std::cout << "checkpoint: resumed from " << dir << " at step " << p.step << " (saved by " << extra.at("world_size")
-              << " ranks, resumed on " << pg.size() << ")\n"
+              << (extra.at("world_size") == "1" ? " rank" : " ranks") << ", resumed on " << pg.size() << ")\n"
               << std::flush;
   return p;
 }
