@@ -46,6 +46,7 @@ fsdp::checkpoint::Extra progress_extra(fsdp::ProcessGroup& pg, const TrainConfig
   fsdp::checkpoint::Extra extra{
       {"step", std::to_string(p.step)},
       {"window_steps", std::to_string(p.window_steps)},
+      {"global_batch", std::to_string(c.batch.global)},
       {"window_loss", std::string(static_cast<const char*>(losses.data_ptr()), losses.nbytes())},
       {"cpu_rng_state", std::string(static_cast<const char*>(rng.data_ptr()), rng.nbytes())},
       {"seed", std::to_string(c.seed)},
@@ -116,11 +117,15 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
   const std::string& losses = extra.at("window_loss");
   std::vector<double> per_rank(losses.size() / sizeof(double));
   std::memcpy(per_rank.data(), losses.data(), per_rank.size() * sizeof(double));
-  if (static_cast<int>(per_rank.size()) == pg.size())
+  if (static_cast<int>(per_rank.size()) == pg.size()) {
     p.window_loss = per_rank[pg.rank()];
-  else if (pg.rank() == 0)
-    for (double l : per_rank) p.window_loss += l;  // another world size: same sum
-  if (scaler && extra.count("grad_scale"))         // a checkpoint of a run without fp16 starts the scaler afresh
+  } else {  // another world size: every rank holds the saved ranks' mean, so the mean over ranks is kept
+    for (double l : per_rank) p.window_loss += l;
+    p.window_loss /= static_cast<double>(per_rank.size());
+  }
+  if (extra.count("global_batch")) p.global_batch = std::stoi(extra.at("global_batch"));
+  p.dir = dir;
+  if (scaler && extra.count("grad_scale"))  // a checkpoint of a run without fp16 starts the scaler afresh
     scaler->load(double_of_bytes(extra.at("grad_scale"), "grad_scale"),
                  std::stoll(extra.at("grad_scaler_growth_tracker")));
   const std::string& rng = extra.at("cpu_rng_state");
@@ -131,7 +136,10 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(state);
   }
-  if (pg.rank() == 0) std::cout << "checkpoint: resumed from " << dir << " at step " << p.step << "\n" << std::flush;
+  if (pg.rank() == 0)
+    std::cout << "checkpoint: resumed from " << dir << " at step " << p.step << " (saved by " << extra.at("world_size")
+              << (extra.at("world_size") == "1" ? " rank" : " ranks") << ", resumed on " << pg.size() << ")\n"
+              << std::flush;
   return p;
 }
 

@@ -12,11 +12,14 @@
 namespace fsdp_gpt {
 
 // What the trainer adds to a checkpoint to continue exactly: the step (batches and the learning
-// rate follow from it), each rank's unlogged loss window, and the default generator's state.
+// rate follow from it), the global batch, the unlogged loss window, and the default generator's
+// state. See Note [Loss window across a resume] in docs/design.md.
 struct Progress {
   int step = 0;
-  double window_loss = 0.0;
-  int window_steps = 0;
+  double window_loss = 0.0;  // this rank's share of the window's loss sum (see the Note)
+  int window_steps = 0;      // steps in the window, timed or not
+  int global_batch = 0;      // 0: not known (no checkpoint, or one that does not record it)
+  std::string dir;           // the checkpoint resumed from ("": none)
 };
 
 // A --async-save checkpoint still being written, announced when it is done.

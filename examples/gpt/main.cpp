@@ -61,7 +61,14 @@ int run(int argc, char** argv) {
                                                    : config.step_thread == "backward" ? fsdp::StepThread::kBackward
                                                                                       : fsdp::StepThread::kAuto);
 
-  job.tokens_per_step = static_cast<int64_t>(job.world) * config.batch_per_rank * config.context;
+  std::optional<fsdp::GradScaler> scaler;
+  if (config.mixed_precision == "fp16") scaler.emplace(*sharded);
+  // A resumed run keeps its checkpoint's global batch, whatever the world size now.
+  const Progress start =
+      config.resume ? resume(*pg, config, *sharded, *optimizer, scaler ? &*scaler : nullptr) : Progress{};
+  resolve_batch(config, job.world, start.global_batch, start.dir);
+
+  job.tokens_per_step = static_cast<int64_t>(config.batch.global) * config.context;
   job.flops_per_token = training_flops_per_token(built.parameter_count, config);
   if (is_main) print_configuration(config, pg->env(), job, *sharded, built, *data);
   std::ofstream metrics = open_metrics(config, is_main);
@@ -69,8 +76,6 @@ int run(int argc, char** argv) {
   const double val_loss_start = validation_loss(built.model, data->splits.validation, config);
   if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;
 
-  std::optional<fsdp::GradScaler> scaler;
-  if (config.mixed_precision == "fp16") scaler.emplace(*sharded);
   TrainingLoop loop{config,
                     *pg,
                     built.model,
@@ -81,7 +86,8 @@ int run(int argc, char** argv) {
                     metrics,
                     program_start,
                     is_main,
-                    scaler ? &*scaler : nullptr};
+                    scaler ? &*scaler : nullptr,
+                    start};
   const TrainingResult result = train(loop);
   if (result.stopped_after > 0) {
     if (is_main)

@@ -73,6 +73,7 @@ std::string grad_accum_mode_description(const std::string& mode) {
 void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, const JobFigures& job,
                          const fsdp::FullyShardedModule& sharded, const BuiltModel& built, const TrainingData& data) {
   const int world = job.world, threads_per_rank = job.threads_per_rank;
+  const BatchPlan& plan = config.batch;
   const int64_t units = static_cast<int64_t>(sharded.units().size());
   std::cout << "fsdp_gpt configuration\n";
   print_table({
@@ -95,11 +96,11 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                               ? std::string("none (float32)")
                               : config.mixed_precision + " gathers and compute, float32 reduction and master weights" +
                                     (config.mixed_precision == "fp16" ? ", sharded gradient scaler" : "")},
-      {"grad accumulation", std::to_string(config.grad_accum) + " micro-batch" + (config.grad_accum == 1 ? "" : "es") +
-                                " of " + std::to_string(config.batch_per_rank / config.grad_accum) + " per step" +
-                                (config.grad_accum > 1 ? " (" + config.grad_accum_mode + ": " +
-                                                             grad_accum_mode_description(config.grad_accum_mode) + ")"
-                                                       : std::string())},
+      {"grad accumulation", std::to_string(plan.accum) + " micro-batch" + (plan.accum == 1 ? "" : "es") + " of " +
+                                std::to_string(plan.micro) + " per step" +
+                                (plan.accum > 1 ? " (" + config.grad_accum_mode + ": " +
+                                                      grad_accum_mode_description(config.grad_accum_mode) + ")"
+                                                : std::string())},
       {"activation checkpointing", config.activation_checkpointing ? "every block (recomputed in backward)" : "off"},
       {"optimizer step", config.step_in_backward
                              ? "in backward, unit by unit as gradients are reduced (thread: " + config.step_thread + ")"
@@ -114,8 +115,10 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
       {"model", std::to_string(config.layers) + " layers, width " + std::to_string(config.width) + ", " +
                     std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +
                     ", vocab 256 (bytes)"},
-      {"batch", std::to_string(config.batch_per_rank) + " sequences per rank; global " +
-                    std::to_string(world * config.batch_per_rank) + " x " + std::to_string(config.context) + " = " +
+      {"batch", "global " + std::to_string(plan.global) + " sequences (--global-batch) = " + std::to_string(world) +
+                    (world == 1 ? " rank x " : " ranks x ") + std::to_string(plan.accum) + " micro-batch" +
+                    (plan.accum == 1 ? "" : "es") + " x " + std::to_string(plan.micro) + " (--batch-size); " +
+                    std::to_string(plan.global) + " x " + std::to_string(config.context) + " = " +
                     with_commas(job.tokens_per_step) + " tokens per step"},
       {"steps", std::to_string(config.steps) + " (log every " + std::to_string(config.log_interval) + ")"},
       {"optimizer", "AdamW, lr " + fixed(config.lr, 6) + ", warm-up " + std::to_string(config.warmup) + ", then " +
@@ -146,9 +149,14 @@ void print_report(const TrainConfig& config, const JobFigures& job, const Traini
   if (!sample.empty())
     std::cout << "\n--- sample (temperature " << config.temperature << ") ---\n" << printable(sample) << "\n---\n\n";
   std::cout << "done: " << config.steps << " steps in " << fixed(seconds_since(program_start), 1) << " s ("
-            << fixed(result.train_seconds, 1) << " s training) | final train loss " << fixed(result.last_logged_loss, 4)
-            << " | val loss " << fixed(val_loss_start, 4) << " -> " << fixed(val_loss_end, 4) << " | mean "
-            << with_commas(std::llround(job.tokens_per_step * config.steps / result.train_seconds)) << " tok/s\n"
+            << fixed(result.train_seconds, 1) << " s training)";
+  if (result.timed_steps == 0) {  // resumed from the last step: nothing trained in this process
+    std::cout << " | no steps left to train | val loss " << fixed(val_loss_end, 4) << "\n" << std::flush;
+    return;
+  }
+  std::cout << " | final train loss " << fixed(result.last_logged_loss, 4) << " | val loss " << fixed(val_loss_start, 4)
+            << " -> " << fixed(val_loss_end, 4) << " | mean "
+            << with_commas(std::llround(job.tokens_per_step * result.timed_steps / result.train_seconds)) << " tok/s\n"
             << std::flush;
 }
 

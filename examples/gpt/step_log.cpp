@@ -35,10 +35,12 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
   const double mean_loss = fsdp::mean_across_ranks(loop.pg, window.loss) / window.steps;
   result.last_logged_loss = mean_loss;
 
-  const double ms_per_step = 1000.0 * window.seconds / window.steps;
-  const double tokens_per_s = loop.job.tokens_per_step * window.steps / window.seconds;
+  const double ms_per_step = 1000.0 * window.seconds / window.timed_steps;
+  const double tokens_per_s = loop.job.tokens_per_step * window.timed_steps / window.seconds;
   const double model_flops = loop.job.flops_per_token * tokens_per_s;
-  const double peak_flops = loop.job.peak.job_flops;
+  const double mfu = model_flops / loop.job.peak.job_flops;
+  // Above the measured peak is impossible: such a figure is a measurement fault, not printed.
+  const bool mfu_possible = mfu <= 1.0;
   const auto memory = loop.sharded.memory_stats();
   const int64_t fsdp_peak = memory.param_peak_bytes + memory.grad_peak_bytes;
   result.param_peak_bytes = std::max(result.param_peak_bytes, memory.param_peak_bytes);
@@ -50,8 +52,8 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
               << fixed(mean_loss, 4) << " | lr " << std::scientific << std::setprecision(2) << lr << std::defaultfloat
               << " | " << std::setw(7) << fixed(ms_per_step, 1) << " ms/step | " << std::setw(7)
               << with_commas(std::llround(tokens_per_s)) << " tok/s | " << fixed(model_flops / 1e12, 4)
-              << " TFLOP/s | MFU " << fixed(100.0 * model_flops / peak_flops, 1) << "% | fsdp peak " << mib(fsdp_peak)
-              << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
+              << " TFLOP/s | MFU " << (mfu_possible ? fixed(100.0 * mfu, 1) + "%" : std::string("n/a (over the peak)"))
+              << " | fsdp peak " << mib(fsdp_peak) << " | rss " << fixed(rss / 1048576.0, 0) << " MiB\n"
               << std::flush;
     progress.draw(step, local_loss, result.train_seconds);
     if (loop.metrics.is_open())
@@ -61,7 +63,7 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
                                      {"ms_per_step", ms_per_step},
                                      {"tokens_per_s", tokens_per_s},
                                      {"model_tflops", model_flops / 1e12},
-                                     {"mfu", model_flops / peak_flops},
+                                     {"mfu", mfu_possible ? nlohmann::json(mfu) : nlohmann::json()},
                                      {"fsdp_param_peak_bytes", memory.param_peak_bytes},
                                      {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
                                      {"rss_bytes", rss},

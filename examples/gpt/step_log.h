@@ -12,10 +12,12 @@ namespace fsdp_gpt {
 // Rank 0 with --metrics-file: the open file (throws if it cannot be written); otherwise not open.
 std::ofstream open_metrics(const TrainConfig& config, bool is_main);
 
-// The steps since the last log line: their time and their summed local losses.
+// The steps since the last log line: their summed local losses, and the time of those this
+// process ran (a resumed window's earlier steps count for the loss only).
 struct LogWindow {
   double seconds = 0.0, loss = 0.0;
-  int steps = 0;
+  int steps = 0;        // for the loss: every step of the window
+  int timed_steps = 0;  // for the speed: the steps `seconds` measured
 };
 
 // Closes a log window (collective): rank 0 logs its mean loss, speed and memory; a new window starts.

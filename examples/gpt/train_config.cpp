@@ -5,7 +5,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <thread>
 #include <utility>
@@ -26,10 +28,21 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--context", config.context, "Tokens per training sequence")
       ->check(CLI::Range(2, 8192))
       ->capture_default_str();
+  auto* global_batch =
+      app.add_option("--global-batch", config.global_batch,
+                     "Sequences per optimizer step over all ranks, kept on --resume at any world size (default: "
+                     "the checkpoint's on --resume, else world size times --batch-per-rank)")
+          ->check(CLI::Range(1, 1 << 24));
+  auto* batch_size = app.add_option("--batch-size", config.batch_size,
+                                    "Sequences per micro-batch per rank; each rank runs --global-batch / (world "
+                                    "size x this) micro-batches per step (default: --batch-per-rank / --grad-accum, "
+                                    "at most a rank's share of the global batch)")
+                         ->check(CLI::Range(1, 1 << 16));
   app.add_option("--batch-per-rank", config.batch_per_rank,
-                 "Sequences per rank per step; the global batch is "
-                 "world size times this")
+                 "Sequences per rank per step at the world size the run starts with: sets the default "
+                 "--global-batch (world size times this)")
       ->check(CLI::Range(1, 1 << 16))
+      ->excludes(global_batch)
       ->capture_default_str();
   app.add_option("--grad-accum-mode", config.grad_accum_mode,
                  "With --grad-accum: no-sync (unsharded gradients kept local, parameters re-gathered per "
@@ -108,9 +121,10 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->transform(CLI::IsMember({"none", "bf16", "fp16"}, CLI::ignore_case))
       ->capture_default_str();
   app.add_option("--grad-accum", config.grad_accum,
-                 "Micro-batches per step (must divide --batch-per-rank); all but the last run without "
-                 "gradient communication")
+                 "Splits --batch-per-rank into this many micro-batches (must divide it): sets the default "
+                 "--batch-size; all micro-batches but the last of a step run without gradient communication")
       ->check(CLI::Range(1, 1 << 16))
+      ->excludes(batch_size)
       ->capture_default_str();
   app.add_option("--clip-grad-norm", config.clip_grad_norm, "Clip the gradients' total 2-norm to this (0: off)")
       ->check(CLI::NonNegativeNumber)
@@ -185,14 +199,14 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
     if (config.mixed_precision == "fp16")
       throw CLI::ValidationError("--step-in-backward", "fp16 loss scaling must unscale and check every gradient "
                                                        "before the step; use bf16 or drop --step-in-backward");
-    if (config.grad_accum > 1 && config.grad_accum_mode == "reduce")
-      throw CLI::ValidationError("--step-in-backward", "--grad-accum-mode reduce reduces every micro-batch, and "
-                                                       "each reducing backward would step; use no-sync");
   }
-  if (config.batch_per_rank % config.grad_accum != 0)
-    throw CLI::ValidationError("--grad-accum", std::to_string(config.grad_accum) +
-                                                   " does not divide --batch-per-rank " +
-                                                   std::to_string(config.batch_per_rank));
+  if (!config.resume) {  // a resumed run's global batch is the checkpoint's: resolved once it is loaded
+    try {
+      resolve_batch(config, env.world_size);
+    } catch (const BatchError& e) {
+      throw CLI::ValidationError(e.flag, e.what());
+    }
+  }
   for (const auto& [flag, used] : {std::pair<const char*, bool>{"--save-every", config.save_every > 0},
                                    {"--resume", config.resume},
                                    {"--stop-after", config.stop_after > 0},
@@ -212,6 +226,56 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
 }
 
 }  // namespace
+
+void resolve_batch(TrainConfig& config, int world, int saved_global, const std::string& saved_from) {
+  const auto str = [](int64_t v) {
+    return std::to_string(v);
+  };
+  const std::string ranks = str(world) + (world == 1 ? " rank" : " ranks");
+  if (config.global_batch > 0 && saved_global > 0 && config.global_batch != saved_global)
+    throw BatchError("--global-batch", "--global-batch " + str(config.global_batch) +
+                                           " differs from the global batch " + str(saved_global) + " of " + saved_from +
+                                           "; leave --global-batch out to "
+                                           "continue with " +
+                                           str(saved_global) + ", or start afresh in another --save-dir");
+  if (config.batch_per_rank % config.grad_accum != 0)
+    throw BatchError("--grad-accum",
+                     str(config.grad_accum) + " does not divide --batch-per-rank " + str(config.batch_per_rank));
+  BatchPlan b;
+  std::string source;  // where the global batch comes from, for the errors
+  if (config.global_batch > 0) {
+    b.global = config.global_batch;
+    source = "--global-batch " + str(b.global);
+  } else if (saved_global > 0) {
+    b.global = saved_global;
+    source = "the global batch " + str(b.global) + " of " + saved_from;
+  } else {
+    b.global = world * config.batch_per_rank;
+    source = "the global batch " + str(b.global) + " (world size " + str(world) + " x --batch-per-rank " +
+             str(config.batch_per_rank) + ")";
+  }
+  if (b.global % world != 0) throw BatchError("--global-batch", source + " does not split evenly over " + ranks);
+  b.per_rank = b.global / world;
+  if (config.batch_size > 0) {
+    b.micro = config.batch_size;
+    if (b.per_rank % b.micro != 0)
+      throw BatchError("--batch-size", "--batch-size " + str(b.micro) + " does not divide the " + str(b.per_rank) +
+                                           " sequences per rank of " + source + " over " + ranks);
+  } else {
+    b.micro = std::min(config.batch_per_rank / config.grad_accum, b.per_rank);
+    if (b.per_rank % b.micro != 0)
+      throw BatchError("--global-batch", source + " gives " + str(b.per_rank) + " sequences per rank over " + ranks +
+                                             ", not a multiple of the micro-batch " + str(b.micro) +
+                                             " (--batch-per-rank / --grad-accum); pass a --batch-size "
+                                             "that divides " +
+                                             str(b.per_rank));
+  }
+  b.accum = b.per_rank / b.micro;
+  if (config.step_in_backward && b.accum > 1 && config.grad_accum_mode == "reduce")
+    throw BatchError("--step-in-backward", "--grad-accum-mode reduce reduces every micro-batch, and each reducing "
+                                           "backward would step; use no-sync");
+  config.batch = b;
+}
 
 int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config) {
   CLI::App app{"Train a small GPT on text with libfsdp (Fully Sharded Data Parallel).", "fsdp_gpt"};

@@ -3,9 +3,20 @@
 #include <fsdp/fsdp.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace fsdp_gpt {
+
+// How each optimizer step's global batch is split: global = world x accum x micro. See "Batch"
+// in docs/trainer.md.
+struct BatchPlan {
+  int global = 0;    // sequences per optimizer step, all ranks; a property of the run, kept on resume
+  int per_rank = 0;  // global / world
+  int micro = 0;     // sequences per micro-batch per rank
+  int accum = 0;     // micro-batches per rank per step: per_rank / micro
+};
 
 // Every flag's value; parse_flags fills it.
 struct TrainConfig {
@@ -13,7 +24,9 @@ struct TrainConfig {
   int width = 128;
   int heads = 4;
   int context = 64;
-  int batch_per_rank = 8;
+  int global_batch = 0;    // sequences per optimizer step, all ranks (0: see BatchPlan)
+  int batch_size = 0;      // sequences per micro-batch per rank (0: see BatchPlan)
+  int batch_per_rank = 8;  // sequences per rank per step at the world size a run starts with
   int steps = 250;
   double lr = 1e-3;
   double min_lr = 1e-4;
@@ -38,7 +51,7 @@ struct TrainConfig {
   bool show_memory = false;
   // Training controls (docs/usage.md).
   std::string mixed_precision = "none";            // none, bf16, fp16
-  int grad_accum = 1;                              // micro-batches per step
+  int grad_accum = 1;                              // splits --batch-per-rank into micro-batches
   std::string grad_accum_mode = "no-sync";         // how micro-batches other than the last treat gradients
   double clip_grad_norm = 0;                       // 0: no clipping
   std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
@@ -53,10 +66,23 @@ struct TrainConfig {
   int stop_after = 0;       // 0: run to --steps
   bool async_save = false;  // --save-every saves written in the background
   std::string export_file;
+  BatchPlan batch;  // resolved by resolve_batch, not a flag
 };
 
 // Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is
 // reported once, while every rank exits with the same code.
 int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& config);
+
+// Thrown by resolve_batch: the flag at fault and what is wrong.
+struct BatchError : std::runtime_error {
+  BatchError(std::string flag_name, const std::string& message)
+      : std::runtime_error(message), flag(std::move(flag_name)) {}
+  std::string flag;
+};
+
+// Fills config.batch for `world` ranks. The global batch is --global-batch, else `saved_global`
+// (a resumed checkpoint's, 0: none), else world x --batch-per-rank; an explicit --global-batch
+// that differs from `saved_global` is refused, naming both and `saved_from`. Throws BatchError.
+void resolve_batch(TrainConfig& config, int world, int saved_global = 0, const std::string& saved_from = "");
 
 }  // namespace fsdp_gpt

@@ -18,27 +18,28 @@ namespace fsdp_gpt {
 
 namespace {
 
-// One optimizer step at `lr` on this rank's rows of the step's global batch; returns the rank's loss.
+// One optimizer step at `lr` on this rank's rows of the step's global batch; returns the rank's mean loss.
 double train_step(const TrainingLoop& loop, int step, double lr) {
   const TrainConfig& config = loop.config;
   for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  const int64_t world = loop.pg.size(), rank = loop.pg.rank();
+  const int64_t rank = loop.pg.rank();
+  const BatchPlan& plan = config.batch;
   const auto batch =
-      gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step),
-                        world * config.batch_per_rank, rank * config.batch_per_rank, config.batch_per_rank);
+      gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step), plan.global,
+                        rank * plan.per_rank, plan.per_rank);
   loop.optimizer.zero_grad();
-  // --grad-accum micro-batches; all but the last treat their gradients as --grad-accum-mode says.
-  const int64_t micro = config.batch_per_rank / config.grad_accum;
+  // plan.accum micro-batches; all but the last treat their gradients as --grad-accum-mode says.
+  const int64_t micro = plan.micro;
   const std::string& mode = config.grad_accum_mode;
   double loss_sum = 0;
-  for (int m = 0; m < config.grad_accum; ++m) {
+  for (int m = 0; m < plan.accum; ++m) {
     gpt::Batch part{batch.inputs.narrow(0, m * micro, micro), batch.targets.narrow(0, m * micro, micro)};
-    const bool last = m + 1 == config.grad_accum;
+    const bool last = m + 1 == plan.accum;
     std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
     if (!last && (mode == "no-sync" || mode == "no-sync-unsharded")) no_sync.emplace(loop.sharded.no_sync());
     if (mode == "no-sync-unsharded") loop.sharded.set_reshard_after_backward(last);
     if (mode == "replica-deferred") loop.sharded.set_requires_all_reduce(last);
-    auto loss = next_token_loss(loop.model, part) / config.grad_accum;
+    auto loss = next_token_loss(loop.model, part) / plan.accum;
     (loop.scaler ? loop.scaler->scale(loss) : loss).backward();
     loss_sum += loss.item<double>();
   }
@@ -61,20 +62,20 @@ TrainingResult train(const TrainingLoop& loop) {
   loop.sharded.reset_peak_memory_stats();
   TrainingResult result;
   LogWindow window;
-  const Progress resumed =
-      config.resume ? resume(loop.pg, config, loop.sharded, loop.optimizer, loop.scaler) : Progress{};
-  window.loss = resumed.window_loss, window.steps = resumed.window_steps;
+  window.loss = loop.start.window_loss, window.steps = loop.start.window_steps;
   if (!config.save_dir.empty()) install_stop_handler();
   PendingSave pending;
-  for (int step = resumed.step + 1; step <= config.steps; ++step) {
+  for (int step = loop.start.step + 1; step <= config.steps; ++step) {
     const auto step_start = Clock::now();
     const double lr = learning_rate(step, config);
     const double local_loss = train_step(loop, step, lr);
     const double step_seconds = seconds_since(step_start);
     result.train_seconds += step_seconds;
+    ++result.timed_steps;
     window.seconds += step_seconds;
     window.loss += local_loss;
     ++window.steps;
+    ++window.timed_steps;
     progress.draw(step, local_loss, result.train_seconds);
     if (step == 1 || step % config.log_interval == 0 || step == config.steps)
       log_window(loop, step, lr, local_loss, window, result, progress);
@@ -83,8 +84,9 @@ TrainingResult train(const TrainingLoop& loop) {
       const bool last = stop || step == config.steps;
       if (last || (config.save_every > 0 && step % config.save_every == 0)) {
         progress.clear();
-        save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer, Progress{step, window.loss, window.steps},
-                        loop.scaler, config.async_save && !last, pending);
+        save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer,
+                        Progress{step, window.loss, window.steps, config.batch.global, ""}, loop.scaler,
+                        config.async_save && !last, pending);
       }
       if (stop && step < config.steps) {
         result.stopped_after = step;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <fstream>
 
+#include "checkpointing.h"
 #include "measurements.h"
 #include "model.h"
 #include "timing.h"
@@ -16,6 +17,7 @@ namespace fsdp_gpt {
 // What the training loop hands on to the report.
 struct TrainingResult {
   double train_seconds = 0.0;
+  int timed_steps = 0;  // the steps this process ran (train_seconds is their time)
   double last_logged_loss = 0.0;
   int64_t param_peak_bytes = 0, grad_peak_bytes = 0;  // FSDP peaks over the logged windows
   int stopped_after = 0;  // --stop-after or SIGTERM: the step after which it saved and stopped
@@ -34,6 +36,7 @@ struct TrainingLoop {
   Clock::time_point program_start;
   bool is_main;
   fsdp::GradScaler* scaler = nullptr;  // --mixed-precision fp16
+  Progress start;                      // where training continues: a resumed checkpoint's, or step 0
 };
 
 // Runs --steps optimizer steps, logging at step 1, every --log-interval steps and at the last.

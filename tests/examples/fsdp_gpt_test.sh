@@ -8,57 +8,13 @@
 # that is not installed). The model is tiny, so each training run takes a few seconds on 2 cores.
 set -u
 
-TRAINER=${1:?usage: fsdp_gpt_test.sh PATH/TO/fsdp_gpt PATH/TO/fsdp-run [CASE...]}
-LAUNCHER=${2:?usage: fsdp_gpt_test.sh PATH/TO/fsdp_gpt PATH/TO/fsdp-run [CASE...]}
-shift 2
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_gpt_test.XXXXXX")
-trap 'rm -rf "$TMP"' EXIT
-
-# Ranks must not inherit a launcher environment from whoever runs the tests.
-unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT GROUP_RANK NODE_RANK
-unset OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK OMPI_COMM_WORLD_LOCAL_SIZE
-unset SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_NTASKS_PER_NODE SLURM_STEP_TASKS_PER_NODE SLURM_NODEID
-
-# One thread per rank (fsdp-run keeps it): the model is too small for more, and CI machines are
-# shared; two OpenMP threads per rank on a loaded 2-core machine run many times slower.
-export OMP_NUM_THREADS=1
+# shellcheck source=gpt_test_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpt_test_common.sh"
 
 # A tiny GPT: 2 blocks of width 64 (~0.1 M parameters); 40 steps lower the loss by well over a nat.
 STEPS=40
 TINY=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 8 --steps "$STEPS" --log-interval 10
       --lr 3e-3 --eval-batches 2 --sample-bytes 48 --prompt "The ")
-
-# shellcheck source=../harness.sh
-source "$(dirname "${BASH_SOURCE[0]}")/../harness.sh"
-
-# A TCP port nobody listens on now, for the rendezvous (ctest runs tests in parallel, and other
-# jobs on the machine may use the default 29500).
-free_port() {
-  local port
-  for _ in $(seq 100); do
-    port=$((20000 + RANDOM % 30000))
-    if ! ss -Htan "( sport = :$port )" 2>/dev/null | grep -q .; then
-      echo "$port"
-      return
-    fi
-  done
-  echo 29500
-}
-PORT=$(free_port)
-
-# Runs a command with stdout/stderr to $TMP/out and $TMP/err; sets RC.
-run() {
-  "$@" >"$TMP/out" 2>"$TMP/err"
-  RC=$?
-}
-
-expect_rc() { [ "$RC" -eq "$1" ] || fail "expected exit code $1, got $RC"; }
-expect_failure() { [ "$RC" -ne 0 ] || fail "expected a non-zero exit code, got 0"; }
-expect_text() { grep -qF -- "$2" "$TMP/$1" || fail "no '$2' in $1"; }
-expect_regex() { grep -qE -- "$2" "$TMP/$1" || fail "no line matching '$2' in $1"; }
-
-# x < y for decimal numbers.
-less_than() { awk -v x="$1" -v y="$2" 'BEGIN { exit !(x + 0 < y + 0) }'; }
 
 # Checks everything rank 0 promises to print, in $TMP/out with prefix $1 ("[rank 0] " under
 # fsdp-run, "" otherwise), for a run of $STEPS steps on world size $2, ranks told by launcher
@@ -82,6 +38,9 @@ check_training_output() {
   grep -qE "^  world size +$world \(" "$out" || fail "world size is not $world"
   grep -qE "^  world size .*; $source\)$" "$out" || fail "the rank variables did not come from $source"
   grep -qE "^  model +2 layers, width 64, 4 heads, context 32" "$out" || fail "model row does not match the flags"
+  # --batch-per-rank 8 on each of the ranks: the global batch, a whole number of micro-batches per rank.
+  grep -qE "^  batch +global $((world * 8)) sequences \(--global-batch\) = $world ranks? x [0-9]+ micro-batch(es)? x [0-9]+ \(--batch-size\); $((world * 8)) x 32 = [0-9,]+ tokens per step$" "$out" ||
+    fail "the batch row does not show the global batch $((world * 8))"
 
   # One line per logged step: 1, 10, 20, 30, 40.
   local step_re='^step +([0-9]+)/'"$STEPS"' \| loss ([0-9]+\.[0-9]{4}) \| lr [0-9.]+e[-+][0-9]+ \| +([0-9]+\.[0-9]) ms/step \| +([0-9,]+) tok/s \| ([0-9]+\.[0-9]{4}) TFLOP/s \| MFU ([0-9]+\.[0-9])% \| fsdp peak ([0-9]+\.[0-9]{2}) MiB \| rss ([0-9]+) MiB$'
@@ -190,67 +149,6 @@ test_step_in_backward() {
   expect_text err "cannot clip: each unit is stepped before the total norm exists"
 }
 
-# Checkpoints: --steps 20 stopped with --stop-after 7 and resumed (new processes) logs exactly the
-# losses of an uninterrupted --steps 20, in full precision (metrics file), the window that spans the
-# interruption included; --export writes a safetensors file; --async-save writes the --save-every
-# checkpoints in the background.
-test_stop_after_resume() {
-  local ck=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 20 --log-interval 5
-            --eval-batches 1 --sample-bytes 8 --prompt "The ")
-  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --save-dir "$TMP/whole" \
-      --metrics-file "$TMP/whole.jsonl" --export "$TMP/model.safetensors"
-  expect_rc 0
-  expect_regex out "checkpoint: saved step 20 to $TMP/whole/step-00000020"
-  expect_text out "exported the model to $TMP/model.safetensors (safetensors)"
-  [ -s "$TMP/model.safetensors" ] || fail "no export"
-  head -c 64 "$TMP/model.safetensors" | tail -c +9 | grep -q '^{"' || fail "the export does not start with a JSON header"
-  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --save-dir "$TMP/parts" \
-      --stop-after 7 --save-every 3 --async-save --metrics-file "$TMP/part1.jsonl"
-  expect_rc 0
-  expect_text out "stopped after step 7 of 20; continue with --resume"
-  expect_regex out "checkpoint: saving step 3 to $TMP/parts/step-00000003 in the background \(training paused"
-  expect_text out "checkpoint: saved step 6 to $TMP/parts/step-00000006 (in the background)"
-  for s in 3 6 7; do
-    [ -f "$TMP/parts/step-0000000$s/manifest.json" ] || fail "no complete checkpoint for step $s"
-  done
-  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --save-dir "$TMP/parts" \
-      --resume --metrics-file "$TMP/part2.jsonl"
-  expect_rc 0
-  expect_text out "checkpoint: resumed from $TMP/parts/step-00000007 at step 7"
-  local pairs='s/.*"loss":([-0-9.eE+]+).*"step":([0-9]+).*/\2 \1/'
-  sed -E "$pairs" "$TMP/whole.jsonl" >"$TMP/whole.loss"
-  cat "$TMP/part1.jsonl" "$TMP/part2.jsonl" | sed -E "$pairs" >"$TMP/parts.loss"
-  [ "$(wc -l <"$TMP/whole.loss")" -eq 5 ] || fail "expected 5 logged steps, got $(cat "$TMP/whole.loss")"
-  diff "$TMP/whole.loss" "$TMP/parts.loss" >&2 || fail "the resumed run's losses differ from the uninterrupted run's"
-}
-
-# SIGTERM (preemption): every rank finishes its step, saves, and exits 0; --resume continues.
-test_sigterm_saves_and_exits() {
-  local ck=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 100000 --log-interval 1
-            --eval-batches 1 --sample-bytes 8 --prompt "The " --save-dir "$TMP/preempt")
-  "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" --grace-seconds 60 "$TRAINER" "${ck[@]}" \
-      >"$TMP/out" 2>"$TMP/err" &
-  local launcher=$!
-  for _ in $(seq 600); do
-    grep -qE "^\[rank 0\] step +3/" "$TMP/out" 2>/dev/null && break
-    sleep 0.1
-  done
-  grep -qE "^\[rank 0\] step +3/" "$TMP/out" || { kill -KILL "$launcher"; fail "training did not start"; }
-  kill -TERM "$launcher"
-  wait "$launcher"
-  RC=$?
-  expect_rc 143  # fsdp-run reports the signal it got; the ranks themselves exited 0
-  local stopped
-  stopped=$(sed -nE 's/^\[rank 0\] stopped after step ([0-9]+) of 100000; continue with --resume$/\1/p' "$TMP/out")
-  [ -n "$stopped" ] || fail "the ranks did not report a clean stop"
-  grep -qE "exited with code [1-9]|killed" "$TMP/err" && fail "a rank did not exit cleanly"
-  [ -f "$TMP/preempt/step-$(printf %08d "$stopped")/manifest.json" ] || fail "no checkpoint of step $stopped"
-  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${ck[@]}" --resume --stop-after $((stopped + 1))
-  expect_rc 0
-  expect_text out "resumed from $TMP/preempt/step-$(printf %08d "$stopped") at step $stopped"
-  expect_text out "stopped after step $((stopped + 1)) of 100000"
-}
-
 test_bad_flags() {
   # Each bad value gets a message naming the flag and a non-zero exit; nothing trains.
   local cases=(
@@ -260,6 +158,10 @@ test_bad_flags() {
     "--steps 10 --warmup 20|--warmup"
     "--no-such-flag|--no-such-flag"
     "--batch-per-rank 8 --grad-accum 3|--grad-accum"
+    "--global-batch 12 --batch-size 8|--batch-size 8 does not divide the 12 sequences per rank"
+    "--global-batch 12|the micro-batch 8 (--batch-per-rank / --grad-accum); pass a --batch-size"
+    "--global-batch 8 --batch-per-rank 4|--global-batch"
+    "--batch-size 2 --grad-accum 2|--grad-accum"
     "--mixed-precision fp8|--mixed-precision"
     "--reshard-after-forward sometimes|--reshard-after-forward"
     "--clip-grad-norm -1|--clip-grad-norm"
@@ -276,6 +178,10 @@ test_bad_flags() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" --layers 0
   expect_failure
   [ "$(grep -c -- "--layers" "$TMP/err")" -eq 1 ] || fail "the bad flag is not reported exactly once"
+  # A global batch that does not split over the ranks names the world size.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" --global-batch 7
+  expect_failure
+  expect_text err "--global-batch 7 does not split evenly over 2 ranks"
 }
 
 # The training controls together (bf16 mixed precision, 2 micro-batches with no_sync, clipping,
@@ -399,19 +305,4 @@ test_torchrun() {
   check_training_output "" 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
 }
 
-if [ $# -eq 0 ]; then
-  set -- $(declare -F | sed -n 's/^declare -f test_//p')
-fi
-skipped=0
-for case_name in "$@"; do
-  declare -F "test_$case_name" >/dev/null || { echo "no such case: $case_name" >&2; exit 2; }
-  ("test_$case_name")
-  rc=$?
-  if [ "$rc" -eq 77 ]; then
-    skipped=$((skipped + 1))
-  elif [ "$rc" -ne 0 ]; then
-    exit "$rc"
-  fi
-done
-[ "$skipped" -eq $# ] && exit 77
-echo "PASS"
+run_cases "$@"
