@@ -44,6 +44,7 @@ int connect_once(const std::string& host, int port, Clock::time_point deadline, 
       errno = err;
     }
     if (rc == 0 && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) == 0) {
+      set_no_delay(fd);
       result = fd;
     } else {
       error = std::strerror(errno);

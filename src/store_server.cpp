@@ -26,6 +26,10 @@ namespace {
 
 using namespace store_wire;
 
+// Connections in their handshake at once; more are closed at once, so that a flood of strangers
+// costs rank 0 a bounded number of threads.
+constexpr int kMaxUnauthenticated = 64;
+
 // A socket address as /proc/net/tcp{,6} prints it ("0100007F:1F90"), IPv4-mapped IPv6 as IPv4;
 // sets `v6` to which table holds it. "" for other families.
 std::string proc_net_address(const sockaddr_storage& a, bool& v6) {
@@ -184,16 +188,27 @@ void StoreServer::accept_loop() {
       close(it->fd);
       it = connections_.erase(it);
     }
+    if (unauthenticated_ >= kMaxUnauthenticated) {
+      close(fd);
+      report_refusal(": " + std::to_string(kMaxUnauthenticated) + " others are still authenticating");
+      continue;
+    }
+    ++unauthenticated_;
+    set_no_delay(fd);
     Connection& c = connections_.emplace_back();
     c.fd = fd;
     c.thread = std::thread([this, &c] { serve(&c); });
   }
 }
 
-void StoreServer::refused(int fd, const std::string& why) {
+void StoreServer::refused(const std::string& why) {
   std::lock_guard<std::mutex> lock(connections_mu_);
+  report_refusal(" " + why);
+}
+
+void StoreServer::report_refusal(const std::string& why) {
   if (refusals_reported_ < 5)
-    std::fprintf(stderr, "[fsdp] rank 0: the rendezvous store refused a connection %s\n", why.c_str());
+    std::fprintf(stderr, "[fsdp] rank 0: the rendezvous store refused a connection%s\n", why.c_str());
   if (++refusals_reported_ == 5) std::fprintf(stderr, "[fsdp] rank 0: (further refusals are not reported)\n");
 }
 
@@ -227,7 +242,12 @@ bool StoreServer::authenticate(int fd, std::string& why) {
 
 void StoreServer::serve(Connection* c) {
   std::string why;
-  if (authenticate(c->fd, why)) {
+  const bool authenticated = authenticate(c->fd, why);
+  {
+    std::lock_guard<std::mutex> lock(connections_mu_);
+    --unauthenticated_;
+  }
+  if (authenticated) {
     std::string request;
     try {
       while (read_frame(c->fd, request, kMaxFrame, Clock::time_point::max()) == ReadStatus::kOk)
@@ -235,7 +255,7 @@ void StoreServer::serve(Connection* c) {
     } catch (const Reader::Malformed&) {
     }
   } else if (!why.empty()) {
-    refused(c->fd, why);
+    refused(why);
   }
   shutdown(c->fd, SHUT_RDWR);
   std::lock_guard<std::mutex> lock(connections_mu_);

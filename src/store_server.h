@@ -35,7 +35,9 @@ class StoreServer {
   bool authenticate(int fd, std::string& why);
   // The reply to one request; a malformed request throws.
   std::string handle(const std::string& request);
-  void refused(int fd, const std::string& why);
+  void refused(const std::string& why);
+  // Prints the first few refusals; connections_mu_ is held.
+  void report_refusal(const std::string& why);
 
   std::string token_;
   std::chrono::milliseconds handshake_timeout_;
@@ -43,8 +45,9 @@ class StoreServer {
   int wake_[2] = {-1, -1};  // a pipe that stops the accept loop
   std::thread acceptor_;
 
-  std::mutex connections_mu_;
+  std::mutex connections_mu_;  // guards what follows
   std::list<Connection> connections_;
+  int unauthenticated_ = 0;  // connections still in their handshake
   int refusals_reported_ = 0;
 
   std::mutex mu_;  // guards what follows

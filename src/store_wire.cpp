@@ -1,5 +1,7 @@
 #include "store_wire.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -52,9 +54,16 @@ ReadStatus read_all(int fd, char* data, size_t n, Clock::time_point deadline) {
 }  // namespace
 
 bool send_frame(int fd, const std::string& payload) {
+  // One send per frame: a separate header would wait for the peer's delayed acknowledgement.
   const uint32_t n = static_cast<uint32_t>(payload.size());
-  const char head[4] = {char(n >> 24), char(n >> 16), char(n >> 8), char(n)};
-  return send_all(fd, head, 4) && send_all(fd, payload.data(), payload.size());
+  std::string frame = {char(n >> 24), char(n >> 16), char(n >> 8), char(n)};
+  frame += payload;
+  return send_all(fd, frame.data(), frame.size());
+}
+
+void set_no_delay(int fd) {
+  const int on = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
 }
 
 ReadStatus read_frame(int fd, std::string& payload, size_t max_bytes, Clock::time_point deadline) {

@@ -30,6 +30,9 @@ Digest server_proof(const std::string& token, const std::string& server_nonce, c
 // Sends one frame (its length as 4 bytes, big-endian, then `payload`); false if the peer is gone.
 bool send_frame(int fd, const std::string& payload);
 
+// Sends small frames at once (TCP_NODELAY): every request waits for its reply.
+void set_no_delay(int fd);
+
 enum class ReadStatus { kOk, kClosed, kTimeout, kTooLong };
 // Reads one frame of at most `max_bytes` before `deadline`.
 ReadStatus read_frame(int fd, std::string& payload, size_t max_bytes, Clock::time_point deadline);

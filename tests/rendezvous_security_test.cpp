@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -256,6 +257,59 @@ FSDP_WORKER(short_token_worker) {
 TEST(RendezvousSecurity, ATooShortTokenIsRefused) {
   auto r = launch("short_token_worker", 2, {}, 60, {"FSDP_JOB_TOKEN=short", "FSDP_TIMEOUT_S=10"});
   ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
+// The store answers as c10d's stores do, to clients with the token.
+TEST(RendezvousSecurity, TheStoreAnswersClientsWithTheToken) {
+  using std::chrono::milliseconds;
+  auto server = std::make_unique<fsdp::StoreServer>("127.0.0.1", 0, kToken, milliseconds(2000));
+  const int port = server->port();
+  fsdp::StoreClient a("127.0.0.1", port, kToken, milliseconds(2000), std::move(server));
+  fsdp::StoreClient b("127.0.0.1", port, kToken, milliseconds(2000));
+  auto bytes = [](const std::string& s) {
+    return std::vector<uint8_t>(s.begin(), s.end());
+  };
+  std::thread later([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    a.set("k", bytes("v"));
+  });
+  EXPECT_EQ(b.get("k"), bytes("v"));  // waits for the key
+  later.join();
+  EXPECT_EQ(a.add("n", 2), 2);
+  EXPECT_EQ(b.add("n", 3), 5);
+  EXPECT_EQ(b.compareSet("k", bytes("x"), bytes("y")), bytes("v"));
+  EXPECT_EQ(b.compareSet("k", bytes("v"), bytes("w")), bytes("w"));
+  EXPECT_EQ(b.compareSet("fresh", {}, bytes("z")), bytes("z"));
+  EXPECT_TRUE(a.check({"k", "n", "fresh"}));
+  EXPECT_EQ(a.getNumKeys(), 3);
+  EXPECT_TRUE(a.deleteKey("fresh"));
+  EXPECT_FALSE(a.deleteKey("fresh"));
+  EXPECT_FALSE(a.check({"k", "fresh"}));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(b.wait({"never"}, milliseconds(200)), std::runtime_error);
+  EXPECT_LT(seconds_since(t0), 2);
+}
+
+// Root only: a process of another user on this host is refused even with the token.
+TEST(RendezvousSecurity, TheStoreRefusesAnotherUsersLoopbackClient) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another user";
+  fsdp::StoreServer server("127.0.0.1", 0, kToken, std::chrono::milliseconds(2000));
+  const pid_t child = fork();
+  if (child == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(3);
+    try {
+      fsdp::StoreClient client("127.0.0.1", server.port(), kToken, std::chrono::milliseconds(2000));
+      _exit(0);  // accepted: wrong
+    } catch (const std::exception& e) {
+      _exit(contains(e.what(), "closed the connection at once") ? 1 : 2);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1) << "0: accepted, 2: refused for another reason, 3: setuid failed";
+  fsdp::StoreClient mine("127.0.0.1", server.port(), kToken, std::chrono::milliseconds(2000));  // this user: fine
+  EXPECT_FALSE(mine.check({"k"}));
 }
 
 std::string segment_name(const char* what) {
