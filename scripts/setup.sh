@@ -17,7 +17,6 @@ PKGS=(
   cmake g++ make pkg-config
   ccache                            # CMake compiles through it when found (a warm cache: CI's rebuild in minutes)
   libtorch-dev libgloo-dev          # LibTorch 1.13 (CPU, c10d) and the Gloo headers/library it uses
-  libssl-dev                        # OpenSSL's libcrypto: HMAC-SHA-256 for the rendezvous store's authentication
   libopenblas0-pthread              # optimized BLAS: Debian's reference BLAS is ~30x slower on matmul
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev

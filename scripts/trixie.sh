@@ -38,7 +38,6 @@ PACKAGES_STAMP=.libfsdp-packages-done
 PKGS=(
   cmake g++ make pkg-config ccache
   libtorch-dev libgloo-dev          # LibTorch 2.6 (CPU, c10d with Gloo) and Gloo's headers/library
-  libssl-dev                        # OpenSSL's libcrypto: HMAC-SHA-256 for the rendezvous store's authentication
   libopenblas0-pthread
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev

@@ -1,6 +1,7 @@
 #pragma once
-// The job secret (FSDP_JOB_TOKEN) and what is built on it: HMAC-SHA-256 from OpenSSL, random bytes
-// from the kernel, a constant-time comparison. See docs/security.md.
+// The job secret (FSDP_JOB_TOKEN) and what is built on it: HMAC-SHA-256 from OpenSSL's libcrypto
+// (loaded at run time), random bytes from the kernel, a constant-time comparison. See
+// docs/security.md.
 #include <array>
 #include <cstddef>
 #include <cstdint>
