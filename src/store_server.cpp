@@ -16,6 +16,7 @@
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
 #include <vector>
 
 #include "store_wire.h"
@@ -193,11 +194,17 @@ void StoreServer::accept_loop() {
       report_refusal(": " + std::to_string(kMaxUnauthenticated) + " others are still authenticating");
       continue;
     }
-    ++unauthenticated_;
     set_no_delay(fd);
     Connection& c = connections_.emplace_back();
     c.fd = fd;
-    c.thread = std::thread([this, &c] { serve(&c); });
+    try {
+      c.thread = std::thread([this, &c] { serve(&c); });
+      ++unauthenticated_;
+    } catch (const std::system_error&) {  // no thread to be had: this connection is refused
+      close(fd);
+      connections_.pop_back();
+      report_refusal(": no thread left to serve it");
+    }
   }
 }
 
@@ -241,8 +248,14 @@ bool StoreServer::authenticate(int fd, std::string& why) {
 }
 
 void StoreServer::serve(Connection* c) {
+  // Nothing may escape a connection's thread: a failure ends this connection only.
   std::string why;
-  const bool authenticated = authenticate(c->fd, why);
+  bool authenticated = false;
+  try {
+    authenticated = authenticate(c->fd, why);
+  } catch (const std::exception& e) {
+    why = std::string("during authentication: ") + e.what();
+  }
   {
     std::lock_guard<std::mutex> lock(connections_mu_);
     --unauthenticated_;
@@ -252,7 +265,7 @@ void StoreServer::serve(Connection* c) {
     try {
       while (read_frame(c->fd, request, kMaxFrame, Clock::time_point::max()) == ReadStatus::kOk)
         if (!send_frame(c->fd, handle(request))) break;
-    } catch (const Reader::Malformed&) {
+    } catch (const std::exception&) {  // a malformed request, or no memory for a reply
     }
   } else if (!why.empty()) {
     refused(why);
