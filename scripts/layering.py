@@ -36,13 +36,14 @@ LAYERS = [
         "include/fsdp/optim.h", "src/optim.cpp", "src/optimizer_state_key.h",
         "include/fsdp/rank_env.h", "src/rank_env.cpp", "src/env_var.*",
         "src/internal_op_guard.*", "src/tensor_alias.h",
+        "src/job_token.*",
     ]),
     ("transports", [  # communicators, and the process group that makes them
         "src/comm/*",
         "include/fsdp/network_model.h",
         "include/fsdp/process_group_options.h", "src/process_group_options.cpp",
         "include/fsdp/process_group.h", "src/process_group.cpp",
-        "src/rendezvous.*", "src/member_watch.*", "src/communicator_factory.*",
+        "src/rendezvous.*", "src/store_*", "src/member_watch.*", "src/communicator_factory.*",
     ]),
     ("flat parameter", [  # FlatParameters: storage, shards, gradients, their collectives; unit planning
         "src/param_slot.h", "src/flat_param*", "src/flat_grad.*",

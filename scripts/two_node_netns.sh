@@ -112,6 +112,9 @@ veth_bytes() {  # tx bytes of node 0's veth end
 TRAIN_ARGS=(--log-interval 1 --sample-bytes 0 "$@")
 
 # --- two nodes, two ranks each ---------------------------------------------------------------
+# The nodes share one job token, as a job across hosts should (docs/security.md).
+FSDP_JOB_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+export FSDP_JOB_TOKEN
 tx_before=$(veth_bytes)
 start=$SECONDS
 for node in 0 1; do

@@ -4,11 +4,8 @@
 #include <signal.h>
 #include <sys/socket.h>
 
-#include <torch/version.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
 #include <algorithm>
-#include <cstdlib>
+#include <cstdio>
 #include <future>
 #include <memory>
 #include <sstream>
@@ -17,16 +14,32 @@
 #include <vector>
 
 #include "fsdp/check.h"
+#include "job_token.h"
 #include "member_watch.h"
+#include "store_client.h"
 
 namespace fsdp {
 
 namespace {
 
-// The TCPStore, built and answered once (this rank's arrival is recorded) on a helper thread: a
-// peer that accepts the connection but never answers (another program listening on MASTER_PORT)
-// fails after the timeout instead of hanging.
-c10::intrusive_ptr<c10d::Store> connect_store(const RankEnv& env, const c10d::TCPStoreOptions& so) {
+bool is_loopback_name(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+// Where rank 0's store listens (Note [Rendezvous store] in docs/design.md): loopback for a world of
+// one or a loopback MASTER_ADDR; MASTER_ADDR's own address for a job on one host; every interface
+// ("") only for a job across hosts, where MASTER_ADDR may name this host by an address it does not
+// have (NAT) or a name that resolves to loopback here.
+std::string listen_host(const RankEnv& env) {
+  if (env.world_size == 1) return "127.0.0.1";
+  if (is_loopback_name(env.master_addr) || env.local_world_size == env.world_size) return env.master_addr;
+  return "";
+}
+
+// The store, connected, authenticated and answered once (this rank's arrival is recorded) on a
+// helper thread: a peer that accepts the connection but never answers (another program listening
+// on MASTER_PORT) fails after the timeout instead of hanging.
+c10::intrusive_ptr<c10d::Store> connect_store(const RankEnv& env, std::chrono::milliseconds timeout) {
   // A name that does not resolve would otherwise be retried until the timeout.
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
@@ -35,25 +48,46 @@ c10::intrusive_ptr<c10d::Store> connect_store(const RankEnv& env, const c10d::TC
   if (found != nullptr) freeaddrinfo(found);
   FSDP_CHECK(rc == 0, "rank ", env.rank, ": MASTER_ADDR '", env.master_addr, "' does not resolve (", gai_strerror(rc),
              "); set MASTER_ADDR to rank 0's host name or IP address");
+  const std::string token = job_token();
+  if (token.empty() && env.rank == 0 && env.local_world_size != env.world_size)
+    std::fprintf(stderr,
+                 "[fsdp] warning: FSDP_JOB_TOKEN is not set for a job across hosts: the rendezvous store at %s:%d "
+                 "accepts any client that reaches it. Set the same FSDP_JOB_TOKEN (at least %zu random characters, "
+                 "e.g. $(openssl rand -hex 32)) for every rank; see docs/security.md\n",
+                 env.master_addr.c_str(), env.master_port, kMinJobTokenLength);
   auto result = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Store>>>();
   auto done = result->get_future();
-  std::thread([result, addr = env.master_addr, so, rank = env.rank, id = process_identity()] {
+  std::thread([result, env, token, timeout, id = process_identity()] {
     try {
-      auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
-      store->set(arrival_key(rank), std::vector<uint8_t>(id.begin(), id.end()));
-      store->check({arrival_key(rank)});  // a request with a reply (set is not): the store answers
+      std::unique_ptr<StoreServer> server;
+      std::string host = env.master_addr;
+      int port = env.master_port;
+      if (env.rank == 0) {
+        // A world of one needs no rendezvous port: any free one, so that a single process does not
+        // fail when another job holds MASTER_PORT (29500 by default).
+        server = std::make_unique<StoreServer>(listen_host(env), env.world_size == 1 ? 0 : env.master_port, token,
+                                               std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(10)));
+        if (env.world_size == 1) host = "127.0.0.1", port = server->port();
+      }
+      auto store = c10::make_intrusive<StoreClient>(host, port, token, timeout, std::move(server));
+      store->set(arrival_key(env.rank), std::vector<uint8_t>(id.begin(), id.end()));
       result->set_value(store);
     } catch (...) {
       result->set_exception(std::current_exception());
     }
   }).detach();
-  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(so.timeout).count();
-  FSDP_CHECK(done.wait_for(so.timeout + std::chrono::seconds(2)) == std::future_status::ready, "rank ", env.rank,
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(timeout).count();
+  FSDP_CHECK(done.wait_for(timeout + std::chrono::seconds(2)) == std::future_status::ready, "rank ", env.rank,
              " could not rendezvous at MASTER_ADDR=", env.master_addr, " MASTER_PORT=", env.master_port,
-             ": something accepted the connection but did not answer as a c10d TCPStore within ", seconds,
+             ": something accepted the connection but did not answer as libfsdp's rendezvous store within ", seconds,
              " s. If rank 0 failed, see its error; if another program listens on that port, choose a free "
              "MASTER_PORT (fsdp-run --master-port)");
-  return done.get();
+  try {
+    return done.get();
+  } catch (const StoreAuthError& e) {
+    FSDP_FAIL("rank ", env.rank, ": ", e.what(), " (MASTER_ADDR=", env.master_addr, " MASTER_PORT=", env.master_port,
+              ")");
+  }
 }
 
 // Every rank (announced by connect_store) waits for all the others, so that a rank that never
@@ -99,24 +133,9 @@ void ignore_sigpipe() {
 }
 
 c10::intrusive_ptr<c10d::Store> rendezvous(const RankEnv& env, std::chrono::milliseconds timeout) {
-  c10d::TCPStoreOptions so;
-  // A world of one needs no rendezvous port: take any free one, so that a single process does not
-  // fail when another job holds MASTER_PORT (29500 by default).
-  so.port = env.world_size == 1 ? 0 : static_cast<uint16_t>(env.master_port);
-  so.isServer = env.rank == 0;
-  so.numWorkers = env.world_size;
-  so.waitWorkers = false;  // wait_for_all_ranks names the ranks that never came
-  so.timeout = timeout;
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-  // LibTorch 2.4 defaults to the libuv server backend, which a LibTorch built without libuv
-  // (Debian's) refuses; the classic backend is in every build. USE_LIBUV=1 asks for libuv, as in
-  // PyTorch's Python.
-  const char* use_libuv = std::getenv("USE_LIBUV");
-  so.useLibUV = use_libuv != nullptr && std::string(use_libuv) == "1";
-#endif
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = connect_store(env, so);
+    store = connect_store(env, timeout);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {

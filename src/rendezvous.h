@@ -1,5 +1,5 @@
 #pragma once
-// The rendezvous: every rank of a job meets at rank 0's c10d TCPStore (MASTER_ADDR, MASTER_PORT),
+// The rendezvous: every rank of a job meets at the store rank 0 hosts (MASTER_ADDR, MASTER_PORT),
 // publishes its process identity (member_watch.h) and waits until all ranks have arrived; a rank
 // that never comes is named, and a port that answers as something else fails after the timeout.
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -1,5 +1,5 @@
 #pragma once
-// ProcessGroup: the job's ranks after the rendezvous (rank 0 hosts a c10d TCPStore), and the
+// ProcessGroup: the job's ranks after the rendezvous (rank 0 hosts the rendezvous store), and the
 // communicators for the world and sub-groups. See docs/launchers.md and docs/transports.md.
 #include <torch/torch.h>
 
@@ -29,7 +29,7 @@ bool built_with_gloo();
 
 class ProcessGroup {
  public:
-  // Bootstraps from the environment (see RankEnv::from_env). Rank 0 hosts the TCPStore.
+  // Bootstraps from the environment (see RankEnv::from_env). Rank 0 hosts the rendezvous store.
   static std::shared_ptr<ProcessGroup> from_env(const ProcessGroupOptions& options = {});
   static std::shared_ptr<ProcessGroup> create(const RankEnv& env, const ProcessGroupOptions& options = {});
 

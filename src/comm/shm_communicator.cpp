@@ -18,7 +18,6 @@
 #include <cstdio>
 #include <cstring>
 #include <new>
-#include <random>
 #include <sstream>
 #include <vector>
 
@@ -356,13 +355,13 @@ CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& sto
       if (!name.empty()) shm_unlink(name.c_str());
     }
   } unlink;
+  const std::string token = job_token();
   if (index == 0) {
-    std::random_device rd;
-    nonce = (uint64_t(rd()) << 32) ^ rd();
-    std::ostringstream n;
-    n << "/fsdp-" << getpid() << "-" << std::hex << nonce;
-    shm_name = n.str();
-    const std::string error = segment->create(shm_name, nonce, size);
+    // An unguessable name (128 random bits) and nonce: no one can create the segment first.
+    const std::string random = random_bytes(16 + sizeof(nonce));
+    std::memcpy(&nonce, random.data() + 16, sizeof(nonce));
+    shm_name = "/fsdp-" + std::to_string(getpid()) + "-" + to_hex(random.substr(0, 16));
+    const std::string error = segment->create(shm_name, nonce, size, segment_tag(token, shm_name, nonce));
     if (error.empty()) unlink.name = shm_name;
     store->set("shm/segment0", string_to_bytes(error.empty() ? shm_name + " " + std::to_string(nonce) : "!" + error));
   }
@@ -373,8 +372,10 @@ CommunicatorPtr make_shm_communicator(const c10::intrusive_ptr<c10d::Store>& sto
     my_status = announced.substr(1);
   } else if (index != 0) {
     std::istringstream in(announced);
-    in >> shm_name >> nonce;
-    my_status = segment->open(shm_name, nonce, size);
+    if (!(in >> shm_name >> nonce))
+      my_status = "the announced segment '" + announced + "' is not '<name> <nonce>'";
+    else
+      my_status = segment->open(shm_name, nonce, size, segment_tag(token, shm_name, nonce));
   }
   store->set("shm/status/" + std::to_string(index), string_to_bytes(my_status.empty() ? "ok" : my_status));
   wait_for_members(*store, "shm/status/", size, name, timeout, "report whether it could map the segment");

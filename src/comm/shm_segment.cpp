@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <new>
 
@@ -17,7 +18,7 @@ namespace fsdp {
 
 namespace {
 
-constexpr uint64_t kMagic = 0x326d68737064736full;  // "fsdpshm2"
+constexpr uint64_t kMagic = 0x336d68737064736full;  // "fsdpshm3"
 // Staging buffers: 1 MiB each up to 8 members, smaller beyond, so a segment stays at 16 MiB
 // (containers often give /dev/shm 64 MiB) whatever the number of ranks per host.
 constexpr int64_t kMaxSlotBytes = int64_t(1) << 20, kMinSlotBytes = int64_t(64) << 10;
@@ -32,7 +33,17 @@ int64_t segment_bytes(int size) { return data_offset(size) + int64_t(2) * size *
 
 std::string errno_text(int err) { return std::strerror(err); }
 
+std::string octal_mode(mode_t mode) {
+  char text[8];
+  std::snprintf(text, sizeof(text), "%03o", static_cast<unsigned>(mode & 0777));
+  return text;
+}
+
 }  // namespace
+
+Digest segment_tag(const std::string& token, const std::string& name, uint64_t nonce) {
+  return hmac_sha256(token, "fsdp shm segment\n" + name + "\n" + std::to_string(nonce));
+}
 
 int64_t slot_bytes(int size) {
   return std::max(kMinSlotBytes, std::min(kMaxSlotBytes, kSegmentDataBytes / (2 * size) / 4096 * 4096));
@@ -65,7 +76,7 @@ ShmSegment::~ShmSegment() {
   if (base_ != nullptr) munmap(base_, bytes_);
 }
 
-std::string ShmSegment::create(const std::string& name, uint64_t nonce, int size) {
+std::string ShmSegment::create(const std::string& name, uint64_t nonce, int size, const Digest& tag) {
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return "shm_open(" + name + ") failed: " + errno_text(errno);
   const int64_t bytes = segment_bytes(size);
@@ -87,6 +98,7 @@ std::string ShmSegment::create(const std::string& name, uint64_t nonce, int size
   h->nonce = nonce;
   h->size = size;
   h->slot_bytes = slot_bytes(size);
+  std::memcpy(h->tag, tag.data(), tag.size());
   pthread_mutexattr_t attr;
   pthread_mutexattr_init(&attr);
   pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
@@ -105,16 +117,33 @@ std::string ShmSegment::create(const std::string& name, uint64_t nonce, int size
   return "";
 }
 
-std::string ShmSegment::open(const std::string& name, uint64_t nonce, int size) {
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+std::string ShmSegment::open(const std::string& name, uint64_t nonce, int size, const Digest& tag) {
+  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos)
+    return "'" + name + "' is not a shared-memory segment name";
+  const int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0);
   if (fd < 0) return "shm_open(" + name + ") failed: " + errno_text(errno);
-  std::string error = map(fd, segment_bytes(size), name);
+  struct stat st {};
+  std::string error;
+  if (fstat(fd, &st) != 0)
+    error = "fstat of " + name + " failed: " + errno_text(errno);
+  else if (st.st_uid != geteuid())
+    error = name + " belongs to uid " + std::to_string(st.st_uid) + ", not to this user (uid " +
+            std::to_string(geteuid()) + "): it is not this job's segment, refused";
+  else if ((st.st_mode & 077) != 0)
+    error = name + " may be opened by other users (mode " + octal_mode(st.st_mode) +
+            "): not a segment libfsdp created, refused";
+  if (error.empty()) error = map(fd, segment_bytes(size), name);
   close(fd);
   if (!error.empty()) return error;
   const auto* h = header();
   if (h->magic.load(std::memory_order_acquire) != kMagic || h->nonce != nonce || h->size != size ||
       h->slot_bytes != slot_bytes(size))
     return name + " is not the segment the group's first member created (another host or /dev/shm namespace)";
+  Digest theirs;
+  std::memcpy(theirs.data(), h->tag, theirs.size());
+  if (!digests_equal(theirs, tag))
+    return name + " does not carry this job's tag: it was not created by a rank holding this job's FSDP_JOB_TOKEN, "
+                  "refused";
   return "";
 }
 

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "comm/collective_queue.h"
+#include "job_token.h"
 
 namespace fsdp {
 
@@ -46,8 +47,11 @@ struct alignas(64) ShmHeader {
   uint64_t nonce;
   int32_t size;
   int64_t slot_bytes;
+  uint8_t tag[32];  // segment_tag(): proves the creator holds the job token
 };
 
+// The tag a segment of the job carries: HMAC-SHA-256, keyed by the job token, of its name and nonce.
+Digest segment_tag(const std::string& token, const std::string& name, uint64_t nonce);
 // Bytes of each staging buffer in a segment for `size` members.
 int64_t slot_bytes(int size);
 // The inode of this process's pid namespace (0: unknown).
@@ -65,10 +69,12 @@ class ShmSegment {
   ~ShmSegment();
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
-  // Creates and initializes a fresh segment for `size` members; on failure returns the reason.
-  std::string create(const std::string& name, uint64_t nonce, int size);
-  // Maps an existing segment and checks that it is the one the creator announced.
-  std::string open(const std::string& name, uint64_t nonce, int size);
+  // Creates and initializes a fresh segment for `size` members, readable by this user only; on
+  // failure returns the reason.
+  std::string create(const std::string& name, uint64_t nonce, int size, const Digest& tag);
+  // Maps an existing segment after checking that this user owns it, that no one else may open it,
+  // and that it carries `tag` (Note [Shared-memory segment checks] in docs/design.md).
+  std::string open(const std::string& name, uint64_t nonce, int size, const Digest& tag);
   ShmHeader* header() const { return static_cast<ShmHeader*>(base_); }
   MemberControl* control(int m) const;
   uint8_t* buffer(int m, uint32_t round) const;

@@ -68,6 +68,24 @@ test_multinode_env() {
   expect_line out "[rank 3] r=3 w=4 l=1 lw=2 g=1 n=1 m=10.1.2.3:1234"
 }
 
+test_job_token() {
+  # One node: a fresh random token per job, the same for all its ranks; an inherited one is kept.
+  launch --nproc-per-node 2 sh -c 'echo "token=$FSDP_JOB_TOKEN"'
+  expect_rc 0
+  local first
+  first=$(sed -n 's/^\[rank 0\] token=//p' "$TMP/out")
+  [[ "$first" =~ ^[0-9a-f]{64}$ ]] || fail "expected 64 hex digits, got '$first'"
+  expect_line out "[rank 1] token=$first"
+  launch --nproc-per-node 1 sh -c 'echo "token=$FSDP_JOB_TOKEN"'
+  grep -qxF "[rank 0] token=$first" "$TMP/out" && fail "two jobs got the same token"
+  FSDP_JOB_TOKEN=given-by-the-user-0123 launch --nproc-per-node 1 sh -c 'echo "token=$FSDP_JOB_TOKEN"'
+  expect_line out "[rank 0] token=given-by-the-user-0123"
+  # Several nodes must share the user's token: fsdp-run makes none.
+  FSDP_JOB_TOKEN= launch --nnodes 2 --node-rank 1 --nproc-per-node 1 --master-addr 10.1.2.3 \
+    sh -c 'echo "token=${FSDP_JOB_TOKEN:-unset}"'
+  expect_line out "[rank 1] token=unset"
+}
+
 test_program_flags_not_parsed() {
   # Flags after PROGRAM belong to the program, even ones the launcher knows.
   launch --nproc-per-node 1 sh -c 'echo "args: $*"' prog --nproc-per-node 7 --help

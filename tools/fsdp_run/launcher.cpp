@@ -71,7 +71,8 @@ class Launcher {
   void start_ranks() {
     const bool tty = ::isatty(STDOUT_FILENO) == 1;
     const std::optional<int> omp = omp_threads_per_rank(opt_);
-    const std::vector<std::string> base = base_environment(omp.has_value());
+    std::vector<std::string> base = base_environment(omp.has_value());
+    if (std::optional<std::string> token = job_token_entry(opt_)) base.push_back(std::move(*token));
     std::vector<std::string> args = opt_.command;
     std::vector<char*> argv = as_c_array(args);
 

@@ -1,9 +1,12 @@
 #include "rank_environment.h"
 
 #include <sched.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <iterator>
 #include <optional>
@@ -42,9 +45,32 @@ std::vector<std::string> base_environment(bool set_omp_threads) {
         std::any_of(std::begin(kOverridden), std::end(kOverridden), [&](const char* v) { return name == v; });
     // An inherited OMP_NUM_THREADS is kept unless we set our own.
     if (name == "OMP_NUM_THREADS" && !set_omp_threads) overridden = false;
+    if (entry == "FSDP_JOB_TOKEN=") overridden = true;  // empty: job_token_entry() makes one
     if (!overridden) env.emplace_back(entry);
   }
   return env;
+}
+
+std::optional<std::string> job_token_entry(const Options& o) {
+  const char* inherited = std::getenv("FSDP_JOB_TOKEN");
+  if (o.nnodes > 1 || (inherited != nullptr && *inherited != '\0')) return std::nullopt;
+  unsigned char bytes[32];
+  size_t done = 0;
+  while (done < sizeof(bytes)) {
+    const ssize_t got = ::getrandom(bytes + done, sizeof(bytes) - done, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      std::perror("fsdp-run: cannot make a job token: getrandom");
+      std::exit(1);
+    }
+    done += static_cast<size_t>(got);
+  }
+  std::string entry = "FSDP_JOB_TOKEN=";
+  for (unsigned char b : bytes) {
+    entry += "0123456789abcdef"[b >> 4];
+    entry += "0123456789abcdef"[b & 15];
+  }
+  return entry;
 }
 
 std::optional<int> omp_threads_per_rank(const Options& o) {

@@ -1,0 +1,143 @@
+#include "store_wire.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+
+namespace fsdp::store_wire {
+
+Digest client_proof(const std::string& token, const std::string& server_nonce, const std::string& client_nonce) {
+  return hmac_sha256(token, std::string("fsdp-store client\n") + server_nonce + client_nonce);
+}
+
+Digest server_proof(const std::string& token, const std::string& server_nonce, const std::string& client_nonce) {
+  return hmac_sha256(token, std::string("fsdp-store server\n") + client_nonce + server_nonce);
+}
+
+namespace {
+
+bool send_all(int fd, const char* data, size_t n) {
+  while (n > 0) {
+    const ssize_t sent = ::send(fd, data, n, MSG_NOSIGNAL);
+    if (sent < 0 && errno == EINTR) continue;
+    if (sent <= 0) return false;
+    data += sent;
+    n -= static_cast<size_t>(sent);
+  }
+  return true;
+}
+
+ReadStatus read_all(int fd, char* data, size_t n, Clock::time_point deadline) {
+  while (n > 0) {
+    if (deadline != Clock::time_point::max()) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) return ReadStatus::kTimeout;
+      pollfd p{fd, POLLIN, 0};
+      const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30)));
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready < 0) return ReadStatus::kClosed;
+      if (ready == 0) return ReadStatus::kTimeout;
+    }
+    const ssize_t got = ::recv(fd, data, n, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return ReadStatus::kClosed;
+    data += got;
+    n -= static_cast<size_t>(got);
+  }
+  return ReadStatus::kOk;
+}
+
+}  // namespace
+
+bool send_frame(int fd, const std::string& payload) {
+  // One send per frame: a separate header would wait for the peer's delayed acknowledgement.
+  const uint32_t n = static_cast<uint32_t>(payload.size());
+  std::string frame = {char(n >> 24), char(n >> 16), char(n >> 8), char(n)};
+  frame += payload;
+  return send_all(fd, frame.data(), frame.size());
+}
+
+void set_no_delay(int fd) {
+  const int on = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
+}
+
+ReadStatus read_frame(int fd, std::string& payload, size_t max_bytes, Clock::time_point deadline) {
+  unsigned char head[4];
+  if (const ReadStatus s = read_all(fd, reinterpret_cast<char*>(head), 4, deadline); s != ReadStatus::kOk) return s;
+  const size_t n = (size_t(head[0]) << 24) | (size_t(head[1]) << 16) | (size_t(head[2]) << 8) | head[3];
+  if (n > max_bytes) return ReadStatus::kTooLong;
+  payload.assign(n, '\0');
+  return read_all(fd, payload.data(), n, deadline);
+}
+
+Writer& Writer::u8(uint8_t v) {
+  out_ += static_cast<char>(v);
+  return *this;
+}
+
+Writer& Writer::u32(uint32_t v) {
+  for (int s = 24; s >= 0; s -= 8) out_ += static_cast<char>(v >> s);
+  return *this;
+}
+
+Writer& Writer::i64(int64_t v) {
+  const auto u = static_cast<uint64_t>(v);
+  for (int s = 56; s >= 0; s -= 8) out_ += static_cast<char>(u >> s);
+  return *this;
+}
+
+Writer& Writer::bytes(const std::string& v) {
+  u32(static_cast<uint32_t>(v.size()));
+  out_ += v;
+  return *this;
+}
+
+Writer& Writer::keys(const std::vector<std::string>& v) {
+  u32(static_cast<uint32_t>(v.size()));
+  for (const auto& k : v) bytes(k);
+  return *this;
+}
+
+uint8_t Reader::u8() {
+  if (in_.size() - pos_ < 1) throw Malformed();
+  return static_cast<uint8_t>(in_[pos_++]);
+}
+
+uint32_t Reader::u32() {
+  if (in_.size() - pos_ < 4) throw Malformed();
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v = (v << 8) | static_cast<uint8_t>(in_[pos_++]);
+  return v;
+}
+
+int64_t Reader::i64() {
+  if (in_.size() - pos_ < 8) throw Malformed();
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(in_[pos_++]);
+  return static_cast<int64_t>(v);
+}
+
+std::string Reader::bytes() {
+  const uint32_t n = u32();
+  if (in_.size() - pos_ < n) throw Malformed();
+  std::string v = in_.substr(pos_, n);
+  pos_ += n;
+  return v;
+}
+
+std::vector<std::string> Reader::keys() {
+  const uint32_t n = u32();
+  if (n > in_.size() - pos_) throw Malformed();  // every key takes at least 4 bytes
+  std::vector<std::string> v;
+  for (uint32_t i = 0; i < n; ++i) v.push_back(bytes());
+  return v;
+}
+
+std::vector<uint8_t> to_vector(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+}  // namespace fsdp::store_wire
