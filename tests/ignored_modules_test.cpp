@@ -26,8 +26,8 @@ TORCH_MODULE(Side);
 
 struct WithSideImpl : torch::nn::Module {
   WithSideImpl() {
-    body = register_module("body", torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::Tanh(),
-                                                          torch::nn::Linear(8, 3)));
+    body = register_module("body",
+                           torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3)));
     side = register_module("side", Side());
   }
   torch::Tensor forward(const torch::Tensor& x) { return body->forward(x) + side(x); }
@@ -41,9 +41,7 @@ WithSide make_model() {
   return WithSide();
 }
 
-at::Tensor batch(int world, int step) {
-  return at::randn({2 * world, 6}, at::detail::createCPUGenerator(40 + step));
-}
+at::Tensor batch(int world, int step) { return at::randn({2 * world, 6}, at::detail::createCPUGenerator(40 + step)); }
 
 // args: strategy, "modules" or "parameters", "reduce" or "local", checkpoint directory or "-"
 FSDP_WORKER(ignored_worker) {
@@ -82,8 +80,7 @@ FSDP_WORKER(ignored_worker) {
   WORKER_CHECK(model->side->proj->weight.numel() == 18 && model->side->proj->weight.storage().nbytes() == 18 * 4,
                "the ignored weight is not whole");
   const auto ignored = sharded->ignored_parameters();
-  WORKER_CHECK(ignored.size() == 2 && ignored[0].first == "side.proj.weight", "ignored_parameters(): ",
-               ignored.size());
+  WORKER_CHECK(ignored.size() == 2 && ignored[0].first == "side.proj.weight", "ignored_parameters(): ", ignored.size());
   for (const auto& [name, piece] : sharded->named_parameters())
     WORKER_CHECK(name.rfind("side.", 0) != 0, "parameters() yields ", name);
 
@@ -145,8 +142,7 @@ FSDP_WORKER(ignored_load_worker) {
     else
       fsdp::checkpoint::load_full(dir + "/model.safetensors", *sharded);
     WORKER_CHECK(torch::equal(model->side->proj->weight, expected), what, ": the ignored weight is not rank 0's");
-    WORKER_CHECK(model->side->scale.allclose(torch::full({3}, 0.5)), what, ": the ignored buffer ",
-                 model->side->scale);
+    WORKER_CHECK(model->side->scale.allclose(torch::full({3}, 0.5)), what, ": the ignored buffer ", model->side->scale);
   }
   std::cout << "loaded" << std::endl;
 }
