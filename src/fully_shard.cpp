@@ -152,6 +152,13 @@ MemoryStats FullyShardedModule::memory_stats() const { return state_->memory_sta
 void FullyShardedModule::reset_peak_memory_stats() { state_->reset_peak_memory_stats(); }
 void FullyShardedModule::release_cached_memory() { state_->release_cached_memory(); }
 
+void FullyShardedModule::begin_root_forward() { detail::clear_escaped_dtype_hint(); }
+
+void FullyShardedModule::rethrow_with_dtype_hint(const std::exception& e) {
+  const std::string hint = detail::take_escaped_dtype_hint();
+  if (!hint.empty()) throw Error(std::string(e.what()) + "\nlibfsdp: " + hint);
+}
+
 at::Tensor FullyShardedModule::cast_forward_input(at::Tensor input) const {
   return fsdp::cast_forward_input(state_->options().mixed_precision(), std::move(input));
 }

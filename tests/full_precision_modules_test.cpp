@@ -206,6 +206,27 @@ TEST(FullPrecisionModules, ThePolicyChoosesWhichModulesKeepFloat32) {
   }
 }
 
+// Through the handle the root's input is cast, but the model's own float32 buffers (the input
+// standardization, no buffer_dtype) promote it back: the error thrown names the unit and the fix.
+FSDP_WORKER(hint_through_handle_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  ResNet model = make_resnet(true);
+  auto sharded = fsdp::fully_shard(model, pg,
+                                   fsdp::Options()
+                                       .auto_wrap_policy(fsdp::wrap::by_type<ConvBnImpl>())
+                                       .mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16)));
+  expect_error(
+      [&] {
+        sharded->forward(torch::randn({2, 3, 6, 6}));
+      },
+      "parameter 'stem.weight' of unit '<root>' in BFloat16", "a float32 buffer");
+  expect_error(
+      [&] {
+        sharded->forward(torch::randn({2, 3, 6, 6}));
+      },
+      "MixedPrecision::buffer_dtype casts buffers", "again");
+}
+
 TEST(FullPrecisionModules, AnInputLeftInFloat32FailsWithAHintNamingTheUnitAndTheFix) {
   auto r = launch("keep_policy_worker", 2, {"none"});
   ASSERT_TRUE(r.all_ok()) << r.report();
@@ -214,6 +235,8 @@ TEST(FullPrecisionModules, AnInputLeftInFloat32FailsWithAHintNamingTheUnitAndThe
     EXPECT_TRUE(contains(rank.output, "parameter 'stem.weight' of unit '<root>' in BFloat16")) << rank.output;
     EXPECT_TRUE(contains(rank.output, "FullyShardedModule::cast_forward_input(x)")) << rank.output;
   }
+  r = launch("hint_through_handle_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // gathered just in time and freed after use. Rules: docs/usage.md ("Rules that come with sharding").
 #include <torch/torch.h>
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -195,6 +196,11 @@ class FullyShardedModule {
  protected:
   // Applies FSDP (fully_shard()).
   FullyShardedModule(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr pg, Options options);
+  // Around the root's forward (FullyShardedModuleOf::forward): forgets earlier dtype hints; then,
+  // for an exception `e` that escaped it, throws fsdp::Error with e's message and the hint of the
+  // operator that failed on mixing param_dtype with a wider input, or returns if there is none.
+  static void begin_root_forward();
+  static void rethrow_with_dtype_hint(const std::exception& e);
 
  private:
   friend struct detail::StateAccess;
@@ -221,7 +227,13 @@ class FullyShardedModuleOf : public FullyShardedModule {
   // cast of the root's inputs); other arguments pass as given.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    return impl_->forward(cast_root_argument(std::forward<Args>(args))...);
+    begin_root_forward();
+    try {
+      return impl_->forward(cast_root_argument(std::forward<Args>(args))...);
+    } catch (const std::exception& e) {
+      rethrow_with_dtype_hint(e);
+      throw;
+    }
   }
 
  private:

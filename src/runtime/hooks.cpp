@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator_work.h"
@@ -38,6 +39,7 @@ at::CallbackHandle g_callback = 0;
 // precision. Printed once, when that nest unwinds with an exception.
 thread_local int t_operator_depth = 0;
 thread_local std::string t_mixed_dtype_hint;
+thread_local std::string t_escaped_dtype_hint;  // that hint, once its nest ended with an exception
 
 std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction& fn) {
   if (t_operator_depth++ == 0) t_mixed_dtype_hint.clear();
@@ -58,7 +60,10 @@ std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction&
 void on_operator_end(const at::RecordFunction&, at::ObserverContext*) {
   if (t_operator_depth > 0) --t_operator_depth;  // an operator that began before the callback: no start
   if (t_operator_depth > 0 || t_mixed_dtype_hint.empty()) return;
-  if (std::uncaught_exceptions() > 0) std::fprintf(stderr, "libfsdp: %s\n", t_mixed_dtype_hint.c_str());
+  if (std::uncaught_exceptions() > 0) {
+    std::fprintf(stderr, "libfsdp: %s\n", t_mixed_dtype_hint.c_str());
+    t_escaped_dtype_hint = t_mixed_dtype_hint;
+  }
   t_mixed_dtype_hint.clear();
 }
 
@@ -384,6 +389,10 @@ at::Tensor attach_pre_backward(const torch::nn::Module& module, at::Tensor outpu
   });
   return output;
 }
+
+std::string take_escaped_dtype_hint() { return std::exchange(t_escaped_dtype_hint, std::string()); }
+
+void clear_escaped_dtype_hint() { t_escaped_dtype_hint.clear(); }
 
 void before_recompute(const torch::nn::Module& module) {
   // Only the runtimes this module's parameters belong to: another model may be between its forward

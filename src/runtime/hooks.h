@@ -55,6 +55,10 @@ namespace detail {
 // parameter of `module` begins its backward now, so its end-of-backward callback is queued on the
 // backward running the checkpoint, not on the nested one that the recompute's backward runs.
 void before_recompute(const torch::nn::Module& module);
+// On this thread: the mixed-precision dtype hint of the last operator that ended with an exception
+// since clear_escaped_dtype_hint(), "" if none; taking it clears it.
+std::string take_escaped_dtype_hint();
+void clear_escaped_dtype_hint();
 }  // namespace detail
 
 }  // namespace fsdp
