@@ -59,7 +59,7 @@ const Crypto& crypto() {
 std::string job_token() {
   const char* token = env_or_null("FSDP_JOB_TOKEN");
   if (token == nullptr) return "";
-  const std::string t = token;
+  std::string t = token;
   FSDP_CHECK(t.size() >= kMinJobTokenLength, "FSDP_JOB_TOKEN has ", t.size(), " characters; use at least ",
              kMinJobTokenLength, " random ones (for example: export FSDP_JOB_TOKEN=$(openssl rand -hex 32))");
   return t;

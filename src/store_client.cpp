@@ -15,7 +15,28 @@ namespace fsdp {
 
 namespace {
 
-using namespace store_wire;
+using store_wire::client_proof;
+using store_wire::Clock;
+using store_wire::kAdd;
+using store_wire::kCheck;
+using store_wire::kCompareSet;
+using store_wire::kDelete;
+using store_wire::kGet;
+using store_wire::kGreeting;
+using store_wire::kMaxFrame;
+using store_wire::kMaxHandshakeFrame;
+using store_wire::kNonceBytes;
+using store_wire::kNumKeys;
+using store_wire::kSet;
+using store_wire::kWait;
+using store_wire::read_frame;
+using store_wire::Reader;
+using store_wire::ReadStatus;
+using store_wire::send_frame;
+using store_wire::server_proof;
+using store_wire::set_no_delay;
+using store_wire::to_vector;
+using store_wire::Writer;
 
 // A connected socket to one of `host`'s addresses, or -1 with the reason in `error`.
 int connect_once(const std::string& host, int port, Clock::time_point deadline, std::string& error) {

@@ -25,7 +25,27 @@ namespace fsdp {
 
 namespace {
 
-using namespace store_wire;
+using store_wire::client_proof;
+using store_wire::Clock;
+using store_wire::kAdd;
+using store_wire::kCheck;
+using store_wire::kCompareSet;
+using store_wire::kDelete;
+using store_wire::kGet;
+using store_wire::kGreeting;
+using store_wire::kMaxFrame;
+using store_wire::kMaxHandshakeFrame;
+using store_wire::kNonceBytes;
+using store_wire::kNumKeys;
+using store_wire::kSet;
+using store_wire::kWait;
+using store_wire::read_frame;
+using store_wire::Reader;
+using store_wire::ReadStatus;
+using store_wire::send_frame;
+using store_wire::server_proof;
+using store_wire::set_no_delay;
+using store_wire::Writer;
 
 // Connections in their handshake at once; more are closed at once, so that a flood of strangers
 // costs rank 0 a bounded number of threads.
