@@ -15,31 +15,10 @@ namespace fsdp {
 
 namespace {
 
-using store_wire::client_proof;
-using store_wire::Clock;
-using store_wire::kAdd;
-using store_wire::kCheck;
-using store_wire::kCompareSet;
-using store_wire::kDelete;
-using store_wire::kGet;
-using store_wire::kGreeting;
-using store_wire::kMaxFrame;
-using store_wire::kMaxHandshakeFrame;
-using store_wire::kNonceBytes;
-using store_wire::kNumKeys;
-using store_wire::kSet;
-using store_wire::kWait;
-using store_wire::read_frame;
-using store_wire::Reader;
-using store_wire::ReadStatus;
-using store_wire::send_frame;
-using store_wire::server_proof;
-using store_wire::set_no_delay;
-using store_wire::to_vector;
-using store_wire::Writer;
+namespace wire = store_wire;
 
 // A connected socket to one of `host`'s addresses, or -1 with the reason in `error`.
-int connect_once(const std::string& host, int port, Clock::time_point deadline, std::string& error) {
+int connect_once(const std::string& host, int port, wire::Clock::time_point deadline, std::string& error) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -56,7 +35,7 @@ int connect_once(const std::string& host, int port, Clock::time_point deadline, 
     int rc = connect(fd, a->ai_addr, a->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
       pollfd p{fd, POLLOUT, 0};
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - wire::Clock::now()).count();
       int err = ETIMEDOUT;
       socklen_t len = sizeof(err);
       if (poll(&p, 1, static_cast<int>(std::max<int64_t>(0, left))) == 1)
@@ -65,7 +44,7 @@ int connect_once(const std::string& host, int port, Clock::time_point deadline, 
       errno = err;
     }
     if (rc == 0 && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) == 0) {
-      set_no_delay(fd);
+      wire::set_no_delay(fd);
       result = fd;
     } else {
       error = std::strerror(errno);
@@ -83,38 +62,39 @@ std::string seconds_text(std::chrono::milliseconds t) { return std::to_string(t.
 StoreClient::StoreClient(const std::string& host, int port, const std::string& token, std::chrono::milliseconds timeout,
                          std::unique_ptr<StoreServer> server)
     : c10d::Store(timeout), where_(host + ":" + std::to_string(port)), server_(std::move(server)) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = wire::Clock::now() + timeout;
   std::string error;
   for (auto pause = std::chrono::milliseconds(10);; pause = std::min(pause * 2, std::chrono::milliseconds(500))) {
     fd_ = connect_once(host, port, deadline, error);
-    if (fd_ >= 0 || Clock::now() + pause >= deadline) break;
+    if (fd_ >= 0 || wire::Clock::now() + pause >= deadline) break;
     std::this_thread::sleep_for(pause);  // rank 0 may not listen yet
   }
   if (fd_ < 0)
     throw std::runtime_error("cannot connect to " + where_ + " within " + seconds_text(timeout) + ": " + error);
   // The server speaks first: its greeting and nonce; this client answers with its nonce and proof.
   std::string greeting, verdict;
-  const ReadStatus s = read_frame(fd_, greeting, kMaxHandshakeFrame, deadline);
-  const std::string expected = kGreeting;
-  if (s == ReadStatus::kClosed)
+  const wire::ReadStatus s = wire::read_frame(fd_, greeting, wire::kMaxHandshakeFrame, deadline);
+  const std::string expected = wire::kGreeting;
+  if (s == wire::ReadStatus::kClosed)
     throw std::runtime_error(where_ + " closed the connection at once (another user's process is refused there)");
-  if (s == ReadStatus::kTimeout)
+  if (s == wire::ReadStatus::kTimeout)
     throw std::runtime_error("something accepted the connection at " + where_ +
                              " but did not answer as libfsdp's rendezvous store within " + seconds_text(timeout));
-  if (s != ReadStatus::kOk || greeting.size() != expected.size() + kNonceBytes || greeting.rfind(expected, 0) != 0)
+  if (s != wire::ReadStatus::kOk || greeting.size() != expected.size() + wire::kNonceBytes ||
+      greeting.rfind(expected, 0) != 0)
     throw std::runtime_error("what answers at " + where_ + " is not libfsdp's rendezvous store");
-  const std::string server_nonce = greeting.substr(expected.size()), client_nonce = random_bytes(kNonceBytes);
-  const Digest proof = client_proof(token, server_nonce, client_nonce);
-  send_frame(fd_, client_nonce + std::string(proof.begin(), proof.end()));
-  if (read_frame(fd_, verdict, kMaxHandshakeFrame, deadline) != ReadStatus::kOk)
+  const std::string server_nonce = greeting.substr(expected.size()), client_nonce = random_bytes(wire::kNonceBytes);
+  const Digest proof = wire::client_proof(token, server_nonce, client_nonce);
+  wire::send_frame(fd_, client_nonce + std::string(proof.begin(), proof.end()));
+  if (wire::read_frame(fd_, verdict, wire::kMaxHandshakeFrame, deadline) != wire::ReadStatus::kOk)
     throw std::runtime_error(where_ + " closed the connection during authentication");
   std::string theirs;
   bool accepted = false;
   try {
-    Reader in(verdict);
+    wire::Reader in(verdict);
     accepted = in.u8() == 1;
     theirs = in.bytes();
-  } catch (const Reader::Malformed&) {
+  } catch (const wire::Reader::Malformed&) {
   }
   if (!accepted)
     throw StoreAuthError("the rendezvous store at " + where_ +
@@ -122,7 +102,7 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& t
                          "and not the other). Start every rank with the same FSDP_JOB_TOKEN");
   Digest proven{};
   if (theirs.size() == proven.size()) std::memcpy(proven.data(), theirs.data(), proven.size());
-  if (theirs.size() != proven.size() || !digests_equal(proven, server_proof(token, server_nonce, client_nonce)))
+  if (theirs.size() != proven.size() || !digests_equal(proven, wire::server_proof(token, server_nonce, client_nonce)))
     throw StoreAuthError("the rendezvous store at " + where_ +
                          " does not know this job's token: another program, not rank 0, answers there");
 }
@@ -135,64 +115,65 @@ StoreClient::~StoreClient() {
 std::string StoreClient::call(const std::string& request, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string reply;
-  if (!send_frame(fd_, request))
+  if (!wire::send_frame(fd_, request))
     throw std::runtime_error("lost the connection to the rendezvous store at " + where_ + " (rank 0 is gone)");
-  const ReadStatus s = read_frame(fd_, reply, kMaxFrame, Clock::now() + timeout);
-  if (s == ReadStatus::kTimeout)
+  const wire::ReadStatus s = wire::read_frame(fd_, reply, wire::kMaxFrame, wire::Clock::now() + timeout);
+  if (s == wire::ReadStatus::kTimeout)
     throw std::runtime_error("the rendezvous store at " + where_ + " did not answer within " + seconds_text(timeout));
-  if (s != ReadStatus::kOk)
+  if (s != wire::ReadStatus::kOk)
     throw std::runtime_error("lost the connection to the rendezvous store at " + where_ + " (rank 0 is gone)");
   return reply;
 }
 
 void StoreClient::set(const std::string& key, const std::vector<uint8_t>& value) {
-  call(Writer().u8(kSet).bytes(key).bytes(value).str(), timeout_);
+  call(wire::Writer().u8(wire::kSet).bytes(key).bytes(value).str(), timeout_);
 }
 
 std::vector<uint8_t> StoreClient::compareSet(const std::string& key, const std::vector<uint8_t>& expected,
                                              const std::vector<uint8_t>& desired) {
-  const std::string reply = call(Writer().u8(kCompareSet).bytes(key).bytes(expected).bytes(desired).str(), timeout_);
-  Reader in(reply);
+  const std::string reply =
+      call(wire::Writer().u8(wire::kCompareSet).bytes(key).bytes(expected).bytes(desired).str(), timeout_);
+  wire::Reader in(reply);
   in.u8();
-  return to_vector(in.bytes());
+  return wire::to_vector(in.bytes());
 }
 
 std::vector<uint8_t> StoreClient::get(const std::string& key) {
   if (!wait_for({key}, timeout_))
     throw std::runtime_error("key '" + key + "' did not appear in the rendezvous store within " +
                              seconds_text(timeout_));
-  const std::string reply = call(Writer().u8(kGet).bytes(key).str(), timeout_);
-  Reader in(reply);
+  const std::string reply = call(wire::Writer().u8(wire::kGet).bytes(key).str(), timeout_);
+  wire::Reader in(reply);
   if (in.u8() != 1) throw std::runtime_error("key '" + key + "' was deleted from the rendezvous store");
-  return to_vector(in.bytes());
+  return wire::to_vector(in.bytes());
 }
 
 int64_t StoreClient::add(const std::string& key, int64_t value) {
-  const std::string reply = call(Writer().u8(kAdd).bytes(key).i64(value).str(), timeout_);
-  Reader in(reply);
+  const std::string reply = call(wire::Writer().u8(wire::kAdd).bytes(key).i64(value).str(), timeout_);
+  wire::Reader in(reply);
   in.u8();
   return in.i64();
 }
 
 bool StoreClient::deleteKey(const std::string& key) {
-  return Reader(call(Writer().u8(kDelete).bytes(key).str(), timeout_)).u8() == 1;
+  return wire::Reader(call(wire::Writer().u8(wire::kDelete).bytes(key).str(), timeout_)).u8() == 1;
 }
 
 bool StoreClient::check(const std::vector<std::string>& keys) {
-  return Reader(call(Writer().u8(kCheck).keys(keys).str(), timeout_)).u8() == 1;
+  return wire::Reader(call(wire::Writer().u8(wire::kCheck).keys(keys).str(), timeout_)).u8() == 1;
 }
 
 int64_t StoreClient::getNumKeys() {
-  const std::string reply = call(Writer().u8(kNumKeys).str(), timeout_);
-  Reader in(reply);
+  const std::string reply = call(wire::Writer().u8(wire::kNumKeys).str(), timeout_);
+  wire::Reader in(reply);
   in.u8();
   return in.i64();
 }
 
 bool StoreClient::wait_for(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   const std::string reply =
-      call(Writer().u8(kWait).keys(keys).i64(timeout.count()).str(), timeout + std::chrono::seconds(10));
-  return Reader(reply).u8() == 1;
+      call(wire::Writer().u8(wire::kWait).keys(keys).i64(timeout.count()).str(), timeout + std::chrono::seconds(10));
+  return wire::Reader(reply).u8() == 1;
 }
 
 void StoreClient::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }

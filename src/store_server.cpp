@@ -25,27 +25,7 @@ namespace fsdp {
 
 namespace {
 
-using store_wire::client_proof;
-using store_wire::Clock;
-using store_wire::kAdd;
-using store_wire::kCheck;
-using store_wire::kCompareSet;
-using store_wire::kDelete;
-using store_wire::kGet;
-using store_wire::kGreeting;
-using store_wire::kMaxFrame;
-using store_wire::kMaxHandshakeFrame;
-using store_wire::kNonceBytes;
-using store_wire::kNumKeys;
-using store_wire::kSet;
-using store_wire::kWait;
-using store_wire::read_frame;
-using store_wire::Reader;
-using store_wire::ReadStatus;
-using store_wire::send_frame;
-using store_wire::server_proof;
-using store_wire::set_no_delay;
-using store_wire::Writer;
+namespace wire = store_wire;
 
 // Connections in their handshake at once; more are closed at once, so that a flood of strangers
 // costs rank 0 a bounded number of threads.
@@ -214,7 +194,7 @@ void StoreServer::accept_loop() {
       report_refusal(": " + std::to_string(kMaxUnauthenticated) + " others are still authenticating");
       continue;
     }
-    set_no_delay(fd);
+    wire::set_no_delay(fd);
     Connection& c = connections_.emplace_back();
     c.fd = fd;
     try {
@@ -246,25 +226,27 @@ bool StoreServer::authenticate(int fd, std::string& why) {
     why = "from " + peer + ": on this host, only this user's processes may connect";
     return false;
   }
-  const std::string server_nonce = random_bytes(kNonceBytes);
-  if (!send_frame(fd, kGreeting + server_nonce)) return false;
+  const std::string server_nonce = random_bytes(wire::kNonceBytes);
+  if (!wire::send_frame(fd, wire::kGreeting + server_nonce)) return false;
   std::string answer;
-  const ReadStatus s = read_frame(fd, answer, kMaxHandshakeFrame, Clock::now() + handshake_timeout_);
-  if (s != ReadStatus::kOk || answer.size() != kNonceBytes + sizeof(Digest)) {
+  const wire::ReadStatus s =
+      wire::read_frame(fd, answer, wire::kMaxHandshakeFrame, wire::Clock::now() + handshake_timeout_);
+  if (s != wire::ReadStatus::kOk || answer.size() != wire::kNonceBytes + sizeof(Digest)) {
     why = "from " + peer + ": " +
-          (s == ReadStatus::kTimeout ? "it did not authenticate in time" : "it does not speak the store's protocol");
+          (s == wire::ReadStatus::kTimeout ? "it did not authenticate in time"
+                                           : "it does not speak the store's protocol");
     return false;
   }
-  const std::string client_nonce = answer.substr(0, kNonceBytes);
+  const std::string client_nonce = answer.substr(0, wire::kNonceBytes);
   Digest proof;
-  std::memcpy(proof.data(), answer.data() + kNonceBytes, proof.size());
-  if (!digests_equal(proof, client_proof(token_, server_nonce, client_nonce))) {
-    send_frame(fd, Writer().u8(0).bytes("wrong job token").str());
+  std::memcpy(proof.data(), answer.data() + wire::kNonceBytes, proof.size());
+  if (!digests_equal(proof, wire::client_proof(token_, server_nonce, client_nonce))) {
+    wire::send_frame(fd, wire::Writer().u8(0).bytes("wrong job token").str());
     why = "from " + peer + ": wrong job token (FSDP_JOB_TOKEN)";
     return false;
   }
-  const Digest mine = server_proof(token_, server_nonce, client_nonce);
-  return send_frame(fd, Writer().u8(1).bytes(std::string(mine.begin(), mine.end())).str());
+  const Digest mine = wire::server_proof(token_, server_nonce, client_nonce);
+  return wire::send_frame(fd, wire::Writer().u8(1).bytes(std::string(mine.begin(), mine.end())).str());
 }
 
 void StoreServer::serve(Connection* c) {
@@ -283,8 +265,8 @@ void StoreServer::serve(Connection* c) {
   if (authenticated) {
     std::string request;
     try {
-      while (read_frame(c->fd, request, kMaxFrame, Clock::time_point::max()) == ReadStatus::kOk)
-        if (!send_frame(c->fd, handle(request))) break;
+      while (wire::read_frame(c->fd, request, wire::kMaxFrame, wire::Clock::time_point::max()) == wire::ReadStatus::kOk)
+        if (!wire::send_frame(c->fd, handle(request))) break;
     } catch (const std::exception&) {  // a malformed request, or no memory for a reply
     }
   } else if (!why.empty()) {
@@ -296,20 +278,20 @@ void StoreServer::serve(Connection* c) {
 }
 
 std::string StoreServer::handle(const std::string& request) {
-  Reader in(request);
-  Writer out;
+  wire::Reader in(request);
+  wire::Writer out;
   std::unique_lock<std::mutex> lock(mu_);
   const uint8_t op = in.u8();
-  if (op == kSet) {
+  if (op == wire::kSet) {
     std::string key = in.bytes();
     data_[std::move(key)] = in.bytes();
     changed_.notify_all();
     out.u8(1);
-  } else if (op == kGet) {
+  } else if (op == wire::kGet) {
     const auto it = data_.find(in.bytes());
     out.u8(it != data_.end());
     if (it != data_.end()) out.bytes(it->second);
-  } else if (op == kAdd) {
+  } else if (op == wire::kAdd) {
     const std::string key = in.bytes();
     const int64_t delta = in.i64();
     const auto it = data_.find(key);
@@ -317,7 +299,7 @@ std::string StoreServer::handle(const std::string& request) {
     data_[key] = std::to_string(value);
     changed_.notify_all();
     out.u8(1).i64(value);
-  } else if (op == kCompareSet) {
+  } else if (op == wire::kCompareSet) {
     const std::string key = in.bytes(), expected = in.bytes(), desired = in.bytes();
     const auto it = data_.find(key);
     if (it == data_.end()) {  // as c10d: an absent key counts as an empty expected value
@@ -330,26 +312,26 @@ std::string StoreServer::handle(const std::string& request) {
       out.u8(1).bytes(it->second);
     }
     changed_.notify_all();
-  } else if (op == kDelete) {
+  } else if (op == wire::kDelete) {
     out.u8(data_.erase(in.bytes()) > 0);
-  } else if (op == kCheck || op == kWait) {
+  } else if (op == wire::kCheck || op == wire::kWait) {
     const std::vector<std::string> keys = in.keys();
     auto all_present = [&] {
       for (const auto& k : keys)
         if (!data_.count(k)) return false;
       return true;
     };
-    if (op == kWait) {
-      const auto deadline = Clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, in.i64()));
+    if (op == wire::kWait) {
+      const auto deadline = wire::Clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, in.i64()));
       changed_.wait_until(lock, deadline, [&] { return stopping_ || all_present(); });
     }
     out.u8(all_present());
-  } else if (op == kNumKeys) {
+  } else if (op == wire::kNumKeys) {
     out.u8(1).i64(static_cast<int64_t>(data_.size()));
   } else {
-    throw Reader::Malformed();
+    throw wire::Reader::Malformed();
   }
-  if (!in.at_end()) throw Reader::Malformed();
+  if (!in.at_end()) throw wire::Reader::Malformed();
   return out.str();
 }
 
