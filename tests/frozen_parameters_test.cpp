@@ -4,8 +4,6 @@
 // bound holds; gradients and steps equal local training.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <set>
 #include <string>
 
 #include "harness.h"
@@ -44,19 +42,6 @@ TORCH_MODULE(LoraNet);
 LoraNet make_lora_net() {
   torch::manual_seed(21);
   return LoraNet();
-}
-
-// Most non-root units gathered or being gathered at once, replayed from the trace's instants.
-int most_unsharded(const fsdp::IterationTrace& t) {
-  std::set<int> live;
-  size_t most = 0;
-  for (const auto& e : t.events) {
-    if (e.unit <= 0) continue;
-    if (e.kind == fsdp::TraceEvent::Kind::kUnshardIssued) live.insert(e.unit);
-    if (e.kind == fsdp::TraceEvent::Kind::kReshard) live.erase(e.unit);
-    most = std::max(most, live.size());
-  }
-  return int(most);
 }
 
 // args: strategy, the backward all-gathers expected per iteration. Three SGD steps on 2 rows per
@@ -105,8 +90,8 @@ FSDP_WORKER(lora_worker) {
   // SHARD_GRAD_OP keeps every unit from forward to backward; the others free each after its
   // forward, so the rate limiter's bound holds.
   const int limit = strategy == "SHARD_GRAD_OP" ? 4 : 2;
-  WORKER_CHECK(most_unsharded(t) <= limit, strategy, ": ", most_unsharded(t), " units unsharded at once, at most ",
-               limit, " expected");
+  WORKER_CHECK(t.max_unsharded_units <= limit, strategy, ": ", t.max_unsharded_units,
+               " units unsharded at once, at most ", limit, " expected");
 }
 
 TEST(FrozenParameters, LoraUnitsAreGatheredOnceInBackwardAndTrainLikeLocal) {
