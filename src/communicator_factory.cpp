@@ -6,19 +6,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#ifdef FSDP_WITH_GLOO
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-
-#include <gloo/rendezvous/context.h>
-#include <gloo/transport/tcp/device.h>
-#endif
-
 #include <memory>
 
 #include "comm/self_communicator.h"
 #include "comm/shm_communicator.h"
 #ifdef FSDP_WITH_GLOO
 #include "comm/gloo_communicator.h"
+#include "comm/gloo_mesh.h"
 #endif
 #ifdef FSDP_WITH_NCCL
 #include "comm/host_staged_communicator.h"
@@ -121,22 +115,11 @@ CommunicatorPtr CommunicatorFactory::connect_gloo(const c10::intrusive_ptr<c10d:
             "LibTorch ships no Gloo headers). Within one host use the shared-memory transport (FSDP_TRANSPORT=shm), "
             "or build against a LibTorch with Gloo (Debian's libtorch-dev + libgloo-dev)");
 #else
-  c10d::ProcessGroupGloo::GlooStore gloo_store(store);
-  auto ctx = std::make_shared<gloo::rendezvous::Context>(my_index, size);
-  ctx->setTimeout(options_.timeout);
-  try {
-    // One transport device per communicator, as c10d does per process group: contexts that share
-    // a device can deadlock when two of them run collectives at once.
-    gloo::transport::tcp::attr attr;
-    attr.iface = gloo_iface_;
-    attr.hostname = gloo_hostname_;
-    auto device = gloo::transport::tcp::CreateDevice(attr);
-    ctx->connectFullMesh(gloo_store, device);
-  } catch (const std::exception& e) {
-    FSDP_FAIL("rank ", env_.rank, " could not connect ", id, ": ", e.what(),
-              ". Check that every member rank is alive and that their addresses are reachable "
-              "(set FSDP_BIND_ADDR or GLOO_SOCKET_IFNAME to choose the interface)");
-  }
+  GlooMeshSettings mesh;
+  mesh.iface = gloo_iface_;
+  mesh.hostname = gloo_hostname_;
+  mesh.timeout = options_.timeout;
+  auto ctx = connect_verified_mesh(store, my_index, size, id, mesh);
   return make_gloo_communicator(std::move(ctx), id, options_.timeout, options_.check_collectives,
                                 members_->exit_watch(ranks));
 #endif

@@ -414,6 +414,14 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path, ec);
 }
 
+std::string lines_starting_with(const std::string& prefix, const std::string& output) {
+  std::istringstream in(output);
+  std::string line, found;
+  while (std::getline(in, line))
+    if (line.rfind(prefix, 0) == 0) found += line + "\n";
+  return found;
+}
+
 }  // namespace fsdp_test
 
 namespace fsdp_test {

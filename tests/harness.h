@@ -76,6 +76,9 @@ struct TempDir {
 // Whether `part` occurs in `s` (an error message, a rank's output).
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// The lines of `output` that start with `prefix`, each with its newline.
+std::string lines_starting_with(const std::string& prefix, const std::string& output);
+
 // Zeroes the optimizer's gradients in place, keeping the tensors: what Optimizer::zero_grad() does
 // in LibTorch 1.x; from 2.0 on it drops them (set_to_none defaults to true).
 inline void zero_grad_in_place(torch::optim::Optimizer& opt) {

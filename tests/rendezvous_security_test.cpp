@@ -28,6 +28,7 @@
 
 #include "comm/shm_segment.h"
 #include "harness.h"
+#include "listening_sockets.h"
 #include "models.h"
 #include "store_client.h"
 
@@ -35,45 +36,6 @@ namespace fsdp_test {
 namespace {
 
 const std::string kToken = "0123456789abcdef0123456789abcdef";
-
-// The addresses this process listens on (TCP, IPv4 and IPv6), from the kernel's socket tables.
-std::vector<std::string> own_listening_addresses() {
-  std::set<std::string> inodes;
-  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
-    std::error_code ec;
-    const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
-    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
-  }
-  std::vector<std::string> found;
-  for (const bool v6 : {false, true}) {
-    std::ifstream table(v6 ? "/proc/net/tcp6" : "/proc/net/tcp");
-    std::string line;
-    std::getline(table, line);
-    while (std::getline(table, line)) {
-      std::istringstream f(line);
-      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-      if (!(f >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode))
-        continue;
-      if (state != "0A" || !inodes.count(inode)) continue;  // 0A: LISTEN
-      char text[INET6_ADDRSTRLEN] = "?";
-      const std::string hex = local.substr(0, local.find(':'));
-      if (!v6) {
-        in_addr a{};
-        a.s_addr = static_cast<uint32_t>(std::stoul(hex, nullptr, 16));
-        inet_ntop(AF_INET, &a, text, sizeof(text));
-      } else {
-        in6_addr a{};
-        uint32_t w[4];
-        for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(std::stoul(hex.substr(8 * i, 8), nullptr, 16));
-        std::memcpy(&a, w, sizeof(w));
-        inet_ntop(AF_INET6, &a, text, sizeof(text));
-      }
-      found.push_back(std::string(text) + " port " +
-                      std::to_string(std::stoi(local.substr(hex.size() + 1), nullptr, 16)));
-    }
-  }
-  return found;
-}
 
 bool is_loopback_text(const std::string& a) {
   return a.rfind("127.", 0) == 0 || a.rfind("::1 ", 0) == 0 || a.rfind("::ffff:127.", 0) == 0;
@@ -98,7 +60,8 @@ FSDP_WORKER(secure_training_worker) {
     opt.step();
     std::printf("loss %d %.17g\n", step, fsdp::mean_across_ranks(*pg, loss.item<double>()));
   }
-  for (const std::string& a : own_listening_addresses()) {
+  for (const ListeningSocket& s : listening_sockets(getpid())) {
+    const std::string a = s.address + " port " + std::to_string(s.port);
     std::printf("listening on %s\n", a.c_str());
     WORKER_CHECK(is_loopback_text(a), "rank ", ctx.rank, " listens beyond loopback: ", a);
   }
@@ -109,26 +72,6 @@ FSDP_WORKER(secure_training_worker) {
   }
   pg->world()->barrier();
   std::fflush(stdout);
-}
-
-std::string losses_of(const std::string& output) {
-  std::istringstream in(output);
-  std::string line, losses;
-  while (std::getline(in, line))
-    if (line.rfind("loss ", 0) == 0) losses += line + "\n";
-  return losses;
-}
-
-int unused_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 TEST(RendezvousSecurity, ASingleHostJobListensOnLoopbackOnly) {
@@ -213,11 +156,11 @@ TEST(RendezvousSecurity, StrangersWritingStartUpKeysChangeNothing) {
   const std::string token_env = "FSDP_JOB_TOKEN=" + kToken;
   auto quiet = launch("secure_training_worker", 2, {}, 120, {token_env});
   ASSERT_TRUE(quiet.all_ok()) << quiet.report();
-  const std::string expected = losses_of(quiet.ranks[0].output);
+  const std::string expected = lines_starting_with("loss ", quiet.ranks[0].output);
   ASSERT_FALSE(expected.empty()) << quiet.report();
 
   ForeignSegment segment("/fsdp-stranger-" + std::to_string(getpid()));
-  const int port = unused_port();
+  const int port = unused_loopback_port();
   Stranger stranger;
   std::thread hammer([&] { stranger.run(port, segment.name); });
   RunningRanks running = start("secure_training_worker", 2, {segment.name},
@@ -226,7 +169,7 @@ TEST(RendezvousSecurity, StrangersWritingStartUpKeysChangeNothing) {
   stranger.stop = true;
   hammer.join();
   ASSERT_TRUE(r.all_ok()) << r.report();
-  EXPECT_EQ(losses_of(r.ranks[0].output), expected) << r.report();
+  EXPECT_EQ(lines_starting_with("loss ", r.ranks[0].output), expected) << r.report();
   std::printf("stranger: %d garbage sends, %d c10d clients (%s), %d refused tokens\n", stranger.garbage_sent.load(),
               stranger.c10d_attempts.load(), stranger.c10d_error.c_str(), stranger.refused_tokens.load());
   EXPECT_GT(stranger.refused_tokens.load(), 0) << "the stranger never reached the store";
