@@ -132,6 +132,10 @@ TEST(GlooMesh, StrangersAtTheGlooPortsChangeNothing) {
   std::printf("stranger: %d connections to %zu Gloo ports; %d set-ups connected again\n", stranger.connections.load(),
               stranger.ports_reached.size(), retries);
   EXPECT_GT(stranger.ports_reached.size(), 0u) << "the stranger never reached a Gloo port";
+#if TORCH_VERSION_MAJOR < 2
+  // Bookworm's Gloo takes any connection to a waiting pair's port for the peer (Note [Verified Gloo mesh]).
+  EXPECT_GT(retries, 0) << "no set-up was disturbed: the test did not exercise the proof";
+#endif
   std::printf("%s", lines_starting_with("[fsdp]", r.ranks[0].output).c_str());
 }
 
