@@ -38,8 +38,7 @@ FSDP_WORKER(gloo_probe_worker) {
     auto comm = pg->new_group({0, 1}, "probe" + std::to_string(g));
     at::Tensor t = torch::full({1000}, static_cast<double>(ctx.rank + 1 + g), at::kDouble);
     comm->all_reduce(t)->wait();
-    WORKER_CHECK(torch::equal(t, torch::full({1000}, 3.0 + 2 * g, at::kDouble)), "probe group ", g,
-                 " summed wrongly");
+    WORKER_CHECK(torch::equal(t, torch::full({1000}, 3.0 + 2 * g, at::kDouble)), "probe group ", g, " summed wrongly");
   }
   std::printf("probe groups connected\n");
   std::fflush(stdout);

@@ -60,7 +60,7 @@ FSDP_WORKER(ignored_worker) {
     options.ignored_modules({model->side.ptr()});
   else
     options.ignored_parameters({model->side->proj->weight, model->side->proj->bias});
-  if (strategy == "HYBRID_SHARD") options.sharding_factor(2);
+  if (strategy == "HYBRID_SHARD") options.sharding_factor(ctx.world % 2 ? ctx.world : 2);
   auto sharded = fsdp::fully_shard(model, pg, options);
   // An ignored module's buffer is left alone; with ignored_parameters the module's buffer is managed.
   const double expected_scale = ctx.rank == 1 && how == "modules" ? 0.25 : 0.5;
@@ -148,15 +148,17 @@ FSDP_WORKER(ignored_load_worker) {
 }
 
 TEST(IgnoredModules, TrainLikeLocalWhenReducedAndStayRankLocalOtherwise) {
-  for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"})
-    for (int world : {1, 3}) {
-      auto r = launch("ignored_worker", world, {strategy, "modules", "reduce", "-"});
-      ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
+  // Every strategy at worlds 1-4 (3 forces padding); ignored modules at odd worlds, ignored
+  // parameters at even ones; left rank-local (not reduced) at worlds 2 and 4.
+  for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
+    for (int world = 1; world <= 4; ++world) {
+      const std::string how = world % 2 ? "modules" : "parameters";
+      for (const std::string reduce : {"reduce", "local"}) {
+        if (reduce == "local" && world % 2) continue;
+        auto r = launch("ignored_worker", world, {strategy, how, reduce, "-"});
+        ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << " " << how << " " << reduce << "\n" << r.report();
+      }
     }
-  auto r = launch("ignored_worker", 4, {"HYBRID_SHARD", "parameters", "reduce", "-"});
-  ASSERT_TRUE(r.all_ok()) << "HYBRID_SHARD\n" << r.report();
-  r = launch("ignored_worker", 2, {"FULL_SHARD", "parameters", "local", "-"});
-  ASSERT_TRUE(r.all_ok()) << "rank-local\n" << r.report();
 }
 
 TEST(IgnoredModules, CheckpointsAndExportsHoldThemAndLoadAtAnotherWorldSize) {
@@ -164,6 +166,11 @@ TEST(IgnoredModules, CheckpointsAndExportsHoldThemAndLoadAtAnotherWorldSize) {
   auto r = launch("ignored_worker", 2, {"FULL_SHARD", "modules", "local", dir.path});
   ASSERT_TRUE(r.all_ok()) << r.report();
   r = launch("ignored_load_worker", 3, {dir.path});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  TempDir other;
+  r = launch("ignored_worker", 4, {"HYBRID_SHARD", "parameters", "local", other.path});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  r = launch("ignored_load_worker", 1, {other.path});
   ASSERT_TRUE(r.all_ok()) << r.report();
 }
 
