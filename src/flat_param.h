@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "block_quantization.h"
 #include "buffer_pool.h"
 #include "cpu_offload.h"
 #include "flat_grad.h"
@@ -98,6 +99,10 @@ class FlatParam {
   // The sequence number of this FlatParameter's next all-gather, for its fingerprint.
   int64_t count_gather() const { return gathers_issued_++; }
 
+  // All-gathers carry the shards quantized in `format` (Options::all_gather_quantization).
+  void quantize_gathers(const BlockFormat& format) { gather_format_ = format; }
+  const c10::optional<BlockFormat>& gather_format() const { return gather_format_; }
+
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).
   void copy_full_into_shard(const at::Tensor& full);
 
@@ -127,6 +132,7 @@ class FlatParam {
   at::Tensor post_forward_shard_;        // compute dtype: 1/k of the unsharded values (reshard_to_post_forward_shard)
   int64_t post_forward_version_ = 0;     // the shard's version those values were gathered from
   mutable int64_t gathers_issued_ = 0;
+  c10::optional<BlockFormat> gather_format_;
   std::unique_ptr<FlatGrad> grad_;
 };
 

@@ -23,6 +23,54 @@ CollectiveOptions reduction_label(const FlatParam& fp, const char* purpose, int6
   return o;
 }
 
+// An all-gather of packed quantized shards: waiting for it also unpacks them into the flat
+// storage, once, and releases its buffers' memory count.
+class DequantizingWork : public Work {
+ public:
+  DequantizingWork(WorkPtr gather, std::function<void()> unpack)
+      : gather_(std::move(gather)), unpack_(std::move(unpack)) {}
+  void wait() override {
+    gather_->wait();
+    if (unpack_) {
+      InternalOpGuard internal;
+      at::NoGradGuard no_grad;
+      auto unpack = std::move(unpack_);
+      unpack_ = nullptr;
+      unpack();
+    }
+  }
+  bool completed() const override { return gather_->completed(); }
+  WorkTiming timing() const override { return gather_->timing(); }
+
+ private:
+  WorkPtr gather_;
+  std::function<void()> unpack_;
+};
+
+// The all-gather of fp's shard as block-quantized codes (Note [Quantized communication]).
+WorkPtr start_quantized_all_gather(FlatParam& fp, const BlockFormat& format) {
+  const ShardingGroups& group = fp.groups();
+  const int64_t n = fp.shard_numel(), per = format.packed_bytes(n);
+  const int W = group.shard_comm->size();
+  auto bytes = fp.shard().options().dtype(at::kByte);
+  at::Tensor packed = at::empty({per}, bytes), gathered = at::empty({W * per}, bytes);
+  fp.memory().add_param((W + 1) * per);
+  quantize_into(packed, fp.shard(), format);
+  WorkPtr work = group.shard_comm->all_gather_into(gathered, packed,
+                                                   label(fp, "quantized parameter all-gather", fp.count_gather()));
+  at::Tensor out = fp.unsharded_alias();
+  MemoryTracker* memory = &fp.memory();
+  auto unpack = [packed, gathered, out, W, n, per, format, memory]() mutable {
+    dequantize_into(out, gathered, W, n, format);
+    memory->add_param(-(W + 1) * per);
+    packed = at::Tensor();
+    gathered = at::Tensor();
+  };
+  auto dequantizing = std::make_shared<DequantizingWork>(work, std::move(unpack));
+  fp.set_pending_gather(dequantizing, at::Tensor(), false);
+  return dequantizing;
+}
+
 }  // namespace
 
 WorkPtr start_all_gather(FlatParam& fp) {
@@ -67,6 +115,7 @@ WorkPtr start_all_gather(FlatParam& fp) {
     fp.set_pending_gather(work, input, false);
     return work;
   }
+  if (fp.gather_format()) return start_quantized_all_gather(fp, *fp.gather_format());
   at::Tensor gather_input;
   if (fp.compute_dtype() != fp.dtype()) {
     // Cast before the gather, so the gather moves compute-dtype bytes.

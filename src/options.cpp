@@ -50,4 +50,13 @@ BackwardPrefetch parse_backward_prefetch(const std::string& name) {
   FSDP_FAIL("unknown backward prefetch '", name, "'; use BACKWARD_PRE, BACKWARD_POST or NONE");
 }
 
+std::string to_string(QuantizedDtype d) { return d == QuantizedDtype::kInt8 ? "int8" : "fp8"; }
+
+QuantizedDtype parse_quantized_dtype(const std::string& name) {
+  const std::string n = normalize_option_name(name);
+  if (n == "INT8") return QuantizedDtype::kInt8;
+  if (n == "FP8" || n == "FLOAT8" || n == "FLOAT8_E4M3" || n == "E4M3") return QuantizedDtype::kFloat8E4M3;
+  FSDP_FAIL("unknown quantized dtype '", name, "'; use int8 or fp8");
+}
+
 }  // namespace fsdp

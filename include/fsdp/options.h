@@ -132,6 +132,39 @@ struct CpuOffload {
 using ReshardPolicy =
     std::function<c10::optional<bool>(const std::string& qualified_name, const torch::nn::Module& module)>;
 
+// The 8-bit codes of quantized communication: int8, or float8 e4m3 (LibTorch 2.1 and later).
+enum class QuantizedDtype { kInt8, kFloat8E4M3 };
+std::string to_string(QuantizedDtype d);
+QuantizedDtype parse_quantized_dtype(const std::string& name);  // "int8", "fp8"; throws fsdp::Error
+
+// Which units' all-gathers a Quantization applies to: asked with each unit's qualified name ("" for
+// the root) and module.
+using UnitFilter = std::function<bool(const std::string& qualified_name, const torch::nn::Module& module)>;
+
+// Quantized communication (ZeRO++'s qwZ): values travel as 8-bit codes with one float32 scale per
+// block of block_size values, rounded to nearest. The full-precision shards stay the optimizer's
+// master copy. See Note [Quantized communication] in docs/design.md.
+struct Quantization {
+  // Quantize at all.
+  TORCH_ARG(bool, enabled) = false;
+  TORCH_ARG(QuantizedDtype, dtype) = QuantizedDtype::kInt8;
+  // Values per scale.
+  TORCH_ARG(int64_t, block_size) = 256;
+  // The units whose all-gathers are quantized; null: every unit but the root (which holds the
+  // embeddings and output head of typical models).
+  TORCH_ARG(UnitFilter, units) = nullptr;
+
+ public:
+  static Quantization int8(int64_t block_size = 256) { return Quantization().enabled(true).block_size(block_size); }
+  static Quantization float8(int64_t block_size = 256) {
+    return Quantization().enabled(true).dtype(QuantizedDtype::kFloat8E4M3).block_size(block_size);
+  }
+  // Whether the unit `qualified_name` (module `module`; "" the root) is quantized.
+  bool applies_to(const std::string& qualified_name, const torch::nn::Module& module) const {
+    return enabled_ && (units_ ? units_(qualified_name, module) : !qualified_name.empty());
+  }
+};
+
 struct Options {
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
   // kHybridShard: ranks per shard group (consecutive ranks); 0 = LOCAL_WORLD_SIZE. Other
@@ -185,6 +218,8 @@ struct Options {
   TORCH_ARG(MixedPrecision, mixed_precision) = {};
   // CPU offload (CpuOffload above); off by default.
   TORCH_ARG(CpuOffload, offload) = {};
+  // The parameter all-gathers carry 8-bit codes (Quantization above); off by default.
+  TORCH_ARG(Quantization, all_gather_quantization) = {};
   // Record an event trace of every iteration (FullyShardedModule::last_trace()).
   TORCH_ARG(bool, trace) = false;
 };

@@ -1,5 +1,7 @@
 #include "runtime/fsdp_state.h"
 
+#include <torch/version.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -7,6 +9,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "block_quantization.h"
 #include "deferred_init_impl.h"
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
@@ -27,6 +30,7 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
              options_.reductions_in_flight());
   check_mixed_precision(options_.mixed_precision());
   check_offload(options_.offload(), pg_->world()->device());
+  check_quantization(options_);
   ShardingGroups::check(*pg_, options_);  // local: fails on every rank alike, before rank 0's store is needed
   check_same_options_on_all_ranks();      // before any group: a difference must not hang in their creation
   groups_ = ShardingGroups::create(*pg_, options_);
@@ -112,6 +116,16 @@ void FsdpState::check_offload(const CpuOffload& offload, const at::Device& devic
              "to offload; remove .offload(...) for CPU process groups (it applies to CUDA ones)");
 }
 
+void FsdpState::check_quantization(const Options& options) {
+  const Quantization& q = options.all_gather_quantization();
+  if (!q.enabled()) return;
+  FSDP_CHECK(q.block_size() >= 1, "Quantization: block_size must be at least 1, got ", q.block_size());
+  FSDP_CHECK(q.dtype() != QuantizedDtype::kFloat8E4M3 || has_float8(),
+             "Quantization: fp8 needs LibTorch 2.1 or later (this is ", TORCH_VERSION, "); use int8");
+  FSDP_CHECK(!options.offload().enabled(),
+             "Options::all_gather_quantization does not work with CPU offload yet; turn one of them off");
+}
+
 void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
   check_same_on_all_ranks(*pg_, describe_model(options_, groups_.sharding_factor, reshard_after_forward_, plan),
                           "built different models",
@@ -153,6 +167,10 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
                                     plan.flat_params[id].full_precision ? MixedPrecision() : options_.mixed_precision(),
                                     &memory_, &pool_, offloader_.get());
     FlatParam& fp = *flat_params_[id];
+    const Quantization& q = options_.all_gather_quantization();
+    const UnitPlan::Unit& pu = plan.units[plan.flat_params[id].unit];
+    if (q.applies_to(pu.name, *pu.module) && fp.sharded_over_peers() && at::isFloatingType(fp.dtype()))
+      fp.quantize_gathers(BlockFormat{q.dtype(), q.block_size()});
     flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
     for (size_t s = 0; s < fp.slots().size(); ++s)
       slot_of_param_[fp.slots()[s].param.unsafeGetTensorImpl()] = {static_cast<int>(id), static_cast<int>(s)};

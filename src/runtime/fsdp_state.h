@@ -100,6 +100,7 @@ class FsdpState {
   static void check_mixed_precision(const MixedPrecision& mp);
   // Refuses offload where it means nothing (a CPU process group) or is not built yet.
   static void check_offload(const CpuOffload& offload, const at::Device& device);
+  static void check_quantization(const Options& options);
   void check_same_model_on_all_ranks(const UnitPlan& plan) const;
   void check_same_options_on_all_ranks() const;
   void build_flat_params(UnitPlan& plan);

@@ -1,0 +1,159 @@
+// Options::all_gather_quantization: the block quantization round trip stays within its bound, and
+// training whose all-gathers carry int8 codes equals a local reference that quantizes the same
+// shards with its own code (every value rounded to nearest on a scale of max|block| / 127), under
+// every strategy at worlds 1-4; the full-precision shards stay the optimizer's master copy.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "block_quantization.h"
+#include "harness.h"
+#include "models.h"
+
+namespace fsdp_test {
+namespace {
+
+TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
+  std::vector<fsdp::QuantizedDtype> dtypes = {fsdp::QuantizedDtype::kInt8};
+  if (fsdp::has_float8()) dtypes.push_back(fsdp::QuantizedDtype::kFloat8E4M3);
+  for (const auto dtype : dtypes)
+    for (const int64_t block : {1, 7, 64, 256})
+      for (const int64_t n : {0, 1, 63, 64, 1000, 4099}) {
+        fsdp::BlockFormat f{dtype, block};
+        auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(n * 31 + block));
+        // Magnitudes over several orders, one block of zeros, one of a single huge value.
+        at::Tensor x = at::randn({n}, gen) * at::pow(10.0, at::randint(-3, 3, {n}, gen).to(at::kFloat));
+        if (n > 2 * block) {
+          x.narrow(0, 0, block).zero_();
+          x[block] = 1e30;
+        }
+        at::Tensor packed = at::empty({f.packed_bytes(n)}, at::kByte);
+        ASSERT_EQ(packed.numel(), f.blocks(n) * (4 + block));
+        fsdp::quantize_into(packed, x, f);
+        at::Tensor back = at::empty({n});
+        fsdp::dequantize_into(back, packed, 1, n, f);
+        for (int64_t b = 0; b < f.blocks(n); ++b) {
+          const int64_t len = std::min(block, n - b * block);
+          const at::Tensor xs = x.narrow(0, b * block, len), ys = back.narrow(0, b * block, len);
+          const double bound = fsdp::error_bound(xs.abs().max().item<double>(), f);
+          const double err = (xs.to(at::kDouble) - ys.to(at::kDouble)).abs().max().item<double>();
+          ASSERT_LE(err, bound) << fsdp::to_string(dtype) << " block " << block << " n " << n << " block #" << b;
+        }
+        if (n > 2 * block) {
+          EXPECT_TRUE(back.narrow(0, 0, block).eq(0).all().item<bool>());
+        }
+      }
+}
+
+// The reference's own quantization of one shard: int8 codes on max|block| / 127, rounded to
+// nearest (ties to even), scale and product in float32.
+at::Tensor reference_int8_round_trip(const at::Tensor& shard, int64_t block) {
+  auto x = shard.contiguous();
+  at::Tensor y = at::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  for (int64_t start = 0; start < x.numel(); start += block) {
+    const int64_t end = std::min(x.numel(), start + block);
+    float amax = 0;
+    for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::fabs(src[i]));
+    const float scale = amax / 127.0f;
+    for (int64_t i = start; i < end; ++i) {
+      const float q = scale > 0 ? std::nearbyint(src[i] / scale) : 0.0f;
+      dst[i] = std::min(127.0f, std::max(-127.0f, q)) * scale;
+    }
+  }
+  return y;
+}
+
+// Overwrites `model`'s parameters unit by unit with what a quantized gather delivers: each unit's
+// flat parameter padded to a multiple of `shards` and each shard quantized on its own.
+void quantize_like_the_gather(torch::nn::Module& model, const std::vector<fsdp::UnitInfo>& units, int shards,
+                              int64_t block) {
+  const auto params = model.named_parameters();
+  torch::NoGradGuard no_grad;
+  for (const auto& u : units) {
+    if (u.parameters.empty()) continue;
+    std::vector<at::Tensor> flat;
+    for (const auto& name : u.parameters) flat.push_back(params[name].reshape({-1}));
+    at::Tensor all = torch::cat(flat);
+    const int64_t padded = (all.numel() + shards - 1) / shards * shards, per = padded / shards;
+    all = at::constant_pad_nd(all, {0, padded - all.numel()});
+    std::vector<at::Tensor> parts;
+    for (int s = 0; s < shards; ++s) parts.push_back(reference_int8_round_trip(all.narrow(0, s * per, per), block));
+    at::Tensor back = torch::cat(parts);
+    int64_t offset = 0;
+    for (const auto& name : u.parameters) {
+      at::Tensor p = params[name];
+      p.copy_(back.narrow(0, offset, p.numel()).view(p.sizes()));
+      offset += p.numel();
+    }
+  }
+}
+
+// args: strategy. An MLP whose Linear layers are units, every unit's gathers quantized (int8,
+// block 16); SGD. The reference trains a local copy on the whole batch, computing each step with
+// the quantized values of its parameters and stepping the full-precision ones.
+FSDP_WORKER(quantized_gather_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0);
+  const int64_t block = 16;
+  torch::manual_seed(11);
+  MLP ref(6, 24, 5, 2);
+  torch::manual_seed(11);
+  MLP model(6, 24, 5, 2);
+  torch::manual_seed(11);
+  MLP plain(6, 24, 5, 2);  // trained without any quantization
+  auto options = fsdp::Options()
+                     .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+                     .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>())
+                     .all_gather_quantization(fsdp::Quantization::int8(block).units(
+                         [](const std::string&, const torch::nn::Module&) { return true; }));
+  if (strategy == "HYBRID_SHARD") options.sharding_factor(ctx.world % 2 ? ctx.world : 2);
+  auto sharded = fsdp::fully_shard(model, pg, options);
+  const int shards = strategy == "NO_SHARD" ? 1 : strategy == "HYBRID_SHARD" ? (ctx.world % 2 ? ctx.world : 2) : ctx.world;
+  const auto units = sharded->units();
+  torch::optim::SGD ref_opt(ref->parameters(), 0.05), opt(sharded->parameters(), 0.05),
+      plain_opt(plain->parameters(), 0.05);
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor x = at::randn({2 * ctx.world, 6}, at::detail::createCPUGenerator(90 + step));
+    // The reference: compute with the quantized values (none at a shard group of one: nothing
+    // travels), step the full-precision ones.
+    std::vector<at::Tensor> master;
+    for (const auto& p : ref->parameters()) master.push_back(p.detach().clone());
+    if (shards > 1) quantize_like_the_gather(*ref, units, shards, block);
+    ref_opt.zero_grad();
+    ref->forward(x).pow(2).mean().backward();
+    {
+      torch::NoGradGuard no_grad;
+      auto ps = ref->parameters();
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(master[i]);
+    }
+    ref_opt.step();
+    plain_opt.zero_grad();
+    plain->forward(x).pow(2).mean().backward();
+    plain_opt.step();
+    opt.zero_grad();
+    model->forward(x.narrow(0, 2 * ctx.rank, 2)).pow(2).mean().backward();
+    opt.step();
+  }
+  expect_same_parameters(*ref, *sharded, 2e-6, strategy + " quantized gathers");
+  // Without quantization the parameters differ by far more than that: the gathers did quantize.
+  const auto full = sharded->full_state_dict();
+  double apart = 0;
+  for (const auto& kv : plain->named_parameters()) apart = std::max(apart, rel_diff(full.at(kv.key()), kv.value()));
+  WORKER_CHECK(shards == 1 ? apart < 2e-6 : apart > 1e-4, "unquantized training is ", apart, " apart");
+  if (ctx.rank == 0) std::cout << strategy << " world " << ctx.world << ": " << apart << " from unquantized" << std::endl;
+}
+
+TEST(QuantizedCommunication, QuantizedGathersTrainLikeTheLocalReference) {
+  for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
+    for (int world = 1; world <= 4; ++world) {
+      auto r = launch("quantized_gather_worker", world, {strategy});
+      ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
+    }
+}
+
+}  // namespace
+}  // namespace fsdp_test
