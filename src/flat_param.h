@@ -102,6 +102,9 @@ class FlatParam {
   // All-gathers carry the shards quantized in `format` (Options::all_gather_quantization).
   void quantize_gathers(const BlockFormat& format) { gather_format_ = format; }
   const c10::optional<BlockFormat>& gather_format() const { return gather_format_; }
+  // Reduce-scatters carry the gradients quantized in `format` (Options::reduce_quantization).
+  void quantize_reductions(const BlockFormat& format) { reduce_format_ = format; }
+  const c10::optional<BlockFormat>& reduce_format() const { return reduce_format_; }
 
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).
   void copy_full_into_shard(const at::Tensor& full);
@@ -132,7 +135,7 @@ class FlatParam {
   at::Tensor post_forward_shard_;        // compute dtype: 1/k of the unsharded values (reshard_to_post_forward_shard)
   int64_t post_forward_version_ = 0;     // the shard's version those values were gathered from
   mutable int64_t gathers_issued_ = 0;
-  c10::optional<BlockFormat> gather_format_;
+  c10::optional<BlockFormat> gather_format_, reduce_format_;
   std::unique_ptr<FlatGrad> grad_;
 };
 

@@ -1,5 +1,7 @@
 #include "flat_param_collectives.h"
 
+#include <mutex>
+
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
 
@@ -29,8 +31,10 @@ class DequantizingWork : public Work {
  public:
   DequantizingWork(WorkPtr gather, std::function<void()> unpack)
       : gather_(std::move(gather)), unpack_(std::move(unpack)) {}
+  // On the first caller's thread (a chained collective's worker may be the first).
   void wait() override {
     gather_->wait();
+    std::lock_guard<std::mutex> lock(mu_);
     if (unpack_) {
       InternalOpGuard internal;
       at::NoGradGuard no_grad;
@@ -44,6 +48,7 @@ class DequantizingWork : public Work {
 
  private:
   WorkPtr gather_;
+  std::mutex mu_;
   std::function<void()> unpack_;
 };
 
@@ -69,6 +74,30 @@ WorkPtr start_quantized_all_gather(FlatParam& fp, const BlockFormat& format) {
   auto dequantizing = std::make_shared<DequantizingWork>(work, std::move(unpack));
   fp.set_pending_gather(dequantizing, at::Tensor(), false);
   return dequantizing;
+}
+
+// The reduce-scatter of fp's flat gradient as block-quantized codes: an all-to-all of each
+// destination's part, summed in float32 in member order on arrival (Note [Quantized communication]).
+WorkPtr start_quantized_reduce_scatter(FlatParam& fp, const at::Tensor& sums, const BlockFormat& format,
+                                       CollectiveOptions label) {
+  FlatGrad& grad = fp.grad();
+  const int W = fp.groups().shard_comm->size();
+  const int64_t n = sums.numel(), per = format.packed_bytes(n);
+  auto bytes = grad.buffer().options().dtype(at::kByte);
+  at::Tensor packed = at::empty({W * per}, bytes), received = at::empty({W * per}, bytes);
+  fp.memory().add_grad(2 * W * per);
+  for (int q = 0; q < W; ++q) quantize_into(packed.narrow(0, q * per, per), grad.buffer().narrow(0, q * n, n), format);
+  WorkPtr work = fp.groups().shard_comm->all_to_all_into(received, packed, std::move(label));
+  MemoryTracker* memory = &fp.memory();
+  auto unpack = [packed, received, sums, W, n, per, format, memory]() mutable {
+    at::Tensor parts = at::empty({W * n}, sums.options().dtype(at::kFloat));
+    dequantize_into(parts, received, W, n, format);
+    sums.copy_(parts.view({W, n}).sum(0));
+    memory->add_grad(-2 * W * per);
+    packed = at::Tensor();
+    received = at::Tensor();
+  };
+  return std::make_shared<DequantizingWork>(work, std::move(unpack));
 }
 
 }  // namespace
@@ -148,8 +177,12 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
     return;
   }
   at::Tensor sums = grad.new_reduction_output();
-  WorkPtr work = group.shard_comm->reduce_scatter(
-      sums, grad.buffer(), reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
+  WorkPtr work = fp.reduce_format()
+                     ? start_quantized_reduce_scatter(
+                           fp, sums, *fp.reduce_format(),
+                           reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
+                     : group.shard_comm->reduce_scatter(
+                           sums, grad.buffer(), reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
   const bool replicas = group.replicate_comm && group.replicate_comm->size() > 1;
   if (replicas && !across_replicas) {
     grad.set_reduction(sums, work, /*defer_replicas=*/true, false);  // completion adds them to the partial sums

@@ -1,10 +1,12 @@
-// Options::all_gather_quantization: the block quantization round trip stays within its bound, and
-// training whose all-gathers carry int8 codes equals a local reference that quantizes the same
-// shards with its own code (every value rounded to nearest on a scale of max|block| / 127), under
-// every strategy at worlds 1-4; the full-precision shards stay the optimizer's master copy.
+// Options::all_gather_quantization and reduce_quantization: the block quantization round trip stays
+// within its bound, and training whose all-gathers and reduce-scatters carry int8 codes equals a
+// local reference that quantizes the same shards and gradient parts with its own code (every value
+// rounded to nearest on a scale of max|block| / 127), under every strategy at worlds 1-4; the
+// full-precision shards stay the optimizer's master copy.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -92,12 +94,48 @@ void quantize_like_the_gather(torch::nn::Module& model, const std::vector<fsdp::
   }
 }
 
-// args: strategy. An MLP whose Linear layers are units, every unit's gathers quantized (int8,
-// block 16); SGD. The reference trains a local copy on the whole batch, computing each step with
-// the quantized values of its parameters and stepping the full-precision ones.
-FSDP_WORKER(quantized_gather_worker) {
+// The reference's gradient for a step: each rank's gradient (its own rows) flattened per unit,
+// padded, split into `shards` parts, each part quantized on its own (as it travels), summed over
+// ranks in rank order in float32 and divided by the world size.
+void quantized_mean_gradient(MLP& ref, const std::vector<fsdp::UnitInfo>& units, const at::Tensor& x, int world,
+                             int shards, int64_t block) {
+  auto params = ref->named_parameters();
+  std::map<std::string, at::Tensor> sum;
+  for (int r = 0; r < world; ++r) {
+    for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+    ref->forward(x.narrow(0, 2 * r, 2)).pow(2).mean().backward();
+    for (const auto& u : units) {
+      if (u.parameters.empty()) continue;
+      std::vector<at::Tensor> flat;
+      for (const auto& name : u.parameters) flat.push_back(params[name].grad().reshape({-1}));
+      at::Tensor all = torch::cat(flat);
+      const int64_t padded = (all.numel() + shards - 1) / shards * shards, per = padded / shards;
+      all = at::constant_pad_nd(all, {0, padded - all.numel()});
+      std::vector<at::Tensor> parts;
+      for (int q = 0; q < shards; ++q) parts.push_back(reference_int8_round_trip(all.narrow(0, q * per, per), block));
+      at::Tensor back = torch::cat(parts);
+      int64_t offset = 0;
+      for (const auto& name : u.parameters) {
+        const at::Tensor g = back.narrow(0, offset, params[name].numel()).view(params[name].sizes());
+        offset += params[name].numel();
+        if (r == 0)
+          sum[name] = g.clone();
+        else
+          sum[name].add_(g);
+      }
+    }
+  }
+  for (auto& kv : params) kv.value().mutable_grad() = sum.at(kv.key()).mul(1.0 / world);
+}
+
+// args: strategy, what ("gather", "reduce" or "both"). An MLP whose Linear layers are units, every
+// unit's collectives quantized (int8, block 16); SGD. The reference trains a local copy on the
+// whole batch: each step computes with the quantized values of its parameters and steps the
+// full-precision ones, with the gradients quantized as they travel.
+FSDP_WORKER(quantized_training_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
-  const std::string strategy = ctx.args.at(0);
+  const std::string strategy = ctx.args.at(0), what = ctx.args.at(1);
+  const bool gathers = what != "reduce", reductions = what != "gather";
   const int64_t block = 16;
   torch::manual_seed(11);
   MLP ref(6, 24, 5, 2);
@@ -105,26 +143,34 @@ FSDP_WORKER(quantized_gather_worker) {
   MLP model(6, 24, 5, 2);
   torch::manual_seed(11);
   MLP plain(6, 24, 5, 2);  // trained without any quantization
+  const auto every_unit =
+      fsdp::Quantization::int8(block).units([](const std::string&, const torch::nn::Module&) { return true; });
   auto options = fsdp::Options()
                      .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
-                     .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>())
-                     .all_gather_quantization(fsdp::Quantization::int8(block).units(
-                         [](const std::string&, const torch::nn::Module&) { return true; }));
-  if (strategy == "HYBRID_SHARD") options.sharding_factor(ctx.world % 2 ? ctx.world : 2);
+                     .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
+  if (gathers) options.all_gather_quantization(every_unit);
+  if (reductions) options.reduce_quantization(every_unit);
+  const int factor = ctx.world % 2 ? ctx.world : 2;
+  if (strategy == "HYBRID_SHARD") options.sharding_factor(factor);
   auto sharded = fsdp::fully_shard(model, pg, options);
-  const int shards = strategy == "NO_SHARD" ? 1 : strategy == "HYBRID_SHARD" ? (ctx.world % 2 ? ctx.world : 2) : ctx.world;
+  // Nothing travels within a shard group of one: NO_SHARD and a world of one quantize nothing.
+  const int shards = strategy == "NO_SHARD" ? 1 : strategy == "HYBRID_SHARD" ? factor : ctx.world;
   const auto units = sharded->units();
-  torch::optim::SGD ref_opt(ref->parameters(), 0.05), opt(sharded->parameters(), 0.05),
-      plain_opt(plain->parameters(), 0.05);
+  torch::optim::SGD ref_opt(ref->parameters(), 0.2), opt(sharded->parameters(), 0.2),
+      plain_opt(plain->parameters(), 0.2);
   for (int step = 0; step < 4; ++step) {
     const at::Tensor x = at::randn({2 * ctx.world, 6}, at::detail::createCPUGenerator(90 + step));
-    // The reference: compute with the quantized values (none at a shard group of one: nothing
-    // travels), step the full-precision ones.
     std::vector<at::Tensor> master;
     for (const auto& p : ref->parameters()) master.push_back(p.detach().clone());
-    if (shards > 1) quantize_like_the_gather(*ref, units, shards, block);
+    if (shards > 1 && gathers) quantize_like_the_gather(*ref, units, shards, block);
     ref_opt.zero_grad();
-    ref->forward(x).pow(2).mean().backward();
+    if (shards > 1 && reductions) {
+      // Hybrid: the shard groups' sums meet across replicas unquantized; with two replicas of the
+      // same sums per part that is the mean over all ranks of the per-rank quantized parts.
+      quantized_mean_gradient(ref, units, x, ctx.world, shards, block);
+    } else {
+      ref->forward(x).pow(2).mean().backward();
+    }
     {
       torch::NoGradGuard no_grad;
       auto ps = ref->parameters();
@@ -138,21 +184,28 @@ FSDP_WORKER(quantized_gather_worker) {
     model->forward(x.narrow(0, 2 * ctx.rank, 2)).pow(2).mean().backward();
     opt.step();
   }
-  expect_same_parameters(*ref, *sharded, 2e-6, strategy + " quantized gathers");
-  // Without quantization the parameters differ by far more than that: the gathers did quantize.
   const auto full = sharded->full_state_dict();
-  double apart = 0;
-  for (const auto& kv : plain->named_parameters()) apart = std::max(apart, rel_diff(full.at(kv.key()), kv.value()));
-  WORKER_CHECK(shards == 1 ? apart < 2e-6 : apart > 1e-4, "unquantized training is ", apart, " apart");
-  if (ctx.rank == 0) std::cout << strategy << " world " << ctx.world << ": " << apart << " from unquantized" << std::endl;
+  double to_ref = 0, to_plain = 0;
+  for (const auto& kv : ref->named_parameters()) to_ref = std::max(to_ref, rel_diff(full.at(kv.key()), kv.value()));
+  for (const auto& kv : plain->named_parameters())
+    to_plain = std::max(to_plain, rel_diff(full.at(kv.key()), kv.value()));
+  if (ctx.rank == 0)
+    std::cout << strategy << " " << what << " world " << ctx.world << ": " << to_ref << " from the reference, "
+              << to_plain << " from unquantized training" << std::endl;
+  WORKER_CHECK(to_ref < 1e-6, "quantized training is ", to_ref, " from the quantizing reference");
+  // The quantization did happen (and the reference's matters): unquantized training is far off.
+  WORKER_CHECK(shards == 1 ? to_plain < 1e-6 : to_plain > 20 * std::max(to_ref, 1e-7), "unquantized training is ",
+               to_plain, " apart");
 }
 
-TEST(QuantizedCommunication, QuantizedGathersTrainLikeTheLocalReference) {
-  for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
-    for (int world = 1; world <= 4; ++world) {
-      auto r = launch("quantized_gather_worker", world, {strategy});
-      ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
-    }
+TEST(QuantizedCommunication, QuantizedCollectivesTrainLikeTheLocalReference) {
+  for (const std::string what : {"gather", "reduce", "both"})
+    for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
+      for (int world = 1; world <= 4; ++world) {
+        auto r = launch("quantized_training_worker", world, {strategy, what});
+        ASSERT_TRUE(r.all_ok()) << strategy << " " << what << " world " << world << "\n" << r.report();
+        std::cout << lines_starting_with(strategy, r.ranks[0].output);
+      }
 }
 
 }  // namespace

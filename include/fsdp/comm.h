@@ -65,6 +65,10 @@ class Communicator {
   virtual WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) = 0;
   // Sum over ranks, in place.
   virtual WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) = 0;
+  // out and in (contiguous, same dtype and numel, a multiple of size()) are split into size()
+  // equal parts; part p of out receives part rank() of rank p's in. Default: fails, naming the
+  // transport (only the CPU transports implement it).
+  virtual WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts = {});
   virtual WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) = 0;
   virtual void barrier() = 0;
   // Ends this member's use of the communicator, collectively: completes once every member has

@@ -62,7 +62,7 @@ CommunicatorPtr with_network_model(CommunicatorPtr inner, const std::vector<int>
 // unmodeled communicator.
 std::optional<ModeledLinkStats> modeled_link_stats(const Communicator& comm);
 
-enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
+enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier, kAllToAll };
 // Bytes each rank sends in one collective of `bytes` total bytes over `n` ranks.
 double modeled_wire_bytes(Collective c, int64_t bytes, int n);
 // The modeled duration in seconds of that collective on `link`.

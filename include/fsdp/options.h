@@ -150,7 +150,7 @@ struct Quantization {
   TORCH_ARG(QuantizedDtype, dtype) = QuantizedDtype::kInt8;
   // Values per scale.
   TORCH_ARG(int64_t, block_size) = 256;
-  // The units whose all-gathers are quantized; null: every unit but the root (which holds the
+  // The units whose collectives are quantized; null: every unit but the root (which holds the
   // embeddings and output head of typical models).
   TORCH_ARG(UnitFilter, units) = nullptr;
 
@@ -220,6 +220,8 @@ struct Options {
   TORCH_ARG(CpuOffload, offload) = {};
   // The parameter all-gathers carry 8-bit codes (Quantization above); off by default.
   TORCH_ARG(Quantization, all_gather_quantization) = {};
+  // The gradient reduce-scatters carry 8-bit codes, summed in float32 on arrival; off by default.
+  TORCH_ARG(Quantization, reduce_quantization) = {};
   // Record an event trace of every iteration (FullyShardedModule::last_trace()).
   TORCH_ARG(bool, trace) = false;
 };

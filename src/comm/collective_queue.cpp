@@ -38,6 +38,14 @@ void check_reduce_scatter_args(const at::Tensor& out, const at::Tensor& in, int 
              " elements, expected world size ", size, " x output ", out.numel());
 }
 
+void check_all_to_all_args(const at::Tensor& out, const at::Tensor& in, int size, const char* kind) {
+  check_dense_cpu(out, "all_to_all_into", "output", kind);
+  check_dense_cpu(in, "all_to_all_into", "input", kind);
+  FSDP_CHECK(out.scalar_type() == in.scalar_type() && out.numel() == in.numel() && in.numel() % size == 0,
+             "all_to_all_into: output and input must have the same dtype and numel, a multiple of the world size ",
+             size, "; got ", out.numel(), " ", out.scalar_type(), " and ", in.numel(), " ", in.scalar_type());
+}
+
 namespace {
 
 const char* kind_name(CollectiveKind kind) {
@@ -48,6 +56,7 @@ const char* kind_name(CollectiveKind kind) {
     case CollectiveKind::kBroadcast: return "broadcast";
     case CollectiveKind::kBarrier: return "barrier";
     case CollectiveKind::kShutdown: return "shutdown";
+    case CollectiveKind::kAllToAll: return "all_to_all_into";
   }
   return "an unknown collective";
 }
@@ -108,6 +117,12 @@ void fail_out_of_step(const std::string& group, int me, const Fingerprint& mine,
 WorkPtr completed_work() { return std::make_shared<AlreadyDoneWork>(); }
 
 WorkPtr Communicator::shutdown() { return completed_work(); }
+
+WorkPtr Communicator::all_to_all_into(at::Tensor, at::Tensor, CollectiveOptions) {
+  FSDP_FAIL(name(), ": ", transport(),
+            " has no all_to_all_into (quantized gradient reductions need it); use the "
+            "shared-memory or Gloo transport, or turn reduce quantization off");
+}
 
 void shutdown_on_destruction(Communicator& comm, const CollectiveQueue& queue) {
   if (queue.shut_down() || queue.failed() || std::uncaught_exceptions() > 0 || comm.size() == 1) return;

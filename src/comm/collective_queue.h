@@ -25,10 +25,19 @@ namespace fsdp {
 void check_dense_cpu(const at::Tensor& t, const char* op, const char* what, const char* kind);
 void check_all_gather_args(const at::Tensor& out, const at::Tensor& in, int size, const char* kind);
 void check_reduce_scatter_args(const at::Tensor& out, const at::Tensor& in, int size, const char* kind);
+void check_all_to_all_args(const at::Tensor& out, const at::Tensor& in, int size, const char* kind);
 
 // What a member says it is running; every member of a collective must say the same (Note
 // [Collective fingerprints]). Plain bytes, so transports can stage or exchange it as is.
-enum class CollectiveKind : uint32_t { kAllGather = 1, kReduceScatter, kAllReduce, kBroadcast, kBarrier, kShutdown };
+enum class CollectiveKind : uint32_t {
+  kAllGather = 1,
+  kReduceScatter,
+  kAllReduce,
+  kBroadcast,
+  kBarrier,
+  kShutdown,
+  kAllToAll
+};
 struct Fingerprint {
   CollectiveKind kind{};
   int32_t dtype = -1;       // at::ScalarType; -1 without a tensor

@@ -2,6 +2,7 @@
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/context.h>
@@ -162,6 +163,22 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     check_reduce_scatter_args(out, in, size(), "Gloo");
     return issue("reduce_scatter", CollectiveKind::kReduceScatter, in, -1, opts,
                  [this, out, in](uint32_t tag) { ring_reduce_scatter(out, in, tag); });
+  }
+
+  WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
+    check_all_to_all_args(out, in, size(), "Gloo");
+    return issue("all_to_all_into", CollectiveKind::kAllToAll, in, -1, opts, [this, out, in](uint32_t tag) {
+      if (size() == 1 || in.numel() == 0) {
+        if (!out.is_same(in)) out.copy_(in);
+        return;
+      }
+      gloo::AlltoallOptions o(ctx_);
+      o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
+      o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
+      o.setTag(tag);
+      o.setTimeout(timeout_);
+      gloo::alltoall(o);
+    });
   }
 
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {

@@ -121,6 +121,12 @@ WorkPtr ModeledCommunicator::all_reduce(at::Tensor t, CollectiveOptions opts) {
   return wrap(Collective::kAllReduce, static_cast<int64_t>(t.nbytes()), issued, std::move(real));
 }
 
+WorkPtr ModeledCommunicator::all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) {
+  const auto issued = issue_time(opts);
+  auto real = inner_->all_to_all_into(out, in, opts);
+  return wrap(Collective::kAllToAll, static_cast<int64_t>(in.nbytes()), issued, std::move(real));
+}
+
 WorkPtr ModeledCommunicator::broadcast(at::Tensor t, int root, CollectiveOptions opts) {
   const auto issued = issue_time(opts);
   auto real = inner_->broadcast(t, root, opts);

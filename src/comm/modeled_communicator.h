@@ -25,6 +25,7 @@ class ModeledCommunicator : public Communicator {
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) override;
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) override;
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) override;
+  WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) override;
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) override;
   void barrier() override;
   WorkPtr shutdown() override { return inner_->shutdown(); }

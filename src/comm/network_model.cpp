@@ -49,7 +49,8 @@ Formula formula(Collective c, int n) {
   const double nm1 = n - 1;
   switch (c) {
     case Collective::kAllGather:
-    case Collective::kReduceScatter: return {nm1, nm1 / n};
+    case Collective::kReduceScatter:
+    case Collective::kAllToAll: return {nm1, nm1 / n};
     case Collective::kAllReduce: return {2 * nm1, 2 * nm1 / n};
     case Collective::kBroadcast: return {nm1, 1.0};
     case Collective::kBarrier: return {2 * nm1, 0.0};

@@ -120,6 +120,30 @@ class ShmCommunicator : public Communicator {
         opts.after);
   }
 
+  WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
+    check_all_to_all_args(out, in, size_, "shared-memory");
+    return queue_->enqueue(
+        "all_to_all_into",
+        [this, out, in, label = std::move(opts.label)] {
+          const int64_t n = in.nbytes() / size_;  // bytes per part
+          // Per round, a member stages one piece for each destination member.
+          const int64_t piece = std::max<int64_t>(1, slot_ / size_);
+          const auto* src = static_cast<const uint8_t*>(in.data_ptr());
+          auto* dst = static_cast<uint8_t*>(out.data_ptr());
+          Descriptor d = describe(CollectiveKind::kAllToAll, in.nbytes(), in, label);
+          for_each_piece(n, piece, d, [&](int64_t off, int64_t len) {
+            uint8_t* mine = segment_->buffer(rank_, round_);
+            for (int q = 0; q < size_; ++q)
+              if (q != rank_) copy_bytes(mine + q * piece, src + q * n + off, len);
+            exchange(d);
+            if (dst != src) std::memmove(dst + rank_ * n + off, src + rank_ * n + off, len);
+            for (int p = 0; p < size_; ++p)
+              if (p != rank_) copy_bytes(dst + p * n + off, segment_->buffer(p, round_) + rank_ * piece, len);
+          });
+        },
+        opts.after);
+  }
+
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
     check_dense_cpu(t, "all_reduce", "tensor", "shared-memory");
     return queue_->enqueue(

@@ -30,10 +30,10 @@ std::string describe_options(const Options& o) {
     << dtype(mp.output_dtype()) << "\nmixed_precision cast_forward_inputs " << mp.cast_forward_inputs()
     << "\nmixed_precision keep_full_precision " << (mp.keep_full_precision() ? "set" : "unset")
     << "\nmixed_precision keep_low_precision_grads " << mp.keep_low_precision_grads();
-  const Quantization& q = o.all_gather_quantization();
-  d << "\nall_gather_quantization "
-    << (q.enabled() ? to_string(q.dtype()) + " block " + std::to_string(q.block_size()) : "off") << " units "
-    << (q.units() ? "set" : "unset");
+  for (const Quantization* q : {&o.all_gather_quantization(), &o.reduce_quantization()})
+    d << "\nquantization "
+      << (q->enabled() ? to_string(q->dtype()) + " block " + std::to_string(q->block_size()) : "off") << " units "
+      << (q->units() ? "set" : "unset");
   return d.str();
 }
 
@@ -49,8 +49,10 @@ std::string describe_model(const Options& options, int sharding_factor, const st
     << "\nreshard after forward";
   for (bool r : reshard_after_forward) d << " " << r;
   d << " to " << options.reshard_after_forward_size() << " ranks";
-  d << "\nquantized all-gathers";
-  for (const auto& u : plan.units) d << " " << options.all_gather_quantization().applies_to(u.name, *u.module);
+  d << "\nquantized all-gathers, reductions";
+  for (const auto& u : plan.units)
+    d << " " << options.all_gather_quantization().applies_to(u.name, *u.module)
+      << options.reduce_quantization().applies_to(u.name, *u.module);
   d << "\n" << plan.describe();
   return d.str();
 }

@@ -117,13 +117,16 @@ void FsdpState::check_offload(const CpuOffload& offload, const at::Device& devic
 }
 
 void FsdpState::check_quantization(const Options& options) {
-  const Quantization& q = options.all_gather_quantization();
-  if (!q.enabled()) return;
-  FSDP_CHECK(q.block_size() >= 1, "Quantization: block_size must be at least 1, got ", q.block_size());
-  FSDP_CHECK(q.dtype() != QuantizedDtype::kFloat8E4M3 || has_float8(),
-             "Quantization: fp8 needs LibTorch 2.1 or later (this is ", TORCH_VERSION, "); use int8");
-  FSDP_CHECK(!options.offload().enabled(),
-             "Options::all_gather_quantization does not work with CPU offload yet; turn one of them off");
+  for (const auto& [what, q] :
+       {std::pair<const char*, const Quantization&>{"all_gather_quantization", options.all_gather_quantization()},
+        {"reduce_quantization", options.reduce_quantization()}}) {
+    if (!q.enabled()) continue;
+    FSDP_CHECK(q.block_size() >= 1, "Options::", what, ": block_size must be at least 1, got ", q.block_size());
+    FSDP_CHECK(q.dtype() != QuantizedDtype::kFloat8E4M3 || has_float8(), "Options::", what,
+               ": fp8 needs LibTorch 2.1 or later (this is ", TORCH_VERSION, "); use int8");
+    FSDP_CHECK(!options.offload().enabled(), "Options::", what,
+               " does not work with CPU offload yet; turn one of them off");
+  }
 }
 
 void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
@@ -171,6 +174,10 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
     const UnitPlan::Unit& pu = plan.units[plan.flat_params[id].unit];
     if (q.applies_to(pu.name, *pu.module) && fp.sharded_over_peers() && at::isFloatingType(fp.dtype()))
       fp.quantize_gathers(BlockFormat{q.dtype(), q.block_size()});
+    const Quantization& rq = options_.reduce_quantization();
+    if (rq.applies_to(pu.name, *pu.module) && fp.sharded_over_peers() && fp.requires_grad() &&
+        at::isFloatingType(fp.dtype()))
+      fp.quantize_reductions(BlockFormat{rq.dtype(), rq.block_size()});
     flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
     for (size_t s = 0; s < fp.slots().size(); ++s)
       slot_of_param_[fp.slots()[s].param.unsafeGetTensorImpl()] = {static_cast<int>(id), static_cast<int>(s)};
