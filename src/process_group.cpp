@@ -174,6 +174,13 @@ CommunicatorPtr ProcessGroup::new_group(const std::vector<int>& ranks, const std
   return comm;
 }
 
+std::vector<std::pair<std::string, ModeledLinkStats>> ProcessGroup::modeled_links() const {
+  std::vector<std::pair<std::string, ModeledLinkStats>> links;
+  for (const auto& [id, comm] : groups_)
+    if (auto stats = modeled_link_stats(*comm)) links.emplace_back(id, *stats);
+  return links;
+}
+
 double mean_across_ranks(const ProcessGroup& pg, double value) {
   return mean_across_ranks(pg, at::tensor({value}, at::kDouble)).item<double>();
 }

@@ -88,7 +88,9 @@ int run(int argc, char** argv) {
                     is_main,
                     scaler ? &*scaler : nullptr,
                     start};
+  const ModeledLinks links_before = pg->modeled_links();
   const TrainingResult result = train(loop);
+  if (is_main) print_modeled_traffic(links_before, pg->modeled_links(), result.timed_steps);
   if (result.stopped_after > 0) {
     if (is_main)
       std::cout << "stopped after step " << result.stopped_after << " of " << config.steps

@@ -68,6 +68,15 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
     });
   }
   options.reshard_after_forward_size(config.reshard_after_forward_size);
+  auto quantization = [&](const std::string& dtype) {
+    if (dtype == "none") return fsdp::Quantization();
+    return fsdp::Quantization()
+        .enabled(true)
+        .dtype(fsdp::parse_quantized_dtype(dtype))
+        .block_size(config.quantize_block);
+  };
+  options.all_gather_quantization(quantization(config.quantize_all_gather));
+  options.reduce_quantization(quantization(config.quantize_reduce));
   return fsdp::fully_shard(built.model, std::move(pg), options);
 }
 

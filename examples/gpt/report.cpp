@@ -96,6 +96,11 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                               ? std::string("none (float32)")
                               : config.mixed_precision + " gathers and compute, float32 reduction and master weights" +
                                     (config.mixed_precision == "fp16" ? ", sharded gradient scaler" : "")},
+      {"quantized communication", config.quantize_all_gather == "none" && config.quantize_reduce == "none"
+                                      ? std::string("off")
+                                      : "all-gathers " + config.quantize_all_gather + ", reduce-scatters " +
+                                            config.quantize_reduce + ", " + std::to_string(config.quantize_block) +
+                                            " values per scale, every unit but the root"},
       {"grad accumulation", std::to_string(plan.accum) + " micro-batch" + (plan.accum == 1 ? "" : "es") + " of " +
                                 std::to_string(plan.micro) + " per step" +
                                 (plan.accum > 1 ? " (" + config.grad_accum_mode + ": " +
@@ -157,6 +162,28 @@ void print_report(const TrainConfig& config, const JobFigures& job, const Traini
   std::cout << " | final train loss " << fixed(result.last_logged_loss, 4) << " | val loss " << fixed(val_loss_start, 4)
             << " -> " << fixed(val_loss_end, 4) << " | mean "
             << with_commas(std::llround(job.tokens_per_step * result.timed_steps / result.train_seconds)) << " tok/s\n"
+            << std::flush;
+}
+
+void print_modeled_traffic(const ModeledLinks& before, const ModeledLinks& after, int steps) {
+  if (after.empty() || steps <= 0) return;
+  double gather = 0, scatter = 0, all = 0, busy = 0;
+  for (const auto& [name, s] : after) {
+    gather += static_cast<double>(s.gather_wire_bytes);
+    scatter += static_cast<double>(s.scatter_wire_bytes);
+    all += static_cast<double>(s.wire_bytes);
+    busy += s.modeled_busy_s;
+  }
+  for (const auto& [name, s] : before) {
+    gather -= static_cast<double>(s.gather_wire_bytes);
+    scatter -= static_cast<double>(s.scatter_wire_bytes);
+    all -= static_cast<double>(s.wire_bytes);
+    busy -= s.modeled_busy_s;
+  }
+  std::cout << "modeled network, bytes rank 0 sent per step: all-gathers " << fixed(gather / steps / 1e6, 4)
+            << " MB, reduce-scatters " << fixed(scatter / steps / 1e6, 4) << " MB, other "
+            << fixed((all - gather - scatter) / steps / 1e6, 4) << " MB; links busy " << fixed(busy / steps * 1e3, 1)
+            << " ms per step\n"
             << std::flush;
 }
 

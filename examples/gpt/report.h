@@ -21,4 +21,9 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
 void print_report(const TrainConfig& config, const JobFigures& job, const TrainingResult& result, double val_loss_start,
                   double val_loss_end, const std::string& sample, Clock::time_point program_start);
 
+using ModeledLinks = std::vector<std::pair<std::string, fsdp::ModeledLinkStats>>;
+// Rank 0, under FSDP_NETWORK_MODEL: the bytes this rank sent per training step, by collective,
+// between two readings of ProcessGroup::modeled_links().
+void print_modeled_traffic(const ModeledLinks& before, const ModeledLinks& after, int steps);
+
 }  // namespace fsdp_gpt

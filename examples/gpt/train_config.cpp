@@ -120,6 +120,18 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                  "float16, with the sharded gradient scaler)")
       ->transform(CLI::IsMember({"none", "bf16", "fp16"}, CLI::ignore_case))
       ->capture_default_str();
+  app.add_option("--quantize-all-gather", config.quantize_all_gather,
+                 "Parameter all-gathers carry 8-bit codes with a scale per --quantize-block values (every block "
+                 "but the root unit, which holds the embeddings and the head): none, int8, fp8")
+      ->transform(CLI::IsMember({"none", "int8", "fp8"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--quantize-reduce", config.quantize_reduce,
+                 "Gradient reduce-scatters carry 8-bit codes, summed in float32 on arrival: none, int8, fp8")
+      ->transform(CLI::IsMember({"none", "int8", "fp8"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("--quantize-block", config.quantize_block, "Values per scale of quantized communication")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app.add_option("--grad-accum", config.grad_accum,
                  "Splits --batch-per-rank into this many micro-batches (must divide it): sets the default "
                  "--batch-size; all micro-batches but the last of a step run without gradient communication")

@@ -51,6 +51,9 @@ struct TrainConfig {
   bool show_memory = false;
   // Training controls (docs/usage.md).
   std::string mixed_precision = "none";            // none, bf16, fp16
+  std::string quantize_all_gather = "none";        // none, int8, fp8: the parameter all-gathers' codes
+  std::string quantize_reduce = "none";            // none, int8, fp8: the gradient reduce-scatters' codes
+  int quantize_block = 256;                        // values per scale
   int grad_accum = 1;                              // splits --batch-per-rank into micro-batches
   std::string grad_accum_mode = "no-sync";         // how micro-batches other than the last treat gradients
   double clip_grad_norm = 0;                       // 0: no clipping

@@ -43,11 +43,13 @@ struct NetworkModel {
 
 // What a modeled communicator models, and what it has modeled so far.
 struct ModeledLinkStats {
-  std::string link;           // "intra" or "inter"
-  Link params;                // the link's parameters
-  int64_t collectives = 0;    // issued (barriers included)
-  int64_t wire_bytes = 0;     // modeled bytes this rank sent
-  double modeled_busy_s = 0;  // sum of modeled durations (the link is busy that long)
+  std::string link;                // "intra" or "inter"
+  Link params;                     // the link's parameters
+  int64_t collectives = 0;         // issued (barriers included)
+  int64_t wire_bytes = 0;          // modeled bytes this rank sent
+  int64_t gather_wire_bytes = 0;   // of which in all-gathers
+  int64_t scatter_wire_bytes = 0;  // of which in reduce-scatters and all-to-alls
+  double modeled_busy_s = 0;       // sum of modeled durations (the link is busy that long)
   // Collectives seen still running after their modeled completion (the real transport set the
   // time there). A lower bound.
   int64_t real_exceeded_model = 0;

@@ -56,6 +56,9 @@ class ProcessGroup {
   // Replaces the network model (nullopt: none) for communicators requested from now on, world()
   // included; those handed out keep theirs. Local: call it with the same model on every rank.
   void set_network_model(std::optional<NetworkModel> model);
+  // What the modeled network has modeled so far on each communicator handed out with a model
+  // (world() included), by name; empty without a model.
+  std::vector<std::pair<std::string, ModeledLinkStats>> modeled_links() const;
   // A counter that advances identically on every rank; used to name per-call store keys.
   int64_t next_sequence() { return sequence_++; }
 

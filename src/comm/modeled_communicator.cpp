@@ -83,7 +83,10 @@ std::pair<ModeledCommunicator::Clock::time_point, ModeledCommunicator::Clock::ti
   const auto start = std::max(issued, link_free_);
   link_free_ = start + duration;
   stats_.collectives += 1;
-  stats_.wire_bytes += static_cast<int64_t>(modeled_wire_bytes(c, bytes, size()));
+  const auto wire = static_cast<int64_t>(modeled_wire_bytes(c, bytes, size()));
+  stats_.wire_bytes += wire;
+  if (c == Collective::kAllGather) stats_.gather_wire_bytes += wire;
+  if (c == Collective::kReduceScatter || c == Collective::kAllToAll) stats_.scatter_wire_bytes += wire;
   stats_.modeled_busy_s += seconds;
   return {start, link_free_};
 }

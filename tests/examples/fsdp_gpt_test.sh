@@ -199,6 +199,17 @@ test_training_controls() {
   expect_regex out "reshard after forward +except-last"
 }
 
+# Quantized communication (int8 all-gathers and reduce-scatters) over a modeled network: the
+# configuration says so, the run trains as the plain one does, and the modeled bytes are reported.
+test_quantized_communication() {
+  FSDP_NETWORK_MODEL="gbps=10" run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" \
+      --quantize-all-gather int8 --quantize-reduce int8 --quantize-block 64
+  expect_rc 0
+  check_training_output "[rank 0] " 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
+  expect_regex out "quantized communication +all-gathers int8, reduce-scatters int8, 64 values per scale"
+  expect_regex out "modeled network, bytes rank 0 sent per step: all-gathers [0-9.]+ MB, reduce-scatters [0-9.]+ MB"
+}
+
 # The other accumulation modes train, and the configuration names each; replica-deferred needs
 # HYBRID_SHARD and says so.
 test_grad_accum_modes() {
