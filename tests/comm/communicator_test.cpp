@@ -47,6 +47,12 @@ FSDP_WORKER(transport_worker) {
       at::Tensor mine = torch::full({n}, -1, dtype);
       comm->reduce_scatter(mine, contribution(r, n * W, dtype))->wait();
       WORKER_CHECK(mine.equal(sum.narrow(0, r * n, n)), "reduce_scatter ", dtype, " n=", n, " is wrong");
+      // all_to_all_into: part p comes from rank p's part r
+      at::Tensor exchanged = torch::full({n * W}, -1, dtype);
+      comm->all_to_all_into(exchanged, contribution(r, n * W, dtype))->wait();
+      for (int p = 0; p < W; ++p)
+        WORKER_CHECK(exchanged.narrow(0, p * n, n).equal(contribution(p, n * W, dtype).narrow(0, r * n, n)),
+                     "all_to_all_into ", dtype, " n=", n, ": the part from rank ", p, " is wrong");
       // all_reduce, in place
       at::Tensor t = contribution(r, n * W, dtype);
       comm->all_reduce(t)->wait();
