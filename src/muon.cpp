@@ -114,6 +114,7 @@ void Muon::step_adamw(const WholeParam& p) {
 }
 
 torch::Tensor Muon::step(LossClosure closure) {
+  check_whole_step("Muon::step");
   torch::Tensor loss;
   if (closure) {
     at::AutoGradMode enable_grad(true);

@@ -1,6 +1,7 @@
 #include "fsdp/whole_param_optimizer.h"
 
 #include "fsdp/check.h"
+#include "state_access.h"
 
 namespace fsdp {
 namespace {
@@ -21,10 +22,18 @@ WholeParamOptimizer::WholeParamOptimizer(FullyShardedModule& module,
                                          std::vector<torch::optim::OptimizerParamGroup> groups,
                                          std::unique_ptr<torch::optim::OptimizerOptions> defaults)
     : torch::optim::Optimizer(every_trainable_piece(module, std::move(groups)), std::move(defaults)),
-      reduction_(module) {
+      reduction_(module),
+      module_(&module) {
   for (size_t g = 0; g < param_groups_.size(); ++g)
     for (const auto& t : param_groups_[g].params()) group_by_piece_[t.unsafeGetTensorImpl()] = static_cast<int>(g);
   module.check_optimizer(*this);
+}
+
+void WholeParamOptimizer::check_whole_step(const char* what) const {
+  FSDP_CHECK(!detail::StateAccess::of(*module_).reducer().stepper().on(), what,
+             ": its step needs every parameter's whole gradient, but the module steps its optimizer in backward "
+             "(set_step_in_backward), one unit at a time. Turn that off (set_step_in_backward(nullptr)) and call "
+             "step() after backward");
 }
 
 int WholeParamOptimizer::group_of(const WholeParam& p) const {

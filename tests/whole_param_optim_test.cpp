@@ -118,6 +118,13 @@ FSDP_WORKER(whole_param_worker) {
   WORKER_CHECK(opt->reduction().collectives() == (peers ? per_step * steps : 0) + at_construction,
                "reduction collectives: ", opt->reduction().collectives());
   if (mode == "plain") check_reductions(*sharded);
+  if (auto* muon = dynamic_cast<fsdp::Muon*>(opt.get())) {  // the owners split the matrices
+    const auto& st = muon->stats();
+    const double owned = fsdp::mean_across_ranks(*pg, double(st.owned)) * ctx.world;
+    const int replicas = peers ? ctx.world / sharded->sharding_factor() : ctx.world;
+    WORKER_CHECK(owned == double(st.matrices * replicas), "owned ", owned, " of ", st.matrices, " matrices");
+    WORKER_CHECK(!peers || st.owned < st.matrices, "rank ", ctx.rank, " owns all ", st.matrices, " matrices");
+  }
   if (ctx.rank == 0) std::cout << kind << " " << strategy << " " << mode << " world " << ctx.world << " ok" << std::endl;
 }
 
@@ -147,6 +154,50 @@ FSDP_WORKER(whole_param_mixed_precision_worker) {
   if (ctx.rank == 0) std::cout << kind << " " << strategy << " mixed precision ok" << std::endl;
 }
 
+// args: optimizer, phase (save: 2 steps at this world, then a checkpoint into dir; load: the
+// checkpoint into a model at this world, then 2 more steps), dir, strategy. After load, equal to
+// 4 single-process steps on the same batches.
+FSDP_WORKER(whole_param_checkpoint_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string kind = ctx.args.at(0), phase = ctx.args.at(1), dir = ctx.args.at(2), strategy = ctx.args.at(3);
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options(strategy));
+  auto [opt, ref_step] = optimizers(kind, *sharded);
+  const int saved_world = 4;
+  auto train = [&](int step) {
+    const at::Tensor x = token_batch(ctx.world, step);
+    opt->zero_grad();
+    loss_of(model, x.narrow(0, ctx.rank * 2, 2)).backward();
+    opt->step();
+  };
+  if (phase == "save") {
+    for (int step = 0; step < 2; ++step) train(step);
+    fsdp::checkpoint::save(dir, *sharded, *opt);
+    return;
+  }
+  fsdp::checkpoint::load(dir, *sharded, *opt);
+  for (int step = 2; step < 4; ++step) train(step);
+  const std::vector<at::Tensor> ref_params = trainable(*ref);
+  for (int step = 0; step < 4; ++step) {
+    for (const auto& p : ref_params) p.mutable_grad().reset();
+    loss_of(ref, token_batch(step < 2 ? saved_world : ctx.world, step)).backward();
+    ref_step(ref_params);
+  }
+  expect_same_parameters(*ref, *sharded, 1e-10, kind + " resumed at world " + std::to_string(ctx.world));
+  if (ctx.rank == 0) std::cout << kind << " resumed at world " << ctx.world << " ok" << std::endl;
+}
+
+// Refused with the fix: a step in backward, which steps one unit at a time.
+FSDP_WORKER(whole_param_step_in_backward_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options("FULL_SHARD"));
+  auto [opt, ref_step] = optimizers(ctx.args.at(0), *sharded);
+  sharded->set_step_in_backward(opt.get());
+  expect_error([&] { loss_of(model, token_batch(ctx.world, 0).narrow(0, ctx.rank * 2, 2)).backward(); },
+               "set_step_in_backward(nullptr)", ctx.args.at(0) + " in backward");
+}
+
 void run_matrix(const std::string& kind) {
   for (int world : {1, 2, 3, 4}) {
     auto r = launch("whole_param_worker", world, {kind, "FULL_SHARD", "plain"});
@@ -162,11 +213,25 @@ void run_matrix(const std::string& kind) {
   }
   auto r = launch("whole_param_mixed_precision_worker", 3, {kind, "FULL_SHARD"});
   ASSERT_TRUE(r.all_ok()) << kind << " mixed precision\n" << r.report();
+  r = launch("whole_param_step_in_backward_worker", 2, {kind});
+  ASSERT_TRUE(r.all_ok()) << kind << " in backward\n" << r.report();
+}
+
+void run_resharded_checkpoint(const std::string& kind) {
+  TempDir tmp;
+  auto r = launch("whole_param_checkpoint_worker", 4, {kind, "save", tmp / "ckpt", "FULL_SHARD"});
+  ASSERT_TRUE(r.all_ok()) << kind << " save\n" << r.report();
+  for (auto [world, strategy] : {std::pair<int, const char*>{3, "FULL_SHARD"}, {2, "SHARD_GRAD_OP"}, {1, "FULL_SHARD"}}) {
+    r = launch("whole_param_checkpoint_worker", world, {kind, "load", tmp / "ckpt", strategy});
+    ASSERT_TRUE(r.all_ok()) << kind << " load at world " << world << "\n" << r.report();
+  }
 }
 
 TEST(WholeParamOptim, LambEqualsSingleProcessLambForEveryStrategyAndWorld) { run_matrix("lamb"); }
 TEST(WholeParamOptim, AdafactorEqualsSingleProcessAdafactorForEveryStrategyAndWorld) { run_matrix("adafactor"); }
 TEST(WholeParamOptim, MuonEqualsSingleProcessMuonForEveryStrategyAndWorld) { run_matrix("muon"); }
+TEST(WholeParamOptim, LambStateSavedAtWorld4ResumesExactlyAtWorlds3And2And1) { run_resharded_checkpoint("lamb"); }
+TEST(WholeParamOptim, MuonStateSavedAtWorld4ResumesExactlyAtWorlds3And2And1) { run_resharded_checkpoint("muon"); }
 
 }  // namespace
 }  // namespace fsdp_test
