@@ -10,11 +10,6 @@
 
 namespace fsdp {
 
-void MuonOptions::set_lr(const double lr) {
-  if (lr_ != 0) adamw_.lr(adamw_.lr() * lr / lr_);
-  lr_ = lr;
-}
-
 at::Tensor Muon::orthogonalize(const at::Tensor& g, int steps) {
   const double a = 3.4445, b = -4.7750, c = 2.0315;
   const bool tall = g.size(0) > g.size(1);

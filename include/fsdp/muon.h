@@ -37,9 +37,9 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   TORCH_ARG(MuonAdamW, adamw) = {};
 
  public:
-  // The learning rate a schedule scales: Muon's; set_lr scales adamw's lr by the same factor.
+  // Muon's learning rate (adamw's is its own: set both where a schedule scales them).
   double get_lr() const override { return lr(); }
-  void set_lr(const double lr) override;
+  void set_lr(const double lr) override { this->lr(lr); }
 };
 
 struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonParamState> {
