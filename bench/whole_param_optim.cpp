@@ -121,7 +121,8 @@ int main(int argc, char** argv) {
   }
   if (pg->rank() != 0) return 0;
   const double base = ms["adamw"].first, base_opt = ms["adamw"].second;
-  std::printf("| optimizer | ms/step | / AdamW | optimizer step ms | / AdamW's | collective bytes sent per rank and step | naive (every whole parameter gathered on every rank) |\n");
+  std::printf("| optimizer | ms/step | / AdamW | optimizer step ms | / AdamW's | collective bytes sent per rank and "
+              "step | naive (every whole parameter gathered on every rank) |\n");
   std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const auto& k : kinds) {
     const Result& r = results[k];

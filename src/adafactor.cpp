@@ -43,7 +43,9 @@ torch::Tensor Adafactor::step(LossClosure closure) {
     at::Tensor update;
   };
   std::vector<Pending> pending;
-  const auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
+  const auto dbl = [](const at::Tensor& t) {
+    return t.to(at::kDouble);
+  };
   // First collective: each parameter's sum of squares and, for matrices, the row and column sums of
   // its squared gradient; a rank without a gradient of it adds zeros of the same length.
   for (const WholeParam& p : reduction_.params()) {

@@ -34,8 +34,8 @@ Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamG
     const int g = group_of(p);
     const auto* o = g >= 0 ? &static_cast<const MuonOptions&>(param_groups_[g].options()) : nullptr;
     const bool mine = o && p.shape.size() == 2 && o->use_muon();
-    ids.push_back(reduction_.add(at::tensor({mine ? 1.0 : 0.0, mine ? double(o->ns_steps()) : 0.0}, at::kDouble),
-                                 Combine::kMax));
+    ids.push_back(
+        reduction_.add(at::tensor({mine ? 1.0 : 0.0, mine ? double(o->ns_steps()) : 0.0}, at::kDouble), Combine::kMax));
   }
   reduction_.run();
   std::vector<int64_t> cost;
@@ -172,8 +172,7 @@ torch::Tensor Muon::step(LossClosure closure) {
       whole.copy_(finish(m, whole.clone()));
     }
     at::Tensor all = at::empty({members * S}, opts);
-    comm->all_gather_into(all, mine, CollectiveOptions::labeled("Muon: orthogonalized matrices to the pieces"))
-        ->wait();
+    comm->all_gather_into(all, mine, CollectiveOptions::labeled("Muon: orthogonalized matrices to the pieces"))->wait();
     for (const Matrix& m : matrices_) {
       const WholeParam& p = params[m.param];
       if (steps(p)) updates[m.param] = all.narrow(0, m.owner * S + m.offset + p.begin, p.piece.numel());

@@ -27,26 +27,30 @@ std::pair<std::unique_ptr<fsdp::WholeParamOptimizer>, StepFn> optimizers(const s
                                                                          fsdp::FullyShardedModule& sharded) {
   if (kind == "lamb") {
     auto ref = std::make_shared<ReferenceLamb>(ReferenceLamb{2e-2, 0.9, 0.99, 1e-6, 0.01, {}});
-    return {std::make_unique<fsdp::Lamb>(
-                sharded, fsdp::LambOptions(2e-2).betas({0.9, 0.99}).eps(1e-6).weight_decay(0.01)),
-            [ref](const std::vector<at::Tensor>& ps) { ref->step(ps); }};
+    return {
+        std::make_unique<fsdp::Lamb>(sharded, fsdp::LambOptions(2e-2).betas({0.9, 0.99}).eps(1e-6).weight_decay(0.01)),
+        [ref](const std::vector<at::Tensor>& ps) {
+          ref->step(ps);
+        }};
   }
   if (kind == "adafactor") {
     auto ref = std::make_shared<ReferenceAdafactor>();
     ref->beta1 = 0.9;
     ref->weight_decay = 0.01;
     return {std::make_unique<fsdp::Adafactor>(sharded, fsdp::AdafactorOptions().beta1(0.9).weight_decay(0.01)),
-            [ref](const std::vector<at::Tensor>& ps) { ref->step(ps); }};
+            [ref](const std::vector<at::Tensor>& ps) {
+              ref->step(ps);
+            }};
   }
   auto ref = std::make_shared<ReferenceMuon>(ReferenceMuon{2e-2, 0.95, 0.01, 1e-2, 0.9, 0.99, 1e-8, 0.01, {}, {}});
-  return {std::make_unique<fsdp::Muon>(sharded, fsdp::MuonOptions(2e-2).momentum(0.95).weight_decay(0.01).adamw(
-                                                    fsdp::MuonAdamW(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(
-                                                        0.01))),
-          [ref](const std::vector<at::Tensor>& ps) {
-            if (ref->muon.empty())
-              for (const auto& p : ps) ref->muon.push_back(p.dim() == 2);
-            ref->step(ps);
-          }};
+  return {
+      std::make_unique<fsdp::Muon>(sharded, fsdp::MuonOptions(2e-2).momentum(0.95).weight_decay(0.01).adamw(
+                                                fsdp::MuonAdamW(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(0.01))),
+      [ref](const std::vector<at::Tensor>& ps) {
+        if (ref->muon.empty())
+          for (const auto& p : ps) ref->muon.push_back(p.dim() == 2);
+        ref->step(ps);
+      }};
 }
 
 // Every parameter of `module` that trains, once.
@@ -125,7 +129,8 @@ FSDP_WORKER(whole_param_worker) {
     WORKER_CHECK(owned == double(st.matrices * replicas), "owned ", owned, " of ", st.matrices, " matrices");
     WORKER_CHECK(!peers || st.owned < st.matrices, "rank ", ctx.rank, " owns all ", st.matrices, " matrices");
   }
-  if (ctx.rank == 0) std::cout << kind << " " << strategy << " " << mode << " world " << ctx.world << " ok" << std::endl;
+  if (ctx.rank == 0)
+    std::cout << kind << " " << strategy << " " << mode << " world " << ctx.world << " ok" << std::endl;
 }
 
 // args: optimizer, strategy. bf16 compute, fp32 reduction and masters: equal to the local
@@ -221,7 +226,8 @@ void run_resharded_checkpoint(const std::string& kind) {
   TempDir tmp;
   auto r = launch("whole_param_checkpoint_worker", 4, {kind, "save", tmp / "ckpt", "FULL_SHARD"});
   ASSERT_TRUE(r.all_ok()) << kind << " save\n" << r.report();
-  for (auto [world, strategy] : {std::pair<int, const char*>{3, "FULL_SHARD"}, {2, "SHARD_GRAD_OP"}, {1, "FULL_SHARD"}}) {
+  for (auto [world, strategy] :
+       {std::pair<int, const char*>{3, "FULL_SHARD"}, {2, "SHARD_GRAD_OP"}, {1, "FULL_SHARD"}}) {
     r = launch("whole_param_checkpoint_worker", world, {kind, "load", tmp / "ckpt", strategy});
     ASSERT_TRUE(r.all_ok()) << kind << " load at world " << world << "\n" << r.report();
   }

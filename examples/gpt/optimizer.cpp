@@ -39,7 +39,9 @@ std::unique_ptr<torch::optim::Optimizer> make_whole_param_optimizer(const std::s
   }
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (kind == "lamb") {
-    auto o = [&](double wd) { return std::make_unique<fsdp::LambOptions>(fsdp::LambOptions(lr).betas({0.9, 0.99}).weight_decay(wd)); };
+    auto o = [&](double wd) {
+      return std::make_unique<fsdp::LambOptions>(fsdp::LambOptions(lr).betas({0.9, 0.99}).weight_decay(wd));
+    };
     groups.emplace_back(decayed, o(weight_decay));
     groups.emplace_back(not_decayed, o(0));
     return std::make_unique<fsdp::Lamb>(sharded, std::move(groups), *o(weight_decay));
@@ -54,7 +56,9 @@ std::unique_ptr<torch::optim::Optimizer> make_whole_param_optimizer(const std::s
     return std::make_unique<fsdp::Adafactor>(sharded, std::move(groups), *o(weight_decay));
   }
   TORCH_CHECK(kind == "muon", "unknown optimizer '", kind, "'");
-  auto adamw = [&](double wd) { return fsdp::MuonAdamW(lr).betas({0.9, 0.99}).weight_decay(wd); };
+  auto adamw = [&](double wd) {
+    return fsdp::MuonAdamW(lr).betas({0.9, 0.99}).weight_decay(wd);
+  };
   auto o = [&](bool muon, double wd) {
     return std::make_unique<fsdp::MuonOptions>(fsdp::MuonOptions(kMuonLrScale * lr).use_muon(muon).adamw(adamw(wd)));
   };

@@ -51,10 +51,10 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
 
 // What one rank's Muon step moves and computes, for the whole step.
 struct MuonStepStats {
-  int64_t matrices = 0;        // Muon matrices of the module
-  int64_t owned = 0;           // of which this rank orthogonalizes
-  int64_t segment_numel = 0;   // elements of the largest owner's matrices together (S)
-  int64_t bytes_sent = 0;      // by a ring algorithm: (F - 1) * S elements in each of the two collectives
+  int64_t matrices = 0;          // Muon matrices of the module
+  int64_t owned = 0;             // of which this rank orthogonalizes
+  int64_t segment_numel = 0;     // elements of the largest owner's matrices together (S)
+  int64_t bytes_sent = 0;        // by a ring algorithm: (F - 1) * S elements in each of the two collectives
   int64_t naive_bytes_sent = 0;  // the same for one all-gather of every whole matrix on every rank
 };
 
@@ -72,8 +72,8 @@ class Muon : public WholeParamOptimizer {
 
  private:
   struct Matrix {
-    size_t param = 0;  // index in reduction_.params()
-    int owner = 0;     // shard-group rank
+    size_t param = 0;    // index in reduction_.params()
+    int owner = 0;       // shard-group rank
     int64_t offset = 0;  // in its owner's segment
     int ns_steps = 5;
   };

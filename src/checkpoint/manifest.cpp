@@ -215,7 +215,8 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
 
   const json& opt = r.member(j, "$", "optimizer");
   m.optimizer_kind = r.string(opt, "$.optimizer", "kind");
-  if (!kOptimizerKinds.count(m.optimizer_kind)) r.fail("$.optimizer.kind", "is not one of none, adamw, adam, sgd, lamb, muon");
+  if (!kOptimizerKinds.count(m.optimizer_kind))
+    r.fail("$.optimizer.kind", "is not one of none, adamw, adam, sgd, lamb, muon");
   const json& groups = r.array(opt, "$.optimizer", "groups");
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::string path = "$.optimizer.groups[" + std::to_string(g) + "]";
