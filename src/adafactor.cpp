@@ -23,7 +23,7 @@ double step_size(const AdafactorOptions& o, int64_t step, double rms) {
 }  // namespace
 
 Adafactor::Adafactor(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
-                     AdafactorOptions defaults)
+                     const AdafactorOptions& defaults)
     : WholeParamOptimizer(module, std::move(groups), std::make_unique<AdafactorOptions>(defaults)) {}
 
 torch::Tensor Adafactor::step(LossClosure closure) {

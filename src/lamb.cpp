@@ -6,7 +6,8 @@
 
 namespace fsdp {
 
-Lamb::Lamb(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups, LambOptions defaults)
+Lamb::Lamb(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
+           const LambOptions& defaults)
     : WholeParamOptimizer(module, std::move(groups), std::make_unique<LambOptions>(defaults)) {}
 
 torch::Tensor Lamb::step(LossClosure closure) {

@@ -23,7 +23,8 @@ at::Tensor Muon::orthogonalize(const at::Tensor& g, int steps) {
   return tall ? x.t() : x;
 }
 
-Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups, MuonOptions defaults)
+Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
+           const MuonOptions& defaults)
     : WholeParamOptimizer(module, std::move(groups), std::make_unique<MuonOptions>(defaults)) {
   // Which parameters are Muon's matrices: a holder of a piece knows its group; the shard group
   // agrees through one reduction, so that every member lays the step's buffers out alike.

@@ -3,13 +3,12 @@
 #include <algorithm>
 
 #include "fsdp/check.h"
-#include "internal_op_guard.h"
 #include "state_access.h"
 
 namespace fsdp {
 
-ParamReduction::ParamReduction(FullyShardedModule& module) {
-  FsdpState& state = detail::StateAccess::of(module);
+ParamReduction::ParamReduction(FullyShardedModule& module) : state_(&detail::StateAccess::of(module)) {
+  FsdpState& state = *state_;
   for (const auto& fp : state.flat_params()) {
     const int64_t lo = fp->keep_unsharded() ? 0 : int64_t(fp->shard_rank()) * fp->shard_numel();
     for (const auto& s : fp->slots()) {
@@ -39,39 +38,37 @@ int ParamReduction::add(const at::Tensor& part, Combine how) {
 }
 
 void ParamReduction::run() {
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
+  RuntimeCall call(*state_);  // rethrows an error of the runtime's (a failed reduction) first
   results_.clear();
   if (parts_.empty()) return;
   std::vector<int64_t> offsets{0};
   for (const auto& p : parts_) offsets.push_back(offsets.back() + p.numel());
   const int64_t n = offsets.back();
-  // One float64 buffer carries every part (Note [Whole-parameter reductions]).
-  at::Tensor local = at::empty({n}, at::kDouble);
-  for (size_t i = 0; i < parts_.size(); ++i)
-    local.narrow(0, offsets[i], parts_[i].numel()).copy_(parts_[i].to(at::kCPU, at::kDouble));
-  at::Tensor combined = local;
-  if (comm_) {
+  // One float64 buffer carries every part (Note [Whole-parameter reductions]), built where the
+  // collective runs and copied to the host once.
+  const c10::Device device = comm_ ? comm_->device() : c10::Device(at::kCPU);
+  std::vector<at::Tensor> on_device;
+  on_device.reserve(parts_.size());
+  for (const auto& p : parts_) on_device.push_back(p.to(device, at::kDouble));
+  const at::Tensor local = at::cat(on_device);
+  at::Tensor combined;
+  if (!comm_) {
+    combined = local.cpu();
+  } else {
     const int members = comm_->size();
-    const at::Tensor mine = local.to(comm_->device());
-    at::Tensor gathered = at::empty({members * n}, mine.options());
-    comm_->all_gather_into(gathered, mine, CollectiveOptions::labeled("whole-parameter reductions: all-gather"))
+    at::Tensor gathered = at::empty({members * n}, local.options());
+    comm_->all_gather_into(gathered, local, CollectiveOptions::labeled("whole-parameter reductions: all-gather"))
         ->wait();
     ++collectives_;
     bytes_sent_ += n * int64_t(sizeof(double));
     const at::Tensor all = gathered.cpu().view({members, n});
-    // Combined in rank order, part by part, so that every rank computes the same values.
+    // Combined in rank order, so that every rank computes the same values: sums of every element,
+    // then the maxima of the parts that ask for them.
     combined = all[0].clone();
-    for (size_t i = 0; i < parts_.size(); ++i) {
-      at::Tensor out = combined.narrow(0, offsets[i], parts_[i].numel());
-      for (int r = 1; r < members; ++r) {
-        const at::Tensor theirs = all[r].narrow(0, offsets[i], parts_[i].numel());
-        if (how_[i] == Combine::kSum)
-          out.add_(theirs);
-        else
-          at::maximum_out(out, out, theirs);
-      }
-    }
+    for (int r = 1; r < members; ++r) combined.add_(all[r]);
+    for (size_t i = 0; i < parts_.size(); ++i)
+      if (how_[i] == Combine::kMax)
+        combined.narrow(0, offsets[i], parts_[i].numel()).copy_(all.narrow(1, offsets[i], parts_[i].numel()).amax(0));
   }
   for (size_t i = 0; i < parts_.size(); ++i) results_.push_back(combined.narrow(0, offsets[i], parts_[i].numel()));
   parts_.clear();

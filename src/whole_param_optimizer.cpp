@@ -30,7 +30,9 @@ WholeParamOptimizer::WholeParamOptimizer(FullyShardedModule& module,
 }
 
 void WholeParamOptimizer::check_whole_step(const char* what) const {
-  FSDP_CHECK(!detail::StateAccess::of(*module_).reducer().stepper().on(), what,
+  FsdpState& state = detail::StateAccess::of(*module_);
+  state.rethrow_pending_error();
+  FSDP_CHECK(!state.reducer().stepper().on(), what,
              ": its step needs every parameter's whole gradient, but the module steps its optimizer in backward "
              "(set_step_in_backward), one unit at a time. Turn that off (set_step_in_backward(nullptr)) and call "
              "step() after backward");

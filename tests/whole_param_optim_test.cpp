@@ -115,7 +115,7 @@ FSDP_WORKER(whole_param_worker) {
     if (mode == "clip") sharded->clip_grad_norm_(0.05);
     opt->step();
   }
-  expect_same_parameters(*ref, *sharded, 1e-10, kind + " " + strategy + " " + mode);
+  expect_same_parameters(*ref, *sharded, 1e-12, kind + " " + strategy + " " + mode);
   const bool peers = strategy != "NO_SHARD" && sharded->sharding_factor() > 1;
   const int64_t per_step = kind == "lamb" ? 1 : kind == "adafactor" ? 2 : 0;
   const int64_t at_construction = kind == "muon" && peers ? 1 : 0;
@@ -188,7 +188,7 @@ FSDP_WORKER(whole_param_checkpoint_worker) {
     loss_of(ref, token_batch(step < 2 ? saved_world : ctx.world, step)).backward();
     ref_step(ref_params);
   }
-  expect_same_parameters(*ref, *sharded, 1e-10, kind + " resumed at world " + std::to_string(ctx.world));
+  expect_same_parameters(*ref, *sharded, 1e-12, kind + " resumed at world " + std::to_string(ctx.world));
   if (ctx.rank == 0) std::cout << kind << " resumed at world " << ctx.world << " ok" << std::endl;
 }
 

@@ -45,8 +45,8 @@ class Adafactor : public WholeParamOptimizer {
  public:
   // `groups`: see WholeParamOptimizer (empty: every trainable piece with `defaults`).
   Adafactor(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
-            AdafactorOptions defaults = {});
-  Adafactor(FullyShardedModule& module, AdafactorOptions defaults) : Adafactor(module, {}, defaults) {}
+            const AdafactorOptions& defaults = {});
+  Adafactor(FullyShardedModule& module, const AdafactorOptions& defaults) : Adafactor(module, {}, defaults) {}
   // Collective over the module's shard group: every rank must call it at the same step.
   torch::Tensor step(LossClosure closure = nullptr) override;
 };

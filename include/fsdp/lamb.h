@@ -32,8 +32,9 @@ using LambParamState = torch::optim::AdamWParamState;
 class Lamb : public WholeParamOptimizer {
  public:
   // `groups`: see WholeParamOptimizer (empty: every trainable piece with `defaults`).
-  Lamb(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups, LambOptions defaults = {});
-  Lamb(FullyShardedModule& module, LambOptions defaults) : Lamb(module, {}, defaults) {}
+  Lamb(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
+       const LambOptions& defaults = {});
+  Lamb(FullyShardedModule& module, const LambOptions& defaults) : Lamb(module, {}, defaults) {}
   // Collective over the module's shard group: every rank must call it at the same step.
   torch::Tensor step(LossClosure closure = nullptr) override;
 };

@@ -62,8 +62,9 @@ class Muon : public WholeParamOptimizer {
  public:
   // `groups`: see WholeParamOptimizer (empty: every trainable piece with `defaults`). Collective
   // over the module's shard group (the ranks agree which parameters are Muon's matrices).
-  Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups, MuonOptions defaults = {});
-  Muon(FullyShardedModule& module, MuonOptions defaults) : Muon(module, {}, defaults) {}
+  Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
+       const MuonOptions& defaults = {});
+  Muon(FullyShardedModule& module, const MuonOptions& defaults) : Muon(module, {}, defaults) {}
   // Collective over the module's shard group: every rank must call it at the same step.
   torch::Tensor step(LossClosure closure = nullptr) override;
   const MuonStepStats& stats() const { return stats_; }

@@ -52,6 +52,7 @@ class ParamReduction {
   int64_t bytes_sent() const { return bytes_sent_; }
 
  private:
+  FsdpState* state_;
   std::vector<WholeParam> params_;
   CommunicatorPtr comm_;  // null: parameters are whole on every rank
   std::vector<at::Tensor> parts_;
