@@ -238,6 +238,9 @@ TEST(WholeParamOptim, AdafactorEqualsSingleProcessAdafactorForEveryStrategyAndWo
 TEST(WholeParamOptim, MuonEqualsSingleProcessMuonForEveryStrategyAndWorld) { run_matrix("muon"); }
 TEST(WholeParamOptim, LambStateSavedAtWorld4ResumesExactlyAtWorlds3And2And1) { run_resharded_checkpoint("lamb"); }
 TEST(WholeParamOptim, MuonStateSavedAtWorld4ResumesExactlyAtWorlds3And2And1) { run_resharded_checkpoint("muon"); }
+TEST(WholeParamOptim, AdafactorStateSavedAtWorld4ResumesExactlyAtWorlds3And2And1) {
+  run_resharded_checkpoint("adafactor");
+}
 
 }  // namespace
 }  // namespace fsdp_test

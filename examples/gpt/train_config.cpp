@@ -66,7 +66,7 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--optimizer", config.optimizer,
-                 "adamw, lamb, adafactor (no checkpoints), or muon (Muon for the blocks' matrices at 20 x --lr, "
+                 "adamw, lamb, adafactor, or muon (Muon for the blocks' matrices at 20 x --lr, "
                  "AdamW for the rest)")
       ->transform(CLI::IsMember({"adamw", "lamb", "adafactor", "muon"}, CLI::ignore_case))
       ->capture_default_str();
@@ -221,9 +221,6 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
                                    {"--stop-after", config.stop_after > 0},
                                    {"--async-save", config.async_save}})
     if (used && config.save_dir.empty()) throw CLI::ValidationError(flag, "needs --save-dir");
-  if (config.optimizer == "adafactor" && !config.save_dir.empty())
-    throw CLI::ValidationError("--optimizer", "adafactor: checkpoints do not carry its factored moments; drop "
-                                              "--save-dir or use another optimizer");
   const int world = env.world_size, factor = config.sharding_factor;
   if (config.strategy == "HYBRID_SHARD" && factor != 0 && world % factor != 0)
     throw CLI::ValidationError("--sharding-factor", std::to_string(factor) + " does not divide the world size " +

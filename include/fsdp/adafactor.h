@@ -4,7 +4,8 @@
 // order of operations of Hugging Face's Adafactor: a matrix's second moment kept as its row and
 // column means (each from the whole matrix), the update clipped by its RMS over the whole
 // parameter, the step relative to the parameter's RMS. Two collectives per step carry every
-// parameter's reductions. Matrices (2-D) are factored; other shapes keep a second moment per element.
+// parameter's reductions (three at the first step after a checkpoint was loaded). Matrices (2-D)
+// are factored; other shapes keep a second moment per element.
 // See Note [Whole-parameter reductions] in docs/design.md.
 #include <torch/torch.h>
 
@@ -39,6 +40,9 @@ struct AdafactorParamState : public torch::optim::OptimizerCloneableParamState<A
   TORCH_ARG(at::Tensor, exp_avg_sq_col);  // matrices: the whole parameter's column means (C)
   TORCH_ARG(at::Tensor, exp_avg_sq);      // other shapes: per element of the piece
   TORCH_ARG(at::Tensor, exp_avg);         // beta1 > 0: per element of the piece
+  // Loaded from a checkpoint: exp_avg_sq_row / _col hold, per element of the piece, its row's and
+  // its column's value; the next step completes the whole vectors from every rank's pieces.
+  TORCH_ARG(bool, spread) = false;
 };
 
 class Adafactor : public WholeParamOptimizer {
@@ -49,6 +53,18 @@ class Adafactor : public WholeParamOptimizer {
   Adafactor(FullyShardedModule& module, const AdafactorOptions& defaults) : Adafactor(module, {}, defaults) {}
   // Collective over the module's shard group: every rank must call it at the same step.
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  // For checkpoints, which hold state per element of a piece: `piece`'s state with a matrix's row
+  // and column means spread over the piece's elements (AdafactorParamState::spread); null before
+  // its first step. set_spread_state takes such a state, from a piece of any sharding.
+  std::unique_ptr<AdafactorParamState> spread_state(const at::Tensor& piece) const;
+  void set_spread_state(const at::Tensor& piece, std::unique_ptr<AdafactorParamState> state);
+
+ private:
+  // Whole row and column vectors for the matrices whose state is spread on some rank (a
+  // collective whenever `any` is true, which every rank agrees on).
+  void gather_spread_moments();
+  const WholeParam* param_of(const at::Tensor& piece) const;
 };
 
 }  // namespace fsdp

@@ -3,6 +3,7 @@
 #include <c10/util/string_utils.h>
 #include <torch/version.h>
 
+#include "fsdp/adafactor.h"
 #include "fsdp/check.h"
 #include "fsdp/lamb.h"
 #include "fsdp/muon.h"
@@ -160,12 +161,13 @@ OptimizerKind optimizer_kind(const optim::Optimizer* optimizer) {
   if (!optimizer) return OptimizerKind::kNone;
   if (dynamic_cast<const Lamb*>(optimizer)) return OptimizerKind::kLamb;
   if (dynamic_cast<const Muon*>(optimizer)) return OptimizerKind::kMuon;
+  if (dynamic_cast<const Adafactor*>(optimizer)) return OptimizerKind::kAdafactor;
   if (dynamic_cast<const optim::AdamW*>(optimizer)) return OptimizerKind::kAdamW;
   if (dynamic_cast<const optim::Adam*>(optimizer)) return OptimizerKind::kAdam;
   if (dynamic_cast<const optim::SGD*>(optimizer)) return OptimizerKind::kSgd;
-  FSDP_FAIL("checkpoints carry the state of torch::optim::AdamW (and fsdp::FusedAdamW), Adam, SGD, fsdp::Lamb and "
-            "fsdp::Muon only (fsdp::Adafactor's factored moments are whole-parameter vectors, not per element); "
-            "save this optimizer's state yourself, or pass no optimizer to save the model alone");
+  FSDP_FAIL("checkpoints carry the state of torch::optim::AdamW (and fsdp::FusedAdamW), Adam, SGD, fsdp::Lamb, "
+            "fsdp::Muon and fsdp::Adafactor only; save this optimizer's state yourself, or pass no optimizer to save "
+            "the model alone");
 }
 
 std::string to_string(OptimizerKind kind) {
@@ -176,6 +178,7 @@ std::string to_string(OptimizerKind kind) {
     case OptimizerKind::kSgd: return "sgd";
     case OptimizerKind::kLamb: return "lamb";
     case OptimizerKind::kMuon: return "muon";
+    case OptimizerKind::kAdafactor: return "adafactor";
   }
   return "none";
 }
@@ -192,6 +195,19 @@ json group_options(OptimizerKind kind, const optim::OptimizerOptions& options) {
               {"weight_decay", o.weight_decay()}};
     }
     case OptimizerKind::kMuon: return muon_options(static_cast<const MuonOptions&>(options));
+    case OptimizerKind::kAdafactor: {
+      const auto& o = static_cast<const AdafactorOptions&>(options);
+      return {{"lr", o.lr()},
+              {"eps1", o.eps1()},
+              {"eps2", o.eps2()},
+              {"clip_threshold", o.clip_threshold()},
+              {"decay_rate", o.decay_rate()},
+              {"beta1", o.beta1()},
+              {"weight_decay", o.weight_decay()},
+              {"scale_parameter", o.scale_parameter()},
+              {"relative_step", o.relative_step()},
+              {"warmup_init", o.warmup_init()}};
+    }
     case OptimizerKind::kSgd: {
       const auto& o = static_cast<const optim::SGDOptions&>(options);
       return {{"lr", o.lr()},
@@ -219,6 +235,20 @@ void restore_group_options(OptimizerKind kind, const json& saved, optim::Optimiz
       break;
     }
     case OptimizerKind::kMuon: restore_muon(saved, static_cast<MuonOptions&>(options), where); break;
+    case OptimizerKind::kAdafactor: {
+      auto& o = static_cast<AdafactorOptions&>(options);
+      o.lr(number(saved, "lr", where));
+      o.eps1(number(saved, "eps1", where));
+      o.eps2(number(saved, "eps2", where));
+      o.clip_threshold(number(saved, "clip_threshold", where));
+      o.decay_rate(number(saved, "decay_rate", where));
+      o.beta1(number(saved, "beta1", where));
+      o.weight_decay(number(saved, "weight_decay", where));
+      o.scale_parameter(flag(saved, "scale_parameter", where));
+      o.relative_step(flag(saved, "relative_step", where));
+      o.warmup_init(flag(saved, "warmup_init", where));
+      break;
+    }
     case OptimizerKind::kSgd: {
       auto& o = static_cast<optim::SGDOptions&>(options);
       o.lr(number(saved, "lr", where));
@@ -241,6 +271,18 @@ PieceState get_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, cons
     case OptimizerKind::kAdam: return adam_state(static_cast<const optim::AdamParamState&>(*it->second));
     case OptimizerKind::kLamb: return adam_state(static_cast<const LambParamState&>(*it->second));
     case OptimizerKind::kMuon: return muon_state(static_cast<const MuonParamState&>(*it->second));
+    case OptimizerKind::kAdafactor: {
+      const auto s = static_cast<const Adafactor&>(optimizer).spread_state(param);
+      PieceState out;
+      out.present = true;
+      out.step = s->step();
+      for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"exp_avg_sq_row", s->exp_avg_sq_row()},
+                                    {"exp_avg_sq_col", s->exp_avg_sq_col()},
+                                    {"exp_avg_sq", s->exp_avg_sq()},
+                                    {"exp_avg", s->exp_avg()}})
+        if (t.defined()) out.tensors[name] = t;
+      return out;
+    }
     case OptimizerKind::kSgd: {
       // LibTorch's SGD keeps state only for momentum, and steps on a state without a buffer would fail.
       const auto& s = static_cast<const optim::SGDParamState&>(*it->second);
@@ -268,6 +310,24 @@ void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::
     case OptimizerKind::kAdam: states[key] = make_adam_state<optim::AdamParamState>(state); break;
     case OptimizerKind::kLamb: states[key] = make_adam_state<LambParamState>(state); break;
     case OptimizerKind::kMuon: states[key] = make_muon_state(state); break;
+    case OptimizerKind::kAdafactor: {
+      auto s = std::make_unique<AdafactorParamState>();
+      s->step(state.step);
+      for (const auto& [name, t] : state.tensors) {
+        if (name == "exp_avg_sq_row")
+          s->exp_avg_sq_row(t).spread(true);
+        else if (name == "exp_avg_sq_col")
+          s->exp_avg_sq_col(t);
+        else if (name == "exp_avg_sq")
+          s->exp_avg_sq(t);
+        else if (name == "exp_avg")
+          s->exp_avg(t);
+        else
+          FSDP_FAIL("checkpoint: state tensor '", name, "' does not belong to Adafactor");
+      }
+      static_cast<Adafactor&>(optimizer).set_spread_state(param, std::move(s));
+      break;
+    }
     case OptimizerKind::kSgd: {
       if (state.tensors.empty()) {
         states.erase(key);

@@ -1,6 +1,6 @@
 #pragma once
 // The optimizers whose state a checkpoint carries (torch::optim::AdamW, fsdp::FusedAdamW as AdamW,
-// Adam, SGD, fsdp::Lamb, fsdp::Muon): their kind, group options as JSON, and one parameter's state as named tensors plus
+// Adam, SGD, fsdp::Lamb, fsdp::Muon, fsdp::Adafactor): their kind, group options as JSON, and one parameter's state as named tensors plus
 // a step count. LibTorch keys an optimizer's state by the parameter's TensorImpl.
 #include <torch/torch.h>
 
@@ -11,7 +11,7 @@
 
 namespace fsdp::checkpoint::detail {
 
-enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd, kLamb, kMuon };
+enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd, kLamb, kMuon, kAdafactor };
 // Null: kNone. Throws for an optimizer of another kind, naming the supported ones.
 OptimizerKind optimizer_kind(const torch::optim::Optimizer* optimizer);
 std::string to_string(OptimizerKind kind);
