@@ -80,7 +80,7 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
   return fsdp::fully_shard(built.model, std::move(pg), options);
 }
 
-std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded, const TrainConfig& config) {
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(fsdp::FullyShardedModule& sharded, const TrainConfig& config) {
   // The pieces are 1-D; their parameters' shapes decide the weight decay.
   std::vector<std::pair<std::string, torch::Tensor>> pieces;
   std::map<std::string, int64_t> dims;
@@ -88,6 +88,8 @@ std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& s
     pieces.emplace_back(p.name, p.piece);
     dims[p.name] = static_cast<int64_t>(p.shape.size());
   }
+  if (config.optimizer != "adamw")
+    return gpt::make_whole_param_optimizer(config.optimizer, sharded, dims, config.lr, config.weight_decay);
   auto optimizer = gpt::make_adamw(pieces, dims, config.lr, config.weight_decay);
   sharded.check_optimizer(*optimizer);
   return optimizer;

@@ -32,6 +32,6 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
                                                       fsdp::ProcessGroupPtr pg);
 
 // AdamW over the shard pieces, weight decay on the pieces of matrices only; checked by FSDP.
-std::unique_ptr<torch::optim::AdamW> build_optimizer(fsdp::FullyShardedModule& sharded, const TrainConfig& config);
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(fsdp::FullyShardedModule& sharded, const TrainConfig& config);
 
 }  // namespace fsdp_gpt

@@ -68,6 +68,13 @@ std::string grad_accum_mode_description(const std::string& mode) {
   return "every one reduce-scattered in the shard group, the replica all-reduce on the last";
 }
 
+std::string optimizer_name(const std::string& kind) {
+  if (kind == "lamb") return "LAMB";
+  if (kind == "adafactor") return "Adafactor";
+  if (kind == "muon") return "Muon (blocks' matrices, lr x20) with AdamW";
+  return "AdamW";
+}
+
 }  // namespace
 
 void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, const JobFigures& job,
@@ -126,7 +133,8 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                     std::to_string(plan.global) + " x " + std::to_string(config.context) + " = " +
                     with_commas(job.tokens_per_step) + " tokens per step"},
       {"steps", std::to_string(config.steps) + " (log every " + std::to_string(config.log_interval) + ")"},
-      {"optimizer", "AdamW, lr " + fixed(config.lr, 6) + ", warm-up " + std::to_string(config.warmup) + ", then " +
+      {"optimizer", optimizer_name(config.optimizer) + ", lr " + fixed(config.lr, 6) + ", warm-up " +
+                        std::to_string(config.warmup) + ", then " +
                         (config.schedule == "cosine" ? "cosine to " + fixed(config.min_lr, 6) : "constant") +
                         ", weight decay " + fixed(config.weight_decay, 3)},
       {"data", data.corpus.description},

@@ -65,6 +65,11 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--weight-decay", config.weight_decay, "AdamW weight decay for weight matrices and embeddings")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--optimizer", config.optimizer,
+                 "adamw, lamb, adafactor, or muon (Muon for the blocks' matrices at 20 x --lr, "
+                 "AdamW for the rest)")
+      ->transform(CLI::IsMember({"adamw", "lamb", "adafactor", "muon"}, CLI::ignore_case))
+      ->capture_default_str();
   app.add_option("--seed", config.seed, "Seed for initialization, batches and sampling")->capture_default_str();
   app.add_option("--strategy", config.strategy, "FSDP sharding strategy")
       ->transform(CLI::IsMember({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, CLI::ignore_case))
@@ -204,6 +209,10 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
   if (!config.step_in_backward && config.step_thread != "auto")
     throw CLI::ValidationError("--step-thread", "says where the steps in backward run; add --step-in-backward");
   if (config.step_in_backward) {
+    if (config.optimizer != "adamw")
+      throw CLI::ValidationError("--step-in-backward", "steps one unit at a time, but " + config.optimizer +
+                                                           " needs every parameter's whole gradient; use "
+                                                           "--optimizer adamw or drop --step-in-backward");
     if (config.clip_grad_norm > 0)
       throw CLI::ValidationError("--step-in-backward",
                                  "cannot clip: each unit is stepped before the total norm exists; "

@@ -33,6 +33,7 @@ struct TrainConfig {
   int warmup = -1;  // unset: a tenth of --steps
   std::string schedule = "cosine";
   double weight_decay = 0.1;
+  std::string optimizer = "adamw";  // adamw, lamb, adafactor, muon
   uint64_t seed = 1;
   std::string strategy = "FULL_SHARD";
   int sharding_factor = 0;  // 0: the library's default for the strategy

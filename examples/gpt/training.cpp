@@ -9,6 +9,7 @@
 #include "checkpointing.h"
 #include "evaluation.h"
 #include "lr_schedule.h"
+#include "optimizer.h"
 #include "progress_bar.h"
 #include "step_log.h"
 #include "stop_signal.h"
@@ -21,7 +22,7 @@ namespace {
 // One optimizer step at `lr` on this rank's rows of the step's global batch; returns the rank's mean loss.
 double train_step(const TrainingLoop& loop, int step, double lr) {
   const TrainConfig& config = loop.config;
-  for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  gpt::set_learning_rate(loop.optimizer, lr);
   const int64_t rank = loop.pg.rank();
   const BatchPlan& plan = config.batch;
   const auto batch =

@@ -29,7 +29,7 @@ struct TrainingLoop {
   fsdp::ProcessGroup& pg;
   gpt::GPT& model;
   fsdp::FullyShardedModule& sharded;
-  torch::optim::AdamW& optimizer;
+  torch::optim::Optimizer& optimizer;
   const torch::Tensor& train_tokens;
   const JobFigures& job;
   std::ofstream& metrics;  // open on rank 0 with --metrics-file only

@@ -14,8 +14,9 @@ namespace {
 
 constexpr int64_t kMaxNumel = int64_t(1) << 56;  // keeps every byte count below 2^62
 constexpr int64_t kMaxOffset = int64_t(1) << 62;
-const std::set<std::string> kStateNames{"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
-const std::set<std::string> kOptimizerKinds{"none", "adamw", "adam", "sgd"};
+const std::set<std::string> kStateNames{"exp_avg",         "exp_avg_sq",     "max_exp_avg_sq",
+                                        "momentum_buffer", "exp_avg_sq_row", "exp_avg_sq_col"};
+const std::set<std::string> kOptimizerKinds{"none", "adamw", "adam", "sgd", "lamb", "muon", "adafactor"};
 
 bool printable(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
@@ -215,7 +216,8 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
 
   const json& opt = r.member(j, "$", "optimizer");
   m.optimizer_kind = r.string(opt, "$.optimizer", "kind");
-  if (!kOptimizerKinds.count(m.optimizer_kind)) r.fail("$.optimizer.kind", "is not one of none, adamw, adam, sgd");
+  if (!kOptimizerKinds.count(m.optimizer_kind))
+    r.fail("$.optimizer.kind", "is not one of none, adamw, adam, sgd, lamb, muon, adafactor");
   const json& groups = r.array(opt, "$.optimizer", "groups");
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::string path = "$.optimizer.groups[" + std::to_string(g) + "]";

@@ -3,7 +3,10 @@
 #include <c10/util/string_utils.h>
 #include <torch/version.h>
 
+#include "fsdp/adafactor.h"
 #include "fsdp/check.h"
+#include "fsdp/lamb.h"
+#include "fsdp/muon.h"
 #include "optimizer_state_key.h"
 
 namespace fsdp::checkpoint::detail {
@@ -53,6 +56,75 @@ void restore_adam(const json& saved, Options& o, const std::string& where) {
   o.amsgrad(flag(saved, "amsgrad", where));
 }
 
+json muon_options(const MuonOptions& o) {
+  const MuonAdamW& a = o.adamw();
+  return {{"lr", o.lr()},
+          {"momentum", o.momentum()},
+          {"nesterov", o.nesterov()},
+          {"ns_steps", o.ns_steps()},
+          {"weight_decay", o.weight_decay()},
+          {"use_muon", o.use_muon()},
+          {"adamw_lr", a.lr()},
+          {"adamw_betas", {std::get<0>(a.betas()), std::get<1>(a.betas())}},
+          {"adamw_eps", a.eps()},
+          {"adamw_weight_decay", a.weight_decay()}};
+}
+
+std::tuple<double, double> betas_of(const json& saved, const std::string& where, const char* key = "betas") {
+  auto betas = saved.find(key);
+  FSDP_CHECK(betas != saved.end() && betas->is_array() && betas->size() == 2 && (*betas)[0].is_number() &&
+                 (*betas)[1].is_number(),
+             "checkpoint '", where, "': optimizer option '", key,
+             "' is missing or not two numbers; the manifest is damaged");
+  return std::make_tuple((*betas)[0].get<double>(), (*betas)[1].get<double>());
+}
+
+// Which parameters are Muon's matrices and their iterations are the optimizer's structure, fixed
+// when it was built: they must match the saved ones; the rest is restored.
+void restore_muon(const json& saved, MuonOptions& o, const std::string& where) {
+  FSDP_CHECK(flag(saved, "use_muon", where) == o.use_muon() &&
+                 static_cast<int>(number(saved, "ns_steps", where)) == o.ns_steps(),
+             "checkpoint '", where, "': a Muon group was saved with use_muon ", flag(saved, "use_muon", where),
+             " and ns_steps ", number(saved, "ns_steps", where), ", but is built with use_muon ", o.use_muon(),
+             " and ns_steps ", o.ns_steps(), "; build the optimizer's groups as when it was saved");
+  o.lr(number(saved, "lr", where));
+  o.momentum(number(saved, "momentum", where));
+  o.nesterov(flag(saved, "nesterov", where));
+  o.weight_decay(number(saved, "weight_decay", where));
+  o.adamw(MuonAdamW(number(saved, "adamw_lr", where))
+              .betas(betas_of(saved, where, "adamw_betas"))
+              .eps(number(saved, "adamw_eps", where))
+              .weight_decay(number(saved, "adamw_weight_decay", where)));
+}
+
+PieceState muon_state(const MuonParamState& s) {
+  PieceState out;
+  out.present = true;
+  out.step = s.step();
+  if (s.momentum_buffer().defined()) out.tensors["momentum_buffer"] = s.momentum_buffer();
+  if (s.exp_avg().defined()) out.tensors["exp_avg"] = s.exp_avg();
+  if (s.exp_avg_sq().defined()) out.tensors["exp_avg_sq"] = s.exp_avg_sq();
+  return out;
+}
+
+std::unique_ptr<optim::OptimizerParamState> make_muon_state(const PieceState& in) {
+  auto s = std::make_unique<MuonParamState>();
+  s->step(in.step);
+  for (const auto& [name, t] : in.tensors) {
+    if (name == "momentum_buffer")
+      s->momentum_buffer(t);
+    else if (name == "exp_avg")
+      s->exp_avg(t);
+    else if (name == "exp_avg_sq")
+      s->exp_avg_sq(t);
+    else
+      FSDP_FAIL("checkpoint: state tensor '", name, "' does not belong to Muon");
+  }
+  FSDP_CHECK(s->momentum_buffer().defined() || (s->exp_avg().defined() && s->exp_avg_sq().defined()),
+             "checkpoint: Muon state without momentum_buffer or exp_avg / exp_avg_sq; the checkpoint is damaged");
+  return s;
+}
+
 template <class State>
 PieceState adam_state(const State& s) {
   PieceState out;
@@ -87,11 +159,15 @@ std::unique_ptr<optim::OptimizerParamState> make_adam_state(const PieceState& in
 
 OptimizerKind optimizer_kind(const optim::Optimizer* optimizer) {
   if (!optimizer) return OptimizerKind::kNone;
+  if (dynamic_cast<const Lamb*>(optimizer)) return OptimizerKind::kLamb;
+  if (dynamic_cast<const Muon*>(optimizer)) return OptimizerKind::kMuon;
+  if (dynamic_cast<const Adafactor*>(optimizer)) return OptimizerKind::kAdafactor;
   if (dynamic_cast<const optim::AdamW*>(optimizer)) return OptimizerKind::kAdamW;
   if (dynamic_cast<const optim::Adam*>(optimizer)) return OptimizerKind::kAdam;
   if (dynamic_cast<const optim::SGD*>(optimizer)) return OptimizerKind::kSgd;
-  FSDP_FAIL("checkpoints carry the state of torch::optim::AdamW (and fsdp::FusedAdamW), Adam and SGD only; "
-            "save this optimizer's state yourself, or pass no optimizer to save the model alone");
+  FSDP_FAIL("checkpoints carry the state of torch::optim::AdamW (and fsdp::FusedAdamW), Adam, SGD, fsdp::Lamb, "
+            "fsdp::Muon and fsdp::Adafactor only; save this optimizer's state yourself, or pass no optimizer to save "
+            "the model alone");
 }
 
 std::string to_string(OptimizerKind kind) {
@@ -100,6 +176,9 @@ std::string to_string(OptimizerKind kind) {
     case OptimizerKind::kAdamW: return "adamw";
     case OptimizerKind::kAdam: return "adam";
     case OptimizerKind::kSgd: return "sgd";
+    case OptimizerKind::kLamb: return "lamb";
+    case OptimizerKind::kMuon: return "muon";
+    case OptimizerKind::kAdafactor: return "adafactor";
   }
   return "none";
 }
@@ -108,6 +187,27 @@ json group_options(OptimizerKind kind, const optim::OptimizerOptions& options) {
   switch (kind) {
     case OptimizerKind::kAdamW: return adam_options(static_cast<const optim::AdamWOptions&>(options));
     case OptimizerKind::kAdam: return adam_options(static_cast<const optim::AdamOptions&>(options));
+    case OptimizerKind::kLamb: {
+      const auto& o = static_cast<const LambOptions&>(options);
+      return {{"lr", o.lr()},
+              {"betas", {std::get<0>(o.betas()), std::get<1>(o.betas())}},
+              {"eps", o.eps()},
+              {"weight_decay", o.weight_decay()}};
+    }
+    case OptimizerKind::kMuon: return muon_options(static_cast<const MuonOptions&>(options));
+    case OptimizerKind::kAdafactor: {
+      const auto& o = static_cast<const AdafactorOptions&>(options);
+      return {{"lr", o.lr()},
+              {"eps1", o.eps1()},
+              {"eps2", o.eps2()},
+              {"clip_threshold", o.clip_threshold()},
+              {"decay_rate", o.decay_rate()},
+              {"beta1", o.beta1()},
+              {"weight_decay", o.weight_decay()},
+              {"scale_parameter", o.scale_parameter()},
+              {"relative_step", o.relative_step()},
+              {"warmup_init", o.warmup_init()}};
+    }
     case OptimizerKind::kSgd: {
       const auto& o = static_cast<const optim::SGDOptions&>(options);
       return {{"lr", o.lr()},
@@ -126,6 +226,29 @@ void restore_group_options(OptimizerKind kind, const json& saved, optim::Optimiz
   switch (kind) {
     case OptimizerKind::kAdamW: restore_adam(saved, static_cast<optim::AdamWOptions&>(options), where); break;
     case OptimizerKind::kAdam: restore_adam(saved, static_cast<optim::AdamOptions&>(options), where); break;
+    case OptimizerKind::kLamb: {
+      auto& o = static_cast<LambOptions&>(options);
+      o.lr(number(saved, "lr", where));
+      o.betas(betas_of(saved, where));
+      o.eps(number(saved, "eps", where));
+      o.weight_decay(number(saved, "weight_decay", where));
+      break;
+    }
+    case OptimizerKind::kMuon: restore_muon(saved, static_cast<MuonOptions&>(options), where); break;
+    case OptimizerKind::kAdafactor: {
+      auto& o = static_cast<AdafactorOptions&>(options);
+      o.lr(number(saved, "lr", where));
+      o.eps1(number(saved, "eps1", where));
+      o.eps2(number(saved, "eps2", where));
+      o.clip_threshold(number(saved, "clip_threshold", where));
+      o.decay_rate(number(saved, "decay_rate", where));
+      o.beta1(number(saved, "beta1", where));
+      o.weight_decay(number(saved, "weight_decay", where));
+      o.scale_parameter(flag(saved, "scale_parameter", where));
+      o.relative_step(flag(saved, "relative_step", where));
+      o.warmup_init(flag(saved, "warmup_init", where));
+      break;
+    }
     case OptimizerKind::kSgd: {
       auto& o = static_cast<optim::SGDOptions&>(options);
       o.lr(number(saved, "lr", where));
@@ -146,6 +269,20 @@ PieceState get_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, cons
   switch (kind) {
     case OptimizerKind::kAdamW: return adam_state(static_cast<const optim::AdamWParamState&>(*it->second));
     case OptimizerKind::kAdam: return adam_state(static_cast<const optim::AdamParamState&>(*it->second));
+    case OptimizerKind::kLamb: return adam_state(static_cast<const LambParamState&>(*it->second));
+    case OptimizerKind::kMuon: return muon_state(static_cast<const MuonParamState&>(*it->second));
+    case OptimizerKind::kAdafactor: {
+      const auto s = static_cast<const Adafactor&>(optimizer).spread_state(param);
+      PieceState out;
+      out.present = true;
+      out.step = s->step();
+      for (const auto& [name, t] : {std::pair<const char*, at::Tensor>{"exp_avg_sq_row", s->exp_avg_sq_row()},
+                                    {"exp_avg_sq_col", s->exp_avg_sq_col()},
+                                    {"exp_avg_sq", s->exp_avg_sq()},
+                                    {"exp_avg", s->exp_avg()}})
+        if (t.defined()) out.tensors[name] = t;
+      return out;
+    }
     case OptimizerKind::kSgd: {
       // LibTorch's SGD keeps state only for momentum, and steps on a state without a buffer would fail.
       const auto& s = static_cast<const optim::SGDParamState&>(*it->second);
@@ -171,6 +308,26 @@ void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::
   switch (kind) {
     case OptimizerKind::kAdamW: states[key] = make_adam_state<optim::AdamWParamState>(state); break;
     case OptimizerKind::kAdam: states[key] = make_adam_state<optim::AdamParamState>(state); break;
+    case OptimizerKind::kLamb: states[key] = make_adam_state<LambParamState>(state); break;
+    case OptimizerKind::kMuon: states[key] = make_muon_state(state); break;
+    case OptimizerKind::kAdafactor: {
+      auto s = std::make_unique<AdafactorParamState>();
+      s->step(state.step);
+      for (const auto& [name, t] : state.tensors) {
+        if (name == "exp_avg_sq_row")
+          s->exp_avg_sq_row(t).spread(true);
+        else if (name == "exp_avg_sq_col")
+          s->exp_avg_sq_col(t);
+        else if (name == "exp_avg_sq")
+          s->exp_avg_sq(t);
+        else if (name == "exp_avg")
+          s->exp_avg(t);
+        else
+          FSDP_FAIL("checkpoint: state tensor '", name, "' does not belong to Adafactor");
+      }
+      static_cast<Adafactor&>(optimizer).set_spread_state(param, std::move(s));
+      break;
+    }
     case OptimizerKind::kSgd: {
       if (state.tensors.empty()) {
         states.erase(key);

@@ -1,6 +1,6 @@
 #pragma once
 // The optimizers whose state a checkpoint carries (torch::optim::AdamW, fsdp::FusedAdamW as AdamW,
-// Adam, SGD): their kind, group options as JSON, and one parameter's state as named tensors plus
+// Adam, SGD, fsdp::Lamb, fsdp::Muon, fsdp::Adafactor): their kind, group options as JSON, and one parameter's state as named tensors plus
 // a step count. LibTorch keys an optimizer's state by the parameter's TensorImpl.
 #include <torch/torch.h>
 
@@ -11,7 +11,7 @@
 
 namespace fsdp::checkpoint::detail {
 
-enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd };
+enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd, kLamb, kMuon, kAdafactor };
 // Null: kNone. Throws for an optimizer of another kind, naming the supported ones.
 OptimizerKind optimizer_kind(const torch::optim::Optimizer* optimizer);
 std::string to_string(OptimizerKind kind);
@@ -26,7 +26,7 @@ std::map<const c10::TensorImpl*, int> groups_by_tensor(const torch::optim::Optim
 
 struct PieceState {
   bool present = false;                       // false: the optimizer has no state for it (never stepped)
-  int64_t step = 0;                           // Adam / AdamW
+  int64_t step = 0;                           // Adam / AdamW / Lamb / Muon
   std::map<std::string, at::Tensor> tensors;  // exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer
 };
 PieceState get_piece_state(OptimizerKind kind, torch::optim::Optimizer& optimizer, const at::Tensor& param);

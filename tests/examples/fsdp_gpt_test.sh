@@ -149,6 +149,20 @@ test_step_in_backward() {
   expect_text err "cannot clip: each unit is stepped before the total norm exists"
 }
 
+# The optimizers that need whole parameters train, and the configuration names each; the step in
+# backward is refused, naming why.
+test_optimizers() {
+  local -A names=([lamb]="LAMB" [adafactor]="Adafactor" [muon]="Muon \\(blocks' matrices, lr x20\\) with AdamW")
+  for o in lamb adafactor muon; do
+    run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --optimizer "$o"
+    expect_rc 0
+    expect_regex out "optimizer +${names[$o]}, lr"
+  done
+  run "$TRAINER" "${TINY[@]}" --optimizer muon --step-in-backward
+  expect_failure
+  expect_text err "muon needs every parameter's whole gradient"
+}
+
 test_bad_flags() {
   # Each bad value gets a message naming the flag and a non-zero exit; nothing trains.
   local cases=(

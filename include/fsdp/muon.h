@@ -1,0 +1,89 @@
+#pragma once
+// Muon (Keller Jordan's MomentUm Orthogonalized by Newton-Schulz) over a sharded module's pieces,
+// equal to Muon on the whole parameters. Each matrix's momentum lives on its pieces; each step,
+// every matrix is owned by one rank of the shard group (balanced by its Newton-Schulz cost), which
+// receives the matrix's pieces, orthogonalizes it, and sends the result back to every piece: one
+// reduce-scatter and one all-gather per step for all matrices, and each rank runs about 1/F of the
+// matrix work. Parameters that are not matrices, or in a group with use_muon off (embeddings, the
+// output layer), step with AdamW. See Note [Muon's owner ranks] in docs/design.md.
+#include <torch/torch.h>
+
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "fsdp/whole_param_optimizer.h"
+
+namespace fsdp {
+
+// The AdamW that steps a Muon optimizer's other parameters.
+struct MuonAdamW {
+  MuonAdamW(double lr = 3e-4) : lr_(lr) {}  // NOLINT(google-explicit-constructor): as torch::optim's options
+  TORCH_ARG(double, lr) = 3e-4;
+  using betas_t = std::tuple<double, double>;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.95);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 0;
+};
+
+struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions> {
+  MuonOptions(double lr = 0.02) : lr_(lr) {}  // NOLINT(google-explicit-constructor): as torch::optim's options
+  TORCH_ARG(double, lr) = 0.02;
+  TORCH_ARG(double, momentum) = 0.95;
+  TORCH_ARG(bool, nesterov) = true;
+  TORCH_ARG(int, ns_steps) = 5;  // Newton-Schulz iterations
+  TORCH_ARG(double, weight_decay) = 0;
+  TORCH_ARG(bool, use_muon) = true;  // false: every parameter of the group steps with adamw
+  TORCH_ARG(MuonAdamW, adamw) = {};
+
+ public:
+  // Muon's learning rate (adamw's is its own: set both where a schedule scales them).
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonParamState> {
+  TORCH_ARG(int64_t, step) = 0;
+  TORCH_ARG(at::Tensor, momentum_buffer);  // Muon: per element of the piece
+  TORCH_ARG(at::Tensor, exp_avg);          // AdamW: per element of the piece
+  TORCH_ARG(at::Tensor, exp_avg_sq);
+};
+
+// What one rank's Muon step moves and computes, for the whole step.
+struct MuonStepStats {
+  int64_t matrices = 0;          // Muon matrices of the module
+  int64_t owned = 0;             // of which this rank orthogonalizes
+  int64_t segment_numel = 0;     // elements of the largest owner's matrices together (S)
+  int64_t bytes_sent = 0;        // by a ring algorithm: (F - 1) * S elements in each of the two collectives
+  int64_t naive_bytes_sent = 0;  // the same for one all-gather of every whole matrix on every rank
+};
+
+class Muon : public WholeParamOptimizer {
+ public:
+  // `groups`: see WholeParamOptimizer (empty: every trainable piece with `defaults`). Collective
+  // over the module's shard group (the ranks agree which parameters are Muon's matrices).
+  Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
+       const MuonOptions& defaults = {});
+  Muon(FullyShardedModule& module, const MuonOptions& defaults) : Muon(module, {}, defaults) {}
+  // Collective over the module's shard group: every rank must call it at the same step.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  const MuonStepStats& stats() const { return stats_; }
+  // Newton-Schulz orthogonalization of a matrix (Muon's quintic iteration), in its dtype.
+  static at::Tensor orthogonalize(const at::Tensor& g, int steps);
+
+ private:
+  struct Matrix {
+    size_t param = 0;    // index in reduction_.params()
+    int owner = 0;       // shard-group rank
+    int64_t offset = 0;  // in its owner's segment
+    int ns_steps = 5;
+  };
+  std::vector<Matrix> matrices_;
+  std::vector<bool> is_muon_;  // per reduction_.params() entry
+  MuonStepStats stats_;
+  void step_adamw(const WholeParam& p);
+  // p's Muon update direction before orthogonalization (momentum, Nesterov), on its piece.
+  at::Tensor momentum_update(const WholeParam& p);
+};
+
+}  // namespace fsdp
