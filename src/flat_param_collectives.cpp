@@ -17,7 +17,8 @@ CollectiveOptions label(const FlatParam& fp, const char* purpose, int64_t count)
 // label(), naming the earlier backward passes whose gradients this rank adds in.
 CollectiveOptions reduction_label(const FlatParam& fp, const char* purpose, int64_t count) {
   CollectiveOptions o = label(fp, purpose, count);
-  const int64_t held = fp.grad().backwards_held();
+  // Deterministic mode: ranks may hold different numbers of backward passes (their counts add).
+  const int64_t held = fp.grad().deterministic() ? 0 : fp.grad().backwards_held();
   if (held > 0)
     o.label = detail::compose(o.label, " (gradients of ", held, " earlier backward", held > 1 ? "s" : "", " held)");
   return o;
@@ -89,18 +90,20 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   const ShardingGroups& group = fp.groups();
+  // Deterministic mode reduces the exact sums instead (Note [Deterministic training]).
+  const at::Tensor input = grad.deterministic() ? grad.take_exact() : grad.buffer();
   if (!fp.sharded_over_peers()) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one), reduced in place.
     WorkPtr work = group.world_size > 1
                        ? group.world_comm->all_reduce(
-                             grad.buffer(), reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
+                             input, reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
                        : nullptr;
-    grad.set_reduction(grad.buffer(), work, false, false);
+    grad.set_reduction(input, work, false, false);
     return;
   }
   at::Tensor sums = grad.new_reduction_output();
   WorkPtr work = group.shard_comm->reduce_scatter(
-      sums, grad.buffer(), reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
+      sums, input, reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
   const bool replicas = group.replicate_comm && group.replicate_comm->size() > 1;
   if (replicas && !across_replicas) {
     grad.set_reduction(sums, work, /*defer_replicas=*/true, false);  // completion adds them to the partial sums
