@@ -136,7 +136,7 @@ void FlatGrad::begin_reduction() {
   FSDP_CHECK(buffer_.defined() && !reduce_started_, "internal: a reduction without a gradient buffer");
   for (size_t i = 0; i < slots_.size(); ++i)
     if (slots_[i].param.grad().defined()) take(static_cast<int>(i));  // not through the post-hook (defensive)
-  zero_unwritten();  // they enter the reduction as zeros
+  zero_unwritten();                                                   // they enter the reduction as zeros
   reduce_started_ = true;
   across_replicas_ = defer_replicas_ = false;
 }

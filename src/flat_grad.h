@@ -119,8 +119,7 @@ class FlatGrad {
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g, const at::Tensor& store) const;
   // Moves the averaged reduction (`reduced`, this shard's sums) into the pieces' .grad of the
   // slots in `slots`; `in_place`: `reduced` may be scaled and aliased (a host copy of its own).
-  void add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place,
-                            double scale);
+  void add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place, double scale);
   // Regions no gradient reached, and the padding, become zeros.
   void zero_unwritten();
   // Deterministic mode: adds the buffer into the exact sums; its regions then take the next

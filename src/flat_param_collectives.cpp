@@ -94,10 +94,9 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
   const at::Tensor input = grad.deterministic() ? grad.take_exact() : grad.buffer();
   if (!fp.sharded_over_peers()) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one), reduced in place.
-    WorkPtr work = group.world_size > 1
-                       ? group.world_comm->all_reduce(
-                             input, reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
-                       : nullptr;
+    WorkPtr work = group.world_size > 1 ? group.world_comm->all_reduce(
+                                              input, reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
+                                        : nullptr;
     grad.set_reduction(input, work, false, false);
     return;
   }

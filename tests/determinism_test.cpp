@@ -56,7 +56,8 @@ FSDP_WORKER(deterministic_worker) {
 std::vector<at::Tensor> train(const std::string& strategy, int world, const std::string& out,
                               const std::string& precision = "fp32", const std::string& mode = "deterministic",
                               const std::string& transport = "shm") {
-  auto r = launch("deterministic_worker", world, {strategy, out, precision, mode}, 300, {"FSDP_TRANSPORT=" + transport});
+  auto r =
+      launch("deterministic_worker", world, {strategy, out, precision, mode}, 300, {"FSDP_TRANSPORT=" + transport});
   EXPECT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
   std::vector<at::Tensor> values;
   if (r.all_ok()) torch::load(values, out);

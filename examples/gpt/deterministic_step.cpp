@@ -37,8 +37,9 @@ double deterministic_train_step(const TrainingLoop& loop, int step, double lr) {
   const int count = plan.global / plan.micro;
   const MicroBatchRange range = micro_batch_range(count, loop.pg.rank(), loop.pg.size());
   const int64_t micro = plan.micro;
-  const auto batch = gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step),
-                                       plan.global, range.first * micro, (range.end - range.first) * micro);
+  const auto batch =
+      gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step), plan.global,
+                        range.first * micro, (range.end - range.first) * micro);
   loop.optimizer.zero_grad();
   std::vector<double> losses(count, 0.0);
   for (int i = range.first; i < range.end; ++i) {

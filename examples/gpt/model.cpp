@@ -57,7 +57,9 @@ BlockImpl::BlockImpl(const GPTConfig& config) : dropout(config.dropout) {
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
   // Not in evaluation or generation, which run without gradients.
   const bool drop = dropout > 0 && is_training() && torch::GradMode::is_enabled();
-  const auto maybe_drop = [&](const torch::Tensor& t) { return drop ? torch::dropout(t, dropout, true) : t; };
+  const auto maybe_drop = [&](const torch::Tensor& t) {
+    return drop ? torch::dropout(t, dropout, true) : t;
+  };
   x = x + maybe_drop(attn(ln_attn(x)));
   return x + maybe_drop(mlp(ln_mlp(x)));
 }
