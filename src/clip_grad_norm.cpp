@@ -38,8 +38,8 @@ double exact_power_sum(FsdpState& state, const std::vector<at::Tensor>& grads, d
     if (gd.is_sparse()) gd = gd.coalesce().values();
     if (gd.numel() == 0) continue;
     terms.push_back(p == 2 ? gd * gd : gd.abs().pow(p));  // a float's square is exact in double
-    local_max = std::max(local_max, terms.back().max().item<double>());
-    if (std::isnan(terms.back().max().item<double>())) local_max = std::nan("");
+    const double m = terms.back().max().item<double>();
+    local_max = std::isnan(m) || std::isnan(local_max) ? std::nan("") : std::max(local_max, m);
   }
   const at::Tensor maxes = gather_parts(state, at::full({1}, local_max, at::dtype(at::kDouble).device(device)),
                                         "clip_grad_norm: largest term all-gather");
@@ -57,12 +57,8 @@ double exact_power_sum(FsdpState& state, const std::vector<at::Tensor>& grads, d
   const int scale_exp = exact::scale_exp_for(max_term, headroom);
   std::array<int64_t, exact::kLimbs> sums{};
   for (const auto& t : terms) {
-    at::Tensor limbs = at::zeros({exact::kLimbs, t.numel()}, t.options().dtype(at::kLong));
-    at::Tensor parts[exact::kLimbs];
-    for (int j = 0; j < exact::kLimbs; ++j) parts[j] = limbs.select(0, j);
-    exact::deposit(t.reshape({-1}), parts, scale_exp);
-    const at::Tensor part_sums = limbs.sum(1).cpu();
-    for (int j = 0; j < exact::kLimbs; ++j) sums[j] += part_sums[j].item<int64_t>();
+    const std::array<int64_t, exact::kLimbs> part_sums = exact::sum(t, scale_exp);
+    for (int j = 0; j < exact::kLimbs; ++j) sums[j] += part_sums[j];
     // Carries between the limbs after each tensor, so that no limb's sum overflows.
     for (int j = 0; j + 1 < exact::kLimbs; ++j) {
       const int64_t carry = sums[j] >> 32;  // an arithmetic shift: the floor

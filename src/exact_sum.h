@@ -5,6 +5,7 @@
 // through any collective that adds int64. See Note [Deterministic training] in docs/design.md.
 #include <torch/torch.h>
 
+#include <array>
 #include <cstdint>
 
 namespace fsdp::exact {
@@ -18,6 +19,9 @@ constexpr int64_t kOverflowFlag = int64_t(1) << 52;
 // Adds the limbs of `values` (floating, any shape, numel n) into `limbs` (int64, kLimbs views of
 // numel n each, e.g. acc.select(dim, j)): limbs[j] += part j of trunc(values * 2^scale_exp).
 void deposit(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp);
+// The sum of `values` (finite, in range: |values| * 2^scale_exp below 2^88), one part per limb; the
+// parts of one tensor of fewer than 2^31 elements never overflow.
+std::array<int64_t, kLimbs> sum(const at::Tensor& values, int scale_exp);
 // The sums in `limbs` (int64, kLimbs tensors of one shape) as doubles: the exact sum rounded once
 // per limb, then times 2^-scale_exp / divisor; NaN where an overflow flag arrived.
 at::Tensor to_double(at::Tensor limbs[kLimbs], int scale_exp, double divisor);

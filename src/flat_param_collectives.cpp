@@ -17,7 +17,7 @@ CollectiveOptions label(const FlatParam& fp, const char* purpose, int64_t count)
 // label(), naming the earlier backward passes whose gradients this rank adds in.
 CollectiveOptions reduction_label(const FlatParam& fp, const char* purpose, int64_t count) {
   CollectiveOptions o = label(fp, purpose, count);
-  // Deterministic mode: ranks may hold different numbers of backward passes (their counts add).
+  // Deterministic mode: the counts of backward passes travel with the sums instead.
   const int64_t held = fp.grad().deterministic() ? 0 : fp.grad().backwards_held();
   if (held > 0)
     o.label = detail::compose(o.label, " (gradients of ", held, " earlier backward", held > 1 ? "s" : "", " held)");

@@ -1,5 +1,8 @@
 #include "deterministic_step.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -50,7 +53,11 @@ double deterministic_train_step(const TrainingLoop& loop, int step, double lr) {
     if (!last) no_sync.emplace(loop.sharded.no_sync());
     if (config.grad_accum_mode == "no-sync-unsharded") loop.sharded.set_reshard_after_backward(last);
     // Dropout's draws follow the micro-batch's index in the global batch, not the rank.
-    torch::manual_seed(gpt::batch_key(config.seed, kDropoutStream, uint64_t(step) * count + i));
+    {
+      auto generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_current_seed(gpt::batch_key(config.seed, kDropoutStream, uint64_t(step) * count + i));
+    }
     // Not divided by the micro-batch count: FSDP averages over every rank's micro-batches.
     auto loss = next_token_loss(loop.model, part);
     (loop.scaler ? loop.scaler->scale(loss) : loss).backward();

@@ -5,7 +5,7 @@
 
 namespace fsdp_gpt {
 
-// Micro-batches [first, end) of `count` for `rank` of `world`: contiguous, sizes differing by at most one.
+// Micro-batches [first, end) of `count` for `rank` of `world` (which divides it): contiguous, equal.
 struct MicroBatchRange {
   int first = 0, end = 0;
 };
