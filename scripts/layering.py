@@ -35,7 +35,7 @@ LAYERS = [
         "include/fsdp/options.h", "src/options.cpp",
         "include/fsdp/optim.h", "src/optim.cpp", "src/optimizer_state_key.h",
         "include/fsdp/rank_env.h", "src/rank_env.cpp", "src/env_var.*",
-        "src/internal_op_guard.*", "src/tensor_alias.h",
+        "src/internal_op_guard.*", "src/tensor_alias.h", "src/exact_sum.*",
         "src/job_token.*", "src/block_quantization.*",
     ]),
     ("transports", [  # communicators, and the process group that makes them
@@ -46,7 +46,7 @@ LAYERS = [
         "src/rendezvous.*", "src/store_*", "src/member_watch.*", "src/communicator_factory.*",
     ]),
     ("flat parameter", [  # FlatParameters: storage, shards, gradients, their collectives; unit planning
-        "src/param_slot.h", "src/flat_param*", "src/flat_grad.*",
+        "src/param_slot.h", "src/flat_param*", "src/flat_grad*",
         "src/sharding_groups.*", "src/unit_plan.*", "src/cpu_offload.*", "src/buffer_pool.*",
         "src/memory_tracker.*", "src/mixed_precision.*",
     ]),

@@ -3,6 +3,7 @@
 #include <array>
 #include <memory>
 
+#include "exact_sum.h"
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
 #include "tensor_alias.h"
@@ -47,6 +48,7 @@ bool FlatGrad::ensure_buffer() {
   at::NoGradGuard no_grad;
   written_.assign(slots_.size(), 0);
   kept_.assign(slots_.size(), 0);
+  folded_.assign(slots_.size(), 0);
   const int64_t n = layout_.padded_numel;
   if (layout_.separate_shard) {
     // Uninitialized: take() writes every region a gradient reaches, begin_reduction() the rest.
@@ -120,6 +122,10 @@ void FlatGrad::take(int slot) {
 
 void FlatGrad::keep_unreduced() {
   if (!buffer_.defined()) return;
+  if (layout_.deterministic) {
+    fold();
+    return;
+  }
   for (size_t i = 0; i < slots_.size(); ++i) {
     kept_[i] = kept_[i] || written_[i];
     written_[i] = 0;
@@ -128,23 +134,29 @@ void FlatGrad::keep_unreduced() {
 
 void FlatGrad::begin_reduction() {
   FSDP_CHECK(buffer_.defined() && !reduce_started_, "internal: a reduction without a gradient buffer");
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
-  // Regions no gradient reached, and the padding, enter the reduction as zeros.
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    ParamSlot& s = slots_[i];
-    if (s.param.grad().defined()) take(static_cast<int>(i));  // not through the post-hook (defensive)
-    if (!written_[i] && !kept_[i]) region(buffer_, s.offset, {s.numel}).zero_();
-  }
-  if (layout_.padded_numel > layout_.numel)
-    region(buffer_, layout_.numel, {layout_.padded_numel - layout_.numel}).zero_();
+  for (size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i].param.grad().defined()) take(static_cast<int>(i));  // not through the post-hook (defensive)
+  zero_unwritten();                                                   // they enter the reduction as zeros
   reduce_started_ = true;
   across_replicas_ = defer_replicas_ = false;
 }
 
+void FlatGrad::zero_unwritten() {
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const ParamSlot& s = slots_[i];
+    if (!written_[i] && !kept_[i]) region(buffer_, s.offset, {s.numel}).zero_();
+  }
+  if (layout_.padded_numel > layout_.numel)
+    region(buffer_, layout_.numel, {layout_.padded_numel - layout_.numel}).zero_();
+}
+
 at::Tensor FlatGrad::new_reduction_output() {
-  at::Tensor out = buffers_->empty(layout_.shard_numel, buffer_.options());
-  memory_->add_grad(layout_.shard_numel * out.element_size());
+  at::Tensor out = layout_.deterministic
+                       ? at::empty({exact::kLimbs * layout_.shard_numel + 1}, buffer_.options().dtype(at::kLong))
+                       : buffers_->empty(layout_.shard_numel, buffer_.options());
+  memory_->add_grad(out.nbytes());
   return out;
 }
 
@@ -175,6 +187,7 @@ bool FlatGrad::complete_reduction(bool defer_landing) {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   reduce_started_ = false;
+  if (layout_.deterministic) return complete_exact_reduction(defer_landing);
   if (!layout_.separate_shard) {
     const double scale = 1.0 / layout_.world_size;
     // The sum is in the store: average in place (a kept gradient, the same on every rank, comes
@@ -214,31 +227,37 @@ bool FlatGrad::complete_reduction(bool defer_landing) {
     got[i] = slots_[i].got_grad || kept_[i] || (i < partial_slots_.size() && partial_slots_[i]);
   partial_slots_.clear();
   if (!reduced_in_place) memory_->add_grad(-output_.nbytes());
+  at::Tensor values = std::move(output_);
+  output_ = at::Tensor();
+  return land_reduced(std::move(values), std::move(got), 1.0 / layout_.world_size, defer_landing);
+}
+
+bool FlatGrad::land_reduced(at::Tensor values, std::vector<uint8_t> got, double scale, bool defer_landing) {
   if (offload_) {
     // Copied to the host while backward goes on; land() averages it into the pieces.
     land();  // an earlier reduction of this backward (a unit run twice)
     Landing landing;
-    landing.values = offload_->host_empty(layout_.shard_numel, output_.scalar_type());
-    landing.copy = offload_->to_host(landing.values, output_);
+    landing.values = offload_->host_empty(layout_.shard_numel, values.scalar_type());
+    landing.copy = offload_->to_host(landing.values, values);
     landing.slots = std::move(got);
     landing.in_place = true;  // a host copy of its own
+    landing.scale = scale;
     device_grad_copy_ = landing.copy;
     landing_ = std::move(landing);
-    output_ = at::Tensor();
     return false;
   }
   Landing landing;
-  landing.values = std::move(output_);
+  landing.values = std::move(values);
   landing.slots = std::move(got);
+  landing.scale = scale;
   landing_ = std::move(landing);
-  output_ = at::Tensor();
   return defer_landing ? false : land();
 }
 
-void FlatGrad::add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place) {
+void FlatGrad::add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place,
+                                    double scale) {
   // Averaging is fused into the one pass that moves the sum into the pieces' gradients (cast to
   // the shard's dtype under mixed precision).
-  const double scale = 1.0 / layout_.world_size;
   const at::ScalarType dtype = layout_.dtype;
   for (size_t i = 0; i < slots_.size(); ++i) {
     ParamSlot& s = slots_[i];
@@ -249,9 +268,9 @@ void FlatGrad::add_into_piece_grads(const at::Tensor& reduced, const std::vector
     if (g.defined()) {
       g.add_(part.to(dtype), scale);  // accumulate, as AccumulateGrad does when .grad was not cleared
     } else if (in_place && part.scalar_type() == dtype) {
-      if (layout_.world_size > 1) part.mul_(scale);
+      if (scale != 1.0) part.mul_(scale);
       g = part;  // an alias of `reduced`, not an autograd view
-    } else if (part.scalar_type() == dtype && layout_.world_size > 1) {
+    } else if (part.scalar_type() == dtype && scale != 1.0) {
       g = part.mul(scale);
     } else {
       g = part.to(dtype, /*non_blocking=*/false, /*copy=*/true).mul_(scale);
@@ -279,7 +298,7 @@ bool FlatGrad::land() {
       if (!is_grad_alias(s, g, landing.values)) g = grad_alias(s, landing.values);
     }
   } else {
-    add_into_piece_grads(landing.values, landing.slots, landing.in_place);
+    add_into_piece_grads(landing.values, landing.slots, landing.in_place, landing.scale);
   }
   return true;
 }

@@ -29,6 +29,9 @@ struct FlatGradLayout {
   // False when the shard is the unsharded storage (F == 1, no mixed precision, no offload).
   bool separate_shard = true;
   int world_size = 1;  // reductions average over it
+  // Options::deterministic: the buffer's values of each backward go into exact sums
+  // (exact_sum.h), which the reductions add; the pieces get their mean over backward passes.
+  bool deterministic = false;
 };
 
 class FlatGrad {
@@ -55,6 +58,15 @@ class FlatGrad {
   // Gradient accumulation without communication: the buffer's gradients of this backward become
   // kept values that later backwards add to, until a reduction takes them.
   void keep_unreduced();
+
+  // Deterministic mode (FlatGradLayout::deterministic).
+  bool deterministic() const { return layout_.deterministic; }
+  // How many backward passes this rank ran since its last reduction, this one included.
+  void set_backward_count(int64_t n) { backward_count_ = n; }
+  // After begin_reduction(): the exact sums of every backward since the last reduction and, last
+  // in each shard's part, the backward count; int64 [F, kLimbs * shard_numel + 1], the input of
+  // this reduction (kept alive until it completes).
+  at::Tensor take_exact();
 
   // A reduction of the buffer: begin_reduction() readies the buffer (regions no gradient reached,
   // and the padding, become zeros); the collective fills `output` (the buffer itself when F == 1,
@@ -107,7 +119,17 @@ class FlatGrad {
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g, const at::Tensor& store) const;
   // Moves the averaged reduction (`reduced`, this shard's sums) into the pieces' .grad of the
   // slots in `slots`; `in_place`: `reduced` may be scaled and aliased (a host copy of its own).
-  void add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place);
+  void add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place, double scale);
+  // Regions no gradient reached, and the padding, become zeros.
+  void zero_unwritten();
+  // Deterministic mode: adds the buffer into the exact sums; its regions then take the next
+  // backward's gradients as new values.
+  void fold();
+  // Deterministic mode's complete_reduction(): the exact sums become the pieces' mean gradients.
+  bool complete_exact_reduction(bool defer_landing);
+  // Hands the reduced shard (`values`, the pieces' sums or means) to the pieces, through the host
+  // under CPU offload.
+  bool land_reduced(at::Tensor values, std::vector<uint8_t> got, double scale, bool defer_landing);
 
   std::vector<ParamSlot>& slots_;
   FlatGradLayout layout_;
@@ -119,6 +141,10 @@ class FlatGrad {
   // Per slot, for the current buffer: its region holds a gradient of this backward / a gradient
   // kept from earlier ones (NO_SHARD accumulation), which later gradients add to.
   std::vector<uint8_t> written_, kept_;
+  std::vector<uint8_t> folded_;  // deterministic mode: per slot, a gradient of it is in exact_
+  at::Tensor exact_;             // deterministic mode: the exact sums (take_exact())
+  at::Tensor exact_sent_;        // the exact sums a reduction in flight reads
+  int64_t backward_count_ = 1;
   std::vector<at::Tensor> sentinels_;  // per slot: the module parameter's .grad between backwards
   // NO_SHARD: the storage the pieces' gradients alias (alive while any of them is).
   c10::weak_intrusive_ptr<c10::StorageImpl> store_{c10::intrusive_ptr<c10::StorageImpl>()};
@@ -139,6 +165,7 @@ class FlatGrad {
     std::vector<uint8_t> slots;  // the slots it holds gradients of
     bool in_place = false;       // values may be scaled and aliased (a host copy of its own)
     bool alias_store = false;    // NO_SHARD: the pieces' .grad alias values, already averaged
+    double scale = 1.0;          // values times scale is the pieces' gradient
   };
   Landing landing_;
   WorkPtr device_grad_copy_;  // CPU offload: landing_.copy, for release_device_grad() on backward's thread

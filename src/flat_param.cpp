@@ -23,7 +23,9 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
   const bool floating = at::isFloatingType(dtype_);
   compute_dtype_ = floating && mp.param_dtype() ? *mp.param_dtype() : dtype_;
   reduce_dtype_ = floating && mp.reduce_dtype() ? *mp.reduce_dtype() : compute_dtype_;
-  separate_shard_ = offload_ || !group_.keep_unsharded || compute_dtype_ != dtype_ || reduce_dtype_ != dtype_;
+  // Deterministic mode reduces exact sums, never the store the pieces' gradients alias.
+  separate_shard_ =
+      offload_ || !group_.keep_unsharded || compute_dtype_ != dtype_ || reduce_dtype_ != dtype_ || group_.deterministic;
   const int F = group_.shard_comm ? group_.shard_comm->size() : 1;
   FSDP_CHECK(F > 1 || group_.keep_unsharded, "internal: sharded without a shard group");
   shard_rank_ = group_.shard_comm ? group_.shard_comm->rank() : 0;
@@ -85,6 +87,7 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
   layout.unsharded_options = full_.options();
   layout.separate_shard = separate_shard_;
   layout.world_size = group_.world_size;
+  layout.deterministic = group_.deterministic;
   grad_ = std::make_unique<FlatGrad>(slots_, layout, memory_, buffers_, offload_);
 }
 

@@ -19,7 +19,8 @@ CollectiveOptions label(const FlatParam& fp, const char* purpose, int64_t count)
 // label(), naming the earlier backward passes whose gradients this rank adds in.
 CollectiveOptions reduction_label(const FlatParam& fp, const char* purpose, int64_t count) {
   CollectiveOptions o = label(fp, purpose, count);
-  const int64_t held = fp.grad().backwards_held();
+  // Deterministic mode: the counts of backward passes travel with the sums instead.
+  const int64_t held = fp.grad().deterministic() ? 0 : fp.grad().backwards_held();
   if (held > 0)
     o.label = detail::compose(o.label, " (gradients of ", held, " earlier backward", held > 1 ? "s" : "", " held)");
   return o;
@@ -167,22 +168,24 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   const ShardingGroups& group = fp.groups();
+  // Deterministic mode reduces the exact sums instead (Note [Deterministic training]).
+  const at::Tensor input = grad.deterministic() ? grad.take_exact() : grad.buffer();
   if (!fp.sharded_over_peers()) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one), reduced in place.
-    WorkPtr work = group.world_size > 1
-                       ? group.world_comm->all_reduce(
-                             grad.buffer(), reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
-                       : nullptr;
-    grad.set_reduction(grad.buffer(), work, false, false);
+    WorkPtr work = group.world_size > 1 ? group.world_comm->all_reduce(
+                                              input, reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
+                                        : nullptr;
+    grad.set_reduction(input, work, false, false);
     return;
   }
   at::Tensor sums = grad.new_reduction_output();
-  WorkPtr work = fp.reduce_format()
-                     ? start_quantized_reduce_scatter(
-                           fp, sums, *fp.reduce_format(),
-                           reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
-                     : group.shard_comm->reduce_scatter(
-                           sums, grad.buffer(), reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
+  WorkPtr work =
+      fp.reduce_format() && !grad.deterministic()
+          ? start_quantized_reduce_scatter(
+                fp, sums, *fp.reduce_format(),
+                reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
+          : group.shard_comm->reduce_scatter(sums, input,
+                                             reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
   const bool replicas = group.replicate_comm && group.replicate_comm->size() > 1;
   if (replicas && !across_replicas) {
     grad.set_reduction(sums, work, /*defer_replicas=*/true, false);  // completion adds them to the partial sums

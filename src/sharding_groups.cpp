@@ -48,6 +48,7 @@ ShardingGroups ShardingGroups::create(ProcessGroup& pg, const Options& options) 
   g.world_size = W;
   g.world_comm = pg.world();
   g.sharding_factor = F;
+  g.deterministic = options.deterministic();
   if (F > 1 && F < W) {
     const int r = pg.rank();
     std::vector<int> shard_ranks, replica_ranks;

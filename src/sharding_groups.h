@@ -18,6 +18,7 @@ struct ShardingGroups {
   int world_size = 1;           // gradients are averaged over all ranks
   int sharding_factor = 1;      // F
   bool keep_unsharded = false;  // F == 1 (NO_SHARD, world of one): no separate shard copy
+  bool deterministic = false;   // Options::deterministic: exact gradient sums
 
   // Validates the strategy's options against the world (local, no communication); returns F.
   static int check(const ProcessGroup& pg, const Options& options);

@@ -117,7 +117,9 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
   const std::string& losses = extra.at("window_loss");
   std::vector<double> per_rank(losses.size() / sizeof(double));
   std::memcpy(per_rank.data(), losses.data(), per_rank.size() * sizeof(double));
-  if (static_cast<int>(per_rank.size()) == pg.size()) {
+  if (c.deterministic && !per_rank.empty()) {
+    p.window_loss = per_rank[0];  // every rank held the same sum of global losses
+  } else if (static_cast<int>(per_rank.size()) == pg.size()) {
     p.window_loss = per_rank[pg.rank()];
   } else {  // another world size: every rank holds the saved ranks' mean, so the mean over ranks is kept
     for (double l : per_rank) p.window_loss += l;

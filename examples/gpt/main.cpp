@@ -22,6 +22,7 @@
 #include "formatting.h"
 #include "measurements.h"
 #include "model_setup.h"
+#include "parameter_hash.h"
 #include "rank_setup.h"
 #include "report.h"
 #include "step_log.h"
@@ -41,7 +42,7 @@ int run(int argc, char** argv) {
   TrainConfig config;
   if (const int code = parse_flags(argc, argv, env, config); code >= 0) return code;
   JobFigures job;
-  job.threads_per_rank = set_threads_per_rank(env);
+  job.threads_per_rank = set_threads_per_rank(env, config.deterministic);
 
   auto pg = fsdp::ProcessGroup::from_env();
   const int rank = pg->rank();
@@ -91,6 +92,8 @@ int run(int argc, char** argv) {
   const ModeledLinks links_before = pg->modeled_links();
   const TrainingResult result = train(loop);
   if (is_main) print_modeled_traffic(links_before, pg->modeled_links(), result.timed_steps);
+  const uint64_t hash = parameter_hash(*sharded);
+  if (is_main) std::cout << "final parameter hash " << hex16(hash) << "\n" << std::flush;
   if (result.stopped_after > 0) {
     if (is_main)
       std::cout << "stopped after step " << result.stopped_after << " of " << config.steps

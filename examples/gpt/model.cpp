@@ -47,7 +47,7 @@ MLPImpl::MLPImpl(const GPTConfig& config) {
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return proj(torch::gelu(fc(x))); }
 
-BlockImpl::BlockImpl(const GPTConfig& config) {
+BlockImpl::BlockImpl(const GPTConfig& config) : dropout(config.dropout) {
   ln_attn = register_module("ln_attn", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.width})));
   attn = register_module("attn", CausalSelfAttention(config));
   ln_mlp = register_module("ln_mlp", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.width})));
@@ -55,8 +55,13 @@ BlockImpl::BlockImpl(const GPTConfig& config) {
 }
 
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
-  x = x + attn(ln_attn(x));
-  return x + mlp(ln_mlp(x));
+  // Not in evaluation or generation, which run without gradients.
+  const bool drop = dropout > 0 && is_training() && torch::GradMode::is_enabled();
+  const auto maybe_drop = [&](const torch::Tensor& t) {
+    return drop ? torch::dropout(t, dropout, true) : t;
+  };
+  x = x + maybe_drop(attn(ln_attn(x)));
+  return x + maybe_drop(mlp(ln_mlp(x)));
 }
 
 TiedLMHeadImpl::TiedLMHeadImpl(torch::Tensor embedding_weight) {

@@ -17,6 +17,8 @@ struct GPTConfig {
   int64_t heads = 4;
   // Blocks wrapped in fsdp::Checkpointed: only their inputs are kept, backward recomputes them.
   bool activation_checkpointing = false;
+  // Dropout on each block's attention and MLP outputs while training with gradients on.
+  double dropout = 0.0;
 };
 
 // Multi-head self-attention where position t only sees positions <= t.
@@ -43,6 +45,8 @@ TORCH_MODULE(MLP);
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const GPTConfig& config);
   torch::Tensor forward(torch::Tensor x);
+
+  double dropout;
 
   torch::nn::LayerNorm ln_attn{nullptr};
   CausalSelfAttention attn{nullptr};

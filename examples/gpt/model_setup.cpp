@@ -30,6 +30,7 @@ BuiltModel build_model(const TrainConfig& config) {
   built.config.layers = config.layers;
   built.config.heads = config.heads;
   built.config.activation_checkpointing = config.activation_checkpointing;
+  built.config.dropout = config.dropout;
   if (config.init == "deferred") {
     fsdp::DeferredInit deferred;  // no parameter memory until fully_shard materializes each unit
     built.model = gpt::GPT(built.config);
@@ -52,6 +53,7 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
                      .forward_prefetch(config.forward_prefetch)
                      .limit_all_gathers(config.all_gather_limit > 0)
                      .all_gather_limit(std::max(1, config.all_gather_limit))
+                     .deterministic(config.deterministic)
                      .param_init_fn([model_config](const std::string& name, torch::nn::Module& module) {
                        gpt::initialize(model_config, name, module);
                      });

@@ -46,7 +46,12 @@ fsdp::RankEnv read_rank_env() {
 }
 
 // Sets this rank's compute threads (unless OMP_NUM_THREADS did) and returns how many it uses.
-int set_threads_per_rank(const fsdp::RankEnv& env) {
+int set_threads_per_rank(const fsdp::RankEnv& env, bool deterministic) {
+  if (deterministic) {  // the same at every world size (Note [Deterministic training])
+    torch::set_num_threads(1);
+    set_openblas_threads(1);
+    return 1;
+  }
   // Ranks on one host share its cores. OMP_NUM_THREADS, if set, is the user's choice (LibTorch
   // already applied it); otherwise split the usable cores between the local ranks, since more
   // threads than cores makes every rank slower.

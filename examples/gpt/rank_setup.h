@@ -12,7 +12,8 @@ extern std::string g_rank_label;
 // The launcher's rank environment (and g_rank_label); a single process's where it is broken.
 fsdp::RankEnv read_rank_env();
 
-// Sets this rank's compute threads (unless OMP_NUM_THREADS did) and returns how many it uses.
-int set_threads_per_rank(const fsdp::RankEnv& env);
+// Sets this rank's compute threads (unless OMP_NUM_THREADS did; one under `deterministic`, as a
+// kernel's bits may depend on its thread count) and returns how many it uses.
+int set_threads_per_rank(const fsdp::RankEnv& env, bool deterministic);
 
 }  // namespace fsdp_gpt

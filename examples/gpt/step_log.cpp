@@ -31,8 +31,10 @@ std::ofstream open_metrics(const TrainConfig& config, bool is_main) {
 void log_window(const TrainingLoop& loop, int step, double lr, double local_loss, LogWindow& window,
                 TrainingResult& result, ProgressBar& progress) {
   const TrainConfig& config = loop.config;
-  // The logged loss is the mean over the window's steps and over all ranks' slices.
-  const double mean_loss = fsdp::mean_across_ranks(loop.pg, window.loss) / window.steps;
+  // The logged loss is the mean over the window's steps and over all ranks' slices (--deterministic:
+  // each step's loss is already the global batch's, the same on every rank).
+  const double mean_loss =
+      (config.deterministic ? window.loss : fsdp::mean_across_ranks(loop.pg, window.loss)) / window.steps;
   result.last_logged_loss = mean_loss;
 
   const double ms_per_step = 1000.0 * window.seconds / window.timed_steps;

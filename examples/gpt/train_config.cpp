@@ -148,6 +148,12 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->capture_default_str();
   app.add_flag("--activation-checkpointing", config.activation_checkpointing,
                "Keep only each block's input in forward and recompute the block in backward");
+  app.add_option("--dropout", config.dropout, "Dropout on each block's attention and MLP outputs in training")
+      ->check(CLI::Range(0.0, 1.0, "a probability in [0, 1]"));
+  app.add_flag("--deterministic", config.deterministic,
+               "Bit-identical training at any world size and strategy: --global-batch is a fixed list of "
+               "--batch-size micro-batches, each rank runs a contiguous range of them, and gradients, clipping and "
+               "the logged loss are summed exactly");
   app.add_flag("--step-in-backward", config.step_in_backward,
                "Step the optimizer on each unit's shard as soon as its gradients are reduced, overlapping the step "
                "with communication (not with --clip-grad-norm, fp16 or --grad-accum-mode reduce)");
@@ -195,6 +201,9 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
                                std::to_string(config.warmup) + " is more than --steps " + std::to_string(config.steps));
   if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
   if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
+  if (config.deterministic && config.grad_accum_mode != "no-sync" && config.grad_accum_mode != "no-sync-unsharded")
+    throw CLI::ValidationError("--deterministic", "accumulates each rank's micro-batches locally and reduces once; "
+                                                  "use --grad-accum-mode no-sync or no-sync-unsharded");
   if (config.mixed_precision == "fp16") {
     try {  // LibTorch 1.13 has no float16 matrix product on the CPU; 2.x and GPUs have
       torch::mm(torch::ones({2, 2}, torch::kHalf), torch::ones({2, 2}, torch::kHalf));
@@ -274,6 +283,20 @@ void resolve_batch(TrainConfig& config, int world, int saved_global, const std::
     b.global = world * config.batch_per_rank;
     source = "the global batch " + str(b.global) + " (world size " + str(world) + " x --batch-per-rank " +
              str(config.batch_per_rank) + ")";
+  }
+  if (config.deterministic) {
+    // A fixed list of micro-batches of --batch-size, split into equal contiguous ranges.
+    b.micro = config.batch_size > 0 ? config.batch_size : config.batch_per_rank / config.grad_accum;
+    if (b.global % b.micro != 0)
+      throw BatchError("--batch-size", source + " is not a multiple of the micro-batch " + str(b.micro));
+    const int micro_batches = b.global / b.micro;
+    if (micro_batches % world != 0)
+      throw BatchError("--global-batch", source + " has " + str(micro_batches) + " micro-batches of " + str(b.micro) +
+                                             ", which do not split evenly over " + ranks);
+    b.accum = micro_batches / world;
+    b.per_rank = b.accum * b.micro;
+    config.batch = b;
+    return;
   }
   if (b.global % world != 0) throw BatchError("--global-batch", source + " does not split evenly over " + ranks);
   b.per_rank = b.global / world;

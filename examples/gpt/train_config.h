@@ -61,6 +61,8 @@ struct TrainConfig {
   std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
   int reshard_after_forward_size = 0;              // ranks a resharded block stays sharded over until backward
   bool activation_checkpointing = false;
+  double dropout = 0.0;
+  bool deterministic = false;        // bit-identical parameters at any world size (docs/usage.md)
   bool step_in_backward = false;     // FullyShardedModule::set_step_in_backward
   std::string step_thread = "auto";  // its fsdp::StepThread
   // Checkpoints (docs/checkpoints.md).

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "checkpointing.h"
+#include "deterministic_step.h"
 #include "evaluation.h"
 #include "lr_schedule.h"
 #include "optimizer.h"
@@ -69,7 +70,8 @@ TrainingResult train(const TrainingLoop& loop) {
   for (int step = loop.start.step + 1; step <= config.steps; ++step) {
     const auto step_start = Clock::now();
     const double lr = learning_rate(step, config);
-    const double local_loss = train_step(loop, step, lr);
+    const double local_loss =
+        config.deterministic ? deterministic_train_step(loop, step, lr) : train_step(loop, step, lr);
     const double step_seconds = seconds_since(step_start);
     result.train_seconds += step_seconds;
     ++result.timed_steps;

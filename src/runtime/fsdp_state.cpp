@@ -126,6 +126,9 @@ void FsdpState::check_quantization(const Options& options) {
                ": fp8 needs LibTorch 2.1 or later (this is ", TORCH_VERSION, "); use int8");
     FSDP_CHECK(!options.offload().enabled(), "Options::", what,
                " does not work with CPU offload yet; turn one of them off");
+    FSDP_CHECK(std::string(what) != "reduce_quantization" || !options.deterministic(),
+               "Options::reduce_quantization and deterministic(true) exclude each other: deterministic training "
+               "sums exact integers, which quantization would round; turn one of them off");
   }
 }
 

@@ -40,7 +40,11 @@ void GradientReducer::begin_backward() {
   for (const auto& fp : flat_params_)
     observable = observable || (fp->requires_grad() && fp->padded_numel() - fp->shard_numel() < fp->numel());
   if (zeroed || !observable) backwards_held_ = 0;
-  for (auto& fp : flat_params_) fp->grad().set_backwards_held(backwards_held_);
+  ++backwards_since_sync_;
+  for (auto& fp : flat_params_) {
+    fp->grad().set_backwards_held(backwards_held_);
+    fp->grad().set_backward_count(backwards_since_sync_);
+  }
 }
 
 void GradientReducer::prepare_grad(int f, int s) {
@@ -171,6 +175,8 @@ void GradientReducer::broadcast_buffers(const std::vector<std::pair<std::string,
 void GradientReducer::end_backward() {
   if (!sync_)
     for (auto& fp : flat_params_) fp->grad().keep_unreduced();
+  else
+    backwards_since_sync_ = 0;
   for (auto& unit : units_) unit.reset_grad_count();
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;

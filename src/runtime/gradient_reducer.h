@@ -86,6 +86,7 @@ class GradientReducer {
     uint32_t version = 0;
   };
   int64_t backwards_held_ = 0;
+  int64_t backwards_since_sync_ = 0;         // deterministic mode's divisor: this rank's part of it
   std::vector<std::vector<HeldGrad>> held_;  // [flat param][slot]
 };
 

@@ -205,6 +205,27 @@ check_launcher_signal() {
 test_sigint() { check_launcher_signal INT 130; }
 test_sigterm() { check_launcher_signal TERM 143; }
 
+# --max-restarts with an elastic range: a rank killed by a signal is given up, the rest restart
+# with FSDP_RESTART_COUNT set; a failure with no restart left, or below MIN, ends the job.
+test_elastic_restart() {
+  launch --nproc-per-node 2:3 --max-restarts 2 sh -c \
+    'echo "start $FSDP_RESTART_COUNT rank $RANK of $WORLD_SIZE"; if [ "$FSDP_RESTART_COUNT" = 0 ] && [ "$RANK" = 2 ]; then kill -9 $$; fi; sleep 0.2'
+  expect_rc 0
+  expect_text err "killed by signal 9"
+  expect_text err "fsdp-run: restarting with 2 ranks (restart 1 of 2)"
+  expect_line out "[rank 1] start 1 rank 1 of 2"
+  [ "$(grep -c "start 1" "$TMP/out")" -eq 2 ] || fail "expected 2 ranks after the restart: $(cat "$TMP/out")"
+
+  launch --nproc-per-node 2:2 --max-restarts 3 sh -c 'if [ "$RANK" = 1 ]; then kill -9 $$; fi; sleep 0.2'
+  expect_rc 137
+  expect_text err "not restarting: 1 rank left, fewer than the 2 --nproc-per-node allows"
+
+  launch --nproc-per-node 2 --max-restarts 1 sh -c 'echo "try $FSDP_RESTART_COUNT"; sleep 0.2; exit 3'
+  expect_rc 3
+  expect_text err "fsdp-run: restarting with 2 ranks (restart 1 of 1)"
+  [ "$(grep -c "try 1" "$TMP/out")" -eq 2 ] || fail "an exit code keeps the world size: $(cat "$TMP/out")"
+}
+
 test_bad_input() {
   launch --nproc-per-node 0 true
   expect_rc 2
@@ -225,6 +246,14 @@ test_bad_input() {
   launch --nproc-per-node two true
   expect_rc 2
   expect_text err "nproc-per-node"
+
+  launch --nproc-per-node 4:2 true
+  expect_rc 2
+  expect_text err "MIN:MAX"
+
+  launch --nnodes 2 --nproc-per-node 2:4 true
+  expect_rc 2
+  expect_text err "single node"
 
   launch --bogus-option true
   expect_rc 2

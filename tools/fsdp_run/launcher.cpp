@@ -51,18 +51,21 @@ struct Rank {
 
 std::string count_ranks(int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
 
+// How one start of the ranks ended.
+struct Attempt {
+  int code = 0;
+  int lost = 0;              // the first failure was a rank killed by a signal: its slot is given up
+  bool interrupted = false;  // the launcher got SIGINT or SIGTERM
+};
+
 class Launcher {
  public:
-  explicit Launcher(Options options) : opt_(std::move(options)) {}
+  Launcher(Options options, int restart) : opt_(std::move(options)), restart_(restart) {}
 
-  int run() {
-    if (!install_signal_handlers()) {
-      mux_.say("cannot create a pipe: " + errno_text(errno));
-      return kExitInternal;
-    }
+  Attempt run() {
     start_ranks();
     supervise();
-    return result_.value_or(0);
+    return {result_.value_or(0), lost_, interrupted_};
   }
 
  private:
@@ -73,6 +76,7 @@ class Launcher {
     const std::optional<int> omp = omp_threads_per_rank(opt_);
     std::vector<std::string> base = base_environment(omp.has_value());
     if (std::optional<std::string> token = job_token_entry(opt_)) base.push_back(std::move(*token));
+    base.push_back("FSDP_RESTART_COUNT=" + std::to_string(restart_));
     std::vector<std::string> args = opt_.command;
     std::vector<char*> argv = as_c_array(args);
 
@@ -215,6 +219,7 @@ class Launcher {
     g_got_sigint = g_got_sigterm = 0;
     const char* name = signo == SIGINT ? "SIGINT" : "SIGTERM";
     if (!result_) result_ = 128 + signo;
+    interrupted_ = true;
     if (!stopping_) {
       mux_.say(std::string("received ") + name + "; stopping " + count_ranks(running_count()) + " (SIGKILL after " +
                grace_text() + "; signal again to kill now)");
@@ -241,6 +246,7 @@ class Launcher {
     // Ranks ending while we stop them are expected; only the first real
     // failure is reported and decides the exit code.
     if (code == 0 || stopping_) return;
+    if (WIFSIGNALED(status)) lost_ = 1;
     // Show the rank's last words (usually its error) before our verdict.
     mux_.pump(r.out, /*until_empty=*/true);
     mux_.pump(r.err, /*until_empty=*/true);
@@ -307,6 +313,9 @@ class Launcher {
   std::string grace_text() const { return format_seconds(opt_.grace_seconds); }
 
   Options opt_;
+  int restart_ = 0;
+  int lost_ = 0;
+  bool interrupted_ = false;
   OutputMux mux_;
   std::vector<Rank> ranks_;    // sized once: OutputMux keeps pointers to the streams
   std::optional<int> result_;  // exit code of the first failure, if any
@@ -318,6 +327,24 @@ class Launcher {
 
 }  // namespace
 
-int launch(Options options) { return Launcher(std::move(options)).run(); }
+int launch(Options options) {
+  if (!install_signal_handlers()) {
+    OutputMux().say("cannot create a pipe: " + errno_text(errno));
+    return kExitInternal;
+  }
+  for (int restart = 0;; ++restart) {
+    const Attempt attempt = Launcher(options, restart).run();
+    if (attempt.code == 0 || attempt.interrupted || restart >= options.max_restarts) return attempt.code;
+    const int next = options.nproc_per_node - attempt.lost;
+    if (next < options.nproc_min) {
+      OutputMux().say("not restarting: " + count_ranks(next) + " left, fewer than the " +
+                      std::to_string(options.nproc_min) + " --nproc-per-node allows");
+      return attempt.code;
+    }
+    OutputMux().say("restarting with " + count_ranks(next) + " (restart " + std::to_string(restart + 1) + " of " +
+                    std::to_string(options.max_restarts) + ")");
+    options.nproc_per_node = next;
+  }
+}
 
 }  // namespace fsdp_run

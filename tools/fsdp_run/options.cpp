@@ -19,14 +19,40 @@ std::string format_seconds(double seconds) {
 
 namespace {
 
+// "N" or "MIN:MAX" into o's nproc_min and nproc_per_node; false if it is neither.
+bool parse_nproc(const std::string& text, Options& o) {
+  const size_t colon = text.find(':');
+  try {
+    size_t used = 0;
+    const int lo = std::stoi(text.substr(0, colon), &used);
+    if (used != (colon == std::string::npos ? text.size() : colon)) return false;
+    int hi = lo;
+    if (colon != std::string::npos) {
+      const std::string rest = text.substr(colon + 1);
+      hi = std::stoi(rest, &used);
+      if (used != rest.size()) return false;
+    }
+    o.nproc_min = lo;
+    o.nproc_per_node = hi;
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // Returns an explanation of the first invalid setting, or "" if all are fine.
 std::string validate(const Options& o) {
   auto s = [](auto v) {
     return std::to_string(v);
   };
-  if (o.nproc_per_node < 1)
-    return "--nproc-per-node must be at least 1 (got " + s(o.nproc_per_node) +
-           "); pass the number of ranks to start on this node, e.g. --nproc-per-node 2";
+  if (o.nproc_per_node < 1 || o.nproc_min < 1 || o.nproc_min > o.nproc_per_node)
+    return "--nproc-per-node must be at least 1, or a range MIN:MAX with 1 <= MIN <= MAX (got " +
+           (o.nproc_min == o.nproc_per_node ? s(o.nproc_per_node) : s(o.nproc_min) + ":" + s(o.nproc_per_node)) +
+           "); pass the number of ranks to start on this node, e.g. --nproc-per-node 2 or 3:4";
+  if (o.max_restarts < 0) return "--max-restarts must be 0 or more (got " + s(o.max_restarts) + ")";
+  if (o.nproc_min < o.nproc_per_node && o.nnodes > 1)
+    return "an elastic --nproc-per-node range works on a single node only (got --nnodes " + s(o.nnodes) +
+           "); give each node a fixed --nproc-per-node";
   if (o.nnodes < 1)
     return "--nnodes must be at least 1 (got " + s(o.nnodes) +
            "); pass the number of machines taking part, or leave it out for a single machine";
@@ -72,11 +98,19 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   // Everything from PROGRAM on belongs to the program, including its flags.
   app.prefix_command();
   app.formatter(std::make_shared<UsageFormatter>());
-  app.footer("Exit code: 0 if all ranks succeed, else the first failing rank's code\n"
+  app.footer("Exit code: 0 if all ranks succeed, else the first failing rank's code (of the last try)\n"
              "(128+N for a rank killed by signal N), 130/143 if fsdp-run got SIGINT/SIGTERM,\n"
              "2 for bad options, 127 if PROGRAM cannot be executed.");
 
-  app.add_option("--nproc-per-node", o.nproc_per_node, "Ranks to start on this node")->capture_default_str();
+  std::string nproc = "1";
+  app.add_option("--nproc-per-node", nproc,
+                 "Ranks to start on this node; MIN:MAX: start MAX, and let a restart run with fewer\n"
+                 "(the ranks not lost), down to MIN")
+      ->capture_default_str();
+  app.add_option("--max-restarts", o.max_restarts,
+                 "After a rank fails, stop the others and start the job again, at most this many times;\n"
+                 "each restart sets FSDP_RESTART_COUNT and runs without the ranks killed by a signal")
+      ->capture_default_str();
   app.add_option("--nnodes", o.nnodes, "Number of nodes taking part")->capture_default_str();
   app.add_option("--node-rank", o.node_rank, "Index of this node, 0..nnodes-1")->capture_default_str();
   app.add_option("--master-addr", o.master_addr, "Address of node 0 (MASTER_ADDR)")->capture_default_str();
@@ -93,6 +127,10 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     print_usage_error(e.what());
+    return kExitUsage;
+  }
+  if (!parse_nproc(nproc, o)) {
+    print_usage_error("--nproc-per-node takes a number or a range MIN:MAX (got '" + nproc + "'), e.g. 4 or 3:4");
     return kExitUsage;
   }
 

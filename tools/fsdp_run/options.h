@@ -7,7 +7,9 @@
 namespace fsdp_run {
 
 struct Options {
-  int nproc_per_node = 1;
+  int nproc_per_node = 1;  // ranks started first (an elastic range's MAX)
+  int nproc_min = 1;       // --nproc-per-node MIN:MAX: the fewest ranks a restart may run
+  int max_restarts = 0;    // restarts after a failure, each with the ranks not lost
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";

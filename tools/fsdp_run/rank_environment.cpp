@@ -34,9 +34,17 @@ int usable_cpu_count() {
 }  // namespace
 
 std::vector<std::string> base_environment(bool set_omp_threads) {
-  static const char* const kOverridden[] = {
-      "RANK",      "WORLD_SIZE",  "LOCAL_RANK",  "LOCAL_WORLD_SIZE",       "GROUP_RANK",
-      "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "FSDP_RUN_STDOUT_IS_TTY", "OMP_NUM_THREADS"};
+  static const char* const kOverridden[] = {"RANK",
+                                            "WORLD_SIZE",
+                                            "LOCAL_RANK",
+                                            "LOCAL_WORLD_SIZE",
+                                            "GROUP_RANK",
+                                            "NODE_RANK",
+                                            "MASTER_ADDR",
+                                            "MASTER_PORT",
+                                            "FSDP_RUN_STDOUT_IS_TTY",
+                                            "OMP_NUM_THREADS",
+                                            "FSDP_RESTART_COUNT"};
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {
     std::string_view entry(*e);

@@ -1,0 +1,77 @@
+#include "deterministic_step.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "evaluation.h"
+#include "training_data.h"
+
+namespace fsdp_gpt {
+
+namespace {
+
+constexpr uint64_t kDropoutStream = 4;  // after the streams of training_data.h
+
+// The micro-batches' losses in index order on every rank: each rank writes its own, zeros
+// elsewhere, so the all-reduce adds each loss to zeros only (exact, in any order).
+double mean_of_all_losses(fsdp::ProcessGroup& pg, const std::vector<double>& losses, const MicroBatchRange& mine) {
+  const int count = static_cast<int>(losses.size());
+  at::Tensor all = at::zeros({count}, at::kDouble);
+  for (int i = mine.first; i < mine.end; ++i) all[i] = losses[i];
+  if (pg.size() > 1) pg.world()->all_reduce(all, fsdp::CollectiveOptions::labeled("micro-batch losses"))->wait();
+  double sum = 0;
+  for (int i = 0; i < count; ++i) sum += all[i].item<double>();
+  return sum / count;
+}
+
+}  // namespace
+
+MicroBatchRange micro_batch_range(int count, int rank, int world) {
+  return {static_cast<int>(int64_t(count) * rank / world), static_cast<int>(int64_t(count) * (rank + 1) / world)};
+}
+
+double deterministic_train_step(const TrainingLoop& loop, int step, double lr) {
+  const TrainConfig& config = loop.config;
+  for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  const BatchPlan& plan = config.batch;
+  const int count = plan.global / plan.micro;
+  const MicroBatchRange range = micro_batch_range(count, loop.pg.rank(), loop.pg.size());
+  const int64_t micro = plan.micro;
+  const auto batch =
+      gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step), plan.global,
+                        range.first * micro, (range.end - range.first) * micro);
+  loop.optimizer.zero_grad();
+  std::vector<double> losses(count, 0.0);
+  for (int i = range.first; i < range.end; ++i) {
+    const int64_t row = (i - range.first) * micro;
+    gpt::Batch part{batch.inputs.narrow(0, row, micro), batch.targets.narrow(0, row, micro)};
+    const bool last = i + 1 == range.end;
+    std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
+    if (!last) no_sync.emplace(loop.sharded.no_sync());
+    if (config.grad_accum_mode == "no-sync-unsharded") loop.sharded.set_reshard_after_backward(last);
+    // Dropout's draws follow the micro-batch's index in the global batch, not the rank.
+    {
+      auto generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_current_seed(gpt::batch_key(config.seed, kDropoutStream, uint64_t(step) * count + i));
+    }
+    // Not divided by the micro-batch count: FSDP averages over every rank's micro-batches.
+    auto loss = next_token_loss(loop.model, part);
+    (loop.scaler ? loop.scaler->scale(loss) : loss).backward();
+    losses[i] = loss.item<double>();
+  }
+  if (loop.scaler && config.clip_grad_norm > 0) loop.scaler->unscale_(loop.optimizer);
+  if (config.clip_grad_norm > 0) loop.sharded.clip_grad_norm_(config.clip_grad_norm);
+  if (loop.scaler) {
+    loop.scaler->step(loop.optimizer);
+    loop.scaler->update();
+  } else {
+    loop.optimizer.step();
+  }
+  return mean_of_all_losses(loop.pg, losses, range);
+}
+
+}  // namespace fsdp_gpt

@@ -1,0 +1,46 @@
+#include "parameter_hash.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+namespace fsdp_gpt {
+
+namespace {
+
+constexpr uint64_t kFnvOffset = 14695981039346656037ULL, kFnvPrime = 1099511628211ULL;
+
+void mix(uint64_t& h, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * kFnvPrime;
+}
+
+}  // namespace
+
+uint64_t parameter_hash(fsdp::FullyShardedModule& sharded) {
+  const auto full = sharded.full_state_dict();
+  std::vector<std::string> names;
+  names.reserve(full.size());
+  for (const auto& kv : full) names.push_back(kv.first);
+  std::sort(names.begin(), names.end());
+  uint64_t h = kFnvOffset;
+  for (const auto& name : names) {
+    const at::Tensor t = full.at(name).detach().cpu().contiguous();
+    mix(h, name.data(), name.size() + 1);  // with its terminating zero
+    const auto dtype = static_cast<int8_t>(t.scalar_type());
+    mix(h, &dtype, 1);
+    for (const int64_t d : t.sizes()) mix(h, &d, sizeof(d));
+    mix(h, t.data_ptr(), t.nbytes());
+  }
+  return h;
+}
+
+std::string hex16(uint64_t value) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(value));
+  return buf;
+}
+
+}  // namespace fsdp_gpt
