@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,13 +53,21 @@ def matrix():
     return runs
 
 
+def free_port():
+    """A TCP port nobody listens on now (other jobs on the machine may hold the default 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_one(build, world, model, strategy, checkpointing, mp, tmp):
     plan_file = os.path.join(tmp, "plan.jsonl")
     metrics = os.path.join(tmp, "metrics.jsonl")
     for f in (plan_file, metrics):
         if os.path.exists(f):
             os.remove(f)
-    cmd = [os.path.join(build, "tools/fsdp_run/fsdp-run"), "--nproc-per-node", str(world), "/usr/bin/time", "-f",
+    cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
+           str(free_port()), "/usr/bin/time", "-f",
            "maxrss_kb %M", os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + strategy + [
                "--batch-per-rank", "4", "--steps", "6", "--warmup", "1", "--log-interval", "3", "--eval-batches", "1",
                "--sample-bytes", "0", "--mixed-precision", mp, "--plan-file", plan_file, "--metrics-file", metrics]

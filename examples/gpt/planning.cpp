@@ -23,7 +23,7 @@ fsdp::ModuleCost gpt_module_cost(const std::string&, const torch::nn::Module& mo
   const auto context = static_cast<double>(seq_len);
   if (const auto* attn = dynamic_cast<const gpt::CausalSelfAttentionImpl*>(&module)) {
     const auto width = static_cast<double>(attn->proj->options.in_features());
-    cost.forward_flops = 4.0 * context * width;  // scores and mixing, per token
+    cost.forward_flops = 4.0 * context * width;                                         // scores and mixing, per token
     cost.activation_values = 3.0 * width + static_cast<double>(attn->heads) * context;  // q, k, v; softmax
   } else if (const auto* mlp = dynamic_cast<const gpt::MLPImpl*>(&module)) {
     cost.activation_values = static_cast<double>(mlp->fc->options.out_features());  // GELU's input
@@ -72,7 +72,9 @@ void write_entries(const std::string& path, const fsdp::Plan& plan) {
                           {"wrap", c.wrap.name},
                           {"activation_checkpointing", c.activation_checkpointing},
                           {"cpu_offload", c.cpu_offload},
-                          {"precision", c.precision == at::kFloat ? "fp32" : c.precision == at::kBFloat16 ? "bf16" : "fp16"},
+                          {"precision", c.precision == at::kFloat      ? "fp32"
+                                        : c.precision == at::kBFloat16 ? "bf16"
+                                                                       : "fp16"},
                           {"micro_batch", c.micro_batch},
                           {"accumulation", c.accumulation},
                           {"params_bytes", e.memory.params},
@@ -142,8 +144,13 @@ int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
   return 0;
 }
 
-void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg) {
-  const fsdp::Cluster cluster = plan_cluster(config, pg.size());
+void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_flops) {
+  fsdp::Cluster cluster = plan_cluster(config, pg.size());
+  if (config.cluster.empty() && job_matmul_flops > 0) {
+    // This machine: the matmul rate every rank measured at once is each rank's peak.
+    cluster.device.peak_flops_fp32 = cluster.device.peak_flops_16 = job_matmul_flops / pg.size();
+    cluster.device.matmul_efficiency = 1.0;
+  }
   FSDP_CHECK(cluster.world() == pg.size(), "--cluster ", config.cluster, " has ", cluster.world(),
              " ranks but the job has ", pg.size(), "; training plans for the job's own ranks");
   const auto process_bytes = static_cast<int64_t>(fsdp::mean_across_ranks(pg, static_cast<double>(resident_bytes())));
@@ -155,7 +162,8 @@ void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg) {
   const fsdp::PlanEntry& best = plan.best();
   apply_candidate(best.candidate, config);
   resolve_batch(config, pg.size());
-  if (pg.rank() == 0 && !config.plan_file.empty()) write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true));
+  if (pg.rank() == 0 && !config.plan_file.empty())
+    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true));
   if (pg.rank() == 0)
     std::cout << "planned for " << fsdp::format_bytes(plan.budget) << " per rank: " << best.candidate.describe()
               << "; predicted peak " << fsdp::format_bytes(best.memory.peak) << " (FSDP parameters "

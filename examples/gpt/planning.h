@@ -27,7 +27,8 @@ int print_plan(const TrainConfig& config, const fsdp::RankEnv& env);
 // --memory-budget: every rank plans alike (the resident set's mean over ranks as the process's own
 // memory) and takes the fastest configuration that fits; rank 0 says which. Throws fsdp::Error
 // naming the smallest budget that would fit when none does. --plan-file: rank 0 writes the
-// prediction for the configuration the run trains with.
-void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg);
+// prediction for the configuration the run trains with. Without --cluster, `job_matmul_flops`
+// (the sum over ranks of the rates measured at once) sets this machine's peak per rank.
+void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_flops);
 
 }  // namespace fsdp_gpt

@@ -71,7 +71,7 @@ struct TrainConfig {
   std::string cluster;        // empty: this machine with the job's ranks
   std::string memory_budget;  // e.g. 1GiB: train with the fastest planned configuration that fits
   std::string plan_file;      // JSON lines: --plan's entries, or the prediction for this run
-  BatchPlan batch;  // resolved by resolve_batch, not a flag
+  BatchPlan batch;            // resolved by resolve_batch, not a flag
 };
 
 // Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is

@@ -12,10 +12,10 @@ namespace fsdp {
 
 struct DeviceSpec {
   std::string name;
-  int64_t memory_bytes = 0;     // usable by one rank
-  double peak_flops_fp32 = 0;   // dense FLOP/s, float32 operands
-  double peak_flops_16 = 0;     // dense FLOP/s, bfloat16/float16 operands
-  double memory_gbps = 0;       // device memory bandwidth, GB/s
+  int64_t memory_bytes = 0;      // usable by one rank
+  double peak_flops_fp32 = 0;    // dense FLOP/s, float32 operands
+  double peak_flops_16 = 0;      // dense FLOP/s, bfloat16/float16 operands
+  double memory_gbps = 0;        // device memory bandwidth, GB/s
   double matmul_efficiency = 1;  // share of peak a transformer's matrix products reach
 };
 
@@ -23,8 +23,8 @@ struct Cluster {
   DeviceSpec device;
   int nodes = 1;
   int ranks_per_node = 1;
-  Link intra;  // between ranks of one node, per rank
-  Link inter;  // between nodes, per rank
+  Link intra;                     // between ranks of one node, per rank
+  Link inter;                     // between nodes, per rank
   int64_t host_memory_bytes = 0;  // per node
   double host_device_gbps = 0;    // host <-> device copies (CPU offload), per rank
   // The device's memory is the host's (this CPU machine): offload moves nothing.

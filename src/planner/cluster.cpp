@@ -30,24 +30,60 @@ struct Preset {
 // The CPU preset's figures are this kind of 2-core machine's, with the shared-memory transport.
 const std::vector<Preset>& presets() {
   static const std::vector<Preset> all{
-      {"cpu", "this CPU machine, shared-memory transport",
-       {"cpu", int64_t(24 * kBytesPerGiB), 40e9, 40e9, 10, 1.0}, Link().bandwidth_gbps(4).latency_us(20),
-       Link().bandwidth_gbps(4).latency_us(20), 4, 24, 0, true},
-      {"a100-40g", "A100 40 GB SXM, NVLink within a node, 200 Gb/s per GPU between nodes",
-       {"A100-40GB", int64_t(40 * kBytesPerGiB), 19.5e12, 312e12, 1555, 0.75}, Link().bandwidth_gbps(230).latency_us(5),
-       Link().bandwidth_gbps(22).latency_us(10), 8, 1024, 25, false},
-      {"a100-80g", "A100 80 GB SXM, NVLink within a node, 200 Gb/s per GPU between nodes",
-       {"A100-80GB", int64_t(80 * kBytesPerGiB), 19.5e12, 312e12, 2039, 0.75}, Link().bandwidth_gbps(230).latency_us(5),
-       Link().bandwidth_gbps(22).latency_us(10), 8, 1024, 25, false},
-      {"paper", "the FSDP paper's cluster: A100 80 GB, 8 per node on NVLink, 2 Tb/s RoCE between nodes",
-       {"A100-80GB", int64_t(80 * kBytesPerGiB), 19.5e12, 312e12, 2039, 0.75}, Link().bandwidth_gbps(230).latency_us(5),
-       Link().bandwidth_gbps(25).latency_us(10), 8, 1024, 25, false},
-      {"h100", "H100 80 GB SXM, NVLink 4 within a node, 400 Gb/s per GPU between nodes",
-       {"H100-80GB", int64_t(80 * kBytesPerGiB), 67e12, 989e12, 3350, 0.7}, Link().bandwidth_gbps(360).latency_us(5),
-       Link().bandwidth_gbps(45).latency_us(10), 8, 2048, 50, false},
-      {"h200", "H200 141 GB SXM, NVLink 4 within a node, 400 Gb/s per GPU between nodes",
-       {"H200-141GB", int64_t(141e9), 67e12, 989e12, 4800, 0.7}, Link().bandwidth_gbps(360).latency_us(5),
-       Link().bandwidth_gbps(45).latency_us(10), 8, 2048, 50, false},
+      {"cpu",
+       "this CPU machine, shared-memory transport",
+       {"cpu", int64_t(24 * kBytesPerGiB), 40e9, 40e9, 10, 1.0},
+       Link().bandwidth_gbps(4).latency_us(20),
+       Link().bandwidth_gbps(4).latency_us(20),
+       4,
+       24,
+       0,
+       true},
+      {"a100-40g",
+       "A100 40 GB SXM, NVLink within a node, 200 Gb/s per GPU between nodes",
+       {"A100-40GB", int64_t(40 * kBytesPerGiB), 19.5e12, 312e12, 1555, 0.75},
+       Link().bandwidth_gbps(230).latency_us(5),
+       Link().bandwidth_gbps(22).latency_us(10),
+       8,
+       1024,
+       25,
+       false},
+      {"a100-80g",
+       "A100 80 GB SXM, NVLink within a node, 200 Gb/s per GPU between nodes",
+       {"A100-80GB", int64_t(80 * kBytesPerGiB), 19.5e12, 312e12, 2039, 0.75},
+       Link().bandwidth_gbps(230).latency_us(5),
+       Link().bandwidth_gbps(22).latency_us(10),
+       8,
+       1024,
+       25,
+       false},
+      {"paper",
+       "the FSDP paper's cluster: A100 80 GB, 8 per node on NVLink, 2 Tb/s RoCE between nodes",
+       {"A100-80GB", int64_t(80 * kBytesPerGiB), 19.5e12, 312e12, 2039, 0.75},
+       Link().bandwidth_gbps(230).latency_us(5),
+       Link().bandwidth_gbps(25).latency_us(10),
+       8,
+       1024,
+       25,
+       false},
+      {"h100",
+       "H100 80 GB SXM, NVLink 4 within a node, 400 Gb/s per GPU between nodes",
+       {"H100-80GB", int64_t(80 * kBytesPerGiB), 67e12, 989e12, 3350, 0.7},
+       Link().bandwidth_gbps(360).latency_us(5),
+       Link().bandwidth_gbps(45).latency_us(10),
+       8,
+       2048,
+       50,
+       false},
+      {"h200",
+       "H200 141 GB SXM, NVLink 4 within a node, 400 Gb/s per GPU between nodes",
+       {"H200-141GB", int64_t(141e9), 67e12, 989e12, 4800, 0.7},
+       Link().bandwidth_gbps(360).latency_us(5),
+       Link().bandwidth_gbps(45).latency_us(10),
+       8,
+       2048,
+       50,
+       false},
   };
   return all;
 }
@@ -153,7 +189,8 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
     FSDP_FAIL(source, ": not JSON: ", e.what());
   }
   FSDP_CHECK(j.is_object(), source, ": expected a JSON object");
-  const std::string name = j.contains("preset") && j.at("preset").is_string() ? j.at("preset").get<std::string>() : "cpu";
+  const std::string name =
+      j.contains("preset") && j.at("preset").is_string() ? j.at("preset").get<std::string>() : "cpu";
   const Cluster base = preset(name, 1, 1);
   const int nodes = static_cast<int>(json_number(j, "nodes", 1, source));
   const int ranks = static_cast<int>(json_number(j, "ranks_per_node", base.ranks_per_node, source));
@@ -163,7 +200,8 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
     const std::string at = source + ".device";
     FSDP_CHECK(d.is_object(), at, " must be an object");
     if (d.contains("name") && d.at("name").is_string()) c.device.name = d.at("name").get<std::string>();
-    c.device.memory_bytes = int64_t(json_number(d, "memory_gib", double(c.device.memory_bytes) / kBytesPerGiB, at) * kBytesPerGiB);
+    c.device.memory_bytes =
+        int64_t(json_number(d, "memory_gib", double(c.device.memory_bytes) / kBytesPerGiB, at) * kBytesPerGiB);
     c.device.peak_flops_fp32 = json_number(d, "peak_tflops_fp32", c.device.peak_flops_fp32 / 1e12, at) * 1e12;
     c.device.peak_flops_16 = json_number(d, "peak_tflops_16", c.device.peak_flops_16 / 1e12, at) * 1e12;
     c.device.memory_gbps = json_number(d, "memory_gbps", c.device.memory_gbps, at);
@@ -174,7 +212,8 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
   }
   c.intra = json_link(j, "intra", c.intra, source);
   c.inter = json_link(j, "inter", c.inter, source);
-  c.host_memory_bytes = int64_t(json_number(j, "host_memory_gib", double(c.host_memory_bytes) / kBytesPerGiB, source) * kBytesPerGiB);
+  c.host_memory_bytes =
+      int64_t(json_number(j, "host_memory_gib", double(c.host_memory_bytes) / kBytesPerGiB, source) * kBytesPerGiB);
   c.host_device_gbps = json_number(j, "host_device_gbps", c.host_device_gbps, source);
   return c;
 }
@@ -184,8 +223,8 @@ std::string Cluster::describe() const {
   o << device.name << ": " << nodes << " node" << (nodes == 1 ? "" : "s") << " x " << ranks_per_node << " rank"
     << (ranks_per_node == 1 ? "" : "s") << ", " << format_bytes(device.memory_bytes) << " per rank, "
     << short_number(device.peak_flops_16 / 1e12) << " TFLOP/s 16-bit, " << short_number(device.peak_flops_fp32 / 1e12)
-    << " TFLOP/s fp32, intra " << short_number(intra.bandwidth_gbps()) << " GB/s, inter " << short_number(inter.bandwidth_gbps())
-    << " GB/s";
+    << " TFLOP/s fp32, intra " << short_number(intra.bandwidth_gbps()) << " GB/s, inter "
+    << short_number(inter.bandwidth_gbps()) << " GB/s";
   return o.str();
 }
 

@@ -39,8 +39,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const int F = shard_factor(c, world);
   const bool offload = c.cpu_offload && !cluster.device_is_host;
   const at::ScalarType reduce_dtype = at::kFloat;
-  const double peak_flops = (c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16) *
-                            cluster.device.matmul_efficiency;
+  const double peak_flops =
+      (c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16) *
+      cluster.device.matmul_efficiency;
   const Link& shard_link = cluster.link_for_group(F);
   const Link& world_link = cluster.link_for_group(world);
   const double host_bps = cluster.host_device_gbps * 1e9;
@@ -51,8 +52,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   for (size_t u = 0; u < plan.units.size(); ++u) {
     SimUnit& su = sim.units[u];
     su.ancestors = plan.units[u].ancestors;
-    su.reshard_after_forward = u != 0 && (c.strategy == ShardingStrategy::kFullShard ||
-                                          c.strategy == ShardingStrategy::kHybridShard);
+    su.reshard_after_forward =
+        u != 0 && (c.strategy == ShardingStrategy::kFullShard || c.strategy == ShardingStrategy::kHybridShard);
     for (const int f : plan.units[u].flat_params) {
       const UnitPlan::FlatParam& fp = plan.flat_params[f];
       int64_t numel = 0;
@@ -82,7 +83,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         flat.reduce_s = F == 1 ? modeled_seconds(Collective::kAllReduce, grad_bytes, world, world_link)
                                : modeled_seconds(Collective::kReduceScatter, grad_bytes, F, shard_link);
         if (c.strategy == ShardingStrategy::kHybridShard && world / F > 1)
-          flat.reduce_s += modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, cluster.inter);
+          flat.reduce_s +=
+              modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, cluster.inter);
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
       }
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
@@ -102,8 +104,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     SimUnit& su = sim.units[u];
     su.full_activation_bytes = static_cast<int64_t>(costs.unit_activation_values[u] * tokens) * act_size;
     su.checkpointed = c.activation_checkpointing && u != 0 && costs.unit_input_values[u] > 0;
-    su.kept_activation_bytes =
-        su.checkpointed ? static_cast<int64_t>(costs.unit_input_values[u] * tokens) * act_size : su.full_activation_bytes;
+    su.kept_activation_bytes = su.checkpointed ? static_cast<int64_t>(costs.unit_input_values[u] * tokens) * act_size
+                                               : su.full_activation_bytes;
   }
   for (const SegmentCost& s : costs.segments) {
     SimSegment seg;

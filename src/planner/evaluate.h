@@ -2,7 +2,7 @@
 // One candidate's prediction: the FlatParameters' byte layout on a rank (as flat_param.cpp lays
 // them out), the simulated iteration over it, and the memory and time figures of a PlanEntry.
 #include "fsdp/cluster.h"
-#include "fsdp/planner.h"
+#include "fsdp/plan_request.h"
 #include "planner/model_costs.h"
 #include "unit_plan.h"
 

@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "fsdp/planner.h"
+#include "fsdp/plan_request.h"
 #include "unit_plan.h"
 
 namespace fsdp::planner {
@@ -20,10 +20,10 @@ struct SegmentCost {
 };
 
 struct ModelCosts {
-  std::vector<SegmentCost> segments;      // forward order (module order), merged per unit
+  std::vector<SegmentCost> segments;           // forward order (module order), merged per unit
   std::vector<double> unit_activation_values;  // per unit, per token
-  std::vector<double> unit_input_values;  // per unit, per token: what a checkpointed unit keeps
-  double forward_flops = 0;               // whole model, per token
+  std::vector<double> unit_input_values;       // per unit, per token: what a checkpointed unit keeps
+  double forward_flops = 0;                    // whole model, per token
 };
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len);

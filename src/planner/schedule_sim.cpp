@@ -14,8 +14,14 @@ enum class State { kIdle, kForwardPrefetched, kForward, kBackwardPrefetched, kBa
 class Replay {
  public:
   explicit Replay(const SimInput& in)
-      : in_(in), n_(static_cast<int>(in.units.size())), state_(n_, State::kIdle), unsharded_(n_, 0),
-        pending_(n_, 0), gather_end_(n_, 0.0), ran_(n_, 0), grads_allocated_(n_, 0) {}
+      : in_(in),
+        n_(static_cast<int>(in.units.size())),
+        state_(n_, State::kIdle),
+        unsharded_(n_, 0),
+        pending_(n_, 0),
+        gather_end_(n_, 0.0),
+        ran_(n_, 0),
+        grads_allocated_(n_, 0) {}
 
   SimResult run() {
     plan_orders();
@@ -135,9 +141,7 @@ class Replay {
     return state_[u] == State::kForwardPrefetched || state_[u] == State::kBackwardPrefetched;
   }
   bool forward_seen(int u) const { return state_[u] != State::kIdle && state_[u] != State::kForwardPrefetched; }
-  bool awaits_backward(int u) const {
-    return state_[u] == State::kForward || state_[u] == State::kBackwardPrefetched;
-  }
+  bool awaits_backward(int u) const { return state_[u] == State::kForward || state_[u] == State::kBackwardPrefetched; }
   bool is_ancestor(int v, int of) const {
     const auto& a = in_.units[of].ancestors;
     return std::find(a.begin(), a.end(), v) != a.end();

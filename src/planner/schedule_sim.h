@@ -12,11 +12,11 @@ namespace fsdp::planner {
 
 // One FlatParameter as the runtime lays it out on a rank.
 struct SimFlat {
-  bool separate_shard = true;      // false: the flat storage is the shard (no gathers, no transient)
-  bool requires_grad = true;       // frozen: no gradient buffer, no reduction
-  int64_t unsharded_bytes = 0;     // padded, in the compute dtype
-  int64_t gather_input_bytes = 0;  // the shard cast to the compute dtype before its gather (0: none)
-  int64_t grad_buffer_bytes = 0;   // the unsharded gradient, in the reduce dtype (separate shard)
+  bool separate_shard = true;       // false: the flat storage is the shard (no gathers, no transient)
+  bool requires_grad = true;        // frozen: no gradient buffer, no reduction
+  int64_t unsharded_bytes = 0;      // padded, in the compute dtype
+  int64_t gather_input_bytes = 0;   // the shard cast to the compute dtype before its gather (0: none)
+  int64_t grad_buffer_bytes = 0;    // the unsharded gradient, in the reduce dtype (separate shard)
   int64_t reduce_output_bytes = 0;  // the reduction's output (0: reduced in place)
   double gather_s = 0;
   double reduce_s = 0;
@@ -35,7 +35,7 @@ struct SimUnit {
 struct SimSegment {
   int unit = 0;
   double forward_s = 0;
-  double backward_s = 0;  // recomputation included
+  double backward_s = 0;        // recomputation included
   double activation_share = 0;  // of the unit's activation bytes, kept by this stretch
 };
 
@@ -49,7 +49,7 @@ struct SimInput {
   int reductions_in_flight = 2;
   bool no_shard = false;
   bool separate_lanes = false;  // gathers and reductions on separate lanes (else one FIFO)
-  double step_s = 0;  // the optimizer step after backward
+  double step_s = 0;            // the optimizer step after backward
 };
 
 struct SimResult {
