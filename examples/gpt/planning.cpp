@@ -3,6 +3,8 @@
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -10,27 +12,24 @@
 
 #include "measurements.h"
 #include "model.h"
+#include "model_cost.h"
 
 namespace fsdp_gpt {
 
 namespace {
 
-// What the GPT's modules compute beyond the planner's rules for Linear, Embedding, LayerNorm and
-// matrices: attention's two products over the context and its softmax, the MLP's GELU input, and
-// the loss's log-softmax over the vocabulary (kept for backward).
-fsdp::ModuleCost gpt_module_cost(const std::string&, const torch::nn::Module& module, int64_t seq_len) {
-  fsdp::ModuleCost cost;
-  const auto context = static_cast<double>(seq_len);
-  if (const auto* attn = dynamic_cast<const gpt::CausalSelfAttentionImpl*>(&module)) {
-    const auto width = static_cast<double>(attn->proj->options.in_features());
-    cost.forward_flops = 4.0 * context * width;                                         // scores and mixing, per token
-    cost.activation_values = 3.0 * width + static_cast<double>(attn->heads) * context;  // q, k, v; softmax
-  } else if (const auto* mlp = dynamic_cast<const gpt::MLPImpl*>(&module)) {
-    cost.activation_values = static_cast<double>(mlp->fc->options.out_features());  // GELU's input
-  } else if (const auto* model = dynamic_cast<const gpt::GPTImpl*>(&module)) {
-    cost.activation_values = static_cast<double>(model->config.vocab_size);  // log-softmax of the logits
+// FLOP/s of the fastest of a few n x n matrix products in `dtype`.
+double matmul_rate(at::ScalarType dtype) {
+  const int64_t n = 256;
+  auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
+  auto c = torch::mm(a, b);  // warm-up
+  double fastest = 1e30;
+  for (int i = 0; i < 4; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    c = torch::mm(a, b);
+    fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  return cost;
+  return 2.0 * n * n * n / fastest;
 }
 
 }  // namespace
@@ -109,7 +108,7 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
                      .world(world)
                      .global_batch(global)
                      .seq_len(config.context)
-                     .module_cost(gpt_module_cost)
+                     .module_cost(gpt::module_cost)
                      .process_bytes(cluster.device_is_host ? process_bytes : 0)  // the host's, not a device's
                      .wrap_policies({{"block", fsdp::wrap::by_type<gpt::BlockImpl>()}, {"none", nullptr}});
   if (!config.memory_budget.empty()) request.memory_budget(fsdp::parse_bytes(config.memory_budget));
@@ -147,8 +146,12 @@ int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
 void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_flops) {
   fsdp::Cluster cluster = plan_cluster(config, pg.size());
   if (config.cluster.empty() && job_matmul_flops > 0) {
-    // This machine: the matmul rate every rank measured at once is each rank's peak.
-    cluster.device.peak_flops_fp32 = cluster.device.peak_flops_16 = job_matmul_flops / pg.size();
+    // This machine: the matmul rate every rank measured at once is each rank's peak; 16-bit
+    // products run at the rate ratio of a smaller product measured here (all ranks at once).
+    if (pg.size() > 1) pg.world()->barrier();
+    const double ratio = matmul_rate(at::kBFloat16) / matmul_rate(at::kFloat);
+    cluster.device.peak_flops_fp32 = job_matmul_flops / pg.size();
+    cluster.device.peak_flops_16 = cluster.device.peak_flops_fp32 * fsdp::mean_across_ranks(pg, ratio);
     cluster.device.matmul_efficiency = 1.0;
   }
   FSDP_CHECK(cluster.world() == pg.size(), "--cluster ", config.cluster, " has ", cluster.world(),
