@@ -57,7 +57,7 @@ int main() {
                "nothing run. Cluster preset `paper` (A100 80 GB, 8 per node, NVLink within a node, 2 Tb/s RoCE "
                "per node), bf16 parameters with float32 reductions, every block a unit, AdamW.\n\n";
 
-  const gpt::GPT g175 = build(96, 12288, 96, 2048, 50000);
+  gpt::GPT g175 = build(96, 12288, 96, 2048, 50000);
   std::cout << "## GPT-175B (96 layers, width 12288, 96 heads, context 2048, vocabulary 50,000; "
             << gpt::count_parameters(*g175) / 1000000 << "M parameters), FULL_SHARD, checkpointed blocks\n\n"
             << "Paper (Figures 6-7): more than 173 and 186 TFLOP/s per GPU at batch 1 and 2 (55-60% of peak), "
@@ -92,7 +92,7 @@ int main() {
             << "| --- | ---: | --- | ---: | --- | ---: | ---: |\n";
   for (const Stand& s : {Stand{"T5-611M's size", 24, 1456, 16}, Stand{"T5-2.28B's size", 32, 2432, 32},
                          Stand{"T5-11B's size", 48, 4352, 32}}) {
-    const gpt::GPT model = build(s.layers, s.width, s.heads, 512, 32128);
+    gpt::GPT model = build(s.layers, s.width, s.heads, 512, 32128);
     const fsdp::Plan plan =
         fsdp::plan(*model, fsdp::Cluster::parse("paper:1x8"),
                    request(8, 8, 512)
