@@ -3,7 +3,7 @@
 // NO_SHARD (DDP) on GPTs of T5-611M's, T5-2.28B's and T5-11B's parameter counts. Every model is
 // the example trainer's GPT (examples/gpt/model.h) built on the meta device; nothing is allocated.
 //
-//   fsdp_bench_planner_scale > bench/results/planner_scale.md
+//   fsdp_bench_planner_scale $(git rev-parse --short HEAD) > bench/results/planner_scale.md
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
@@ -51,10 +51,13 @@ std::string gib(int64_t b) { return fixed(static_cast<double>(b) / (1024.0 * 102
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const std::string commit = argc > 1 ? argv[1] : "(not given)";
   std::cout << "# The planner at the FSDP paper's scale\n\n"
-            << "Produced by `build/bench/fsdp_bench_planner_scale` (bench/planner_scale.cpp): predictions only, "
-               "nothing run. Cluster preset `paper` (A100 80 GB, 8 per node, NVLink within a node, 2 Tb/s RoCE "
+            << "Produced by `build/bench/fsdp_bench_planner_scale $(git rev-parse --short HEAD)` "
+               "(bench/planner_scale.cpp) at commit "
+            << commit
+            << ": predictions only, nothing run, so no machine figures. Cluster preset `paper` (A100 80 GB, 8 per node, NVLink within a node, 2 Tb/s RoCE "
                "per node), bf16 parameters with float32 reductions, every block a unit, AdamW.\n\n";
 
   gpt::GPT g175 = build(96, 12288, 96, 2048, 50000);

@@ -135,7 +135,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   m.optimizer = offload ? 0 : optimizer;
   m.activations = r.activation_peak;
   const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + r.total_transient_peak;
-  m.headroom = static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());
+  // The pool's idle buffers at the joint peak: once warm it holds its most of every size throughout.
+  const int64_t pool_idle = std::max<int64_t>(0, r.pool_bytes + r.activation_peak - r.total_transient_peak);
+  m.headroom = pool_idle + static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());
   m.process = request.process_bytes();
   m.peak = tensors + m.headroom + m.process;
   if (offload) m.host = rest.piece_bytes * (2 + request.optimizer_states());

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
 
 namespace fsdp::planner {
 namespace {
@@ -46,7 +47,10 @@ class Replay {
       }
       if (!grads_allocated_[u]) {
         grads_allocated_[u] = 1;
-        for (const SimFlat& f : in_.units[u].flats) add_grads(f.grad_buffer_bytes);
+        for (const SimFlat& f : in_.units[u].flats) {
+          add_grads(f.grad_buffer_bytes);
+          pool(f.grad_buffer_bytes, 1);
+        }
       }
       const int64_t recomputed = in_.units[u].checkpointed ? share(s, in_.units[u].full_activation_bytes) : 0;
       add_acts(recomputed);
@@ -58,6 +62,7 @@ class Replay {
     held_back_ = -1;
     for (int u = 0; u < n_; ++u) reshard(u);
     compute(in_.step_s);
+    for (const auto& [bytes, count] : pool_) r_.pool_bytes += bytes * count.most;
     r_.step_s = now_;
     r_.exposed_s = exposed_;
     r_.compute_s = compute_;
@@ -66,8 +71,13 @@ class Replay {
 
  private:
   struct Pending {
-    int64_t bytes;
+    int64_t buffer_bytes;
+    int64_t output_bytes;
     double end;
+  };
+  struct Count {
+    int live = 0;
+    int most = 0;
   };
 
   static int64_t share(const SimSegment& s, int64_t bytes) {
@@ -99,6 +109,13 @@ class Replay {
   }
 
   void note_total() { r_.total_transient_peak = std::max(r_.total_transient_peak, params_ + grads_ + acts_); }
+  // A buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
+  void pool(int64_t bytes, int n) {
+    if (bytes <= 0) return;
+    Count& c = pool_[bytes];
+    c.live += n;
+    c.most = std::max(c.most, c.live);
+  }
   void add_params(int64_t b) {
     params_ += b;
     r_.param_transient_peak = std::max(r_.param_transient_peak, params_);
@@ -170,6 +187,8 @@ class Replay {
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.separate_shard) continue;
       add_params(f.unsharded_bytes + f.gather_input_bytes);
+      pool(f.unsharded_bytes, 1);
+      pool(f.gather_input_bytes, 1);
       end = std::max(end, issue(f.gather_s, false));
     }
     unsharded_[u] = 1;
@@ -181,7 +200,10 @@ class Replay {
     if (!pending_[u]) return;
     wait_until(gather_end_[u]);
     for (const SimFlat& f : in_.units[u].flats)
-      if (f.separate_shard) add_params(-f.gather_input_bytes);
+      if (f.separate_shard) {
+        add_params(-f.gather_input_bytes);
+        pool(f.gather_input_bytes, -1);
+      }
     pending_[u] = 0;
   }
   // Unit::reshard, then Scheduler::reshard's issue of a held-back prefetch.
@@ -190,7 +212,10 @@ class Replay {
     if (!unsharded_[u]) return;
     wait_unshard(u);
     for (const SimFlat& f : in_.units[u].flats)
-      if (f.separate_shard) add_params(-f.unsharded_bytes);
+      if (f.separate_shard) {
+        add_params(-f.unsharded_bytes);
+        pool(f.unsharded_bytes, -1);
+      }
     unsharded_[u] = 0;
     if (state_[u] == State::kForwardPrefetched)
       state_[u] = State::kIdle;
@@ -311,14 +336,18 @@ class Replay {
       if (!f.requires_grad) continue;
       finish_reductions(k > 0 ? k - 1 : 0);
       add_grads(f.reduce_output_bytes);
-      reductions_.push_back({f.grad_buffer_bytes + f.reduce_output_bytes, issue(f.reduce_s, true)});
+      pool(f.reduce_output_bytes, 1);
+      reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true)});
     }
     finish_reductions(k);
   }
   void finish_reductions(size_t keep) {
     while (reductions_.size() > keep) {
-      wait_until(reductions_.front().end);
-      add_grads(-reductions_.front().bytes);
+      const Pending& p = reductions_.front();
+      wait_until(p.end);
+      add_grads(-p.buffer_bytes - p.output_bytes);
+      pool(p.buffer_bytes, -1);
+      pool(p.output_bytes, -1);
       reductions_.pop_front();
     }
   }
@@ -333,6 +362,7 @@ class Replay {
   int first_in_backward_ = -1, kept_for_backward_ = -1, held_back_ = -1, last_used_ = -1;
   bool backward_started_ = false;
   std::deque<Pending> reductions_;
+  std::map<int64_t, Count> pool_;
   int64_t params_ = 0, grads_ = 0, acts_ = 0;
   double now_ = 0, compute_ = 0, exposed_ = 0;
   double lane_free_[2] = {0, 0};

@@ -57,6 +57,9 @@ struct SimResult {
   int64_t grad_transient_peak = 0;   // over the shard pieces' gradients
   int64_t activation_peak = 0;
   int64_t total_transient_peak = 0;  // params + grads + activations at one moment
+  // What the runtime's buffer pool holds once warm (Note [Buffer reuse]): per byte size, the most
+  // transient FSDP buffers of that size alive at once, times the size.
+  int64_t pool_bytes = 0;
   double step_s = 0;
   double compute_s = 0;
   double exposed_s = 0;
