@@ -74,9 +74,9 @@ def main():
             continue
         choice = min(planned, key=lambda r: r["pred_step"])
         best = min(fitting, key=lambda r: r["step"]) if fitting else None
+        speed = f"{choice['step'] / best['step']:.2f}" if best else ""
         lines.append(f"| {b / 2**20:.1f} | {choice['config']} | {'yes' if choice['rss'] <= b else 'no'} | "
-                     f"{best['config'] if best else 'none'} | "
-                     f"{choice['step'] / best['step']:.2f} |" if best else "| |")
+                     f"{best['config'] if best else 'none'} | {speed} |")
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("wrote", args.out)
