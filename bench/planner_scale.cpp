@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
             << "Produced by `build/bench/fsdp_bench_planner_scale $(git rev-parse --short HEAD)` "
                "(bench/planner_scale.cpp) at commit "
             << commit
-            << ": predictions only, nothing run, so no machine figures. Cluster preset `paper` (A100 80 GB, 8 per node, NVLink within a node, 2 Tb/s RoCE "
+            << ": predictions only, nothing run, so no machine figures. Cluster preset `paper` (A100 80 GB, 8 per "
+               "node, NVLink within a node, 2 Tb/s RoCE "
                "per node), bf16 parameters with float32 reductions, every block a unit, AdamW.\n\n";
 
   gpt::GPT g175 = build(96, 12288, 96, 2048, 50000);
