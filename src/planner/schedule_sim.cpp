@@ -4,6 +4,7 @@
 #include "planner/schedule_sim.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <map>
 
@@ -81,7 +82,7 @@ class Replay {
   };
 
   static int64_t share(const SimSegment& s, int64_t bytes) {
-    return static_cast<int64_t>(static_cast<double>(bytes) * s.activation_share + 0.5);
+    return std::llround(static_cast<double>(bytes) * s.activation_share);
   }
   int64_t kept(const SimSegment& s) const { return share(s, in_.units[s.unit].kept_activation_bytes); }
 
