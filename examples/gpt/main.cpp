@@ -23,6 +23,7 @@
 #include "measurements.h"
 #include "model_setup.h"
 #include "parameter_hash.h"
+#include "planning.h"
 #include "rank_setup.h"
 #include "report.h"
 #include "step_log.h"
@@ -41,6 +42,7 @@ int run(int argc, char** argv) {
   const fsdp::RankEnv env = read_rank_env();
   TrainConfig config;
   if (const int code = parse_flags(argc, argv, env, config); code >= 0) return code;
+  if (config.plan) return print_plan(config, env);
   JobFigures job;
   job.threads_per_rank = set_threads_per_rank(env, config.deterministic);
 
@@ -52,6 +54,7 @@ int run(int argc, char** argv) {
   const std::optional<TrainingData> data = load_data(config, is_main);
   if (!data) return 1;
   job.peak = measure_peak(*pg);
+  if (!config.memory_budget.empty() || !config.plan_file.empty()) adopt_plan(config, *pg, job.peak.job_flops);
 
   resolve_init(config, rank);
   BuiltModel built = build_model(config);

@@ -188,6 +188,16 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                "Write --save-every checkpoints in the background: training pauses only to copy its shards to "
                "host memory (the final, --stop-after and SIGTERM saves stay synchronous)");
   app.add_option("--export", config.export_file, "Write the trained model as one safetensors file");
+  app.add_flag("--plan", config.plan,
+               "Print the planner's prediction (memory by kind, step time) for every configuration and exit");
+  app.add_option("--cluster", config.cluster,
+                 "The cluster --plan plans for: a preset NAME:NODESxRANKS (cpu, a100-40g, a100-80g, paper, h100, "
+                 "h200; e.g. a100-80g:64x8) or a JSON file (default: this machine with the job's ranks)");
+  app.add_option("--memory-budget", config.memory_budget,
+                 "Bytes per rank (e.g. 1GiB, 70GB): train with the fastest planned configuration that fits, "
+                 "replacing --strategy, --wrap, --activation-checkpointing, --mixed-precision and --batch-size");
+  app.add_option("--plan-file", config.plan_file,
+                 "Write predictions as JSON lines: with --plan every configuration's, else this run's own");
 }
 
 // Checks that involve several flags, thrown as CLI::ValidationError like CLI11's own; resolves --warmup.
@@ -204,6 +214,17 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
   if (config.deterministic && config.grad_accum_mode != "no-sync" && config.grad_accum_mode != "no-sync-unsharded")
     throw CLI::ValidationError("--deterministic", "accumulates each rank's micro-batches locally and reduces once; "
                                                   "use --grad-accum-mode no-sync or no-sync-unsharded");
+  if (!config.memory_budget.empty()) {
+    try {
+      if (fsdp::parse_bytes(config.memory_budget) <= 0) throw fsdp::Error("must be positive");
+    } catch (const fsdp::Error& e) {
+      throw CLI::ValidationError("--memory-budget", e.what());
+    }
+  }
+  if (!config.plan_file.empty() && !config.plan && config.grad_accum > 1 && config.grad_accum_mode != "reduce")
+    throw CLI::ValidationError("--plan-file", "predicts accumulation with --grad-accum-mode reduce only");
+  if (!config.cluster.empty() && !config.plan && config.memory_budget.empty())
+    throw CLI::ValidationError("--cluster", "is what --plan or --memory-budget plan for; add one of them");
   if (config.mixed_precision == "fp16") {
     try {  // LibTorch 1.13 has no float16 matrix product on the CPU; 2.x and GPUs have
       torch::mm(torch::ones({2, 2}, torch::kHalf), torch::ones({2, 2}, torch::kHalf));

@@ -1,0 +1,190 @@
+#!/usr/bin/python3
+"""The planner's predictions against measured runs of the example trainer (bench/results/planner.md).
+
+    bench/planner.py BUILD_DIR [--out bench/results/planner.md] [--only N]
+
+Runs fsdp_gpt through fsdp-run over a matrix of models (widths, depths), strategies, activation
+checkpointing, mixed precision and worlds 1-4, each with --plan-file (the planner's prediction for
+that run, made after the trainer loaded its data) and under /usr/bin/time (each rank's peak
+resident set). Compares rank 0's FSDP peaks (memory_stats(), the last logged window: steady state)
+with the predicted parameter and gradient peaks, the peak resident set of every rank with the
+predicted whole-process peak, and the measured ms/step with the predicted step time.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = {
+    "S": ["--layers", "2", "--width", "64", "--heads", "4", "--context", "64"],
+    "M": ["--layers", "4", "--width", "128", "--heads", "4", "--context", "64"],
+    "L": ["--layers", "2", "--width", "256", "--heads", "8", "--context", "64"],
+    "XL": ["--layers", "4", "--width", "512", "--heads", "8", "--context", "128"],
+}
+
+
+def matrix():
+    """(world, model, strategy flags, checkpointing, precision) for every run."""
+    runs = []
+    for model in "SML":
+        for mp in ("none", "bf16"):
+            runs.append((1, model, ["--strategy", "FULL_SHARD"], False, mp))
+    runs.append((1, "M", ["--strategy", "FULL_SHARD"], True, "none"))
+    for world in (2, 4):
+        strategies = [["--strategy", "FULL_SHARD"], ["--strategy", "SHARD_GRAD_OP"], ["--strategy", "NO_SHARD"]]
+        if world == 4:
+            strategies.append(["--strategy", "HYBRID_SHARD", "--sharding-factor", "2"])
+        for s in strategies:
+            for mp in ("none", "bf16"):
+                runs.append((world, "M", s, False, mp))
+        runs.append((world, "M", ["--strategy", "FULL_SHARD"], True, "none"))
+        runs.append((world, "M", ["--strategy", "FULL_SHARD"], True, "bf16"))
+        runs.append((world, "L", ["--strategy", "FULL_SHARD"], False, "none"))
+    runs.append((4, "S", ["--strategy", "FULL_SHARD", "--wrap", "none"], False, "none"))
+    runs.append((3, "M", ["--strategy", "FULL_SHARD"], False, "none"))
+    runs.append((3, "M", ["--strategy", "NO_SHARD"], True, "bf16"))
+    for world in (1, 2, 4):
+        runs.append((world, "XL", ["--strategy", "FULL_SHARD"], False, "none"))
+    runs.append((4, "XL", ["--strategy", "FULL_SHARD"], True, "none"))
+    return runs
+
+
+def free_port():
+    """A TCP port nobody listens on now (other jobs on the machine may hold the default 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(build, world, model, strategy, checkpointing, mp, tmp):
+    plan_file = os.path.join(tmp, "plan.jsonl")
+    metrics = os.path.join(tmp, "metrics.jsonl")
+    for f in (plan_file, metrics):
+        if os.path.exists(f):
+            os.remove(f)
+    cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
+           str(free_port()), "/usr/bin/time", "-f",
+           "maxrss_kb %M", os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + strategy + [
+               "--batch-per-rank", "4", "--steps", "6", "--warmup", "1", "--log-interval", "3", "--eval-batches", "1",
+               "--sample-bytes", "0", "--mixed-precision", mp, "--plan-file", plan_file, "--metrics-file", metrics]
+    if checkpointing:
+        cmd.append("--activation-checkpointing")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+    if out.returncode != 0:
+        sys.exit("failed: " + " ".join(cmd) + "\n" + out.stdout[-3000:] + out.stderr[-3000:])
+    text = out.stdout + out.stderr
+    rss = [int(m) * 1024 for m in re.findall(r"maxrss_kb (\d+)", text)]
+    last = [json.loads(line) for line in open(metrics)][-1]
+    plan = json.loads(open(plan_file).readline())
+    return {"cmd": cmd, "rss": rss, "measured": last, "plan": plan}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner.md"))
+    ap.add_argument("--only", type=int, default=0, help="the first N runs only")
+    args = ap.parse_args()
+    build = os.path.abspath(args.build)
+    runs = matrix()
+    if args.only:
+        runs = runs[:args.only]
+    started = datetime.datetime.utcnow()
+    load_start = os.getloadavg()[0]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (world, model, strategy, checkpointing, mp) in enumerate(runs):
+            r = run_one(build, world, model, strategy, checkpointing, mp, tmp)
+            p, m = r["plan"], r["measured"]
+            pred_fsdp = p["params_bytes"] + p["grads_bytes"]
+            meas_fsdp = m["fsdp_param_peak_bytes"] + m["fsdp_grad_peak_bytes"]
+            rows.append({
+                "run": i + 1, "world": world, "model": model, "config": p["configuration"],
+                "params": (m["fsdp_param_peak_bytes"], p["params_bytes"]),
+                "grads": (m["fsdp_grad_peak_bytes"], p["grads_bytes"]),
+                "fsdp": (meas_fsdp, pred_fsdp), "rss": (max(r["rss"]), p["peak_bytes"]),
+                "activations": p["activations_bytes"], "process": p["process_bytes"],
+                "step": (m["ms_per_step"] / 1e3, p["step_s"]),
+                "exposed": p["exposed_comm_s"] / p["step_s"] if p["step_s"] > 0 else 0,
+            })
+            print(f"{i + 1}/{len(runs)} world {world} {model} {p['configuration']}: fsdp {meas_fsdp / pred_fsdp:.4f} "
+                  f"rss {max(r['rss']) / p['peak_bytes']:.3f} step {m['ms_per_step'] / 1e3 / p['step_s']:.2f}",
+                  flush=True)
+    finished = datetime.datetime.utcnow()
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    write(args, rows, started, finished, commit, load_start, os.getloadavg()[0])
+
+
+def mib(b):
+    return f"{b / 1048576:.2f}"
+
+
+def write(args, rows, started, finished, commit, load_start, load_end):
+    def ratio(pair):
+        return pair[0] / pair[1] if pair[1] else float("nan")
+
+    fsdp_ok = sum(1 for r in rows if abs(ratio(r["fsdp"]) - 1) <= 0.02)
+    rss_ok = sum(1 for r in rows if abs(ratio(r["rss"]) - 1) <= 0.10)
+
+    def tensors(r):  # the resident set beyond the process's own memory, measured / predicted
+        return (r["rss"][0] - r["process"]) / (r["rss"][1] - r["process"])
+
+    tensors_ok = sum(1 for r in rows if abs(tensors(r) - 1) <= 0.10)
+    step_ok = sum(1 for r in rows if abs(ratio(r["step"]) - 1) <= 0.15)
+    cmd = "bench/planner.py " + os.path.relpath(os.path.abspath(args.build), ROOT) + (
+        f" --only {args.only}" if args.only else "")
+    lines = [
+        "# The planner's predictions against measured runs",
+        "",
+        f"Produced by `{cmd}` from the repository root, {started:%Y-%m-%d %H:%M} to {finished:%H:%M} UTC, "
+        f"commit {commit}.",
+        "",
+        f"Machine: {platform.node() and 'this CPU machine'}; {os.cpu_count()} CPUs; Linux {platform.release()}. "
+        f"Load average (1 min) at the start {load_start:.2f}, at the end {load_end:.2f}; other jobs share the "
+        "machine.",
+        "",
+        "Each run: `fsdp-run --nproc-per-node WORLD /usr/bin/time fsdp_gpt MODEL --batch-per-rank 4 --steps 6 "
+        "--log-interval 3 --plan-file ...` (one thread per rank). Models: S = 2 layers x width 64, M = 4 x 128, "
+        "L = 2 x 256, context 64; XL = 4 x 512, context 128; vocabulary 256. Measured: rank 0's `memory_stats()` peaks over the last logged "
+        "window (steps 4-6), the largest peak resident set over the ranks (`/usr/bin/time`), the window's "
+        "ms/step. Predicted: the trainer's `--plan-file` entry for the run (cluster `cpu:1xWORLD`, process bytes = "
+        "the mean resident set over ranks after the data is loaded).",
+        "",
+        f"- FSDP-managed memory (parameter + gradient peaks) within 2%: **{fsdp_ok} of {len(rows)}** runs "
+        f"(worst measured / predicted {max(abs(ratio(r['fsdp']) - 1) for r in rows) * 100:.2f}% off).",
+        f"- Whole-process peak within 10% of the measured peak resident set: **{rss_ok} of {len(rows)}** "
+        f"(worst {max(abs(ratio(r['rss']) - 1) for r in rows) * 100:.1f}% off).",
+        f"- The part beyond the process's own memory (peak RSS - process bytes; the process bytes are "
+        f"measured, so this is the tensors' share of the prediction) within 10%: **{tensors_ok} of {len(rows)}** "
+        f"(worst {max(abs(tensors(r) - 1) for r in rows) * 100:.1f}% off).",
+        f"- Step time within 15%: **{step_ok} of {len(rows)}** (worst "
+        f"{max(abs(ratio(r['step']) - 1) for r in rows) * 100:.0f}% off).",
+        "",
+        "| # | world | model | configuration | params MiB meas. / pred. | grads MiB meas. / pred. | FSDP meas. / pred. "
+        "| activations MiB pred. | process MiB | peak RSS MiB meas. / pred. | RSS meas. / pred. | beyond process meas. / "
+        "pred. | step ms meas. / pred. | pred. exposed % |",
+        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['run']} | {r['world']} | {r['model']} | {r['config']} | {mib(r['params'][0])} / {mib(r['params'][1])} "
+            f"| {mib(r['grads'][0])} / {mib(r['grads'][1])} | {ratio(r['fsdp']):.4f} | {mib(r['activations'])} "
+            f"| {mib(r['process'])} | {mib(r['rss'][0])} / {mib(r['rss'][1])} | {ratio(r['rss']):.3f} | {tensors(r):.3f} "
+            f"| {r['step'][0] * 1e3:.1f} / {r['step'][1] * 1e3:.1f} | {r['exposed'] * 100:.1f} |")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+#!/usr/bin/python3
+"""Does the planner's choice fit, and how fast is it against the fastest run? (bench/results/planner_choice.md)
+
+    bench/planner_choice.py BUILD_DIR [--out bench/results/planner_choice.md]
+
+Runs every candidate of a small search space (model M of bench/planner.py, world 2, micro-batch 4:
+3 strategies x {block, block checkpointed, no wrapping} x {fp32, bf16}) through the trainer with
+--plan-file, then, for budgets from the smallest predicted peak to the largest, compares the
+planner's choice (the fastest predicted among the candidates predicted to fit) with the fastest
+measured among those whose measured peak resident set fits: whether the choice's measured peak fits
+the budget (no OOM), and its measured step time over the fastest's.
+"""
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planner import ROOT, run_one  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner_choice.md"))
+    args = ap.parse_args()
+    build = os.path.abspath(args.build)
+    started = datetime.datetime.utcnow()
+    load_start = os.getloadavg()[0]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+            for wrap, checkpointing in (("block", False), ("block", True), ("none", False)):
+                for mp in ("none", "bf16"):
+                    flags = ["--strategy", strategy, "--wrap", wrap]
+                    r = run_one(build, 2, "M", flags, checkpointing, mp, tmp)
+                    p, m = r["plan"], r["measured"]
+                    runs.append({"config": p["configuration"], "pred_peak": p["peak_bytes"], "pred_step": p["step_s"],
+                                 "rss": max(r["rss"]), "step": m["ms_per_step"] / 1e3})
+                    print(f"{len(runs)}/18 {p['configuration']}: rss {max(r['rss']) / 2**20:.1f} MiB, "
+                          f"step {m['ms_per_step']:.1f} ms", flush=True)
+    finished = datetime.datetime.utcnow()
+    lo = min(r["pred_peak"] for r in runs)
+    hi = max(max(r["pred_peak"], r["rss"]) for r in runs)
+    budgets = [int(lo + (hi - lo) * k / 5) for k in range(6)]
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    lines = [
+        "# The planner's choice against the fastest run",
+        "",
+        f"Produced by `bench/planner_choice.py {os.path.relpath(build, ROOT)}` from the repository root, "
+        f"{started:%Y-%m-%d %H:%M} to {finished:%H:%M} UTC, commit {commit}. This 2-core CPU machine, shared "
+        f"with other jobs (load average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end).",
+        "",
+        "Candidates: model M (4 layers, width 128, context 64), world 2, 4 sequences per rank, each run as in "
+        "[planner.md](planner.md) (6 steps; ms/step of the last 3; peak resident set over the ranks).",
+        "",
+        "| candidate | predicted peak MiB | measured peak RSS MiB | predicted step ms | measured step ms |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in sorted(runs, key=lambda r: r["step"]):
+        lines.append(f"| {r['config']} | {r['pred_peak'] / 2**20:.1f} | {r['rss'] / 2**20:.1f} | "
+                     f"{r['pred_step'] * 1e3:.1f} | {r['step'] * 1e3:.1f} |")
+    lines += ["", "| budget MiB | planner's choice | its measured peak fits | fastest measured that fits | "
+              "choice's step / fastest's |", "| ---: | --- | --- | --- | ---: |"]
+    for b in budgets:
+        planned = [r for r in runs if r["pred_peak"] <= b]
+        fitting = [r for r in runs if r["rss"] <= b]
+        if not planned:
+            lines.append(f"| {b / 2**20:.1f} | none fits (predicted) | | "
+                         f"{min(fitting, key=lambda r: r['step'])['config'] if fitting else 'none'} | |")
+            continue
+        choice = min(planned, key=lambda r: r["pred_step"])
+        best = min(fitting, key=lambda r: r["step"]) if fitting else None
+        speed = f"{choice['step'] / best['step']:.2f}" if best else ""
+        lines.append(f"| {b / 2**20:.1f} | {choice['config']} | {'yes' if choice['rss'] <= b else 'no'} | "
+                     f"{best['config'] if best else 'none'} | {speed} |")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

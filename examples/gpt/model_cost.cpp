@@ -1,0 +1,22 @@
+#include "model_cost.h"
+
+#include "model.h"
+
+namespace gpt {
+
+fsdp::ModuleCost module_cost(const std::string&, const torch::nn::Module& module, int64_t seq_len) {
+  fsdp::ModuleCost cost;
+  const auto context = static_cast<double>(seq_len);
+  if (const auto* attn = dynamic_cast<const CausalSelfAttentionImpl*>(&module)) {
+    const auto width = static_cast<double>(attn->proj->options.in_features());
+    cost.forward_flops = 4.0 * context * width;                                         // scores and mixing
+    cost.activation_values = 3.0 * width + static_cast<double>(attn->heads) * context;  // q, k, v; softmax
+  } else if (const auto* mlp = dynamic_cast<const MLPImpl*>(&module)) {
+    cost.activation_values = static_cast<double>(mlp->fc->options.out_features());  // GELU's input
+  } else if (const auto* model = dynamic_cast<const GPTImpl*>(&module)) {
+    cost.activation_values = static_cast<double>(model->config.vocab_size);  // log-softmax of the logits
+  }
+  return cost;
+}
+
+}  // namespace gpt

@@ -1,0 +1,178 @@
+#include "planning.h"
+
+#include <fsdp/fsdp.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "measurements.h"
+#include "model.h"
+#include "model_cost.h"
+
+namespace fsdp_gpt {
+
+namespace {
+
+// FLOP/s of the fastest of a few n x n matrix products in `dtype`.
+double matmul_rate(at::ScalarType dtype) {
+  const int64_t n = 256;
+  auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
+  auto c = torch::mm(a, b);  // warm-up
+  double fastest = 1e30;
+  for (int i = 0; i < 4; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    c = torch::mm(a, b);
+    fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return 2.0 * n * n * n / fastest;
+}
+
+}  // namespace
+
+fsdp::Cluster plan_cluster(const TrainConfig& config, int world) {
+  if (!config.cluster.empty()) return fsdp::Cluster::parse(config.cluster);
+  return fsdp::Cluster::preset("cpu", 1, world);
+}
+
+// The search space narrowed to the configuration the flags select.
+fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& config) {
+  const auto precision = config.mixed_precision == "bf16"   ? at::kBFloat16
+                         : config.mixed_precision == "fp16" ? at::kHalf
+                                                            : at::kFloat;
+  const auto strategy = fsdp::parse_sharding_strategy(config.strategy);
+  std::vector<fsdp::NamedWrapPolicy> wrap;
+  for (const auto& w : request.wrap_policies())
+    if (w.name == config.wrap) wrap.push_back(w);
+  return request.strategies({strategy})
+      .hybrid_factors({config.sharding_factor})
+      .wrap_policies(wrap)
+      .activation_checkpointing({config.activation_checkpointing})
+      .cpu_offload({false})
+      .precisions({precision})
+      .all_gather_limits({config.all_gather_limit})
+      .backward_prefetch({fsdp::parse_backward_prefetch(config.backward_prefetch)})
+      .forward_prefetch({config.forward_prefetch})
+      .micro_batches({config.batch.micro});
+}
+
+void write_entries(const std::string& path, const fsdp::Plan& plan) {
+  std::ofstream out(path);
+  FSDP_CHECK(out.good(), "cannot write the plan file ", path);
+  for (const auto& e : plan.entries) {
+    const auto& c = e.candidate;
+    out << nlohmann::json{{"configuration", c.describe()},
+                          {"strategy", fsdp::to_string(c.strategy)},
+                          {"sharding_factor", c.sharding_factor},
+                          {"wrap", c.wrap.name},
+                          {"activation_checkpointing", c.activation_checkpointing},
+                          {"cpu_offload", c.cpu_offload},
+                          {"precision", c.precision == at::kFloat      ? "fp32"
+                                        : c.precision == at::kBFloat16 ? "bf16"
+                                                                       : "fp16"},
+                          {"micro_batch", c.micro_batch},
+                          {"accumulation", c.accumulation},
+                          {"params_bytes", e.memory.params},
+                          {"grads_bytes", e.memory.grads},
+                          {"optimizer_bytes", e.memory.optimizer},
+                          {"activations_bytes", e.memory.activations},
+                          {"process_bytes", e.memory.process},
+                          {"peak_bytes", e.memory.peak},
+                          {"host_bytes", e.memory.host},
+                          {"step_s", e.time.step_s},
+                          {"compute_s", e.time.compute_s},
+                          {"exposed_comm_s", e.time.exposed_comm_s},
+                          {"tflops_per_device", e.time.tflops_per_device},
+                          {"mfu", e.time.mfu},
+                          {"fits", e.fits}}
+               .dump()
+        << "\n";
+  }
+}
+
+fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int64_t process_bytes, bool flags_only) {
+  gpt::GPTConfig model_config;
+  model_config.context = config.context;
+  model_config.width = config.width;
+  model_config.layers = config.layers;
+  model_config.heads = config.heads;
+  fsdp::DeferredInit deferred;  // shapes only: nothing is allocated
+  gpt::GPT model(model_config);
+  const int world = cluster.world();
+  const int global = config.global_batch > 0 ? config.global_batch : world * config.batch_per_rank;
+  auto request = fsdp::PlanRequest()
+                     .world(world)
+                     .global_batch(global)
+                     .seq_len(config.context)
+                     .module_cost(gpt::module_cost)
+                     .process_bytes(cluster.device_is_host ? process_bytes : 0)  // the host's, not a device's
+                     .wrap_policies({{"block", fsdp::wrap::by_type<gpt::BlockImpl>()}, {"none", nullptr}});
+  if (!config.memory_budget.empty()) request.memory_budget(fsdp::parse_bytes(config.memory_budget));
+  if (flags_only) request = only_the_flags(request, config);
+  return fsdp::plan(*model, cluster, request);
+}
+
+void apply_candidate(const fsdp::Candidate& c, TrainConfig& config) {
+  config.strategy = fsdp::to_string(c.strategy);
+  config.sharding_factor = c.strategy == fsdp::ShardingStrategy::kHybridShard ? c.sharding_factor : 0;
+  config.wrap = c.wrap.name;
+  config.activation_checkpointing = c.activation_checkpointing;
+  config.mixed_precision = c.precision == at::kBFloat16 ? "bf16" : c.precision == at::kHalf ? "fp16" : "none";
+  config.all_gather_limit = c.all_gather_limit;
+  config.backward_prefetch = fsdp::to_string(c.backward_prefetch);
+  config.forward_prefetch = c.forward_prefetch;
+  config.batch_size = c.micro_batch;
+  if (c.accumulation > 1) config.grad_accum_mode = "reduce";  // every micro-batch reduces, as planned
+}
+
+int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
+  const fsdp::Cluster cluster = plan_cluster(config, env.world_size);
+  const fsdp::Plan plan = plan_gpt(config, cluster, resident_bytes());
+  if (env.rank != 0) return 0;
+  if (!config.plan_file.empty()) write_entries(config.plan_file, plan);
+  std::cout << plan.table();
+  if (plan.any_fits())
+    std::cout << "best: " << plan.best().candidate.describe() << "\n";
+  else
+    std::cout << "nothing fits in " << fsdp::format_bytes(plan.budget) << " per rank; the smallest needs "
+              << fsdp::format_bytes(plan.smallest_peak()) << "\n";
+  return 0;
+}
+
+void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_flops) {
+  fsdp::Cluster cluster = plan_cluster(config, pg.size());
+  if (config.cluster.empty() && job_matmul_flops > 0) {
+    // This machine: the matmul rate every rank measured at once is each rank's peak; 16-bit
+    // products run at the rate ratio of a smaller product measured here (all ranks at once).
+    if (pg.size() > 1) pg.world()->barrier();
+    const double ratio = matmul_rate(at::kBFloat16) / matmul_rate(at::kFloat);
+    cluster.device.peak_flops_fp32 = job_matmul_flops / pg.size();
+    cluster.device.peak_flops_16 = cluster.device.peak_flops_fp32 * fsdp::mean_across_ranks(pg, ratio);
+    cluster.device.matmul_efficiency = 1.0;
+  }
+  FSDP_CHECK(cluster.world() == pg.size(), "--cluster ", config.cluster, " has ", cluster.world(),
+             " ranks but the job has ", pg.size(), "; training plans for the job's own ranks");
+  const auto process_bytes = static_cast<int64_t>(fsdp::mean_across_ranks(pg, static_cast<double>(resident_bytes())));
+  if (config.memory_budget.empty()) {  // --plan-file alone: this run's prediction
+    if (pg.rank() == 0) write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true));
+    return;
+  }
+  const fsdp::Plan plan = plan_gpt(config, cluster, process_bytes);
+  const fsdp::PlanEntry& best = plan.best();
+  apply_candidate(best.candidate, config);
+  resolve_batch(config, pg.size());
+  if (pg.rank() == 0 && !config.plan_file.empty())
+    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true));
+  if (pg.rank() == 0)
+    std::cout << "planned for " << fsdp::format_bytes(plan.budget) << " per rank: " << best.candidate.describe()
+              << "; predicted peak " << fsdp::format_bytes(best.memory.peak) << " (FSDP parameters "
+              << fsdp::format_bytes(best.memory.params) << ", gradients " << fsdp::format_bytes(best.memory.grads)
+              << "), step " << best.time.step_s * 1e3 << " ms\n"
+              << std::flush;
+}
+
+}  // namespace fsdp_gpt

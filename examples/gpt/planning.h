@@ -1,0 +1,34 @@
+#pragma once
+// --plan and --memory-budget: fsdp::plan over this trainer's GPT (built on the meta device), and
+// the chosen configuration written back into the flags.
+#include <fsdp/fsdp.h>
+
+#include <cstdint>
+
+#include "train_config.h"
+
+namespace fsdp_gpt {
+
+// --cluster, or this machine with `world` ranks.
+fsdp::Cluster plan_cluster(const TrainConfig& config, int world);
+
+// Every configuration the trainer can run (`flags_only`: the one the flags select), for the flags'
+// model and batch on `cluster`. `process_bytes`: this process's memory outside tensors (its
+// resident set before the model).
+fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int64_t process_bytes,
+                    bool flags_only = false);
+
+// The flags that run `candidate` (strategy, wrapping, checkpointing, precision, micro-batch).
+void apply_candidate(const fsdp::Candidate& candidate, TrainConfig& config);
+
+// --plan: rank 0 prints the table (fitting configurations first, fastest first); the exit code.
+int print_plan(const TrainConfig& config, const fsdp::RankEnv& env);
+
+// --memory-budget: every rank plans alike (the resident set's mean over ranks as the process's own
+// memory) and takes the fastest configuration that fits; rank 0 says which. Throws fsdp::Error
+// naming the smallest budget that would fit when none does. --plan-file: rank 0 writes the
+// prediction for the configuration the run trains with. Without --cluster, `job_matmul_flops`
+// (the sum over ranks of the rates measured at once) sets this machine's peak per rank.
+void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_flops);
+
+}  // namespace fsdp_gpt

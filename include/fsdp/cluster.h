@@ -1,0 +1,60 @@
+#pragma once
+// A cluster as the planner sees it (fsdp::plan, planner.h): one kind of device, ranks per node,
+// the links within and between nodes, and the host behind each device. Presets, a compact spec
+// ("a100-80g:64x8") and a JSON file; fields and presets: docs/planner.md.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fsdp/network_model.h"
+
+namespace fsdp {
+
+struct DeviceSpec {
+  std::string name;
+  int64_t memory_bytes = 0;      // usable by one rank
+  double peak_flops_fp32 = 0;    // dense FLOP/s, float32 operands
+  double peak_flops_16 = 0;      // dense FLOP/s, bfloat16/float16 operands
+  double memory_gbps = 0;        // device memory bandwidth, GB/s
+  double matmul_efficiency = 1;  // share of peak a transformer's matrix products reach
+};
+
+struct Cluster {
+  DeviceSpec device;
+  int nodes = 1;
+  int ranks_per_node = 1;
+  Link intra;                     // between ranks of one node, per rank
+  Link inter;                     // between nodes, per rank
+  int64_t host_memory_bytes = 0;  // per node
+  double host_device_gbps = 0;    // host <-> device copies (CPU offload), per rank
+  // The device's memory is the host's (this CPU machine): offload moves nothing.
+  bool device_is_host = false;
+  // Gathers and reductions run on separate lanes (NCCL streams); else one FIFO per communicator.
+  bool separate_comm_lanes = false;
+
+  int world() const { return nodes * ranks_per_node; }
+  // e.g. "a100-80g: 8 nodes x 8 ranks, 80 GiB, 312 TFLOP/s (16-bit), intra 300 GB/s, inter 25 GB/s"
+  std::string describe() const;
+  // The link a group of `n` consecutive ranks uses.
+  const Link& link_for_group(int n) const { return n <= ranks_per_node ? intra : inter; }
+
+  // A preset by name (preset_names()), `nodes` x `ranks_per_node`. Throws fsdp::Error naming the
+  // known presets.
+  static Cluster preset(const std::string& name, int nodes, int ranks_per_node);
+  static std::vector<std::string> preset_names();
+  // "NAME", "NAME:NODESxRANKS" (e.g. "a100-80g:64x8", "cpu:1x4"), or the path of a JSON file
+  // (from_file). Throws fsdp::Error.
+  static Cluster parse(const std::string& spec);
+  // A JSON object: {"preset": NAME, "nodes": N, "ranks_per_node": R, "device": {...}, "intra":
+  // {"bandwidth_gbps", "latency_us"}, "inter": {...}, "host_memory_gib", "host_device_gbps"}; every
+  // field optional over the preset (default "cpu"). Throws fsdp::Error naming the bad field.
+  static Cluster from_file(const std::string& path);
+  static Cluster from_json(const std::string& text, const std::string& source = "cluster JSON");
+};
+
+// "40GiB", "70 GB", "512MiB", "1.5TiB", "123456" (bytes). Throws fsdp::Error.
+int64_t parse_bytes(const std::string& text);
+// e.g. "1.50 GiB"
+std::string format_bytes(int64_t bytes);
+
+}  // namespace fsdp

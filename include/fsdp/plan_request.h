@@ -1,0 +1,119 @@
+#pragma once
+// The planner's vocabulary (fsdp::plan, planner.h): what to plan for and which choices the search
+// may make (PlanRequest), one configuration (Candidate) and its prediction (PlanEntry).
+#include <torch/arg.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "fsdp/options.h"
+#include "fsdp/wrap_policy.h"
+
+namespace fsdp {
+
+// What one module adds per token (sequence position) beyond the planner's own rules for Linear,
+// Embedding, LayerNorm and matrices (docs/planner.md): its functional operators (attention, a
+// nonlinearity, a loss).
+struct ModuleCost {
+  double forward_flops = 0;      // per token
+  double activation_values = 0;  // values kept for backward per token, in the compute dtype
+};
+// Asked for every module (qualified name, module, sequence length).
+using ModuleCostFn =
+    std::function<ModuleCost(const std::string& name, const torch::nn::Module& module, int64_t seq_len)>;
+
+// A wrap policy the search may try, with the name tables show.
+struct NamedWrapPolicy {
+  std::string name;
+  WrapPolicy policy;  // null: the root only
+};
+
+// What to plan for, and which choices the search may make (each list: the values it tries).
+struct PlanRequest {
+  // Bytes each rank may use; 0: the device's memory.
+  TORCH_ARG(int64_t, memory_budget) = 0;
+  // Sequences per optimizer step over all ranks; 0: one per rank.
+  TORCH_ARG(int, global_batch) = 0;
+  TORCH_ARG(int64_t, seq_len) = 1;
+  // Ranks; 0: every rank of the cluster.
+  TORCH_ARG(int, world) = 0;
+  // Optimizer state per parameter element, in the parameters' dtype (AdamW 2, SGD with momentum 1).
+  TORCH_ARG(int, optimizer_states) = 2;
+  TORCH_ARG(ModuleCostFn, module_cost) = nullptr;
+  // Memory the process holds outside tensors (libraries, threads, data), per rank.
+  TORCH_ARG(int64_t, process_bytes) = 0;
+  // The allocator's memory beyond the live tensors, as a share of their peak.
+  TORCH_ARG(double, allocator_headroom) = 0.0;
+  // Shard gradients stay allocated between steps (LibTorch 1.x zero_grad zeroes them in place).
+  TORCH_ARG(bool, grads_kept_between_steps) = TORCH_VERSION_MAJOR < 2;
+
+  TORCH_ARG(std::vector<ShardingStrategy>, strategies) = {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                                          ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard};
+  // HYBRID_SHARD's sharding factors; empty: the ranks of one node (half the world on one node).
+  TORCH_ARG(std::vector<int>, hybrid_factors) = {};
+  TORCH_ARG(std::vector<NamedWrapPolicy>, wrap_policies) = {NamedWrapPolicy{"none", nullptr}};
+  // Every non-root unit checkpointed, or none.
+  TORCH_ARG(std::vector<bool>, activation_checkpointing) = {false, true};
+  TORCH_ARG(std::vector<bool>, cpu_offload) = {false, true};  // never where the device is the host
+  // Parameter dtypes for compute (reductions stay float32): kFloat, kBFloat16, kHalf.
+  TORCH_ARG(std::vector<at::ScalarType>, precisions) = {at::kFloat, at::kBFloat16};
+  TORCH_ARG(std::vector<int>, all_gather_limits) = {2};
+  TORCH_ARG(std::vector<BackwardPrefetch>, backward_prefetch) = {BackwardPrefetch::kBackwardPre};
+  TORCH_ARG(std::vector<bool>, forward_prefetch) = {true};
+  TORCH_ARG(std::vector<int>, reductions_in_flight) = {2};
+  // Sequences per micro-batch per rank; empty: every divisor of the per-rank batch.
+  TORCH_ARG(std::vector<int>, micro_batches) = {};
+};
+
+// One configuration.
+struct Candidate {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  int sharding_factor = 0;  // HYBRID_SHARD
+  NamedWrapPolicy wrap;
+  bool activation_checkpointing = false;
+  bool cpu_offload = false;
+  at::ScalarType precision = at::kFloat;
+  int all_gather_limit = 2;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = true;
+  int reductions_in_flight = 2;
+  int micro_batch = 1;   // sequences per micro-batch per rank
+  int accumulation = 1;  // micro-batches per step (each reduces its gradients)
+
+  // fully_shard's options for it (activation checkpointing is the model's: apply it to the units).
+  Options options() const;
+  std::string describe() const;
+};
+
+// Peak bytes per rank, by kind. The kinds peak at different moments; `peak` is the largest sum at
+// one moment of the simulated step.
+struct MemoryPrediction {
+  int64_t params = 0;       // FSDP's parameter storage at its peak (MemoryStats::param_peak_bytes)
+  int64_t grads = 0;        // FSDP's gradient storage at its peak (MemoryStats::grad_peak_bytes)
+  int64_t optimizer = 0;    // optimizer state over this rank's shard pieces
+  int64_t activations = 0;  // kept for backward at their peak (recomputation included)
+  int64_t headroom = 0;     // idle buffers FSDP's buffer pool keeps, and the allocator's share
+  int64_t process = 0;      // outside tensors (PlanRequest::process_bytes)
+  int64_t peak = 0;         // device total at its peak moment, headroom and process included
+  int64_t host = 0;         // host memory CPU offload uses per rank
+};
+
+struct TimePrediction {
+  double step_s = 0;
+  double compute_s = 0;          // the compute thread busy (forward, backward, recomputation, optimizer)
+  double exposed_comm_s = 0;     // the compute thread waiting for a collective
+  double tflops_per_device = 0;  // model FLOPs (no recomputation) per second per rank
+  double mfu = 0;                // tflops_per_device over the device's peak for the precision
+};
+
+struct PlanEntry {
+  Candidate candidate;
+  MemoryPrediction memory;
+  TimePrediction time;
+  bool fits = false;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,41 @@
+// A candidate's fully_shard options and its one-line description (include/fsdp/plan_request.h).
+#include <algorithm>
+#include <sstream>
+
+#include "fsdp/plan_request.h"
+
+namespace fsdp {
+
+Options Candidate::options() const {
+  Options o;
+  o.sharding_strategy(strategy)
+      .sharding_factor(strategy == ShardingStrategy::kHybridShard ? sharding_factor : 0)
+      .auto_wrap_policy(wrap.policy)
+      .backward_prefetch(backward_prefetch)
+      .forward_prefetch(forward_prefetch)
+      .limit_all_gathers(all_gather_limit > 0)
+      .all_gather_limit(std::max(1, all_gather_limit))
+      .reductions_in_flight(reductions_in_flight);
+  if (precision != at::kFloat) o.mixed_precision(MixedPrecision().param_dtype(precision).reduce_dtype(at::kFloat));
+  if (cpu_offload) o.offload(CpuOffload().params(true));
+  return o;
+}
+
+std::string Candidate::describe() const {
+  std::ostringstream o;
+  o << to_string(strategy);
+  if (strategy == ShardingStrategy::kHybridShard) o << "/" << sharding_factor;
+  o << ", wrap " << wrap.name << (activation_checkpointing ? ", checkpointed" : "") << (cpu_offload ? ", offload" : "")
+    << ", "
+    << (precision == at::kFloat      ? "fp32"
+        : precision == at::kBFloat16 ? "bf16"
+                                     : "fp16")
+    << ", micro-batch " << micro_batch << " x " << accumulation;
+  if (all_gather_limit != 2) o << ", all-gather limit " << all_gather_limit;
+  if (backward_prefetch != BackwardPrefetch::kBackwardPre) o << ", " << to_string(backward_prefetch);
+  if (!forward_prefetch) o << ", no forward prefetch";
+  if (reductions_in_flight != 2) o << ", " << reductions_in_flight << " reductions in flight";
+  return o.str();
+}
+
+}  // namespace fsdp

@@ -1,0 +1,268 @@
+// Cluster presets, the compact spec, JSON files, and byte sizes (include/fsdp/cluster.h).
+#include "fsdp/cluster.h"
+
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "fsdp/check.h"
+
+namespace fsdp {
+namespace {
+
+constexpr double kBytesPerGiB = 1024.0 * 1024.0 * 1024.0;
+
+struct Preset {
+  const char* name;
+  const char* about;
+  DeviceSpec device;
+  Link intra;
+  Link inter;
+  int ranks_per_node;
+  double host_gib;
+  double host_device_gbps;
+  bool device_is_host;
+};
+
+// Vendor peak figures; links are what NCCL's ring reaches per rank (bus bandwidth), not line rates.
+// The CPU preset's figures are this kind of 2-core machine's, with the shared-memory transport.
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> all{
+      {"cpu",
+       "this CPU machine, shared-memory transport",
+       {"cpu", int64_t(24 * kBytesPerGiB), 40e9, 40e9, 10, 1.0},
+       Link().bandwidth_gbps(4).latency_us(20),
+       Link().bandwidth_gbps(4).latency_us(20),
+       4,
+       24,
+       0,
+       true},
+      {"a100-40g",
+       "A100 40 GB SXM, NVLink within a node, 200 Gb/s per GPU between nodes",
+       {"A100-40GB", int64_t(40 * kBytesPerGiB), 19.5e12, 312e12, 1555, 0.75},
+       Link().bandwidth_gbps(230).latency_us(5),
+       Link().bandwidth_gbps(22).latency_us(10),
+       8,
+       1024,
+       25,
+       false},
+      {"a100-80g",
+       "A100 80 GB SXM, NVLink within a node, 200 Gb/s per GPU between nodes",
+       {"A100-80GB", int64_t(80 * kBytesPerGiB), 19.5e12, 312e12, 2039, 0.75},
+       Link().bandwidth_gbps(230).latency_us(5),
+       Link().bandwidth_gbps(22).latency_us(10),
+       8,
+       1024,
+       25,
+       false},
+      {"paper",
+       "the FSDP paper's cluster: A100 80 GB, 8 per node on NVLink, 2 Tb/s RoCE between nodes",
+       {"A100-80GB", int64_t(80 * kBytesPerGiB), 19.5e12, 312e12, 2039, 0.75},
+       Link().bandwidth_gbps(230).latency_us(5),
+       Link().bandwidth_gbps(25).latency_us(10),
+       8,
+       1024,
+       25,
+       false},
+      {"h100",
+       "H100 80 GB SXM, NVLink 4 within a node, 400 Gb/s per GPU between nodes",
+       {"H100-80GB", int64_t(80 * kBytesPerGiB), 67e12, 989e12, 3350, 0.7},
+       Link().bandwidth_gbps(360).latency_us(5),
+       Link().bandwidth_gbps(45).latency_us(10),
+       8,
+       2048,
+       50,
+       false},
+      {"h200",
+       "H200 141 GB SXM, NVLink 4 within a node, 400 Gb/s per GPU between nodes",
+       {"H200-141GB", int64_t(141e9), 67e12, 989e12, 4800, 0.7},
+       Link().bandwidth_gbps(360).latency_us(5),
+       Link().bandwidth_gbps(45).latency_us(10),
+       8,
+       2048,
+       50,
+       false},
+  };
+  return all;
+}
+
+std::string lower_case(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string short_number(double v, int precision = 3) {
+  std::ostringstream o;
+  o.precision(precision);
+  o << v;
+  return o.str();
+}
+
+using nlohmann::json;
+
+double json_number(const json& obj, const char* key, double fallback, const std::string& where) {
+  if (!obj.contains(key)) return fallback;
+  const json& v = obj.at(key);
+  FSDP_CHECK(v.is_number() && v.get<double>() >= 0, where, ": \"", key, "\" must be a non-negative number");
+  return v.get<double>();
+}
+
+Link json_link(const json& obj, const char* key, Link link, const std::string& where) {
+  if (!obj.contains(key)) return link;
+  const json& v = obj.at(key);
+  const std::string at = where + "." + key;
+  FSDP_CHECK(v.is_object(), at, " must be an object {\"bandwidth_gbps\": ..., \"latency_us\": ...}");
+  link.bandwidth_gbps(json_number(v, "bandwidth_gbps", link.bandwidth_gbps(), at));
+  link.latency_us(json_number(v, "latency_us", link.latency_us(), at));
+  FSDP_CHECK(link.bandwidth_gbps() > 0, at, ".bandwidth_gbps must be positive");
+  return link;
+}
+
+}  // namespace
+
+std::vector<std::string> Cluster::preset_names() {
+  std::vector<std::string> names;
+  for (const auto& p : presets()) names.emplace_back(p.name);
+  return names;
+}
+
+Cluster Cluster::preset(const std::string& name, int nodes, int ranks_per_node) {
+  FSDP_CHECK(nodes >= 1 && ranks_per_node >= 1, "cluster ", name, ": nodes and ranks per node must be >= 1, got ",
+             nodes, "x", ranks_per_node);
+  for (const auto& p : presets()) {
+    if (lower_case(name) != p.name) continue;
+    Cluster c;
+    c.device = p.device;
+    c.nodes = nodes;
+    c.ranks_per_node = ranks_per_node;
+    c.intra = p.intra;
+    c.inter = p.inter;
+    c.host_memory_bytes = int64_t(p.host_gib * kBytesPerGiB);
+    c.host_device_gbps = p.host_device_gbps;
+    c.device_is_host = p.device_is_host;
+    c.separate_comm_lanes = !p.device_is_host;
+    // Ranks on one host share its memory.
+    if (c.device_is_host) c.device.memory_bytes = c.host_memory_bytes / ranks_per_node;
+    return c;
+  }
+  std::string known;
+  for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+  FSDP_FAIL("unknown cluster preset '", name, "'; known: ", known);
+}
+
+Cluster Cluster::parse(const std::string& spec) {
+  FSDP_CHECK(!spec.empty(), "empty cluster spec; expected e.g. a100-80g:64x8, cpu:1x4 or a JSON file");
+  if (spec.size() > 5 && lower_case(spec.substr(spec.size() - 5)) == ".json") return from_file(spec);
+  const auto colon = spec.find(':');
+  if (colon == std::string::npos) return preset(spec, 1, preset(spec, 1, 1).ranks_per_node);
+  const std::string shape = lower_case(spec.substr(colon + 1));
+  const auto x = shape.find('x');
+  int nodes = 0, ranks = 0;
+  try {
+    FSDP_CHECK(x != std::string::npos, "");
+    size_t used = 0;
+    nodes = std::stoi(shape.substr(0, x), &used);
+    FSDP_CHECK(used == x, "");
+    ranks = std::stoi(shape.substr(x + 1), &used);
+    FSDP_CHECK(used == shape.size() - x - 1, "");
+  } catch (const std::exception&) {
+    FSDP_FAIL("cluster spec '", spec, "': expected NAME:NODESxRANKS_PER_NODE, e.g. a100-80g:64x8");
+  }
+  return preset(spec.substr(0, colon), nodes, ranks);
+}
+
+Cluster Cluster::from_file(const std::string& path) {
+  std::ifstream in(path);
+  FSDP_CHECK(in.good(), "cannot read the cluster file ", path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return from_json(text.str(), path);
+}
+
+Cluster Cluster::from_json(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const std::exception& e) {
+    FSDP_FAIL(source, ": not JSON: ", e.what());
+  }
+  FSDP_CHECK(j.is_object(), source, ": expected a JSON object");
+  const std::string name =
+      j.contains("preset") && j.at("preset").is_string() ? j.at("preset").get<std::string>() : "cpu";
+  const Cluster base = preset(name, 1, 1);
+  const int nodes = static_cast<int>(json_number(j, "nodes", 1, source));
+  const int ranks = static_cast<int>(json_number(j, "ranks_per_node", base.ranks_per_node, source));
+  Cluster c = preset(name, nodes, ranks);
+  if (j.contains("device")) {
+    const json& d = j.at("device");
+    const std::string at = source + ".device";
+    FSDP_CHECK(d.is_object(), at, " must be an object");
+    if (d.contains("name") && d.at("name").is_string()) c.device.name = d.at("name").get<std::string>();
+    c.device.memory_bytes =
+        int64_t(json_number(d, "memory_gib", double(c.device.memory_bytes) / kBytesPerGiB, at) * kBytesPerGiB);
+    c.device.peak_flops_fp32 = json_number(d, "peak_tflops_fp32", c.device.peak_flops_fp32 / 1e12, at) * 1e12;
+    c.device.peak_flops_16 = json_number(d, "peak_tflops_16", c.device.peak_flops_16 / 1e12, at) * 1e12;
+    c.device.memory_gbps = json_number(d, "memory_gbps", c.device.memory_gbps, at);
+    c.device.matmul_efficiency = json_number(d, "matmul_efficiency", c.device.matmul_efficiency, at);
+    FSDP_CHECK(c.device.memory_bytes > 0 && c.device.peak_flops_fp32 > 0 && c.device.peak_flops_16 > 0 &&
+                   c.device.matmul_efficiency > 0 && c.device.matmul_efficiency <= 1,
+               at, ": memory and peaks must be positive, matmul_efficiency in (0, 1]");
+  }
+  c.intra = json_link(j, "intra", c.intra, source);
+  c.inter = json_link(j, "inter", c.inter, source);
+  c.host_memory_bytes =
+      int64_t(json_number(j, "host_memory_gib", double(c.host_memory_bytes) / kBytesPerGiB, source) * kBytesPerGiB);
+  c.host_device_gbps = json_number(j, "host_device_gbps", c.host_device_gbps, source);
+  return c;
+}
+
+std::string Cluster::describe() const {
+  std::ostringstream o;
+  o << device.name << ": " << nodes << " node" << (nodes == 1 ? "" : "s") << " x " << ranks_per_node << " rank"
+    << (ranks_per_node == 1 ? "" : "s") << ", " << format_bytes(device.memory_bytes) << " per rank, "
+    << short_number(device.peak_flops_16 / 1e12) << " TFLOP/s 16-bit, " << short_number(device.peak_flops_fp32 / 1e12)
+    << " TFLOP/s fp32, intra " << short_number(intra.bandwidth_gbps()) << " GB/s, inter "
+    << short_number(inter.bandwidth_gbps()) << " GB/s";
+  return o.str();
+}
+
+int64_t parse_bytes(const std::string& text) {
+  size_t i = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &i);
+  } catch (const std::exception&) {
+    FSDP_FAIL("'", text, "' is not a size; expected e.g. 40GiB, 70GB, 512MiB");
+  }
+  std::string unit;
+  for (; i < text.size(); ++i)
+    if (!std::isspace(static_cast<unsigned char>(text[i]))) unit += static_cast<char>(std::tolower(text[i]));
+  double scale = 0;
+  if (unit.empty() || unit == "b") scale = 1;
+  if (unit == "kib") scale = 1024.0;
+  if (unit == "mib") scale = 1024.0 * 1024;
+  if (unit == "gib") scale = kBytesPerGiB;
+  if (unit == "tib") scale = kBytesPerGiB * 1024;
+  if (unit == "kb") scale = 1e3;
+  if (unit == "mb") scale = 1e6;
+  if (unit == "gb") scale = 1e9;
+  if (unit == "tb") scale = 1e12;
+  FSDP_CHECK(scale > 0 && value >= 0, "'", text, "' is not a size; units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB");
+  return static_cast<int64_t>(std::llround(value * scale));
+}
+
+std::string format_bytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(2);
+  if (b >= kBytesPerGiB)
+    o << b / kBytesPerGiB << " GiB";
+  else
+    o << b / (1024.0 * 1024.0) << " MiB";
+  return o.str();
+}
+
+}  // namespace fsdp

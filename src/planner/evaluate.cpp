@@ -1,0 +1,159 @@
+// One candidate's prediction (evaluate.h). See Note [Planner memory model] in docs/design.md.
+#include "planner/evaluate.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "planner/schedule_sim.h"
+
+namespace fsdp::planner {
+namespace {
+
+// AdamW reads parameter, gradient and two moments and writes three of them: 7 values per element.
+constexpr double kOptimizerValuesPerElement = 7.0;
+
+int64_t element_size(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+
+// Ranks each FlatParameter is split over.
+int shard_factor(const Candidate& c, int world) {
+  switch (c.strategy) {
+    case ShardingStrategy::kNoShard: return 1;
+    case ShardingStrategy::kHybridShard: return c.sharding_factor > 0 ? c.sharding_factor : world;
+    default: return world;
+  }
+}
+
+struct Resting {
+  int64_t shards = 0;       // parameter storage between iterations (device)
+  int64_t piece_grads = 0;  // the shard pieces' gradients
+  int64_t piece_numel = 0;  // this rank's real elements (optimizer state)
+  int64_t piece_bytes = 0;
+};
+
+}  // namespace
+
+PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cluster, int world,
+                   const PlanRequest& request) {
+  const UnitPlan& plan = *model.units;
+  const ModelCosts& costs = *model.costs;
+  const int F = shard_factor(c, world);
+  const bool offload = c.cpu_offload && !cluster.device_is_host;
+  const at::ScalarType reduce_dtype = at::kFloat;
+  const double peak_flops =
+      (c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16) *
+      cluster.device.matmul_efficiency;
+  const Link& shard_link = cluster.link_for_group(F);
+  const Link& world_link = cluster.link_for_group(world);
+  const double host_bps = cluster.host_device_gbps * 1e9;
+
+  SimInput sim;
+  sim.units.resize(plan.units.size());
+  Resting rest;
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    SimUnit& su = sim.units[u];
+    su.ancestors = plan.units[u].ancestors;
+    su.reshard_after_forward =
+        u != 0 && (c.strategy == ShardingStrategy::kFullShard || c.strategy == ShardingStrategy::kHybridShard);
+    for (const int f : plan.units[u].flat_params) {
+      const UnitPlan::FlatParam& fp = plan.flat_params[f];
+      int64_t numel = 0;
+      const at::Tensor& first = plan.params[fp.params.front()].param;
+      for (const int p : fp.params) numel += plan.params[p].param.numel();
+      const at::ScalarType dtype = first.scalar_type();
+      const bool floating = at::isFloatingType(dtype);
+      const at::ScalarType compute = floating && !fp.full_precision ? c.precision : dtype;
+      const at::ScalarType reduce = floating && !fp.full_precision && c.precision != at::kFloat ? reduce_dtype : dtype;
+      const bool requires_grad = first.requires_grad();
+      const int64_t padded = (numel + F - 1) / F * F;
+      const int64_t shard = padded / F;
+      const int64_t piece = std::max<int64_t>(0, std::min(shard, numel));  // rank 0's real elements
+      SimFlat flat;
+      flat.separate_shard = offload || F > 1 || compute != dtype || reduce != dtype;
+      flat.requires_grad = requires_grad;
+      flat.unsharded_bytes = padded * element_size(compute);
+      flat.gather_input_bytes = F > 1 && (compute != dtype || offload) ? shard * element_size(compute) : 0;
+      if (requires_grad) {
+        flat.grad_buffer_bytes = flat.separate_shard ? padded * element_size(reduce) : 0;
+        flat.reduce_output_bytes = flat.separate_shard && F > 1 ? shard * element_size(reduce) : 0;
+      }
+      flat.gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link);
+      if (offload) flat.gather_s += static_cast<double>(shard * element_size(dtype)) / host_bps;
+      if (requires_grad) {
+        const int64_t grad_bytes = padded * element_size(reduce);
+        flat.reduce_s = F == 1 ? modeled_seconds(Collective::kAllReduce, grad_bytes, world, world_link)
+                               : modeled_seconds(Collective::kReduceScatter, grad_bytes, F, shard_link);
+        if (c.strategy == ShardingStrategy::kHybridShard && world / F > 1)
+          flat.reduce_s +=
+              modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, cluster.inter);
+        if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
+      }
+      if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
+      if (requires_grad) {
+        rest.piece_numel += flat.separate_shard ? piece : numel;
+        rest.piece_bytes += (flat.separate_shard ? piece : numel) * element_size(dtype);
+      }
+      su.flats.push_back(flat);
+    }
+  }
+  if (request.grads_kept_between_steps() && !offload) rest.piece_grads = rest.piece_bytes;
+
+  // Activations and computation, per micro-batch.
+  const double tokens = static_cast<double>(c.micro_batch) * static_cast<double>(request.seq_len());
+  const int64_t act_size = element_size(c.precision);
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    SimUnit& su = sim.units[u];
+    su.full_activation_bytes = static_cast<int64_t>(costs.unit_activation_values[u] * tokens) * act_size;
+    su.checkpointed = c.activation_checkpointing && u != 0 && costs.unit_input_values[u] > 0;
+    su.kept_activation_bytes = su.checkpointed ? static_cast<int64_t>(costs.unit_input_values[u] * tokens) * act_size
+                                               : su.full_activation_bytes;
+  }
+  for (const SegmentCost& s : costs.segments) {
+    SimSegment seg;
+    seg.unit = s.unit;
+    seg.forward_s = s.forward_flops * tokens / peak_flops;
+    const bool recompute = sim.units[s.unit].checkpointed;
+    seg.backward_s = (recompute ? 3.0 : 2.0) * seg.forward_s;
+    const double unit_values = costs.unit_activation_values[s.unit];
+    seg.activation_share = unit_values > 0 ? s.activation_values / unit_values : 0;
+    sim.segments.push_back(seg);
+  }
+  sim.backward_prefetch = c.backward_prefetch;
+  sim.forward_prefetch = c.forward_prefetch;
+  sim.limit_all_gathers = c.all_gather_limit > 0;
+  sim.all_gather_limit = std::max(1, c.all_gather_limit);
+  sim.reductions_in_flight = c.reductions_in_flight;
+  sim.no_shard = c.strategy == ShardingStrategy::kNoShard;
+  sim.separate_lanes = cluster.separate_comm_lanes;
+  const SimResult r = simulate(sim);
+
+  PlanEntry e;
+  e.candidate = c;
+  MemoryPrediction& m = e.memory;
+  m.params = rest.shards + r.param_transient_peak;
+  m.grads = rest.piece_grads + r.grad_transient_peak;
+  const int64_t optimizer = static_cast<int64_t>(request.optimizer_states()) * rest.piece_bytes;
+  m.optimizer = offload ? 0 : optimizer;
+  m.activations = r.activation_peak;
+  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + r.total_transient_peak;
+  // The pool's idle buffers at the joint peak: once warm it holds its most of every size throughout.
+  const int64_t pool_idle = std::max<int64_t>(0, r.pool_bytes + r.activation_peak - r.total_transient_peak);
+  m.headroom = pool_idle + static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());
+  m.process = request.process_bytes();
+  m.peak = tensors + m.headroom + m.process;
+  if (offload) m.host = rest.piece_bytes * (2 + request.optimizer_states());
+
+  // Each micro-batch reduces its gradients; the optimizer steps once, bound by memory bandwidth.
+  const double bandwidth = (offload ? cluster.host_device_gbps * 4 : cluster.device.memory_gbps) * 1e9;
+  const double step_s = static_cast<double>(rest.piece_numel) * kOptimizerValuesPerElement * 4.0 / bandwidth;
+  TimePrediction& t = e.time;
+  t.step_s = c.accumulation * r.step_s + step_s;
+  t.compute_s = c.accumulation * r.compute_s + step_s;
+  t.exposed_comm_s = c.accumulation * r.exposed_s;
+  const double model_flops = 3.0 * costs.forward_flops * tokens * c.accumulation;
+  t.tflops_per_device = t.step_s > 0 ? model_flops / t.step_s / 1e12 : 0;
+  const double peak = c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16;
+  t.mfu = peak > 0 ? t.tflops_per_device * 1e12 / peak : 0;
+  return e;
+}
+
+}  // namespace fsdp::planner

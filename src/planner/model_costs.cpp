@@ -1,0 +1,88 @@
+// The planner's shape pass (model_costs.h).
+#include "planner/model_costs.h"
+
+#include <map>
+#include <string>
+
+namespace fsdp::planner {
+namespace {
+
+struct OwnCost {
+  double flops = 0;
+  double values = 0;
+  double input = 0;  // values per token of the module's input (0: unknown)
+};
+
+// The rules: a Linear keeps its input and multiplies it by its weight; an Embedding looks up rows
+// (indices kept, no products); a LayerNorm keeps its input and two statistics; any other module's
+// matrix (a parameter of 2 or more dimensions) multiplies every token by it and keeps that input.
+OwnCost own_cost(const torch::nn::Module& m) {
+  OwnCost c;
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&m)) {
+    const double in = static_cast<double>(linear->options.in_features());
+    c.flops = 2.0 * in * static_cast<double>(linear->options.out_features());
+    c.values = c.input = in;
+    return c;
+  }
+  if (dynamic_cast<const torch::nn::EmbeddingImpl*>(&m) != nullptr) return c;
+  if (const auto* norm = dynamic_cast<const torch::nn::LayerNormImpl*>(&m)) {
+    double n = 1;
+    for (const int64_t d : norm->options.normalized_shape()) n *= static_cast<double>(d);
+    c.values = n + 2;
+    c.input = n;
+    return c;
+  }
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    const at::Tensor& t = p.value();
+    if (t.dim() < 2) continue;
+    c.flops += 2.0 * static_cast<double>(t.numel());
+    c.values += static_cast<double>(t.size(-1));
+    if (c.input == 0) c.input = static_cast<double>(t.size(-1));
+  }
+  return c;
+}
+
+// The unit a module's own tensors belong to: the nearest enclosing unit by qualified name.
+int unit_of(const std::string& name, const std::map<std::string, int>& unit_by_name) {
+  std::string n = name;
+  while (true) {
+    auto it = unit_by_name.find(n);
+    if (it != unit_by_name.end()) return it->second;
+    const auto dot = n.rfind('.');
+    if (dot == std::string::npos) return 0;
+    n = n.substr(0, dot);
+  }
+}
+
+}  // namespace
+
+ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len) {
+  std::map<std::string, int> unit_by_name;
+  for (size_t u = 0; u < units.units.size(); ++u) unit_by_name[units.units[u].name] = static_cast<int>(u);
+  ModelCosts costs;
+  costs.unit_activation_values.assign(units.units.size(), 0.0);
+  costs.unit_input_values.assign(units.units.size(), 0.0);
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const torch::nn::Module& m = *item.value();
+    int u = unit_of(item.key(), unit_by_name);
+    // A unit without parameters is never entered by the runtime: its work runs in the enclosing one.
+    while (u != 0 && units.units[u].flat_params.empty()) u = units.units[u].parent;
+    OwnCost c = own_cost(m);
+    if (extra) {
+      const ModuleCost more = extra(item.key(), m, seq_len);
+      c.flops += more.forward_flops;
+      c.values += more.activation_values;
+    }
+    // A module with parameters marks where its unit runs even when it costs nothing by the rules.
+    if (c.flops == 0 && c.values == 0 && m.named_parameters(/*recurse=*/false).is_empty()) continue;
+    if (costs.unit_input_values[u] == 0) costs.unit_input_values[u] = c.input;
+    costs.unit_activation_values[u] += c.values;
+    costs.forward_flops += c.flops;
+    if (costs.segments.empty() || costs.segments.back().unit != u) costs.segments.push_back({u, 0, 0});
+    costs.segments.back().forward_flops += c.flops;
+    costs.segments.back().activation_values += c.values;
+  }
+  return costs;
+}
+
+}  // namespace fsdp::planner

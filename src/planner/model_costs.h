@@ -1,0 +1,31 @@
+#pragma once
+// The planner's shape pass: per unit, the forward FLOPs and the values kept for backward per token,
+// counted over the module tree (Linear, Embedding, LayerNorm and matrices by rule; anything else by
+// PlanRequest::module_cost), and the order in which forward runs through the units. Nothing is
+// allocated or run. See Note [Planner cost pass] in docs/design.md.
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "fsdp/plan_request.h"
+#include "unit_plan.h"
+
+namespace fsdp::planner {
+
+// One stretch of forward inside one unit, per token.
+struct SegmentCost {
+  int unit = 0;
+  double forward_flops = 0;
+  double activation_values = 0;
+};
+
+struct ModelCosts {
+  std::vector<SegmentCost> segments;           // forward order (module order), merged per unit
+  std::vector<double> unit_activation_values;  // per unit, per token
+  std::vector<double> unit_input_values;       // per unit, per token: what a checkpointed unit keeps
+  double forward_flops = 0;                    // whole model, per token
+};
+
+ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len);
+
+}  // namespace fsdp::planner

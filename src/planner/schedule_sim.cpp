@@ -1,0 +1,377 @@
+// The planner's schedule replay (schedule_sim.h). Each function mirrors the runtime function of the
+// same name in src/runtime/scheduler.cpp, unit.cpp and gradient_reducer.cpp, on byte counts and
+// modeled times instead of tensors and collectives.
+#include "planner/schedule_sim.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <map>
+
+namespace fsdp::planner {
+namespace {
+
+enum class State { kIdle, kForwardPrefetched, kForward, kBackwardPrefetched, kBackward, kBackwardDone };
+
+class Replay {
+ public:
+  explicit Replay(const SimInput& in)
+      : in_(in),
+        n_(static_cast<int>(in.units.size())),
+        state_(n_, State::kIdle),
+        unsharded_(n_, 0),
+        pending_(n_, 0),
+        gather_end_(n_, 0.0),
+        ran_(n_, 0),
+        grads_allocated_(n_, 0) {}
+
+  SimResult run() {
+    plan_orders();
+    for (const SimSegment& s : in_.segments) {
+      if (s.unit == last_used_) {
+        if (needs_unshard(s.unit)) unshard(s.unit);
+        wait_unshard(s.unit);
+      } else {
+        pre_forward(s.unit);
+      }
+      compute(s.forward_s);
+      add_acts(kept(s));
+    }
+    for (int i = static_cast<int>(in_.segments.size()) - 1; i >= 0; --i) {
+      const SimSegment& s = in_.segments[i];
+      const int u = s.unit;
+      if (u == last_used_ && backward_started_) {
+        if (needs_unshard(u)) unshard(u);
+        wait_unshard(u);
+      } else {
+        pre_backward(u);
+      }
+      if (!grads_allocated_[u]) {
+        grads_allocated_[u] = 1;
+        for (const SimFlat& f : in_.units[u].flats) {
+          add_grads(f.grad_buffer_bytes);
+          pool(f.grad_buffer_bytes, 1);
+        }
+      }
+      const int64_t recomputed = in_.units[u].checkpointed ? share(s, in_.units[u].full_activation_bytes) : 0;
+      add_acts(recomputed);
+      compute(s.backward_s);
+      add_acts(-recomputed - kept(s));
+      if (i == first_segment_[u]) post_backward(u);
+    }
+    finish_reductions(0);
+    held_back_ = -1;
+    for (int u = 0; u < n_; ++u) reshard(u);
+    compute(in_.step_s);
+    for (const auto& [bytes, count] : pool_) r_.pool_bytes += bytes * count.most;
+    r_.step_s = now_;
+    r_.exposed_s = exposed_;
+    r_.compute_s = compute_;
+    return r_;
+  }
+
+ private:
+  struct Pending {
+    int64_t buffer_bytes;
+    int64_t output_bytes;
+    double end;
+  };
+  struct Count {
+    int live = 0;
+    int most = 0;
+  };
+
+  static int64_t share(const SimSegment& s, int64_t bytes) {
+    return std::llround(static_cast<double>(bytes) * s.activation_share);
+  }
+  int64_t kept(const SimSegment& s) const { return share(s, in_.units[s.unit].kept_activation_bytes); }
+
+  // The units' first-use and last-use orders in forward: prefetch and backward follow them.
+  void plan_orders() {
+    first_segment_.assign(n_, -1);
+    std::vector<int> last_segment(n_, -1);
+    for (int i = 0; i < static_cast<int>(in_.segments.size()); ++i) {
+      const int u = in_.segments[i].unit;
+      if (first_segment_[u] < 0) {
+        first_segment_[u] = i;
+        previous_forward_order_.push_back(u);
+      }
+      last_segment[u] = i;
+    }
+    for (int u = 0; u < n_; ++u)
+      if (last_segment[u] >= 0) backward_order_.push_back(u);
+    std::sort(backward_order_.begin(), backward_order_.end(),
+              [&](int a, int b) { return last_segment[a] > last_segment[b]; });
+    for (int v : backward_order_)
+      if (v != 0) {
+        if (in_.units[v].reshard_after_forward) first_in_backward_ = v;
+        break;
+      }
+  }
+
+  void note_total() { r_.total_transient_peak = std::max(r_.total_transient_peak, params_ + grads_ + acts_); }
+  // A buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
+  void pool(int64_t bytes, int n) {
+    if (bytes <= 0) return;
+    Count& c = pool_[bytes];
+    c.live += n;
+    c.most = std::max(c.most, c.live);
+  }
+  void add_params(int64_t b) {
+    params_ += b;
+    r_.param_transient_peak = std::max(r_.param_transient_peak, params_);
+    note_total();
+  }
+  void add_grads(int64_t b) {
+    grads_ += b;
+    r_.grad_transient_peak = std::max(r_.grad_transient_peak, grads_);
+    note_total();
+  }
+  void add_acts(int64_t b) {
+    acts_ += b;
+    r_.activation_peak = std::max(r_.activation_peak, acts_);
+    note_total();
+  }
+
+  double issue(double duration, bool reduction) {
+    const int lane = in_.separate_lanes && reduction ? 1 : 0;
+    const double start = std::max(now_, lane_free_[lane]);
+    lane_free_[lane] = start + duration;
+    return lane_free_[lane];
+  }
+  void wait_until(double t) {
+    if (t <= now_) return;
+    exposed_ += t - now_;
+    now_ = t;
+  }
+  void compute(double s) {
+    now_ += s;
+    compute_ += s;
+  }
+
+  bool gathers(int u) const {
+    for (const SimFlat& f : in_.units[u].flats)
+      if (f.separate_shard) return true;
+    return false;
+  }
+  bool needs_unshard(int u) const { return gathers(u) && !unsharded_[u]; }
+  bool prefetched(int u) const {
+    return state_[u] == State::kForwardPrefetched || state_[u] == State::kBackwardPrefetched;
+  }
+  bool forward_seen(int u) const { return state_[u] != State::kIdle && state_[u] != State::kForwardPrefetched; }
+  bool awaits_backward(int u) const { return state_[u] == State::kForward || state_[u] == State::kBackwardPrefetched; }
+  bool is_ancestor(int v, int of) const {
+    const auto& a = in_.units[of].ancestors;
+    return std::find(a.begin(), a.end(), v) != a.end();
+  }
+
+  void mark_used(int u, bool in_backward) {
+    State& s = state_[u];
+    if (!in_backward && !forward_seen(u))
+      s = State::kForward;
+    else if (s == State::kForwardPrefetched)
+      s = State::kIdle;
+    else if (s == State::kForward || s == State::kBackwardPrefetched)
+      s = in_backward ? State::kBackward : State::kForward;
+  }
+  void mark_prefetched(int u) {
+    State& s = state_[u];
+    if (s == State::kIdle)
+      s = State::kForwardPrefetched;
+    else if (s == State::kForward || s == State::kBackward)
+      s = State::kBackwardPrefetched;
+  }
+
+  void unshard(int u) {
+    if (!needs_unshard(u)) return;
+    double end = now_;
+    for (const SimFlat& f : in_.units[u].flats) {
+      if (!f.separate_shard) continue;
+      add_params(f.unsharded_bytes + f.gather_input_bytes);
+      pool(f.unsharded_bytes, 1);
+      pool(f.gather_input_bytes, 1);
+      end = std::max(end, issue(f.gather_s, false));
+    }
+    unsharded_[u] = 1;
+    pending_[u] = 1;
+    gather_end_[u] = end;
+    r_.max_unsharded_units = std::max(r_.max_unsharded_units, unsharded_count());
+  }
+  void wait_unshard(int u) {
+    if (!pending_[u]) return;
+    wait_until(gather_end_[u]);
+    for (const SimFlat& f : in_.units[u].flats)
+      if (f.separate_shard) {
+        add_params(-f.gather_input_bytes);
+        pool(f.gather_input_bytes, -1);
+      }
+    pending_[u] = 0;
+  }
+  // Unit::reshard, then Scheduler::reshard's issue of a held-back prefetch.
+  void reshard(int u) {
+    if (kept_for_backward_ == u) kept_for_backward_ = -1;
+    if (!unsharded_[u]) return;
+    wait_unshard(u);
+    for (const SimFlat& f : in_.units[u].flats)
+      if (f.separate_shard) {
+        add_params(-f.unsharded_bytes);
+        pool(f.unsharded_bytes, -1);
+      }
+    unsharded_[u] = 0;
+    if (state_[u] == State::kForwardPrefetched)
+      state_[u] = State::kIdle;
+    else if (state_[u] == State::kBackwardPrefetched)
+      state_[u] = State::kForward;
+    if (held_back_ >= 0) {
+      const int v = held_back_;
+      held_back_ = -1;
+      prefetch(v);
+    }
+  }
+
+  int unsharded_count() const {
+    int count = 0;
+    for (int v = 1; v < n_; ++v) {
+      if (!unsharded_[v]) continue;
+      if (!in_.units[v].reshard_after_forward && forward_seen(v) && !prefetched(v)) continue;
+      ++count;
+    }
+    return count;
+  }
+  int depth() const { return in_.limit_all_gathers ? in_.all_gather_limit : 1; }
+
+  bool prefetch(int v) {
+    if (v < 0) return false;
+    if (!needs_unshard(v)) return true;
+    if (backward_started_ && state_[v] == State::kBackwardDone) return false;
+    if (in_.limit_all_gathers && unsharded_count() >= in_.all_gather_limit) {
+      held_back_ = v;
+      return false;
+    }
+    if (held_back_ == v) held_back_ = -1;
+    unshard(v);
+    mark_prefetched(v);
+    return true;
+  }
+
+  void leave_forward(int u) {
+    if (u == first_in_backward_ && awaits_backward(u)) {
+      mark_prefetched(u);
+      kept_for_backward_ = u;
+      return;
+    }
+    reshard(u);
+  }
+  void reshard_units_left(int u) {
+    for (int v = 1; v < n_; ++v) {
+      if (v == u || !in_.units[v].reshard_after_forward || prefetched(v) || !unsharded_[v]) continue;
+      if (is_ancestor(v, u)) continue;
+      leave_forward(v);
+    }
+  }
+
+  int next_in_forward(int u) const {
+    auto it = std::find(previous_forward_order_.begin(), previous_forward_order_.end(), u);
+    if (it == previous_forward_order_.end() || ++it == previous_forward_order_.end()) return -1;
+    return *it;
+  }
+  int next_pending_in_backward(int u) const {
+    auto it = std::find(backward_order_.begin(), backward_order_.end(), u);
+    if (it == backward_order_.end()) return -1;
+    for (++it; it != backward_order_.end(); ++it)
+      if (state_[*it] != State::kBackwardDone) return *it;
+    return -1;
+  }
+
+  void pre_forward(int u) {
+    if (kept_for_backward_ >= 0 && u != kept_for_backward_ && u != 0) reshard(kept_for_backward_);
+    reshard_units_left(u);
+    mark_used(u, false);
+    ran_[u] = 1;
+    last_used_ = u;
+    if (held_back_ == u) held_back_ = -1;
+    if (needs_unshard(u)) unshard(u);
+    if (in_.forward_prefetch) {
+      int next = u;
+      for (int d = 0; d < depth(); ++d) {
+        next = next_in_forward(next);
+        if (next < 0 || forward_seen(next) || ran_[next]) break;
+        if (!prefetch(next)) break;
+      }
+    }
+    wait_unshard(u);
+  }
+
+  void pre_backward(int u) {
+    backward_started_ = true;
+    reshard_units_left(u);
+    mark_used(u, true);
+    last_used_ = u;
+    if (kept_for_backward_ == u) kept_for_backward_ = -1;
+    if (held_back_ == u) held_back_ = -1;
+    if (needs_unshard(u)) unshard(u);
+    if (in_.backward_prefetch == BackwardPrefetch::kBackwardPre) {
+      int next = u;
+      for (int d = 0; d < depth(); ++d) {
+        next = next_pending_in_backward(next);
+        if (next >= 0 && next == kept_for_backward_) next = next_pending_in_backward(next);
+        if (next < 0 || !prefetch(next)) break;
+      }
+    }
+    wait_unshard(u);
+  }
+
+  void post_backward(int u) {
+    state_[u] = State::kBackwardDone;
+    if (!in_.no_shard) reshard(u);
+    if (last_used_ == u) last_used_ = -1;
+    if (in_.backward_prefetch == BackwardPrefetch::kBackwardPost) prefetch(next_pending_in_backward(u));
+    reduce(u);
+  }
+
+  // GradientReducer::reduce: wait for the oldest reductions until fewer than k remain, then issue.
+  void reduce(int u) {
+    if (!grads_allocated_[u]) return;
+    const size_t k = static_cast<size_t>(in_.reductions_in_flight);
+    for (const SimFlat& f : in_.units[u].flats) {
+      if (!f.requires_grad) continue;
+      finish_reductions(k > 0 ? k - 1 : 0);
+      add_grads(f.reduce_output_bytes);
+      pool(f.reduce_output_bytes, 1);
+      reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true)});
+    }
+    finish_reductions(k);
+  }
+  void finish_reductions(size_t keep) {
+    while (reductions_.size() > keep) {
+      const Pending& p = reductions_.front();
+      wait_until(p.end);
+      add_grads(-p.buffer_bytes - p.output_bytes);
+      pool(p.buffer_bytes, -1);
+      pool(p.output_bytes, -1);
+      reductions_.pop_front();
+    }
+  }
+
+  const SimInput& in_;
+  int n_;
+  std::vector<State> state_;
+  std::vector<char> unsharded_, pending_;
+  std::vector<double> gather_end_;
+  std::vector<char> ran_, grads_allocated_;
+  std::vector<int> first_segment_, previous_forward_order_, backward_order_;
+  int first_in_backward_ = -1, kept_for_backward_ = -1, held_back_ = -1, last_used_ = -1;
+  bool backward_started_ = false;
+  std::deque<Pending> reductions_;
+  std::map<int64_t, Count> pool_;
+  int64_t params_ = 0, grads_ = 0, acts_ = 0;
+  double now_ = 0, compute_ = 0, exposed_ = 0;
+  double lane_free_[2] = {0, 0};
+  SimResult r_;
+};
+
+}  // namespace
+
+SimResult simulate(const SimInput& input) { return Replay(input).run(); }
+
+}  // namespace fsdp::planner

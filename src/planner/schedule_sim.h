@@ -1,0 +1,73 @@
+#pragma once
+// The planner's replay of one training iteration as the runtime schedules it (src/runtime/
+// scheduler.cpp, gradient_reducer.cpp): unshard, prefetch under the rate limiter, reshard, gradient
+// buffers, reductions in flight; every allocation and free FSDP's memory tracker counts, and the
+// compute thread and communication lanes in modeled time. See Note [Planner schedule simulation].
+#include <cstdint>
+#include <vector>
+
+#include "fsdp/options.h"
+
+namespace fsdp::planner {
+
+// One FlatParameter as the runtime lays it out on a rank.
+struct SimFlat {
+  bool separate_shard = true;       // false: the flat storage is the shard (no gathers, no transient)
+  bool requires_grad = true;        // frozen: no gradient buffer, no reduction
+  int64_t unsharded_bytes = 0;      // padded, in the compute dtype
+  int64_t gather_input_bytes = 0;   // the shard cast to the compute dtype before its gather (0: none)
+  int64_t grad_buffer_bytes = 0;    // the unsharded gradient, in the reduce dtype (separate shard)
+  int64_t reduce_output_bytes = 0;  // the reduction's output (0: reduced in place)
+  double gather_s = 0;
+  double reduce_s = 0;
+};
+
+struct SimUnit {
+  std::vector<SimFlat> flats;
+  std::vector<int> ancestors;  // nearest first
+  bool reshard_after_forward = true;
+  bool checkpointed = false;
+  int64_t kept_activation_bytes = 0;  // kept for backward (a checkpointed unit: its input)
+  int64_t full_activation_bytes = 0;  // what its forward keeps without checkpointing
+};
+
+// One stretch of computation in one unit, in forward order; backward runs them reversed.
+struct SimSegment {
+  int unit = 0;
+  double forward_s = 0;
+  double backward_s = 0;        // recomputation included
+  double activation_share = 0;  // of the unit's activation bytes, kept by this stretch
+};
+
+struct SimInput {
+  std::vector<SimUnit> units;  // unit 0: the root
+  std::vector<SimSegment> segments;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = true;
+  bool limit_all_gathers = true;
+  int all_gather_limit = 2;
+  int reductions_in_flight = 2;
+  bool no_shard = false;
+  bool separate_lanes = false;  // gathers and reductions on separate lanes (else one FIFO)
+  double step_s = 0;            // the optimizer step after backward
+};
+
+struct SimResult {
+  int64_t param_transient_peak = 0;  // over the resting shards
+  int64_t grad_transient_peak = 0;   // over the shard pieces' gradients
+  int64_t activation_peak = 0;
+  int64_t total_transient_peak = 0;  // params + grads + activations at one moment
+  // What the runtime's buffer pool holds once warm (Note [Buffer reuse]): per byte size, the most
+  // transient FSDP buffers of that size alive at once, times the size.
+  int64_t pool_bytes = 0;
+  double step_s = 0;
+  double compute_s = 0;
+  double exposed_s = 0;
+  int max_unsharded_units = 0;
+};
+
+// Replays a steady-state iteration (the second and later: forward prefetch follows the previous
+// forward's order, the unit backward needs first is kept from forward).
+SimResult simulate(const SimInput& input);
+
+}  // namespace fsdp::planner

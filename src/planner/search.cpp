@@ -1,0 +1,94 @@
+// fsdp::plan (include/fsdp/planner.h): every candidate of the request's search space, each
+// predicted by evaluate(); fitting ones first, fastest first.
+#include <algorithm>
+#include <sstream>
+
+#include "fsdp/check.h"
+#include "fsdp/planner.h"
+#include "planner/evaluate.h"
+#include "planner/model_costs.h"
+#include "unit_plan.h"
+
+namespace fsdp {
+
+namespace {
+
+std::vector<int> hybrid_factors(const PlanRequest& request, const Cluster& cluster, int world) {
+  std::vector<int> factors = request.hybrid_factors();
+  if (factors.empty()) factors.push_back(cluster.nodes > 1 ? cluster.ranks_per_node : world / 2);
+  std::vector<int> ok;
+  for (const int f : factors)
+    if (f > 1 && f < world && world % f == 0) ok.push_back(f);
+  return ok;
+}
+
+std::vector<int> micro_batches(const PlanRequest& request, int per_rank) {
+  if (!request.micro_batches().empty()) return request.micro_batches();
+  std::vector<int> all;
+  for (int m = 1; m <= per_rank; ++m)
+    if (per_rank % m == 0) all.push_back(m);
+  return all;
+}
+
+}  // namespace
+
+Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& request) {
+  const int world = request.world() > 0 ? request.world() : cluster.world();
+  FSDP_CHECK(request.seq_len() >= 1, "PlanRequest::seq_len must be >= 1");
+  const int global = request.global_batch() > 0 ? request.global_batch() : world;
+  FSDP_CHECK(global % world == 0, "the global batch ", global, " does not divide over ", world, " ranks");
+  const int per_rank = global / world;
+
+  Plan result;
+  result.budget = request.memory_budget() > 0 ? request.memory_budget() : cluster.device.memory_bytes;
+  result.cluster = cluster.describe();
+  for (const NamedWrapPolicy& wrap : request.wrap_policies()) {
+    const UnitPlan units = plan_units(model, Options().auto_wrap_policy(wrap.policy), c10::Device(c10::kCPU));
+    const planner::ModelCosts costs = planner::model_costs(model, units, request.module_cost(), request.seq_len());
+    const planner::ModelView view{&units, &costs};
+    for (const ShardingStrategy strategy : request.strategies()) {
+      std::vector<int> factors{0};
+      if (strategy == ShardingStrategy::kHybridShard) factors = hybrid_factors(request, cluster, world);
+      if (world == 1 && strategy != ShardingStrategy::kFullShard) continue;  // all the same at one rank
+      for (const int factor : factors)
+        for (const bool checkpointing : request.activation_checkpointing())
+          for (const bool offload : request.cpu_offload()) {
+            if (offload && cluster.device_is_host) continue;
+            if (checkpointing && units.units.size() < 2) continue;  // only the root: nothing to checkpoint
+            for (const at::ScalarType precision : request.precisions())
+              for (const int limit : request.all_gather_limits())
+                for (const BackwardPrefetch prefetch : request.backward_prefetch())
+                  for (const bool forward : request.forward_prefetch())
+                    for (const int in_flight : request.reductions_in_flight())
+                      for (const int micro : micro_batches(request, per_rank)) {
+                        if (micro < 1 || per_rank % micro != 0) continue;
+                        Candidate c;
+                        c.strategy = strategy;
+                        c.sharding_factor = factor;
+                        c.wrap = wrap;
+                        c.activation_checkpointing = checkpointing;
+                        c.cpu_offload = offload;
+                        c.precision = precision;
+                        c.all_gather_limit = limit;
+                        c.backward_prefetch = prefetch;
+                        c.forward_prefetch = forward;
+                        c.reductions_in_flight = in_flight;
+                        c.micro_batch = micro;
+                        c.accumulation = per_rank / micro;
+                        PlanEntry e = planner::evaluate(view, c, cluster, world, request);
+                        e.fits =
+                            e.memory.peak <= result.budget &&
+                            (e.memory.host == 0 || e.memory.host * cluster.ranks_per_node <= cluster.host_memory_bytes);
+                        result.entries.push_back(std::move(e));
+                      }
+          }
+    }
+  }
+  std::stable_sort(result.entries.begin(), result.entries.end(), [](const PlanEntry& a, const PlanEntry& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.time.step_s < b.time.step_s;
+  });
+  return result;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,66 @@
+// A Plan's table, its best entry and the message when nothing fits (include/fsdp/planner.h).
+#include <algorithm>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+
+#include "fsdp/check.h"
+#include "fsdp/planner.h"
+
+namespace fsdp {
+namespace {
+
+std::string mebibytes(int64_t bytes) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / (1024.0 * 1024.0);
+  return o.str();
+}
+
+std::string fixed_digits(double v, int digits) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(digits) << v;
+  return o.str();
+}
+
+}  // namespace
+
+int64_t Plan::smallest_peak() const {
+  int64_t smallest = 0;
+  for (const PlanEntry& e : entries)
+    if (smallest == 0 || e.memory.peak < smallest) smallest = e.memory.peak;
+  return smallest;
+}
+
+const PlanEntry& Plan::best() const {
+  FSDP_CHECK(!entries.empty(), "the plan has no candidates (an empty search space)");
+  if (entries.front().fits) return entries.front();
+  const PlanEntry* smallest = &entries.front();
+  for (const PlanEntry& e : entries)
+    if (e.memory.peak < smallest->memory.peak) smallest = &e;
+  FSDP_FAIL("no configuration fits in ", format_bytes(budget), " per rank on ", cluster, "; the smallest needs ",
+            format_bytes(smallest->memory.peak), " (", smallest->candidate.describe(),
+            "): raise the budget to at least that, or add ranks");
+}
+
+std::string Plan::table(size_t max_rows) const {
+  std::ostringstream o;
+  o << "Plan for " << cluster << "; budget " << format_bytes(budget) << " per rank\n";
+  o << "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB | other MiB | peak MiB | fits "
+       "| step ms | compute ms | exposed comm % | TFLOP/s | MFU % |\n";
+  o << "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
+  const size_t rows = max_rows > 0 ? std::min(max_rows, entries.size()) : entries.size();
+  for (size_t i = 0; i < rows; ++i) {
+    const PlanEntry& e = entries[i];
+    const double exposed = e.time.step_s > 0 ? 100.0 * e.time.exposed_comm_s / e.time.step_s : 0;
+    o << "| " << i + 1 << " | " << e.candidate.describe() << " | " << mebibytes(e.memory.params) << " | "
+      << mebibytes(e.memory.grads) << " | " << mebibytes(e.memory.optimizer) << " | " << mebibytes(e.memory.activations)
+      << " | " << mebibytes(e.memory.headroom + e.memory.process) << " | " << mebibytes(e.memory.peak) << " | "
+      << (e.fits ? "yes" : "no") << " | " << fixed_digits(e.time.step_s * 1e3, 2) << " | "
+      << fixed_digits(e.time.compute_s * 1e3, 2) << " | " << fixed_digits(exposed, 1) << " | "
+      << fixed_digits(e.time.tflops_per_device, 3) << " | " << fixed_digits(e.time.mfu * 100, 1) << " |\n";
+  }
+  if (rows < entries.size()) o << "(" << entries.size() - rows << " more)\n";
+  return o.str();
+}
+
+}  // namespace fsdp

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Planner tests for the example trainer fsdp_gpt: --plan prints a table for a cluster and exits;
+# --memory-budget trains with the fastest planned configuration that fits, and refuses a budget
+# nothing fits, naming the smallest.
+#
+#   fsdp_gpt_plan_test.sh PATH/TO/fsdp_gpt PATH/TO/fsdp-run [CASE...]
+#
+# Each test_<name> function is one case; with no CASE, all run. CMake registers every
+# test_<name> as the ctest test gpt.<name>. Exit 0 = pass, 1 = fail.
+set -u
+
+# shellcheck source=gpt_test_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpt_test_common.sh"
+
+SMALL=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 4 --log-interval 2
+       --eval-batches 1 --sample-bytes 0)
+
+test_plan_paper_cluster() {
+  run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:64x8 --memory-budget 70GiB
+  expect_rc 0
+  expect_text out "Plan for A100-80GB: 64 nodes x 8 ranks"
+  expect_text out "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB |"
+  expect_regex out "^\| 1 \| [A-Z_]+.*, micro-batch [0-9]+ x [0-9]+ \|.*\| yes \|"
+  expect_regex out "^best: "
+  # Every strategy and both precisions are candidates.
+  for what in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD/8 bf16 fp32 checkpointed offload; do
+    expect_text out "$what"
+  done
+}
+
+test_plan_nothing_fits() {
+  run "$TRAINER" "${SMALL[@]}" --plan --memory-budget 1MiB
+  expect_rc 0
+  expect_regex out "^nothing fits in 1.00 MiB per rank; the smallest needs [0-9.]+ (MiB|GiB)$"
+}
+
+test_memory_budget_trains() {
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --memory-budget 1GiB
+  expect_rc 0
+  expect_regex out "^\[rank 0\] planned for 1.00 GiB per rank: .*; predicted peak [0-9.]+ MiB"
+  expect_regex out "^\[rank 0\] step +4/4 \| loss "
+}
+
+test_memory_budget_too_small() {
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --memory-budget 1MiB
+  expect_failure
+  expect_regex err "no configuration fits in 1.00 MiB per rank on .*; the smallest needs [0-9.]+ MiB"
+}
+
+run_cases "$@"

@@ -1,0 +1,205 @@
+// The planner (include/fsdp/planner.h, cluster.h): clusters and sizes parse; predicted FSDP memory
+// equals what the runtime measures; known answers for activation checkpointing, CPU offload and a
+// model that fits nowhere.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "fsdp/cluster.h"
+#include "fsdp/fsdp.h"
+#include "fsdp/planner.h"
+#include "harness.h"
+#include "models.h"
+
+namespace fsdp_test {
+namespace {
+
+constexpr int64_t kMiB = 1024 * 1024;
+
+TEST(Planner, ParsesClustersAndSizes) {
+  const fsdp::Cluster paper = fsdp::Cluster::parse("paper:16x8");
+  EXPECT_EQ(paper.world(), 128);
+  EXPECT_EQ(paper.ranks_per_node, 8);
+  EXPECT_DOUBLE_EQ(paper.inter.bandwidth_gbps(), 25.0);  // 2 Tb/s per node over 8 GPUs
+  EXPECT_EQ(&paper.link_for_group(8), &paper.intra);
+  EXPECT_EQ(&paper.link_for_group(16), &paper.inter);
+  EXPECT_EQ(fsdp::Cluster::parse("a100-80g:2x8").device.memory_bytes, 80 * 1024 * kMiB);
+  EXPECT_EQ(fsdp::Cluster::parse("cpu:1x4").world(), 4);
+  const fsdp::Cluster custom = fsdp::Cluster::from_json(
+      R"({"preset": "h100", "nodes": 4, "ranks_per_node": 8, "device": {"memory_gib": 40},
+          "inter": {"bandwidth_gbps": 12.5, "latency_us": 3}})");
+  EXPECT_EQ(custom.world(), 32);
+  EXPECT_EQ(custom.device.memory_bytes, 40 * 1024 * kMiB);
+  EXPECT_DOUBLE_EQ(custom.inter.bandwidth_gbps(), 12.5);
+  EXPECT_DOUBLE_EQ(custom.inter.latency_us(), 3.0);
+  EXPECT_EQ(fsdp::parse_bytes("40GiB"), 40 * 1024 * kMiB);
+  EXPECT_EQ(fsdp::parse_bytes("70 GB"), int64_t(70e9));
+  EXPECT_EQ(fsdp::parse_bytes("512MiB"), 512 * kMiB);
+  EXPECT_THROW(fsdp::Cluster::parse("tpu:1x8"), fsdp::Error);
+  EXPECT_THROW(fsdp::Cluster::parse("a100-80g:8"), fsdp::Error);
+  EXPECT_THROW(fsdp::Cluster::from_json(R"({"intra": {"bandwidth_gbps": -1}})"), fsdp::Error);
+  EXPECT_THROW(fsdp::parse_bytes("40 parsecs"), fsdp::Error);
+}
+
+// One candidate: every list of the request holds one value.
+fsdp::PlanRequest single(fsdp::ShardingStrategy strategy, at::ScalarType precision, int limit,
+                         fsdp::BackwardPrefetch prefetch, bool forward_prefetch, int in_flight) {
+  return fsdp::PlanRequest()
+      .world(4)
+      .global_batch(8)
+      .seq_len(8)
+      .strategies({strategy})
+      .hybrid_factors({2})
+      .wrap_policies({{"block", fsdp::wrap::by_type<BlockImpl>()}})
+      .activation_checkpointing({false})
+      .cpu_offload({false})
+      .precisions({precision})
+      .all_gather_limits({limit})
+      .backward_prefetch({prefetch})
+      .forward_prefetch({forward_prefetch})
+      .reductions_in_flight({in_flight})
+      .micro_batches({2})
+      .grads_kept_between_steps(true);
+}
+
+// The planner's parameter and gradient peaks against memory_stats() after real steps.
+FSDP_WORKER(planner_memory_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  using fsdp::BackwardPrefetch;
+  using fsdp::ShardingStrategy;
+  struct Case {
+    ShardingStrategy strategy;
+    at::ScalarType precision;
+    int limit;
+    BackwardPrefetch prefetch;
+    bool forward_prefetch;
+    int in_flight;
+  };
+  const auto pre = BackwardPrefetch::kBackwardPre;
+  std::vector<Case> cases;
+  for (const auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+                       ShardingStrategy::kHybridShard})
+    for (const auto p : {at::kFloat, at::kBFloat16}) cases.push_back({s, p, 2, pre, true, 2});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 3, pre, true, 2});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 0, pre, true, 2});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 2, BackwardPrefetch::kBackwardPost, false, 1});
+  cases.push_back({ShardingStrategy::kFullShard, at::kBFloat16, 2, BackwardPrefetch::kNone, false, 0});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 1, pre, true, 3});
+  const auto cluster = fsdp::Cluster::parse("cpu:1x4");
+  int checked = 0;
+  for (const Case& c : cases) {
+    torch::manual_seed(5);
+    TinyTransformer model(50, 16, 2, 3, 8);
+    const fsdp::Plan plan = fsdp::plan(
+        *model, cluster, single(c.strategy, c.precision, c.limit, c.prefetch, c.forward_prefetch, c.in_flight));
+    WORKER_CHECK(plan.entries.size() == 1, "expected one candidate, got ", plan.entries.size());
+    const fsdp::PlanEntry& e = plan.entries.front();
+    auto sharded = fsdp::fully_shard(model, pg, e.candidate.options());
+    torch::optim::SGD opt(sharded->parameters(), 0.01);
+    for (int step = 0; step < 3; ++step) {
+      sharded->reset_peak_memory_stats();
+      zero_grad_in_place(opt);
+      auto x = torch::randint(50, {2, 8}, torch::kLong);
+      lm_loss(model->forward(x), x).backward();
+      opt.step();
+      if (step == 0) continue;  // forward prefetch and the pieces' gradients begin in the first step
+      const auto m = sharded->memory_stats();
+      WORKER_CHECK(m.param_peak_bytes == e.memory.params, e.candidate.describe(), ": parameter peak measured ",
+                   m.param_peak_bytes, ", predicted ", e.memory.params);
+      WORKER_CHECK(m.grad_peak_bytes == e.memory.grads, e.candidate.describe(), ": gradient peak measured ",
+                   m.grad_peak_bytes, ", predicted ", e.memory.grads);
+    }
+    ++checked;
+  }
+  if (ctx.rank == 0) std::cout << "planner memory: " << checked << " configurations exact" << std::endl;
+}
+
+TEST(Planner, PredictsTheRuntimesParameterAndGradientPeaksExactly) {
+  auto r = launch("planner_memory_worker", 4);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "configurations exact")) << r.report();
+}
+
+// A stack of MLP blocks: each keeps its input (d values per token) and its hidden layer (4d).
+struct StackImpl : torch::nn::Module {
+  StackImpl(int d, int depth) {
+    for (int i = 0; i < depth; ++i)
+      blocks->push_back(torch::nn::Sequential(torch::nn::Linear(d, 4 * d), torch::nn::Linear(4 * d, d)));
+    register_module("blocks", blocks);
+  }
+  torch::nn::ModuleList blocks;
+};
+TORCH_MODULE(Stack);
+
+fsdp::PlanRequest one_rank(int64_t budget) {
+  return fsdp::PlanRequest()
+      .memory_budget(budget)
+      .global_batch(1)
+      .seq_len(4096)
+      .wrap_policies({{"block", fsdp::wrap::by_type<torch::nn::SequentialImpl>()}})
+      .precisions({at::kFloat})
+      .grads_kept_between_steps(true);
+}
+
+TEST(Planner, AModelThatFitsOnlyWithActivationCheckpointing) {
+  fsdp::DeferredInit deferred;
+  Stack model(256, 4);
+  const int64_t tokens = 4096, d = 256, block = 5 * d * tokens * 4;  // bytes one block keeps
+  const int64_t params = 4 * (2 * 4 * d * d + 4 * d + d) * 4;
+  // One rank: no shards to gather, gradients reduced in place; AdamW holds two states.
+  const fsdp::Plan loose = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0));
+  ASSERT_EQ(loose.entries.size(), 2U);
+  for (const auto& e : loose.entries) {
+    EXPECT_EQ(e.memory.params, params);
+    EXPECT_EQ(e.memory.grads, params);
+    EXPECT_EQ(e.memory.optimizer, 2 * params);
+    // Checkpointed: each block keeps its input, and backward recomputes one block at a time.
+    EXPECT_EQ(e.memory.activations, e.candidate.activation_checkpointing ? 4 * d * tokens * 4 + block : 4 * block);
+  }
+  const int64_t budget = 4 * params + (4 * block + 4 * d * tokens * 4 + block) / 2;
+  const fsdp::Plan tight = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(budget));
+  EXPECT_TRUE(tight.best().candidate.activation_checkpointing);
+  EXPECT_FALSE(tight.entries.back().fits);
+  EXPECT_FALSE(tight.entries.back().candidate.activation_checkpointing);
+}
+
+TEST(Planner, AModelThatFitsOnlyWithCpuOffload) {
+  fsdp::DeferredInit deferred;
+  Stack model(512, 4);
+  const int64_t params = 4 * (2 * 4 * 512 * 512 + 4 * 512 + 512) * 4;
+  auto request = one_rank(0).seq_len(16).activation_checkpointing({false});
+  const auto cluster = fsdp::Cluster::parse("a100-80g:1x1");
+  const fsdp::Plan loose = fsdp::plan(*model, cluster, request);
+  ASSERT_EQ(loose.entries.size(), 2U);
+  const fsdp::PlanEntry* resident = nullptr;
+  for (const auto& e : loose.entries)
+    if (!e.candidate.cpu_offload) resident = &e;
+  ASSERT_NE(resident, nullptr);
+  EXPECT_GE(resident->memory.peak, 4 * params);  // parameters, gradients, two AdamW states
+  const fsdp::Plan tight = fsdp::plan(*model, cluster, request.memory_budget(2 * params));
+  EXPECT_TRUE(tight.best().candidate.cpu_offload);
+  EXPECT_EQ(tight.best().memory.optimizer, 0);
+  EXPECT_EQ(tight.best().memory.host, 4 * params);
+  EXPECT_FALSE(tight.entries.back().fits);
+}
+
+TEST(Planner, AModelThatFitsNowhereNamesTheSmallestBudget) {
+  fsdp::DeferredInit deferred;
+  Stack model(256, 4);
+  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(kMiB));
+  EXPECT_FALSE(plan.any_fits());
+  try {
+    plan.best();
+    FAIL() << "best() must throw when nothing fits";
+  } catch (const fsdp::Error& e) {
+    const std::string what = e.what();
+    EXPECT_TRUE(contains(what, "no configuration fits in 1.00 MiB")) << what;
+    EXPECT_TRUE(contains(what, "the smallest needs " + fsdp::format_bytes(plan.smallest_peak()))) << what;
+    EXPECT_TRUE(contains(what, "checkpointed")) << what;
+  }
+  EXPECT_TRUE(contains(plan.table(), "| no |"));
+}
+
+}  // namespace
+}  // namespace fsdp_test
