@@ -179,13 +179,12 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
     return;
   }
   at::Tensor sums = grad.new_reduction_output();
-  WorkPtr work =
-      fp.reduce_format() && !grad.deterministic()
-          ? start_quantized_reduce_scatter(
-                fp, sums, *fp.reduce_format(),
-                reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
-          : group.shard_comm->reduce_scatter(sums, input,
-                                             reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
+  WorkPtr work = fp.reduce_format() && !grad.deterministic()
+                     ? start_quantized_reduce_scatter(
+                           fp, sums, *fp.reduce_format(),
+                           reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
+                     : group.shard_comm->reduce_scatter(
+                           sums, input, reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
   const bool replicas = group.replicate_comm && group.replicate_comm->size() > 1;
   if (replicas && !across_replicas) {
     grad.set_reduction(sums, work, /*defer_replicas=*/true, false);  // completion adds them to the partial sums
