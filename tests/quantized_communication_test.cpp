@@ -46,6 +46,16 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
         if (n > 2 * block) {
           EXPECT_TRUE(back.narrow(0, 0, block).eq(0).all().item<bool>());
         }
+        // The one-pass CPU path (float32 in, int8 codes; float32 or bf16 out) and the tensor
+        // operations (any other dtype) give the same bytes and values.
+        at::Tensor generic = at::empty_like(packed);
+        fsdp::quantize_into(generic, x.to(at::kDouble), f);
+        ASSERT_TRUE(torch::equal(generic, packed)) << fsdp::to_string(dtype) << " block " << block << " n " << n;
+        at::Tensor wide = at::empty({n}, at::kDouble), narrow = at::empty({n}, at::kBFloat16);
+        fsdp::dequantize_into(wide, packed, 1, n, f);
+        fsdp::dequantize_into(narrow, packed, 1, n, f);
+        ASSERT_TRUE(torch::equal(wide.to(at::kFloat), back));
+        ASSERT_TRUE(torch::equal(narrow, back.to(at::kBFloat16)));
       }
 }
 
