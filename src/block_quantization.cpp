@@ -37,16 +37,15 @@ bool quantize_int8_on_cpu(const at::Tensor& packed, const at::Tensor& values, co
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t start = b * B, end = std::min(n, start + B);
     float amax = 0;
-    for (int64_t i = start; i < end; ++i) {
-      const float v = std::fabs(x[i]);
-      if (v > amax || std::isnan(v)) amax = v;
-      if (std::isnan(amax)) break;
-    }
+    for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::fabs(x[i]));
     const float scale = amax / 127.0f;
     std::memcpy(base + 4 * b, &scale, sizeof(float));
     const float divisor = scale > 0 ? scale : 1.0f;
+    // Clamped first (the same codes as rounding first), then rounded to nearest, ties to even,
+    // by adding and subtracting 1.5 x 2^23: vectorizable, unlike a call to nearbyint.
+    constexpr float kRound = 12582912.0f;
     for (int64_t i = start; i < end; ++i)
-      codes[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / divisor))));
+      codes[i] = static_cast<int8_t>((std::min(127.0f, std::max(-127.0f, x[i] / divisor)) + kRound) - kRound);
     for (int64_t i = end; i < start + B; ++i) codes[i] = 0;
   }
   return true;
