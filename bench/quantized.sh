@@ -8,12 +8,12 @@
 # over the modeled network at 1 and 10 Gbit/s between ranks (FSDP_NETWORK_MODEL, one rank per
 # modeled host), unquantized and with int8 all-gathers and reduce-scatters, interleaved, REPEATS
 # rounds; medians. Loss: 500 steps of each, validation loss at the end and the training-loss
-# curves (bench/results/quantized.png, with gnuplot). Prints the markdown tables.
+# curves (bench/results/quantized.png, with gnuplot). Prints the markdown tables. REPEATS 0: the
+# loss comparison only.
 set -euo pipefail
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
-MODEL=(--layers 4 --width 384 --heads 6 --context 16 --batch-per-rank 1 --eval-batches 1 --sample-bytes 0
-       "${EXTRA[@]}")
+MODEL=(--layers 4 --width 384 --heads 6 --context 16 --batch-per-rank 1 --sample-bytes 0 "${EXTRA[@]}")
 QUANT=(--quantize-all-gather int8 --quantize-reduce int8)
 declare -A NETS=([tcp]="FSDP_TRANSPORT=tcp" [1gbit]="FSDP_NETWORK_MODEL=gbps=0.125,ranks_per_host=1"
                  [10gbit]="FSDP_NETWORK_MODEL=gbps=1.25,ranks_per_host=1")
@@ -27,7 +27,7 @@ for ((r = 0; r < REPEATS; r++)); do
     for q in plain int8; do
       flags=()
       [ "$q" = int8 ] && flags=("${QUANT[@]}")
-      out=$(env ${NETS[$net]} "$RUN" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --steps 24 --log-interval 8 \
+      out=$(env ${NETS[$net]} "$RUN" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 1 --steps 24 --log-interval 8 \
             "${flags[@]}" 2>&1)
       ms=$(ms_per_step <<<"$out")
       TIMES[$net/$q]="${TIMES[$net/$q]:-} $ms"
@@ -36,6 +36,7 @@ for ((r = 0; r < REPEATS; r++)); do
     done
   done
 done
+if ((REPEATS > 0)); then
 echo "| network | ms/step unquantized | ms/step int8 | speed-up | runs (unquantized; int8) | modeled MB per step, rank 0, unquantized | int8 |"
 echo "| --- | ---: | ---: | ---: | --- | --- | --- |"
 for net in "${NET_ORDER[@]}"; do
@@ -43,6 +44,7 @@ for net in "${NET_ORDER[@]}"; do
   b=$(echo "${TIMES[$net/int8]}" | median)
   echo "| $net | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }') | ${TIMES[$net/plain]# }; ${TIMES[$net/int8]# } | ${BYTES[$net/plain]:-n/a} | ${BYTES[$net/int8]:-n/a} |"
 done
+fi
 
 # Loss over 500 steps, on shared memory (the arithmetic does not depend on the transport).
 DIR=$(mktemp -d)
@@ -66,7 +68,7 @@ echo "| unquantized | ${VAL[0]} | 1.0000 |"
 echo "| int8 all-gathers and reduce-scatters | ${VAL[1]} | $(awk -v a="${VAL[1]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
 if command -v gnuplot >/dev/null; then
   gnuplot <<EOF
-set terminal pngcairo size 800,450
+set terminal pngcairo size 800,450 noenhanced
 set output "$(dirname "$0")/results/quantized.png"
 set xlabel "step"; set ylabel "training loss (rank mean)"
 set title "Example GPT, world 4, FULL_SHARD: unquantized and int8 communication"

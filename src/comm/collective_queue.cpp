@@ -118,6 +118,7 @@ WorkPtr completed_work() { return std::make_shared<AlreadyDoneWork>(); }
 
 WorkPtr Communicator::shutdown() { return completed_work(); }
 
+// NOLINTNEXTLINE(performance-unnecessary-value-param): the virtual takes its options by value, as every collective
 WorkPtr Communicator::all_to_all_into(at::Tensor, at::Tensor, CollectiveOptions) {
   FSDP_FAIL(name(), ": ", transport(),
             " has no all_to_all_into (quantized gradient reductions need it); use the "
