@@ -36,12 +36,7 @@ Adafactor::Adafactor(FullyShardedModule& module, std::vector<torch::optim::Optim
     : WholeParamOptimizer(module, std::move(groups), std::make_unique<AdafactorOptions>(defaults)) {}
 
 torch::Tensor Adafactor::step(LossClosure closure) {
-  check_whole_step("Adafactor::step");
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = begin_step("Adafactor::step", closure);
   at::NoGradGuard no_grad;
   struct Pending {
     const WholeParam* p = nullptr;

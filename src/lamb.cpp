@@ -11,12 +11,7 @@ Lamb::Lamb(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamG
     : WholeParamOptimizer(module, std::move(groups), std::make_unique<LambOptions>(defaults)) {}
 
 torch::Tensor Lamb::step(LossClosure closure) {
-  check_whole_step("Lamb::step");
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = begin_step("Lamb::step", closure);
   at::NoGradGuard no_grad;
   struct Pending {
     at::Tensor piece, update;

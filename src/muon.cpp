@@ -110,12 +110,7 @@ void Muon::step_adamw(const WholeParam& p) {
 }
 
 torch::Tensor Muon::step(LossClosure closure) {
-  check_whole_step("Muon::step");
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = begin_step("Muon::step", closure);
   at::NoGradGuard no_grad;
   InternalOpGuard internal;
   const auto& params = reduction_.params();

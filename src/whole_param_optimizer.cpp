@@ -29,13 +29,16 @@ WholeParamOptimizer::WholeParamOptimizer(FullyShardedModule& module,
   module.check_optimizer(*this);
 }
 
-void WholeParamOptimizer::check_whole_step(const char* what) const {
+torch::Tensor WholeParamOptimizer::begin_step(const char* what, const LossClosure& closure) const {
   FsdpState& state = detail::StateAccess::of(*module_);
   state.rethrow_pending_error();
   FSDP_CHECK(!state.reducer().stepper().on(), what,
              ": its step needs every parameter's whole gradient, but the module steps its optimizer in backward "
              "(set_step_in_backward), one unit at a time. Turn that off (set_step_in_backward(nullptr)) and call "
              "step() after backward");
+  if (!closure) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
 }
 
 int WholeParamOptimizer::group_of(const WholeParam& p) const {

@@ -25,9 +25,9 @@ class WholeParamOptimizer : public torch::optim::Optimizer {
                       std::unique_ptr<torch::optim::OptimizerOptions> defaults);
   // The parameter group that steps p's piece; -1 if this rank holds no piece of p or no group has it.
   int group_of(const WholeParam& p) const;
-  // Throws if the module steps an optimizer in backward (set_step_in_backward): a step here needs
-  // every parameter's gradient, which exists only once backward has finished. `what` names it.
-  void check_whole_step(const char* what) const;
+  // The start of every step(): refuses a step in backward (naming `what`), rethrows the runtime's
+  // pending error, and runs `closure` (if any) with grad mode on; returns its loss.
+  torch::Tensor begin_step(const char* what, const LossClosure& closure) const;
   // p's piece steps now: it is in a group and has a gradient.
   bool steps(const WholeParam& p) const { return p.has_grad() && group_of(p) >= 0; }
 
