@@ -64,7 +64,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+def calibration(build, world, model, mp, tmp):
+    """The calibration file for (world, model, precision): made once by a short job whose ranks all time
+    the model at once (--calibrate), so the measured run's resident set does not include it."""
+    path = os.path.join(tmp, f"calibration-{world}-{model}-{mp}.json")
+    if not os.path.exists(path):
+        cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
+               str(free_port()), os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + [
+                   "--batch-per-rank", "4", "--steps", "1", "--warmup", "0", "--eval-batches", "1", "--sample-bytes",
+                   "0", "--mixed-precision", mp, "--plan-file", os.path.join(tmp, "calibration-plan.jsonl"),
+                   "--calibrate", "--calibration-file", path]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp)
+        if out.returncode != 0:
+            sys.exit("failed: " + " ".join(cmd) + "\n" + out.stdout[-3000:] + out.stderr[-3000:])
+    return path
+
+
 def run_one(build, world, model, strategy, checkpointing, mp, tmp):
+    cal = calibration(build, world, model, mp, tmp)
     plan_file = os.path.join(tmp, "plan.jsonl")
     metrics = os.path.join(tmp, "metrics.jsonl")
     for f in (plan_file, metrics):
@@ -74,7 +91,8 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp):
            str(free_port()), "/usr/bin/time", "-f",
            "maxrss_kb %M", os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + strategy + [
                "--batch-per-rank", "4", "--steps", "6", "--warmup", "1", "--log-interval", "3", "--eval-batches", "1",
-               "--sample-bytes", "0", "--mixed-precision", mp, "--plan-file", plan_file, "--metrics-file", metrics]
+               "--sample-bytes", "0", "--mixed-precision", mp, "--plan-file", plan_file, "--calibration-file", cal,
+               "--metrics-file", metrics]
     if checkpointing:
         cmd.append("--activation-checkpointing")
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -184,6 +184,58 @@ TEST(Planner, AModelThatFitsOnlyWithCpuOffload) {
   EXPECT_FALSE(tight.entries.back().fits);
 }
 
+TEST(Planner, CalibratedTimesReplaceTheNominalRates) {
+  {  // fsdp::calibrate times a real model and its step; the result survives a file round trip
+    Stack real(32, 2);
+    const auto input = torch::randn({64, 32});
+    auto forward = [&] {
+      at::Tensor x = input;
+      for (const auto& block : *real->blocks) x = block->as<torch::nn::Sequential>()->forward(x);
+      return x.square().mean();
+    };
+    const auto measured = fsdp::calibrate(
+        *real, forward, 64,
+        fsdp::CalibrateOptions().optimizer(
+            [](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+              return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(1e-3));
+            }));
+    ASSERT_EQ(measured.timings.size(), 1U);
+    EXPECT_GT(measured.timings[0].forward_s, 0);
+    EXPECT_GT(measured.timings[0].backward_s, 0);
+    EXPECT_GT(measured.step_s_per_element, 0);
+    const auto back = fsdp::Calibration::from_json(measured.to_json());
+    EXPECT_EQ(back.tokens, 64);
+    ASSERT_NE(back.find(at::kFloat), nullptr);
+    EXPECT_EQ(back.find(at::kFloat)->forward_s, measured.timings[0].forward_s);
+    EXPECT_EQ(back.find(at::kBFloat16), nullptr);
+    EXPECT_THROW(fsdp::Calibration::from_json("{\"tokens\": 1}"), fsdp::Error);
+  }
+  fsdp::DeferredInit deferred;
+  Stack model(64, 4);
+  const int64_t numel = 4 * (2 * 4 * 64 * 64 + 4 * 64 + 64);
+  fsdp::Calibration c;
+  c.tokens = 1024;
+  c.timings.push_back({at::kFloat, 0.010, 0.025});
+  c.step_s_per_element = 1e-9;
+  // Twice the calibrated tokens: twice the time. Checkpointing recomputes every block's forward.
+  auto request = one_rank(0).seq_len(2048).calibration(c);
+  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+  ASSERT_EQ(plan.entries.size(), 2U);
+  for (const auto& e : plan.entries) {
+    const double passes = 2 * (0.010 + 0.025) + (e.candidate.activation_checkpointing ? 2 * 0.010 : 0.0);
+    EXPECT_NEAR(e.time.compute_s, passes + numel * 1e-9, 1e-9) << e.candidate.describe();
+    EXPECT_NEAR(e.time.step_s, e.time.compute_s, 1e-9) << e.candidate.describe();  // one rank: nothing exposed
+  }
+  // A precision the calibration lacks keeps the device's nominal rate.
+  const fsdp::Plan bf16 =
+      fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), fsdp::PlanRequest(request).precisions({at::kBFloat16}));
+  const fsdp::Plan nominal =
+      fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0).seq_len(2048).precisions({at::kBFloat16}));
+  const double nominal_step = numel * 7.0 * 4.0 / (fsdp::Cluster::parse("cpu:1x1").device.memory_gbps * 1e9);
+  for (size_t i = 0; i < bf16.entries.size(); ++i)
+    EXPECT_NEAR(bf16.entries[i].time.compute_s - numel * 1e-9, nominal.entries[i].time.compute_s - nominal_step, 1e-9);
+}
+
 TEST(Planner, AModelThatFitsNowhereNamesTheSmallestBudget) {
   fsdp::DeferredInit deferred;
   Stack model(256, 4);

@@ -7,12 +7,17 @@
 #include <chrono>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "evaluation.h"
 #include "measurements.h"
 #include "model.h"
 #include "model_cost.h"
+#include "optimizer.h"
 
 namespace fsdp_gpt {
 
@@ -32,7 +37,43 @@ double matmul_rate(at::ScalarType dtype) {
   return 2.0 * n * n * n / fastest;
 }
 
+// The precisions the plan considers: the flags' own, or every one the search tries.
+std::vector<at::ScalarType> plan_precisions(const TrainConfig& config, bool flags_only) {
+  if (flags_only)
+    return {config.mixed_precision == "bf16"   ? at::kBFloat16
+            : config.mixed_precision == "fp16" ? at::kHalf
+                                               : at::kFloat};
+  return fsdp::PlanRequest().precisions();
+}
+
 }  // namespace
+
+fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
+  gpt::GPTConfig model_config;
+  model_config.context = config.context;
+  model_config.width = config.width;
+  model_config.layers = config.layers;
+  model_config.heads = config.heads;
+  torch::manual_seed(config.seed);
+  gpt::GPT model(model_config);  // a throwaway copy, real memory
+  const int64_t rows = config.batch_size > 0 ? config.batch_size : config.batch_per_rank;
+  gpt::Batch batch;
+  batch.inputs = torch::randint(model_config.vocab_size, {rows, config.context}, torch::kLong);
+  batch.targets = torch::randint(model_config.vocab_size, {rows, config.context}, torch::kLong);
+  const auto options = fsdp::CalibrateOptions()
+                           .precisions(plan_precisions(config, flags_only))
+                           .optimizer([&](const std::vector<at::Tensor>&) -> std::unique_ptr<torch::optim::Optimizer> {
+                             std::vector<std::pair<std::string, torch::Tensor>> named;
+                             std::map<std::string, int64_t> dims;
+                             for (const auto& p : model->named_parameters()) {
+                               named.emplace_back(p.key(), p.value());
+                               dims[p.key()] = p.value().dim();
+                             }
+                             return gpt::make_adamw(named, dims, config.lr, config.weight_decay);
+                           });
+  return fsdp::calibrate(
+      *model, [&] { return next_token_loss(model, batch); }, rows * config.context, options);
+}
 
 fsdp::Cluster plan_cluster(const TrainConfig& config, int world) {
   if (!config.cluster.empty()) return fsdp::Cluster::parse(config.cluster);
@@ -94,7 +135,8 @@ void write_entries(const std::string& path, const fsdp::Plan& plan) {
   }
 }
 
-fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int64_t process_bytes, bool flags_only) {
+fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int64_t process_bytes, bool flags_only,
+                    const fsdp::Calibration& calibration) {
   gpt::GPTConfig model_config;
   model_config.context = config.context;
   model_config.width = config.width;
@@ -110,6 +152,7 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
                      .seq_len(config.context)
                      .module_cost(gpt::module_cost)
                      .process_bytes(cluster.device_is_host ? process_bytes : 0)  // the host's, not a device's
+                     .calibration(calibration)
                      .wrap_policies({{"block", fsdp::wrap::by_type<gpt::BlockImpl>()}, {"none", nullptr}});
   if (!config.memory_budget.empty()) request.memory_budget(fsdp::parse_bytes(config.memory_budget));
   if (flags_only) request = only_the_flags(request, config);
@@ -131,7 +174,14 @@ void apply_candidate(const fsdp::Candidate& c, TrainConfig& config) {
 
 int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
   const fsdp::Cluster cluster = plan_cluster(config, env.world_size);
-  const fsdp::Plan plan = plan_gpt(config, cluster, resident_bytes());
+  fsdp::Calibration calibration;
+  if (config.calibrate) {
+    calibration = calibrate_gpt(config, false);
+    if (env.rank == 0 && !config.calibration_file.empty()) calibration.save(config.calibration_file);
+  } else if (!config.calibration_file.empty()) {
+    calibration = fsdp::Calibration::from_file(config.calibration_file);
+  }
+  const fsdp::Plan plan = plan_gpt(config, cluster, resident_bytes(), false, calibration);
   if (env.rank != 0) return 0;
   if (!config.plan_file.empty()) write_entries(config.plan_file, plan);
   std::cout << plan.table();
@@ -157,16 +207,30 @@ void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_f
   FSDP_CHECK(cluster.world() == pg.size(), "--cluster ", config.cluster, " has ", cluster.world(),
              " ranks but the job has ", pg.size(), "; training plans for the job's own ranks");
   const auto process_bytes = static_cast<int64_t>(fsdp::mean_across_ranks(pg, static_cast<double>(resident_bytes())));
-  if (config.memory_budget.empty()) {  // --plan-file alone: this run's prediction
-    if (pg.rank() == 0) write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true));
+  const bool flags_only = config.memory_budget.empty();  // --plan-file alone: this run's prediction
+  fsdp::Calibration calibration;
+  if (config.calibrate) {  // every rank at once, so the times include their sharing of the machine
+    if (pg.size() > 1) pg.world()->barrier();
+    calibration = calibrate_gpt(config, flags_only);
+    for (auto& t : calibration.timings) {  // the same figures on every rank, so every rank plans alike
+      t.forward_s = fsdp::mean_across_ranks(pg, t.forward_s);
+      t.backward_s = fsdp::mean_across_ranks(pg, t.backward_s);
+    }
+    calibration.step_s_per_element = fsdp::mean_across_ranks(pg, calibration.step_s_per_element);
+    if (pg.rank() == 0 && !config.calibration_file.empty()) calibration.save(config.calibration_file);
+  } else if (!config.calibration_file.empty()) {
+    calibration = fsdp::Calibration::from_file(config.calibration_file);
+  }
+  if (flags_only) {
+    if (pg.rank() == 0) write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration));
     return;
   }
-  const fsdp::Plan plan = plan_gpt(config, cluster, process_bytes);
+  const fsdp::Plan plan = plan_gpt(config, cluster, process_bytes, false, calibration);
   const fsdp::PlanEntry& best = plan.best();
   apply_candidate(best.candidate, config);
   resolve_batch(config, pg.size());
   if (pg.rank() == 0 && !config.plan_file.empty())
-    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true));
+    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration));
   if (pg.rank() == 0)
     std::cout << "planned for " << fsdp::format_bytes(plan.budget) << " per rank: " << best.candidate.describe()
               << "; predicted peak " << fsdp::format_bytes(best.memory.peak) << " (FSDP parameters "

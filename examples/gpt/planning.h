@@ -16,7 +16,12 @@ fsdp::Cluster plan_cluster(const TrainConfig& config, int world);
 // model and batch on `cluster`. `process_bytes`: this process's memory outside tensors (its
 // resident set before the model).
 fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int64_t process_bytes,
-                    bool flags_only = false);
+                    bool flags_only = false, const fsdp::Calibration& calibration = {});
+
+// --calibrate: the GPT's forward, backward and AdamW step timed on this machine (a real copy of the
+// model, one micro-batch of random tokens) in the precisions the plan considers (`flags_only`:
+// the flags' own). Collective-free.
+fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only);
 
 // The flags that run `candidate` (strategy, wrapping, checkpointing, precision, micro-batch).
 void apply_candidate(const fsdp::Candidate& candidate, TrainConfig& config);

@@ -198,6 +198,11 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                  "replacing --strategy, --wrap, --activation-checkpointing, --mixed-precision and --batch-size");
   app.add_option("--plan-file", config.plan_file,
                  "Write predictions as JSON lines: with --plan every configuration's, else this run's own");
+  app.add_flag("--calibrate", config.calibrate,
+               "Plan with this machine's measured times: every rank times a copy of the model's forward, "
+               "backward and optimizer step first (needs the model to fit once per rank)");
+  app.add_option("--calibration-file", config.calibration_file,
+                 "With --calibrate: save the measured times there (JSON); without: plan with the times saved there");
 }
 
 // Checks that involve several flags, thrown as CLI::ValidationError like CLI11's own; resolves --warmup.
@@ -223,6 +228,14 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
   }
   if (!config.plan_file.empty() && !config.plan && config.grad_accum > 1 && config.grad_accum_mode != "reduce")
     throw CLI::ValidationError("--plan-file", "predicts accumulation with --grad-accum-mode reduce only");
+  const bool calibrated = config.calibrate || !config.calibration_file.empty();
+  const char* calibration_flag = config.calibrate ? "--calibrate" : "--calibration-file";
+  if (calibrated && !config.plan && config.memory_budget.empty() && config.plan_file.empty())
+    throw CLI::ValidationError(calibration_flag, "gives the planner this machine's times; add --plan, "
+                                                 "--memory-budget or --plan-file");
+  if (calibrated && !config.cluster.empty())
+    throw CLI::ValidationError(calibration_flag, "holds this machine's times, but --cluster " + config.cluster +
+                                                     " plans for another; drop one of them");
   if (!config.cluster.empty() && !config.plan && config.memory_budget.empty())
     throw CLI::ValidationError("--cluster", "is what --plan or --memory-budget plan for; add one of them");
   if (config.mixed_precision == "fp16") {

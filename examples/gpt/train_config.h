@@ -73,11 +73,13 @@ struct TrainConfig {
   bool async_save = false;  // --save-every saves written in the background
   std::string export_file;
   // Planning (docs/planner.md).
-  bool plan = false;          // print the planner's table and exit
-  std::string cluster;        // empty: this machine with the job's ranks
-  std::string memory_budget;  // e.g. 1GiB: train with the fastest planned configuration that fits
-  std::string plan_file;      // JSON lines: --plan's entries, or the prediction for this run
-  BatchPlan batch;            // resolved by resolve_batch, not a flag
+  bool plan = false;             // print the planner's table and exit
+  std::string cluster;           // empty: this machine with the job's ranks
+  std::string memory_budget;     // e.g. 1GiB: train with the fastest planned configuration that fits
+  std::string plan_file;         // JSON lines: --plan's entries, or the prediction for this run
+  bool calibrate = false;        // time the model on this machine before planning
+  std::string calibration_file;  // with calibrate: where to save it; without: the calibration to plan with
+  BatchPlan batch;               // resolved by resolve_batch, not a flag
 };
 
 // Returns -1 to go on, or the exit code (0 after --help). Only rank 0 prints, so a bad flag is

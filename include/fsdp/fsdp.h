@@ -2,6 +2,7 @@
 // libfsdp: Fully Sharded Data Parallel training for the PyTorch C++ frontend.
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/adafactor.h"
+#include "fsdp/calibration.h"
 #include "fsdp/check.h"
 #include "fsdp/checkpoint.h"
 #include "fsdp/cluster.h"

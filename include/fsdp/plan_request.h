@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/calibration.h"
 #include "fsdp/options.h"
 #include "fsdp/wrap_policy.h"
 
@@ -49,6 +50,8 @@ struct PlanRequest {
   TORCH_ARG(double, allocator_headroom) = 0.0;
   // Shard gradients stay allocated between steps (LibTorch 1.x zero_grad zeroes them in place).
   TORCH_ARG(bool, grads_kept_between_steps) = TORCH_VERSION_MAJOR < 2;
+  // Measured times (fsdp::calibrate) that replace the device's nominal rates where they apply.
+  TORCH_ARG(Calibration, calibration) = {};
 
   TORCH_ARG(std::vector<ShardingStrategy>, strategies) = {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                                                           ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard};

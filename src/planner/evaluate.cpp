@@ -107,12 +107,19 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     su.kept_activation_bytes = su.checkpointed ? static_cast<int64_t>(costs.unit_input_values[u] * tokens) * act_size
                                                : su.full_activation_bytes;
   }
+  // Seconds per forward FLOP and backward over forward: measured (calibration) or nominal.
+  const Calibration& calibration = request.calibration();
+  const PrecisionTiming* timing = calibration.find(c.precision);
+  const double calibrated_flops = costs.forward_flops * static_cast<double>(calibration.tokens);
+  const bool calibrated = timing != nullptr && calibrated_flops > 0 && timing->forward_s > 0;
+  const double forward_s_per_flop = calibrated ? timing->forward_s / calibrated_flops : 1.0 / peak_flops;
+  const double backward_ratio = calibrated ? timing->backward_s / timing->forward_s : 2.0;
   for (const SegmentCost& s : costs.segments) {
     SimSegment seg;
     seg.unit = s.unit;
-    seg.forward_s = s.forward_flops * tokens / peak_flops;
+    seg.forward_s = s.forward_flops * tokens * forward_s_per_flop;
     const bool recompute = sim.units[s.unit].checkpointed;
-    seg.backward_s = (recompute ? 3.0 : 2.0) * seg.forward_s;
+    seg.backward_s = (backward_ratio + (recompute ? 1.0 : 0.0)) * seg.forward_s;
     const double unit_values = costs.unit_activation_values[s.unit];
     seg.activation_share = unit_values > 0 ? s.activation_values / unit_values : 0;
     sim.segments.push_back(seg);
@@ -144,7 +151,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
 
   // Each micro-batch reduces its gradients; the optimizer steps once, bound by memory bandwidth.
   const double bandwidth = (offload ? cluster.host_device_gbps * 4 : cluster.device.memory_gbps) * 1e9;
-  const double step_s = static_cast<double>(rest.piece_numel) * kOptimizerValuesPerElement * 4.0 / bandwidth;
+  const double step_s = calibration.step_s_per_element > 0 && !offload
+                            ? static_cast<double>(rest.piece_numel) * calibration.step_s_per_element
+                            : static_cast<double>(rest.piece_numel) * kOptimizerValuesPerElement * 4.0 / bandwidth;
   TimePrediction& t = e.time;
   t.step_s = c.accumulation * r.step_s + step_s;
   t.compute_s = c.accumulation * r.compute_s + step_s;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Planner tests for the example trainer fsdp_gpt: --plan prints a table for a cluster and exits;
 # --memory-budget trains with the fastest planned configuration that fits, and refuses a budget
-# nothing fits, naming the smallest.
+# nothing fits, naming the smallest; --calibrate plans with this machine's measured times.
 #
 #   fsdp_gpt_plan_test.sh PATH/TO/fsdp_gpt PATH/TO/fsdp-run [CASE...]
 #
@@ -45,6 +45,23 @@ test_memory_budget_too_small() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --memory-budget 1MiB
   expect_failure
   expect_regex err "no configuration fits in 1.00 MiB per rank on .*; the smallest needs [0-9.]+ MiB"
+}
+
+test_plan_calibrated() {
+  # Every rank times the model first; the saved times plan again without measuring.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --memory-budget 1GiB \
+    --calibrate --calibration-file "$TMP/calibration.json"
+  expect_rc 0
+  expect_regex out "^\[rank 0\] planned for 1.00 GiB per rank: .*; predicted peak [0-9.]+ MiB"
+  expect_regex out "^\[rank 0\] step +4/4 \| loss "
+  grep -q '"precision": "fp32"' "$TMP/calibration.json" || fail "no fp32 timing in the calibration file"
+  grep -q '"precision": "bf16"' "$TMP/calibration.json" || fail "no bf16 timing in the calibration file"
+  run "$TRAINER" "${SMALL[@]}" --plan --calibration-file "$TMP/calibration.json"
+  expect_rc 0
+  expect_regex out "^best: "
+  run "$TRAINER" "${SMALL[@]}" --plan --calibrate --cluster a100-80g:1x8
+  expect_failure
+  expect_text err "--cluster a100-80g:1x8 plans for another"
 }
 
 run_cases "$@"

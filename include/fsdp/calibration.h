@@ -1,0 +1,60 @@
+#pragma once
+// Measured computation times that replace the planner's nominal device rates
+// (PlanRequest::calibration): fsdp::calibrate times a model's own forward, backward and optimizer
+// step on this device. See Note [Planner calibration] in docs/design.md.
+#include <torch/arg.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+// One precision's timings of the whole model on `Calibration::tokens` tokens.
+struct PrecisionTiming {
+  at::ScalarType precision = at::kFloat;
+  double forward_s = 0;   // forward and loss
+  double backward_s = 0;  // backward of that loss
+};
+
+struct Calibration {
+  int64_t tokens = 0;  // tokens in each timed forward
+  std::vector<PrecisionTiming> timings;
+  double step_s_per_element = 0;  // the optimizer's step per parameter element; 0: not measured
+
+  // The timing for `precision`, or null.
+  const PrecisionTiming* find(at::ScalarType precision) const;
+  bool empty() const { return timings.empty(); }
+
+  // {"tokens": N, "step_s_per_element": S, "timings": [{"precision": "fp32"|"bf16"|"fp16",
+  // "forward_s": F, "backward_s": B}, ...]}
+  std::string to_json() const;
+  // Throws fsdp::Error naming the bad field and `source`.
+  static Calibration from_json(const std::string& text, const std::string& source = "calibration JSON");
+  static Calibration from_file(const std::string& path);
+  void save(const std::string& path) const;
+};
+
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+struct CalibrateOptions {
+  /// Precisions to time the model in (it is cast to each in turn).
+  TORCH_ARG(std::vector<at::ScalarType>, precisions) = {at::kFloat};
+  /// Timed repetitions per precision after one untimed; the median counts.
+  TORCH_ARG(int, repetitions) = 3;
+  /// Builds the optimizer whose step is timed, over float32 parameters; null: the step is not timed.
+  TORCH_ARG(OptimizerFactory, optimizer) = nullptr;
+};
+
+// Times `loss()` (one forward of `tokens` tokens through `model`, returning a scalar) and its
+// backward in every precision of `options`, and the optimizer's step over `model`'s parameters.
+// `model` is a throwaway copy on the device the job computes on; it is left in the last precision.
+// Collective-free: every rank of a job may calibrate at once (then the times include the ranks'
+// sharing of the machine). Throws fsdp::Error on bad arguments.
+Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int64_t tokens,
+                      const CalibrateOptions& options = {});
+
+}  // namespace fsdp

@@ -1,0 +1,165 @@
+// fsdp::calibrate (include/fsdp/calibration.h): timings of a model's own forward, backward and
+// optimizer step. See Note [Planner calibration] in docs/design.md.
+#include "fsdp/calibration.h"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "fsdp/check.h"
+
+namespace fsdp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+void zero_grads(torch::nn::Module& model) {
+  for (auto& p : model.parameters())
+    if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+}
+
+// Forward-and-loss and backward seconds, median over `repetitions` after one untimed.
+PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions) {
+  std::vector<double> forward, backward;
+  for (int i = 0; i <= repetitions; ++i) {
+    zero_grads(model);
+    const auto start = Clock::now();
+    at::Tensor value = loss();
+    FSDP_CHECK(value.numel() == 1, "fsdp::calibrate: loss() must return a scalar, got ", value.numel(), " values");
+    const double f = seconds_since(start);
+    const auto middle = Clock::now();
+    value.backward();
+    const double b = seconds_since(middle);
+    if (i > 0) forward.push_back(f), backward.push_back(b);
+  }
+  zero_grads(model);
+  PrecisionTiming t;
+  t.forward_s = median(forward);
+  t.backward_s = median(backward);
+  return t;
+}
+
+// The optimizer's step per parameter element, median over `repetitions` after one untimed.
+double time_step(torch::nn::Module& model, const std::function<at::Tensor()>& loss, const OptimizerFactory& factory,
+                 int repetitions) {
+  std::vector<at::Tensor> params;
+  int64_t numel = 0;
+  for (auto& p : model.parameters())
+    if (p.requires_grad()) params.push_back(p), numel += p.numel();
+  FSDP_CHECK(numel > 0, "fsdp::calibrate: the model has no trainable parameters to time a step over");
+  loss().backward();
+  auto optimizer = factory(params);
+  FSDP_CHECK(optimizer != nullptr, "fsdp::calibrate: the optimizer factory returned null");
+  std::vector<double> steps;
+  for (int i = 0; i <= repetitions; ++i) {
+    const auto start = Clock::now();
+    optimizer->step();
+    if (i > 0) steps.push_back(seconds_since(start));
+  }
+  zero_grads(model);
+  return median(steps) / static_cast<double>(numel);
+}
+
+const char* precision_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "fp32";
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    case at::kDouble: return "fp64";
+    default: throw Error(std::string("a calibration has no name for precision ") + c10::toString(t));
+  }
+}
+
+at::ScalarType precision_named(const std::string& name, const std::string& source) {
+  for (const auto t : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble})
+    if (name == precision_name(t)) return t;
+  throw Error(source + ": unknown precision \"" + name + "\"; use fp32, bf16, fp16 or fp64");
+}
+
+}  // namespace
+
+std::string Calibration::to_json() const {
+  nlohmann::json j{
+      {"tokens", tokens}, {"step_s_per_element", step_s_per_element}, {"timings", nlohmann::json::array()}};
+  for (const auto& t : timings)
+    j["timings"].push_back(
+        {{"precision", precision_name(t.precision)}, {"forward_s", t.forward_s}, {"backward_s", t.backward_s}});
+  return j.dump(1);
+}
+
+Calibration Calibration::from_json(const std::string& text, const std::string& source) {
+  Calibration c;
+  try {
+    const auto j = nlohmann::json::parse(text);
+    c.tokens = j.at("tokens").get<int64_t>();
+    c.step_s_per_element = j.value("step_s_per_element", 0.0);
+    for (const auto& t : j.at("timings")) {
+      PrecisionTiming timing;
+      timing.precision = precision_named(t.at("precision").get<std::string>(), source);
+      timing.forward_s = t.at("forward_s").get<double>();
+      timing.backward_s = t.at("backward_s").get<double>();
+      FSDP_CHECK(timing.forward_s > 0 && timing.backward_s > 0, source, ": the ", precision_name(timing.precision),
+                 " timing must have positive forward_s and backward_s");
+      c.timings.push_back(timing);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(source + ": not a calibration (" + e.what() + "); fsdp::Calibration::save writes one");
+  }
+  FSDP_CHECK(c.tokens > 0, source, ": tokens must be positive");
+  return c;
+}
+
+Calibration Calibration::from_file(const std::string& path) {
+  std::ifstream in(path);
+  FSDP_CHECK(in.good(), "cannot read the calibration file ", path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return from_json(text.str(), path);
+}
+
+void Calibration::save(const std::string& path) const {
+  std::ofstream out(path);
+  FSDP_CHECK(out.good(), "cannot write the calibration file ", path);
+  out << to_json() << "\n";
+}
+
+const PrecisionTiming* Calibration::find(at::ScalarType precision) const {
+  for (const auto& t : timings)
+    if (t.precision == precision) return &t;
+  return nullptr;
+}
+
+Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int64_t tokens,
+                      const CalibrateOptions& options) {
+  FSDP_CHECK(loss != nullptr, "fsdp::calibrate: loss is null; pass a function that runs one forward");
+  FSDP_CHECK(tokens > 0, "fsdp::calibrate: tokens must be positive (the tokens in one forward), got ", tokens);
+  FSDP_CHECK(options.repetitions() >= 1, "fsdp::calibrate: repetitions must be >= 1, got ", options.repetitions());
+  FSDP_CHECK(!options.precisions().empty(), "fsdp::calibrate: no precision to time; name at least one");
+  Calibration c;
+  c.tokens = tokens;
+  if (options.optimizer()) {
+    model.to(at::kFloat);
+    c.step_s_per_element = time_step(model, loss, options.optimizer(), options.repetitions());
+  }
+  for (const at::ScalarType precision : options.precisions()) {
+    FSDP_CHECK(at::isFloatingType(precision), "fsdp::calibrate: precision ", c10::toString(precision),
+               " is not a floating type");
+    model.to(precision);
+    PrecisionTiming t = time_passes(model, loss, options.repetitions());
+    t.precision = precision;
+    c.timings.push_back(t);
+  }
+  return c;
+}
+
+}  // namespace fsdp
