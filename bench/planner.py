@@ -176,7 +176,9 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         "L = 2 x 256, context 64; XL = 4 x 512, context 128; vocabulary 256. Measured: rank 0's `memory_stats()` peaks over the last logged "
         "window (steps 4-6), the largest peak resident set over the ranks (`/usr/bin/time`), the window's "
         "ms/step. Predicted: the trainer's `--plan-file` entry for the run (cluster `cpu:1xWORLD`, process bytes = "
-        "the mean resident set over ranks after the data is loaded).",
+        "the mean resident set over ranks after the data is loaded), with `--calibration-file` from a job of the "
+        "same world, model and precision run just before its first use (`--calibrate`: every rank timing a copy "
+        "of the model at once).",
         "",
         f"- FSDP-managed memory (parameter + gradient peaks) within 2%: **{fsdp_ok} of {len(rows)}** runs "
         f"(worst measured / predicted {max(abs(ratio(r['fsdp']) - 1) for r in rows) * 100:.2f}% off).",

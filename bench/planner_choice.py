@@ -3,9 +3,10 @@
 
     bench/planner_choice.py BUILD_DIR [--out bench/results/planner_choice.md]
 
-Runs every candidate of a small search space (model M of bench/planner.py, world 2, micro-batch 4:
-3 strategies x {block, block checkpointed, no wrapping} x {fp32, bf16}) through the trainer with
---plan-file, then, for budgets from the smallest predicted peak to the largest, compares the
+Runs every candidate of a small search space (model XL of bench/planner.py, world 2, 4 sequences per
+rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, and FULL_SHARD's block units with
+2 micro-batches of 2) through the trainer with --plan-file and a calibration made first (as in
+bench/planner.py), then, for budgets from the smallest predicted peak to the largest, compares the
 planner's choice (the fastest predicted among the candidates predicted to fit) with the fastest
 measured among those whose measured peak resident set fits: whether the choice's measured peak fits
 the budget (no OOM), and its measured step time over the fastest's.
@@ -31,16 +32,20 @@ def main():
     load_start = os.getloadavg()[0]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
+        candidates = []
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             for wrap, checkpointing in (("block", False), ("block", True), ("none", False)):
-                for mp in ("none", "bf16"):
-                    flags = ["--strategy", strategy, "--wrap", wrap]
-                    r = run_one(build, 2, "M", flags, checkpointing, mp, tmp)
-                    p, m = r["plan"], r["measured"]
-                    runs.append({"config": p["configuration"], "pred_peak": p["peak_bytes"], "pred_step": p["step_s"],
-                                 "rss": max(r["rss"]), "step": m["ms_per_step"] / 1e3})
-                    print(f"{len(runs)}/18 {p['configuration']}: rss {max(r['rss']) / 2**20:.1f} MiB, "
-                          f"step {m['ms_per_step']:.1f} ms", flush=True)
+                candidates.append((["--strategy", strategy, "--wrap", wrap], checkpointing))
+        for checkpointing in (False, True):
+            candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--batch-size", "2",
+                                "--grad-accum-mode", "reduce"], checkpointing))
+        for flags, checkpointing in candidates:
+            r = run_one(build, 2, "XL", flags, checkpointing, "none", tmp)
+            p, m = r["plan"], r["measured"]
+            runs.append({"config": p["configuration"], "pred_peak": p["peak_bytes"], "pred_step": p["step_s"],
+                         "rss": max(r["rss"]), "step": m["ms_per_step"] / 1e3})
+            print(f"{len(runs)}/{len(candidates)} {p['configuration']}: rss {max(r['rss']) / 2**20:.1f} MiB, "
+                  f"step {m['ms_per_step']:.1f} ms", flush=True)
     finished = datetime.datetime.utcnow()
     lo = min(r["pred_peak"] for r in runs)
     hi = max(max(r["pred_peak"], r["rss"]) for r in runs)
@@ -54,8 +59,9 @@ def main():
         f"{started:%Y-%m-%d %H:%M} to {finished:%H:%M} UTC, commit {commit}. This 2-core CPU machine, shared "
         f"with other jobs (load average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end).",
         "",
-        "Candidates: model M (4 layers, width 128, context 64), world 2, 4 sequences per rank, each run as in "
-        "[planner.md](planner.md) (6 steps; ms/step of the last 3; peak resident set over the ranks).",
+        "Candidates: model XL (4 layers, width 512, context 128), world 2, 4 sequences per rank, fp32, each run as "
+        "in [planner.md](planner.md) (6 steps; ms/step of the last 3; peak resident set over the ranks; the "
+        "prediction calibrated by a separate job first).",
         "",
         "| candidate | predicted peak MiB | measured peak RSS MiB | predicted step ms | measured step ms |",
         "| --- | ---: | ---: | ---: | ---: |",
