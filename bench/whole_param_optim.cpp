@@ -29,7 +29,7 @@ struct Config {
 struct Result {
   std::vector<double> step_ms, optimizer_ms;
   int64_t bytes = 0, naive_bytes = 0;  // per rank and step
-  fsdp::MuonStepStats muon;             // Muon's plan on this rank
+  fsdp::MuonStepStats muon;            // Muon's plan on this rank
 };
 
 double median(std::vector<double> v) {

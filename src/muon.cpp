@@ -168,8 +168,7 @@ void Muon::plan_exchanges(int members, int rank) {
       cursor[r][o] += m.count[r];
       if (r == rank)
         outgoing_.push_back({i, m.begin[r], m.count[r], stats_.all_to_all ? o * X + c : o * X + offset[r][o] + c});
-      if (o == rank)
-        incoming_.push_back({i, m.begin[r], m.count[r], stats_.all_to_all ? r * X + c : offset[r][o] + c});
+      if (o == rank) incoming_.push_back({i, m.begin[r], m.count[r], stats_.all_to_all ? r * X + c : offset[r][o] + c});
     }
   }
 }
@@ -235,7 +234,8 @@ torch::Tensor Muon::step(LossClosure closure) {
   const CommunicatorPtr& comm = reduction_.communicator();
   if (!comm) {  // every rank holds whole matrices
     for (size_t i = 0; i < matrices_.size(); ++i)
-      if (direction[i].defined()) updates[i] = finish(matrices_[i], direction[i].view(params[matrices_[i].param].shape));
+      if (direction[i].defined())
+        updates[i] = finish(matrices_[i], direction[i].view(params[matrices_[i].param].shape));
   } else {
     // Each rank sends the pieces it holds of other owners' matrices; each owner completes its
     // matrices with its own pieces, orthogonalizes them, and returns each piece its part of the
@@ -264,10 +264,12 @@ torch::Tensor Muon::step(LossClosure closure) {
       if (direction[i].defined()) whole.narrow(0, m.begin[rank], m.count[rank]).copy_(direction[i]);
       const size_t first = k;
       for (; k < incoming_.size() && incoming_[k].matrix == i; ++k)
-        whole.narrow(0, incoming_[k].from, incoming_[k].numel).copy_(gathered.narrow(0, incoming_[k].at, incoming_[k].numel));
+        whole.narrow(0, incoming_[k].from, incoming_[k].numel)
+            .copy_(gathered.narrow(0, incoming_[k].at, incoming_[k].numel));
       const at::Tensor result = finish(m, whole.view(p.shape));
       for (size_t j = first; j < k; ++j)
-        gathered.narrow(0, incoming_[j].at, incoming_[j].numel).copy_(result.narrow(0, incoming_[j].from, incoming_[j].numel));
+        gathered.narrow(0, incoming_[j].at, incoming_[j].numel)
+            .copy_(result.narrow(0, incoming_[j].from, incoming_[j].numel));
       if (direction[i].defined()) updates[i] = result.narrow(0, m.begin[rank], m.count[rank]);
     }
     if (X > 0) {

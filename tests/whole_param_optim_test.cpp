@@ -46,19 +46,19 @@ std::pair<std::unique_ptr<fsdp::WholeParamOptimizer>, StepFn> optimizers(const s
   // all-gather (what transports without an all-to-all use).
   auto ref = std::make_shared<ReferenceMuon>(ReferenceMuon{2e-2, 0.95, 0.01, 1e-2, 0.9, 0.99, 1e-8, 0.01, {}, {}});
   ref->bfloat16 = kind == "muon_bf16";
-  return {
-      std::make_unique<fsdp::Muon>(sharded, fsdp::MuonOptions(2e-2)
-                                                .momentum(0.95)
-                                                .weight_decay(0.01)
-                                                .ns_bfloat16(ref->bfloat16)
-                                                .adamw(fsdp::MuonAdamW(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(0.01)),
-                                   kind == "muon_rs" ? fsdp::MuonExchange::kReduceScatterAllGather
-                                                     : fsdp::MuonExchange::kAuto),
-      [ref](const std::vector<at::Tensor>& ps) {
-        if (ref->muon.empty())
-          for (const auto& p : ps) ref->muon.push_back(p.dim() == 2);
-        ref->step(ps);
-      }};
+  return {std::make_unique<fsdp::Muon>(
+              sharded,
+              fsdp::MuonOptions(2e-2)
+                  .momentum(0.95)
+                  .weight_decay(0.01)
+                  .ns_bfloat16(ref->bfloat16)
+                  .adamw(fsdp::MuonAdamW(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(0.01)),
+              kind == "muon_rs" ? fsdp::MuonExchange::kReduceScatterAllGather : fsdp::MuonExchange::kAuto),
+          [ref](const std::vector<at::Tensor>& ps) {
+            if (ref->muon.empty())
+              for (const auto& p : ps) ref->muon.push_back(p.dim() == 2);
+            ref->step(ps);
+          }};
 }
 
 // Every parameter of `module` that trains, once.
@@ -140,7 +140,8 @@ void expect_single_process_result(const WorkerContext& ctx, const fsdp::ProcessG
     // Matrices split across ranks: some pieces travel; by all-to-all, in fewer bytes than gathering
     // every matrix (a reduce-scatter's segments can exceed that: Note [Muon's owner ranks]).
     WORKER_CHECK(!peers || (st.moved_numel > 0 && (!st.all_to_all || st.bytes_sent < st.naive_bytes_sent)), what,
-                 ": moved ", st.moved_numel, " elements, ", st.bytes_sent, " bytes against naive ", st.naive_bytes_sent);
+                 ": moved ", st.moved_numel, " elements, ", st.bytes_sent, " bytes against naive ",
+                 st.naive_bytes_sent);
     WORKER_CHECK(st.all_to_all == (peers && kind != "muon_rs"), what, ": all_to_all ", st.all_to_all);
   }
   if (ctx.rank == 0) std::cout << what << " ok" << std::endl;
@@ -159,7 +160,8 @@ FSDP_WORKER(whole_param_strategies_worker) {
   std::vector<std::string> strategies{"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
   if (ctx.world % 2 == 0 && ctx.world >= 4) strategies.emplace_back("HYBRID_SHARD");
   for (const auto& strategy : strategies)
-    for (const char* kind : {"lamb", "adafactor", "muon"}) expect_single_process_result(ctx, pg, kind, strategy, "plain");
+    for (const char* kind : {"lamb", "adafactor", "muon"})
+      expect_single_process_result(ctx, pg, kind, strategy, "plain");
   expect_single_process_result(ctx, pg, "muon_bf16", "FULL_SHARD", "plain");
   for (const auto& strategy : strategies) expect_single_process_result(ctx, pg, "muon_rs", strategy, "plain");
 }

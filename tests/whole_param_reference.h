@@ -128,7 +128,8 @@ struct ReferenceMuon {
         if (!s.buf.defined()) s.buf = at::zeros_like(p);
         s.buf = momentum * s.buf + (1 - momentum) * g;
         const at::Tensor nesterov = (1 - momentum) * g + momentum * s.buf;
-        const at::Tensor x = bfloat16 ? orthogonalize(nesterov.to(at::kBFloat16)).to(p.scalar_type()) : orthogonalize(nesterov);
+        const at::Tensor x =
+            bfloat16 ? orthogonalize(nesterov.to(at::kBFloat16)).to(p.scalar_type()) : orthogonalize(nesterov);
         const at::Tensor o = x * std::sqrt(std::max(1.0, double(p.size(0)) / double(p.size(1))));
         p.mul_(1 - lr * weight_decay);
         p.sub_(lr * o);
