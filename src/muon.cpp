@@ -76,11 +76,15 @@ Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamG
              "transport with an all-to-all, and ", comm ? comm->transport() : std::string(), " has none; use kAuto");
   stats_.all_to_all = exchange == MuonExchange::kAuto ? has_all_to_all : exchange == MuonExchange::kAllToAll;
   assign_owners(cost, members);
-  int64_t total = 0, dtype_size = 0;
+  // The matrices travel in bfloat16 where every one runs Newton-Schulz in it: its input and output
+  // are the same values in either dtype.
+  int64_t total = 0;
+  bool all_bfloat16 = true;
   for (size_t i = 0; i < matrices_.size(); ++i) {
     const WholeParam& p = params[matrices_[i].param];
     total += p.numel;
-    dtype_size = static_cast<int64_t>(c10::elementSize(p.dtype));
+    all_bfloat16 = all_bfloat16 && matrices_[i].ns_bfloat16;
+    exchange_dtype_ = all_bfloat16 ? at::kBFloat16 : p.dtype;
     FSDP_CHECK(p.dtype == params[matrices_.front().param].dtype, "Muon: its matrices must share one dtype; '", p.name,
                "' is ", p.dtype);
     if (matrices_[i].owner == rank) {
@@ -92,6 +96,7 @@ Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamG
   stats_.matrices_numel = total;
   if (!comm) return;
   plan_exchanges(members, rank);
+  const auto dtype_size = static_cast<int64_t>(c10::elementSize(exchange_dtype_));
   stats_.bytes_sent = 2 * (members - 1) * stats_.exchange_numel * dtype_size;
   stats_.naive_bytes_sent = (members - 1) * ((total + members - 1) / members) * dtype_size;
 }
@@ -226,10 +231,8 @@ torch::Tensor Muon::step(LossClosure closure) {
   for (size_t i = 0; i < matrices_.size(); ++i)
     if (steps(params[matrices_[i].param])) direction[i] = momentum_update(params[matrices_[i].param]);
   auto finish = [&](const Matrix& m, const at::Tensor& whole) {  // whole: the (R, C) direction
-    const WholeParam& p = params[m.param];
-    const double scale = std::sqrt(std::max(1.0, static_cast<double>(p.shape[0]) / static_cast<double>(p.shape[1])));
-    if (!m.ns_bfloat16) return orthogonalize(whole, m.ns_steps).mul_(scale).reshape({-1});
-    return orthogonalize(whole.to(at::kBFloat16), m.ns_steps).to(whole.scalar_type()).mul_(scale).reshape({-1});
+    const at::Tensor x = orthogonalize(m.ns_bfloat16 ? whole.to(at::kBFloat16) : whole, m.ns_steps);
+    return x.to(exchange_dtype_).reshape({-1});
   };
   const CommunicatorPtr& comm = reduction_.communicator();
   if (!comm) {  // every rank holds whole matrices
@@ -242,7 +245,7 @@ torch::Tensor Muon::step(LossClosure closure) {
     // result at the place it came from (Note [Muon's owner ranks]).
     const int members = comm->size(), rank = comm->rank();
     const int64_t X = stats_.exchange_numel;
-    const auto opts = at::TensorOptions().dtype(params[matrices_.front().param].dtype).device(comm->device());
+    const auto opts = at::TensorOptions().dtype(exchange_dtype_).device(comm->device());
     at::Tensor spread, gathered;
     if (X > 0) {
       spread = at::zeros({members * X}, opts);
@@ -287,8 +290,9 @@ torch::Tensor Muon::step(LossClosure closure) {
     if (!updates[i].defined()) continue;
     const WholeParam& p = params[matrices_[i].param];
     const auto& o = static_cast<const MuonOptions&>(param_groups_[group_of(p)].options());
+    const double scale = std::sqrt(std::max(1.0, static_cast<double>(p.shape[0]) / static_cast<double>(p.shape[1])));
     p.piece.mul_(1 - o.lr() * o.weight_decay());
-    p.piece.add_(updates[i].to(p.piece.device()), -o.lr());
+    p.piece.add_(updates[i].to(p.piece.device(), p.piece.scalar_type()) * scale, -o.lr());
   }
   return loss;
 }

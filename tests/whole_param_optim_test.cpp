@@ -143,6 +143,9 @@ void expect_single_process_result(const WorkerContext& ctx, const fsdp::ProcessG
                  ": moved ", st.moved_numel, " elements, ", st.bytes_sent, " bytes against naive ",
                  st.naive_bytes_sent);
     WORKER_CHECK(st.all_to_all == (peers && kind != "muon_rs"), what, ": all_to_all ", st.all_to_all);
+    const int64_t element = kind == "muon_bf16" ? 2 : 8;  // bfloat16 Newton-Schulz: the pieces travel in it
+    WORKER_CHECK(!peers || st.bytes_sent == 2 * (sharded->sharding_factor() - 1) * st.exchange_numel * element, what,
+                 ": ", st.bytes_sent, " bytes for ", st.exchange_numel, " elements per destination");
   }
   if (ctx.rank == 0) std::cout << what << " ok" << std::endl;
 }

@@ -58,16 +58,19 @@ enum class MuonExchange { kAuto, kAllToAll, kReduceScatterAllGather };
 
 // What one rank's Muon step moves and computes, for the whole step.
 struct MuonStepStats {
-  int64_t matrices = 0;          // Muon matrices of the module
-  int64_t matrices_numel = 0;    // their elements together (N)
-  int64_t owned = 0;             // of which this rank orthogonalizes
-  int64_t owned_cost = 0;        // their Newton-Schulz cost, the sum of R * C * min(R, C)
-  int64_t total_cost = 0;        // the same over every matrix
-  int64_t moved_numel = 0;       // elements of pieces held outside their owner, over the shard group
-  int64_t exchange_numel = 0;    // elements per destination rank in each of the two exchanges (X)
-  bool all_to_all = false;       // exchanges by all-to-all; else by reduce-scatter and all-gather
-  int64_t bytes_sent = 0;        // by a ring algorithm: (F - 1) * X elements in each of the two exchanges
-  int64_t naive_bytes_sent = 0;  // the same for one all-gather of every whole matrix on every rank: (F - 1) * N / F
+  int64_t matrices = 0;        // Muon matrices of the module
+  int64_t matrices_numel = 0;  // their elements together (N)
+  int64_t owned = 0;           // of which this rank orthogonalizes
+  int64_t owned_cost = 0;      // their Newton-Schulz cost, the sum of R * C * min(R, C)
+  int64_t total_cost = 0;      // the same over every matrix
+  int64_t moved_numel = 0;     // elements of pieces held outside their owner, over the shard group
+  int64_t exchange_numel = 0;  // elements per destination rank in each of the two exchanges (X)
+  bool all_to_all = false;     // exchanges by all-to-all; else by reduce-scatter and all-gather
+  // By a ring algorithm, in the exchange's dtype (bfloat16 where every matrix runs Newton-Schulz in
+  // it, else the pieces'): (F - 1) * X elements in each of the two exchanges, and for the naive way,
+  // one all-gather of every whole matrix on every rank, (F - 1) * N / F.
+  int64_t bytes_sent = 0;
+  int64_t naive_bytes_sent = 0;
 };
 
 class Muon : public WholeParamOptimizer {
@@ -99,8 +102,9 @@ class Muon : public WholeParamOptimizer {
     int64_t from = 0, numel = 0, at = 0;
   };
   std::vector<Matrix> matrices_;
-  std::vector<Slice> outgoing_;  // this rank's pieces of others' matrices, in the spread buffer
-  std::vector<Slice> incoming_;  // others' pieces of this rank's matrices, in the gathered buffer
+  std::vector<Slice> outgoing_;                 // this rank's pieces of others' matrices, in the spread buffer
+  std::vector<Slice> incoming_;                 // others' pieces of this rank's matrices, in the gathered buffer
+  at::ScalarType exchange_dtype_ = at::kFloat;  // of the matrices on their way and back
   // Each matrix's owner, from its Newton-Schulz cost (per matrix) and where its pieces lie.
   void assign_owners(const std::vector<int64_t>& cost, int members);
   // outgoing_ and incoming_, and the exchange's size in stats_, from the owners.
