@@ -29,6 +29,7 @@ struct Config {
 struct Result {
   std::vector<double> step_ms, optimizer_ms;
   int64_t bytes = 0, naive_bytes = 0;  // per rank and step
+  fsdp::MuonStepStats muon;            // Muon's plan on this rank
 };
 
 double median(std::vector<double> v) {
@@ -79,6 +80,7 @@ void run(const std::string& kind, const Config& c, fsdp::ProcessGroupPtr pg, Res
     if (auto* m = dynamic_cast<fsdp::Muon*>(opt.get())) {
       r.bytes = m->stats().bytes_sent;
       r.naive_bytes = m->stats().naive_bytes_sent;
+      r.muon = m->stats();
     } else if (collectives > 0) {
       r.bytes = (world - 1) * w->reduction().bytes_sent() / (c.warmup + c.steps);
       r.naive_bytes = (world - 1) * ((trained + world - 1) / world) * f32;
@@ -119,6 +121,10 @@ int main(int argc, char** argv) {
     auto v = gathered.view({pg->size(), 2}).amax(0);
     ms[k] = {v[0].item<double>(), v[1].item<double>()};
   }
+  // Muon's Newton-Schulz work on the busiest rank against the mean.
+  auto owned = torch::tensor({double(results["muon"].muon.owned_cost)}, torch::kDouble);
+  at::Tensor all_owned = at::empty({pg->size()}, torch::kDouble);
+  pg->world()->all_gather_into(all_owned, owned)->wait();
   if (pg->rank() != 0) return 0;
   const double base = ms["adamw"].first, base_opt = ms["adamw"].second;
   std::printf("| optimizer | ms/step | / AdamW | optimizer step ms | / AdamW's | collective bytes sent per rank and "
@@ -130,5 +136,12 @@ int main(int argc, char** argv) {
                 ms[k].second, ms[k].second / base_opt, k == "adamw" ? "0" : std::to_string(r.bytes).c_str(),
                 k == "adamw" ? "-" : std::to_string(r.naive_bytes).c_str());
   }
+  const fsdp::MuonStepStats& st = results["muon"].muon;
+  std::printf("\nMuon at world %d: %lld matrices; elements moved to their owners %lld (of %lld in the matrices); "
+              "exchange by %s, %lld elements per destination; busiest rank's Newton-Schulz work / mean %.2f\n",
+              pg->size(), static_cast<long long>(st.matrices), static_cast<long long>(st.moved_numel),
+              static_cast<long long>(st.matrices_numel), st.all_to_all ? "all-to-all" : "reduce-scatter and all-gather",
+              static_cast<long long>(st.exchange_numel),
+              all_owned.max().item<double>() * pg->size() / std::max<double>(1, double(st.total_cost)));
   return 0;
 }

@@ -90,7 +90,8 @@ struct ReferenceAdafactor {
 };
 
 // Keller Jordan's Muon (Nesterov momentum, five quintic Newton-Schulz iterations, the update scaled
-// by sqrt(max(1, rows / cols))) for the parameters `muon` marks; AdamW for the others.
+// by sqrt(max(1, rows / cols))) for the parameters `muon` marks; AdamW for the others. `bfloat16`:
+// Newton-Schulz in bfloat16, as the reference implementation runs it.
 struct ReferenceMuon {
   double lr, momentum, weight_decay;
   double adam_lr, beta1, beta2, eps, adam_weight_decay;
@@ -100,6 +101,7 @@ struct ReferenceMuon {
     at::Tensor buf, m, v;
   };
   std::vector<State> state;
+  bool bfloat16 = false;
 
   static at::Tensor orthogonalize(const at::Tensor& g) {
     const double a = 3.4445, b = -4.7750, c = 2.0315;
@@ -126,7 +128,9 @@ struct ReferenceMuon {
         if (!s.buf.defined()) s.buf = at::zeros_like(p);
         s.buf = momentum * s.buf + (1 - momentum) * g;
         const at::Tensor nesterov = (1 - momentum) * g + momentum * s.buf;
-        const at::Tensor o = orthogonalize(nesterov) * std::sqrt(std::max(1.0, double(p.size(0)) / double(p.size(1))));
+        const at::Tensor x =
+            bfloat16 ? orthogonalize(nesterov.to(at::kBFloat16)).to(p.scalar_type()) : orthogonalize(nesterov);
+        const at::Tensor o = x * std::sqrt(std::max(1.0, double(p.size(0)) / double(p.size(1))));
         p.mul_(1 - lr * weight_decay);
         p.sub_(lr * o);
       } else {

@@ -1,11 +1,12 @@
 #pragma once
 // Muon (Keller Jordan's MomentUm Orthogonalized by Newton-Schulz) over a sharded module's pieces,
 // equal to Muon on the whole parameters. Each matrix's momentum lives on its pieces; each step,
-// every matrix is owned by one rank of the shard group (balanced by its Newton-Schulz cost), which
-// receives the matrix's pieces, orthogonalizes it, and sends the result back to every piece: one
-// reduce-scatter and one all-gather per step for all matrices, and each rank runs about 1/F of the
-// matrix work. Parameters that are not matrices, or in a group with use_muon off (embeddings, the
-// output layer), step with AdamW. See Note [Muon's owner ranks] in docs/design.md.
+// every matrix is owned by one rank of the shard group (the rank holding most of it, balanced by
+// Newton-Schulz cost), which receives the other ranks' pieces, orthogonalizes the matrix, and sends
+// each piece its part of the result: two exchanges per step for all matrices, carrying only the
+// pieces that lie outside their owner's shard, and each rank runs about 1/F of the matrix work.
+// Parameters that are not matrices, or in a group with use_muon off (embeddings, the output
+// layer), step with AdamW. See Note [Muon's owner ranks] in docs/design.md.
 #include <torch/torch.h>
 
 #include <memory>
@@ -32,6 +33,8 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   TORCH_ARG(double, momentum) = 0.95;
   TORCH_ARG(bool, nesterov) = true;
   TORCH_ARG(int, ns_steps) = 5;  // Newton-Schulz iterations
+  // Newton-Schulz in bfloat16, with the reference implementation's roundings (faster, less exact)
+  TORCH_ARG(bool, ns_bfloat16) = false;
   TORCH_ARG(double, weight_decay) = 0;
   TORCH_ARG(bool, use_muon) = true;  // false: every parameter of the group steps with adamw
   TORCH_ARG(MuonAdamW, adamw) = {};
@@ -49,13 +52,25 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
   TORCH_ARG(at::Tensor, exp_avg_sq);
 };
 
+// How the pieces travel to their owners and back (Note [Muon's owner ranks]). kAuto: by all-to-all
+// where the transport has one (the CPU transports), else by reduce-scatter and all-gather.
+enum class MuonExchange { kAuto, kAllToAll, kReduceScatterAllGather };
+
 // What one rank's Muon step moves and computes, for the whole step.
 struct MuonStepStats {
-  int64_t matrices = 0;          // Muon matrices of the module
-  int64_t owned = 0;             // of which this rank orthogonalizes
-  int64_t segment_numel = 0;     // elements of the largest owner's matrices together (S)
-  int64_t bytes_sent = 0;        // by a ring algorithm: (F - 1) * S elements in each of the two collectives
-  int64_t naive_bytes_sent = 0;  // the same for one all-gather of every whole matrix on every rank
+  int64_t matrices = 0;        // Muon matrices of the module
+  int64_t matrices_numel = 0;  // their elements together (N)
+  int64_t owned = 0;           // of which this rank orthogonalizes
+  int64_t owned_cost = 0;      // their Newton-Schulz cost, the sum of R * C * min(R, C)
+  int64_t total_cost = 0;      // the same over every matrix
+  int64_t moved_numel = 0;     // elements of pieces held outside their owner, over the shard group
+  int64_t exchange_numel = 0;  // elements per destination rank in each of the two exchanges (X)
+  bool all_to_all = false;     // exchanges by all-to-all; else by reduce-scatter and all-gather
+  // By a ring algorithm, in the exchange's dtype (bfloat16 where every matrix runs Newton-Schulz in
+  // it, else the pieces'): (F - 1) * X elements in each of the two exchanges, and for the naive way,
+  // one all-gather of every whole matrix on every rank, (F - 1) * N / F.
+  int64_t bytes_sent = 0;
+  int64_t naive_bytes_sent = 0;
 };
 
 class Muon : public WholeParamOptimizer {
@@ -63,22 +78,37 @@ class Muon : public WholeParamOptimizer {
   // `groups`: see WholeParamOptimizer (empty: every trainable piece with `defaults`). Collective
   // over the module's shard group (the ranks agree which parameters are Muon's matrices).
   Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
-       const MuonOptions& defaults = {});
-  Muon(FullyShardedModule& module, const MuonOptions& defaults) : Muon(module, {}, defaults) {}
+       const MuonOptions& defaults = {}, MuonExchange exchange = MuonExchange::kAuto);
+  Muon(FullyShardedModule& module, const MuonOptions& defaults, MuonExchange exchange = MuonExchange::kAuto)
+      : Muon(module, {}, defaults, exchange) {}
   // Collective over the module's shard group: every rank must call it at the same step.
   torch::Tensor step(LossClosure closure = nullptr) override;
   const MuonStepStats& stats() const { return stats_; }
-  // Newton-Schulz orthogonalization of a matrix (Muon's quintic iteration), in its dtype.
+  // Newton-Schulz orthogonalization of a matrix (Muon's quintic iteration), in its dtype; in
+  // bfloat16, operation by operation as the reference implementation rounds.
   static at::Tensor orthogonalize(const at::Tensor& g, int steps);
 
  private:
   struct Matrix {
-    size_t param = 0;    // index in reduction_.params()
-    int owner = 0;       // shard-group rank
-    int64_t offset = 0;  // in its owner's segment
+    size_t param = 0;  // index in reduction_.params()
+    int owner = 0;     // shard-group rank
     int ns_steps = 5;
+    bool ns_bfloat16 = false;
+    std::vector<int64_t> begin, count;  // per shard-group rank: the elements its piece holds
+  };
+  // Elements [from, from + numel) of matrix `matrix`, at offset `at` of an exchange buffer.
+  struct Slice {
+    size_t matrix = 0;
+    int64_t from = 0, numel = 0, at = 0;
   };
   std::vector<Matrix> matrices_;
+  std::vector<Slice> outgoing_;                 // this rank's pieces of others' matrices, in the spread buffer
+  std::vector<Slice> incoming_;                 // others' pieces of this rank's matrices, in the gathered buffer
+  at::ScalarType exchange_dtype_ = at::kFloat;  // of the matrices on their way and back
+  // Each matrix's owner, from its Newton-Schulz cost (per matrix) and where its pieces lie.
+  void assign_owners(const std::vector<int64_t>& cost, int members);
+  // outgoing_ and incoming_, and the exchange's size in stats_, from the owners.
+  void plan_exchanges(int members, int rank);
   std::vector<bool> is_muon_;  // per reduction_.params() entry
   MuonStepStats stats_;
   void step_adamw(const WholeParam& p);
