@@ -4,13 +4,17 @@
 # step time of deterministic against default mode.
 #
 #   bench/determinism.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]
+#   PARTS=cost bench/determinism.sh BUILD_DIR [REPEATS]     # only part (4); PARTS names any of
+#                                                            # hashes elastic variants cost
 #
-# Prints markdown: (1) the hash table, (2) the restart's parts (kill to the launcher seeing it, to
-# every rank stopped, to the checkpoint loaded, to the first step done) and its hash and losses
-# against the uninterrupted run's, (3) bf16 and activation checkpointing at worlds 1, 3 and 4,
-# (4) median ms/step of both modes, FULL_SHARD world 4, over shared memory and TCP, runs
-# interleaved REPEATS times.
+# Prints markdown: (1) the hash table (worlds 5 and 8 split the 12 micro-batches unevenly),
+# (2) the restart's parts (kill to the launcher seeing it, to every rank stopped, to the checkpoint
+# loaded, to the first step done) and its hash and losses against the uninterrupted run's, (3) bf16
+# and activation checkpointing at worlds 1, 3 and 4, (4) median ms/step of both modes, FULL_SHARD
+# world 4, over shared memory and TCP, runs interleaved REPEATS times.
 set -euo pipefail
+PARTS=${PARTS:-hashes elastic variants cost}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
 TMP=$(mktemp -d)
@@ -31,109 +35,124 @@ trainer() { # LOG WORLD TRANSPORT FLAGS...
 }
 
 # (1) Hashes.
-trainer "$TMP/ref" 1 shm "${DET[@]}"
-REF=$(hash_of "$TMP/ref")
-echo "Reference: one process, hash \`$REF\`."
-echo
-echo "| world | strategy | transport | final parameter hash | equal | losses equal |"
-echo "| ---: | --- | --- | --- | --- | --- |"
-for world in 2 3 4 6; do
-  for strategy in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD; do
-    [ "$strategy" = HYBRID_SHARD ] && [ "$world" -ne 4 ] && [ "$world" -ne 6 ] && continue
-    for transport in shm tcp; do
-      flags=(--strategy "$strategy")
-      [ "$strategy" = HYBRID_SHARD ] && flags+=(--sharding-factor 2)
-      trainer "$TMP/run" "$world" "$transport" "${DET[@]}" "${flags[@]}" || { cat "$TMP/run" >&2; exit 1; }
-      h=$(hash_of "$TMP/run")
-      same=$([ "$h" = "$REF" ] && echo yes || echo NO)
-      lsame=$([ "$(losses_of "$TMP/run")" = "$(losses_of "$TMP/ref")" ] && echo yes || echo NO)
-      echo "| $world | $strategy | $transport | \`$h\` | $same | $lsame |"
-      echo "hash: world $world $strategy $transport $h" >&2
+if part hashes || part elastic; then
+  trainer "$TMP/ref" 1 shm "${DET[@]}"
+  REF=$(hash_of "$TMP/ref")
+fi
+if part hashes; then
+  echo "Reference: one process, hash \`$REF\`."
+  echo
+  echo "| world | strategy | transport | final parameter hash | equal | losses equal |"
+  echo "| ---: | --- | --- | --- | --- | --- |"
+  for world in 2 3 4 5 6 8; do
+    for strategy in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD; do
+      [ "$strategy" = HYBRID_SHARD ] && [ "$world" -ne 4 ] && [ "$world" -ne 6 ] && continue
+      # World 8 (1 or 2 micro-batches per rank) once: 8 ranks on few cores are slow.
+      [ "$world" -eq 8 ] && [ "$strategy" != FULL_SHARD ] && continue
+      for transport in shm tcp; do
+        [ "$world" -eq 8 ] && [ "$transport" != shm ] && continue
+        flags=(--strategy "$strategy")
+        [ "$strategy" = HYBRID_SHARD ] && flags+=(--sharding-factor 2)
+        trainer "$TMP/run" "$world" "$transport" "${DET[@]}" "${flags[@]}" || { cat "$TMP/run" >&2; exit 1; }
+        h=$(hash_of "$TMP/run")
+        same=$([ "$h" = "$REF" ] && echo yes || echo NO)
+        lsame=$([ "$(losses_of "$TMP/run")" = "$(losses_of "$TMP/ref")" ] && echo yes || echo NO)
+        echo "| $world | $strategy | $transport | \`$h\` | $same | $lsame |"
+        echo "hash: world $world $strategy $transport $h" >&2
+      done
     done
   done
-done
+fi
 
 # (2) Elastic restart: 4 ranks, one SIGKILLed after a random step, fsdp-run restarts 3.
-stamp() { python3 -u -c 'import sys, time
+if part elastic; then
+  stamp() { python3 -u -c 'import sys, time
 for line in sys.stdin: print("%.3f %s" % (time.time(), line), end="")'; }
-KILL_STEP=$((12 + RANDOM % 30))
-"$RUN" --nproc-per-node 3:4 --max-restarts 1 "$TRAINER" "${DET[@]}" --save-dir "$TMP/ck" --save-every 5 --resume \
-  2>&1 | stamp >"$TMP/elastic" &
-pipeline=$!
-for _ in $(seq 3000); do
-  grep -qE "\] step +$KILL_STEP/" "$TMP/elastic" && break
-  sleep 0.02
-done
-launcher=$(pgrep -f -n "fsdp-run --nproc-per-node 3:4")
-victim=$(pgrep -P "$launcher" | tail -n 1)
-killed_at=$EPOCHREALTIME
-kill -KILL "$victim"
-wait "$pipeline"
-at() { grep -m1 -E "$1" "$TMP/elastic" | cut -d' ' -f1; }
-seen=$(at "was killed by signal 9")
-restarting=$(at "restarting with 3 ranks")
-loaded=$(at "checkpoint: resumed from")
-resumed_step=$(grep -m1 "checkpoint: resumed from" "$TMP/elastic" | sed -E 's/.* at step ([0-9]+).*/\1/')
-# The last step logged before the kill.
-last_step=$(awk -v k="$killed_at" '$1 < k' "$TMP/elastic" | grep -E "\] step +[0-9]+/" | tail -n 1 |
-  sed -E 's/.*\] step +([0-9]+)\/.*/\1/')
-first=$(awk -v t="$loaded" '$1 > t' "$TMP/elastic" | grep -m1 -E "\] step +[0-9]+/" | cut -d' ' -f1)
-sed -E 's/^[0-9.]+ //' "$TMP/elastic" >"$TMP/elastic.log"
-echo
-echo "Killed one rank of 4 (SIGKILL, pid $victim) after step $last_step was logged; the 3 ranks of the restart resumed" \
-  "from the checkpoint of step $resumed_step (--save-every 5)."
+  KILL_STEP=$((12 + RANDOM % 30))
+  "$RUN" --nproc-per-node 3:4 --max-restarts 1 "$TRAINER" "${DET[@]}" --save-dir "$TMP/ck" --save-every 5 --resume \
+    2>&1 | stamp >"$TMP/elastic" &
+  pipeline=$!
+  for _ in $(seq 3000); do
+    grep -qE "\] step +$KILL_STEP/" "$TMP/elastic" && break
+    sleep 0.02
+  done
+  launcher=$(pgrep -f -n "fsdp-run --nproc-per-node 3:4")
+  victim=$(pgrep -P "$launcher" | tail -n 1)
+  killed_at=$EPOCHREALTIME
+  kill -KILL "$victim"
+  wait "$pipeline"
+  at() { grep -m1 -E "$1" "$TMP/elastic" | cut -d' ' -f1; }
+  seen=$(at "was killed by signal 9")
+  restarting=$(at "restarting with 3 ranks")
+  loaded=$(at "checkpoint: resumed from")
+  resumed_step=$(grep -m1 "checkpoint: resumed from" "$TMP/elastic" | sed -E 's/.* at step ([0-9]+).*/\1/')
+  # The last step logged before the kill.
+  last_step=$(awk -v k="$killed_at" '$1 < k' "$TMP/elastic" | grep -E "\] step +[0-9]+/" | tail -n 1 |
+    sed -E 's/.*\] step +([0-9]+)\/.*/\1/')
+  first=$(awk -v t="$loaded" '$1 > t' "$TMP/elastic" | grep -m1 -E "\] step +[0-9]+/" | cut -d' ' -f1)
+  sed -E 's/^[0-9.]+ //' "$TMP/elastic" >"$TMP/elastic.log"
+  echo
+  echo "Killed one rank of 4 (SIGKILL, pid $victim) after step $last_step was logged; the 3 ranks of the restart resumed" \
+    "from the checkpoint of step $resumed_step (--save-every 5)."
 
-echo
-echo "| part | seconds |"
-echo "| --- | ---: |"
-awk -v k="$killed_at" -v s="$seen" -v r="$restarting" -v l="$loaded" -v f="$first" 'BEGIN {
-  printf "| detection: kill to fsdp-run reporting the lost rank | %.2f |\n", s - k
-  printf "| stop: to every rank stopped and the restart begun | %.2f |\n", r - s
-  printf "| restart and load: to the newest checkpoint loaded on 3 ranks | %.2f |\n", l - r
-  printf "| first step: to the first step after the restart logged | %.2f |\n", f - l
-  printf "| **kill to next step** | **%.2f** |\n", f - k }'
-h=$(hash_of "$TMP/elastic.log")
-missing=$(losses_of "$TMP/ref" | while read -r line; do losses_of "$TMP/elastic.log" | grep -qxF "$line" || echo "$line"; done)
-echo
-echo "Final hash \`$h\` ($([ "$h" = "$REF" ] && echo equal || echo NOT equal) to the reference);" \
-  "logged losses $([ -z "$missing" ] && echo "all equal to the reference's" || echo "differ at: $missing")."
+  echo
+  echo "| part | seconds |"
+  echo "| --- | ---: |"
+  awk -v k="$killed_at" -v s="$seen" -v r="$restarting" -v l="$loaded" -v f="$first" 'BEGIN {
+    printf "| detection: kill to fsdp-run reporting the lost rank | %.2f |\n", s - k
+    printf "| stop: to every rank stopped and the restart begun | %.2f |\n", r - s
+    printf "| restart and load: to the newest checkpoint loaded on 3 ranks | %.2f |\n", l - r
+    printf "| first step: to the first step after the restart logged | %.2f |\n", f - l
+    printf "| **kill to next step** | **%.2f** |\n", f - k }'
+  h=$(hash_of "$TMP/elastic.log")
+  missing=$(losses_of "$TMP/ref" | while read -r line; do losses_of "$TMP/elastic.log" | grep -qxF "$line" || echo "$line"; done)
+  echo
+  echo "Final hash \`$h\` ($([ "$h" = "$REF" ] && echo equal || echo NOT equal) to the reference);" \
+    "logged losses $([ -z "$missing" ] && echo "all equal to the reference's" || echo "differ at: $missing")."
+
+fi
 
 # (3) Variants: mixed precision and activation checkpointing, each against its own one-process run.
-echo
-echo "| variant | world 1 hash | world 3 FULL_SHARD shm | world 4 SHARD_GRAD_OP tcp | equal |"
-echo "| --- | --- | --- | --- | --- |"
-for variant in "--mixed-precision bf16" "--activation-checkpointing" "--mixed-precision bf16 --activation-checkpointing"; do
-  # shellcheck disable=SC2086  # the variant's flags are split on purpose
-  trainer "$TMP/v1" 1 shm "${DET[@]}" $variant || { cat "$TMP/v1" >&2; exit 1; }
-  # shellcheck disable=SC2086
-  trainer "$TMP/v3" 3 shm "${DET[@]}" $variant --strategy FULL_SHARD || { cat "$TMP/v3" >&2; exit 1; }
-  # shellcheck disable=SC2086
-  trainer "$TMP/v4" 4 tcp "${DET[@]}" $variant --strategy SHARD_GRAD_OP || { cat "$TMP/v4" >&2; exit 1; }
-  a=$(hash_of "$TMP/v1") b=$(hash_of "$TMP/v3") c=$(hash_of "$TMP/v4")
-  echo "| \`$variant\` | \`$a\` | \`$b\` | \`$c\` | $([ "$a" = "$b" ] && [ "$a" = "$c" ] && echo yes || echo NO) |"
-  echo "variant: $variant $a $b $c" >&2
-done
+if part variants; then
+  echo
+  echo "| variant | world 1 hash | world 3 FULL_SHARD shm | world 4 SHARD_GRAD_OP tcp | equal |"
+  echo "| --- | --- | --- | --- | --- |"
+  for variant in "--mixed-precision bf16" "--activation-checkpointing" "--mixed-precision bf16 --activation-checkpointing"; do
+    # shellcheck disable=SC2086  # the variant's flags are split on purpose
+    trainer "$TMP/v1" 1 shm "${DET[@]}" $variant || { cat "$TMP/v1" >&2; exit 1; }
+    # shellcheck disable=SC2086
+    trainer "$TMP/v3" 3 shm "${DET[@]}" $variant --strategy FULL_SHARD || { cat "$TMP/v3" >&2; exit 1; }
+    # shellcheck disable=SC2086
+    trainer "$TMP/v4" 4 tcp "${DET[@]}" $variant --strategy SHARD_GRAD_OP || { cat "$TMP/v4" >&2; exit 1; }
+    a=$(hash_of "$TMP/v1") b=$(hash_of "$TMP/v3") c=$(hash_of "$TMP/v4")
+    echo "| \`$variant\` | \`$a\` | \`$b\` | \`$c\` | $([ "$a" = "$b" ] && [ "$a" = "$c" ] && echo yes || echo NO) |"
+    echo "variant: $variant $a $b $c" >&2
+  done
+
+fi
 
 # (4) Cost: deterministic against default mode, FULL_SHARD world 4.
-COST=("${MODEL[@]}" --steps 20 --warmup 2 --log-interval 10)
-declare -A T
-for ((r = 0; r < REPEATS; r++)); do
-  for transport in shm tcp; do
-    for mode in default deterministic; do
-      flags=()
-      [ "$mode" = deterministic ] && flags=(--deterministic)
-      trainer "$TMP/cost" 4 "$transport" "${COST[@]}" "${flags[@]}" || { cat "$TMP/cost" >&2; exit 1; }
-      ms=$(grep -E "^\[rank 0\] step +20/" "$TMP/cost" | sed -E 's/.*\| +([0-9.]+) ms\/step.*/\1/')
-      T[$transport.$mode]="${T[$transport.$mode]:-} $ms"
-      echo "cost: $transport $mode $ms ms/step" >&2
+if part cost; then
+  COST=("${MODEL[@]}" --steps 20 --warmup 2 --log-interval 10)
+  declare -A T
+  for ((r = 0; r < REPEATS; r++)); do
+    for transport in shm tcp; do
+      for mode in default deterministic; do
+        flags=()
+        [ "$mode" = deterministic ] && flags=(--deterministic)
+        trainer "$TMP/cost" 4 "$transport" "${COST[@]}" "${flags[@]}" || { cat "$TMP/cost" >&2; exit 1; }
+        ms=$(grep -E "^\[rank 0\] step +20/" "$TMP/cost" | sed -E 's/.*\| +([0-9.]+) ms\/step.*/\1/')
+        T[$transport.$mode]="${T[$transport.$mode]:-} $ms"
+        echo "cost: $transport $mode $ms ms/step" >&2
+      done
     done
   done
-done
-echo
-echo "| transport | default ms/step | deterministic ms/step | ratio | runs (default; deterministic) |"
-echo "| --- | ---: | ---: | ---: | --- |"
-for transport in shm tcp; do
-  a=$(echo "${T[$transport.default]}" | median)
-  b=$(echo "${T[$transport.deterministic]}" | median)
-  echo "| $transport | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", b / a }') |${T[$transport.default]};${T[$transport.deterministic]} |"
-done
+  echo
+  echo "| transport | default ms/step | deterministic ms/step | ratio | runs (default; deterministic) |"
+  echo "| --- | ---: | ---: | ---: | --- |"
+  for transport in shm tcp; do
+    a=$(echo "${T[$transport.default]}" | median)
+    b=$(echo "${T[$transport.deterministic]}" | median)
+    echo "| $transport | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", b / a }') |${T[$transport.default]};${T[$transport.deterministic]} |"
+  done
+fi

@@ -2,8 +2,14 @@
 
 #include <ATen/Dispatch.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 namespace fsdp::exact {
 
@@ -23,7 +29,7 @@ at::Tensor times_pow2(const at::Tensor& x, int e) {
   return y;
 }
 
-// Whether deposit_on_cpu() takes these: host tensors, limbs of one layout with unit inner stride.
+// Whether deposit() loops over these itself: host tensors, limbs of one layout with unit inner stride.
 bool on_cpu(const at::Tensor& values, const at::Tensor limbs[kLimbs]) {
   if (!values.device().is_cpu() || limbs[0].dim() < 1 || limbs[0].dim() > 2 || limbs[0].stride(-1) != 1) return false;
   for (int j = 0; j < kLimbs; ++j)
@@ -44,38 +50,104 @@ inline Parts split(double v) {
   return {static_cast<int64_t>(rest - static_cast<double>(mid) * kLimbBase), mid, top};
 }
 
-// The same parts in one pass.
+// The same parts in one pass over one row.
 template <typename T>
-void deposit_on_cpu(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp) {
-  const at::Tensor x = values.reshape(limbs[0].sizes()).contiguous();
-  const int64_t rows = limbs[0].dim() == 2 ? limbs[0].size(0) : 1, cols = limbs[0].size(-1);
-  const int64_t stride = limbs[0].dim() == 2 ? limbs[0].stride(0) : 0;
+void deposit_row(const T* __restrict in, int64_t n, int64_t* __restrict lo, int64_t* __restrict mid,
+                 int64_t* __restrict top, int scale_exp) {
   const double scale = std::ldexp(1.0, scale_exp), range = std::ldexp(1.0, kRangeExp);
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict in = x.data_ptr<T>() + r * cols;
-    int64_t* __restrict lo = limbs[0].data_ptr<int64_t>() + r * stride;
-    int64_t* __restrict mid = limbs[1].data_ptr<int64_t>() + r * stride;
-    int64_t* __restrict top = limbs[2].data_ptr<int64_t>() + r * stride;
-    for (int64_t c = 0; c < cols; ++c) {
-      const double n = static_cast<double>(in[c]) * scale;
-      if (!(std::fabs(n) < range)) {  // out of range, infinite or NaN
-        top[c] += kOverflowFlag;
-        continue;
-      }
-      const Parts p = split(n);
-      lo[c] += p.lo;
-      mid[c] += p.mid;
-      top[c] += p.top;
+  for (int64_t c = 0; c < n; ++c) {
+    const double v = static_cast<double>(in[c]) * scale;
+    if (!(std::fabs(v) < range)) {  // out of range, infinite or NaN
+      top[c] += kOverflowFlag;
+      continue;
+    }
+    const Parts p = split(v);
+    lo[c] += p.lo;
+    mid[c] += p.mid;
+    top[c] += p.top;
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FSDP_EXACT_AVX2 1
+// deposit_row<float>, four values at a time, from the float's bits: |x| * 2^scale_exp is
+// m * 2^(e - bias), an integer m of 24 bits shifted, whose bits are the parts; the same parts as
+// split() (test Determinism.VectorizedDepositGivesTheScalarParts).
+// See Note [Deterministic training] in docs/design.md.
+__attribute__((target("avx2"))) void deposit_float_avx2(const float* __restrict in, int64_t n, int64_t* __restrict lo,
+                                                        int64_t* __restrict mid, int64_t* __restrict top,
+                                                        int scale_exp) {
+  const int64_t bias = 150 - scale_exp, max_e = bias + kRangeExp - 24;  // a larger e is out of range
+  const __m256i ff = _mm256_set1_epi64x(0xff), mantissa = _mm256_set1_epi64x(0x7fffff);
+  const __m256i implicit = _mm256_set1_epi64x(0x800000), one = _mm256_set1_epi64x(1), zero = _mm256_setzero_si256();
+  const __m256i vbias = _mm256_set1_epi64x(bias), vmax = _mm256_set1_epi64x(max_e), c64 = _mm256_set1_epi64x(64);
+  const __m256i low32 = _mm256_set1_epi64x(0xffffffff), flag = _mm256_set1_epi64x(kOverflowFlag);
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    const __m256i bits = _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + c)));
+    const __m256i e_raw = _mm256_and_si256(_mm256_srli_epi64(bits, 23), ff);
+    const __m256i normal = _mm256_cmpgt_epi64(e_raw, zero);
+    const __m256i e = _mm256_blendv_epi8(one, e_raw, normal);  // subnormals: m * 2^(1 - 150)
+    const __m256i m = _mm256_or_si256(_mm256_and_si256(bits, mantissa), _mm256_and_si256(implicit, normal));
+    const __m256i sign = _mm256_sub_epi64(zero, _mm256_srli_epi64(bits, 31));  // 0 or all ones
+    const __m256i bad = _mm256_cmpgt_epi64(e, vmax);                           // out of range, infinite or NaN
+    const __m256i sh = _mm256_sub_epi64(e, vbias);
+    // Shift counts of 64 or more, negative ones as unsigned too, give 0.
+    const __m256i below = _mm256_or_si256(_mm256_sllv_epi64(m, sh), _mm256_srlv_epi64(m, _mm256_sub_epi64(zero, sh)));
+    const __m256i above = _mm256_srlv_epi64(m, _mm256_sub_epi64(c64, sh));
+    __m256i p0 = _mm256_andnot_si256(bad, _mm256_and_si256(below, low32));
+    __m256i p1 = _mm256_andnot_si256(bad, _mm256_srli_epi64(below, 32));
+    __m256i p2 = _mm256_andnot_si256(bad, above);
+    p0 = _mm256_sub_epi64(_mm256_xor_si256(p0, sign), sign);
+    p1 = _mm256_sub_epi64(_mm256_xor_si256(p1, sign), sign);
+    p2 = _mm256_add_epi64(_mm256_sub_epi64(_mm256_xor_si256(p2, sign), sign), _mm256_and_si256(bad, flag));
+    auto* l = reinterpret_cast<__m256i*>(lo + c);
+    auto* md = reinterpret_cast<__m256i*>(mid + c);
+    auto* t = reinterpret_cast<__m256i*>(top + c);
+    _mm256_storeu_si256(l, _mm256_add_epi64(_mm256_loadu_si256(l), p0));
+    _mm256_storeu_si256(md, _mm256_add_epi64(_mm256_loadu_si256(md), p1));
+    _mm256_storeu_si256(t, _mm256_add_epi64(_mm256_loadu_si256(t), p2));
+  }
+  deposit_row<float>(in + c, n - c, lo + c, mid + c, top + c, scale_exp);
+}
+
+// Whether the grid keeps every float of exponent 1 (zeros, subnormals) in range, so that the
+// exponent alone tells what is out of range, as split()'s magnitude test does.
+bool avx2_grid(int scale_exp) { return 150 - scale_exp + kRangeExp - 24 >= 1; }
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+// deposit_row<T>, vectorized where it can be.
+template <typename T>
+void deposit_row_fastest(const T* in, int64_t n, int64_t* lo, int64_t* mid, int64_t* top, int scale_exp) {
+#ifdef FSDP_EXACT_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx2() && avx2_grid(scale_exp)) {
+      deposit_float_avx2(in, n, lo, mid, top, scale_exp);
+      return;
     }
   }
+#endif
+  deposit_row<T>(in, n, lo, mid, top, scale_exp);
 }
 
 }  // namespace
 
 void deposit(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp) {
   if (on_cpu(values, limbs)) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "exact::deposit",
-                                    [&] { deposit_on_cpu<scalar_t>(values, limbs, scale_exp); });
+    const at::Tensor x = values.reshape(limbs[0].sizes()).contiguous();
+    const int64_t rows = limbs[0].dim() == 2 ? limbs[0].size(0) : 1, cols = limbs[0].size(-1);
+    const int64_t stride = limbs[0].dim() == 2 ? limbs[0].stride(0) : 0;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "exact::deposit", [&] {
+      for (int64_t r = 0; r < rows; ++r)
+        deposit_row_fastest(x.data_ptr<scalar_t>() + r * cols, cols, limbs[0].data_ptr<int64_t>() + r * stride,
+                            limbs[1].data_ptr<int64_t>() + r * stride, limbs[2].data_ptr<int64_t>() + r * stride,
+                            scale_exp);
+    });
     return;
   }
   // Doubles hold every float, half and bfloat16 exactly; scaling by a power of two, truncation and
@@ -93,7 +165,43 @@ void deposit(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp) 
   limbs[2].add_(top.to(at::kLong).add_(bad.to(at::kLong).mul_(kOverflowFlag)));
 }
 
+namespace {
+
+// to_double() in one pass over host limbs: the same operations on each element, in the same order.
+at::Tensor to_double_on_cpu(at::Tensor limbs[kLimbs], int scale_exp, double divisor) {
+  std::vector<double> factors;  // times_pow2()'s steps
+  for (int e = -scale_exp; e != 0;) {
+    const int step = std::clamp(e, -512, 512);
+    factors.push_back(std::ldexp(1.0, step));
+    e -= step;
+  }
+  at::Tensor out = at::empty(limbs[0].sizes(), limbs[0].options().dtype(at::kDouble));
+  const int64_t* lo = limbs[0].data_ptr<int64_t>();
+  const int64_t* mid = limbs[1].data_ptr<int64_t>();
+  const int64_t* top = limbs[2].data_ptr<int64_t>();
+  double* v = out.data_ptr<double>();
+  const int64_t mask = static_cast<int64_t>(kLimbBase) - 1;
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    const int64_t carry = lo[i] >> 32;  // an arithmetic shift: the floor
+    const int64_t m = mid[i] + carry;
+    const int64_t t = top[i] + (m >> 32);
+    double x = (static_cast<double>(t) * kLimbBase + static_cast<double>(m & mask)) * kLimbBase +
+               static_cast<double>(lo[i] & mask);
+    for (const double f : factors) x = x * f;
+    if (divisor != 1.0) x = x / divisor;
+    v[i] = t >= kOverflowFlag / 2 ? std::nan("") : x;
+  }
+  return out;
+}
+
+}  // namespace
+
 at::Tensor to_double(at::Tensor limbs[kLimbs], int scale_exp, double divisor) {
+  bool cpu = true;
+  for (int j = 0; j < kLimbs; ++j)
+    cpu = cpu && limbs[j].device().is_cpu() && limbs[j].scalar_type() == at::kLong && limbs[j].is_contiguous() &&
+          limbs[j].sizes() == limbs[0].sizes();
+  if (cpu) return to_double_on_cpu(limbs, scale_exp, divisor);
   // Carries first, so that the limbs are the one canonical form of the exact sum (the lower two in
   // [0, 2^32)) whatever parts made it up; the conversion then depends on the sum alone.
   const auto base = static_cast<int64_t>(kLimbBase);

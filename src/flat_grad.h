@@ -61,8 +61,12 @@ class FlatGrad {
 
   // Deterministic mode (FlatGradLayout::deterministic).
   bool deterministic() const { return layout_.deterministic; }
-  // How many backward passes this rank ran since its last reduction, this one included.
-  void set_backward_count(int64_t n) { backward_count_ = n; }
+  // How many counted backward passes this rank ran since its last reduction, this one included
+  // when `counted`; an uncounted one's gradients are dropped, not added to the exact sums.
+  void set_backward_count(int64_t n, bool counted) {
+    backward_count_ = n;
+    counted_ = counted;
+  }
   // After begin_reduction(): the exact sums of every backward since the last reduction and, last
   // in each shard's part, the backward count; int64 [F, kLimbs * shard_numel + 1], the input of
   // this reduction (kept alive until it completes).
@@ -145,6 +149,7 @@ class FlatGrad {
   at::Tensor exact_;             // deterministic mode: the exact sums (take_exact())
   at::Tensor exact_sent_;        // the exact sums a reduction in flight reads
   int64_t backward_count_ = 1;
+  bool counted_ = true;                // this backward's gradients join the exact sums
   std::vector<at::Tensor> sentinels_;  // per slot: the module parameter's .grad between backwards
   // NO_SHARD: the storage the pieces' gradients alias (alive while any of them is).
   c10::weak_intrusive_ptr<c10::StorageImpl> store_{c10::intrusive_ptr<c10::StorageImpl>()};

@@ -11,7 +11,6 @@ namespace fsdp {
 void FlatGrad::fold() {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
-  zero_unwritten();
   const int64_t S = layout_.shard_numel, F = layout_.padded_numel / S, X = exact::kLimbs * S;
   if (!exact_.defined()) {
     exact_ = at::zeros({F, X + 1}, buffer_.options().dtype(at::kLong));
@@ -21,9 +20,12 @@ void FlatGrad::fold() {
   const at::Tensor limbs = exact_.narrow(1, 0, X).view({F, exact::kLimbs, S});
   at::Tensor parts[exact::kLimbs];
   for (int j = 0; j < exact::kLimbs; ++j) parts[j] = limbs.select(1, j);
-  exact::deposit(buffer_.view({F, S}), parts, exact::kGradScaleExp);
+  if (counted_) {  // an uncounted backward's gradients are dropped: the sums stay exact without them
+    zero_unwritten();
+    exact::deposit(buffer_.view({F, S}), parts, exact::kGradScaleExp);
+  }
   for (size_t i = 0; i < slots_.size(); ++i) {
-    folded_[i] = folded_[i] || written_[i] || kept_[i];
+    folded_[i] = folded_[i] || (counted_ && (written_[i] || kept_[i]));
     written_[i] = kept_[i] = 0;
   }
 }

@@ -114,6 +114,14 @@ std::unordered_map<std::string, at::Tensor> FullyShardedModule::full_state_dict(
   return fsdp::full_state_dict(*state_);
 }
 
+std::vector<std::string> FullyShardedModule::full_state_names() const { return fsdp::full_state_names(*state_); }
+
+void FullyShardedModule::visit_full_state(
+    const std::vector<std::string>& names,
+    const std::function<void(const std::string& name, const at::Tensor& value)>& visit) {
+  fsdp::visit_full_state(*state_, names, visit);
+}
+
 void FullyShardedModule::load_full_state_dict(const std::unordered_map<std::string, at::Tensor>& state) {
   fsdp::load_full_state_dict(*state_, state);
 }
@@ -136,6 +144,14 @@ void FullyShardedModule::set_step_in_backward(torch::optim::Optimizer* optimizer
 void FullyShardedModule::set_requires_all_reduce(bool on) {
   std::lock_guard<std::recursive_mutex> lock(state_->mutex());
   state_->reducer().set_all_reduce(on);
+}
+
+void FullyShardedModule::set_backward_counted(bool counted) {
+  std::lock_guard<std::recursive_mutex> lock(state_->mutex());
+  FSDP_CHECK(counted || state_->options().deterministic(),
+             "set_backward_counted(false) needs Options::deterministic(true): only exact sums can leave a "
+             "backward's gradients out");
+  state_->reducer().set_counted(counted);
 }
 
 void FullyShardedModule::set_reshard_after_backward(bool on) {

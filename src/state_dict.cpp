@@ -34,6 +34,59 @@ std::unordered_map<std::string, at::Tensor> full_state_dict(FsdpState& state) {
   return out;
 }
 
+std::vector<std::string> full_state_names(const FsdpState& state) {
+  std::vector<std::string> names;
+  for (const auto& fp : state.flat_params())
+    for (const auto& s : fp->slots()) {
+      names.push_back(s.name);
+      names.insert(names.end(), s.aliases.begin(), s.aliases.end());
+    }
+  for (const auto& w : state.whole_tensors()) {
+    names.push_back(w.name);
+    names.insert(names.end(), w.aliases.begin(), w.aliases.end());
+  }
+  return names;
+}
+
+void visit_full_state(FsdpState& state, const std::vector<std::string>& names,
+                      const std::function<void(const std::string&, const at::Tensor&)>& visit) {
+  RuntimeCall call(state);
+  struct Where {
+    int flat = -1, slot = -1;  // a FlatParameter's slot, or (flat -1) whole tensor `slot`
+  };
+  std::unordered_map<std::string, Where> where;
+  const auto& flats = state.flat_params();
+  for (size_t f = 0; f < flats.size(); ++f)
+    for (size_t i = 0; i < flats[f]->slots().size(); ++i) {
+      const auto& s = flats[f]->slots()[i];
+      where[s.name] = {static_cast<int>(f), static_cast<int>(i)};
+      for (const auto& alias : s.aliases) where[alias] = {static_cast<int>(f), static_cast<int>(i)};
+    }
+  for (size_t i = 0; i < state.whole_tensors().size(); ++i) {
+    const auto& w = state.whole_tensors()[i];
+    where[w.name] = {-1, static_cast<int>(i)};
+    for (const auto& alias : w.aliases) where[alias] = {-1, static_cast<int>(i)};
+  }
+  int gathered = -1;
+  at::Tensor full;
+  for (const auto& name : names) {
+    const auto it = where.find(name);
+    FSDP_CHECK(it != where.end(), "visit_full_state: '", name, "' is neither a parameter nor a buffer of the model");
+    const Where w = it->second;
+    if (w.flat < 0) {
+      visit(name, state.whole_tensors()[w.slot].tensor.detach());
+      continue;
+    }
+    if (w.flat != gathered) {
+      full = at::Tensor();  // the previous FlatParameter's values go first
+      full = gather_full_values(*flats[w.flat]);
+      gathered = w.flat;
+    }
+    const auto& s = flats[w.flat]->slots()[w.slot];
+    visit(name, full.narrow(0, s.offset, s.numel).view(s.shape));
+  }
+}
+
 void load_full_state_dict(FsdpState& state, const std::unordered_map<std::string, at::Tensor>& values) {
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   InternalOpGuard internal;

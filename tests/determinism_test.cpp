@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
+#include "exact_sum.h"
 #include "harness.h"
 #include "models.h"
 
@@ -28,16 +31,22 @@ FSDP_WORKER(deterministic_worker) {
   auto sharded = fsdp::fully_shard(model, pg, options);
   torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(1e-2));
   const int begin = kMicroBatches * ctx.rank / ctx.world, end = kMicroBatches * (ctx.rank + 1) / ctx.world;
+  // Forwards are collective: a rank with a shorter range runs uncounted padding passes.
+  const int passes = (kMicroBatches + ctx.world - 1) / ctx.world;
   for (int step = 0; step < 3; ++step) {
     opt.zero_grad();
-    for (int i = begin; i < end; ++i) {
-      const auto x = at::randint(0, 32, {kRows, 8}, at::detail::createCPUGenerator(1000 * step + i));
-      sharded->set_requires_gradient_sync(i == end - 1);  // accumulate locally, reduce once
+    for (int m = 0; m < passes; ++m) {
+      const int i = begin + m;
+      const bool real = i < end;
+      const auto x = at::randint(0, 32, {kRows, 8}, at::detail::createCPUGenerator(1000 * step + (real ? i : 0)));
+      sharded->set_requires_gradient_sync(m == passes - 1);  // accumulate locally, reduce once
+      if (deterministic) sharded->set_backward_counted(real);
       at::Tensor loss = loss_of(model, x);
       // Deterministic mode averages over micro-batches itself; the default averages over ranks.
       if (!deterministic) loss = loss / (end - begin);
       loss.backward();
     }
+    sharded->set_backward_counted(true);
     const double norm = sharded->clip_grad_norm_(0.05);
     WORKER_CHECK(norm > 0.05, "the test must clip: norm ", norm);
     opt.step();
@@ -81,6 +90,99 @@ TEST(Determinism, EveryWorldSizeAndStrategyGivesTheParametersOfOneRank) {
       EXPECT_TRUE(bit_identical(got, reference)) << strategy << " at world " << world << " differs from world 1";
     }
   EXPECT_TRUE(bit_identical(train("HYBRID_SHARD", 4, dir / "hybrid.pt"), reference)) << "HYBRID_SHARD at world 4";
+}
+
+TEST(Determinism, UnevenSplitsGiveTheParametersOfOneRank) {
+  TempDir dir;
+  const auto reference = train("FULL_SHARD", 1, dir / "reference.pt");
+  ASSERT_FALSE(reference.empty());
+  // 12 micro-batches: 2 or 3 per rank at world 5, 1 or 2 at world 8; the short ranks pad.
+  EXPECT_TRUE(bit_identical(train("FULL_SHARD", 5, dir / "five.pt"), reference)) << "FULL_SHARD at world 5";
+  EXPECT_TRUE(bit_identical(train("SHARD_GRAD_OP", 8, dir / "eight.pt"), reference)) << "SHARD_GRAD_OP at world 8";
+}
+
+// Leaving a backward out of the mean needs exact sums: refused in the default mode.
+FSDP_WORKER(backward_counted_refused_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  TinyTransformer model(32, 16, 2, 3, 8);
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options("FULL_SHARD"));
+  sharded->set_backward_counted(true);
+  try {
+    sharded->set_backward_counted(false);
+  } catch (const fsdp::Error& e) {
+    WORKER_CHECK(contains(e.what(), "needs Options::deterministic(true)"), e.what());
+    return;
+  }
+  WORKER_CHECK(false, "set_backward_counted(false) was accepted without deterministic mode");
+}
+
+TEST(Determinism, BackwardCountedNeedsDeterministicMode) {
+  auto r = launch("backward_counted_refused_worker", 1, {}, 60);
+  EXPECT_TRUE(r.all_ok()) << r.report();
+}
+
+// The float deposit's vectorized loop (where the CPU has one) gives the parts of split(), the
+// double loop's, for every kind of float: signed zeros, subnormals, the grid's edges, values out of
+// range, infinities and NaN.
+TEST(Determinism, VectorizedDepositGivesTheScalarParts) {
+  const int64_t n = 4099;  // not a multiple of the vector width: the tail takes the scalar loop
+  at::Tensor x = at::randn({n}, at::dtype(at::kFloat)) * at::pow(2.0, at::randint(-100, 30, {n}).to(at::kFloat));
+  float* p = x.data_ptr<float>();
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1e-40f,
+                            -1e-45f,
+                            std::ldexp(1.0f, -64),
+                            -std::ldexp(1.5f, -65),
+                            std::ldexp(1.0f, -65),
+                            16777215.0f,
+                            -16777215.0f,
+                            16777216.0f,
+                            -16777216.0f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::min()};
+  for (size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); ++i) p[37 * i] = specials[i];
+  for (const int scale_exp : {fsdp::exact::kGradScaleExp, 0, 120, 300}) {
+    at::Tensor got = at::zeros({fsdp::exact::kLimbs, n}, at::kLong), want = at::zeros_like(got);
+    at::Tensor got_parts[fsdp::exact::kLimbs], want_parts[fsdp::exact::kLimbs];
+    for (int j = 0; j < fsdp::exact::kLimbs; ++j) {
+      got_parts[j] = got.select(0, j);
+      want_parts[j] = want.select(0, j);
+    }
+    for (int round = 0; round < 2; ++round) {
+      fsdp::exact::deposit(x, got_parts, scale_exp);
+      fsdp::exact::deposit(x.to(at::kDouble), want_parts, scale_exp);
+    }
+    EXPECT_TRUE(torch::equal(got, want)) << "scale_exp " << scale_exp;
+  }
+}
+
+// to_double's one pass over contiguous host limbs gives the bits of its tensor operations (which
+// strided limbs take): carries, negative sums, overflow flags, several scaling steps, a divisor.
+TEST(Determinism, OnePassConversionGivesTheTensorOperationsBits) {
+  const int64_t n = 1000;
+  at::Tensor strided = at::empty({n, fsdp::exact::kLimbs}, at::kLong);
+  strided.select(1, 0).copy_(at::randint(-(int64_t(1) << 40), int64_t(1) << 40, {n}, at::kLong));
+  strided.select(1, 1).copy_(at::randint(-(int64_t(1) << 40), int64_t(1) << 40, {n}, at::kLong));
+  strided.select(1, 2).copy_(at::randint(-(int64_t(1) << 30), int64_t(1) << 30, {n}, at::kLong));
+  strided[7][2] = fsdp::exact::kOverflowFlag + 5;
+  strided[8][2] = 2 * fsdp::exact::kOverflowFlag - 1;
+  for (const int scale_exp : {fsdp::exact::kGradScaleExp, -30, 700})
+    for (const double divisor : {1.0, 3.0, 12.0}) {
+      at::Tensor views[fsdp::exact::kLimbs], rows[fsdp::exact::kLimbs];
+      for (int j = 0; j < fsdp::exact::kLimbs; ++j) {
+        views[j] = strided.select(1, j);
+        rows[j] = views[j].contiguous();
+      }
+      const at::Tensor want = fsdp::exact::to_double(views, scale_exp, divisor);
+      const at::Tensor got = fsdp::exact::to_double(rows, scale_exp, divisor);
+      EXPECT_TRUE(torch::equal(got.isnan(), want.isnan())) << scale_exp << " " << divisor;
+      EXPECT_TRUE(torch::equal(got.nan_to_num(0), want.nan_to_num(0))) << scale_exp << " " << divisor;
+      EXPECT_TRUE(got[7].isnan().item<bool>() && got[8].isnan().item<bool>());
+    }
 }
 
 TEST(Determinism, GlooAndMixedPrecisionGiveTheParametersOfOneRank) {

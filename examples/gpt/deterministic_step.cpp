@@ -33,36 +33,48 @@ MicroBatchRange micro_batch_range(int count, int rank, int world) {
   return {static_cast<int>(int64_t(count) * rank / world), static_cast<int>(int64_t(count) * (rank + 1) / world)};
 }
 
+int micro_batches_per_rank(int count, int world) { return static_cast<int>((int64_t(count) + world - 1) / world); }
+
 double deterministic_train_step(const TrainingLoop& loop, int step, double lr) {
   const TrainConfig& config = loop.config;
   for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   const BatchPlan& plan = config.batch;
   const int count = plan.global / plan.micro;
   const MicroBatchRange range = micro_batch_range(count, loop.pg.rank(), loop.pg.size());
+  const int passes = micro_batches_per_rank(count, loop.pg.size());
   const int64_t micro = plan.micro;
-  const auto batch =
-      gpt::sample_batch(loop.train_tokens, config.context, gpt::batch_key(config.seed, kTrainStream, step), plan.global,
-                        range.first * micro, (range.end - range.first) * micro);
+  const uint64_t key = gpt::batch_key(config.seed, kTrainStream, step);
+  const auto batch = range.end > range.first ? gpt::sample_batch(loop.train_tokens, config.context, key, plan.global,
+                                                                 range.first * micro, (range.end - range.first) * micro)
+                                             : gpt::Batch{};
+  // A padding pass runs micro-batch 0 again, uncounted: its gradients are dropped.
+  const auto padding = range.end - range.first < passes
+                           ? gpt::sample_batch(loop.train_tokens, config.context, key, plan.global, 0, micro)
+                           : gpt::Batch{};
   loop.optimizer.zero_grad();
   std::vector<double> losses(count, 0.0);
-  for (int i = range.first; i < range.end; ++i) {
-    const int64_t row = (i - range.first) * micro;
-    gpt::Batch part{batch.inputs.narrow(0, row, micro), batch.targets.narrow(0, row, micro)};
-    const bool last = i + 1 == range.end;
+  for (int m = 0; m < passes; ++m) {
+    const int i = range.first + m;
+    const bool real = i < range.end, last = m + 1 == passes;
+    const int64_t row = m * micro;
+    gpt::Batch part =
+        real ? gpt::Batch{batch.inputs.narrow(0, row, micro), batch.targets.narrow(0, row, micro)} : padding;
     std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
     if (!last) no_sync.emplace(loop.sharded.no_sync());
     if (config.grad_accum_mode == "no-sync-unsharded") loop.sharded.set_reshard_after_backward(last);
+    loop.sharded.set_backward_counted(real);
     // Dropout's draws follow the micro-batch's index in the global batch, not the rank.
     {
       auto generator = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_current_seed(gpt::batch_key(config.seed, kDropoutStream, uint64_t(step) * count + i));
+      generator.set_current_seed(gpt::batch_key(config.seed, kDropoutStream, uint64_t(step) * count + (real ? i : 0)));
     }
     // Not divided by the micro-batch count: FSDP averages over every rank's micro-batches.
     auto loss = next_token_loss(loop.model, part);
     (loop.scaler ? loop.scaler->scale(loss) : loss).backward();
-    losses[i] = loss.item<double>();
+    if (real) losses[i] = loss.item<double>();
   }
+  loop.sharded.set_backward_counted(true);
   if (loop.scaler && config.clip_grad_norm > 0) loop.scaler->unscale_(loop.optimizer);
   if (config.clip_grad_norm > 0) loop.sharded.clip_grad_norm_(config.clip_grad_norm);
   if (loop.scaler) {

@@ -20,20 +20,18 @@ void mix(uint64_t& h, const void* data, size_t n) {
 }  // namespace
 
 uint64_t parameter_hash(fsdp::FullyShardedModule& sharded) {
-  const auto full = sharded.full_state_dict();
-  std::vector<std::string> names;
-  names.reserve(full.size());
-  for (const auto& kv : full) names.push_back(kv.first);
+  std::vector<std::string> names = sharded.full_state_names();
   std::sort(names.begin(), names.end());
   uint64_t h = kFnvOffset;
-  for (const auto& name : names) {
-    const at::Tensor t = full.at(name).detach().cpu().contiguous();
+  // One unit's full values at a time, visited in name order.
+  sharded.visit_full_state(names, [&h](const std::string& name, const at::Tensor& value) {
+    const at::Tensor t = value.detach().cpu().contiguous();
     mix(h, name.data(), name.size() + 1);  // with its terminating zero
     const auto dtype = static_cast<int8_t>(t.scalar_type());
     mix(h, &dtype, 1);
     for (const int64_t d : t.sizes()) mix(h, &d, sizeof(d));
     mix(h, t.data_ptr(), t.nbytes());
-  }
+  });
   return h;
 }
 

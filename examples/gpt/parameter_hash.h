@@ -8,7 +8,7 @@
 
 namespace fsdp_gpt {
 
-// Collective (gathers the full parameters); the same on every rank.
+// Collective (gathers each unit's full parameters in turn); the same on every rank.
 uint64_t parameter_hash(fsdp::FullyShardedModule& sharded);
 
 // The hash as 16 lowercase hex digits.

@@ -127,7 +127,8 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
       {"model", std::to_string(config.layers) + " layers, width " + std::to_string(config.width) + ", " +
                     std::to_string(config.heads) + " heads, context " + std::to_string(config.context) +
                     ", vocab 256 (bytes)"},
-      {"batch", "global " + std::to_string(plan.global) + " sequences (--global-batch) = " + std::to_string(world) +
+      {"batch", "global " + std::to_string(plan.global) + " sequences (--global-batch) " +
+                    (plan.global == world * plan.per_rank ? "= " : "<= ") + std::to_string(world) +
                     (world == 1 ? " rank x " : " ranks x ") + std::to_string(plan.accum) + " micro-batch" +
                     (plan.accum == 1 ? "" : "es") + " x " + std::to_string(plan.micro) + " (--batch-size); " +
                     std::to_string(plan.global) + " x " + std::to_string(config.context) + " = " +

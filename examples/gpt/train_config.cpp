@@ -319,15 +319,13 @@ void resolve_batch(TrainConfig& config, int world, int saved_global, const std::
              str(config.batch_per_rank) + ")";
   }
   if (config.deterministic) {
-    // A fixed list of micro-batches of --batch-size, split into equal contiguous ranges.
+    // A fixed list of micro-batches of --batch-size, split into contiguous ranges; a rank with a
+    // shorter range runs padding passes to keep step (deterministic_step.h).
     b.micro = config.batch_size > 0 ? config.batch_size : config.batch_per_rank / config.grad_accum;
     if (b.global % b.micro != 0)
       throw BatchError("--batch-size", source + " is not a multiple of the micro-batch " + str(b.micro));
     const int micro_batches = b.global / b.micro;
-    if (micro_batches % world != 0)
-      throw BatchError("--global-batch", source + " has " + str(micro_batches) + " micro-batches of " + str(b.micro) +
-                                             ", which do not split evenly over " + ranks);
-    b.accum = micro_batches / world;
+    b.accum = (micro_batches + world - 1) / world;
     b.per_rank = b.accum * b.micro;
     config.batch = b;
     return;

@@ -9,11 +9,11 @@
 
 namespace fsdp_gpt {
 
-// How each optimizer step's global batch is split: global = world x accum x micro. See "Batch"
-// in docs/trainer.md.
+// How each optimizer step's global batch is split: global = world x accum x micro (--deterministic:
+// at most that, the ranks' shares differing by one micro-batch). See "Batch" in docs/trainer.md.
 struct BatchPlan {
   int global = 0;    // sequences per optimizer step, all ranks; a property of the run, kept on resume
-  int per_rank = 0;  // global / world
+  int per_rank = 0;  // global / world; --deterministic: the largest share, accum x micro
   int micro = 0;     // sequences per micro-batch per rank
   int accum = 0;     // micro-batches per rank per step: per_rank / micro
 };

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -79,6 +80,15 @@ class FullyShardedModule {
 
   // Collective: every rank gets every parameter (unsharded, cloned) and buffer by name.
   std::unordered_map<std::string, at::Tensor> full_state_dict();
+  // Every name full_state_dict() has (parameters under each of their names, and buffers), in no
+  // particular order. Not collective.
+  std::vector<std::string> full_state_names() const;
+  // Collective: calls visit(name, value) for each of `names` (of full_state_names(), the same list
+  // on every rank) in that order, gathering one FlatParameter at a time (again when the order comes
+  // back to it), so memory holds one unit's full values, not the model's. A value is valid during
+  // its call only.
+  void visit_full_state(const std::vector<std::string>& names,
+                        const std::function<void(const std::string& name, const at::Tensor& value)>& visit);
   // Collective: loads full tensors by name into the shards (and buffers); names must match.
   void load_full_state_dict(const std::unordered_map<std::string, at::Tensor>& state);
 
@@ -127,6 +137,11 @@ class FullyShardedModule {
   // across replicas; the first backward with it on again reduces everything kept. Every rank must
   // switch at the same backward. No effect on the other strategies.
   void set_requires_all_reduce(bool on);
+  // Deterministic mode's padding backwards (Options::deterministic only): while off, backward runs
+  // as usual, collectives included, but its gradients are dropped and it does not count in the mean
+  // over backward passes, so a rank with fewer micro-batches than the others can keep step with
+  // them. Not collective. See Note [Deterministic training] in docs/design.md.
+  void set_backward_counted(bool counted);
   // While off, backward leaves the units unsharded, so the next forward (e.g. the next micro-batch
   // under no_sync) gathers nothing; after an optimizer step they are gathered again (FSDP2's
   // set_reshard_after_backward). More memory: every unit stays unsharded. Every rank must switch

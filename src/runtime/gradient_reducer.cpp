@@ -40,10 +40,10 @@ void GradientReducer::begin_backward() {
   for (const auto& fp : flat_params_)
     observable = observable || (fp->requires_grad() && fp->padded_numel() - fp->shard_numel() < fp->numel());
   if (zeroed || !observable) backwards_held_ = 0;
-  ++backwards_since_sync_;
+  if (counted_) ++backwards_since_sync_;
   for (auto& fp : flat_params_) {
     fp->grad().set_backwards_held(backwards_held_);
-    fp->grad().set_backward_count(backwards_since_sync_);
+    fp->grad().set_backward_count(backwards_since_sync_, counted_);
   }
 }
 

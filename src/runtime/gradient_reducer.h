@@ -55,6 +55,9 @@ class GradientReducer {
   // (FullyShardedModule::set_requires_all_reduce).
   void set_all_reduce(bool on) { all_reduce_ = on; }
   bool all_reduce() const { return all_reduce_; }
+  // Deterministic mode: whether backward's gradients join the exact sums and its pass the count
+  // (FullyShardedModule::set_backward_counted).
+  void set_counted(bool counted) { counted_ = counted; }
   void update_sharded_grad_bytes();
   // FullyShardedModule::set_step_in_backward.
   BackwardStepper& stepper() { return stepper_; }
@@ -74,6 +77,7 @@ class GradientReducer {
   MemoryTracker& memory_;
   bool sync_ = true;
   bool all_reduce_ = true;
+  bool counted_ = true;
   BackwardStepper stepper_;
   std::vector<int> reduce_order_;  // FlatParameters with a reduction in flight, in issue order
   // CPU offload: FlatParameters whose reduced shard is on its way to the host and still holds
