@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "block_quantization.h"
+#include "quantized_collectives.h"
 #include "buffer_pool.h"
 #include "cpu_offload.h"
 #include "flat_grad.h"
@@ -105,6 +106,8 @@ class FlatParam {
   // Reduce-scatters carry the gradients quantized in `format` (Options::reduce_quantization).
   void quantize_reductions(const BlockFormat& format) { reduce_format_ = format; }
   const c10::optional<BlockFormat>& reduce_format() const { return reduce_format_; }
+  // Error feedback's residuals of the quantized reductions (enabled by Quantization::error_feedback).
+  QuantizationResiduals& residuals() { return residuals_; }
 
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).
   void copy_full_into_shard(const at::Tensor& full);
@@ -136,6 +139,7 @@ class FlatParam {
   int64_t post_forward_version_ = 0;     // the shard's version those values were gathered from
   mutable int64_t gathers_issued_ = 0;
   c10::optional<BlockFormat> gather_format_, reduce_format_;
+  QuantizationResiduals residuals_;
   std::unique_ptr<FlatGrad> grad_;
 };
 

@@ -105,8 +105,10 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                                     (config.mixed_precision == "fp16" ? ", sharded gradient scaler" : "")},
       {"quantized communication", config.quantize_all_gather == "none" && config.quantize_reduce == "none"
                                       ? std::string("off")
-                                      : "all-gathers " + config.quantize_all_gather + ", reduce-scatters " +
-                                            config.quantize_reduce + ", " + std::to_string(config.quantize_block) +
+                                      : "all-gathers " + config.quantize_all_gather + ", reductions " +
+                                            config.quantize_reduce +
+                                            (config.quantize_error_feedback ? " with error feedback" : "") + ", " +
+                                            std::to_string(config.quantize_block) +
                                             " values per scale, every unit but the root"},
       {"grad accumulation", std::to_string(plan.accum) + " micro-batch" + (plan.accum == 1 ? "" : "es") + " of " +
                                 std::to_string(plan.micro) + " per step" +
