@@ -10,7 +10,7 @@
 # reductions; NO_SHARD (its gradient all-reduce quantized) at 1 Gbit/s. Runs interleaved, REPEATS
 # rounds; medians. Loss: 500 steps unquantized, int8, and int8 with error feedback: validation loss
 # at the end and the training-loss curves (bench/results/quantized.png, with gnuplot). Prints the
-# markdown tables. REPEATS 0: the loss comparison only.
+# markdown tables. REPEATS 0: the loss comparison only. MASTER_PORT: fsdp-run's port (29500).
 set -euo pipefail
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
@@ -31,7 +31,7 @@ for ((r = 0; r < REPEATS; r++)); do
     for q in plain int8; do
       flags=(--strategy "$strategy")
       [ "$q" = int8 ] && flags+=("${QUANT[@]}")
-      out=$(env ${NETS[$net]} "$RUN" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 1 --steps 24 --log-interval 8 \
+      out=$(env ${NETS[$net]} "$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 1 --steps 24 --log-interval 8 \
             "${flags[@]}" 2>&1)
       ms=$(ms_per_step <<<"$out")
       TIMES[$row/$q]="${TIMES[$row/$q]:-} $ms"
@@ -59,7 +59,7 @@ for q in plain int8 feedback; do
   flags=()
   [ "$q" = int8 ] && flags=("${QUANT[@]}")
   [ "$q" = feedback ] && flags=("${QUANT[@]}" --quantize-error-feedback)
-  out=$("$RUN" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 8 --steps 500 --log-interval 10 \
+  out=$("$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 8 --steps 500 --log-interval 10 \
         --metrics-file "$DIR/$q.jsonl" "${flags[@]}" 2>&1)
   VAL[${#VAL[@]}]=$(grep -oE "validation loss after training: [0-9.]+" <<<"$out" | grep -oE "[0-9.]+$")
   /usr/bin/python3 -c 'import json, sys

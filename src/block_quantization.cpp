@@ -121,7 +121,8 @@ bool dequantize_int8_on_cpu(const at::Tensor& out, const at::Tensor& packed, int
 }
 
 // out = the sum of `count` int8 packed buffers `stride` bytes apart, in order, in float32.
-void sum_int8(float* out, const uint8_t* base, int64_t count, int64_t numel, int64_t stride, const BlockFormat& format) {
+void sum_int8(float* out, const uint8_t* base, int64_t count, int64_t numel, int64_t stride,
+              const BlockFormat& format) {
   const int64_t nb = format.blocks(numel), B = format.block;
   for (int64_t r = 0; r < count; ++r) {
     const uint8_t* part = base + r * stride;
@@ -176,8 +177,8 @@ void dequantize_into(const at::Tensor& out, const at::Tensor& packed, int64_t co
   out.view({count, numel}).copy_(values.narrow(1, 0, numel));
 }
 
-void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel,
-                          int64_t stride, const BlockFormat& format) {
+void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel, int64_t stride,
+                          const BlockFormat& format) {
   const int64_t per = format.packed_bytes(numel);
   FSDP_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == numel && count >= 1 &&
                  stride >= per && packed.numel() >= (count - 1) * stride + per,

@@ -31,8 +31,8 @@ void dequantize_into(const at::Tensor& out, const at::Tensor& packed, int64_t co
                      const BlockFormat& format);
 // out (float32, contiguous, numel `numel`) = the sum, in order, of `count` packed buffers of
 // `numel` values each, buffer r starting at byte r * stride of `packed`.
-void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel,
-                          int64_t stride, const BlockFormat& format);
+void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel, int64_t stride,
+                          const BlockFormat& format);
 // quantize_into() with error feedback: with `residual` defined (float32, values' numel), packs
 // values + residual and leaves in `residual` what the codes drop of that (values + residual minus
 // their dequantized codes).

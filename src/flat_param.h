@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "block_quantization.h"
-#include "quantized_collectives.h"
 #include "buffer_pool.h"
 #include "cpu_offload.h"
 #include "flat_grad.h"
@@ -23,6 +22,7 @@
 #include "fsdp/options.h"
 #include "memory_tracker.h"
 #include "param_slot.h"
+#include "quantized_collectives.h"
 #include "sharding_groups.h"
 
 namespace fsdp {

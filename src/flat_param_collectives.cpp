@@ -1,6 +1,5 @@
 #include "flat_param_collectives.h"
 
-
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
 #include "quantized_collectives.h"
@@ -142,10 +141,9 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
   at::Tensor sums = grad.new_reduction_output();
   WorkPtr work =
       fp.reduce_format() && !grad.deterministic()
-          ? quantized_reduce_scatter(
-                *group.shard_comm, sums, input, reduction_buffers(fp),
-                fp.residuals().enabled ? &fp.residuals().scatter : nullptr,
-                reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
+          ? quantized_reduce_scatter(*group.shard_comm, sums, input, reduction_buffers(fp),
+                                     fp.residuals().enabled ? &fp.residuals().scatter : nullptr,
+                                     reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
           : group.shard_comm->reduce_scatter(sums, input,
                                              reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
   const bool replicas = group.replicate_comm && group.replicate_comm->size() > 1;

@@ -72,7 +72,9 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
   const BlockFormat format = buffers.format;
   // Member q owns part q: p values from q * p (the last parts shorter, or empty).
   const int64_t N = t.numel(), p = (N + W - 1) / W, per = format.packed_bytes(p);
-  auto length = [N, p](int q) { return std::max<int64_t>(0, std::min(p, N - q * p)); };
+  auto length = [N, p](int q) {
+    return std::max<int64_t>(0, std::min(p, N - q * p));
+  };
   auto bytes = t.options().dtype(at::kByte);
   BufferPool& pool = *buffers.pool;
   at::Tensor packed = pool.empty(W * per, bytes), received = pool.empty(W * per, bytes), own = pool.empty(per, bytes),
@@ -91,9 +93,8 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
     for (int q = 0; q < W; ++q) {
       const int64_t len = length(q);
       if (len == 0) continue;
-      quantize_with_feedback(packed.narrow(0, q * per, format.packed_bytes(len)),
-                             t.narrow(0, q * p, len), sent.defined() ? sent.narrow(0, q * p, len) : at::Tensor(),
-                             format);
+      quantize_with_feedback(packed.narrow(0, q * per, format.packed_bytes(len)), t.narrow(0, q * p, len),
+                             sent.defined() ? sent.narrow(0, q * p, len) : at::Tensor(), format);
     }
   };
   const std::string label = opts.label;
@@ -120,8 +121,7 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
     for (int q = 0; q < W; ++q) {
       const int64_t len = length(q);
       if (len > 0)
-        dequantize_into(t.narrow(0, q * p, len), gathered.narrow(0, q * per, format.packed_bytes(len)), 1, len,
-                        format);
+        dequantize_into(t.narrow(0, q * p, len), gathered.narrow(0, q * per, format.packed_bytes(len)), 1, len, format);
     }
     memory->add_grad(-counted);
     gathered = at::Tensor();
