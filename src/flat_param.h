@@ -103,7 +103,7 @@ class FlatParam {
   // All-gathers carry the shards quantized in `format` (Options::all_gather_quantization).
   void quantize_gathers(const BlockFormat& format) { gather_format_ = format; }
   const c10::optional<BlockFormat>& gather_format() const { return gather_format_; }
-  // Reduce-scatters carry the gradients quantized in `format` (Options::reduce_quantization).
+  // Gradient reductions carry codes in `format` (Options::reduce_quantization).
   void quantize_reductions(const BlockFormat& format) { reduce_format_ = format; }
   const c10::optional<BlockFormat>& reduce_format() const { return reduce_format_; }
   // Error feedback's residuals of the quantized reductions (enabled by Quantization::error_feedback).
