@@ -3,46 +3,51 @@
 #
 #   bench/quantized.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]
 #
-# Step time and modeled bytes: the example trainer at world 4 through fsdp-run (FULL_SHARD, block
-# units, one thread per rank), a communication-bound GPT (1 sequence per rank), over Gloo TCP and
-# over the modeled network at 1 and 10 Gbit/s between ranks (FSDP_NETWORK_MODEL, one rank per
-# modeled host), unquantized and with int8 all-gathers and reduce-scatters, interleaved, REPEATS
-# rounds; medians. Loss: 500 steps of each, validation loss at the end and the training-loss
-# curves (bench/results/quantized.png, with gnuplot). Prints the markdown tables. REPEATS 0: the
-# loss comparison only.
+# Step time and modeled bytes: the example trainer at world 4 through fsdp-run (block units, one
+# thread per rank), a communication-bound GPT (1 sequence per rank). FULL_SHARD over shared memory
+# without a network model, over Gloo TCP and over the modeled network at 1 and 10 Gbit/s between
+# ranks (FSDP_NETWORK_MODEL, one rank per modeled host), unquantized and with int8 all-gathers and
+# reductions; NO_SHARD (its gradient all-reduce quantized) at 1 Gbit/s. Runs interleaved, REPEATS
+# rounds; medians. Loss: 500 steps unquantized, int8, and int8 with error feedback: validation loss
+# at the end and the training-loss curves (bench/results/quantized.png, with gnuplot). Prints the
+# markdown tables. REPEATS 0: the loss comparison only. MASTER_PORT: fsdp-run's port (29500).
 set -euo pipefail
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
 MODEL=(--layers 4 --width 384 --heads 6 --context 16 --batch-per-rank 1 --sample-bytes 0 "${EXTRA[@]}")
 QUANT=(--quantize-all-gather int8 --quantize-reduce int8)
-declare -A NETS=([tcp]="FSDP_TRANSPORT=tcp" [1gbit]="FSDP_NETWORK_MODEL=gbps=0.125,ranks_per_host=1"
+declare -A NETS=([shm]="FSDP_TRANSPORT=shm" [tcp]="FSDP_TRANSPORT=tcp"
+                 [1gbit]="FSDP_NETWORK_MODEL=gbps=0.125,ranks_per_host=1"
                  [10gbit]="FSDP_NETWORK_MODEL=gbps=1.25,ranks_per_host=1")
-NET_ORDER=(tcp 1gbit 10gbit)
+# Rows: "strategy network".
+ROWS=("FULL_SHARD shm" "FULL_SHARD tcp" "FULL_SHARD 1gbit" "FULL_SHARD 10gbit" "NO_SHARD 1gbit")
 declare -A TIMES BYTES
 ms_per_step() {  # the mean over the logged windows after the first (warm-up excluded)
   grep -E "^\[rank 0\] step +(16|24)/" | sed -E 's/.*\| +([0-9.]+) ms\/step.*/\1/' | awk '{ s += $1 } END { printf "%.1f", s / NR }'
 }
 for ((r = 0; r < REPEATS; r++)); do
-  for net in "${NET_ORDER[@]}"; do
+  for row in "${ROWS[@]}"; do
+    read -r strategy net <<<"$row"
     for q in plain int8; do
-      flags=()
-      [ "$q" = int8 ] && flags=("${QUANT[@]}")
-      out=$(env ${NETS[$net]} "$RUN" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 1 --steps 24 --log-interval 8 \
+      flags=(--strategy "$strategy")
+      [ "$q" = int8 ] && flags+=("${QUANT[@]}")
+      out=$(env ${NETS[$net]} "$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 1 --steps 24 --log-interval 8 \
             "${flags[@]}" 2>&1)
       ms=$(ms_per_step <<<"$out")
-      TIMES[$net/$q]="${TIMES[$net/$q]:-} $ms"
-      BYTES[$net/$q]=$(grep -oE "all-gathers [0-9.]+ MB, reduce-scatters [0-9.]+ MB" <<<"$out" | head -1 || true)
-      echo "repeat $r $net $q: $ms ms/step ${BYTES[$net/$q]}" >&2
+      TIMES[$row/$q]="${TIMES[$row/$q]:-} $ms"
+      BYTES[$row/$q]=$(grep -oE "all-gathers [0-9.]+ MB, reduce-scatters [0-9.]+ MB, other [0-9.]+ MB" <<<"$out" | head -1 || true)
+      echo "repeat $r $row $q: $ms ms/step ${BYTES[$row/$q]}" >&2
     done
   done
 done
 if ((REPEATS > 0)); then
-echo "| network | ms/step unquantized | ms/step int8 | speed-up | runs (unquantized; int8) | modeled MB per step, rank 0, unquantized | int8 |"
-echo "| --- | ---: | ---: | ---: | --- | --- | --- |"
-for net in "${NET_ORDER[@]}"; do
-  a=$(echo "${TIMES[$net/plain]}" | median)
-  b=$(echo "${TIMES[$net/int8]}" | median)
-  echo "| $net | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }') | ${TIMES[$net/plain]# }; ${TIMES[$net/int8]# } | ${BYTES[$net/plain]:-n/a} | ${BYTES[$net/int8]:-n/a} |"
+echo "| strategy | network | ms/step unquantized | ms/step int8 | speed-up | runs (unquantized; int8) | modeled MB per step, rank 0, unquantized | int8 |"
+echo "| --- | --- | ---: | ---: | ---: | --- | --- | --- |"
+for row in "${ROWS[@]}"; do
+  read -r strategy net <<<"$row"
+  a=$(echo "${TIMES[$row/plain]}" | median)
+  b=$(echo "${TIMES[$row/int8]}" | median)
+  echo "| $strategy | $net | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }') | ${TIMES[$row/plain]# }; ${TIMES[$row/int8]# } | ${BYTES[$row/plain]:-n/a} | ${BYTES[$row/int8]:-n/a} |"
 done
 fi
 
@@ -50,10 +55,11 @@ fi
 DIR=$(mktemp -d)
 VAL=()
 trap 'rm -rf "$DIR"' EXIT
-for q in plain int8; do
+for q in plain int8 feedback; do
   flags=()
   [ "$q" = int8 ] && flags=("${QUANT[@]}")
-  out=$("$RUN" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 8 --steps 500 --log-interval 10 \
+  [ "$q" = feedback ] && flags=("${QUANT[@]}" --quantize-error-feedback)
+  out=$("$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 8 --steps 500 --log-interval 10 \
         --metrics-file "$DIR/$q.jsonl" "${flags[@]}" 2>&1)
   VAL[${#VAL[@]}]=$(grep -oE "validation loss after training: [0-9.]+" <<<"$out" | grep -oE "[0-9.]+$")
   /usr/bin/python3 -c 'import json, sys
@@ -66,12 +72,13 @@ echo "| run | validation loss after 500 steps | relative to unquantized |"
 echo "| --- | ---: | ---: |"
 echo "| unquantized | ${VAL[0]} | 1.0000 |"
 echo "| int8 all-gathers and reduce-scatters | ${VAL[1]} | $(awk -v a="${VAL[1]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
+echo "| int8, reductions with error feedback | ${VAL[2]} | $(awk -v a="${VAL[2]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
 if command -v gnuplot >/dev/null; then
   gnuplot <<EOF
 set terminal pngcairo size 800,450 noenhanced
 set output "$(dirname "$0")/results/quantized.png"
 set xlabel "step"; set ylabel "training loss (rank mean)"
 set title "Example GPT, world 4, FULL_SHARD: unquantized and int8 communication"
-plot "$DIR/plain.dat" using 1:2 with lines title "unquantized", "$DIR/int8.dat" using 1:2 with lines title "int8 all-gathers and reduce-scatters"
+plot "$DIR/plain.dat" using 1:2 with lines title "unquantized", "$DIR/int8.dat" using 1:2 with lines title "int8 all-gathers and reduce-scatters", "$DIR/feedback.dat" using 1:2 with lines title "int8, error feedback"
 EOF
 fi

@@ -48,7 +48,7 @@ LAYERS = [
     ("flat parameter", [  # FlatParameters: storage, shards, gradients, their collectives; unit planning
         "src/param_slot.h", "src/flat_param*", "src/flat_grad*",
         "src/sharding_groups.*", "src/unit_plan.*", "src/cpu_offload.*", "src/buffer_pool.*",
-        "src/memory_tracker.*", "src/mixed_precision.*",
+        "src/memory_tracker.*", "src/mixed_precision.*", "src/quantized_collectives.*",
     ]),
     ("runtime", [  # one sharded model's runtime: units, scheduling, reduction, hooks
         "src/runtime/*",

@@ -6,6 +6,10 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "fsdp/check.h"
 
 namespace fsdp {
@@ -24,6 +28,49 @@ at::ScalarType float8_type() { FSDP_FAIL("float8 quantization needs LibTorch 2.1
 
 at::ScalarType code_type(QuantizedDtype d) { return d == QuantizedDtype::kInt8 ? at::kChar : float8_type(); }
 
+// The largest |x[i]| of one block; NaNs are passed over. SSE2 where the target has it (the same
+// result: max is exact and the vector max passes NaNs over as std::max does here).
+float block_amax(const float* x, int64_t len) {
+  float amax = 0;
+  int64_t i = 0;
+#if defined(__SSE2__)
+  const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps();
+  for (; i + 8 <= len; i += 8) {
+    m0 = _mm_max_ps(_mm_and_ps(_mm_loadu_ps(x + i), abs_mask), m0);
+    m1 = _mm_max_ps(_mm_and_ps(_mm_loadu_ps(x + i + 4), abs_mask), m1);
+  }
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, _mm_max_ps(m0, m1));
+  for (const float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; i < len; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+
+// codes[i] = x[i] / divisor clamped to [-127, 127] (a NaN to -127), then rounded to nearest, ties
+// to even, by adding and subtracting 1.5 x 2^23. The SSE2 loop does the same operations in the
+// same order on four values at once, so both give the same codes.
+void block_codes(int8_t* codes, const float* x, int64_t len, float divisor) {
+  constexpr float kRound = 12582912.0f;
+  int64_t i = 0;
+#if defined(__SSE2__)
+  const __m128 d = _mm_set1_ps(divisor), lo = _mm_set1_ps(-127.0f), hi = _mm_set1_ps(127.0f),
+               round = _mm_set1_ps(kRound);
+  for (; i + 16 <= len; i += 16) {
+    __m128i q[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m128 v = _mm_min_ps(_mm_max_ps(_mm_div_ps(_mm_loadu_ps(x + i + 4 * k), d), lo), hi);
+      q[k] = _mm_cvttps_epi32(_mm_sub_ps(_mm_add_ps(v, round), round));
+    }
+    const __m128i packed = _mm_packs_epi16(_mm_packs_epi32(q[0], q[1]), _mm_packs_epi32(q[2], q[3]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), packed);
+  }
+#endif
+  for (; i < len; ++i)
+    codes[i] = static_cast<int8_t>((std::min(127.0f, std::max(-127.0f, x[i] / divisor)) + kRound) - kRound);
+}
+
 // One pass over each block for the common case (float32 values, int8 codes, on the CPU); the
 // same arithmetic as the tensor operations below, so both give the same bits.
 bool quantize_int8_on_cpu(const at::Tensor& packed, const at::Tensor& values, const BlockFormat& format) {
@@ -35,18 +82,11 @@ bool quantize_int8_on_cpu(const at::Tensor& packed, const at::Tensor& values, co
   uint8_t* base = packed.data_ptr<uint8_t>();
   auto* codes = reinterpret_cast<int8_t*>(base + 4 * nb);
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t start = b * B, end = std::min(n, start + B);
-    float amax = 0;
-    for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float scale = amax / 127.0f;
+    const int64_t start = b * B, len = std::min(n, start + B) - start;
+    const float scale = block_amax(x + start, len) / 127.0f;
     std::memcpy(base + 4 * b, &scale, sizeof(float));
-    const float divisor = scale > 0 ? scale : 1.0f;
-    // Clamped first (the same codes as rounding first), then rounded to nearest, ties to even,
-    // by adding and subtracting 1.5 x 2^23: vectorizable, unlike a call to nearbyint.
-    constexpr float kRound = 12582912.0f;
-    for (int64_t i = start; i < end; ++i)
-      codes[i] = static_cast<int8_t>((std::min(127.0f, std::max(-127.0f, x[i] / divisor)) + kRound) - kRound);
-    for (int64_t i = end; i < start + B; ++i) codes[i] = 0;
+    block_codes(codes + start, x + start, len, scale > 0 ? scale : 1.0f);
+    std::memset(codes + start + len, 0, B - len);
   }
   return true;
 }
@@ -77,6 +117,25 @@ bool dequantize_int8_on_cpu(const at::Tensor& out, const at::Tensor& packed, int
     case at::kFloat: dequantize_int8(out.data_ptr<float>(), base, count, numel, format); return true;
     case at::kBFloat16: dequantize_int8(out.data_ptr<at::BFloat16>(), base, count, numel, format); return true;
     default: return false;
+  }
+}
+
+// out = the sum of `count` int8 packed buffers `stride` bytes apart, in order, in float32.
+void sum_int8(float* out, const uint8_t* base, int64_t count, int64_t numel, int64_t stride,
+              const BlockFormat& format) {
+  const int64_t nb = format.blocks(numel), B = format.block;
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* part = base + r * stride;
+    const auto* codes = reinterpret_cast<const int8_t*>(part + 4 * nb);
+    for (int64_t b = 0; b < nb; ++b) {
+      float scale;
+      std::memcpy(&scale, part + 4 * b, sizeof(float));
+      const int64_t end = std::min(numel, (b + 1) * B);
+      if (r == 0)
+        for (int64_t i = b * B; i < end; ++i) out[i] = static_cast<float>(codes[i]) * scale;
+      else
+        for (int64_t i = b * B; i < end; ++i) out[i] += static_cast<float>(codes[i]) * scale;
+    }
   }
 }
 
@@ -116,6 +175,36 @@ void dequantize_into(const at::Tensor& out, const at::Tensor& packed, int64_t co
   at::Tensor codes = all.narrow(1, 4 * nb, nb * B).view(code_type(format.dtype)).view({count, nb, B});
   at::Tensor values = (codes.to(at::kFloat) * scales).view({count, nb * B});
   out.view({count, numel}).copy_(values.narrow(1, 0, numel));
+}
+
+void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel, int64_t stride,
+                          const BlockFormat& format) {
+  const int64_t per = format.packed_bytes(numel);
+  FSDP_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == numel && count >= 1 &&
+                 stride >= per && packed.numel() >= (count - 1) * stride + per,
+             "sum_dequantized_into: sizes do not match the format");
+  if (numel == 0) return;
+  if (format.dtype == QuantizedDtype::kInt8 && out.device().is_cpu() && packed.is_contiguous()) {
+    sum_int8(out.data_ptr<float>(), packed.data_ptr<uint8_t>(), count, numel, stride, format);
+    return;
+  }
+  dequantize_into(out, packed.narrow(0, 0, per), 1, numel, format);
+  at::Tensor part = at::empty_like(out);
+  for (int64_t r = 1; r < count; ++r) {
+    dequantize_into(part, packed.narrow(0, r * stride, per), 1, numel, format);
+    out.add_(part);
+  }
+}
+
+void quantize_with_feedback(const at::Tensor& packed, const at::Tensor& values, const at::Tensor& residual,
+                            const BlockFormat& format) {
+  if (!residual.defined()) return quantize_into(packed, values, format);
+  FSDP_CHECK(residual.scalar_type() == at::kFloat && residual.numel() == values.numel(),
+             "quantize_with_feedback: the residual does not match the values");
+  const at::Tensor sent = values.to(at::kFloat).reshape({-1}).add(residual);
+  quantize_into(packed, sent, format);
+  dequantize_into(residual, packed, 1, sent.numel(), format);
+  at::Tensor(residual).neg_().add_(sent);  // sent - decoded, exactly
 }
 
 double error_bound(double block_max, const BlockFormat& format) {

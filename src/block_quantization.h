@@ -29,6 +29,15 @@ void quantize_into(const at::Tensor& packed, const at::Tensor& values, const Blo
 // out) into the 1-D `out` (numel count * numel), cast to out's dtype.
 void dequantize_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel,
                      const BlockFormat& format);
+// out (float32, contiguous, numel `numel`) = the sum, in order, of `count` packed buffers of
+// `numel` values each, buffer r starting at byte r * stride of `packed`.
+void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel, int64_t stride,
+                          const BlockFormat& format);
+// quantize_into() with error feedback: with `residual` defined (float32, values' numel), packs
+// values + residual and leaves in `residual` what the codes drop of that (values + residual minus
+// their dequantized codes).
+void quantize_with_feedback(const at::Tensor& packed, const at::Tensor& values, const at::Tensor& residual,
+                            const BlockFormat& format);
 // The largest |dequantized - value| quantize_into allows for a value of a block whose largest
 // magnitude is `block_max`.
 double error_bound(double block_max, const BlockFormat& format);

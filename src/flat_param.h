@@ -22,6 +22,7 @@
 #include "fsdp/options.h"
 #include "memory_tracker.h"
 #include "param_slot.h"
+#include "quantized_collectives.h"
 #include "sharding_groups.h"
 
 namespace fsdp {
@@ -102,9 +103,11 @@ class FlatParam {
   // All-gathers carry the shards quantized in `format` (Options::all_gather_quantization).
   void quantize_gathers(const BlockFormat& format) { gather_format_ = format; }
   const c10::optional<BlockFormat>& gather_format() const { return gather_format_; }
-  // Reduce-scatters carry the gradients quantized in `format` (Options::reduce_quantization).
+  // Gradient reductions carry codes in `format` (Options::reduce_quantization).
   void quantize_reductions(const BlockFormat& format) { reduce_format_ = format; }
   const c10::optional<BlockFormat>& reduce_format() const { return reduce_format_; }
+  // Error feedback's residuals of the quantized reductions (enabled by Quantization::error_feedback).
+  QuantizationResiduals& residuals() { return residuals_; }
 
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).
   void copy_full_into_shard(const at::Tensor& full);
@@ -136,6 +139,7 @@ class FlatParam {
   int64_t post_forward_version_ = 0;     // the shard's version those values were gathered from
   mutable int64_t gathers_issued_ = 0;
   c10::optional<BlockFormat> gather_format_, reduce_format_;
+  QuantizationResiduals residuals_;
   std::unique_ptr<FlatGrad> grad_;
 };
 

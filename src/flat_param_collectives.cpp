@@ -1,9 +1,8 @@
 #include "flat_param_collectives.h"
 
-#include <mutex>
-
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
+#include "quantized_collectives.h"
 
 namespace fsdp {
 
@@ -26,40 +25,13 @@ CollectiveOptions reduction_label(const FlatParam& fp, const char* purpose, int6
   return o;
 }
 
-// An all-gather of packed quantized shards: waiting for it also unpacks them into the flat
-// storage, once, and releases its buffers' memory count.
-class DequantizingWork : public Work {
- public:
-  DequantizingWork(WorkPtr gather, std::function<void()> unpack)
-      : gather_(std::move(gather)), unpack_(std::move(unpack)) {}
-  // On the first caller's thread (a chained collective's worker may be the first).
-  void wait() override {
-    gather_->wait();
-    std::lock_guard<std::mutex> lock(mu_);
-    if (unpack_) {
-      InternalOpGuard internal;
-      at::NoGradGuard no_grad;
-      auto unpack = std::move(unpack_);
-      unpack_ = nullptr;
-      unpack();
-    }
-  }
-  bool completed() const override { return gather_->completed(); }
-  WorkTiming timing() const override { return gather_->timing(); }
-
- private:
-  WorkPtr gather_;
-  std::mutex mu_;
-  std::function<void()> unpack_;
-};
-
 // The all-gather of fp's shard as block-quantized codes (Note [Quantized communication]).
 WorkPtr start_quantized_all_gather(FlatParam& fp, const BlockFormat& format) {
   const ShardingGroups& group = fp.groups();
   const int64_t n = fp.shard_numel(), per = format.packed_bytes(n);
   const int W = group.shard_comm->size();
   auto bytes = fp.shard().options().dtype(at::kByte);
-  at::Tensor packed = at::empty({per}, bytes), gathered = at::empty({W * per}, bytes);
+  at::Tensor packed = fp.buffers().empty(per, bytes), gathered = fp.buffers().empty(W * per, bytes);
   fp.memory().add_param((W + 1) * per);
   quantize_into(packed, fp.shard(), format);
   WorkPtr work = group.shard_comm->all_gather_into(gathered, packed,
@@ -77,28 +49,16 @@ WorkPtr start_quantized_all_gather(FlatParam& fp, const BlockFormat& format) {
   return dequantizing;
 }
 
-// The reduce-scatter of fp's flat gradient as block-quantized codes: an all-to-all of each
-// destination's part, summed in float32 in member order on arrival (Note [Quantized communication]).
-WorkPtr start_quantized_reduce_scatter(FlatParam& fp, const at::Tensor& sums, const BlockFormat& format,
-                                       CollectiveOptions label) {
-  FlatGrad& grad = fp.grad();
-  const int W = fp.groups().shard_comm->size();
-  const int64_t n = sums.numel(), per = format.packed_bytes(n);
-  auto bytes = grad.buffer().options().dtype(at::kByte);
-  at::Tensor packed = at::empty({W * per}, bytes), received = at::empty({W * per}, bytes);
-  fp.memory().add_grad(2 * W * per);
-  for (int q = 0; q < W; ++q) quantize_into(packed.narrow(0, q * per, per), grad.buffer().narrow(0, q * n, n), format);
-  WorkPtr work = fp.groups().shard_comm->all_to_all_into(received, packed, std::move(label));
-  MemoryTracker* memory = &fp.memory();
-  auto unpack = [packed, received, sums, W, n, per, format, memory]() mutable {
-    at::Tensor parts = at::empty({W * n}, sums.options().dtype(at::kFloat));
-    dequantize_into(parts, received, W, n, format);
-    sums.copy_(parts.view({W, n}).sum(0));
-    memory->add_grad(-2 * W * per);
-    packed = at::Tensor();
-    received = at::Tensor();
-  };
-  return std::make_shared<DequantizingWork>(work, std::move(unpack));
+// Where fp's quantized reductions take their buffers, and its error feedback's residuals.
+QuantizedBuffers reduction_buffers(FlatParam& fp) { return {*fp.reduce_format(), &fp.buffers(), &fp.memory()}; }
+QuantizationResiduals* feedback(FlatParam& fp) { return fp.residuals().enabled ? &fp.residuals() : nullptr; }
+
+// The all-reduce of `t` over `comm`, quantized when fp's reductions are (Note [Quantized
+// communication]).
+WorkPtr all_reduce(FlatParam& fp, Communicator& comm, const at::Tensor& t, CollectiveOptions opts) {
+  if (!fp.reduce_format() || fp.grad().deterministic()) return comm.all_reduce(t, std::move(opts));
+  opts.label = detail::compose(opts.label, " (quantized)");
+  return quantized_all_reduce(comm, t, reduction_buffers(fp), feedback(fp), std::move(opts));
 }
 
 }  // namespace
@@ -172,19 +132,20 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
   const at::Tensor input = grad.deterministic() ? grad.take_exact() : grad.buffer();
   if (!fp.sharded_over_peers()) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one), reduced in place.
-    WorkPtr work = group.world_size > 1 ? group.world_comm->all_reduce(
-                                              input, reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
+    WorkPtr work = group.world_size > 1 ? all_reduce(fp, *group.world_comm, input,
+                                                     reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
                                         : nullptr;
     grad.set_reduction(input, work, false, false);
     return;
   }
   at::Tensor sums = grad.new_reduction_output();
-  WorkPtr work = fp.reduce_format() && !grad.deterministic()
-                     ? start_quantized_reduce_scatter(
-                           fp, sums, *fp.reduce_format(),
-                           reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
-                     : group.shard_comm->reduce_scatter(
-                           sums, input, reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
+  WorkPtr work =
+      fp.reduce_format() && !grad.deterministic()
+          ? quantized_reduce_scatter(*group.shard_comm, sums, input, reduction_buffers(fp),
+                                     fp.residuals().enabled ? &fp.residuals().scatter : nullptr,
+                                     reduction_label(fp, "quantized gradient reduce-scatter", grad.count_reduction()))
+          : group.shard_comm->reduce_scatter(sums, input,
+                                             reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
   const bool replicas = group.replicate_comm && group.replicate_comm->size() > 1;
   if (replicas && !across_replicas) {
     grad.set_reduction(sums, work, /*defer_replicas=*/true, false);  // completion adds them to the partial sums
@@ -192,8 +153,8 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
     // The earlier micro-batches' shard-group sums join this one before the replica all-reduce.
     work->wait();
     grad.add_partial_into(sums);
-    work = group.replicate_comm->all_reduce(
-        sums, reduction_label(fp, "replica gradient all-reduce", grad.count_replica_reduction()));
+    work = all_reduce(fp, *group.replicate_comm, sums,
+                      reduction_label(fp, "replica gradient all-reduce", grad.count_replica_reduction()));
     grad.set_reduction(sums, work, false, true);
   } else if (replicas) {
     // Hybrid: the shard's sum across replicas, chained after the reduce-scatter on the replica
@@ -201,7 +162,7 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
     CollectiveOptions after_scatter =
         reduction_label(fp, "replica gradient all-reduce", grad.count_replica_reduction());
     after_scatter.after = work;
-    work = group.replicate_comm->all_reduce(sums, after_scatter);
+    work = all_reduce(fp, *group.replicate_comm, sums, std::move(after_scatter));
     grad.set_reduction(sums, work, false, true);
   } else {
     grad.set_reduction(sums, work, false, false);

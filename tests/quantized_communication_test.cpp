@@ -1,8 +1,9 @@
 // Options::all_gather_quantization and reduce_quantization: the block quantization round trip stays
-// within its bound, and training whose all-gathers and reduce-scatters carry int8 codes equals a
-// local reference that quantizes the same shards and gradient parts with its own code (every value
-// rounded to nearest on a scale of max|block| / 127), under every strategy at worlds 1-4; the
-// full-precision shards stay the optimizer's master copy.
+// within its bound, and training whose all-gathers and gradient reductions (reduce-scatters, the
+// all-reduces of NO_SHARD and of HYBRID_SHARD's replicas) carry int8 codes equals a local
+// reference that quantizes the same shards, gradient parts and sums with its own code (every value
+// rounded to nearest on a scale of max|block| / 127), with and without error feedback, under every
+// strategy at worlds 1-4; the full-precision shards stay the optimizer's master copy.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -104,48 +105,114 @@ void quantize_like_the_gather(torch::nn::Module& model, const std::vector<fsdp::
   }
 }
 
-// The reference's gradient for a step: each rank's gradient (its own rows) flattened per unit,
-// padded, split into `shards` parts, each part quantized on its own (as it travels), summed over
-// ranks in rank order in float32 and divided by the world size.
+// The reference's error feedback: per rank, flat parameter, quantization point and part, what
+// rounding dropped (float32), added to the next values sent there; none when off.
+struct ReferenceFeedback {
+  bool on = false;
+  std::map<std::string, at::Tensor> residuals;
+  // What travels of `x` from quantization point `key`: its int8 round trip, after feedback.
+  at::Tensor send(const at::Tensor& x, const std::string& key, int64_t block) {
+    if (!on) return reference_int8_round_trip(x, block);
+    auto it = residuals.emplace(key, at::zeros_like(x)).first;
+    const at::Tensor v = x + it->second, y = reference_int8_round_trip(v, block);
+    it->second = v - y;
+    return y;
+  }
+};
+
+std::string key(int rank, size_t unit, const char* point, int64_t part) {
+  return std::to_string(rank) + "/" + std::to_string(unit) + "/" + point + "/" + std::to_string(part);
+}
+
+// The reference's quantized all-reduce of `inputs` (member m's values, global rank ranks[m]): W
+// parts of ceil(N / W) values, each member's part quantized, summed by its owner in member order,
+// the sum quantized once and given to every member.
+at::Tensor reference_all_reduce(const std::vector<at::Tensor>& inputs, const std::vector<int>& ranks, size_t unit,
+                                int64_t block, ReferenceFeedback& fb) {
+  const int W = static_cast<int>(inputs.size());
+  const int64_t N = inputs[0].numel(), p = (N + W - 1) / W;
+  std::vector<at::Tensor> parts;
+  for (int o = 0; o < W; ++o) {
+    const int64_t len = std::max<int64_t>(0, std::min(p, N - o * p));
+    if (len == 0) continue;
+    at::Tensor sum;
+    for (int m = 0; m < W; ++m) {
+      const at::Tensor got = fb.send(inputs[m].narrow(0, o * p, len), key(ranks[m], unit, "sent", o), block);
+      sum = m == 0 ? got.clone() : sum.add_(got);
+    }
+    parts.push_back(fb.send(sum, key(ranks[o], unit, "summed", 0), block));
+  }
+  return torch::cat(parts);
+}
+
+// The reference's gradient for a step: each rank's gradient (its own rows) flattened per unit and
+// padded to `shards` parts. Sharded (shards > 1): each part quantized on its own as it travels,
+// summed over the shard group in rank order in float32; with several shard groups, those sums
+// all-reduced across replicas as reference_all_reduce does. NO_SHARD (shards 1, world > 1): the
+// gradients all-reduced so. Divided by the world size.
 void quantized_mean_gradient(MLP& ref, const std::vector<fsdp::UnitInfo>& units, const at::Tensor& x, int world,
-                             int shards, int64_t block) {
+                             int shards, int64_t block, ReferenceFeedback& fb) {
   auto params = ref->named_parameters();
-  std::map<std::string, at::Tensor> sum;
+  std::vector<std::vector<at::Tensor>> grads(units.size());  // per unit, per rank: the padded flat gradient
   for (int r = 0; r < world; ++r) {
     for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
     ref->forward(x.narrow(0, 2 * r, 2)).pow(2).mean().backward();
-    for (const auto& u : units) {
-      if (u.parameters.empty()) continue;
+    for (size_t u = 0; u < units.size(); ++u) {
+      if (units[u].parameters.empty()) continue;
       std::vector<at::Tensor> flat;
-      for (const auto& name : u.parameters) flat.push_back(params[name].grad().reshape({-1}));
+      for (const auto& name : units[u].parameters) flat.push_back(params[name].grad().reshape({-1}));
       at::Tensor all = torch::cat(flat);
-      const int64_t padded = (all.numel() + shards - 1) / shards * shards, per = padded / shards;
-      all = at::constant_pad_nd(all, {0, padded - all.numel()});
-      std::vector<at::Tensor> parts;
-      for (int q = 0; q < shards; ++q) parts.push_back(reference_int8_round_trip(all.narrow(0, q * per, per), block));
-      at::Tensor back = torch::cat(parts);
-      int64_t offset = 0;
-      for (const auto& name : u.parameters) {
-        const at::Tensor g = back.narrow(0, offset, params[name].numel()).view(params[name].sizes());
-        offset += params[name].numel();
-        if (r == 0)
-          sum[name] = g.clone();
-        else
-          sum[name].add_(g);
-      }
+      const int64_t padded = (all.numel() + shards - 1) / shards * shards;
+      grads[u].push_back(at::constant_pad_nd(all, {0, padded - all.numel()}));
     }
   }
-  for (auto& kv : params) kv.value().mutable_grad() = sum.at(kv.key()).mul(1.0 / world);
+  const int groups = world / shards;
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (units[u].parameters.empty()) continue;
+    at::Tensor total;
+    if (shards == 1) {
+      std::vector<int> ranks;
+      for (int r = 0; r < world; ++r) ranks.push_back(r);
+      total = reference_all_reduce(grads[u], ranks, u, block, fb);
+    } else {
+      const int64_t n = grads[u][0].numel() / shards;
+      std::vector<at::Tensor> parts;
+      for (int q = 0; q < shards; ++q) {
+        std::vector<at::Tensor> group_sums;  // per shard group: the sum of part q over its ranks
+        std::vector<int> owners;
+        for (int g = 0; g < groups; ++g) {
+          at::Tensor sum;
+          for (int i = 0; i < shards; ++i) {
+            const int r = g * shards + i;
+            const at::Tensor got = fb.send(grads[u][r].narrow(0, q * n, n), key(r, u, "scatter", q), block);
+            sum = i == 0 ? got.clone() : sum.add_(got);
+          }
+          group_sums.push_back(sum);
+          owners.push_back(g * shards + q);
+        }
+        parts.push_back(groups > 1 ? reference_all_reduce(group_sums, owners, u, block, fb) : group_sums[0]);
+      }
+      total = torch::cat(parts);
+    }
+    int64_t offset = 0;
+    for (const auto& name : units[u].parameters) {
+      params[name].mutable_grad() =
+          total.narrow(0, offset, params[name].numel()).view(params[name].sizes()).mul(1.0 / world);
+      offset += params[name].numel();
+    }
+  }
 }
 
-// args: strategy, what ("gather", "reduce" or "both"). An MLP whose Linear layers are units, every
-// unit's collectives quantized (int8, block 16); SGD. The reference trains a local copy on the
-// whole batch: each step computes with the quantized values of its parameters and steps the
-// full-precision ones, with the gradients quantized as they travel.
+// args: strategy, what ("gather", "reduce" or "both"), "feedback" or "plain". An MLP whose Linear
+// layers are units, every unit's collectives quantized (int8, block 16); SGD. The reference trains
+// a local copy on the whole batch: each step computes with the quantized values of its parameters
+// and steps the full-precision ones, with the gradients quantized as they travel (and, with
+// feedback, the same residuals kept and added). A second reference without feedback shows the
+// feedback mattered.
 FSDP_WORKER(quantized_training_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0), what = ctx.args.at(1);
-  const bool gathers = what != "reduce", reductions = what != "gather";
+  const bool gathers = what != "reduce", reductions = what != "gather", with_feedback = ctx.args.at(2) == "feedback";
   const int64_t block = 16;
   torch::manual_seed(11);
   MLP ref(6, 24, 5, 2);
@@ -153,40 +220,49 @@ FSDP_WORKER(quantized_training_worker) {
   MLP model(6, 24, 5, 2);
   torch::manual_seed(11);
   MLP plain(6, 24, 5, 2);  // trained without any quantization
+  torch::manual_seed(11);
+  MLP other(6, 24, 5, 2);  // the reference with the other feedback setting
   const auto every_unit =
       fsdp::Quantization::int8(block).units([](const std::string&, const torch::nn::Module&) { return true; });
   auto options = fsdp::Options()
                      .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
                      .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
   if (gathers) options.all_gather_quantization(every_unit);
-  if (reductions) options.reduce_quantization(every_unit);
+  if (reductions) options.reduce_quantization(fsdp::Quantization(every_unit).error_feedback(with_feedback));
   const int factor = ctx.world % 2 ? ctx.world : 2;
   if (strategy == "HYBRID_SHARD") options.sharding_factor(factor);
   auto sharded = fsdp::fully_shard(model, pg, options);
-  // Nothing travels within a shard group of one: NO_SHARD and a world of one quantize nothing.
+  // Gathers quantize within a shard group of more than one rank (none under NO_SHARD); reductions
+  // whenever gradients travel at all (NO_SHARD's all-reduce too).
   const int shards = strategy == "NO_SHARD" ? 1 : strategy == "HYBRID_SHARD" ? factor : ctx.world;
+  const bool quantized_reductions = reductions && ctx.world > 1;
   const auto units = sharded->units();
+  ReferenceFeedback fb, other_fb;
+  fb.on = with_feedback;
+  other_fb.on = !with_feedback;
   torch::optim::SGD ref_opt(ref->parameters(), 0.2), opt(sharded->parameters(), 0.2),
-      plain_opt(plain->parameters(), 0.2);
-  for (int step = 0; step < 4; ++step) {
-    const at::Tensor x = at::randn({2 * ctx.world, 6}, at::detail::createCPUGenerator(90 + step));
+      plain_opt(plain->parameters(), 0.2), other_opt(other->parameters(), 0.2);
+  // One step of a reference (`r`, its optimizer, its feedback).
+  auto reference_step = [&](MLP& r, torch::optim::SGD& r_opt, ReferenceFeedback& r_fb, const at::Tensor& x) {
     std::vector<at::Tensor> master;
-    for (const auto& p : ref->parameters()) master.push_back(p.detach().clone());
-    if (shards > 1 && gathers) quantize_like_the_gather(*ref, units, shards, block);
-    ref_opt.zero_grad();
-    if (shards > 1 && reductions) {
-      // Hybrid: the shard groups' sums meet across replicas unquantized; with two replicas of the
-      // same sums per part that is the mean over all ranks of the per-rank quantized parts.
-      quantized_mean_gradient(ref, units, x, ctx.world, shards, block);
-    } else {
-      ref->forward(x).pow(2).mean().backward();
-    }
+    for (const auto& p : r->parameters()) master.push_back(p.detach().clone());
+    if (shards > 1 && gathers) quantize_like_the_gather(*r, units, shards, block);
+    r_opt.zero_grad();
+    if (quantized_reductions)
+      quantized_mean_gradient(r, units, x, ctx.world, shards, block, r_fb);
+    else
+      r->forward(x).pow(2).mean().backward();
     {
       torch::NoGradGuard no_grad;
-      auto ps = ref->parameters();
+      auto ps = r->parameters();
       for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(master[i]);
     }
-    ref_opt.step();
+    r_opt.step();
+  };
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor x = at::randn({2 * ctx.world, 6}, at::detail::createCPUGenerator(90 + step));
+    reference_step(ref, ref_opt, fb, x);
+    reference_step(other, other_opt, other_fb, x);
     plain_opt.zero_grad();
     plain->forward(x).pow(2).mean().backward();
     plain_opt.step();
@@ -195,27 +271,62 @@ FSDP_WORKER(quantized_training_worker) {
     opt.step();
   }
   const auto full = sharded->full_state_dict();
-  double to_ref = 0, to_plain = 0;
+  double to_ref = 0, to_plain = 0, to_other = 0;
   for (const auto& kv : ref->named_parameters()) to_ref = std::max(to_ref, rel_diff(full.at(kv.key()), kv.value()));
   for (const auto& kv : plain->named_parameters())
     to_plain = std::max(to_plain, rel_diff(full.at(kv.key()), kv.value()));
+  for (const auto& kv : other->named_parameters())
+    to_other = std::max(to_other, rel_diff(full.at(kv.key()), kv.value()));
   if (ctx.rank == 0)
-    std::cout << strategy << " " << what << " world " << ctx.world << ": " << to_ref << " from the reference, "
-              << to_plain << " from unquantized training" << std::endl;
+    std::cout << strategy << " " << what << " " << ctx.args.at(2) << " world " << ctx.world << ": " << to_ref
+              << " from the reference, " << to_plain << " from unquantized training, " << to_other
+              << " from the reference with the other feedback setting" << std::endl;
   WORKER_CHECK(to_ref < 1e-6, "quantized training is ", to_ref, " from the quantizing reference");
   // The quantization did happen (and the reference's matters): unquantized training is far off.
-  WORKER_CHECK(shards == 1 ? to_plain < 1e-6 : to_plain > 20 * std::max(to_ref, 1e-7), "unquantized training is ",
+  const bool quantized = (shards > 1 && gathers) || quantized_reductions;
+  WORKER_CHECK(quantized ? to_plain > 20 * std::max(to_ref, 1e-7) : to_plain < 1e-6, "unquantized training is ",
                to_plain, " apart");
+  // So did the feedback setting, where reductions are quantized.
+  WORKER_CHECK(quantized_reductions ? to_other > 20 * std::max(to_ref, 1e-7) : to_other < 1e-6,
+               "the reference with the other feedback setting is ", to_other, " apart");
 }
 
 TEST(QuantizedCommunication, QuantizedCollectivesTrainLikeTheLocalReference) {
   for (const std::string what : {"gather", "reduce", "both"})
     for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
       for (int world = 1; world <= 4; ++world) {
-        auto r = launch("quantized_training_worker", world, {strategy, what});
+        auto r = launch("quantized_training_worker", world, {strategy, what, "plain"});
         ASSERT_TRUE(r.all_ok()) << strategy << " " << what << " world " << world << "\n" << r.report();
         std::cout << lines_starting_with(strategy, r.ranks[0].output);
       }
+}
+
+TEST(QuantizedCommunication, ErrorFeedbackTrainsLikeTheLocalReferenceWithFeedback) {
+  for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
+    for (int world = 1; world <= 4; ++world) {
+      auto r = launch("quantized_training_worker", world, {strategy, "both", "feedback"});
+      ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
+      std::cout << lines_starting_with(strategy, r.ranks[0].output);
+    }
+}
+
+// Error feedback on the all-gathers is refused: they start from the full-precision shards.
+FSDP_WORKER(gather_feedback_refusal_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 24, 5, 2);
+  const auto options = fsdp::Options().all_gather_quantization(fsdp::Quantization::int8().error_feedback(true));
+  bool refused = false;
+  try {
+    fsdp::fully_shard(model, pg, options);
+  } catch (const fsdp::Error& e) {
+    refused = std::string(e.what()).find("error_feedback applies to reduce_quantization only") != std::string::npos;
+  }
+  WORKER_CHECK(refused, "error feedback on the all-gathers was not refused");
+}
+
+TEST(QuantizedCommunication, ErrorFeedbackIsForReductionsOnly) {
+  auto r = launch("gather_feedback_refusal_worker", 1, {});
+  ASSERT_TRUE(r.all_ok()) << r.report();
 }
 
 }  // namespace

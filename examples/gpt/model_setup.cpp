@@ -78,7 +78,8 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
         .block_size(config.quantize_block);
   };
   options.all_gather_quantization(quantization(config.quantize_all_gather));
-  options.reduce_quantization(quantization(config.quantize_reduce));
+  options.reduce_quantization(quantization(config.quantize_reduce)
+                                  .error_feedback(config.quantize_reduce != "none" && config.quantize_error_feedback));
   return fsdp::fully_shard(built.model, std::move(pg), options);
 }
 

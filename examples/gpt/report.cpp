@@ -103,11 +103,12 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                               ? std::string("none (float32)")
                               : config.mixed_precision + " gathers and compute, float32 reduction and master weights" +
                                     (config.mixed_precision == "fp16" ? ", sharded gradient scaler" : "")},
-      {"quantized communication", config.quantize_all_gather == "none" && config.quantize_reduce == "none"
-                                      ? std::string("off")
-                                      : "all-gathers " + config.quantize_all_gather + ", reduce-scatters " +
-                                            config.quantize_reduce + ", " + std::to_string(config.quantize_block) +
-                                            " values per scale, every unit but the root"},
+      {"quantized communication",
+       config.quantize_all_gather == "none" && config.quantize_reduce == "none"
+           ? std::string("off")
+           : "all-gathers " + config.quantize_all_gather + ", reductions " + config.quantize_reduce +
+                 (config.quantize_error_feedback ? " with error feedback" : "") + ", " +
+                 std::to_string(config.quantize_block) + " values per scale, every unit but the root"},
       {"grad accumulation", std::to_string(plan.accum) + " micro-batch" + (plan.accum == 1 ? "" : "es") + " of " +
                                 std::to_string(plan.micro) + " per step" +
                                 (plan.accum > 1 ? " (" + config.grad_accum_mode + ": " +

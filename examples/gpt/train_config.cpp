@@ -131,9 +131,13 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->transform(CLI::IsMember({"none", "int8", "fp8"}, CLI::ignore_case))
       ->capture_default_str();
   app.add_option("--quantize-reduce", config.quantize_reduce,
-                 "Gradient reduce-scatters carry 8-bit codes, summed in float32 on arrival: none, int8, fp8")
+                 "Gradient reductions carry 8-bit codes, summed in float32 on arrival (reduce-scatters; NO_SHARD's "
+                 "and the replicas' all-reduces also gather the sums as codes): none, int8, fp8")
       ->transform(CLI::IsMember({"none", "int8", "fp8"}, CLI::ignore_case))
       ->capture_default_str();
+  app.add_flag("--quantize-error-feedback", config.quantize_error_feedback,
+               "With --quantize-reduce: each rank adds what rounding dropped from its quantized gradients (and sums) "
+               "to the next step's before quantizing");
   app.add_option("--quantize-block", config.quantize_block, "Values per scale of quantized communication")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();

@@ -55,6 +55,7 @@ struct TrainConfig {
   std::string quantize_all_gather = "none";        // none, int8, fp8: the parameter all-gathers' codes
   std::string quantize_reduce = "none";            // none, int8, fp8: the gradient reduce-scatters' codes
   int quantize_block = 256;                        // values per scale
+  bool quantize_error_feedback = false;            // quantized reductions keep and re-add their rounding error
   int grad_accum = 1;                              // splits --batch-per-rank into micro-batches
   std::string grad_accum_mode = "no-sync";         // how micro-batches other than the last treat gradients
   double clip_grad_norm = 0;                       // 0: no clipping

@@ -153,6 +153,9 @@ struct Quantization {
   // The units whose collectives are quantized; null: every unit but the root (which holds the
   // embeddings and output head of typical models).
   TORCH_ARG(UnitFilter, units) = nullptr;
+  // reduce_quantization only: each rank keeps, per flat parameter, what quantizing its gradient
+  // (and its part of the sum) dropped and adds it to the next reduction's values before quantizing.
+  TORCH_ARG(bool, error_feedback) = false;
 
  public:
   static Quantization int8(int64_t block_size = 256) { return Quantization().enabled(true).block_size(block_size); }
@@ -220,7 +223,9 @@ struct Options {
   TORCH_ARG(CpuOffload, offload) = {};
   // The parameter all-gathers carry 8-bit codes (Quantization above); off by default.
   TORCH_ARG(Quantization, all_gather_quantization) = {};
-  // The gradient reduce-scatters carry 8-bit codes, summed in float32 on arrival; off by default.
+  // The gradient reductions carry 8-bit codes, summed in float32 on arrival (reduce-scatters; the
+  // all-reduces of NO_SHARD and of HYBRID_SHARD's replicas also gather the sums as codes); off by
+  // default.
   TORCH_ARG(Quantization, reduce_quantization) = {};
   // Record an event trace of every iteration (FullyShardedModule::last_trace()).
   TORCH_ARG(bool, trace) = false;

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <vector>
 
+#include "checkpoint/collective.h"
 #include "checkpoint/data_file.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/optimizer_state.h"

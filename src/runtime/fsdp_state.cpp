@@ -126,6 +126,9 @@ void FsdpState::check_quantization(const Options& options) {
                ": fp8 needs LibTorch 2.1 or later (this is ", TORCH_VERSION, "); use int8");
     FSDP_CHECK(!options.offload().enabled(), "Options::", what,
                " does not work with CPU offload yet; turn one of them off");
+    FSDP_CHECK(std::string(what) == "reduce_quantization" || !q.error_feedback(), "Options::", what,
+               ": error_feedback applies to reduce_quantization only (gathers start from the full-precision "
+               "shards every time)");
     FSDP_CHECK(std::string(what) != "reduce_quantization" || !options.deterministic(),
                "Options::reduce_quantization and deterministic(true) exclude each other: deterministic training "
                "sums exact integers, which quantization would round; turn one of them off");
@@ -178,9 +181,11 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
     if (q.applies_to(pu.name, *pu.module) && fp.sharded_over_peers() && at::isFloatingType(fp.dtype()))
       fp.quantize_gathers(BlockFormat{q.dtype(), q.block_size()});
     const Quantization& rq = options_.reduce_quantization();
-    if (rq.applies_to(pu.name, *pu.module) && fp.sharded_over_peers() && fp.requires_grad() &&
-        at::isFloatingType(fp.dtype()))
+    if (rq.applies_to(pu.name, *pu.module) && groups_.world_size > 1 && fp.requires_grad() &&
+        at::isFloatingType(fp.dtype())) {
       fp.quantize_reductions(BlockFormat{rq.dtype(), rq.block_size()});
+      fp.residuals().enabled = rq.error_feedback();
+    }
     flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
     for (size_t s = 0; s < fp.slots().size(); ++s)
       slot_of_param_[fp.slots()[s].param.unsafeGetTensorImpl()] = {static_cast<int>(id), static_cast<int>(s)};

@@ -220,8 +220,14 @@ test_quantized_communication() {
       --quantize-all-gather int8 --quantize-reduce int8 --quantize-block 64
   expect_rc 0
   check_training_output "[rank 0] " 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
-  expect_regex out "quantized communication +all-gathers int8, reduce-scatters int8, 64 values per scale"
+  expect_regex out "quantized communication +all-gathers int8, reductions int8, 64 values per scale"
   expect_regex out "modeled network, bytes rank 0 sent per step: all-gathers [0-9.]+ MB, reduce-scatters [0-9.]+ MB"
+  # NO_SHARD's all-reduce quantized (every unit but the root), with error feedback.
+  FSDP_NETWORK_MODEL="gbps=10" run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" \
+      --strategy NO_SHARD --quantize-reduce int8 --quantize-error-feedback
+  expect_rc 0
+  check_training_output "[rank 0] " 2 "RANK, WORLD_SIZE from fsdp-run or torchrun"
+  expect_regex out "quantized communication +all-gathers none, reductions int8 with error feedback, 256 values per scale"
 }
 
 # The other accumulation modes train, and the configuration names each; replica-deferred needs

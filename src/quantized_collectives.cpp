@@ -1,0 +1,132 @@
+#include "quantized_collectives.h"
+
+#include <algorithm>
+#include <string>
+
+#include "fsdp/check.h"
+#include "internal_op_guard.h"
+
+namespace fsdp {
+
+void DequantizingWork::wait() {
+  inner_->wait();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (then_) {
+    InternalOpGuard internal;
+    at::NoGradGuard no_grad;
+    auto then = std::move(then_);
+    then_ = nullptr;
+    then();
+  }
+}
+
+namespace {
+
+// out (any floating dtype) = the sum of `count` packed buffers `stride` bytes apart, in float32.
+void sum_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t stride,
+              const BlockFormat& format) {
+  if (out.scalar_type() == at::kFloat && out.is_contiguous())
+    return sum_dequantized_into(out, packed, count, out.numel(), stride, format);
+  at::Tensor sum = at::empty({out.numel()}, out.options().dtype(at::kFloat));
+  sum_dequantized_into(sum, packed, count, out.numel(), stride, format);
+  out.copy_(sum);
+}
+
+// The residual of `values` (float32 zeros at first use), or undefined without error feedback.
+at::Tensor residual_for(at::Tensor* residual, const at::Tensor& values) {
+  if (!residual) return at::Tensor();
+  if (!residual->defined()) *residual = at::zeros({values.numel()}, values.options().dtype(at::kFloat));
+  return *residual;
+}
+
+}  // namespace
+
+WorkPtr quantized_reduce_scatter(Communicator& comm, const at::Tensor& out, const at::Tensor& in,
+                                 const QuantizedBuffers& buffers, at::Tensor* residual, CollectiveOptions opts) {
+  const int W = comm.size();
+  const BlockFormat format = buffers.format;
+  const int64_t n = out.numel(), per = format.packed_bytes(n);
+  FSDP_CHECK(in.numel() == W * n, "quantized_reduce_scatter: the input is not size() times the output");
+  auto bytes = in.options().dtype(at::kByte);
+  at::Tensor packed = buffers.pool->empty(W * per, bytes), received = buffers.pool->empty(W * per, bytes);
+  MemoryTracker* memory = buffers.memory;
+  memory->add_grad(2 * W * per);
+  const at::Tensor res = residual_for(residual, in);
+  for (int q = 0; q < W; ++q)
+    quantize_with_feedback(packed.narrow(0, q * per, per), in.narrow(0, q * n, n),
+                           res.defined() ? res.narrow(0, q * n, n) : at::Tensor(), format);
+  WorkPtr work = comm.all_to_all_into(received, packed, std::move(opts));
+  auto unpack = [packed, received, out, W, per, format, memory]() mutable {
+    sum_into(out, received, W, per, format);
+    memory->add_grad(-2 * W * per);
+    packed = at::Tensor();
+    received = at::Tensor();
+  };
+  return std::make_shared<DequantizingWork>(std::move(work), std::move(unpack));
+}
+
+WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const QuantizedBuffers& buffers,
+                             QuantizationResiduals* residuals, CollectiveOptions opts) {
+  FSDP_CHECK(t.dim() == 1 && t.is_contiguous(), "quantized_all_reduce: t must be 1-D and contiguous");
+  const int W = comm.size(), me = comm.rank();
+  const BlockFormat format = buffers.format;
+  // Member q owns part q: p values from q * p (the last parts shorter, or empty).
+  const int64_t N = t.numel(), p = (N + W - 1) / W, per = format.packed_bytes(p);
+  auto length = [N, p](int q) {
+    return std::max<int64_t>(0, std::min(p, N - q * p));
+  };
+  auto bytes = t.options().dtype(at::kByte);
+  BufferPool& pool = *buffers.pool;
+  at::Tensor packed = pool.empty(W * per, bytes), received = pool.empty(W * per, bytes), own = pool.empty(per, bytes),
+             gathered = pool.empty(W * per, bytes);
+  MemoryTracker* memory = buffers.memory;
+  const int64_t counted = (3 * W + 1) * per;
+  memory->add_grad(counted);
+  const bool feedback = residuals && residuals->enabled;
+  const at::Tensor sent = feedback ? residual_for(&residuals->sent, t) : at::Tensor();
+  if (feedback && !residuals->summed.defined())
+    residuals->summed = at::zeros({length(me)}, t.options().dtype(at::kFloat));
+  const at::Tensor summed = feedback ? residuals->summed : at::Tensor();
+
+  // Stage 1: each member's parts, quantized once, to their owners.
+  auto quantize = [packed, t, sent, format, W, p, per, length]() {
+    for (int q = 0; q < W; ++q) {
+      const int64_t len = length(q);
+      if (len == 0) continue;
+      quantize_with_feedback(packed.narrow(0, q * per, format.packed_bytes(len)), t.narrow(0, q * p, len),
+                             sent.defined() ? sent.narrow(0, q * p, len) : at::Tensor(), format);
+    }
+  };
+  const std::string label = opts.label;
+  if (opts.after)
+    opts.after = std::make_shared<DequantizingWork>(std::move(opts.after), std::move(quantize));
+  else
+    quantize();
+  WorkPtr scatter = comm.all_to_all_into(received, packed, std::move(opts));
+
+  // Stage 2: the owner sums its part in float32 in member order and quantizes the sum once.
+  auto sum_and_quantize = [received, own, summed, format, W, per, len = length(me)]() {
+    if (len == 0) return;
+    at::Tensor sum = at::empty({len}, received.options().dtype(at::kFloat));
+    sum_dequantized_into(sum, received, W, len, per, format);
+    quantize_with_feedback(own.narrow(0, 0, format.packed_bytes(len)), sum, summed, format);
+  };
+  CollectiveOptions gather_opts = CollectiveOptions::labeled(label + ", quantized sums all-gather");
+  gather_opts.tag = 0;
+  gather_opts.after = std::make_shared<DequantizingWork>(std::move(scatter), std::move(sum_and_quantize));
+  WorkPtr gather = comm.all_gather_into(gathered, own, std::move(gather_opts));
+
+  // Every member, the owner too, takes the dequantized sums: all hold the same values.
+  auto unpack = [gathered, t, format, W, p, per, length, memory, counted]() mutable {
+    for (int q = 0; q < W; ++q) {
+      const int64_t len = length(q);
+      if (len > 0)
+        dequantize_into(t.narrow(0, q * p, len), gathered.narrow(0, q * per, format.packed_bytes(len)), 1, len, format);
+    }
+    memory->add_grad(-counted);
+    gathered = at::Tensor();
+  };
+  return std::make_shared<DequantizingWork>(std::move(gather), std::move(unpack));
+}
+
+}  // namespace fsdp
