@@ -217,6 +217,7 @@ void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_f
       t.backward_s = fsdp::mean_across_ranks(pg, t.backward_s);
     }
     calibration.step_s_per_element = fsdp::mean_across_ranks(pg, calibration.step_s_per_element);
+    fsdp::calibrate_link(calibration, *pg.world());
     if (pg.rank() == 0 && !config.calibration_file.empty()) calibration.save(config.calibration_file);
   } else if (!config.calibration_file.empty()) {
     calibration = fsdp::Calibration::from_file(config.calibration_file);

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/comm.h"
+
 namespace fsdp {
 
 // One precision's timings of the whole model on `Calibration::tokens` tokens.
@@ -24,12 +26,14 @@ struct Calibration {
   int64_t tokens = 0;  // tokens in each timed forward
   std::vector<PrecisionTiming> timings;
   double step_s_per_element = 0;  // the optimizer's step per parameter element; 0: not measured
+  double link_gbps = 0;           // between the job's ranks (calibrate_link); 0: the cluster's links
+  double link_latency_us = 0;     // per ring step, with link_gbps
 
   // The timing for `precision`, or null.
   const PrecisionTiming* find(at::ScalarType precision) const;
   bool empty() const { return timings.empty(); }
 
-  // {"tokens": N, "step_s_per_element": S, "timings": [{"precision": "fp32"|"bf16"|"fp16",
+  // {"tokens": N, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings": [{"precision": "fp32"|"bf16"|"fp16",
   // "forward_s": F, "backward_s": B}, ...]}
   std::string to_json() const;
   // Throws fsdp::Error naming the bad field and `source`.
@@ -56,5 +60,10 @@ struct CalibrateOptions {
 // sharing of the machine). Throws fsdp::Error on bad arguments.
 Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int64_t tokens,
                       const CalibrateOptions& options = {});
+
+// Times all-gathers among `comm`'s ranks and sets `calibration`'s link: the latency per ring step from
+// a gather of one value per rank, the bandwidth from one of `bytes_per_rank`; the mean over ranks, so
+// every rank gets the same figures. Collective: every rank calls it at once.
+void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank = int64_t(1) << 20);
 
 }  // namespace fsdp

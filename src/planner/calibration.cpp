@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "fsdp/check.h"
+#include "fsdp/network_model.h"
 
 namespace fsdp {
 namespace {
@@ -89,8 +90,11 @@ at::ScalarType precision_named(const std::string& name, const std::string& sourc
 }  // namespace
 
 std::string Calibration::to_json() const {
-  nlohmann::json j{
-      {"tokens", tokens}, {"step_s_per_element", step_s_per_element}, {"timings", nlohmann::json::array()}};
+  nlohmann::json j{{"tokens", tokens},
+                   {"step_s_per_element", step_s_per_element},
+                   {"link_gbps", link_gbps},
+                   {"link_latency_us", link_latency_us},
+                   {"timings", nlohmann::json::array()}};
   for (const auto& t : timings)
     j["timings"].push_back(
         {{"precision", precision_name(t.precision)}, {"forward_s", t.forward_s}, {"backward_s", t.backward_s}});
@@ -103,6 +107,8 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
     const auto j = nlohmann::json::parse(text);
     c.tokens = j.at("tokens").get<int64_t>();
     c.step_s_per_element = j.value("step_s_per_element", 0.0);
+    c.link_gbps = j.value("link_gbps", 0.0);
+    c.link_latency_us = j.value("link_latency_us", 0.0);
     for (const auto& t : j.at("timings")) {
       PrecisionTiming timing;
       timing.precision = precision_named(t.at("precision").get<std::string>(), source);
@@ -160,6 +166,33 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
     c.timings.push_back(t);
   }
   return c;
+}
+
+void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank) {
+  const int n = comm.size();
+  FSDP_CHECK(bytes_per_rank >= 4, "fsdp::calibrate_link: bytes_per_rank must be at least 4, got ", bytes_per_rank);
+  if (n < 2) return;  // one rank: nothing crosses a link
+  auto gather_s = [&](int64_t values, int repetitions) {
+    auto in = torch::ones({values}), out = torch::empty({values * n});
+    std::vector<double> times;
+    for (int i = 0; i <= repetitions; ++i) {
+      comm.barrier();
+      const auto start = Clock::now();
+      comm.all_gather_into(out, in)->wait();
+      if (i > 0) times.push_back(seconds_since(start));
+    }
+    return median(times);
+  };
+  const int64_t values = bytes_per_rank / 4;
+  const double small = gather_s(1, 15), large = gather_s(values, 5);
+  auto both = torch::tensor({small, large}, torch::kDouble);
+  comm.all_reduce(both)->wait();
+  const double mean_small = both[0].item<double>() / n, mean_large = both[1].item<double>() / n;
+  // Inverts modeled_seconds' ring model: (n - 1) steps of latency plus the wire bytes at the bandwidth.
+  const double per_latency_us = modeled_seconds(Collective::kAllGather, 0, n, Link().latency_us(1));
+  const double per_gbps = modeled_seconds(Collective::kAllGather, values * 4 * n, n, Link().bandwidth_gbps(1));
+  calibration.link_latency_us = mean_small / per_latency_us;
+  calibration.link_gbps = per_gbps / std::max(mean_large - mean_small, 1e-9);
 }
 
 }  // namespace fsdp

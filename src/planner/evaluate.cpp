@@ -42,8 +42,13 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const double peak_flops =
       (c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16) *
       cluster.device.matmul_efficiency;
-  const Link& shard_link = cluster.link_for_group(F);
-  const Link& world_link = cluster.link_for_group(world);
+  // A calibrated link (the job's own ranks, measured) replaces both of the cluster's.
+  const Calibration& calibration = request.calibration();
+  const bool measured_link = calibration.link_gbps > 0;
+  const Link measured = Link().bandwidth_gbps(calibration.link_gbps).latency_us(calibration.link_latency_us);
+  const Link& shard_link = measured_link ? measured : cluster.link_for_group(F);
+  const Link& world_link = measured_link ? measured : cluster.link_for_group(world);
+  const Link& replica_link = measured_link ? measured : cluster.inter;
   const double host_bps = cluster.host_device_gbps * 1e9;
 
   SimInput sim;
@@ -84,7 +89,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                                : modeled_seconds(Collective::kReduceScatter, grad_bytes, F, shard_link);
         if (c.strategy == ShardingStrategy::kHybridShard && world / F > 1)
           flat.reduce_s +=
-              modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, cluster.inter);
+              modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, replica_link);
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
       }
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
@@ -108,7 +113,6 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                                                : su.full_activation_bytes;
   }
   // Seconds per forward FLOP and backward over forward: measured (calibration) or nominal.
-  const Calibration& calibration = request.calibration();
   const PrecisionTiming* timing = calibration.find(c.precision);
   const double calibrated_flops = costs.forward_flops * static_cast<double>(calibration.tokens);
   const bool calibrated = timing != nullptr && calibrated_flops > 0 && timing->forward_s > 0;
@@ -131,6 +135,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   sim.reductions_in_flight = c.reductions_in_flight;
   sim.no_shard = c.strategy == ShardingStrategy::kNoShard;
   sim.separate_lanes = cluster.separate_comm_lanes;
+  sim.comm_on_compute_cores = cluster.device_is_host;
   const SimResult r = simulate(sim);
 
   PlanEntry e;

@@ -134,6 +134,11 @@ class Replay {
   }
 
   double issue(double duration, bool reduction) {
+    if (in_.comm_on_compute_cores) {  // the collective takes the compute thread's time: all exposed
+      exposed_ += duration;
+      now_ += duration;
+      return now_;
+    }
     const int lane = in_.separate_lanes && reduction ? 1 : 0;
     const double start = std::max(now_, lane_free_[lane]);
     lane_free_[lane] = start + duration;

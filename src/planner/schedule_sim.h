@@ -49,7 +49,9 @@ struct SimInput {
   int reductions_in_flight = 2;
   bool no_shard = false;
   bool separate_lanes = false;  // gathers and reductions on separate lanes (else one FIFO)
-  double step_s = 0;            // the optimizer step after backward
+  // The transports copy on the cores the ranks compute on (a CPU machine): no overlap.
+  bool comm_on_compute_cores = false;
+  double step_s = 0;  // the optimizer step after backward
 };
 
 struct SimResult {
