@@ -56,6 +56,7 @@ test_plan_calibrated() {
   expect_regex out "^\[rank 0\] step +4/4 \| loss "
   grep -q '"precision": "fp32"' "$TMP/calibration.json" || fail "no fp32 timing in the calibration file"
   grep -q '"precision": "bf16"' "$TMP/calibration.json" || fail "no bf16 timing in the calibration file"
+  grep -qE '"link_gbps": (0\.0*[1-9]|[1-9])' "$TMP/calibration.json" || fail "no measured link in the calibration file"
   run "$TRAINER" "${SMALL[@]}" --plan --calibration-file "$TMP/calibration.json"
   expect_rc 0
   expect_regex out "^best: "
