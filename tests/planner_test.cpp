@@ -2,6 +2,7 @@
 // equals what the runtime measures; known answers for activation checkpointing, CPU offload and a
 // model that fits nowhere.
 #include <gtest/gtest.h>
+#include <malloc.h>
 
 #include <string>
 #include <vector>
@@ -234,6 +235,71 @@ TEST(Planner, CalibratedTimesReplaceTheNominalRates) {
   const double nominal_step = numel * 7.0 * 4.0 / (fsdp::Cluster::parse("cpu:1x1").device.memory_gbps * 1e9);
   for (size_t i = 0; i < bf16.entries.size(); ++i)
     EXPECT_NEAR(bf16.entries[i].time.compute_s - numel * 1e-9, nominal.entries[i].time.compute_s - nominal_step, 1e-9);
+}
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(int d)
+      : up(register_module("up", torch::nn::Linear(d, 4 * d))),
+        down(register_module("down", torch::nn::Linear(4 * d, d))) {}
+  at::Tensor forward(const at::Tensor& x) { return down(torch::relu(up(x))); }
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(Mlp);
+
+TEST(Planner, CalibratedPassMemoryBecomesTheWorkspace) {
+  {  // fsdp::calibrate measures the passes' memory without and with the model's checkpointing.
+    // Large blocks come straight from the system (no dynamic threshold), so the resident set
+    // follows the live tensors and the two passes compare; ctest runs each test in its own process.
+    mallopt(M_MMAP_THRESHOLD, 64 * 1024);
+    torch::nn::ModuleList blocks;
+    std::vector<fsdp::Checkpointed<Mlp>> checkpointed;
+    for (int i = 0; i < 4; ++i) {
+      checkpointed.emplace_back(Mlp(128));
+      blocks->push_back(checkpointed.back());
+    }
+    checkpointed[1]->set_enabled(false);  // the caller's setting, restored afterwards
+    const auto input = torch::randn({4096, 128});
+    auto forward = [&] {
+      at::Tensor x = input;
+      for (auto& c : checkpointed) x = c->forward(x);
+      return x.square().mean();
+    };
+    const auto c = fsdp::calibrate(*blocks, forward, 4096);
+    ASSERT_EQ(c.timings.size(), 1U);
+    const auto& t = c.timings[0];
+    if (t.peak_bytes == 0) GTEST_SKIP() << "this kernel cannot restart the resident set's peak (/proc/self/clear_refs)";
+    // Kept without checkpointing: each block's input and activated hidden layer (5 x 128 values per token).
+    const int64_t kept = 4 * 5 * 128 * int64_t(4096) * 4;
+    EXPECT_GT(t.peak_bytes, kept) << t.peak_bytes;
+    EXPECT_GT(t.checkpointed_peak_bytes, 0);
+    EXPECT_LT(t.checkpointed_peak_bytes, t.peak_bytes * 3 / 4) << t.checkpointed_peak_bytes << " vs " << t.peak_bytes;
+    EXPECT_TRUE(checkpointed[0]->enabled());
+    EXPECT_FALSE(checkpointed[1]->enabled());
+    const auto back = fsdp::Calibration::from_json(c.to_json());
+    EXPECT_EQ(back.timings[0].peak_bytes, t.peak_bytes);
+    EXPECT_EQ(back.timings[0].checkpointed_peak_bytes, t.checkpointed_peak_bytes);
+  }
+  // Known figures: the workspace is what the passes held beyond the activations the plan keeps,
+  // per token, at the candidate's tokens; the peak includes it.
+  fsdp::DeferredInit deferred;
+  Stack model(64, 4);
+  fsdp::Calibration c;
+  c.tokens = 1024;
+  c.timings.push_back({at::kFloat, 0.010, 0.025, 64 * kMiB, 16 * kMiB});
+  const auto request = one_rank(0).seq_len(2048);
+  const fsdp::Plan without = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+  const fsdp::Plan with =
+      fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), fsdp::PlanRequest(request).calibration(c));
+  ASSERT_EQ(with.entries.size(), 2U);
+  for (const auto& e : with.entries) {
+    const int64_t measured = e.candidate.activation_checkpointing ? 16 * kMiB : 64 * kMiB;
+    EXPECT_EQ(e.memory.workspace, 2 * measured - e.memory.activations) << e.candidate.describe();
+    for (const auto& w : without.entries)
+      if (w.candidate.describe() == e.candidate.describe()) {
+        EXPECT_EQ(w.memory.workspace, 0);
+        EXPECT_EQ(e.memory.peak - w.memory.peak, e.memory.workspace) << e.candidate.describe();
+      }
+  }
 }
 
 TEST(Planner, AModelThatFitsNowhereNamesTheSmallestBudget) {

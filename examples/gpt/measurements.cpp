@@ -37,12 +37,26 @@ double measure_matmul_flops() {
 
 }  // namespace
 
-int64_t resident_bytes() {
+namespace {
+
+// A "<key>:  1234 kB" line of /proc/self/status, in bytes; 0 when absent.
+int64_t status_bytes(const std::string& key) {
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "VmRSS:  1234 kB"
+    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;
   return 0;
+}
+
+}  // namespace
+
+int64_t resident_bytes() { return status_bytes("VmRSS"); }
+
+int64_t peak_resident_bytes() { return status_bytes("VmHWM"); }
+
+void restart_resident_peak() {
+  std::ofstream reset("/proc/self/clear_refs");
+  reset << "5" << std::flush;  // where Linux refuses, the peak keeps counting from the start
 }
 
 double training_flops_per_token(int64_t parameters, const TrainConfig& c) {

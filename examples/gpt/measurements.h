@@ -11,6 +11,9 @@ namespace fsdp_gpt {
 
 // Resident set size of this process, from /proc/self/status (0 where unavailable).
 int64_t resident_bytes();
+// The resident set's peak since the process began, or since restart_resident_peak().
+int64_t peak_resident_bytes();
+void restart_resident_peak();
 
 // Model FLOPs per trained token (forward + backward, PaLM's estimate): 6 per parameter (a
 // multiply-add forward, two backward) plus the attention score and mixing matmuls,

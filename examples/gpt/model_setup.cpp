@@ -54,6 +54,7 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
                      .limit_all_gathers(config.all_gather_limit > 0)
                      .all_gather_limit(std::max(1, config.all_gather_limit))
                      .deterministic(config.deterministic)
+                     .trace(config.measure_exposed_comm)
                      .param_init_fn([model_config](const std::string& name, torch::nn::Module& module) {
                        gpt::initialize(model_config, name, module);
                      });

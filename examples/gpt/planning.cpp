@@ -54,6 +54,8 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
   model_config.width = config.width;
   model_config.layers = config.layers;
   model_config.heads = config.heads;
+  // Checkpointed blocks, so the calibration also measures the checkpointed passes' memory.
+  model_config.activation_checkpointing = !flags_only || config.activation_checkpointing;
   torch::manual_seed(config.seed);
   gpt::GPT model(model_config);  // a throwaway copy, real memory
   const int64_t rows = config.batch_size > 0 ? config.batch_size : config.batch_per_rank;
@@ -121,6 +123,7 @@ void write_entries(const std::string& path, const fsdp::Plan& plan) {
                           {"grads_bytes", e.memory.grads},
                           {"optimizer_bytes", e.memory.optimizer},
                           {"activations_bytes", e.memory.activations},
+                          {"workspace_bytes", e.memory.workspace},
                           {"process_bytes", e.memory.process},
                           {"peak_bytes", e.memory.peak},
                           {"host_bytes", e.memory.host},

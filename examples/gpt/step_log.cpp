@@ -69,6 +69,10 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
                                      {"fsdp_param_peak_bytes", memory.param_peak_bytes},
                                      {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
                                      {"rss_bytes", rss},
+                                     {"rss_peak_bytes", peak_resident_bytes()},
+                                     {"exposed_comm_share", config.measure_exposed_comm
+                                                                ? nlohmann::json(window.exposed_comm_s / window.seconds)
+                                                                : nlohmann::json()},
                                      {"elapsed_s", seconds_since(loop.program_start)}}
                           .dump()
                    << "\n"

@@ -16,8 +16,9 @@ std::ofstream open_metrics(const TrainConfig& config, bool is_main);
 // process ran (a resumed window's earlier steps count for the loss only).
 struct LogWindow {
   double seconds = 0.0, loss = 0.0;
-  int steps = 0;        // for the loss: every step of the window
-  int timed_steps = 0;  // for the speed: the steps `seconds` measured
+  int steps = 0;              // for the loss: every step of the window
+  int timed_steps = 0;        // for the speed: the steps `seconds` measured
+  double exposed_comm_s = 0;  // --measure-exposed-comm: the timed steps' waits on collectives
 };
 
 // Closes a log window (collective): rank 0 logs its mean loss, speed and memory; a new window starts.

@@ -112,6 +112,9 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
   app.add_option("--metrics-file", config.metrics_file, "Write one JSON object per logged step to this file");
+  app.add_flag("--measure-exposed-comm", config.measure_exposed_comm,
+               "Trace every iteration and write the share of each step spent waiting on collectives to "
+               "--metrics-file (exposed_comm_share)");
   app.add_option("--sample-bytes", config.sample_bytes, "Bytes to generate after training (0: none)")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();

@@ -50,6 +50,7 @@ struct TrainConfig {
   std::string prompt = "The ";
   double temperature = 0.8;
   bool show_memory = false;
+  bool measure_exposed_comm = false;  // trace iterations; the metrics' exposed_comm_share
   // Training controls (docs/usage.md).
   std::string mixed_precision = "none";            // none, bf16, fp16
   std::string quantize_all_gather = "none";        // none, int8, fp8: the parameter all-gathers' codes

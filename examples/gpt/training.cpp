@@ -10,6 +10,7 @@
 #include "deterministic_step.h"
 #include "evaluation.h"
 #include "lr_schedule.h"
+#include "measurements.h"
 #include "optimizer.h"
 #include "progress_bar.h"
 #include "step_log.h"
@@ -62,6 +63,7 @@ TrainingResult train(const TrainingLoop& loop) {
   const TrainConfig& config = loop.config;
   ProgressBar progress(loop.is_main && stdout_is_terminal(loop.pg.env()), config.steps);
   loop.sharded.reset_peak_memory_stats();
+  restart_resident_peak();  // the metrics' rss_peak_bytes: training only, not set-up or validation
   TrainingResult result;
   LogWindow window;
   window.loss = loop.start.window_loss, window.steps = loop.start.window_steps;
@@ -76,6 +78,7 @@ TrainingResult train(const TrainingLoop& loop) {
     result.train_seconds += step_seconds;
     ++result.timed_steps;
     window.seconds += step_seconds;
+    if (config.measure_exposed_comm) window.exposed_comm_s += loop.sharded.last_trace().exposed_comm_us * 1e-6;
     window.loss += local_loss;
     ++window.steps;
     ++window.timed_steps;

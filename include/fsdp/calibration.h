@@ -20,6 +20,11 @@ struct PrecisionTiming {
   at::ScalarType precision = at::kFloat;
   double forward_s = 0;   // forward and loss
   double backward_s = 0;  // backward of that loss
+  // The resident set's largest growth during forward and backward with the gradients allocated
+  // (activations and every temporary of the passes), for a model on the CPU; 0: not measured.
+  int64_t peak_bytes = 0;
+  // The same with the model's fsdp::Checkpointed modules enabled; 0: none, or not measured.
+  int64_t checkpointed_peak_bytes = 0;
 };
 
 struct Calibration {
@@ -34,7 +39,7 @@ struct Calibration {
   bool empty() const { return timings.empty(); }
 
   // {"tokens": N, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings": [{"precision": "fp32"|"bf16"|"fp16",
-  // "forward_s": F, "backward_s": B}, ...]}
+  // "forward_s": F, "backward_s": B, "peak_bytes": P, "checkpointed_peak_bytes": C}, ...]}
   std::string to_json() const;
   // Throws fsdp::Error naming the bad field and `source`.
   static Calibration from_json(const std::string& text, const std::string& source = "calibration JSON");
@@ -54,7 +59,8 @@ struct CalibrateOptions {
 };
 
 // Times `loss()` (one forward of `tokens` tokens through `model`, returning a scalar) and its
-// backward in every precision of `options`, and the optimizer's step over `model`'s parameters.
+// backward in every precision of `options` (with `model`'s fsdp::Checkpointed modules disabled),
+// measures their memory without and with those enabled (PrecisionTiming), and times the optimizer's step over `model`'s parameters.
 // `model` is a throwaway copy on the device the job computes on; it is left in the last precision.
 // Collective-free: every rank of a job may calibrate at once (then the times include the ranks'
 // sharing of the machine). Throws fsdp::Error on bad arguments.

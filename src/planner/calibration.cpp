@@ -2,12 +2,15 @@
 // optimizer step. See Note [Planner calibration] in docs/design.md.
 #include "fsdp/calibration.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
 #include "fsdp/network_model.h"
 
@@ -24,13 +27,56 @@ double median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+// A line "<key> <kB> kB" of /proc/self/status, in bytes; 0 when absent.
+int64_t status_bytes(const std::string& key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;
+  return 0;
+}
+
+// The largest growth of the resident set while `run` runs, beyond what the process held when it
+// began, with the allocator's free pages first returned to the system; 0 where Linux cannot restart
+// the peak (/proc/self/clear_refs). See Note [Planner calibration] in docs/design.md.
+int64_t peak_growth(const std::function<void()>& run) {
+  malloc_trim(0);
+  const int64_t before = status_bytes("VmRSS");
+  {
+    std::ofstream reset("/proc/self/clear_refs");
+    if (!(reset << "5" << std::flush)) return 0;
+  }
+  if (status_bytes("VmHWM") > before + (int64_t(1) << 20)) return 0;  // the peak did not restart
+  run();
+  return std::max<int64_t>(0, status_bytes("VmHWM") - before);
+}
+
 void zero_grads(torch::nn::Module& model) {
   for (auto& p : model.parameters())
     if (p.grad().defined()) p.mutable_grad() = at::Tensor();
 }
 
-// Forward-and-loss and backward seconds, median over `repetitions` after one untimed.
+// The model's checkpointing wrappers (fsdp::Checkpointed) and whether each is enabled.
+std::vector<std::pair<CheckpointedBase*, bool>> checkpointed_modules(torch::nn::Module& model) {
+  std::vector<std::pair<CheckpointedBase*, bool>> found;
+  for (const auto& m : model.modules(/*include_self=*/true))
+    if (auto* c = dynamic_cast<CheckpointedBase*>(m.get())) found.emplace_back(c, c->enabled());
+  return found;
+}
+
+// Memory of a forward and backward with the gradients already allocated, as in training.
+int64_t pass_peak(torch::nn::Module& model, const std::function<at::Tensor()>& loss) {
+  for (const auto& p : model.parameters())
+    if (!p.device().is_cpu()) return 0;
+  loss().backward();
+  return peak_growth([&] { loss().backward(); });
+}
+
+// Forward-and-loss and backward seconds, median over `repetitions` after one untimed, without
+// checkpointing; and the passes' memory without and with it.
 PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions) {
+  const auto wrappers = checkpointed_modules(model);
+  for (const auto& w : wrappers) w.first->set_enabled(false);
   std::vector<double> forward, backward;
   for (int i = 0; i <= repetitions; ++i) {
     zero_grads(model);
@@ -43,10 +89,16 @@ PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Te
     const double b = seconds_since(middle);
     if (i > 0) forward.push_back(f), backward.push_back(b);
   }
-  zero_grads(model);
   PrecisionTiming t;
   t.forward_s = median(forward);
   t.backward_s = median(backward);
+  t.peak_bytes = pass_peak(model, loss);
+  if (!wrappers.empty()) {
+    for (const auto& w : wrappers) w.first->set_enabled(true);
+    t.checkpointed_peak_bytes = pass_peak(model, loss);
+  }
+  for (const auto& w : wrappers) w.first->set_enabled(w.second);
+  zero_grads(model);
   return t;
 }
 
@@ -96,8 +148,11 @@ std::string Calibration::to_json() const {
                    {"link_latency_us", link_latency_us},
                    {"timings", nlohmann::json::array()}};
   for (const auto& t : timings)
-    j["timings"].push_back(
-        {{"precision", precision_name(t.precision)}, {"forward_s", t.forward_s}, {"backward_s", t.backward_s}});
+    j["timings"].push_back({{"precision", precision_name(t.precision)},
+                            {"forward_s", t.forward_s},
+                            {"backward_s", t.backward_s},
+                            {"peak_bytes", t.peak_bytes},
+                            {"checkpointed_peak_bytes", t.checkpointed_peak_bytes}});
   return j.dump(1);
 }
 
@@ -114,8 +169,12 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
       timing.precision = precision_named(t.at("precision").get<std::string>(), source);
       timing.forward_s = t.at("forward_s").get<double>();
       timing.backward_s = t.at("backward_s").get<double>();
+      timing.peak_bytes = t.value("peak_bytes", int64_t(0));
+      timing.checkpointed_peak_bytes = t.value("checkpointed_peak_bytes", int64_t(0));
       FSDP_CHECK(timing.forward_s > 0 && timing.backward_s > 0, source, ": the ", precision_name(timing.precision),
                  " timing must have positive forward_s and backward_s");
+      FSDP_CHECK(timing.peak_bytes >= 0 && timing.checkpointed_peak_bytes >= 0, source, ": the ",
+                 precision_name(timing.precision), " timing's peak bytes must not be negative");
       c.timings.push_back(timing);
     }
   } catch (const nlohmann::json::exception& e) {

@@ -146,7 +146,16 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const int64_t optimizer = static_cast<int64_t>(request.optimizer_states()) * rest.piece_bytes;
   m.optimizer = offload ? 0 : optimizer;
   m.activations = r.activation_peak;
-  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + r.total_transient_peak;
+  // What the calibrated passes held beyond the activations the replay keeps, per token.
+  const int64_t passes_peak = timing == nullptr            ? 0
+                              : c.activation_checkpointing ? timing->checkpointed_peak_bytes
+                                                           : timing->peak_bytes;
+  if (passes_peak > 0 && tokens > 0) {
+    const double beyond = static_cast<double>(passes_peak) / static_cast<double>(calibration.tokens) -
+                          static_cast<double>(r.activation_peak) / tokens;
+    m.workspace = std::llround(std::max(0.0, beyond) * tokens);
+  }
+  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + r.total_transient_peak + m.workspace;
   // The pool's idle buffers at the joint peak: once warm it holds its most of every size throughout.
   const int64_t pool_idle = std::max<int64_t>(0, r.pool_bytes + r.activation_peak - r.total_transient_peak);
   m.headroom = pool_idle + static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());

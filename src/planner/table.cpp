@@ -45,18 +45,19 @@ const PlanEntry& Plan::best() const {
 std::string Plan::table(size_t max_rows) const {
   std::ostringstream o;
   o << "Plan for " << cluster << "; budget " << format_bytes(budget) << " per rank\n";
-  o << "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB | other MiB | peak MiB | fits "
+  o << "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB | workspace MiB | other MiB | "
+       "peak MiB | fits "
        "| step ms | compute ms | exposed comm % | TFLOP/s | MFU % |\n";
-  o << "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
+  o << "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
   const size_t rows = max_rows > 0 ? std::min(max_rows, entries.size()) : entries.size();
   for (size_t i = 0; i < rows; ++i) {
     const PlanEntry& e = entries[i];
     const double exposed = e.time.step_s > 0 ? 100.0 * e.time.exposed_comm_s / e.time.step_s : 0;
     o << "| " << i + 1 << " | " << e.candidate.describe() << " | " << mebibytes(e.memory.params) << " | "
       << mebibytes(e.memory.grads) << " | " << mebibytes(e.memory.optimizer) << " | " << mebibytes(e.memory.activations)
-      << " | " << mebibytes(e.memory.headroom + e.memory.process) << " | " << mebibytes(e.memory.peak) << " | "
-      << (e.fits ? "yes" : "no") << " | " << fixed_digits(e.time.step_s * 1e3, 2) << " | "
-      << fixed_digits(e.time.compute_s * 1e3, 2) << " | " << fixed_digits(exposed, 1) << " | "
+      << " | " << mebibytes(e.memory.workspace) << " | " << mebibytes(e.memory.headroom + e.memory.process) << " | "
+      << mebibytes(e.memory.peak) << " | " << (e.fits ? "yes" : "no") << " | " << fixed_digits(e.time.step_s * 1e3, 2)
+      << " | " << fixed_digits(e.time.compute_s * 1e3, 2) << " | " << fixed_digits(exposed, 1) << " | "
       << fixed_digits(e.time.tflops_per_device, 3) << " | " << fixed_digits(e.time.mfu * 100, 1) << " |\n";
   }
   if (rows < entries.size()) o << "(" << entries.size() - rows << " more)\n";

@@ -96,7 +96,7 @@ test_train_two_ranks() {
   # The metrics file: one JSON object per logged step, with every field, agreeing with the log.
   [ "$(wc -l <"$TMP/metrics.jsonl")" -eq 5 ] || fail "metrics file has $(wc -l <"$TMP/metrics.jsonl") lines, expected 5"
   for key in step loss lr ms_per_step tokens_per_s model_tflops mfu fsdp_param_peak_bytes fsdp_grad_peak_bytes \
-             rss_bytes elapsed_s; do
+             rss_bytes rss_peak_bytes exposed_comm_share elapsed_s; do
     [ "$(grep -c "\"$key\":" "$TMP/metrics.jsonl")" -eq 5 ] || fail "metrics field '$key' missing in some lines"
   done
   local json_loss log_loss
