@@ -7,7 +7,7 @@ Runs every candidate of a small search space (model XL of bench/planner.py, worl
 rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, and FULL_SHARD's block units with
 2 micro-batches of 2) through the trainer with --plan-file and a calibration made first (as in
 bench/planner.py), then, for budgets from the smallest predicted peak to the largest, compares the
-planner's choice (the fastest predicted among the candidates predicted to fit) with the fastest
+planner's choice (the fastest predicted among the candidates predicted to fit with the margin) with the fastest
 measured among those whose measured peak resident set fits: whether the choice's measured peak fits
 the budget (no OOM), and its measured step time over the fastest's.
 """
@@ -43,12 +43,13 @@ def main():
             r = run_one(build, 2, "XL", flags, checkpointing, "none", tmp)
             p, m = r["plan"], r["measured"]
             runs.append({"config": p["configuration"], "pred_peak": p["peak_bytes"], "pred_step": p["step_s"],
-                         "rss": max(r["rss"]), "step": m["ms_per_step"] / 1e3})
-            print(f"{len(runs)}/{len(candidates)} {p['configuration']}: rss {max(r['rss']) / 2**20:.1f} MiB, "
+                         "margin": p["memory_margin"], "rss": m["rss_peak_bytes"], "step": m["ms_per_step"] / 1e3})
+            print(f"{len(runs)}/{len(candidates)} {p['configuration']}: rss {m['rss_peak_bytes'] / 2**20:.1f} MiB, "
                   f"step {m['ms_per_step']:.1f} ms", flush=True)
     finished = datetime.datetime.utcnow()
-    lo = min(r["pred_peak"] for r in runs)
-    hi = max(max(r["pred_peak"], r["rss"]) for r in runs)
+    margin = runs[0]["margin"]
+    lo = min(min(r["pred_peak"], r["rss"]) for r in runs)
+    hi = max(max(r["pred_peak"] * (1 + margin), r["rss"]) for r in runs)
     budgets = [int(lo + (hi - lo) * k / 5) for k in range(6)]
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -60,10 +61,12 @@ def main():
         f"with other jobs (load average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end).",
         "",
         "Candidates: model XL (4 layers, width 512, context 128), world 2, 4 sequences per rank, fp32, each run as "
-        "in [planner.md](planner.md) (6 steps; ms/step of the last 3; peak resident set over the ranks; the "
-        "prediction calibrated by a separate job first).",
+        "in [planner.md](planner.md) (6 steps; ms/step of the last 3; rank 0's peak resident set during "
+        "training; the prediction calibrated by a separate job first). The planner's choice at a budget is the "
+        f"fastest predicted candidate whose predicted peak plus the trainer's margin ({margin * 100:.0f}%, "
+        "`--memory-margin`) fits it, as `--memory-budget` chooses.",
         "",
-        "| candidate | predicted peak MiB | measured peak RSS MiB | predicted step ms | measured step ms |",
+        "| candidate | predicted peak MiB | measured training peak RSS MiB | predicted step ms | measured step ms |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for r in sorted(runs, key=lambda r: r["step"]):
@@ -72,7 +75,7 @@ def main():
     lines += ["", "| budget MiB | planner's choice | its measured peak fits | fastest measured that fits | "
               "choice's step / fastest's |", "| ---: | --- | --- | --- | ---: |"]
     for b in budgets:
-        planned = [r for r in runs if r["pred_peak"] <= b]
+        planned = [r for r in runs if r["pred_peak"] * (1 + margin) <= b]
         fitting = [r for r in runs if r["rss"] <= b]
         if not planned:
             lines.append(f"| {b / 2**20:.1f} | none fits (predicted) | | "

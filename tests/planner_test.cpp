@@ -3,6 +3,7 @@
 // model that fits nowhere.
 #include <gtest/gtest.h>
 #include <malloc.h>
+#include <cmath>
 
 #include <string>
 #include <vector>
@@ -300,6 +301,24 @@ TEST(Planner, CalibratedPassMemoryBecomesTheWorkspace) {
         EXPECT_EQ(e.memory.peak - w.memory.peak, e.memory.workspace) << e.candidate.describe();
       }
   }
+}
+
+TEST(Planner, TheMarginIsKeptFreeBeyondEachPeak) {
+  fsdp::DeferredInit deferred;
+  Stack model(64, 4);
+  const fsdp::Plan loose = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0));
+  const int64_t smallest = loose.smallest_peak();
+  // A budget of exactly the smallest peak fits it without a margin, and nothing with one.
+  const fsdp::Plan exact = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(smallest));
+  EXPECT_TRUE(exact.any_fits());
+  const fsdp::Plan margin = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(smallest).memory_margin(0.25));
+  EXPECT_FALSE(margin.any_fits());
+  EXPECT_EQ(margin.smallest_peak(), static_cast<int64_t>(std::ceil(smallest * 1.25)));
+  const fsdp::Plan enough =
+      fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(margin.smallest_peak()).memory_margin(0.25));
+  EXPECT_TRUE(enough.any_fits());
+  EXPECT_TRUE(contains(enough.table(), "25% margin"));
+  EXPECT_THROW(fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0).memory_margin(-0.1)), fsdp::Error);
 }
 
 TEST(Planner, AModelThatFitsNowhereNamesTheSmallestBudget) {

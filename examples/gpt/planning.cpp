@@ -126,6 +126,7 @@ void write_entries(const std::string& path, const fsdp::Plan& plan) {
                           {"workspace_bytes", e.memory.workspace},
                           {"process_bytes", e.memory.process},
                           {"peak_bytes", e.memory.peak},
+                          {"memory_margin", plan.memory_margin},
                           {"host_bytes", e.memory.host},
                           {"step_s", e.time.step_s},
                           {"compute_s", e.time.compute_s},
@@ -158,6 +159,7 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
                      .calibration(calibration)
                      .wrap_policies({{"block", fsdp::wrap::by_type<gpt::BlockImpl>()}, {"none", nullptr}});
   if (!config.memory_budget.empty()) request.memory_budget(fsdp::parse_bytes(config.memory_budget));
+  request.memory_margin(config.memory_margin);
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);
 }

@@ -36,6 +36,8 @@ struct NamedWrapPolicy {
 struct PlanRequest {
   // Bytes each rank may use; 0: the device's memory.
   TORCH_ARG(int64_t, memory_budget) = 0;
+  // Kept free for the prediction's error: a candidate fits when its peak x (1 + margin) <= the budget.
+  TORCH_ARG(double, memory_margin) = 0.0;
   // Sequences per optimizer step over all ranks; 0: one per rank.
   TORCH_ARG(int, global_batch) = 0;
   TORCH_ARG(int64_t, seq_len) = 1;

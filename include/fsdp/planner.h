@@ -17,12 +17,13 @@ namespace fsdp {
 struct Plan {
   std::vector<PlanEntry> entries;  // fitting ones first, each group fastest first
   int64_t budget = 0;
+  double memory_margin = 0;  // PlanRequest::memory_margin
   std::string cluster;
 
   bool any_fits() const { return !entries.empty() && entries.front().fits; }
   // The fastest fitting entry. Throws fsdp::Error naming the smallest budget any candidate needs.
   const PlanEntry& best() const;
-  // The smallest peak over all candidates (0: no candidates).
+  // The smallest budget any candidate fits in: its peak with the margin (0: no candidates).
   int64_t smallest_peak() const;
   // Every entry: memory by kind, step time split, TFLOP/s, MFU, fits.
   std::string table(size_t max_rows = 0) const;

@@ -41,6 +41,10 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
 
   Plan result;
   result.budget = request.memory_budget() > 0 ? request.memory_budget() : cluster.device.memory_bytes;
+  FSDP_CHECK(request.memory_margin() >= 0, "PlanRequest::memory_margin must be >= 0 (a share of the peak), got ",
+             request.memory_margin());
+  result.memory_margin = request.memory_margin();
+  const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
   for (const NamedWrapPolicy& wrap : request.wrap_policies()) {
     const UnitPlan units = plan_units(model, Options().auto_wrap_policy(wrap.policy), c10::Device(c10::kCPU));
@@ -77,7 +81,7 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                         c.accumulation = per_rank / micro;
                         PlanEntry e = planner::evaluate(view, c, cluster, world, request);
                         e.fits =
-                            e.memory.peak <= result.budget &&
+                            static_cast<double>(e.memory.peak) * with_margin <= static_cast<double>(result.budget) &&
                             (e.memory.host == 0 || e.memory.host * cluster.ranks_per_node <= cluster.host_memory_bytes);
                         result.entries.push_back(std::move(e));
                       }

@@ -1,5 +1,6 @@
 // A Plan's table, its best entry and the message when nothing fits (include/fsdp/planner.h).
 #include <algorithm>
+#include <cmath>
 #include <iomanip>
 #include <limits>
 #include <sstream>
@@ -28,7 +29,7 @@ int64_t Plan::smallest_peak() const {
   int64_t smallest = 0;
   for (const PlanEntry& e : entries)
     if (smallest == 0 || e.memory.peak < smallest) smallest = e.memory.peak;
-  return smallest;
+  return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) * (1.0 + memory_margin)));
 }
 
 const PlanEntry& Plan::best() const {
@@ -38,13 +39,15 @@ const PlanEntry& Plan::best() const {
   for (const PlanEntry& e : entries)
     if (e.memory.peak < smallest->memory.peak) smallest = &e;
   FSDP_FAIL("no configuration fits in ", format_bytes(budget), " per rank on ", cluster, "; the smallest needs ",
-            format_bytes(smallest->memory.peak), " (", smallest->candidate.describe(),
+            format_bytes(smallest_peak()), " (", smallest->candidate.describe(),
             "): raise the budget to at least that, or add ranks");
 }
 
 std::string Plan::table(size_t max_rows) const {
   std::ostringstream o;
-  o << "Plan for " << cluster << "; budget " << format_bytes(budget) << " per rank\n";
+  o << "Plan for " << cluster << "; budget " << format_bytes(budget) << " per rank";
+  if (memory_margin > 0) o << " (fits: the peak plus a " << fixed_digits(100.0 * memory_margin, 0) << "% margin)";
+  o << "\n";
   o << "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB | workspace MiB | other MiB | "
        "peak MiB | fits "
        "| step ms | compute ms | exposed comm % | TFLOP/s | MFU % |\n";
