@@ -30,7 +30,39 @@ struct Result {
   std::vector<double> step_ms, optimizer_ms;
   int64_t bytes = 0, naive_bytes = 0;  // per rank and step
   fsdp::MuonStepStats muon;            // Muon's plan on this rank
+  // Muon's plan by each way of exchanging, with the trainer's Muon matrices (the blocks' matrices).
+  std::vector<std::pair<std::string, fsdp::MuonStepStats>> muon_by_exchange;
 };
+
+// Muon planned over `sharded` with each exchange: the blocks' parameters in a Muon group, the rest
+// stepped by AdamW, as the trainer's groups do.
+std::vector<std::pair<std::string, fsdp::MuonStepStats>> muon_plans(fsdp::FullyShardedModule& sharded) {
+  using fsdp::MuonExchange;
+  std::vector<torch::Tensor> blocks, rest;
+  for (const auto& p : sharded.shard_pieces())
+    if (p.piece.requires_grad()) (p.name.rfind("blocks.", 0) == 0 ? blocks : rest).push_back(p.piece);
+  std::vector<std::pair<std::string, fsdp::MuonStepStats>> out;
+  for (auto [name, exchange] : {std::pair<const char*, MuonExchange>{"kAuto", MuonExchange::kAuto},
+                                {"kAllToAll", MuonExchange::kAllToAll},
+                                {"kReduceScatterAllGather", MuonExchange::kReduceScatterAllGather},
+                                {"kAllGather", MuonExchange::kAllGather},
+                                {"kAutoWithoutAllToAll", MuonExchange::kAutoWithoutAllToAll}}) {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(blocks, std::make_unique<fsdp::MuonOptions>());
+    groups.emplace_back(rest, std::make_unique<fsdp::MuonOptions>(fsdp::MuonOptions().use_muon(false)));
+    out.emplace_back(name, fsdp::Muon(sharded, std::move(groups), fsdp::MuonOptions(), exchange).stats());
+  }
+  return out;
+}
+
+const char* exchange_name(fsdp::MuonExchange e) {
+  switch (e) {
+    case fsdp::MuonExchange::kAllToAll: return "all-to-all";
+    case fsdp::MuonExchange::kReduceScatterAllGather: return "reduce-scatter and all-gather";
+    case fsdp::MuonExchange::kAllGather: return "all-gather of the straddling matrices";
+    default: return "none";
+  }
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -81,6 +113,7 @@ void run(const std::string& kind, const Config& c, fsdp::ProcessGroupPtr pg, Res
       r.bytes = m->stats().bytes_sent;
       r.naive_bytes = m->stats().naive_bytes_sent;
       r.muon = m->stats();
+      if (r.muon_by_exchange.empty()) r.muon_by_exchange = muon_plans(*sharded);
     } else if (collectives > 0) {
       r.bytes = (world - 1) * w->reduction().bytes_sent() / (c.warmup + c.steps);
       r.naive_bytes = (world - 1) * ((trained + world - 1) / world) * f32;
@@ -140,8 +173,16 @@ int main(int argc, char** argv) {
   std::printf("\nMuon at world %d: %lld matrices; elements moved to their owners %lld (of %lld in the matrices); "
               "exchange by %s, %lld elements per destination; busiest rank's Newton-Schulz work / mean %.2f\n",
               pg->size(), static_cast<long long>(st.matrices), static_cast<long long>(st.moved_numel),
-              static_cast<long long>(st.matrices_numel), st.all_to_all ? "all-to-all" : "reduce-scatter and all-gather",
+              static_cast<long long>(st.matrices_numel), exchange_name(st.exchange),
               static_cast<long long>(st.exchange_numel),
               all_owned.max().item<double>() * pg->size() / std::max<double>(1, double(st.total_cost)));
+  std::printf("\n| world | MuonExchange | runs | bytes sent per rank and step | naive | / naive | elements moved |\n");
+  std::printf("| ---: | --- | --- | ---: | ---: | ---: | ---: |\n");
+  for (const auto& [name, plan] : results["muon"].muon_by_exchange)
+    std::printf("| %d | %s | %s | %lld | %lld | %.3f | %lld |\n", pg->size(), name.c_str(),
+                exchange_name(plan.exchange), static_cast<long long>(plan.bytes_sent),
+                static_cast<long long>(plan.naive_bytes_sent),
+                double(plan.bytes_sent) / std::max<double>(1, double(plan.naive_bytes_sent)),
+                static_cast<long long>(plan.moved_numel));
   return 0;
 }

@@ -27,13 +27,25 @@ at::Tensor Muon::orthogonalize(const at::Tensor& g, int steps) {
 
 Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
            const MuonOptions& defaults, MuonExchange exchange)
-    : WholeParamOptimizer(module, std::move(groups), std::make_unique<MuonOptions>(defaults)) {
+    : WholeParamOptimizer(module, std::move(groups), std::make_unique<MuonOptions>(defaults)), requested_(exchange) {
+  plan();
+}
+
+void Muon::after_load() { plan(); }
+
+void Muon::plan() {
   // Which parameters are Muon's matrices, their iterations, and where every rank's piece of each
   // lies: a holder of a piece knows its group, and an owner may hold no piece of its matrix; the
   // shard group agrees through one reduction, so that every member plans the exchanges alike.
   const auto& params = reduction_.params();
   const CommunicatorPtr& comm = reduction_.communicator();
   const int members = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  matrices_.clear();
+  outgoing_.clear();
+  incoming_.clear();
+  is_muon_.clear();
+  stats_ = {};
+  exchange_dtype_ = at::kFloat;
   std::vector<int> ids;
   for (const WholeParam& p : params) {
     const int g = group_of(p);
@@ -71,11 +83,28 @@ Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamG
     cost.push_back(s[0] * s[1] * std::min(s[0], s[1]));
     stats_.total_cost += cost.back();
   }
+  // The exchange (Note [Muon's owner ranks]): the owners' way the transport has, or the all-gather
+  // where that moves fewer elements; every rank counts both from the agreed layout alike.
   const bool has_all_to_all = comm && comm->device().is_cpu();
-  FSDP_CHECK(exchange != MuonExchange::kAllToAll || !comm || has_all_to_all, "Muon: MuonExchange::kAllToAll needs a ",
-             "transport with an all-to-all, and ", comm ? comm->transport() : std::string(), " has none; use kAuto");
-  stats_.all_to_all = exchange == MuonExchange::kAuto ? has_all_to_all : exchange == MuonExchange::kAllToAll;
-  assign_owners(cost, members);
+  FSDP_CHECK(requested_ != MuonExchange::kAllToAll || !comm || has_all_to_all, "Muon: MuonExchange::kAllToAll needs ",
+             "a transport with an all-to-all, and ", comm ? comm->transport() : std::string(), " has none; use kAuto");
+  const bool all_to_all =
+      requested_ == MuonExchange::kAllToAll || (requested_ == MuonExchange::kAuto && has_all_to_all);
+  assign_owners(cost, members, all_to_all);
+  if (comm) {
+    stats_.exchange = requested_ == MuonExchange::kAllGather ? MuonExchange::kAllGather
+                      : all_to_all                           ? MuonExchange::kAllToAll
+                                                             : MuonExchange::kReduceScatterAllGather;
+    plan_exchanges(members, rank);
+    const bool chosen = requested_ == MuonExchange::kAuto || requested_ == MuonExchange::kAutoWithoutAllToAll;
+    if (chosen && 2 * stats_.exchange_numel > straddling_numel(members)) {
+      stats_.exchange = MuonExchange::kAllGather;
+      outgoing_.clear();
+      incoming_.clear();
+      stats_.moved_numel = 0;
+      plan_exchanges(members, rank);
+    }
+  }
   // The matrices travel in bfloat16 where every one runs Newton-Schulz in it: its input and output
   // are the same values in either dtype.
   int64_t total = 0;
@@ -87,7 +116,7 @@ Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamG
     exchange_dtype_ = all_bfloat16 ? at::kBFloat16 : p.dtype;
     FSDP_CHECK(p.dtype == params[matrices_.front().param].dtype, "Muon: its matrices must share one dtype; '", p.name,
                "' is ", p.dtype);
-    if (matrices_[i].owner == rank) {
+    if (orthogonalizes(matrices_[i], rank)) {
       stats_.owned += 1;
       stats_.owned_cost += cost[i];
     }
@@ -95,13 +124,30 @@ Muon::Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamG
   stats_.matrices = static_cast<int64_t>(matrices_.size());
   stats_.matrices_numel = total;
   if (!comm) return;
-  plan_exchanges(members, rank);
   const auto dtype_size = static_cast<int64_t>(c10::elementSize(exchange_dtype_));
-  stats_.bytes_sent = 2 * (members - 1) * stats_.exchange_numel * dtype_size;
-  stats_.naive_bytes_sent = (members - 1) * ((total + members - 1) / members) * dtype_size;
+  const int64_t exchanges = stats_.exchange == MuonExchange::kAllGather ? 1 : 2;
+  stats_.bytes_sent = exchanges * (members - 1) * stats_.exchange_numel * dtype_size;
+  std::vector<int64_t> held(members, 0);  // elements of the matrices per rank
+  for (const Matrix& m : matrices_)
+    for (int r = 0; r < members; ++r) held[r] += m.count[r];
+  stats_.naive_bytes_sent = (members - 1) * *std::max_element(held.begin(), held.end()) * dtype_size;
 }
 
-void Muon::assign_owners(const std::vector<int64_t>& cost, int members) {
+int64_t Muon::straddling_numel(int members) const {
+  std::vector<int64_t> held(members, 0);
+  for (const Matrix& m : matrices_) {
+    const int64_t numel = reduction_.params()[m.param].numel;
+    for (int r = 0; r < members; ++r)
+      if (m.count[r] < numel) held[r] += m.count[r];  // 0 < count < numel: another rank holds the rest
+  }
+  return *std::max_element(held.begin(), held.end());
+}
+
+bool Muon::orthogonalizes(const Matrix& m, int rank) const {
+  return stats_.exchange == MuonExchange::kAllGather ? m.count[rank] > 0 : m.owner == rank;
+}
+
+void Muon::assign_owners(const std::vector<int64_t>& cost, int members, bool all_to_all) {
   // Owners (Note [Muon's owner ranks]): the costliest matrix first, each to a rank whose load stays
   // within the cap: the one that keeps the exchange smallest (the largest pair for an all-to-all,
   // the largest owner's segment otherwise), then holds most of it, then the lowest; where none
@@ -120,7 +166,7 @@ void Muon::assign_owners(const std::vector<int64_t>& cost, int members) {
     for (int o = 0; o < members; ++o) {
       if (load[o] + cost[i] > cap) continue;
       int64_t x = std::max(exchange, segment[o] + numel - m.count[o]);
-      if (stats_.all_to_all) {
+      if (all_to_all) {
         x = exchange;
         for (int r = 0; r < members; ++r)
           if (r != o) x = std::max(x, pair[r][o] + m.count[r]);
@@ -132,16 +178,34 @@ void Muon::assign_owners(const std::vector<int64_t>& cost, int members) {
                                      : static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
     load[m.owner] += cost[i];
     segment[m.owner] += numel - m.count[m.owner];
-    exchange = std::max(exchange, stats_.all_to_all ? 0 : segment[m.owner]);
+    exchange = std::max(exchange, all_to_all ? 0 : segment[m.owner]);
     for (int r = 0; r < members; ++r) {
       if (r == m.owner) continue;
       pair[r][m.owner] += m.count[r];
-      if (stats_.all_to_all) exchange = std::max(exchange, pair[r][m.owner]);
+      if (all_to_all) exchange = std::max(exchange, pair[r][m.owner]);
     }
   }
 }
 
 void Muon::plan_exchanges(int members, int rank) {
+  if (stats_.exchange == MuonExchange::kAllGather) {
+    // Rank r's pieces of the matrices that straddle ranks, in matrix order, at r * X.
+    const int64_t X = straddling_numel(members);
+    stats_.exchange_numel = X;
+    std::vector<int64_t> cursor(members, 0);
+    for (size_t i = 0; i < matrices_.size(); ++i) {
+      const Matrix& m = matrices_[i];
+      const int64_t numel = reduction_.params()[m.param].numel;
+      for (int r = 0; r < members; ++r) {
+        if (m.count[r] == 0 || m.count[r] == numel) continue;  // the matrix lies whole on one rank
+        if (r == rank) outgoing_.push_back({i, m.begin[r], m.count[r], cursor[r]});
+        if (r != rank && m.count[rank] > 0) incoming_.push_back({i, m.begin[r], m.count[r], r * X + cursor[r]});
+        stats_.moved_numel += m.count[r];
+        cursor[r] += m.count[r];
+      }
+    }
+    return;
+  }
   // The pieces rank r holds of owner o's matrices travel together, in matrix order, as pair (r, o).
   std::vector<std::vector<int64_t>> pair(members, std::vector<int64_t>(members, 0));
   for (const Matrix& m : matrices_)
@@ -161,7 +225,8 @@ void Muon::plan_exchanges(int members, int rank) {
   }
   // An all-to-all pads every pair to the largest; a reduce-scatter and an all-gather carry each
   // owner's pairs together as its segment, padded to the largest segment.
-  const int64_t X = stats_.all_to_all ? largest_pair : largest_segment;
+  const bool all_to_all = stats_.exchange == MuonExchange::kAllToAll;
+  const int64_t X = all_to_all ? largest_pair : largest_segment;
   stats_.exchange_numel = X;
   std::vector<std::vector<int64_t>> cursor(members, std::vector<int64_t>(members, 0));
   for (size_t i = 0; i < matrices_.size(); ++i) {
@@ -172,8 +237,8 @@ void Muon::plan_exchanges(int members, int rank) {
       const int64_t c = cursor[r][o];
       cursor[r][o] += m.count[r];
       if (r == rank)
-        outgoing_.push_back({i, m.begin[r], m.count[r], stats_.all_to_all ? o * X + c : o * X + offset[r][o] + c});
-      if (o == rank) incoming_.push_back({i, m.begin[r], m.count[r], stats_.all_to_all ? r * X + c : offset[r][o] + c});
+        outgoing_.push_back({i, m.begin[r], m.count[r], all_to_all ? o * X + c : o * X + offset[r][o] + c});
+      if (o == rank) incoming_.push_back({i, m.begin[r], m.count[r], all_to_all ? r * X + c : offset[r][o] + c});
     }
   }
 }
@@ -242,26 +307,33 @@ torch::Tensor Muon::step(LossClosure closure) {
   } else {
     // Each rank sends the pieces it holds of other owners' matrices; each owner completes its
     // matrices with its own pieces, orthogonalizes them, and returns each piece its part of the
-    // result at the place it came from (Note [Muon's owner ranks]).
+    // result at the place it came from. By kAllGather every rank gets every piece of the matrices
+    // that straddle ranks, and orthogonalizes those it holds a piece of (Note [Muon's owner ranks]).
     const int members = comm->size(), rank = comm->rank();
     const int64_t X = stats_.exchange_numel;
+    const bool all_to_all = stats_.exchange == MuonExchange::kAllToAll;
+    const bool all_gather = stats_.exchange == MuonExchange::kAllGather;
     const auto opts = at::TensorOptions().dtype(exchange_dtype_).device(comm->device());
     at::Tensor spread, gathered;
     if (X > 0) {
-      spread = at::zeros({members * X}, opts);
+      spread = at::zeros({all_gather ? X : members * X}, opts);
       for (const Slice& s : outgoing_)
         if (direction[s.matrix].defined()) spread.narrow(0, s.at, s.numel).copy_(direction[s.matrix]);
-      gathered = at::empty({stats_.all_to_all ? members * X : X}, opts);
-      const auto label = CollectiveOptions::labeled("Muon: pieces to their matrices' owners");
-      if (stats_.all_to_all)
-        comm->all_to_all_into(gathered, spread, label)->wait();
+      gathered = at::empty({all_to_all || all_gather ? members * X : X}, opts);
+      if (all_to_all)
+        comm->all_to_all_into(gathered, spread, CollectiveOptions::labeled("Muon: pieces to their matrices' owners"))
+            ->wait();
+      else if (all_gather)
+        comm->all_gather_into(gathered, spread, CollectiveOptions::labeled("Muon: straddling matrices' pieces"))
+            ->wait();
       else
-        comm->reduce_scatter(gathered, spread, label)->wait();
+        comm->reduce_scatter(gathered, spread, CollectiveOptions::labeled("Muon: pieces to their matrices' owners"))
+            ->wait();
     }
     size_t k = 0;  // incoming_ lists the slices of this rank's matrices in matrix order
     for (size_t i = 0; i < matrices_.size(); ++i) {
       const Matrix& m = matrices_[i];
-      if (m.owner != rank) continue;
+      if (!orthogonalizes(m, rank)) continue;
       const WholeParam& p = params[m.param];
       at::Tensor whole = at::zeros({p.numel}, opts);
       if (direction[i].defined()) whole.narrow(0, m.begin[rank], m.count[rank]).copy_(direction[i]);
@@ -270,15 +342,15 @@ torch::Tensor Muon::step(LossClosure closure) {
         whole.narrow(0, incoming_[k].from, incoming_[k].numel)
             .copy_(gathered.narrow(0, incoming_[k].at, incoming_[k].numel));
       const at::Tensor result = finish(m, whole.view(p.shape));
-      for (size_t j = first; j < k; ++j)
+      for (size_t j = first; j < k && !all_gather; ++j)
         gathered.narrow(0, incoming_[j].at, incoming_[j].numel)
             .copy_(result.narrow(0, incoming_[j].from, incoming_[j].numel));
       if (direction[i].defined()) updates[i] = result.narrow(0, m.begin[rank], m.count[rank]);
     }
-    if (X > 0) {
+    if (X > 0 && !all_gather) {
       spread = at::empty({members * X}, opts);
       const auto label = CollectiveOptions::labeled("Muon: orthogonalized parts to the pieces");
-      if (stats_.all_to_all)
+      if (all_to_all)
         comm->all_to_all_into(spread, gathered, label)->wait();
       else
         comm->all_gather_into(spread, gathered, label)->wait();

@@ -22,6 +22,13 @@ namespace {
 
 using StepFn = std::function<void(const std::vector<at::Tensor>&)>;
 
+fsdp::MuonExchange muon_exchange(const std::string& kind) {
+  if (kind == "muon_rs") return fsdp::MuonExchange::kReduceScatterAllGather;
+  if (kind == "muon_ag") return fsdp::MuonExchange::kAllGather;
+  if (kind == "muon_cuda") return fsdp::MuonExchange::kAutoWithoutAllToAll;
+  return fsdp::MuonExchange::kAuto;
+}
+
 // The sharded optimizer `kind` over `sharded`, and the same optimizer's single-process step.
 std::pair<std::unique_ptr<fsdp::WholeParamOptimizer>, StepFn> optimizers(const std::string& kind,
                                                                          fsdp::FullyShardedModule& sharded) {
@@ -43,22 +50,23 @@ std::pair<std::unique_ptr<fsdp::WholeParamOptimizer>, StepFn> optimizers(const s
             }};
   }
   // muon_bf16: Newton-Schulz in bfloat16 on both sides; muon_rs: exchanges by reduce-scatter and
-  // all-gather (what transports without an all-to-all use).
+  // all-gather; muon_ag: by one all-gather of the straddling matrices; muon_cuda: kAuto's choice on a
+  // transport without an all-to-all.
   auto ref = std::make_shared<ReferenceMuon>(ReferenceMuon{2e-2, 0.95, 0.01, 1e-2, 0.9, 0.99, 1e-8, 0.01, {}, {}});
   ref->bfloat16 = kind == "muon_bf16";
-  return {std::make_unique<fsdp::Muon>(
-              sharded,
-              fsdp::MuonOptions(2e-2)
-                  .momentum(0.95)
-                  .weight_decay(0.01)
-                  .ns_bfloat16(ref->bfloat16)
-                  .adamw(fsdp::MuonAdamW(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(0.01)),
-              kind == "muon_rs" ? fsdp::MuonExchange::kReduceScatterAllGather : fsdp::MuonExchange::kAuto),
-          [ref](const std::vector<at::Tensor>& ps) {
-            if (ref->muon.empty())
-              for (const auto& p : ps) ref->muon.push_back(p.dim() == 2);
-            ref->step(ps);
-          }};
+  return {
+      std::make_unique<fsdp::Muon>(sharded,
+                                   fsdp::MuonOptions(2e-2)
+                                       .momentum(0.95)
+                                       .weight_decay(0.01)
+                                       .ns_bfloat16(ref->bfloat16)
+                                       .adamw(fsdp::MuonAdamW(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(0.01)),
+                                   muon_exchange(kind)),
+      [ref](const std::vector<at::Tensor>& ps) {
+        if (ref->muon.empty())
+          for (const auto& p : ps) ref->muon.push_back(p.dim() == 2);
+        ref->step(ps);
+      }};
 }
 
 // Every parameter of `module` that trains, once.
@@ -91,6 +99,57 @@ void check_reductions(fsdp::FullyShardedModule& sharded) {
     WORKER_CHECK(std::abs(reduction.result(ids[i].first).item<double>() - sq) <= 1e-12 * sq, p.name, " sum of squares");
     WORKER_CHECK(reduction.result(ids[i].second).item<double>() == mx, p.name, " max");
   }
+}
+
+// Inside a worker, for Muon `kind` stepping `sharded`: the owners split the matrices (kAllGather:
+// every rank orthogonalizes those it holds a piece of); pieces travel where matrices straddle
+// ranks, in the bytes its stats count; kAuto's choice is the owners' way of the transport or the
+// all-gather, whichever sends fewer bytes (the owners' way on a tie), and never more than the naive way.
+void check_muon_plan(const WorkerContext& ctx, fsdp::ProcessGroup& pg, fsdp::FullyShardedModule& sharded,
+                     const fsdp::Muon& muon, const std::string& kind, bool peers, const std::string& what) {
+  using fsdp::MuonExchange;
+  const auto& st = muon.stats();
+  const int replicas = peers ? ctx.world / sharded.sharding_factor() : ctx.world;
+  const double owned = fsdp::mean_across_ranks(pg, double(st.owned)) * ctx.world;
+  if (st.exchange == MuonExchange::kAllGather) {
+    int64_t held = 0;
+    for (const auto& p : muon.reduction().params())
+      held += p.trainable && p.shape.size() == 2 && p.piece.defined() && p.piece.numel() > 0;
+    WORKER_CHECK(st.owned == held, what, ": orthogonalizes ", st.owned, " matrices, holds pieces of ", held);
+  } else {
+    WORKER_CHECK(owned == double(st.matrices * replicas), what, ": owned ", owned, " of ", st.matrices, " matrices");
+  }
+  WORKER_CHECK(!peers || st.owned < st.matrices, what, ": rank ", ctx.rank, " orthogonalizes all ", st.matrices,
+               " matrices");
+  const int64_t element = kind == "muon_bf16" ? 2 : 8;  // bfloat16 Newton-Schulz: the pieces travel in it
+  const int64_t exchanges = st.exchange == MuonExchange::kAllGather ? 1 : 2;
+  WORKER_CHECK(!peers || st.bytes_sent == exchanges * (sharded.sharding_factor() - 1) * st.exchange_numel * element,
+               what, ": ", st.bytes_sent, " bytes for ", st.exchange_numel, " elements per destination");
+  WORKER_CHECK(!peers || st.moved_numel > 0, what, ": moved ", st.moved_numel, " elements");
+  const MuonExchange requested = muon_exchange(kind);
+  if (!peers) {
+    WORKER_CHECK(st.exchange == MuonExchange::kAuto && st.bytes_sent == 0, what, ": exchanges with whole matrices");
+    return;
+  }
+  if (requested != MuonExchange::kAuto && requested != MuonExchange::kAutoWithoutAllToAll) {
+    WORKER_CHECK(st.exchange == requested, what, ": runs another exchange than the one asked for");
+    return;
+  }
+  // The candidates, planned alone over the same module.
+  const MuonExchange owners =
+      requested == MuonExchange::kAuto ? MuonExchange::kAllToAll : MuonExchange::kReduceScatterAllGather;
+  const auto options = fsdp::MuonOptions().ns_bfloat16(kind == "muon_bf16");
+  const int64_t by_owners = fsdp::Muon(sharded, options, owners).stats().bytes_sent;
+  const int64_t by_all_gather = fsdp::Muon(sharded, options, MuonExchange::kAllGather).stats().bytes_sent;
+  WORKER_CHECK(st.exchange == (by_owners <= by_all_gather ? owners : MuonExchange::kAllGather) &&
+                   st.bytes_sent == std::min(by_owners, by_all_gather),
+               what, ": picked ", int(st.exchange), " for ", st.bytes_sent, " bytes; the owners' way sends ", by_owners,
+               ", the all-gather ", by_all_gather);
+  WORKER_CHECK(st.bytes_sent <= st.naive_bytes_sent, what, ": ", st.bytes_sent, " bytes against naive ",
+               st.naive_bytes_sent);
+  if (requested == MuonExchange::kAuto)  // by all-to-all on the CPU transports: fewer bytes than naive
+    WORKER_CHECK(st.bytes_sent < st.naive_bytes_sent, what, ": ", st.bytes_sent, " bytes against naive ",
+                 st.naive_bytes_sent);
 }
 
 // Trains `kind` under `strategy` for 4 steps in `mode` (plain; accum: two micro-batches, the first
@@ -131,22 +190,7 @@ void expect_single_process_result(const WorkerContext& ctx, const fsdp::ProcessG
   WORKER_CHECK(opt->reduction().collectives() == (peers ? per_step * steps : 0) + at_construction, what,
                ": reduction collectives ", opt->reduction().collectives());
   if (mode == "plain") check_reductions(*sharded);
-  if (auto* muon = dynamic_cast<fsdp::Muon*>(opt.get())) {  // the owners split the matrices
-    const auto& st = muon->stats();
-    const double owned = fsdp::mean_across_ranks(*pg, double(st.owned)) * ctx.world;
-    const int replicas = peers ? ctx.world / sharded->sharding_factor() : ctx.world;
-    WORKER_CHECK(owned == double(st.matrices * replicas), what, ": owned ", owned, " of ", st.matrices, " matrices");
-    WORKER_CHECK(!peers || st.owned < st.matrices, what, ": rank ", ctx.rank, " owns all ", st.matrices, " matrices");
-    // Matrices split across ranks: some pieces travel; by all-to-all, in fewer bytes than gathering
-    // every matrix (a reduce-scatter's segments can exceed that: Note [Muon's owner ranks]).
-    WORKER_CHECK(!peers || (st.moved_numel > 0 && (!st.all_to_all || st.bytes_sent < st.naive_bytes_sent)), what,
-                 ": moved ", st.moved_numel, " elements, ", st.bytes_sent, " bytes against naive ",
-                 st.naive_bytes_sent);
-    WORKER_CHECK(st.all_to_all == (peers && kind != "muon_rs"), what, ": all_to_all ", st.all_to_all);
-    const int64_t element = kind == "muon_bf16" ? 2 : 8;  // bfloat16 Newton-Schulz: the pieces travel in it
-    WORKER_CHECK(!peers || st.bytes_sent == 2 * (sharded->sharding_factor() - 1) * st.exchange_numel * element, what,
-                 ": ", st.bytes_sent, " bytes for ", st.exchange_numel, " elements per destination");
-  }
+  if (auto* muon = dynamic_cast<fsdp::Muon*>(opt.get())) check_muon_plan(ctx, *pg, *sharded, *muon, kind, peers, what);
   if (ctx.rank == 0) std::cout << what << " ok" << std::endl;
 }
 
@@ -156,8 +200,8 @@ FSDP_WORKER(whole_param_worker) {
 }
 
 // Every optimizer under every strategy this world allows (HYBRID_SHARD: two shard groups of two
-// or more ranks), Muon with reduce-scatter exchanges under each, and Muon with Newton-Schulz in
-// bfloat16 under FULL_SHARD, in one process per rank.
+// or more ranks), Muon with each exchange and kAuto's choice without an all-to-all under each, and
+// Muon with Newton-Schulz in bfloat16 under FULL_SHARD, in one process per rank.
 FSDP_WORKER(whole_param_strategies_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   std::vector<std::string> strategies{"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
@@ -166,7 +210,9 @@ FSDP_WORKER(whole_param_strategies_worker) {
     for (const char* kind : {"lamb", "adafactor", "muon"})
       expect_single_process_result(ctx, pg, kind, strategy, "plain");
   expect_single_process_result(ctx, pg, "muon_bf16", "FULL_SHARD", "plain");
-  for (const auto& strategy : strategies) expect_single_process_result(ctx, pg, "muon_rs", strategy, "plain");
+  for (const auto& strategy : strategies)
+    for (const char* kind : {"muon_rs", "muon_ag", "muon_cuda"})
+      expect_single_process_result(ctx, pg, kind, strategy, "plain");
 }
 
 // args: optimizer, strategy. bf16 compute, fp32 reduction and masters: equal to the local
@@ -196,14 +242,17 @@ FSDP_WORKER(whole_param_mixed_precision_worker) {
 }
 
 // args: optimizer, phase (save: 2 steps at this world, then a checkpoint into dir; load: the
-// checkpoint into a model at this world, then 2 more steps), dir, strategy. After load, equal to
-// 4 single-process steps on the same batches.
+// checkpoint into a model at this world, then 2 more steps), dir, strategy, and the optimizer to
+// build for load (default: the same; its options come from the checkpoint). After load, equal to
+// 4 single-process steps of `optimizer` on the same batches.
 FSDP_WORKER(whole_param_checkpoint_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string kind = ctx.args.at(0), phase = ctx.args.at(1), dir = ctx.args.at(2), strategy = ctx.args.at(3);
+  const std::string built = phase == "load" && ctx.args.size() > 4 ? ctx.args.at(4) : kind;
   auto [ref, model] = twin_tiny_transformers();
   auto sharded = fsdp::fully_shard(model, pg, block_unit_options(strategy));
   auto [opt, ref_step] = optimizers(kind, *sharded);
+  if (built != kind) opt = optimizers(built, *sharded).first;
   const int saved_world = 4;
   auto train = [&](int step) {
     const at::Tensor x = token_batch(ctx.world, step);
@@ -217,6 +266,16 @@ FSDP_WORKER(whole_param_checkpoint_worker) {
     return;
   }
   fsdp::checkpoint::load(dir, *sharded, *opt);
+  if (auto* muon = dynamic_cast<fsdp::Muon*>(opt.get())) {  // Newton-Schulz's dtype as saved, also in the exchange
+    const bool bf16 = kind == "muon_bf16";
+    for (const auto& g : muon->param_groups())
+      WORKER_CHECK(static_cast<const fsdp::MuonOptions&>(g.options()).ns_bfloat16() == bf16, kind,
+                   ": ns_bfloat16 not restored");
+    const auto& st = muon->stats();
+    const int64_t exchanges = st.exchange == fsdp::MuonExchange::kAllGather ? 1 : 2;
+    WORKER_CHECK(st.bytes_sent == exchanges * (sharded->sharding_factor() - 1) * st.exchange_numel * (bf16 ? 2 : 8),
+                 kind, ": ", st.bytes_sent, " bytes for ", st.exchange_numel, " elements per destination");
+  }
   for (int step = 2; step < 4; ++step) train(step);
   const std::vector<at::Tensor> ref_params = trainable(*ref);
   for (int step = 0; step < 4; ++step) {
@@ -251,13 +310,15 @@ void run_modes(const std::string& kind) {
   ASSERT_TRUE(r.all_ok()) << kind << " in backward\n" << r.report();
 }
 
-void run_resharded_checkpoint(const std::string& kind) {
+// Saved at world 4 by `kind`, loaded into `built` (default: the same) at worlds 3, 2 and 1.
+void run_resharded_checkpoint(const std::string& kind, const std::string& built = "") {
   TempDir tmp;
   auto r = launch("whole_param_checkpoint_worker", 4, {kind, "save", tmp / "ckpt", "FULL_SHARD"});
   ASSERT_TRUE(r.all_ok()) << kind << " save\n" << r.report();
   for (auto [world, strategy] :
        {std::pair<int, const char*>{3, "FULL_SHARD"}, {2, "SHARD_GRAD_OP"}, {1, "FULL_SHARD"}}) {
-    r = launch("whole_param_checkpoint_worker", world, {kind, "load", tmp / "ckpt", strategy});
+    r = launch("whole_param_checkpoint_worker", world,
+               {kind, "load", tmp / "ckpt", strategy, built.empty() ? kind : built});
     ASSERT_TRUE(r.all_ok()) << kind << " load at world " << world << "\n" << r.report();
   }
 }
@@ -275,6 +336,9 @@ TEST(WholeParamOptim, AdafactorEqualsSingleProcessAdafactorWithAccumulationClipp
 TEST(WholeParamOptim, MuonEqualsSingleProcessMuonWithAccumulationClippingAndMixedPrecision) { run_modes("muon"); }
 TEST(WholeParamOptim, LambStateSavedAtWorld4ResumesExactlyAtWorlds3And2And1) { run_resharded_checkpoint("lamb"); }
 TEST(WholeParamOptim, MuonStateSavedAtWorld4ResumesExactlyAtWorlds3And2And1) { run_resharded_checkpoint("muon"); }
+TEST(WholeParamOptim, MuonBfloat16NewtonSchulzIsRestoredIntoAnOptimizerBuiltWithoutIt) {
+  run_resharded_checkpoint("muon_bf16", "muon");
+}
 TEST(WholeParamOptim, AdafactorStateSavedAtWorld4ResumesExactlyAtWorlds3And2And1) {
   run_resharded_checkpoint("adafactor");
 }

@@ -4,7 +4,9 @@
 // every matrix is owned by one rank of the shard group (the rank holding most of it, balanced by
 // Newton-Schulz cost), which receives the other ranks' pieces, orthogonalizes the matrix, and sends
 // each piece its part of the result: two exchanges per step for all matrices, carrying only the
-// pieces that lie outside their owner's shard, and each rank runs about 1/F of the matrix work.
+// pieces that lie outside their owner's shard, and each rank runs about 1/F of the matrix work
+// (or, where that sends fewer bytes, one all-gather of the matrices that straddle ranks, each then
+// orthogonalized by every rank holding a piece of it).
 // Parameters that are not matrices, or in a group with use_muon off (embeddings, the output
 // layer), step with AdamW. See Note [Muon's owner ranks] in docs/design.md.
 #include <torch/torch.h>
@@ -52,9 +54,13 @@ struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonPa
   TORCH_ARG(at::Tensor, exp_avg_sq);
 };
 
-// How the pieces travel to their owners and back (Note [Muon's owner ranks]). kAuto: by all-to-all
-// where the transport has one (the CPU transports), else by reduce-scatter and all-gather.
-enum class MuonExchange { kAuto, kAllToAll, kReduceScatterAllGather };
+// How the matrices' pieces travel (Note [Muon's owner ranks]). kAllToAll, kReduceScatterAllGather:
+// to each matrix's owner and its result back; kAllGather: every rank gets the pieces of the matrices
+// that straddle ranks and orthogonalizes every matrix it holds a piece of, with no way back. kAuto:
+// the owners' way the transport has (all-to-all on the CPU transports, else reduce-scatter and
+// all-gather), or kAllGather where that sends fewer bytes; kAutoWithoutAllToAll: kAuto's choice on
+// a transport without an all-to-all (the CUDA transports' choice, on any transport).
+enum class MuonExchange { kAuto, kAllToAll, kReduceScatterAllGather, kAllGather, kAutoWithoutAllToAll };
 
 // What one rank's Muon step moves and computes, for the whole step.
 struct MuonStepStats {
@@ -63,12 +69,18 @@ struct MuonStepStats {
   int64_t owned = 0;           // of which this rank orthogonalizes
   int64_t owned_cost = 0;      // their Newton-Schulz cost, the sum of R * C * min(R, C)
   int64_t total_cost = 0;      // the same over every matrix
-  int64_t moved_numel = 0;     // elements of pieces held outside their owner, over the shard group
-  int64_t exchange_numel = 0;  // elements per destination rank in each of the two exchanges (X)
-  bool all_to_all = false;     // exchanges by all-to-all; else by reduce-scatter and all-gather
+  // Elements of pieces that travel, over the shard group: held outside their owner, or (kAllGather)
+  // of a matrix that straddles ranks.
+  int64_t moved_numel = 0;
+  // Elements per destination rank in each of the exchanges (X): two for an owners' way, one for kAllGather.
+  int64_t exchange_numel = 0;
+  // The exchange it runs: kAllToAll, kReduceScatterAllGather or kAllGather; kAuto where nothing
+  // travels because every rank holds whole matrices.
+  MuonExchange exchange = MuonExchange::kAuto;
   // By a ring algorithm, in the exchange's dtype (bfloat16 where every matrix runs Newton-Schulz in
-  // it, else the pieces'): (F - 1) * X elements in each of the two exchanges, and for the naive way,
-  // one all-gather of every whole matrix on every rank, (F - 1) * N / F.
+  // it, else the pieces'): (F - 1) * X elements in each exchange, and for the naive way, one
+  // all-gather of every rank's pieces of every matrix, padded to the largest rank's (M, at least
+  // N / F): (F - 1) * M.
   int64_t bytes_sent = 0;
   int64_t naive_bytes_sent = 0;
 };
@@ -84,6 +96,9 @@ class Muon : public WholeParamOptimizer {
   // Collective over the module's shard group: every rank must call it at the same step.
   torch::Tensor step(LossClosure closure = nullptr) override;
   const MuonStepStats& stats() const { return stats_; }
+  // Collective over the module's shard group: plans again from the groups' options (checkpoint::load
+  // calls it after restoring them).
+  void after_load() override;
   // Newton-Schulz orthogonalization of a matrix (Muon's quintic iteration), in its dtype; in
   // bfloat16, operation by operation as the reference implementation rounds.
   static at::Tensor orthogonalize(const at::Tensor& g, int steps);
@@ -101,12 +116,19 @@ class Muon : public WholeParamOptimizer {
     size_t matrix = 0;
     int64_t from = 0, numel = 0, at = 0;
   };
+  MuonExchange requested_;
   std::vector<Matrix> matrices_;
   std::vector<Slice> outgoing_;                 // this rank's pieces of others' matrices, in the spread buffer
   std::vector<Slice> incoming_;                 // others' pieces of this rank's matrices, in the gathered buffer
   at::ScalarType exchange_dtype_ = at::kFloat;  // of the matrices on their way and back
+  // Which parameters are Muon's matrices, their owners and the exchange, from the groups' options.
+  void plan();
   // Each matrix's owner, from its Newton-Schulz cost (per matrix) and where its pieces lie.
-  void assign_owners(const std::vector<int64_t>& cost, int members);
+  void assign_owners(const std::vector<int64_t>& cost, int members, bool all_to_all);
+  // The largest rank's elements of the matrices that straddle ranks (kAllGather's X).
+  int64_t straddling_numel(int members) const;
+  // Whether `rank` orthogonalizes m under the exchange in stats_.
+  bool orthogonalizes(const Matrix& m, int rank) const;
   // outgoing_ and incoming_, and the exchange's size in stats_, from the owners.
   void plan_exchanges(int members, int rank);
   std::vector<bool> is_muon_;  // per reduction_.params() entry

@@ -17,6 +17,9 @@ class WholeParamOptimizer : public torch::optim::Optimizer {
  public:
   // The reductions its steps ran (e.g. to count their collectives).
   const ParamReduction& reduction() const { return reduction_; }
+  // Collective over the module's shard group: checkpoint::load calls it on every rank once it has
+  // set the groups' options and the pieces' state.
+  virtual void after_load() {}
 
  protected:
   // `groups` of shard pieces of `module` (FullyShardedModule::shard_pieces()); empty: one group of

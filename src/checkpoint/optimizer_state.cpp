@@ -62,6 +62,7 @@ json muon_options(const MuonOptions& o) {
           {"momentum", o.momentum()},
           {"nesterov", o.nesterov()},
           {"ns_steps", o.ns_steps()},
+          {"ns_bfloat16", o.ns_bfloat16()},
           {"weight_decay", o.weight_decay()},
           {"use_muon", o.use_muon()},
           {"adamw_lr", a.lr()},
@@ -79,14 +80,15 @@ std::tuple<double, double> betas_of(const json& saved, const std::string& where,
   return std::make_tuple((*betas)[0].get<double>(), (*betas)[1].get<double>());
 }
 
-// Which parameters are Muon's matrices and their iterations are the optimizer's structure, fixed
-// when it was built: they must match the saved ones; the rest is restored.
+// Which parameters are Muon's matrices is the optimizer's structure, fixed when it was built (their
+// state differs): it must match the saved one; the rest is restored, and Muon plans again from it
+// (Muon::after_load). A checkpoint without ns_bfloat16 leaves the built value.
 void restore_muon(const json& saved, MuonOptions& o, const std::string& where) {
-  FSDP_CHECK(flag(saved, "use_muon", where) == o.use_muon() &&
-                 static_cast<int>(number(saved, "ns_steps", where)) == o.ns_steps(),
-             "checkpoint '", where, "': a Muon group was saved with use_muon ", flag(saved, "use_muon", where),
-             " and ns_steps ", number(saved, "ns_steps", where), ", but is built with use_muon ", o.use_muon(),
-             " and ns_steps ", o.ns_steps(), "; build the optimizer's groups as when it was saved");
+  FSDP_CHECK(flag(saved, "use_muon", where) == o.use_muon(), "checkpoint '", where,
+             "': a Muon group was saved with use_muon ", flag(saved, "use_muon", where),
+             ", but is built with use_muon ", o.use_muon(), "; build the optimizer's groups as when it was saved");
+  o.ns_steps(static_cast<int>(number(saved, "ns_steps", where)));
+  if (saved.contains("ns_bfloat16")) o.ns_bfloat16(flag(saved, "ns_bfloat16", where));
   o.lr(number(saved, "lr", where));
   o.momentum(number(saved, "momentum", where));
   o.nesterov(flag(saved, "nesterov", where));

@@ -28,6 +28,7 @@
 #include "checkpoint/sharded_load.h"
 #include "fsdp/check.h"
 #include "fsdp/checkpoint.h"
+#include "fsdp/whole_param_optimizer.h"
 #include "state_access.h"
 
 namespace fsdp::checkpoint {
@@ -252,6 +253,8 @@ void load_agreed(FsdpState& state, const std::string& dir, torch::optim::Optimiz
     check_optimizer_holds_pieces(state, optimizer, "checkpoint::load");
     load_local(dir, state, optimizer, m);
   });
+  // Collective: whole-parameter optimizers plan again from the options just restored.
+  if (auto* w = dynamic_cast<WholeParamOptimizer*>(optimizer)) w->after_load();
   if (extra) *extra = m.extra;
 }
 
