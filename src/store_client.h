@@ -11,15 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "store_connection.h"
 #include "store_server.h"
 #include "store_wire.h"
 
 namespace fsdp {
-
-// The store and this client do not share the job token.
-struct StoreAuthError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 class StoreClient : public c10d::Store {
  public:
