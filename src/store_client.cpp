@@ -27,7 +27,8 @@ std::string StoreClient::call(const std::string& request, std::chrono::milliseco
     throw std::runtime_error("lost the connection to the rendezvous store at " + where_ + " (rank 0 is gone)");
   const wire::ReadStatus s = wire::read_frame(fd_, reply, wire::kMaxFrame, wire::Clock::now() + timeout);
   if (s == wire::ReadStatus::kTimeout)
-    throw std::runtime_error("the rendezvous store at " + where_ + " did not answer within " + store_seconds_text(timeout));
+    throw std::runtime_error("the rendezvous store at " + where_ + " did not answer within " +
+                             store_seconds_text(timeout));
   if (s != wire::ReadStatus::kOk)
     throw std::runtime_error("lost the connection to the rendezvous store at " + where_ + " (rank 0 is gone)");
   return reply;

@@ -86,7 +86,8 @@ int connect_to_store(const std::string& host, int port, const std::string& token
       throw std::runtime_error(where + " closed the connection at once (another user's process is refused there)");
     if (s == wire::ReadStatus::kTimeout)
       throw std::runtime_error("something accepted the connection at " + where +
-                               " but did not answer as libfsdp's rendezvous store within " + store_seconds_text(timeout));
+                               " but did not answer as libfsdp's rendezvous store within " +
+                               store_seconds_text(timeout));
     if (s != wire::ReadStatus::kOk || greeting.size() != expected.size() + wire::kNonceBytes ||
         greeting.rfind(expected, 0) != 0)
       throw std::runtime_error("what answers at " + where + " is not libfsdp's rendezvous store");
@@ -105,7 +106,8 @@ int connect_to_store(const std::string& host, int port, const std::string& token
     }
     if (!accepted)
       throw StoreAuthError("the rendezvous store at " + where +
-                           " refused this process's job token: FSDP_JOB_TOKEN differs from " + owner + "'s (or is set for one "
+                           " refused this process's job token: FSDP_JOB_TOKEN differs from " + owner +
+                           "'s (or is set for one "
                            "and not the other). Start every rank with the same FSDP_JOB_TOKEN");
     Digest proven{};
     if (theirs.size() == proven.size()) std::memcpy(proven.data(), theirs.data(), proven.size());

@@ -33,7 +33,8 @@ class RendezvousTest : public ::testing::Test {
                                std::optional<std::set<int>> expected = std::nullopt) {
     return std::async(std::launch::async, [this, s, round, me, expected] {
       auto store = connect();
-      return join_round(*store, s, round, me, [&] { return expected; }, 3);
+      return join_round(
+          *store, s, round, me, [&] { return expected; }, 3);
     });
   }
   std::unique_ptr<fsdp::StoreServer> server_;

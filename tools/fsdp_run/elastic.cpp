@@ -36,9 +36,7 @@ milliseconds to_ms(double seconds) { return milliseconds(static_cast<int64_t>(se
 
 void say(const std::string& message) { OutputMux().say(message); }
 
-bool is_loopback(const std::string& host) {
-  return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1";
-}
+bool is_loopback(const std::string& host) { return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1"; }
 
 std::string rank_span(const Membership& m, int nproc) {
   return nproc == 1 ? "rank " + std::to_string(m.first_rank)
@@ -68,6 +66,9 @@ class ElasticAgent {
 
   int run() {
     const std::string token = fsdp::job_token();
+    if (token.empty() && !is_loopback(opt_.master_addr))
+      say("FSDP_JOB_TOKEN is not set: the rendezvous store at --master-addr accepts any client that reaches it; "
+          "set the same FSDP_JOB_TOKEN on every node (docs/security.md)");
     const milliseconds connect_timeout = settings_.join_timeout;
     if (host()) {
       try {
@@ -310,7 +311,7 @@ class ElasticAgent {
   Options opt_;
   NodeEntry me_;
   RendezvousSettings settings_;
-  int round_ = 0;  // the round this node joined last
+  int round_ = 0;                              // the round this node joined last
   std::unique_ptr<fsdp::StoreServer> server_;  // node 0 only
   std::unique_ptr<NodeStore> store_;           // the main thread's connection
   std::unique_ptr<NodeStore> watch_store_;     // the watcher's

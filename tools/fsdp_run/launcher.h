@@ -18,7 +18,7 @@ struct Attempt {
 
 // What an elastic job across nodes adds to one start (elastic.h); either may be empty.
 struct StartHooks {
-  std::function<void(const std::string& why)> on_failure;  // this node's ranks failed first (or were interrupted)
+  std::function<void(const std::string& why)> on_failure;   // this node's ranks failed first (or were interrupted)
   std::function<std::optional<std::string>()> stop_reason;  // why the ranks must stop (another node failed), if so
 };
 

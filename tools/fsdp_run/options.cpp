@@ -71,6 +71,8 @@ std::string validate(const Options& o) {
   if (o.master_port < 1 || o.master_port > 65535)
     return "--master-port must be between 1 and 65535 (got " + s(o.master_port) +
            "); pick a free TCP port, e.g. --master-port 29500";
+  if (o.elastic_nodes && o.master_port == 65535)
+    return "--master-port must be below 65535 with --nnodes MIN:MAX (the ranks' rendezvous uses the next port)";
   if (o.threads_per_rank && *o.threads_per_rank < 1)
     return "--threads-per-rank must be at least 1 (got " + s(*o.threads_per_rank) +
            "); or leave it out to split the CPU cores evenly between the ranks";

@@ -164,7 +164,8 @@ JoinResult join_round(NodeStore& store, const RendezvousSettings& settings, int 
     const auto deadline = Clock::now() + settings.join_timeout + settings.last_call + std::chrono::seconds(30);
     for (;;) {
       if (store.wait({keys::members(round)}, std::chrono::milliseconds(200))) break;
-      if (const std::optional<std::string> done = store.get(keys::done())) return {std::nullopt, std::atoi(done->c_str())};
+      if (const std::optional<std::string> done = store.get(keys::done()))
+        return {std::nullopt, std::atoi(done->c_str())};
       if (Clock::now() >= deadline)
         throw std::runtime_error("rendezvous round " + std::to_string(round) + " did not close within " +
                                  seconds_text(settings.join_timeout + settings.last_call) +

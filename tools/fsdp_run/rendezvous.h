@@ -48,14 +48,14 @@ std::set<int> joined_ids(NodeStore& store, int round);
 
 // The store's keys, all under "fsdp-run/".
 namespace keys {
-std::string open_round();               // the round node 0 runs now
-std::string done();                     // the job's exit code, once it ends
-std::string heartbeat(int id);          // a counter each node's fsdp-run advances while alive
-std::string left(int id);               // set when the node's fsdp-run leaves the job
-std::string joined(int round);          // the count of nodes that joined
-std::string entry(int round, int slot);  // slot 1, 2, ...: who joined
-std::string members(int round);         // set when the round closes
-std::string failed(int round);          // the first failure of the round's run
+std::string open_round();                 // the round node 0 runs now
+std::string done();                       // the job's exit code, once it ends
+std::string heartbeat(int id);            // a counter each node's fsdp-run advances while alive
+std::string left(int id);                 // set when the node's fsdp-run leaves the job
+std::string joined(int round);            // the count of nodes that joined
+std::string entry(int round, int slot);   // slot 1, 2, ...: who joined
+std::string members(int round);           // set when the round closes
+std::string failed(int round);            // the first failure of the round's run
 std::string finished(int round, int id);  // the node's ranks all succeeded
 }  // namespace keys
 
