@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include "store_connection.h"
-
 namespace fsdp {
 
 namespace wire = store_wire;

@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "store_connection.h"
 #include "store_server.h"
 #include "store_wire.h"
 

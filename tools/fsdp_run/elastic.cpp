@@ -20,8 +20,8 @@
 #include "output_mux.h"
 #include "rendezvous.h"
 #include "signals.h"
-#include "store_connection.h"
 #include "store_server.h"
+#include "store_wire.h"
 
 namespace fsdp_run {
 

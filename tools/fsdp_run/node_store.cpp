@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include "store_connection.h"
 #include "store_wire.h"
 
 namespace fsdp_run {
