@@ -181,14 +181,17 @@ if part nodes; then
   kill -KILL "$node1" $(pgrep -P "$node1")
   wait "$pipeline"
   at() { grep -m1 -E "$1" "$TMP/node0" | cut -d' ' -f1; }
-  seen=$(at "fsdp-run: .*stopping 2 ranks")
+  # Node 0's first word on the failure: one of its ranks failing (a peer died), or node 1's
+  # missing heartbeat.
+  detected="fsdp-run: (rank [0-9]+ \(pid|node 1 sent no heartbeat)"
+  seen=$(at "$detected")
   round=$(at "rendezvous round 1:")
   loaded=$(at "checkpoint: resumed from")
   resumed_step=$(grep -m1 "checkpoint: resumed from" "$TMP/node0" | sed -E 's/.* at step ([0-9]+).*/\1/')
   last_step=$(awk -v k="$killed_at" '$1 < k' "$TMP/node0" | grep -E "\] step +[0-9]+/" | tail -n 1 |
     sed -E 's/.*\] step +([0-9]+)\/.*/\1/')
   first=$(awk -v t="$loaded" '$1 > t' "$TMP/node0" | grep -m1 -E "\] step +[0-9]+/" | cut -d' ' -f1)
-  why=$(grep -m1 -E "fsdp-run: .*stopping 2 ranks" "$TMP/node0" | sed -E 's/^[0-9.]+ fsdp-run: //')
+  why=$(grep -m1 -E "$detected" "$TMP/node0" | sed -E 's/^[0-9.]+ fsdp-run: //')
   sed -E 's/^[0-9.]+ //' "$TMP/node0" >"$TMP/node0.log"
   echo
   echo "Killed node 1's fsdp-run and its 2 ranks (SIGKILL) after step $last_step was logged; node 0 said" \
@@ -197,7 +200,7 @@ if part nodes; then
   echo "| part | seconds |"
   echo "| --- | ---: |"
   awk -v k="$killed_at" -v s="$seen" -v r="$round" -v l="$loaded" -v f="$first" 'BEGIN {
-    printf "| detection: kill to node 0 stopping its ranks | %.2f |\n", s - k
+    printf "| detection: kill to node 0 reporting the failure | %.2f |\n", s - k
     printf "| stop and rendezvous: to round 1 closed with node 0 alone | %.2f |\n", r - s
     printf "| restart and load: to the newest checkpoint loaded on 2 ranks | %.2f |\n", l - r
     printf "| first step: to the first step after the restart logged | %.2f |\n", f - l
