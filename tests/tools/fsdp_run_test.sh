@@ -365,6 +365,22 @@ test_elastic_nodes_missing_or_late() {
   expect_text err "leaving the job: the job ended"
 }
 
+# SIGTERM while node 0 waits for a node that has not come ends it at once, with 128+15.
+test_elastic_nodes_interrupted_while_waiting() {
+  FSDP_JOB_TOKEN=$ELASTIC_TOKEN "$LAUNCHER" --nnodes 2:2 --master-port "$(free_port)" true >"$TMP/out" 2>"$TMP/err" &
+  local node0=$!
+  sleep 0.5
+  kill -TERM "$node0"
+  local start
+  start=$(now_us)
+  wait "$node0"
+  RC=$?
+  ELAPSED_US=$(($(now_us) - start))
+  expect_rc 143
+  expect_text err "fsdp-run: ending the job: received SIGTERM"
+  expect_faster_than 3
+}
+
 test_cannot_execute() {
   launch --nproc-per-node 2 ./no/such/fsdp_run_program
   expect_rc 127

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <csignal>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -53,6 +54,9 @@ class ElasticAgent {
     settings_.max_nodes = o.nnodes;
     settings_.join_timeout = to_ms(o.join_timeout);
     settings_.last_call = to_ms(o.last_call);
+    settings_.interrupted = [] {
+      return g_got_sigint != 0 || g_got_sigterm != 0;
+    };
   }
 
   ~ElasticAgent() {
@@ -108,13 +112,19 @@ class ElasticAgent {
   int rounds(int round) {
     for (;;) {
       round_ = round;
-      const JoinResult joined = join_round(
-          *store_, settings_, round, me_, [&] { return expected(round); }, kExitInternal);
+      JoinResult joined;
+      try {
+        joined = join_round(
+            *store_, settings_, round, me_, [&] { return expected(round); }, kExitInternal);
+      } catch (const Interrupted&) {
+        return leave_interrupted();
+      }
       if (joined.done) return leave(*joined.done, "the job ended before this node joined");
       if (!joined.membership) {
         say("rendezvous round " + std::to_string(round) +
             " closed before this node joined; waiting for the next round (after a failure)");
         const std::optional<int> next = wait_for_next_round(round);
+        if (settings_.interrupted()) return leave_interrupted();
         if (!next) return leave(std::atoi(store_->get(keys::done()).value_or("1").c_str()), "the job ended");
         round = *next;
         continue;
@@ -189,9 +199,16 @@ class ElasticAgent {
       } else if (const std::optional<std::string> done = store_->get(keys::done())) {
         return leave(std::atoi(done->c_str()), "");
       }
+      if (settings_.interrupted()) return leave_interrupted();
       std::this_thread::sleep_for(kHeartbeatPeriod);
       check_store();
     }
+  }
+
+  // Leaves after SIGINT or SIGTERM outside a run of the ranks, with the shell's code for it.
+  int leave_interrupted() {
+    const bool sigint = g_got_sigint != 0;
+    return leave(128 + (sigint ? SIGINT : SIGTERM), std::string("received ") + (sigint ? "SIGINT" : "SIGTERM"));
   }
 
   // Ends this node's part with `code`, saying why (unless `why` is empty). Node 0 ends the job:
@@ -230,7 +247,7 @@ class ElasticAgent {
     for (;;) {
       if (store_->get(keys::done())) return std::nullopt;
       const int open = std::atoi(store_->get(keys::open_round()).value_or("0").c_str());
-      if (open > round) return open;
+      if (open > round || settings_.interrupted()) return open;
       std::this_thread::sleep_for(kHeartbeatPeriod);
       check_store();
     }

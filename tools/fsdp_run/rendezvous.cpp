@@ -14,6 +14,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kPoll(50);
 
+void check_interrupted(const RendezvousSettings& s) {
+  if (s.interrupted && s.interrupted()) throw Interrupted("interrupted while waiting for a rendezvous round");
+}
+
 std::string seconds_text(std::chrono::milliseconds t) {
   std::ostringstream out;
   out << t.count() / 1000.0 << " s";
@@ -38,6 +42,7 @@ std::vector<NodeEntry> close_round(NodeStore& store, const RendezvousSettings& s
   std::optional<Clock::time_point> enough_since;
   std::vector<NodeEntry> joined;  // slots 1.. as read so far
   for (;;) {
+    check_interrupted(s);
     const int64_t count = store.add(keys::joined(round), 0);
     while (static_cast<int64_t>(joined.size()) < count) {
       // A node adds to the count before it writes its entry.
@@ -164,6 +169,7 @@ JoinResult join_round(NodeStore& store, const RendezvousSettings& settings, int 
     const auto deadline = Clock::now() + settings.join_timeout + settings.last_call + std::chrono::seconds(30);
     for (;;) {
       if (store.wait({keys::members(round)}, std::chrono::milliseconds(200))) break;
+      check_interrupted(settings);
       if (const std::optional<std::string> done = store.get(keys::done()))
         return {std::nullopt, std::atoi(done->c_str())};
       if (Clock::now() >= deadline)

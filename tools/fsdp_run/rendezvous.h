@@ -7,6 +7,7 @@
 #include <functional>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,12 @@ struct RendezvousSettings {
   int max_nodes = 1;
   std::chrono::milliseconds join_timeout{300'000};
   std::chrono::milliseconds last_call{10'000};
+  std::function<bool()> interrupted;  // polled while waiting: true gives up with Interrupted
+};
+
+// Waiting for a round was given up: RendezvousSettings::interrupted said so.
+struct Interrupted : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 // The result of joining a round.
