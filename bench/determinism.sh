@@ -185,7 +185,7 @@ if part nodes; then
   # missing heartbeat.
   detected="fsdp-run: (rank [0-9]+ \(pid|node 1 sent no heartbeat)"
   seen=$(at "$detected")
-  round=$(at "rendezvous round 1:")
+  round=$(at "rendezvous 1:")
   loaded=$(at "checkpoint: resumed from")
   resumed_step=$(grep -m1 "checkpoint: resumed from" "$TMP/node0" | sed -E 's/.* at step ([0-9]+).*/\1/')
   last_step=$(awk -v k="$killed_at" '$1 < k' "$TMP/node0" | grep -E "\] step +[0-9]+/" | tail -n 1 |
@@ -201,7 +201,7 @@ if part nodes; then
   echo "| --- | ---: |"
   awk -v k="$killed_at" -v s="$seen" -v r="$round" -v l="$loaded" -v f="$first" 'BEGIN {
     printf "| detection: kill to node 0 reporting the failure | %.2f |\n", s - k
-    printf "| stop and rendezvous: to round 1 closed with node 0 alone | %.2f |\n", r - s
+    printf "| stop and rendezvous: to rendezvous 1 closed with node 0 alone | %.2f |\n", r - s
     printf "| restart and load: to the newest checkpoint loaded on 2 ranks | %.2f |\n", l - r
     printf "| first step: to the first step after the restart logged | %.2f |\n", f - l
     printf "| **kill to next step** | **%.2f** |\n", f - k }'

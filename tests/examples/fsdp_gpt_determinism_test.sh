@@ -69,7 +69,7 @@ test_elastic_restart_after_a_lost_rank() {
 }
 
 # Two "nodes" (fsdp-run --nnodes 1:2 on this host) of 2 ranks each; node 1's fsdp-run and its
-# ranks are SIGKILLed at a random step. Node 0 stops its ranks, the next rendezvous round closes
+# ranks are SIGKILLed at a random step. Node 0 stops its ranks, the next rendezvous closes
 # with node 0 alone, and its 2 ranks resume from the newest complete checkpoint and end with the
 # hash and the losses of an uninterrupted run.
 test_elastic_nodes_after_a_lost_node() {
@@ -97,8 +97,8 @@ test_elastic_nodes_after_a_lost_node() {
   wait "$node0"
   RC=$?
   expect_rc 0
-  expect_text err "rendezvous round 0: 2 nodes, world size 4"
-  expect_text err "rendezvous round 1: 1 node, world size 2; this is node 0 with ranks 0-1"
+  expect_text err "rendezvous 0: 2 nodes, world size 4"
+  expect_text err "rendezvous 1: 1 node, world size 2; this is node 0 with ranks 0-1"
   expect_regex out "checkpoint: resumed"
   [ "$(final_hash out)" = "$(final_hash whole.out)" ] || fail "hash $(final_hash out) != $(final_hash whole.out)"
   local missing

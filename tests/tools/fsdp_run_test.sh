@@ -307,7 +307,7 @@ test_elastic_nodes_lose_a_node() {
   expect_line out1 "[rank 2] start 0 rank 2 of 4 node 1/1 port $p"
   expect_line out "[rank 0] start 0 rank 0 of 4 node 0/0 port $p"
   expect_text err "fsdp-run: node 1 sent no heartbeat for 1 s (its fsdp-run is gone); stopping 2 ranks"
-  expect_text err "fsdp-run: rendezvous round 1: 1 node, world size 2; this is node 0 with ranks 0-1"
+  expect_text err "fsdp-run: rendezvous 1: 1 node, world size 2; this is node 0 with ranks 0-1"
   expect_line out "[rank 0] start 1 rank 0 of 2 node 0/0 port $p"
   expect_line out "[rank 1] start 1 rank 1 of 2 node 0/0 port $p"
   expect_no_marker_processes
@@ -323,7 +323,7 @@ test_elastic_nodes_restart_together() {
   expect_rc 0
   [ "$rc1" -eq 0 ] || fail "node 1 exited with $rc1: $(cat "$TMP/err1")"
   expect_text err "node 1: rank 3 (pid"
-  expect_text err1 "fsdp-run: rendezvous round 1: 2 nodes, world size 4; this is node 1 with ranks 2-3"
+  expect_text err1 "fsdp-run: rendezvous 1: 2 nodes, world size 4; this is node 1 with ranks 2-3"
   expect_line out1 "[rank 3] start 1 rank 3 of 4 node 1/1 port $((ELASTIC_PORT + 1))"
   # Without a restart left the job ends with the failure's code on the failing node.
   start_two_nodes "$ELASTIC_PROGRAM"'; [ "$RANK" = 3 ] && exit 3; sleep 0.5'
@@ -351,7 +351,7 @@ test_elastic_nodes_lost_store() {
 test_elastic_nodes_missing_or_late() {
   FSDP_JOB_TOKEN=$ELASTIC_TOKEN launch --nnodes 2:2 --join-timeout 1 --master-port "$(free_port)" true
   expect_rc 1
-  expect_text err "only 1 of at least 2 nodes joined rendezvous round 0 within 1 s (--join-timeout); start the missing"
+  expect_text err "only 1 of at least 2 nodes joined rendezvous 0 within 1 s (--join-timeout); start the missing"
   local port
   port=$(free_port)
   FSDP_JOB_TOKEN=$ELASTIC_TOKEN "$LAUNCHER" --nnodes 1:2 --last-call 0.2 --master-port "$port" sleep 3 \
@@ -361,7 +361,7 @@ test_elastic_nodes_missing_or_late() {
   FSDP_JOB_TOKEN=$ELASTIC_TOKEN launch --nnodes 1:2 --node-rank 1 --master-port "$port" true
   wait "$node0" || fail "node 0 failed: $(cat "$TMP/err")"
   expect_rc 0
-  expect_text err "rendezvous round 0 closed before this node joined; waiting for the next round"
+  expect_text err "rendezvous 0 closed before this node joined; waiting for the next one"
   expect_text err "leaving the job: the job ended"
 }
 

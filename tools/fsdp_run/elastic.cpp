@@ -98,7 +98,7 @@ class ElasticAgent {
       store_->set(keys::open_round(), "0");
     } else {
       if (!store_->wait({keys::open_round()}, connect_timeout))
-        throw std::runtime_error("node 0 opened no rendezvous round within " + format_seconds(opt_.join_timeout));
+        throw std::runtime_error("node 0 opened no rendezvous within " + format_seconds(opt_.join_timeout));
       round = std::atoi(store_->get(keys::open_round()).value_or("0").c_str());
     }
     watcher_ = std::thread([this] { watch(); });
@@ -121,8 +121,8 @@ class ElasticAgent {
       }
       if (joined.done) return leave(*joined.done, "the job ended before this node joined");
       if (!joined.membership) {
-        say("rendezvous round " + std::to_string(round) +
-            " closed before this node joined; waiting for the next round (after a failure)");
+        say("rendezvous " + std::to_string(round) +
+            " closed before this node joined; waiting for the next one (after a failure)");
         const std::optional<int> next = wait_for_next_round(round);
         if (settings_.interrupted()) return leave_interrupted();
         if (!next) return leave(std::atoi(store_->get(keys::done()).value_or("1").c_str()), "the job ended");
@@ -130,14 +130,14 @@ class ElasticAgent {
         continue;
       }
       const Membership m = *joined.membership;
-      say("rendezvous round " + std::to_string(round) + ": " + std::to_string(m.nodes.size()) + " node" +
+      say("rendezvous " + std::to_string(round) + ": " + std::to_string(m.nodes.size()) + " node" +
           (m.nodes.size() == 1 ? "" : "s") + ", world size " + std::to_string(m.world_size) + "; this is node " +
           std::to_string(m.node_rank) + " with " + rank_span(m, me_.nproc));
       std::optional<int> code = run_round(m);
       if (code) return *code;
       ++round;
       if (host()) store_->set(keys::open_round(), std::to_string(round));
-      say("joining rendezvous round " + std::to_string(round) + " (restart " + std::to_string(round) + " of " +
+      say("joining rendezvous " + std::to_string(round) + " (restart " + std::to_string(round) + " of " +
           std::to_string(opt_.max_restarts) + ")");
     }
   }

@@ -137,7 +137,10 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                  "With --nnodes MIN:MAX: seconds without a heartbeat after which a node counts as lost")
       ->capture_default_str();
   app.add_option("--master-addr", o.master_addr, "Address of node 0 (MASTER_ADDR)")->capture_default_str();
-  app.add_option("--master-port", o.master_port, "Port on node 0 (MASTER_PORT)")->capture_default_str();
+  app.add_option("--master-port", o.master_port,
+                 "Port on node 0 (MASTER_PORT; with --nnodes MIN:MAX the launchers' store, and MASTER_PORT is\n"
+                 "one more)")
+      ->capture_default_str();
   app.add_flag("--no-prefix", o.no_prefix, "Do not prefix output lines with '[rank R] '");
   app.add_option("--threads-per-rank", o.threads_per_rank,
                  "OMP_NUM_THREADS for each rank (default: keep an existing OMP_NUM_THREADS,\n"

@@ -11,7 +11,7 @@ struct Options {
   int nproc_min = 1;           // --nproc-per-node MIN:MAX: the fewest ranks a restart may run
   int max_restarts = 0;        // restarts after a failure, each with the ranks not lost
   int nnodes = 1;              // nodes taking part (an elastic range's MAX)
-  int nnodes_min = 1;          // --nnodes MIN:MAX: the fewest nodes a rendezvous round may close with
+  int nnodes_min = 1;          // --nnodes MIN:MAX: the fewest nodes a rendezvous may close with
   bool elastic_nodes = false;  // --nnodes given as MIN:MAX: node 0's fsdp-run hosts a store for rounds
   int node_rank = 0;
   double join_timeout = 300;  // seconds a round waits for MIN nodes

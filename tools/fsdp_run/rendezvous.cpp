@@ -72,7 +72,7 @@ std::vector<NodeEntry> close_round(NodeStore& store, const RendezvousSettings& s
     if (!enough_since && now - start >= s.join_timeout) {
       store.set(keys::done(), std::to_string(fail_code));
       throw std::runtime_error("only " + std::to_string(n) + " of at least " + std::to_string(s.min_nodes) +
-                               " nodes joined rendezvous round " + std::to_string(round) + " within " +
+                               " nodes joined rendezvous " + std::to_string(round) + " within " +
                                seconds_text(s.join_timeout) +
                                " (--join-timeout); start the missing nodes' fsdp-run with the same --master-addr, "
                                "--master-port and FSDP_JOB_TOKEN, or lower MIN of --nnodes");
@@ -173,7 +173,7 @@ JoinResult join_round(NodeStore& store, const RendezvousSettings& settings, int 
       if (const std::optional<std::string> done = store.get(keys::done()))
         return {std::nullopt, std::atoi(done->c_str())};
       if (Clock::now() >= deadline)
-        throw std::runtime_error("rendezvous round " + std::to_string(round) + " did not close within " +
+        throw std::runtime_error("rendezvous " + std::to_string(round) + " did not close within " +
                                  seconds_text(settings.join_timeout + settings.last_call) +
                                  "; is node 0's fsdp-run running the same job (same --nnodes and --master-port)?");
     }
