@@ -77,7 +77,7 @@ test_elastic_nodes_after_a_lost_node() {
   expect_rc 0
   cp "$TMP/out" "$TMP/whole.out"
   local kill_step=$((3 + RANDOM % 6)) node0 node1 killed=""
-  local nodes=(--nnodes 1:2 --nproc-per-node 2 --max-restarts 1 --master-port "$PORT" --node-timeout 2 --grace-seconds 2)
+  local nodes=(--nnodes 1:2 --nproc-per-node 2 --max-restarts 1 --master-port "$PORT" --node-timeout 3 --grace-seconds 2)
   local job=("$TRAINER" "${DET[@]}" --steps 12 --save-dir "$TMP/ck" --save-every 2 --resume)
   export FSDP_JOB_TOKEN=elastic-gpt-test-0123456789abcdef
   "$LAUNCHER" --node-rank 0 "${nodes[@]}" "${job[@]}" >"$TMP/out" 2>"$TMP/err" &
