@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # --deterministic figures (bench/results/determinism.md): the final parameter hash of the example
 # GPT at every world size x strategy x transport, an elastic restart after a lost rank, one after a
-# lost node, and the step time of deterministic against default mode.
+# lost node, and the CPU time of deterministic against default mode.
 #
 #   bench/determinism.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]
 #   PARTS=cost bench/determinism.sh BUILD_DIR [REPEATS]     # only part (4); PARTS names any of
@@ -10,8 +10,9 @@
 # Prints markdown: (1) the hash table (worlds 5 and 8 split the 12 micro-batches unevenly),
 # (2) the restart's parts (kill to the launcher seeing it, to every rank stopped, to the checkpoint
 # loaded, to the first step done) and its hash and losses against the uninterrupted run's, (3) bf16
-# and activation checkpointing at worlds 1, 3 and 4, (4) median ms/step of both modes, FULL_SHARD
-# world 4, over shared memory and TCP, runs interleaved REPEATS times; (5) with PARTS=nodes, the
+# and activation checkpointing at worlds 1, 3 and 4, (4) the CPU seconds (all ranks, user + system)
+# of 60 steps in both modes, FULL_SHARD world 4, over shared memory and TCP, and the median of the
+# REPEATS ratios (the modes interleaved); (5) with PARTS=nodes, the
 # restart after one of two fsdp-run nodes (--nnodes 1:2, 2 ranks each, on this host) is SIGKILLed
 # with its ranks.
 set -euo pipefail
@@ -134,29 +135,40 @@ if part variants; then
 
 fi
 
-# (4) Cost: deterministic against default mode, FULL_SHARD world 4.
+# (4) Cost: deterministic against default mode, FULL_SHARD world 4: the ranks' CPU seconds
+# (user + system, through fsdp-run under /usr/bin/time) for 60 steps, a 62-step run's minus a
+# 2-step run's (which removes start-up); the modes alternate within each repetition.
+cpu_of() { # LOG: the user + system seconds /usr/bin/time wrote last
+  tail -n 1 "$1" | awk '{ printf "%.2f", $1 + $2 }'
+}
 if part cost; then
-  COST=("${MODEL[@]}" --steps 20 --warmup 2 --log-interval 10)
-  declare -A T
+  declare -A C
   for ((r = 0; r < REPEATS; r++)); do
     for transport in shm tcp; do
       for mode in default deterministic; do
         flags=()
         [ "$mode" = deterministic ] && flags=(--deterministic)
-        trainer "$TMP/cost" 4 "$transport" "${COST[@]}" "${flags[@]}" || { cat "$TMP/cost" >&2; exit 1; }
-        ms=$(grep -E "^\[rank 0\] step +20/" "$TMP/cost" | sed -E 's/.*\| +([0-9.]+) ms\/step.*/\1/')
-        T[$transport.$mode]="${T[$transport.$mode]:-} $ms"
-        echo "cost: $transport $mode $ms ms/step" >&2
+        for steps in 62 2; do
+          FSDP_TRANSPORT=$transport /usr/bin/time -f "%U %S" "$RUN" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" \
+            --warmup 2 --log-interval 10 --steps "$steps" "${flags[@]}" >"$TMP/cost.$steps" 2>&1 ||
+            { cat "$TMP/cost.$steps" >&2; exit 1; }
+        done
+        s=$(awk -v a="$(cpu_of "$TMP/cost.62")" -v b="$(cpu_of "$TMP/cost.2")" 'BEGIN { printf "%.2f", a - b }')
+        C[$transport.$mode]="${C[$transport.$mode]:-} $s"
+        echo "cost: $transport $mode $s CPU s per 60 steps" >&2
       done
+      d=$(echo "${C[$transport.default]}" | awk '{ print $NF }')
+      C[$transport.ratio]="${C[$transport.ratio]:-} $(awk -v a="$d" -v b="$s" 'BEGIN { printf "%.3f", b / a }')"
     done
   done
   echo
-  echo "| transport | default ms/step | deterministic ms/step | ratio | runs (default; deterministic) |"
-  echo "| --- | ---: | ---: | ---: | --- |"
+  echo "| transport | default CPU s | deterministic CPU s | median ratio | ratios | runs (default; deterministic) |"
+  echo "| --- | ---: | ---: | ---: | --- | --- |"
   for transport in shm tcp; do
-    a=$(echo "${T[$transport.default]}" | median)
-    b=$(echo "${T[$transport.deterministic]}" | median)
-    echo "| $transport | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", b / a }') |${T[$transport.default]};${T[$transport.deterministic]} |"
+    a=$(echo "${C[$transport.default]}" | median)
+    b=$(echo "${C[$transport.deterministic]}" | median)
+    q=$(echo "${C[$transport.ratio]}" | median)
+    echo "| $transport | $a | $b | $(printf %.2f "$q") |${C[$transport.ratio]} |${C[$transport.default]};${C[$transport.deterministic]} |"
   done
 fi
 

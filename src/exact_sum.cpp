@@ -223,8 +223,10 @@ __attribute__((target("avx2"))) void to_double_avx2(const int64_t* lo, const int
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i));
-    const __m256i m = _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mid + i)), shift_right_32(l));
-    const __m256i t = _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + i)), shift_right_32(m));
+    const __m256i m =
+        _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mid + i)), shift_right_32(l));
+    const __m256i t =
+        _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + i)), shift_right_32(m));
     if (_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(floor_t, t))) != 0) {
       to_double_scalar(lo, mid, top, v, i, i + 4, factors, divisor);
       continue;

@@ -215,11 +215,19 @@ TEST(Determinism, VectorizedSumGivesTheScalarParts) {
   const int64_t n = 4103;
   for (const int scale_exp : {fsdp::exact::kGradScaleExp, 0, -30, 300, 1000}) {
     const double top = std::ldexp(1.0, 88 - scale_exp);  // the range's end
-    at::Tensor x = at::randn({n}, at::dtype(at::kDouble)) *
-                   at::pow(2.0, at::randint(-140, 84, {n}).to(at::kDouble) - scale_exp);
+    at::Tensor x =
+        at::randn({n}, at::dtype(at::kDouble)) * at::pow(2.0, at::randint(-140, 84, {n}).to(at::kDouble) - scale_exp);
     double* p = x.data_ptr<double>();
-    const double specials[] = {0.0,    -0.0,      4.9e-324, -2.2e-308, std::nextafter(top, 0.0), -std::nextafter(top, 0.0),
-                               top / 2, -top / 3, std::ldexp(top, -40), -std::ldexp(top, -89)};
+    const double specials[] = {0.0,
+                               -0.0,
+                               4.9e-324,
+                               -2.2e-308,
+                               std::nextafter(top, 0.0),
+                               -std::nextafter(top, 0.0),
+                               top / 2,
+                               -top / 3,
+                               std::ldexp(top, -40),
+                               -std::ldexp(top, -89)};
     for (size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); ++i) p[41 * i] = specials[i];
     p[n - 1] = -std::nextafter(top, 0.0);
     at::Tensor limbs = at::zeros({fsdp::exact::kLimbs, n}, at::kLong);
