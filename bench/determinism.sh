@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # --deterministic figures (bench/results/determinism.md): the final parameter hash of the example
-# GPT at every world size x strategy x transport, an elastic restart after a lost rank, and the
-# step time of deterministic against default mode.
+# GPT at every world size x strategy x transport, an elastic restart after a lost rank, one after a
+# lost node, and the CPU time of deterministic against default mode.
 #
 #   bench/determinism.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]
 #   PARTS=cost bench/determinism.sh BUILD_DIR [REPEATS]     # only part (4); PARTS names any of
-#                                                            # hashes elastic variants cost
+#                                                            # hashes elastic nodes variants cost
 #
 # Prints markdown: (1) the hash table (worlds 5 and 8 split the 12 micro-batches unevenly),
 # (2) the restart's parts (kill to the launcher seeing it, to every rank stopped, to the checkpoint
 # loaded, to the first step done) and its hash and losses against the uninterrupted run's, (3) bf16
-# and activation checkpointing at worlds 1, 3 and 4, (4) median ms/step of both modes, FULL_SHARD
-# world 4, over shared memory and TCP, runs interleaved REPEATS times.
+# and activation checkpointing at worlds 1, 3 and 4, (4) the CPU seconds (all ranks, user + system)
+# of 60 steps in both modes, FULL_SHARD world 4, over shared memory and TCP, and the median of the
+# REPEATS ratios (the modes interleaved); (5) with PARTS=nodes, the
+# restart after one of two fsdp-run nodes (--nnodes 1:2, 2 ranks each, on this host) is SIGKILLed
+# with its ranks.
 set -euo pipefail
-PARTS=${PARTS:-hashes elastic variants cost}
+PARTS=${PARTS:-hashes elastic nodes variants cost}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
@@ -35,7 +38,7 @@ trainer() { # LOG WORLD TRANSPORT FLAGS...
 }
 
 # (1) Hashes.
-if part hashes || part elastic; then
+if part hashes || part elastic || part nodes; then
   trainer "$TMP/ref" 1 shm "${DET[@]}"
   REF=$(hash_of "$TMP/ref")
 fi
@@ -64,10 +67,11 @@ if part hashes; then
   done
 fi
 
+stamp() { python3 -u -c 'import sys, time
+for line in sys.stdin: print("%.3f %s" % (time.time(), line), end="")'; }
+
 # (2) Elastic restart: 4 ranks, one SIGKILLed after a random step, fsdp-run restarts 3.
 if part elastic; then
-  stamp() { python3 -u -c 'import sys, time
-for line in sys.stdin: print("%.3f %s" % (time.time(), line), end="")'; }
   KILL_STEP=$((12 + RANDOM % 30))
   "$RUN" --nproc-per-node 3:4 --max-restarts 1 "$TRAINER" "${DET[@]}" --save-dir "$TMP/ck" --save-every 5 --resume \
     2>&1 | stamp >"$TMP/elastic" &
@@ -131,28 +135,91 @@ if part variants; then
 
 fi
 
-# (4) Cost: deterministic against default mode, FULL_SHARD world 4.
+# (4) Cost: deterministic against default mode, FULL_SHARD world 4: the ranks' CPU seconds
+# (user + system, through fsdp-run under /usr/bin/time) for 60 steps, a 62-step run's minus a
+# 2-step run's (which removes start-up); the modes alternate within each repetition.
+cpu_of() { # LOG: the user + system seconds /usr/bin/time wrote last
+  tail -n 1 "$1" | awk '{ printf "%.2f", $1 + $2 }'
+}
 if part cost; then
-  COST=("${MODEL[@]}" --steps 20 --warmup 2 --log-interval 10)
-  declare -A T
+  declare -A C
   for ((r = 0; r < REPEATS; r++)); do
     for transport in shm tcp; do
       for mode in default deterministic; do
         flags=()
         [ "$mode" = deterministic ] && flags=(--deterministic)
-        trainer "$TMP/cost" 4 "$transport" "${COST[@]}" "${flags[@]}" || { cat "$TMP/cost" >&2; exit 1; }
-        ms=$(grep -E "^\[rank 0\] step +20/" "$TMP/cost" | sed -E 's/.*\| +([0-9.]+) ms\/step.*/\1/')
-        T[$transport.$mode]="${T[$transport.$mode]:-} $ms"
-        echo "cost: $transport $mode $ms ms/step" >&2
+        for steps in 62 2; do
+          FSDP_TRANSPORT=$transport /usr/bin/time -f "%U %S" "$RUN" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" \
+            --warmup 2 --log-interval 10 --steps "$steps" "${flags[@]}" >"$TMP/cost.$steps" 2>&1 ||
+            { cat "$TMP/cost.$steps" >&2; exit 1; }
+        done
+        s=$(awk -v a="$(cpu_of "$TMP/cost.62")" -v b="$(cpu_of "$TMP/cost.2")" 'BEGIN { printf "%.2f", a - b }')
+        C[$transport.$mode]="${C[$transport.$mode]:-} $s"
+        echo "cost: $transport $mode $s CPU s per 60 steps" >&2
       done
+      d=$(echo "${C[$transport.default]}" | awk '{ print $NF }')
+      C[$transport.ratio]="${C[$transport.ratio]:-} $(awk -v a="$d" -v b="$s" 'BEGIN { printf "%.3f", b / a }')"
     done
   done
   echo
-  echo "| transport | default ms/step | deterministic ms/step | ratio | runs (default; deterministic) |"
-  echo "| --- | ---: | ---: | ---: | --- |"
+  echo "| transport | default CPU s | deterministic CPU s | median ratio | ratios | runs (default; deterministic) |"
+  echo "| --- | ---: | ---: | ---: | --- | --- |"
   for transport in shm tcp; do
-    a=$(echo "${T[$transport.default]}" | median)
-    b=$(echo "${T[$transport.deterministic]}" | median)
-    echo "| $transport | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", b / a }') |${T[$transport.default]};${T[$transport.deterministic]} |"
+    a=$(echo "${C[$transport.default]}" | median)
+    b=$(echo "${C[$transport.deterministic]}" | median)
+    q=$(echo "${C[$transport.ratio]}" | median)
+    echo "| $transport | $a | $b | $(printf %.2f "$q") |${C[$transport.ratio]} |${C[$transport.default]};${C[$transport.deterministic]} |"
   done
+fi
+
+# (5) Elastic across nodes: two fsdp-run "nodes" of 2 ranks on this host; node 1's fsdp-run and its
+# ranks SIGKILLed after a random step; node 0 restarts alone (world 2).
+if part nodes; then
+  KILL_STEP=$((12 + RANDOM % 30))
+  port=$((20000 + RANDOM % 30000))
+  export FSDP_JOB_TOKEN=determinism-bench-nodes-0123456789
+  nodes=(--nnodes 1:2 --nproc-per-node 2 --max-restarts 1 --master-port "$port" --node-timeout 3)
+  job=("$TRAINER" "${DET[@]}" --save-dir "$TMP/nck" --save-every 5 --resume)
+  "$RUN" --node-rank 0 "${nodes[@]}" "${job[@]}" 2>&1 | stamp >"$TMP/node0" &
+  pipeline=$!
+  "$RUN" --node-rank 1 "${nodes[@]}" "${job[@]}" >"$TMP/node1" 2>&1 &
+  node1=$!
+  for _ in $(seq 3000); do
+    grep -qE "\] step +$KILL_STEP/" "$TMP/node0" && break
+    sleep 0.02
+  done
+  killed_at=$EPOCHREALTIME
+  # shellcheck disable=SC2046  # one pid per word
+  kill -KILL "$node1" $(pgrep -P "$node1")
+  wait "$pipeline"
+  at() { grep -m1 -E "$1" "$TMP/node0" | cut -d' ' -f1; }
+  # Node 0's first word on the failure: one of its ranks failing (a peer died), or node 1's
+  # missing heartbeat.
+  detected="fsdp-run: (rank [0-9]+ \(pid|node 1 sent no heartbeat)"
+  seen=$(at "$detected")
+  round=$(at "rendezvous 1:")
+  loaded=$(at "checkpoint: resumed from")
+  resumed_step=$(grep -m1 "checkpoint: resumed from" "$TMP/node0" | sed -E 's/.* at step ([0-9]+).*/\1/')
+  last_step=$(awk -v k="$killed_at" '$1 < k' "$TMP/node0" | grep -E "\] step +[0-9]+/" | tail -n 1 |
+    sed -E 's/.*\] step +([0-9]+)\/.*/\1/')
+  first=$(awk -v t="$loaded" '$1 > t' "$TMP/node0" | grep -m1 -E "\] step +[0-9]+/" | cut -d' ' -f1)
+  why=$(grep -m1 -E "$detected" "$TMP/node0" | sed -E 's/^[0-9.]+ fsdp-run: //')
+  sed -E 's/^[0-9.]+ //' "$TMP/node0" >"$TMP/node0.log"
+  echo
+  echo "Killed node 1's fsdp-run and its 2 ranks (SIGKILL) after step $last_step was logged; node 0 said" \
+    "\`$why\`; its 2 ranks resumed from the checkpoint of step $resumed_step (--save-every 5)."
+  echo
+  echo "| part | seconds |"
+  echo "| --- | ---: |"
+  awk -v k="$killed_at" -v s="$seen" -v r="$round" -v l="$loaded" -v f="$first" 'BEGIN {
+    printf "| detection: kill to node 0 reporting the failure | %.2f |\n", s - k
+    printf "| stop and rendezvous: to rendezvous 1 closed with node 0 alone | %.2f |\n", r - s
+    printf "| restart and load: to the newest checkpoint loaded on 2 ranks | %.2f |\n", l - r
+    printf "| first step: to the first step after the restart logged | %.2f |\n", f - l
+    printf "| **kill to next step** | **%.2f** |\n", f - k }'
+  h=$(hash_of "$TMP/node0.log")
+  missing=$(losses_of "$TMP/ref" | while read -r line; do losses_of "$TMP/node0.log" | grep -qxF "$line" || echo "$line"; done)
+  echo
+  echo "Final hash \`$h\` ($([ "$h" = "$REF" ] && echo equal || echo NOT equal) to the reference);" \
+    "logged losses $([ -z "$missing" ] && echo "all equal to the reference's" || echo "differ at: $missing")."
 fi

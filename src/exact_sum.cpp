@@ -50,21 +50,24 @@ inline Parts split(double v) {
   return {static_cast<int64_t>(rest - static_cast<double>(mid) * kLimbBase), mid, top};
 }
 
-// The same parts in one pass over one row.
-template <typename T>
+// The same parts in one pass over one row, added to the limbs or (Overwrite) written over them.
+template <bool Overwrite, typename T>
 void deposit_row(const T* __restrict in, int64_t n, int64_t* __restrict lo, int64_t* __restrict mid,
                  int64_t* __restrict top, int scale_exp) {
   const double scale = std::ldexp(1.0, scale_exp), range = std::ldexp(1.0, kRangeExp);
   for (int64_t c = 0; c < n; ++c) {
     const double v = static_cast<double>(in[c]) * scale;
-    if (!(std::fabs(v) < range)) {  // out of range, infinite or NaN
-      top[c] += kOverflowFlag;
-      continue;
+    const bool bad = !(std::fabs(v) < range);  // out of range, infinite or NaN
+    const Parts p = bad ? Parts{0, 0, kOverflowFlag} : split(v);
+    if constexpr (Overwrite) {
+      lo[c] = p.lo;
+      mid[c] = p.mid;
+      top[c] = p.top;
+    } else {
+      lo[c] += p.lo;
+      mid[c] += p.mid;
+      top[c] += p.top;
     }
-    const Parts p = split(v);
-    lo[c] += p.lo;
-    mid[c] += p.mid;
-    top[c] += p.top;
   }
 }
 
@@ -74,6 +77,7 @@ void deposit_row(const T* __restrict in, int64_t n, int64_t* __restrict lo, int6
 // m * 2^(e - bias), an integer m of 24 bits shifted, whose bits are the parts; the same parts as
 // split() (test Determinism.VectorizedDepositGivesTheScalarParts).
 // See Note [Deterministic training] in docs/design.md.
+template <bool Overwrite>
 __attribute__((target("avx2"))) void deposit_float_avx2(const float* __restrict in, int64_t n, int64_t* __restrict lo,
                                                         int64_t* __restrict mid, int64_t* __restrict top,
                                                         int scale_exp) {
@@ -104,11 +108,17 @@ __attribute__((target("avx2"))) void deposit_float_avx2(const float* __restrict 
     auto* l = reinterpret_cast<__m256i*>(lo + c);
     auto* md = reinterpret_cast<__m256i*>(mid + c);
     auto* t = reinterpret_cast<__m256i*>(top + c);
-    _mm256_storeu_si256(l, _mm256_add_epi64(_mm256_loadu_si256(l), p0));
-    _mm256_storeu_si256(md, _mm256_add_epi64(_mm256_loadu_si256(md), p1));
-    _mm256_storeu_si256(t, _mm256_add_epi64(_mm256_loadu_si256(t), p2));
+    if constexpr (Overwrite) {
+      _mm256_storeu_si256(l, p0);
+      _mm256_storeu_si256(md, p1);
+      _mm256_storeu_si256(t, p2);
+    } else {
+      _mm256_storeu_si256(l, _mm256_add_epi64(_mm256_loadu_si256(l), p0));
+      _mm256_storeu_si256(md, _mm256_add_epi64(_mm256_loadu_si256(md), p1));
+      _mm256_storeu_si256(t, _mm256_add_epi64(_mm256_loadu_si256(t), p2));
+    }
   }
-  deposit_row<float>(in + c, n - c, lo + c, mid + c, top + c, scale_exp);
+  deposit_row<Overwrite, float>(in + c, n - c, lo + c, mid + c, top + c, scale_exp);
 }
 
 // Whether the grid keeps every float of exponent 1 (zeros, subnormals) in range, so that the
@@ -121,32 +131,38 @@ bool has_avx2() {
 }
 #endif
 
-// deposit_row<T>, vectorized where it can be.
-template <typename T>
+// deposit_row<Overwrite, T>, vectorized where it can be.
+template <bool Overwrite, typename T>
 void deposit_row_fastest(const T* in, int64_t n, int64_t* lo, int64_t* mid, int64_t* top, int scale_exp) {
 #ifdef FSDP_EXACT_AVX2
   if constexpr (std::is_same_v<T, float>) {
     if (has_avx2() && avx2_grid(scale_exp)) {
-      deposit_float_avx2(in, n, lo, mid, top, scale_exp);
+      deposit_float_avx2<Overwrite>(in, n, lo, mid, top, scale_exp);
       return;
     }
   }
 #endif
-  deposit_row<T>(in, n, lo, mid, top, scale_exp);
+  deposit_row<Overwrite, T>(in, n, lo, mid, top, scale_exp);
 }
 
 }  // namespace
 
-void deposit(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp) {
+void deposit(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp, bool overwrite) {
   if (on_cpu(values, limbs)) {
     const at::Tensor x = values.reshape(limbs[0].sizes()).contiguous();
     const int64_t rows = limbs[0].dim() == 2 ? limbs[0].size(0) : 1, cols = limbs[0].size(-1);
     const int64_t stride = limbs[0].dim() == 2 ? limbs[0].stride(0) : 0;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "exact::deposit", [&] {
-      for (int64_t r = 0; r < rows; ++r)
-        deposit_row_fastest(x.data_ptr<scalar_t>() + r * cols, cols, limbs[0].data_ptr<int64_t>() + r * stride,
-                            limbs[1].data_ptr<int64_t>() + r * stride, limbs[2].data_ptr<int64_t>() + r * stride,
-                            scale_exp);
+      for (int64_t r = 0; r < rows; ++r) {
+        const scalar_t* in = x.data_ptr<scalar_t>() + r * cols;
+        int64_t* lo = limbs[0].data_ptr<int64_t>() + r * stride;
+        int64_t* mid = limbs[1].data_ptr<int64_t>() + r * stride;
+        int64_t* top = limbs[2].data_ptr<int64_t>() + r * stride;
+        if (overwrite)
+          deposit_row_fastest<true>(in, cols, lo, mid, top, scale_exp);
+        else
+          deposit_row_fastest<false>(in, cols, lo, mid, top, scale_exp);
+      }
     });
     return;
   }
@@ -160,12 +176,73 @@ void deposit(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp) 
   at::Tensor rest = n - top * (kLimbBase * kLimbBase);
   at::Tensor mid = (rest / kLimbBase).trunc_();
   at::Tensor lo = rest - mid * kLimbBase;
+  if (overwrite)
+    for (int j = 0; j < kLimbs; ++j) limbs[j].zero_();
   limbs[0].add_(lo.to(at::kLong));
   limbs[1].add_(mid.to(at::kLong));
   limbs[2].add_(top.to(at::kLong).add_(bad.to(at::kLong).mul_(kOverflowFlag)));
 }
 
 namespace {
+
+// to_double() on elements [i, end) of host limbs: the same operations on each element, in the
+// same order.
+void to_double_scalar(const int64_t* lo, const int64_t* mid, const int64_t* top, double* v, int64_t i, int64_t end,
+                      const std::vector<double>& factors, double divisor) {
+  const int64_t mask = static_cast<int64_t>(kLimbBase) - 1;
+  for (; i < end; ++i) {
+    const int64_t carry = lo[i] >> 32;  // an arithmetic shift: the floor
+    const int64_t m = mid[i] + carry;
+    const int64_t t = top[i] + (m >> 32);
+    double x = (static_cast<double>(t) * kLimbBase + static_cast<double>(m & mask)) * kLimbBase +
+               static_cast<double>(lo[i] & mask);
+    for (const double f : factors) x = x * f;
+    if (divisor != 1.0) x = x / divisor;
+    v[i] = t >= kOverflowFlag / 2 ? std::nan("") : x;
+  }
+}
+
+#ifdef FSDP_EXACT_AVX2
+// x >> 32 of signed 64-bit lanes (AVX2 has no 64-bit arithmetic shift).
+__attribute__((target("avx2"))) inline __m256i shift_right_32(__m256i x) {
+  return _mm256_blend_epi32(_mm256_srli_epi64(x, 32), _mm256_srai_epi32(x, 31), 0xaa);
+}
+
+// to_double_scalar(), four elements at a time: the same double operations (no fused multiply-add),
+// on conversions from int64 that are exact where used (a lower limb in [0, 2^32) and |t| below
+// 2^51 through the exponent-bias trick; a larger t is flagged); a group with a t below -2^51 takes
+// the scalar loop.
+__attribute__((target("avx2"))) void to_double_avx2(const int64_t* lo, const int64_t* mid, const int64_t* top,
+                                                    double* v, int64_t n, const std::vector<double>& factors,
+                                                    double divisor) {
+  const __m256i mask = _mm256_set1_epi64x(0xffffffff), bits52 = _mm256_set1_epi64x(0x4330000000000000);
+  const __m256i bits52s = _mm256_set1_epi64x(0x4338000000000000), floor_t = _mm256_set1_epi64x(-(int64_t(1) << 51));
+  const __m256i flag_below = _mm256_set1_epi64x(kOverflowFlag / 2 - 1);
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0), two52s = _mm256_set1_pd(6755399441055744.0);
+  const __m256d base = _mm256_set1_pd(kLimbBase), nan = _mm256_set1_pd(std::nan("")), div = _mm256_set1_pd(divisor);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i));
+    const __m256i m =
+        _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mid + i)), shift_right_32(l));
+    const __m256i t =
+        _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + i)), shift_right_32(m));
+    if (_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(floor_t, t))) != 0) {
+      to_double_scalar(lo, mid, top, v, i, i + 4, factors, divisor);
+      continue;
+    }
+    const __m256d td = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(t, bits52s)), two52s);
+    const __m256d md = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(m, mask), bits52)), two52);
+    const __m256d ld = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(l, mask), bits52)), two52);
+    __m256d x = _mm256_add_pd(_mm256_mul_pd(_mm256_add_pd(_mm256_mul_pd(td, base), md), base), ld);
+    for (const double f : factors) x = _mm256_mul_pd(x, _mm256_set1_pd(f));
+    if (divisor != 1.0) x = _mm256_div_pd(x, div);
+    x = _mm256_blendv_pd(x, nan, _mm256_castsi256_pd(_mm256_cmpgt_epi64(t, flag_below)));
+    _mm256_storeu_pd(v + i, x);
+  }
+  to_double_scalar(lo, mid, top, v, i, n, factors, divisor);
+}
+#endif
 
 // to_double() in one pass over host limbs: the same operations on each element, in the same order.
 at::Tensor to_double_on_cpu(at::Tensor limbs[kLimbs], int scale_exp, double divisor) {
@@ -179,20 +256,72 @@ at::Tensor to_double_on_cpu(at::Tensor limbs[kLimbs], int scale_exp, double divi
   const int64_t* lo = limbs[0].data_ptr<int64_t>();
   const int64_t* mid = limbs[1].data_ptr<int64_t>();
   const int64_t* top = limbs[2].data_ptr<int64_t>();
-  double* v = out.data_ptr<double>();
-  const int64_t mask = static_cast<int64_t>(kLimbBase) - 1;
-  for (int64_t i = 0; i < out.numel(); ++i) {
-    const int64_t carry = lo[i] >> 32;  // an arithmetic shift: the floor
-    const int64_t m = mid[i] + carry;
-    const int64_t t = top[i] + (m >> 32);
-    double x = (static_cast<double>(t) * kLimbBase + static_cast<double>(m & mask)) * kLimbBase +
-               static_cast<double>(lo[i] & mask);
-    for (const double f : factors) x = x * f;
-    if (divisor != 1.0) x = x / divisor;
-    v[i] = t >= kOverflowFlag / 2 ? std::nan("") : x;
+#ifdef FSDP_EXACT_AVX2
+  if (has_avx2()) {
+    to_double_avx2(lo, mid, top, out.data_ptr<double>(), out.numel(), factors, divisor);
+    return out;
   }
+#endif
+  to_double_scalar(lo, mid, top, out.data_ptr<double>(), 0, out.numel(), factors, divisor);
   return out;
 }
+
+// sum() over host doubles from element i on.
+void sum_scalar(const double* in, int64_t i, int64_t n, double scale, std::array<int64_t, kLimbs>& out) {
+  for (; i < n; ++i) {
+    const Parts p = split(in[i] * scale);
+    out[0] += p.lo;
+    out[1] += p.mid;
+    out[2] += p.top;
+  }
+}
+
+#ifdef FSDP_EXACT_AVX2
+// sum_scalar() from i = 0, four values at a time, from the double's bits as deposit_float_avx2()
+// from the float's (a 53-bit integer shifted); a group holding a value whose exponent puts it
+// beyond the range takes the scalar loop.
+__attribute__((target("avx2"))) void sum_double_avx2(const double* in, int64_t n, int scale_exp,
+                                                     std::array<int64_t, kLimbs>& out) {
+  // Exponents above max_e: out of range, infinite or NaN.
+  const int64_t bias = 1075 - scale_exp, max_e = std::min<int64_t>(bias + kRangeExp - 53, 2046);
+  const __m256i e_mask = _mm256_set1_epi64x(0x7ff), mantissa = _mm256_set1_epi64x((int64_t(1) << 52) - 1);
+  const __m256i implicit = _mm256_set1_epi64x(int64_t(1) << 52), one = _mm256_set1_epi64x(1);
+  const __m256i zero = _mm256_setzero_si256(), vbias = _mm256_set1_epi64x(bias), vmax = _mm256_set1_epi64x(max_e);
+  const __m256i c64 = _mm256_set1_epi64x(64), low32 = _mm256_set1_epi64x(0xffffffff);
+  __m256i a0 = zero, a1 = zero, a2 = zero;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    const __m256i e_raw = _mm256_and_si256(_mm256_srli_epi64(bits, 52), e_mask);
+    const __m256i normal = _mm256_cmpgt_epi64(e_raw, zero);
+    const __m256i e = _mm256_blendv_epi8(one, e_raw, normal);  // subnormals: m * 2^(1 - 1075)
+    if (_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(e, vmax))) != 0) {
+      std::array<int64_t, kLimbs> part{};
+      sum_scalar(in, i, i + 4, std::ldexp(1.0, scale_exp), part);
+      a0 = _mm256_add_epi64(a0, _mm256_set_epi64x(0, 0, 0, part[0]));
+      a1 = _mm256_add_epi64(a1, _mm256_set_epi64x(0, 0, 0, part[1]));
+      a2 = _mm256_add_epi64(a2, _mm256_set_epi64x(0, 0, 0, part[2]));
+      continue;
+    }
+    const __m256i m = _mm256_or_si256(_mm256_and_si256(bits, mantissa), _mm256_and_si256(implicit, normal));
+    const __m256i sign = _mm256_sub_epi64(zero, _mm256_srli_epi64(bits, 63));  // 0 or all ones
+    const __m256i sh = _mm256_sub_epi64(e, vbias);
+    // Shift counts of 64 or more, negative ones as unsigned too, give 0.
+    const __m256i below = _mm256_or_si256(_mm256_sllv_epi64(m, sh), _mm256_srlv_epi64(m, _mm256_sub_epi64(zero, sh)));
+    const __m256i above = _mm256_srlv_epi64(m, _mm256_sub_epi64(c64, sh));
+    const __m256i p0 = _mm256_and_si256(below, low32), p1 = _mm256_srli_epi64(below, 32);
+    a0 = _mm256_add_epi64(a0, _mm256_sub_epi64(_mm256_xor_si256(p0, sign), sign));
+    a1 = _mm256_add_epi64(a1, _mm256_sub_epi64(_mm256_xor_si256(p1, sign), sign));
+    a2 = _mm256_add_epi64(a2, _mm256_sub_epi64(_mm256_xor_si256(above, sign), sign));
+  }
+  alignas(32) int64_t lanes[kLimbs][4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), a0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), a1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[2]), a2);
+  for (int j = 0; j < kLimbs; ++j) out[j] += lanes[j][0] + lanes[j][1] + lanes[j][2] + lanes[j][3];
+  sum_scalar(in, i, n, std::ldexp(1.0, scale_exp), out);
+}
+#endif
 
 }  // namespace
 
@@ -225,13 +354,13 @@ std::array<int64_t, kLimbs> sum(const at::Tensor& values, int scale_exp) {
   if (values.device().is_cpu() && values.scalar_type() == at::kDouble) {
     const at::Tensor x = values.contiguous();
     const double* in = x.data_ptr<double>();
-    const double scale = std::ldexp(1.0, scale_exp);
-    for (int64_t i = 0; i < x.numel(); ++i) {
-      const Parts p = split(in[i] * scale);
-      out[0] += p.lo;
-      out[1] += p.mid;
-      out[2] += p.top;
+#ifdef FSDP_EXACT_AVX2
+    if (has_avx2()) {
+      sum_double_avx2(in, x.numel(), scale_exp, out);
+      return out;
     }
+#endif
+    sum_scalar(in, 0, x.numel(), std::ldexp(1.0, scale_exp), out);
     return out;
   }
   at::Tensor limbs = at::zeros({kLimbs, values.numel()}, values.options().dtype(at::kLong));

@@ -17,8 +17,9 @@ constexpr int kGradScaleExp = 64;
 constexpr int64_t kOverflowFlag = int64_t(1) << 52;
 
 // Adds the limbs of `values` (floating, any shape, numel n) into `limbs` (int64, kLimbs views of
-// numel n each, e.g. acc.select(dim, j)): limbs[j] += part j of trunc(values * 2^scale_exp).
-void deposit(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp);
+// numel n each, e.g. acc.select(dim, j)): limbs[j] += part j of trunc(values * 2^scale_exp), or
+// with `overwrite`, limbs[j] = that part (their old contents unread).
+void deposit(const at::Tensor& values, at::Tensor limbs[kLimbs], int scale_exp, bool overwrite = false);
 // The sum of `values` (finite, in range: |values| * 2^scale_exp below 2^88), one part per limb; the
 // parts of one tensor of fewer than 2^31 elements never overflow.
 std::array<int64_t, kLimbs> sum(const at::Tensor& values, int scale_exp);

@@ -154,7 +154,7 @@ void FlatGrad::zero_unwritten() {
 
 at::Tensor FlatGrad::new_reduction_output() {
   at::Tensor out = layout_.deterministic
-                       ? at::empty({exact::kLimbs * layout_.shard_numel + 1}, buffer_.options().dtype(at::kLong))
+                       ? buffers_->empty(exact::kLimbs * layout_.shard_numel + 1, buffer_.options().dtype(at::kLong))
                        : buffers_->empty(layout_.shard_numel, buffer_.options());
   memory_->add_grad(out.nbytes());
   return out;

@@ -147,6 +147,7 @@ class FlatGrad {
   std::vector<uint8_t> written_, kept_;
   std::vector<uint8_t> folded_;  // deterministic mode: per slot, a gradient of it is in exact_
   at::Tensor exact_;             // deterministic mode: the exact sums (take_exact())
+  bool exact_blank_ = false;     // exact_ is uninitialized: no counted backward was folded into it
   at::Tensor exact_sent_;        // the exact sums a reduction in flight reads
   int64_t backward_count_ = 1;
   bool counted_ = true;                // this backward's gradients join the exact sums

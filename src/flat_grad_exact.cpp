@@ -12,8 +12,9 @@ void FlatGrad::fold() {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   const int64_t S = layout_.shard_numel, F = layout_.padded_numel / S, X = exact::kLimbs * S;
-  if (!exact_.defined()) {
-    exact_ = at::zeros({F, X + 1}, buffer_.options().dtype(at::kLong));
+  if (!exact_.defined()) {  // uninitialized: the first counted deposit writes every limb
+    exact_ = buffers_->empty(F * (X + 1), buffer_.options().dtype(at::kLong)).view({F, X + 1});
+    exact_blank_ = true;
     memory_->add_grad(exact_.nbytes());
   }
   // Limb j of shard r's elements at [r, j * S, (j + 1) * S): each shard's part is contiguous.
@@ -22,7 +23,8 @@ void FlatGrad::fold() {
   for (int j = 0; j < exact::kLimbs; ++j) parts[j] = limbs.select(1, j);
   if (counted_) {  // an uncounted backward's gradients are dropped: the sums stay exact without them
     zero_unwritten();
-    exact::deposit(buffer_.view({F, S}), parts, exact::kGradScaleExp);
+    exact::deposit(buffer_.view({F, S}), parts, exact::kGradScaleExp, exact_blank_);
+    exact_blank_ = false;
   }
   for (size_t i = 0; i < slots_.size(); ++i) {
     folded_[i] = folded_[i] || (counted_ && (written_[i] || kept_[i]));
@@ -32,6 +34,8 @@ void FlatGrad::fold() {
 
 at::Tensor FlatGrad::take_exact() {
   fold();
+  if (exact_blank_) exact_.zero_();  // no counted backward since the last reduction
+  exact_blank_ = false;
   // Every shard's part carries this rank's count, so each reduced part holds the total.
   exact_.select(1, exact_.size(1) - 1).fill_(backward_count_);
   exact_sent_ = std::move(exact_);

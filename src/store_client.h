@@ -16,11 +16,6 @@
 
 namespace fsdp {
 
-// The store and this client do not share the job token.
-struct StoreAuthError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 class StoreClient : public c10d::Store {
  public:
   // Connects to `host`:`port` (retrying while nothing listens there, until `timeout`) and proves

@@ -185,6 +185,89 @@ TEST(Determinism, OnePassConversionGivesTheTensorOperationsBits) {
     }
 }
 
+// A deposit that overwrites the limbs (FlatGrad's first after a reduction, into uninitialized
+// memory) gives what one adding to zeros gives: the float loop, the double loop and the tensor
+// operations (limbs of a non-unit stride).
+TEST(Determinism, OverwritingDepositGivesTheAddedParts) {
+  const int64_t n = 1031;
+  at::Tensor x = at::randn({n}, at::dtype(at::kFloat)) * at::pow(2.0, at::randint(-90, 26, {n}).to(at::kFloat));
+  x[5] = std::numeric_limits<float>::infinity();
+  x[9] = std::numeric_limits<float>::quiet_NaN();
+  for (const at::Tensor& values : {x, x.to(at::kDouble)})
+    for (const bool strided : {false, true}) {
+      at::Tensor got = at::randint(-1000000, 1000000, {fsdp::exact::kLimbs, n * 2}, at::kLong);
+      at::Tensor want = at::zeros_like(got);
+      at::Tensor got_parts[fsdp::exact::kLimbs], want_parts[fsdp::exact::kLimbs];
+      for (int j = 0; j < fsdp::exact::kLimbs; ++j) {
+        got_parts[j] = strided ? got.select(0, j).view({n, 2}).select(1, 0) : got.select(0, j).narrow(0, 0, n);
+        want_parts[j] = strided ? want.select(0, j).view({n, 2}).select(1, 0) : want.select(0, j).narrow(0, 0, n);
+      }
+      fsdp::exact::deposit(values, got_parts, fsdp::exact::kGradScaleExp, true);
+      fsdp::exact::deposit(values, want_parts, fsdp::exact::kGradScaleExp);
+      for (int j = 0; j < fsdp::exact::kLimbs; ++j)
+        EXPECT_TRUE(torch::equal(got_parts[j], want_parts[j])) << values.scalar_type() << " " << strided << " " << j;
+    }
+}
+
+// sum()'s vectorized loop over doubles gives the parts of the double deposit's split(): signs,
+// zeros, subnormals, values below the grid and just inside the range, a tail of fewer than four.
+TEST(Determinism, VectorizedSumGivesTheScalarParts) {
+  const int64_t n = 4103;
+  for (const int scale_exp : {fsdp::exact::kGradScaleExp, 0, -30, 300, 1000}) {
+    const double top = std::ldexp(1.0, 88 - scale_exp);  // the range's end
+    at::Tensor x =
+        at::randn({n}, at::dtype(at::kDouble)) * at::pow(2.0, at::randint(-140, 84, {n}).to(at::kDouble) - scale_exp);
+    double* p = x.data_ptr<double>();
+    const double specials[] = {0.0,
+                               -0.0,
+                               4.9e-324,
+                               -2.2e-308,
+                               std::nextafter(top, 0.0),
+                               -std::nextafter(top, 0.0),
+                               top / 2,
+                               -top / 3,
+                               std::ldexp(top, -40),
+                               -std::ldexp(top, -89)};
+    for (size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); ++i) p[41 * i] = specials[i];
+    p[n - 1] = -std::nextafter(top, 0.0);
+    at::Tensor limbs = at::zeros({fsdp::exact::kLimbs, n}, at::kLong);
+    at::Tensor parts[fsdp::exact::kLimbs];
+    for (int j = 0; j < fsdp::exact::kLimbs; ++j) parts[j] = limbs.select(0, j);
+    fsdp::exact::deposit(x, parts, scale_exp);
+    const at::Tensor want = limbs.sum(1);
+    const std::array<int64_t, fsdp::exact::kLimbs> got = fsdp::exact::sum(x, scale_exp);
+    for (int j = 0; j < fsdp::exact::kLimbs; ++j)
+      EXPECT_EQ(got[j], want[j].item<int64_t>()) << "scale_exp " << scale_exp << " limb " << j;
+  }
+}
+
+// to_double's vectorized loop gives the tensor operations' bits where its conversions from int64
+// need the scalar loop too: a top limb beyond 2^51 either way, flags, a tail of fewer than four.
+TEST(Determinism, VectorizedConversionGivesTheTensorOperationsBits) {
+  const int64_t n = 1003;
+  at::Tensor strided = at::empty({n, fsdp::exact::kLimbs}, at::kLong);
+  strided.select(1, 0).copy_(at::randint(-(int64_t(1) << 62), int64_t(1) << 62, {n}, at::kLong));
+  strided.select(1, 1).copy_(at::randint(-(int64_t(1) << 62), int64_t(1) << 62, {n}, at::kLong));
+  strided.select(1, 2).copy_(at::where(at::rand({n}) < 0.5,
+                                       at::randint(-(int64_t(1) << 53), int64_t(1) << 53, {n}, at::kLong),
+                                       at::randint(-(int64_t(1) << 30), int64_t(1) << 30, {n}, at::kLong)));
+  strided[3][2] = -(int64_t(1) << 51);
+  strided[4][2] = -(int64_t(1) << 51) - 1;
+  strided[n - 1][2] = -(int64_t(1) << 52);
+  for (const int scale_exp : {fsdp::exact::kGradScaleExp, -30, 700})
+    for (const double divisor : {1.0, 3.0}) {
+      at::Tensor views[fsdp::exact::kLimbs], rows[fsdp::exact::kLimbs];
+      for (int j = 0; j < fsdp::exact::kLimbs; ++j) {
+        views[j] = strided.select(1, j);
+        rows[j] = views[j].contiguous();
+      }
+      const at::Tensor want = fsdp::exact::to_double(views, scale_exp, divisor);
+      const at::Tensor got = fsdp::exact::to_double(rows, scale_exp, divisor);
+      EXPECT_TRUE(torch::equal(got.isnan(), want.isnan())) << scale_exp << " " << divisor;
+      EXPECT_TRUE(torch::equal(got.nan_to_num(0), want.nan_to_num(0))) << scale_exp << " " << divisor;
+    }
+}
+
 TEST(Determinism, GlooAndMixedPrecisionGiveTheParametersOfOneRank) {
   TempDir dir;
   const auto reference = train("FULL_SHARD", 1, dir / "reference.pt");

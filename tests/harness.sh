@@ -9,3 +9,17 @@ fail() {
   done
   exit 1
 }
+
+# A TCP port nobody listens on now, for the rendezvous (ctest runs tests in parallel, and other
+# jobs on the machine may use the default 29500).
+free_port() {
+  local port
+  for _ in $(seq 100); do
+    port=$((20000 + RANDOM % 30000))
+    if ! ss -Htan "( sport = :$port )" 2>/dev/null | grep -q .; then
+      echo "$port"
+      return
+    fi
+  done
+  echo 29500
+}

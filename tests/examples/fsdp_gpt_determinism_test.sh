@@ -68,4 +68,42 @@ test_elastic_restart_after_a_lost_rank() {
   [ -z "$missing" ] || fail "steps whose losses differ: $missing"
 }
 
+# Two "nodes" (fsdp-run --nnodes 1:2 on this host) of 2 ranks each; node 1's fsdp-run and its
+# ranks are SIGKILLed at a random step. Node 0 stops its ranks, the next rendezvous closes
+# with node 0 alone, and its 2 ranks resume from the newest complete checkpoint and end with the
+# hash and the losses of an uninterrupted run.
+test_elastic_nodes_after_a_lost_node() {
+  run "$TRAINER" "${DET[@]}" --steps 12
+  expect_rc 0
+  cp "$TMP/out" "$TMP/whole.out"
+  local kill_step=$((3 + RANDOM % 6)) node0 node1 killed=""
+  local nodes=(--nnodes 1:2 --nproc-per-node 2 --max-restarts 1 --master-port "$PORT" --node-timeout 3 --grace-seconds 2)
+  local job=("$TRAINER" "${DET[@]}" --steps 12 --save-dir "$TMP/ck" --save-every 2 --resume)
+  export FSDP_JOB_TOKEN=elastic-gpt-test-0123456789abcdef
+  "$LAUNCHER" --node-rank 0 "${nodes[@]}" "${job[@]}" >"$TMP/out" 2>"$TMP/err" &
+  node0=$!
+  "$LAUNCHER" --node-rank 1 "${nodes[@]}" "${job[@]}" >"$TMP/out1" 2>"$TMP/err1" &
+  node1=$!
+  for _ in $(seq 900); do
+    if grep -qE "^\[rank 0\] step +$kill_step/" "$TMP/out"; then
+      # shellcheck disable=SC2046  # one pid per word
+      kill -KILL "$node1" $(pgrep -P "$node1")
+      killed=1
+      break
+    fi
+    sleep 0.1
+  done
+  [ -n "$killed" ] || { kill "$node0" "$node1"; fail "step $kill_step was not logged: $(cat "$TMP/err1")"; }
+  wait "$node0"
+  RC=$?
+  expect_rc 0
+  expect_text err "rendezvous 0: 2 nodes, world size 4"
+  expect_text err "rendezvous 1: 1 node, world size 2; this is node 0 with ranks 0-1"
+  expect_regex out "checkpoint: resumed"
+  [ "$(final_hash out)" = "$(final_hash whole.out)" ] || fail "hash $(final_hash out) != $(final_hash whole.out)"
+  local missing
+  missing=$(losses whole.out | while read -r line; do losses out | grep -qxF "$line" || echo "$line"; done)
+  [ -z "$missing" ] || fail "steps whose losses differ: $missing"
+}
+
 run_cases "$@"

@@ -21,19 +21,6 @@ export OMP_NUM_THREADS=1
 # shellcheck source=../harness.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../harness.sh"
 
-# A TCP port nobody listens on now, for the rendezvous (ctest runs tests in parallel, and other
-# jobs on the machine may use the default 29500).
-free_port() {
-  local port
-  for _ in $(seq 100); do
-    port=$((20000 + RANDOM % 30000))
-    if ! ss -Htan "( sport = :$port )" 2>/dev/null | grep -q .; then
-      echo "$port"
-      return
-    fi
-  done
-  echo 29500
-}
 PORT=$(free_port)
 
 # Runs a command with stdout/stderr to $TMP/out and $TMP/err; sets RC.

@@ -255,6 +255,10 @@ test_bad_input() {
   expect_rc 2
   expect_text err "single node"
 
+  launch --nnodes 3:2 true
+  expect_rc 2
+  expect_text err "--nnodes must be at least 1, or a range MIN:MAX with 1 <= MIN <= MAX (got 3:2)"
+
   launch --bogus-option true
   expect_rc 2
   expect_text err "--bogus-option"
@@ -262,6 +266,119 @@ test_bad_input() {
   launch --help
   expect_rc 0
   expect_text out "--nproc-per-node"
+}
+
+# --nnodes MIN:MAX on this host: each "node" is an fsdp-run on 127.0.0.1 with its own --node-rank.
+# Starts nodes 0 and 1 (output to out/err and out1/err1) running `sh -c PROGRAM` with the
+# options given; sets NODE0, NODE1 and ELASTIC_PORT.
+ELASTIC_TOKEN=elastic-launcher-test-0123456789
+start_two_nodes() {
+  local program=$1
+  shift
+  ELASTIC_PORT=$(free_port)
+  local common=(--nnodes 1:2 --nproc-per-node 2 --master-port "$ELASTIC_PORT" --grace-seconds 1 "$@")
+  FSDP_JOB_TOKEN=$ELASTIC_TOKEN "$LAUNCHER" --node-rank 0 "${common[@]}" sh -c "$program" >"$TMP/out" 2>"$TMP/err" &
+  NODE0=$!
+  FSDP_JOB_TOKEN=$ELASTIC_TOKEN "$LAUNCHER" --node-rank 1 "${common[@]}" sh -c "$program" >"$TMP/out1" 2>"$TMP/err1" &
+  NODE1=$!
+}
+# Waits until the logs hold $1 lines matching $2 (15 s at most).
+wait_for_lines() {
+  for _ in $(seq 150); do
+    [ "$(cat "$TMP/out" "$TMP/out1" | grep -c -- "$2")" -ge "$1" ] && return 0
+    sleep 0.1
+  done
+  kill "$NODE0" "$NODE1" 2>/dev/null
+  fail "expected $1 lines with '$2': $(cat "$TMP/out1" "$TMP/err1")"
+}
+ELASTIC_PROGRAM='echo "start $FSDP_RESTART_COUNT rank $RANK of $WORLD_SIZE node $NODE_RANK/$GROUP_RANK port $MASTER_PORT"'
+
+# Node 1's fsdp-run and its ranks are killed: node 0 misses its heartbeat, stops its own ranks
+# and runs the job again alone (a new round, world size 2).
+test_elastic_nodes_lose_a_node() {
+  start_two_nodes "$ELASTIC_PROGRAM"'; [ "$FSDP_RESTART_COUNT" = 0 ] && exec sleep '"$MARKER"'; exit 0' \
+    --max-restarts 1 --node-timeout 1
+  wait_for_lines 4 "start 0"
+  kill -KILL "$NODE1" $(pgrep -P "$NODE1")
+  wait "$NODE0"
+  RC=$?
+  expect_rc 0
+  local p=$((ELASTIC_PORT + 1))
+  expect_line out1 "[rank 2] start 0 rank 2 of 4 node 1/1 port $p"
+  expect_line out "[rank 0] start 0 rank 0 of 4 node 0/0 port $p"
+  expect_text err "fsdp-run: node 1 sent no heartbeat for 1 s (its fsdp-run is gone); stopping 2 ranks"
+  expect_text err "fsdp-run: rendezvous 1: 1 node, world size 2; this is node 0 with ranks 0-1"
+  expect_line out "[rank 0] start 1 rank 0 of 2 node 0/0 port $p"
+  expect_line out "[rank 1] start 1 rank 1 of 2 node 0/0 port $p"
+  expect_no_marker_processes
+}
+
+# A rank that exits with an error stops both nodes; both join the next round and run again.
+test_elastic_nodes_restart_together() {
+  start_two_nodes "$ELASTIC_PROGRAM"'; [ "$FSDP_RESTART_COUNT$RANK" = 03 ] && exit 3; sleep 0.5' --max-restarts 1
+  wait "$NODE0"
+  RC=$?
+  wait "$NODE1"
+  local rc1=$?
+  expect_rc 0
+  [ "$rc1" -eq 0 ] || fail "node 1 exited with $rc1: $(cat "$TMP/err1")"
+  expect_text err "node 1: rank 3 (pid"
+  expect_text err1 "fsdp-run: rendezvous 1: 2 nodes, world size 4; this is node 1 with ranks 2-3"
+  expect_line out1 "[rank 3] start 1 rank 3 of 4 node 1/1 port $((ELASTIC_PORT + 1))"
+  # Without a restart left the job ends with the failure's code on the failing node.
+  start_two_nodes "$ELASTIC_PROGRAM"'; [ "$RANK" = 3 ] && exit 3; sleep 0.5'
+  wait "$NODE0"
+  wait "$NODE1"
+  RC=$?
+  expect_rc 3
+  expect_text err1 "fsdp-run: leaving the job: no restart left (--max-restarts 0)"
+}
+
+# Node 0 hosts the store: when its fsdp-run is gone, node 1 stops its ranks and ends.
+test_elastic_nodes_lost_store() {
+  start_two_nodes "$ELASTIC_PROGRAM"'; exec sleep '"$MARKER" --max-restarts 1
+  wait_for_lines 4 "start 0"
+  kill -KILL "$NODE0" $(pgrep -P "$NODE0")
+  wait "$NODE1"
+  RC=$?
+  expect_rc 1
+  expect_text err1 "node 0's fsdp-run, which hosts it, is gone, and an elastic job ends with it"
+  expect_no_marker_processes
+}
+
+# A node that never comes: after --join-timeout, node 0 says which are missing and how to go on.
+# One that comes after its round closed waits for the next round, or the end of the job.
+test_elastic_nodes_missing_or_late() {
+  FSDP_JOB_TOKEN=$ELASTIC_TOKEN launch --nnodes 2:2 --join-timeout 1 --master-port "$(free_port)" true
+  expect_rc 1
+  expect_text err "only 1 of at least 2 nodes joined rendezvous 0 within 1 s (--join-timeout); start the missing"
+  local port
+  port=$(free_port)
+  FSDP_JOB_TOKEN=$ELASTIC_TOKEN "$LAUNCHER" --nnodes 1:2 --last-call 0.2 --master-port "$port" sleep 3 \
+    >"$TMP/out" 2>"$TMP/err" &
+  local node0=$!
+  sleep 1
+  FSDP_JOB_TOKEN=$ELASTIC_TOKEN launch --nnodes 1:2 --node-rank 1 --master-port "$port" true
+  wait "$node0" || fail "node 0 failed: $(cat "$TMP/err")"
+  expect_rc 0
+  expect_text err "rendezvous 0 closed before this node joined; waiting for the next one"
+  expect_text err "leaving the job: the job ended"
+}
+
+# SIGTERM while node 0 waits for a node that has not come ends it at once, with 128+15.
+test_elastic_nodes_interrupted_while_waiting() {
+  FSDP_JOB_TOKEN=$ELASTIC_TOKEN "$LAUNCHER" --nnodes 2:2 --master-port "$(free_port)" true >"$TMP/out" 2>"$TMP/err" &
+  local node0=$!
+  sleep 0.5
+  kill -TERM "$node0"
+  local start
+  start=$(now_us)
+  wait "$node0"
+  RC=$?
+  ELAPSED_US=$(($(now_us) - start))
+  expect_rc 143
+  expect_text err "fsdp-run: ending the job: received SIGTERM"
+  expect_faster_than 3
 }
 
 test_cannot_execute() {

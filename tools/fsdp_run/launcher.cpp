@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "elastic.h"
 #include "exit_codes.h"
 #include "output_mux.h"
 #include "rank_environment.h"
@@ -51,16 +52,10 @@ struct Rank {
 
 std::string count_ranks(int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
 
-// How one start of the ranks ended.
-struct Attempt {
-  int code = 0;
-  int lost = 0;              // the first failure was a rank killed by a signal: its slot is given up
-  bool interrupted = false;  // the launcher got SIGINT or SIGTERM
-};
-
 class Launcher {
  public:
-  Launcher(Options options, int restart) : opt_(std::move(options)), restart_(restart) {}
+  Launcher(Options options, int restart, const StartHooks& hooks)
+      : opt_(std::move(options)), restart_(restart), hooks_(hooks) {}
 
   Attempt run() {
     start_ranks();
@@ -85,7 +80,7 @@ class Launcher {
       // Stop starting ranks once one could not be started or we were told to stop.
       if (result_ || g_got_sigint || g_got_sigterm) break;
       Rank& r = ranks_[static_cast<size_t>(local)];
-      r.global_rank = opt_.node_rank * opt_.nproc_per_node + local;
+      r.global_rank = opt_.first_rank + local;
       std::vector<std::string> env = rank_environment(opt_, local, base, omp, tty);
       std::vector<char*> envp = as_c_array(env);
       start_rank(r, argv.data(), envp.data());
@@ -178,6 +173,7 @@ class Launcher {
       if (!any_running() && !stopping_) begin_stopping();
       wait_for_events();
       handle_launcher_signals();
+      handle_stop_request();
       reap_ranks();
       enforce_deadlines();
     }
@@ -220,6 +216,7 @@ class Launcher {
     const char* name = signo == SIGINT ? "SIGINT" : "SIGTERM";
     if (!result_) result_ = 128 + signo;
     interrupted_ = true;
+    if (hooks_.on_failure) hooks_.on_failure(std::string("its fsdp-run received ") + name);
     if (!stopping_) {
       mux_.say(std::string("received ") + name + "; stopping " + count_ranks(running_count()) + " (SIGKILL after " +
                grace_text() + "; signal again to kill now)");
@@ -228,6 +225,16 @@ class Launcher {
       mux_.say(std::string("received ") + name + " while stopping; killing the ranks now");
       kill_all();
     }
+  }
+
+  // Another node's failure (StartHooks::stop_reason) stops this node's ranks too.
+  void handle_stop_request() {
+    if (stopping_ || !hooks_.stop_reason) return;
+    const std::optional<std::string> why = hooks_.stop_reason();
+    if (!why) return;
+    mux_.say(*why + "; stopping " + count_ranks(running_count()));
+    if (!result_) result_ = kExitInternal;
+    begin_stopping();
   }
 
   void reap_ranks() {
@@ -259,7 +266,10 @@ class Launcher {
   // Records the first failure and starts stopping everything.
   void fail(const std::string& message, int code) {
     mux_.say(message);
-    if (!result_) result_ = code;
+    if (!result_) {
+      result_ = code;
+      if (hooks_.on_failure && !stopping_) hooks_.on_failure(message);
+    }
     begin_stopping();
   }
 
@@ -314,6 +324,7 @@ class Launcher {
 
   Options opt_;
   int restart_ = 0;
+  const StartHooks& hooks_;
   int lost_ = 0;
   bool interrupted_ = false;
   OutputMux mux_;
@@ -327,13 +338,20 @@ class Launcher {
 
 }  // namespace
 
+Attempt run_ranks(const Options& options, int restart, const StartHooks& hooks) {
+  return Launcher(options, restart, hooks).run();
+}
+
 int launch(Options options) {
   if (!install_signal_handlers()) {
     OutputMux().say("cannot create a pipe: " + errno_text(errno));
     return kExitInternal;
   }
+  if (options.elastic_nodes) return launch_elastic(options);
   for (int restart = 0;; ++restart) {
-    const Attempt attempt = Launcher(options, restart).run();
+    options.first_rank = options.node_rank * options.nproc_per_node;
+    options.world_size = options.nnodes * options.nproc_per_node;
+    const Attempt attempt = run_ranks(options, restart, StartHooks{});
     if (attempt.code == 0 || attempt.interrupted || restart >= options.max_restarts) return attempt.code;
     const int next = options.nproc_per_node - attempt.lost;
     if (next < options.nproc_min) {

@@ -96,8 +96,8 @@ std::vector<std::string> rank_environment(const Options& o, int local_rank, cons
   };
   std::vector<std::string> env = base;
   const long long n = o.nproc_per_node;
-  env.push_back("RANK=" + s(o.node_rank * n + local_rank));
-  env.push_back("WORLD_SIZE=" + s(o.nnodes * n));
+  env.push_back("RANK=" + s(o.first_rank + local_rank));
+  env.push_back("WORLD_SIZE=" + s(o.world_size));
   env.push_back("LOCAL_RANK=" + s(local_rank));
   env.push_back("LOCAL_WORLD_SIZE=" + s(n));
   env.push_back("GROUP_RANK=" + s(o.node_rank));
