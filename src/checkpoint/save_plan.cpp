@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <map>
 
+#include "checkpoint/collective.h"
 #include "checkpoint/data_file.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/hash.h"
