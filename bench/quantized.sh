@@ -10,7 +10,8 @@
 # reductions; NO_SHARD (its gradient all-reduce quantized) at 1 Gbit/s. Runs interleaved, REPEATS
 # rounds; medians. Loss: 500 steps unquantized, int8, and int8 with error feedback: validation loss
 # at the end and the training-loss curves (bench/results/quantized.png, with gnuplot). Prints the
-# markdown tables. REPEATS 0: the loss comparison only. MASTER_PORT: fsdp-run's port (29500).
+# markdown tables. REPEATS 0: the loss comparison only; LOSS=0: the step times only. MASTER_PORT:
+# fsdp-run's port (29500).
 set -euo pipefail
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
@@ -51,6 +52,7 @@ for row in "${ROWS[@]}"; do
 done
 fi
 
+[ "${LOSS:-1}" = 0 ] && exit 0
 # Loss over 500 steps, on shared memory (the arithmetic does not depend on the transport).
 DIR=$(mktemp -d)
 VAL=()
