@@ -5,7 +5,7 @@
 #
 #   bench/determinism.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]
 #   PARTS=cost bench/determinism.sh BUILD_DIR [REPEATS]     # only part (4); PARTS names any of
-#                                                            # hashes elastic nodes variants cost
+#                                                            # hashes elastic nodes variants cost steptime
 #
 # Prints markdown: (1) the hash table (worlds 5 and 8 split the 12 micro-batches unevenly),
 # (2) the restart's parts (kill to the launcher seeing it, to every rank stopped, to the checkpoint
@@ -169,6 +169,45 @@ if part cost; then
     b=$(echo "${C[$transport.deterministic]}" | median)
     q=$(echo "${C[$transport.ratio]}" | median)
     echo "| $transport | $a | $b | $(printf %.2f "$q") |${C[$transport.ratio]} |${C[$transport.default]};${C[$transport.deterministic]} |"
+  done
+fi
+
+# (6) Step time of deterministic mode against the default, world 4 FULL_SHARD: the model above
+# (12 micro-batches of 2 short sequences: communication-bound) and one micro-batch of 8 sequences of
+# 128 tokens per rank (compute-bound); ms/step of rank 0,
+# the mean of the logged windows after the first; the modes alternate within each repetition.
+if part steptime; then
+  declare -A T
+  WIDE=(--layers 2 --width 128 --heads 4 --context 128 --eval-batches 1 --sample-bytes 0 --global-batch 32
+        --batch-size 8 --dropout 0.1 --clip-grad-norm 0.5 "${EXTRA[@]}")
+  for ((r = 0; r < REPEATS; r++)); do
+    for model in comm-bound compute-bound; do
+      for transport in shm tcp; do
+        for mode in default deterministic; do
+          flags=(--steps 25 --log-interval 5 --warmup 2)
+          [ "$mode" = deterministic ] && flags+=(--deterministic)
+          if [ "$model" = comm-bound ]; then m=("${MODEL[@]}"); else m=("${WIDE[@]}"); fi
+          trainer "$TMP/st" 4 "$transport" "${m[@]}" "${flags[@]}" || { cat "$TMP/st" >&2; exit 1; }
+          ms=$(grep -E "^\[rank 0\] step +(10|15|20|25)/" "$TMP/st" | sed -E 's/.*\| +([0-9.]+) ms\/step.*/\1/' |
+            awk '{ s += $1 } END { printf "%.1f", s / NR }')
+          T[$model.$transport.$mode]="${T[$model.$transport.$mode]:-} $ms"
+          echo "steptime: $model $transport $mode $ms ms/step" >&2
+        done
+        a=$(echo "${T[$model.$transport.default]}" | awk '{ print $NF }')
+        T[$model.$transport.ratio]="${T[$model.$transport.ratio]:-} $(awk -v a="$a" -v b="$ms" 'BEGIN { printf "%.3f", b / a }')"
+      done
+    done
+  done
+  echo
+  echo "| model | transport | default ms/step | deterministic ms/step | median ratio | ratios |"
+  echo "| --- | --- | ---: | ---: | ---: | --- |"
+  for model in comm-bound compute-bound; do
+    for transport in shm tcp; do
+      a=$(echo "${T[$model.$transport.default]}" | median)
+      b=$(echo "${T[$model.$transport.deterministic]}" | median)
+      q=$(echo "${T[$model.$transport.ratio]}" | median)
+      echo "| $model | $transport | $a | $b | $(printf %.2f "$q") |${T[$model.$transport.ratio]} |"
+    done
   done
 fi
 
