@@ -38,6 +38,15 @@ trainer() { # LOG WORLD TRANSPORT FLAGS...
 }
 
 # (1) Hashes.
+against_reference() { # LOG: its final hash and logged losses against the reference run's
+  local h missing
+  h=$(hash_of "$1")
+  missing=$(losses_of "$TMP/ref" | while read -r line; do losses_of "$1" | grep -qxF "$line" || echo "$line"; done)
+  echo
+  echo "Final hash \`$h\` ($([ "$h" = "$REF" ] && echo equal || echo NOT equal) to the reference);" \
+    "logged losses $([ -z "$missing" ] && echo "all equal to the reference's" || echo "differ at: $missing")."
+}
+
 if part hashes || part elastic || part nodes; then
   trainer "$TMP/ref" 1 shm "${DET[@]}"
   REF=$(hash_of "$TMP/ref")
@@ -108,11 +117,7 @@ if part elastic; then
     printf "| restart and load: to the newest checkpoint loaded on 3 ranks | %.2f |\n", l - r
     printf "| first step: to the first step after the restart logged | %.2f |\n", f - l
     printf "| **kill to next step** | **%.2f** |\n", f - k }'
-  h=$(hash_of "$TMP/elastic.log")
-  missing=$(losses_of "$TMP/ref" | while read -r line; do losses_of "$TMP/elastic.log" | grep -qxF "$line" || echo "$line"; done)
-  echo
-  echo "Final hash \`$h\` ($([ "$h" = "$REF" ] && echo equal || echo NOT equal) to the reference);" \
-    "logged losses $([ -z "$missing" ] && echo "all equal to the reference's" || echo "differ at: $missing")."
+  against_reference "$TMP/elastic.log"
 
 fi
 
@@ -256,9 +261,5 @@ if part nodes; then
     printf "| restart and load: to the newest checkpoint loaded on 2 ranks | %.2f |\n", l - r
     printf "| first step: to the first step after the restart logged | %.2f |\n", f - l
     printf "| **kill to next step** | **%.2f** |\n", f - k }'
-  h=$(hash_of "$TMP/node0.log")
-  missing=$(losses_of "$TMP/ref" | while read -r line; do losses_of "$TMP/node0.log" | grep -qxF "$line" || echo "$line"; done)
-  echo
-  echo "Final hash \`$h\` ($([ "$h" = "$REF" ] && echo equal || echo NOT equal) to the reference);" \
-    "logged losses $([ -z "$missing" ] && echo "all equal to the reference's" || echo "differ at: $missing")."
+  against_reference "$TMP/node0.log"
 fi

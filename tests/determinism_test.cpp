@@ -160,6 +160,21 @@ TEST(Determinism, VectorizedDepositGivesTheScalarParts) {
   }
 }
 
+// to_double of `strided` (rows of limbs) as contiguous limbs equals its tensor operations on the
+// strided limbs, bit for bit (NaN where they give NaN); returns the contiguous result.
+at::Tensor expect_contiguous_conversion_as_strided(const at::Tensor& strided, int scale_exp, double divisor) {
+  at::Tensor views[fsdp::exact::kLimbs], rows[fsdp::exact::kLimbs];
+  for (int j = 0; j < fsdp::exact::kLimbs; ++j) {
+    views[j] = strided.select(1, j);
+    rows[j] = views[j].contiguous();
+  }
+  const at::Tensor want = fsdp::exact::to_double(views, scale_exp, divisor);
+  const at::Tensor got = fsdp::exact::to_double(rows, scale_exp, divisor);
+  EXPECT_TRUE(torch::equal(got.isnan(), want.isnan())) << scale_exp << " " << divisor;
+  EXPECT_TRUE(torch::equal(got.nan_to_num(0), want.nan_to_num(0))) << scale_exp << " " << divisor;
+  return got;
+}
+
 // to_double's one pass over contiguous host limbs gives the bits of its tensor operations (which
 // strided limbs take): carries, negative sums, overflow flags, several scaling steps, a divisor.
 TEST(Determinism, OnePassConversionGivesTheTensorOperationsBits) {
@@ -172,15 +187,7 @@ TEST(Determinism, OnePassConversionGivesTheTensorOperationsBits) {
   strided[8][2] = 2 * fsdp::exact::kOverflowFlag - 1;
   for (const int scale_exp : {fsdp::exact::kGradScaleExp, -30, 700})
     for (const double divisor : {1.0, 3.0, 12.0}) {
-      at::Tensor views[fsdp::exact::kLimbs], rows[fsdp::exact::kLimbs];
-      for (int j = 0; j < fsdp::exact::kLimbs; ++j) {
-        views[j] = strided.select(1, j);
-        rows[j] = views[j].contiguous();
-      }
-      const at::Tensor want = fsdp::exact::to_double(views, scale_exp, divisor);
-      const at::Tensor got = fsdp::exact::to_double(rows, scale_exp, divisor);
-      EXPECT_TRUE(torch::equal(got.isnan(), want.isnan())) << scale_exp << " " << divisor;
-      EXPECT_TRUE(torch::equal(got.nan_to_num(0), want.nan_to_num(0))) << scale_exp << " " << divisor;
+      const at::Tensor got = expect_contiguous_conversion_as_strided(strided, scale_exp, divisor);
       EXPECT_TRUE(got[7].isnan().item<bool>() && got[8].isnan().item<bool>());
     }
 }
@@ -256,15 +263,7 @@ TEST(Determinism, VectorizedConversionGivesTheTensorOperationsBits) {
   strided[n - 1][2] = -(int64_t(1) << 52);
   for (const int scale_exp : {fsdp::exact::kGradScaleExp, -30, 700})
     for (const double divisor : {1.0, 3.0}) {
-      at::Tensor views[fsdp::exact::kLimbs], rows[fsdp::exact::kLimbs];
-      for (int j = 0; j < fsdp::exact::kLimbs; ++j) {
-        views[j] = strided.select(1, j);
-        rows[j] = views[j].contiguous();
-      }
-      const at::Tensor want = fsdp::exact::to_double(views, scale_exp, divisor);
-      const at::Tensor got = fsdp::exact::to_double(rows, scale_exp, divisor);
-      EXPECT_TRUE(torch::equal(got.isnan(), want.isnan())) << scale_exp << " " << divisor;
-      EXPECT_TRUE(torch::equal(got.nan_to_num(0), want.nan_to_num(0))) << scale_exp << " " << divisor;
+      expect_contiguous_conversion_as_strided(strided, scale_exp, divisor);
     }
 }
 
