@@ -154,7 +154,8 @@ void FlatGrad::zero_unwritten() {
 
 at::Tensor FlatGrad::new_reduction_output() {
   at::Tensor out = layout_.deterministic
-                       ? buffers_->empty(exact::kLimbs * layout_.shard_numel + 1, buffer_.options().dtype(at::kLong))
+                       ? buffers_->empty(exact::wire_for(layout_.world_size).limbs * layout_.shard_numel + 1,
+                                         buffer_.options().dtype(at::kLong))
                        : buffers_->empty(layout_.shard_numel, buffer_.options());
   memory_->add_grad(out.nbytes());
   return out;
@@ -177,6 +178,10 @@ void FlatGrad::add_partial_into(at::Tensor& sums) {
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   sums.add_(partial_);
+  if (layout_.deterministic) {  // one part again, so the replicas' all-reduce adds one per rank
+    const exact::Wire wire = exact::wire_for(layout_.world_size);
+    if (wire.limbs != exact::kLimbs) exact::renormalize(sums, layout_.shard_numel, wire);
+  }
   memory_->add_grad(-partial_.nbytes());
   partial_ = at::Tensor();
 }

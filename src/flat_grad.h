@@ -68,8 +68,8 @@ class FlatGrad {
     counted_ = counted;
   }
   // After begin_reduction(): the exact sums of every backward since the last reduction and, last
-  // in each shard's part, the backward count; int64 [F, kLimbs * shard_numel + 1], the input of
-  // this reduction (kept alive until it completes).
+  // in each shard's part, the backward count; int64 [F, limbs * shard_numel + 1] in the wire form
+  // for the world (exact::wire_for), the input of this reduction (kept alive until it completes).
   at::Tensor take_exact();
 
   // A reduction of the buffer: begin_reduction() readies the buffer (regions no gradient reached,

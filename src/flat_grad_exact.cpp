@@ -3,6 +3,7 @@
 // docs/design.md.
 #include "exact_sum.h"
 #include "flat_grad.h"
+#include "fsdp/check.h"
 #include "internal_op_guard.h"
 #include "tensor_alias.h"
 
@@ -40,7 +41,9 @@ at::Tensor FlatGrad::take_exact() {
   exact_.select(1, exact_.size(1) - 1).fill_(backward_count_);
   exact_sent_ = std::move(exact_);
   exact_ = at::Tensor();
-  return exact_sent_;
+  const exact::Wire wire = exact::wire_for(layout_.world_size);
+  // Two limbs per element on the wire where the world allows it, packed over the sums' storage.
+  return wire.limbs == exact::kLimbs ? exact_sent_ : exact::to_wire(exact_sent_, wire);
 }
 
 bool FlatGrad::complete_exact_reduction(bool defer_landing) {
@@ -48,19 +51,26 @@ bool FlatGrad::complete_exact_reduction(bool defer_landing) {
   at::NoGradGuard no_grad;
   memory_->add_grad(-buffer_.nbytes());
   buffer_ = at::Tensor();
-  if (!output_.is_same(exact_sent_)) memory_->add_grad(-exact_sent_.nbytes());
+  // The reduction's input; its storage takes the sums' limbs for the conversion below.
+  const at::Tensor sent = std::move(exact_sent_);
   exact_sent_ = at::Tensor();
+  const bool in_place = output_.data_ptr() == sent.data_ptr();  // F == 1: reduced where it was sent
   at::Tensor sums = output_.view({-1});
   output_ = at::Tensor();
+  const exact::Wire wire = exact::wire_for(layout_.world_size);
+  const int64_t S = layout_.shard_numel, X = wire.limbs * S;
   std::vector<uint8_t> got(slots_.size(), 0);
   for (size_t i = 0; i < slots_.size(); ++i) got[i] = slots_[i].got_grad || folded_[i];
   folded_.assign(slots_.size(), 0);
   if (defer_replicas_) {
+    FSDP_CHECK(!in_place, "internal: a hybrid reduction's sums are in its input");
+    memory_->add_grad(-sent.nbytes());
     // Kept for the reduction across replicas (its memory stays counted); integer sums add exactly.
     partial_slots_.resize(slots_.size(), 0);
     for (size_t i = 0; i < slots_.size(); ++i) partial_slots_[i] |= got[i];
     if (partial_.defined()) {
       partial_.add_(sums);
+      if (wire.limbs != exact::kLimbs) exact::renormalize(partial_, S, wire);  // one part again
       memory_->add_grad(-sums.nbytes());
     } else {
       partial_ = sums;
@@ -70,13 +80,17 @@ bool FlatGrad::complete_exact_reduction(bool defer_landing) {
   }
   for (size_t i = 0; i < partial_slots_.size(); ++i) got[i] = got[i] || partial_slots_[i];
   partial_slots_.clear();
-  memory_->add_grad(-sums.nbytes());
-  const int64_t S = layout_.shard_numel;
-  const double count = static_cast<double>(sums[exact::kLimbs * S].item<int64_t>());
-  const at::Tensor limbs = sums.narrow(0, 0, exact::kLimbs * S).view({exact::kLimbs, S});
+  const double count = static_cast<double>(sums[X].item<int64_t>());
+  at::Tensor limbs = sums.narrow(0, 0, X);
+  if (wire.limbs != exact::kLimbs) {
+    limbs = sent.view({-1}).narrow(0, 0, exact::kLimbs * S);
+    exact::from_wire(sums, S, limbs, wire);
+  }
+  limbs = limbs.view({exact::kLimbs, S});
   at::Tensor parts[exact::kLimbs];
   for (int j = 0; j < exact::kLimbs; ++j) parts[j] = limbs.select(0, j);
   at::Tensor values = exact::to_double(parts, exact::kGradScaleExp, count).to(layout_.dtype);
+  memory_->add_grad(-(in_place ? sent.nbytes() : sent.nbytes() + sums.nbytes()));
   return land_reduced(std::move(values), std::move(got), 1.0, defer_landing);
 }
 

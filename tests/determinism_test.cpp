@@ -267,6 +267,113 @@ TEST(Determinism, VectorizedConversionGivesTheTensorOperationsBits) {
     }
 }
 
+namespace wire {
+
+namespace exact = fsdp::exact;
+
+// Rows [F, 3 S + 1] of limbs: `deposits` random float tensors deposited, the tail set to `tail`.
+at::Tensor deposited_rows(int64_t F, int64_t S, int deposits, int64_t tail) {
+  at::Tensor rows = at::zeros({F, exact::kLimbs * S + 1}, at::kLong);
+  at::Tensor parts[exact::kLimbs];
+  for (int j = 0; j < exact::kLimbs; ++j) parts[j] = rows.narrow(1, j * S, S);
+  for (int d = 0; d < deposits; ++d) {
+    at::Tensor x = at::randn({F, S}) * at::pow(2.0, at::randint(-90, 24, {F, S}).to(at::kFloat));
+    x[0][3] = std::nextafter(std::ldexp(1.0f, 24), 0.0f);  // the largest in range, either sign
+    x[0][4] = -std::nextafter(std::ldexp(1.0f, 24), 0.0f);
+    if (d == 0) x[F - 1][S - 1] = std::numeric_limits<float>::infinity();
+    exact::deposit(x, parts, exact::kGradScaleExp);
+  }
+  rows.narrow(1, exact::kLimbs * S, 1).fill_(tail);
+  return rows;
+}
+
+// to_double() of row r's limbs (the first 3 S of `limbs`).
+at::Tensor converted(const at::Tensor& limbs, int64_t S, double divisor) {
+  const at::Tensor l = limbs.view({-1}).narrow(0, 0, exact::kLimbs * S).view({exact::kLimbs, S}).contiguous();
+  at::Tensor parts[exact::kLimbs];
+  for (int j = 0; j < exact::kLimbs; ++j) parts[j] = l.select(0, j);
+  return exact::to_double(parts, exact::kGradScaleExp, divisor);
+}
+
+void expect_same_bits(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  EXPECT_TRUE(torch::equal(got.isnan(), want.isnan())) << what;
+  EXPECT_TRUE(torch::equal(got.nan_to_num(0), want.nan_to_num(0))) << what;
+}
+
+}  // namespace wire
+
+// The two-limb wire form of exact sums: sums of `terms` ranks' parts (a reduce-scatter's, and a
+// hybrid chain's with its partial sums made one part again) convert to the bits of the same sums
+// added as three limbs, through the loops and the tensor operations alike; a sum beyond the
+// wire's range, and a flagged element, become NaN.
+TEST(Determinism, TwoLimbWireGivesTheThreeLimbSumsBits) {
+  namespace exact = fsdp::exact;
+  EXPECT_EQ(exact::wire_for(exact::kMaxWireTerms).limbs, 2);
+  EXPECT_EQ(exact::wire_for(exact::kMaxWireTerms + 1).limbs, exact::kLimbs);
+  const int64_t F = 3, S = 1001;
+  for (const int64_t terms : {1, 2, 3, 4, 6, 8, 256}) {
+    const exact::Wire w = exact::wire_for(terms);
+    ASSERT_EQ(w.limbs, 2);
+    at::Tensor want = at::zeros({F, exact::kLimbs * S + 1}, at::kLong), got = at::zeros({F, 2 * S + 1}, at::kLong);
+    at::Tensor first_half;  // hybrid: the first half of the ranks' sums, made one part again
+    const int64_t ranks = std::min<int64_t>(terms, 8);  // 256 terms: 8 ranks, the wire of 256
+    for (int64_t r = 0; r < ranks; ++r) {
+      at::Tensor rows = wire::deposited_rows(F, S, 1 + r % 3, 1 + r % 3);
+      want.add_(rows);
+      const at::Tensor by_ops = exact::tensor_ops::to_wire(rows.clone(), w).clone();
+      const at::Tensor part = exact::to_wire(rows, w);
+      EXPECT_EQ(part.data_ptr(), rows.data_ptr());  // packed over the limbs
+      EXPECT_TRUE(torch::equal(part, by_ops)) << "terms " << terms << " rank " << r;
+      got.add_(part);
+      if (r == ranks / 2 - 1) first_half = got.clone();
+    }
+    for (int64_t r = 0; r < F; ++r) {
+      at::Tensor in_place = at::empty({exact::kLimbs * S + 1}, at::kLong);
+      in_place.narrow(0, 0, 2 * S + 1).copy_(got[r]);
+      EXPECT_EQ(got[r][2 * S].item<int64_t>(), want[r][exact::kLimbs * S].item<int64_t>());
+      exact::from_wire(in_place.narrow(0, 0, 2 * S), S, in_place, w);
+      at::Tensor by_ops = at::empty({exact::kLimbs * S}, at::kLong);
+      exact::tensor_ops::from_wire(got[r].contiguous(), S, by_ops, w);
+      EXPECT_TRUE(torch::equal(in_place.narrow(0, 0, exact::kLimbs * S), by_ops)) << "terms " << terms;
+      const double divisor = 7.0;
+      const at::Tensor values = wire::converted(in_place, S, divisor), reference = wire::converted(want[r], S, divisor);
+      wire::expect_same_bits(values, reference, "terms " + std::to_string(terms) + " row " + std::to_string(r));
+      EXPECT_TRUE(values[S - 1].isnan().item<bool>() || r != F - 1);
+      EXPECT_FALSE(values[3].isnan().item<bool>());
+    }
+    if (ranks >= 2) {  // a partial sum made one part again, plus the other ranks' parts
+      at::Tensor partial = first_half.clone(), by_ops = first_half.clone();
+      exact::renormalize(partial, S, w);
+      exact::tensor_ops::renormalize(by_ops, S, w);
+      EXPECT_TRUE(torch::equal(partial, by_ops)) << "terms " << terms;
+      at::Tensor chained = got - first_half + partial;
+      at::Tensor limbs = at::empty({F, exact::kLimbs * S}, at::kLong);
+      for (int64_t r = 0; r < F; ++r) {
+        exact::from_wire(chained[r].contiguous(), S, limbs[r], w);
+        wire::expect_same_bits(wire::converted(limbs[r], S, 1.0), wire::converted(want[r], S, 1.0), "renormalized");
+      }
+    }
+  }
+  // A rank's sum beyond the wire's range (2^(58 - 3 h) at 2^h terms) becomes a flag: 2^40 fits the
+  // wire of 4 terms, not the one of 256.
+  at::Tensor rows = at::zeros({1, exact::kLimbs * 4 + 1}, at::kLong);
+  rows[0][2 * 4 + 1] = int64_t(1) << 40;  // element 1's top limb: 2^40 * 2^64 on the grid
+  rows[0][2 * 4 + 2] = -(int64_t(1) << 40);
+  for (const int64_t terms : {4, 256}) {
+    const exact::Wire w = exact::wire_for(terms);
+    at::Tensor part = exact::to_wire(rows.clone(), w).clone().view({-1});
+    at::Tensor limbs = at::empty({exact::kLimbs * 4}, at::kLong);
+    exact::from_wire(part, 4, limbs, w);
+    const at::Tensor v = wire::converted(limbs, 4, 1.0);
+    EXPECT_EQ(v[1].isnan().item<bool>(), terms == 256) << terms;
+    EXPECT_EQ(v[2].isnan().item<bool>(), terms == 256) << terms;
+    if (terms == 4) {
+      EXPECT_EQ(v[1].item<double>(), std::ldexp(1.0, 40));
+    }
+    EXPECT_EQ(v[0].item<double>(), 0.0);
+  }
+}
+
 TEST(Determinism, GlooAndMixedPrecisionGiveTheParametersOfOneRank) {
   TempDir dir;
   const auto reference = train("FULL_SHARD", 1, dir / "reference.pt");
