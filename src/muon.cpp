@@ -85,7 +85,7 @@ void Muon::plan() {
   }
   // The exchange (Note [Muon's owner ranks]): the owners' way the transport has, or the all-gather
   // where that moves fewer elements; every rank counts both from the agreed layout alike.
-  const bool has_all_to_all = comm && comm->device().is_cpu();
+  const bool has_all_to_all = comm && comm->has_all_to_all();
   FSDP_CHECK(requested_ != MuonExchange::kAllToAll || !comm || has_all_to_all, "Muon: MuonExchange::kAllToAll needs ",
              "a transport with an all-to-all, and ", comm ? comm->transport() : std::string(), " has none; use kAuto");
   const bool all_to_all =

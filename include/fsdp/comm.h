@@ -69,6 +69,8 @@ class Communicator {
   // equal parts; part p of out receives part rank() of rank p's in. Default: fails, naming the
   // transport (only the CPU transports implement it).
   virtual WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts = {});
+  // Whether all_to_all_into() is implemented (rather than the default's failure).
+  virtual bool has_all_to_all() const { return false; }
   virtual WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) = 0;
   virtual void barrier() = 0;
   // Ends this member's use of the communicator, collectively: completes once every member has

@@ -165,6 +165,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
                  [this, out, in](uint32_t tag) { ring_reduce_scatter(out, in, tag); });
   }
 
+  bool has_all_to_all() const override { return true; }
   WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_to_all_args(out, in, size(), "Gloo");
     return issue("all_to_all_into", CollectiveKind::kAllToAll, in, -1, opts, [this, out, in](uint32_t tag) {

@@ -26,6 +26,7 @@ class ModeledCommunicator : public Communicator {
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) override;
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) override;
   WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts = {}) override;
+  bool has_all_to_all() const override { return inner_->has_all_to_all(); }
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts = {}) override;
   void barrier() override;
   WorkPtr shutdown() override { return inner_->shutdown(); }

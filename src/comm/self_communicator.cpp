@@ -33,6 +33,7 @@ class SelfCommunicator : public Communicator {
     if (!out.is_same(in)) out.view({-1}).copy_(in.view({-1}));
     return done();
   }
+  bool has_all_to_all() const override { return true; }
   WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     FSDP_CHECK(out.numel() == in.numel() && out.scalar_type() == in.scalar_type(), name_,
                ": all_to_all_into needs an output of the input's numel and dtype");

@@ -120,6 +120,7 @@ class ShmCommunicator : public Communicator {
         opts.after);
   }
 
+  bool has_all_to_all() const override { return true; }
   WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_to_all_args(out, in, size_, "shared-memory");
     return queue_->enqueue(

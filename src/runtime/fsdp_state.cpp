@@ -34,6 +34,11 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
   ShardingGroups::check(*pg_, options_);  // local: fails on every rank alike, before rank 0's store is needed
   check_same_options_on_all_ranks();      // before any group: a difference must not hang in their creation
   groups_ = ShardingGroups::create(*pg_, options_);
+  if (options_.reduce_quantization().enabled())  // the quantized reductions exchange through all-to-alls
+    for (const CommunicatorPtr& c : {groups_.shard_comm, groups_.replicate_comm, groups_.world_comm})
+      FSDP_CHECK(!c || c->size() < 2 || c->has_all_to_all(), "Options::reduce_quantization needs a transport with an ",
+                 "all-to-all, and ", c->name(), " (", c->transport(), ") has none; use the shared-memory or Gloo ",
+                 "transport, or turn reduce quantization off");
 
   UnitPlan plan = plan_units(*module_, options_, pg_->world()->device());
   {

@@ -48,6 +48,7 @@ FSDP_WORKER(transport_worker) {
       comm->reduce_scatter(mine, contribution(r, n * W, dtype))->wait();
       WORKER_CHECK(mine.equal(sum.narrow(0, r * n, n)), "reduce_scatter ", dtype, " n=", n, " is wrong");
       // all_to_all_into: part p comes from rank p's part r
+      WORKER_CHECK(comm->has_all_to_all(), "the transport implements all_to_all_into but does not say so");
       at::Tensor exchanged = torch::full({n * W}, -1, dtype);
       comm->all_to_all_into(exchanged, contribution(r, n * W, dtype))->wait();
       for (int p = 0; p < W; ++p)

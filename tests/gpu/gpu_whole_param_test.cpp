@@ -1,0 +1,131 @@
+// Whole-parameter optimizers (LAMB, Adafactor, Muon) on CUDA shards, on one GPU: at world > 1 the
+// ranks share cuda:0 through the host-staged communicator (which has no all-to-all, so Muon
+// exchanges by reduce-scatter and all-gather), with the shards on the device or offloaded to host
+// memory (the step runs where they live), against the single-process references of
+// tests/whole_param_reference.h stepping the same model on the device. Skipped where no CUDA device
+// is visible.
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <sstream>
+
+#include "fsdp/adafactor.h"
+#include "fsdp/lamb.h"
+#include "fsdp/muon.h"
+#include "harness.h"
+#include "models.h"
+#include "whole_param_reference.h"
+
+namespace fsdp_test {
+namespace {
+
+using StepFn = std::function<void(const std::vector<at::Tensor>&)>;
+
+// The sharded optimizer `kind` and the reference's step, with the settings of the CPU tests.
+std::pair<std::unique_ptr<fsdp::WholeParamOptimizer>, StepFn> gpu_optimizers(const std::string& kind,
+                                                                             fsdp::FullyShardedModule& sharded) {
+  if (kind == "lamb") {
+    auto ref = std::make_shared<ReferenceLamb>(ReferenceLamb{2e-2, 0.9, 0.99, 1e-6, 0.01, {}});
+    return {
+        std::make_unique<fsdp::Lamb>(sharded, fsdp::LambOptions(2e-2).betas({0.9, 0.99}).eps(1e-6).weight_decay(0.01)),
+        [ref](const std::vector<at::Tensor>& ps) {
+          ref->step(ps);
+        }};
+  }
+  if (kind == "adafactor") {
+    auto ref = std::make_shared<ReferenceAdafactor>();
+    ref->beta1 = 0.9;
+    ref->weight_decay = 0.01;
+    return {std::make_unique<fsdp::Adafactor>(sharded, fsdp::AdafactorOptions().beta1(0.9).weight_decay(0.01)),
+            [ref](const std::vector<at::Tensor>& ps) {
+              ref->step(ps);
+            }};
+  }
+  auto ref = std::make_shared<ReferenceMuon>(ReferenceMuon{2e-2, 0.95, 0.01, 1e-2, 0.9, 0.99, 1e-8, 0.01, {}, {}});
+  return {
+      std::make_unique<fsdp::Muon>(sharded, fsdp::MuonOptions(2e-2).momentum(0.95).weight_decay(0.01).adamw(
+                                                fsdp::MuonAdamW(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(0.01))),
+      [ref](const std::vector<at::Tensor>& ps) {
+        if (ref->muon.empty())
+          for (const auto& p : ps) ref->muon.push_back(p.dim() == 2);
+        ref->step(ps);
+      }};
+}
+
+// args: optimizer, strategy, "1" to offload the shards. Four steps of float64 training, clipping
+// before the last, against the reference on the same global batch.
+FSDP_WORKER(gpu_whole_param_worker) {
+  fsdp::ProcessGroupOptions pgo;
+  pgo.device = kGpu;
+  auto pg = fsdp::ProcessGroup::from_env(pgo);
+  const std::string kind = ctx.args.at(0), strategy = ctx.args.at(1);
+  const bool offload = ctx.args.at(2) == "1";
+  auto [ref, model] = twin_tiny_transformers();
+  ref->to(kGpu);
+  model->to(kGpu);
+  auto options = block_unit_options(strategy);
+  if (offload) options.offload(fsdp::CpuOffload().params(true));
+  auto sharded = fsdp::fully_shard(model, pg, options);
+  const torch::Device home = offload ? torch::Device(torch::kCPU) : kGpu;
+  for (const auto& p : sharded->parameters())
+    WORKER_CHECK(p.device() == home, "a piece is on ", p.device(), ", expected ", home);
+  auto [opt, ref_step] = gpu_optimizers(kind, *sharded);
+  std::vector<at::Tensor> ref_params;
+  for (const auto& p : unique_parameters(*ref))
+    if (p.requires_grad()) ref_params.push_back(p);
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor x = token_batch(ctx.world, step).to(kGpu);
+    for (const auto& p : ref_params) p.mutable_grad().reset();
+    loss_of(ref, x).backward();
+    if (step == 3) torch::nn::utils::clip_grad_norm_(ref_params, 0.05);
+    ref_step(ref_params);
+    opt->zero_grad();
+    loss_of(model, x.narrow(0, ctx.rank * 2, 2)).backward();
+    if (step == 3) sharded->clip_grad_norm_(0.05);
+    opt->step();
+  }
+  const std::string what =
+      kind + " " + strategy + " world " + std::to_string(ctx.world) + " offload " + std::to_string(int(offload));
+  auto full = sharded->full_state_dict();
+  for (const auto& kv : ref->named_parameters()) {
+    const auto it = full.find(kv.key());
+    WORKER_CHECK(it != full.end(), what, ": ", kv.key(), " is missing from full_state_dict");
+    const at::Tensor a = it->second.detach().cpu(), b = kv.value().detach().cpu();
+    const double d = (a - b).abs().max().item<double>() / std::max(1e-30, b.abs().max().item<double>());
+    WORKER_CHECK(d <= 1e-12, what, ": ", kv.key(), " differs by ", d);
+  }
+  if (ctx.rank == 0) std::cout << what << " ok" << std::endl;
+}
+
+void run_all(const std::vector<std::vector<std::string>>& runs) {
+  for (const auto& run : runs) {
+    const int world = std::stoi(run.at(3));
+    // World 1: a group of one; larger worlds share the device through host staging.
+    const std::vector<std::string> env =
+        world > 1 ? std::vector<std::string>{"FSDP_TRANSPORT=shm", "FSDP_TIMEOUT_S=30"} : std::vector<std::string>{};
+    auto r = launch("gpu_whole_param_worker", world, {run.at(0), run.at(1), run.at(2)}, 120, env);
+    EXPECT_TRUE(r.all_ok()) << run.at(0) << " " << run.at(1) << " offload " << run.at(2) << " world " << world << "\n"
+                            << r.report();
+    std::istringstream lines(r.ranks[0].output);
+    for (std::string line; std::getline(lines, line);)
+      if (line.size() > 3 && line.compare(line.size() - 3, 3, " ok") == 0) std::cout << line << std::endl;
+  }
+}
+
+// Each optimizer at worlds 1-3 and hybrid groups at 4, on the device and offloaded.
+TEST(GpuWholeParamOptim, LambAdafactorMuonEqualSingleProcessOnTheDeviceAndOffloaded) {
+  REQUIRE_GPU();
+  std::vector<std::vector<std::string>> runs;
+  for (const char* kind : {"lamb", "adafactor", "muon"})
+    for (const char* offload : {"0", "1"}) {
+      runs.push_back({kind, "FULL_SHARD", offload, "1"});
+      runs.push_back({kind, "FULL_SHARD", offload, "3"});
+      runs.push_back({kind, "SHARD_GRAD_OP", offload, "2"});
+      runs.push_back({kind, "NO_SHARD", offload, "2"});
+      runs.push_back({kind, "HYBRID_SHARD", offload, "4"});
+    }
+  run_all(runs);
+}
+
+}  // namespace
+}  // namespace fsdp_test
