@@ -17,11 +17,13 @@ import os
 import platform
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 12  # logged every 3 steps: four windows
 
 MODELS = {
     "S": ["--layers", "2", "--width", "64", "--heads", "4", "--context", "64"],
@@ -91,7 +93,7 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp):
     cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
            str(free_port()), "/usr/bin/time", "-f",
            "maxrss_kb %M", os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + strategy + [
-               "--batch-per-rank", "4", "--steps", "6", "--warmup", "1", "--log-interval", "3", "--eval-batches", "1",
+               "--batch-per-rank", "4", "--steps", str(STEPS), "--warmup", "1", "--log-interval", "3", "--eval-batches", "1",
                "--sample-bytes", "0", "--mixed-precision", mp, "--plan-file", plan_file, "--calibration-file", cal,
                "--metrics-file", metrics, "--measure-exposed-comm"]
     if checkpointing:
@@ -102,9 +104,13 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp):
         sys.exit("failed: " + " ".join(cmd) + "\n" + out.stdout[-3000:] + out.stderr[-3000:])
     text = out.stdout + out.stderr
     rss = [int(m) * 1024 for m in re.findall(r"maxrss_kb (\d+)", text)]
-    last = [json.loads(line) for line in open(metrics)][-1]
+    windows = [json.loads(line) for line in open(metrics)]
+    # Memory from the last window (steady state); time as the median of the windows after the first.
+    measured = dict(windows[-1])
+    for key in ("ms_per_step", "exposed_comm_share"):
+        measured[key] = statistics.median(w[key] for w in windows[1:])
     plan = json.loads(open(plan_file).readline())
-    return {"cmd": cmd, "rss": rss, "measured": last, "plan": plan}
+    return {"cmd": cmd, "rss": rss, "measured": measured, "plan": plan}
 
 
 def main():
@@ -174,13 +180,13 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         f"Load average (1 min) at the start {load_start:.2f}, at the end {load_end:.2f}; other jobs share the "
         "machine.",
         "",
-        "Each run: `fsdp-run --nproc-per-node WORLD /usr/bin/time fsdp_gpt MODEL --batch-per-rank 4 --steps 6 "
+        f"Each run: `fsdp-run --nproc-per-node WORLD /usr/bin/time fsdp_gpt MODEL --batch-per-rank 4 --steps {STEPS} "
         "--log-interval 3 --plan-file ...` (one thread per rank). Models: S = 2 layers x width 64, M = 4 x 128, "
         "L = 2 x 256, context 64; XL = 4 x 512, context 128; vocabulary 256. Measured, from rank 0's "
         "`--metrics-file` with `--measure-exposed-comm`: its `memory_stats()` peaks over the last logged window "
-        "(steps 4-6), its resident set's peak during training (`rss_peak_bytes`: VmHWM restarted when training "
-        "begins; the planner predicts rank 0, the largest), the window's ms/step and the share of it the compute "
-        "thread waited on collectives (the event trace). The whole run's peak over all ranks (`/usr/bin/time`, "
+        f"(steps {STEPS - 2}-{STEPS}), its resident set's peak during training (`rss_peak_bytes`: VmHWM restarted when "
+        "training begins; the planner predicts rank 0, the largest), and the median over the windows after the "
+        "first of the ms/step and of the share of it the compute thread waited on collectives (the event trace). The whole run's peak over all ranks (`/usr/bin/time`, "
         "set-up and validation included) is shown beside it. Predicted: the trainer's `--plan-file` entry for the run (cluster `cpu:1xWORLD`, process bytes = "
         "the mean resident set over ranks after the data is loaded), with `--calibration-file` from a job of the "
         "same world, model and precision run just before its first use (`--calibrate`: every rank timing a copy "

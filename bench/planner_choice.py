@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planner import ROOT, run_one  # noqa: E402
+from planner import ROOT, STEPS, run_one  # noqa: E402
 
 
 def main():
@@ -61,7 +61,8 @@ def main():
         f"with other jobs (load average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end).",
         "",
         "Candidates: model XL (4 layers, width 512, context 128), world 2, 4 sequences per rank, fp32, each run as "
-        "in [planner.md](planner.md) (6 steps; ms/step of the last 3; rank 0's peak resident set during "
+        f"in [planner.md](planner.md) ({STEPS} steps; the median ms/step of the windows after the first; rank 0's "
+        "peak resident set during "
         "training; the prediction calibrated by a separate job first). The planner's choice at a budget is the "
         f"fastest predicted candidate whose predicted peak plus the trainer's margin ({margin * 100:.0f}%, "
         "`--memory-margin`) fits it, as `--memory-budget` chooses.",
