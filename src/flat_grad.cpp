@@ -3,7 +3,7 @@
 #include <array>
 #include <memory>
 
-#include "exact_sum.h"
+#include "exact_wire.h"
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
 #include "tensor_alias.h"

@@ -1,7 +1,7 @@
 // FlatGrad's deterministic mode: each backward's buffer folded into exact sums, and their
 // reduction turned into the pieces' mean gradients. See Note [Deterministic training] in
 // docs/design.md.
-#include "exact_sum.h"
+#include "exact_wire.h"
 #include "flat_grad.h"
 #include "fsdp/check.h"
 #include "internal_op_guard.h"

@@ -100,8 +100,8 @@ std::optional<bool> loopback_peer_is_same_user(int fd, std::string& peer) {
 }  // namespace
 
 StoreServer::StoreServer(const std::string& host, int port, std::string token,
-                         std::chrono::milliseconds handshake_timeout)
-    : token_(std::move(token)), handshake_timeout_(handshake_timeout) {
+                         std::chrono::milliseconds handshake_timeout, std::string owner)
+    : token_(std::move(token)), owner_(std::move(owner)), handshake_timeout_(handshake_timeout) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -214,9 +214,9 @@ void StoreServer::refused(const std::string& why) {
 }
 
 void StoreServer::report_refusal(const std::string& why) {
-  if (refusals_reported_ < 5)
-    std::fprintf(stderr, "[fsdp] rank 0: the rendezvous store refused a connection%s\n", why.c_str());
-  if (++refusals_reported_ == 5) std::fprintf(stderr, "[fsdp] rank 0: (further refusals are not reported)\n");
+  if (refusals_reported_ < 5) std::fprintf(stderr, "[fsdp] %s refused a connection%s\n", owner_.c_str(), why.c_str());
+  if (++refusals_reported_ == 5)
+    std::fprintf(stderr, "[fsdp] %s: (further refusals are not reported)\n", owner_.c_str());
 }
 
 bool StoreServer::authenticate(int fd, std::string& why) {

@@ -17,7 +17,9 @@ class StoreServer {
  public:
   // Listens on `host` ("" for every interface) at `port` (0: any free one). A client has
   // `handshake_timeout` to authenticate with `token`. Throws std::runtime_error when it cannot listen.
-  StoreServer(const std::string& host, int port, std::string token, std::chrono::milliseconds handshake_timeout);
+  // `owner` names the store in the refusals it reports.
+  StoreServer(const std::string& host, int port, std::string token, std::chrono::milliseconds handshake_timeout,
+              std::string owner = "rank 0: the rendezvous store");
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -40,6 +42,7 @@ class StoreServer {
   void report_refusal(const std::string& why);
 
   std::string token_;
+  std::string owner_;
   std::chrono::milliseconds handshake_timeout_;
   int listen_fd_ = -1, port_ = 0;
   int wake_[2] = {-1, -1};  // a pipe that stops the accept loop

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "exact_sum.h"
+#include "exact_wire.h"
 #include "harness.h"
 #include "models.h"
 

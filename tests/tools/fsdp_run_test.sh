@@ -365,6 +365,22 @@ test_elastic_nodes_missing_or_late() {
   expect_text err "leaving the job: the job ended"
 }
 
+# A node with another job's token is refused by node 0's store, which names itself; the job goes on.
+test_elastic_nodes_another_jobs_token() {
+  local port
+  port=$(free_port)
+  FSDP_JOB_TOKEN=$ELASTIC_TOKEN "$LAUNCHER" --nnodes 1:2 --last-call 0.2 --master-port "$port" sleep 2 \
+    >"$TMP/out" 2>"$TMP/err" &
+  local node0=$!
+  sleep 0.5
+  FSDP_JOB_TOKEN=another-jobs-token-0123456789 "$LAUNCHER" --nnodes 1:2 --node-rank 1 --join-timeout 1 \
+    --master-port "$port" true >"$TMP/out1" 2>"$TMP/err1"
+  local rc1=$?
+  wait "$node0" || fail "node 0 failed: $(cat "$TMP/err")"
+  [ "$rc1" -ne 0 ] || fail "a node with another job's token joined: $(cat "$TMP/err1")"
+  expect_text err "[fsdp] fsdp-run node 0: the node store refused a connection from 127.0.0.1:"
+}
+
 # SIGTERM while node 0 waits for a node that has not come ends it at once, with 128+15.
 test_elastic_nodes_interrupted_while_waiting() {
   FSDP_JOB_TOKEN=$ELASTIC_TOKEN "$LAUNCHER" --nnodes 2:2 --master-port "$(free_port)" true >"$TMP/out" 2>"$TMP/err" &

@@ -76,8 +76,9 @@ class ElasticAgent {
     const milliseconds connect_timeout = settings_.join_timeout;
     if (host()) {
       try {
-        server_ = std::make_unique<fsdp::StoreServer>(is_loopback(opt_.master_addr) ? opt_.master_addr : "",
-                                                      opt_.master_port, token, std::chrono::seconds(10));
+        server_ =
+            std::make_unique<fsdp::StoreServer>(is_loopback(opt_.master_addr) ? opt_.master_addr : "", opt_.master_port,
+                                                token, std::chrono::seconds(10), "fsdp-run node 0: the node store");
       } catch (const std::exception& e) {
         throw std::runtime_error(std::string("node 0 cannot host the rendezvous store: ") + e.what() +
                                  "; pick a free --master-port (the ranks use it + 1 as MASTER_PORT)");
