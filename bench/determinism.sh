@@ -6,6 +6,7 @@
 #   bench/determinism.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]
 #   PARTS=cost bench/determinism.sh BUILD_DIR [REPEATS]     # only part (4); PARTS names any of
 #                                                            # hashes elastic nodes variants cost steptime
+#   TRANSPORTS="shm" narrows the hash table, cost and steptime parts to those transports (default: shm tcp).
 #
 # Prints markdown: (1) the hash table (worlds 5 and 8 split the 12 micro-batches unevenly),
 # (2) the restart's parts (kill to the launcher seeing it, to every rank stopped, to the checkpoint
@@ -17,6 +18,7 @@
 # with its ranks.
 set -euo pipefail
 PARTS=${PARTS:-hashes elastic nodes variants cost}
+TRANSPORTS=${TRANSPORTS:-shm tcp}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
@@ -61,7 +63,7 @@ if part hashes; then
       [ "$strategy" = HYBRID_SHARD ] && [ "$world" -ne 4 ] && [ "$world" -ne 6 ] && continue
       # World 8 (1 or 2 micro-batches per rank) once: 8 ranks on few cores are slow.
       [ "$world" -eq 8 ] && [ "$strategy" != FULL_SHARD ] && continue
-      for transport in shm tcp; do
+      for transport in $TRANSPORTS; do
         [ "$world" -eq 8 ] && [ "$transport" != shm ] && continue
         flags=(--strategy "$strategy")
         [ "$strategy" = HYBRID_SHARD ] && flags+=(--sharding-factor 2)
@@ -149,7 +151,7 @@ cpu_of() { # LOG: the user + system seconds /usr/bin/time wrote last
 if part cost; then
   declare -A C
   for ((r = 0; r < REPEATS; r++)); do
-    for transport in shm tcp; do
+    for transport in $TRANSPORTS; do
       for mode in default deterministic; do
         flags=()
         [ "$mode" = deterministic ] && flags=(--deterministic)
@@ -169,7 +171,7 @@ if part cost; then
   echo
   echo "| transport | default CPU s | deterministic CPU s | median ratio | ratios | runs (default; deterministic) |"
   echo "| --- | ---: | ---: | ---: | --- | --- |"
-  for transport in shm tcp; do
+  for transport in $TRANSPORTS; do
     a=$(echo "${C[$transport.default]}" | median)
     b=$(echo "${C[$transport.deterministic]}" | median)
     q=$(echo "${C[$transport.ratio]}" | median)
@@ -187,7 +189,7 @@ if part steptime; then
         --batch-size 8 --dropout 0.1 --clip-grad-norm 0.5 "${EXTRA[@]}")
   for ((r = 0; r < REPEATS; r++)); do
     for model in comm-bound compute-bound; do
-      for transport in shm tcp; do
+      for transport in $TRANSPORTS; do
         for mode in default deterministic; do
           flags=(--steps 25 --log-interval 5 --warmup 2)
           [ "$mode" = deterministic ] && flags+=(--deterministic)
@@ -207,7 +209,7 @@ if part steptime; then
   echo "| model | transport | default ms/step | deterministic ms/step | median ratio | ratios |"
   echo "| --- | --- | ---: | ---: | ---: | --- |"
   for model in comm-bound compute-bound; do
-    for transport in shm tcp; do
+    for transport in $TRANSPORTS; do
       a=$(echo "${T[$model.$transport.default]}" | median)
       b=$(echo "${T[$model.$transport.deterministic]}" | median)
       q=$(echo "${T[$model.$transport.ratio]}" | median)

@@ -238,6 +238,65 @@ TEST(Planner, CalibratedTimesReplaceTheNominalRates) {
     EXPECT_NEAR(bf16.entries[i].time.compute_s - numel * 1e-9, nominal.entries[i].time.compute_s - nominal_step, 1e-9);
 }
 
+// A smaller batch timed too: the passes at another micro-batch size lie on the line through the two
+// timed sizes (a fixed cost plus a cost per token), not in proportion to the tokens; without a
+// usable line (no cost per token, or a negative fixed cost), in proportion again.
+TEST(Planner, ASmallerCalibratedBatchGivesThePassesFixedCost) {
+  {  // fsdp::calibrate times the smaller batch too; both survive a file round trip
+    Stack real(32, 2);
+    const auto input = torch::randn({64, 32});
+    auto forward_of = [&](int64_t rows) {
+      return [&, rows] {
+        at::Tensor x = input.narrow(0, 0, rows);
+        for (const auto& block : *real->blocks) x = block->as<torch::nn::Sequential>()->forward(x);
+        return x.square().mean();
+      };
+    };
+    const auto measured = fsdp::calibrate(*real, forward_of(64), 64,
+                                          fsdp::CalibrateOptions().smaller_loss(forward_of(16)).smaller_tokens(16));
+    ASSERT_EQ(measured.timings.size(), 1U);
+    EXPECT_EQ(measured.small_tokens, 16);
+    EXPECT_GT(measured.timings[0].small_forward_s, 0);
+    EXPECT_GT(measured.timings[0].small_backward_s, 0);
+    const auto back = fsdp::Calibration::from_json(measured.to_json());
+    EXPECT_EQ(back.small_tokens, 16);
+    EXPECT_EQ(back.find(at::kFloat)->small_backward_s, measured.timings[0].small_backward_s);
+    EXPECT_THROW(fsdp::calibrate(*real, forward_of(64), 64,
+                                 fsdp::CalibrateOptions().smaller_loss(forward_of(16)).smaller_tokens(64)),
+                 fsdp::Error);
+    EXPECT_THROW(fsdp::Calibration::from_json(R"({"tokens": 8, "small_tokens": 8, "timings": []})"), fsdp::Error);
+  }
+  fsdp::DeferredInit deferred;
+  Stack model(64, 4);
+  const int64_t numel = 4 * (2 * 4 * 64 * 64 + 4 * 64 + 64);
+  fsdp::Calibration c;
+  c.tokens = 1024;
+  c.small_tokens = 512;
+  c.step_s_per_element = 1e-9;
+  // forward: 0.002 s fixed + 0.008 s per 1024 tokens; backward: 0.003 s + 0.022 s per 1024 tokens.
+  fsdp::PrecisionTiming t{at::kFloat, 0.010, 0.025};
+  t.small_forward_s = 0.006;
+  t.small_backward_s = 0.014;
+  c.timings.push_back(t);
+  for (const int64_t seq : {2048, 256}) {
+    const fsdp::Plan plan =
+        fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0).seq_len(seq).calibration(c));
+    const double forward = 0.002 + 0.008 * seq / 1024.0, backward = 0.003 + 0.022 * seq / 1024.0;
+    for (const auto& e : plan.entries) {
+      const double passes = forward + backward + (e.candidate.activation_checkpointing ? forward : 0.0);
+      EXPECT_NEAR(e.time.compute_s, passes + numel * 1e-9, 1e-9) << seq << " " << e.candidate.describe();
+    }
+  }
+  // A smaller batch no faster per token than the larger (a negative fixed cost): in proportion.
+  c.timings[0].small_forward_s = 0.004;
+  c.timings[0].small_backward_s = 0.025;  // and no cost per token at all
+  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0).seq_len(2048).calibration(c));
+  for (const auto& e : plan.entries) {
+    const double passes = 2 * (0.010 + 0.025) + (e.candidate.activation_checkpointing ? 2 * 0.010 : 0.0);
+    EXPECT_NEAR(e.time.compute_s, passes + numel * 1e-9, 1e-9) << e.candidate.describe();
+  }
+}
+
 struct MlpImpl : torch::nn::Module {
   explicit MlpImpl(int d)
       : up(register_module("up", torch::nn::Linear(d, 4 * d))),

@@ -62,18 +62,25 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
   gpt::Batch batch;
   batch.inputs = torch::randint(model_config.vocab_size, {rows, config.context}, torch::kLong);
   batch.targets = torch::randint(model_config.vocab_size, {rows, config.context}, torch::kLong);
-  const auto options = fsdp::CalibrateOptions()
-                           .repetitions(5)  // the median of five: steadier on a machine others share
-                           .precisions(plan_precisions(config, flags_only))
-                           .optimizer([&](const std::vector<at::Tensor>&) -> std::unique_ptr<torch::optim::Optimizer> {
-                             std::vector<std::pair<std::string, torch::Tensor>> named;
-                             std::map<std::string, int64_t> dims;
-                             for (const auto& p : model->named_parameters()) {
-                               named.emplace_back(p.key(), p.value());
-                               dims[p.key()] = p.value().dim();
-                             }
-                             return gpt::make_adamw(named, dims, config.lr, config.weight_decay);
-                           });
+  // Half the rows too, so that smaller micro-batches are planned with the passes' fixed cost.
+  const int64_t half = rows / 2;
+  gpt::Batch small;
+  small.inputs = batch.inputs.narrow(0, 0, std::max<int64_t>(half, 1));
+  small.targets = batch.targets.narrow(0, 0, std::max<int64_t>(half, 1));
+  auto options = fsdp::CalibrateOptions()
+                     .repetitions(5)  // the median of five: steadier on a machine others share
+                     .precisions(plan_precisions(config, flags_only))
+                     .optimizer([&](const std::vector<at::Tensor>&) -> std::unique_ptr<torch::optim::Optimizer> {
+                       std::vector<std::pair<std::string, torch::Tensor>> named;
+                       std::map<std::string, int64_t> dims;
+                       for (const auto& p : model->named_parameters()) {
+                         named.emplace_back(p.key(), p.value());
+                         dims[p.key()] = p.value().dim();
+                       }
+                       return gpt::make_adamw(named, dims, config.lr, config.weight_decay);
+                     });
+  if (half >= 1)
+    options.smaller_loss([&] { return next_token_loss(model, small); }).smaller_tokens(half * config.context);
   return fsdp::calibrate(
       *model, [&] { return next_token_loss(model, batch); }, rows * config.context, options);
 }

@@ -25,10 +25,14 @@ struct PrecisionTiming {
   int64_t peak_bytes = 0;
   // The same with the model's fsdp::Checkpointed modules enabled; 0: none, or not measured.
   int64_t checkpointed_peak_bytes = 0;
+  // The passes on `Calibration::small_tokens` tokens; 0: not timed.
+  double small_forward_s = 0;
+  double small_backward_s = 0;
 };
 
 struct Calibration {
-  int64_t tokens = 0;  // tokens in each timed forward
+  int64_t tokens = 0;        // tokens in each timed forward
+  int64_t small_tokens = 0;  // tokens in the smaller batch's forward (fewer than `tokens`); 0: none
   std::vector<PrecisionTiming> timings;
   double step_s_per_element = 0;  // the optimizer's step per parameter element; 0: not measured
   double link_gbps = 0;           // between the job's ranks (calibrate_link); 0: the cluster's links
@@ -38,8 +42,9 @@ struct Calibration {
   const PrecisionTiming* find(at::ScalarType precision) const;
   bool empty() const { return timings.empty(); }
 
-  // {"tokens": N, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings": [{"precision": "fp32"|"bf16"|"fp16",
-  // "forward_s": F, "backward_s": B, "peak_bytes": P, "checkpointed_peak_bytes": C}, ...]}
+  // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings":
+  // [{"precision": "fp32"|"bf16"|"fp16", "forward_s": F, "backward_s": B, "peak_bytes": P,
+  // "checkpointed_peak_bytes": C, "small_forward_s": f, "small_backward_s": b}, ...]}
   std::string to_json() const;
   // Throws fsdp::Error naming the bad field and `source`.
   static Calibration from_json(const std::string& text, const std::string& source = "calibration JSON");
@@ -56,6 +61,10 @@ struct CalibrateOptions {
   TORCH_ARG(int, repetitions) = 3;
   /// Builds the optimizer whose step is timed, over float32 parameters; null: the step is not timed.
   TORCH_ARG(OptimizerFactory, optimizer) = nullptr;
+  /// One forward of a smaller batch, timed too, so that the plan tells the passes' fixed cost from their cost per token; null: none.
+  TORCH_ARG(std::function<at::Tensor()>, smaller_loss) = nullptr;
+  /// The tokens in `smaller_loss`'s forward: at least 1, fewer than calibrate()'s `tokens`.
+  TORCH_ARG(int64_t, smaller_tokens) = 0;
 };
 
 // Times `loss()` (one forward of `tokens` tokens through `model`, returning a scalar) and its

@@ -73,8 +73,9 @@ int64_t pass_peak(torch::nn::Module& model, const std::function<at::Tensor()>& l
 }
 
 // Forward-and-loss and backward seconds, median over `repetitions` after one untimed, without
-// checkpointing; and the passes' memory without and with it.
-PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions) {
+// checkpointing; and with `memory`, the passes' memory without and with it.
+PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions,
+                            bool memory = true) {
   const auto wrappers = checkpointed_modules(model);
   for (const auto& w : wrappers) w.first->set_enabled(false);
   std::vector<double> forward, backward;
@@ -92,8 +93,8 @@ PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Te
   PrecisionTiming t;
   t.forward_s = median(forward);
   t.backward_s = median(backward);
-  t.peak_bytes = pass_peak(model, loss);
-  if (!wrappers.empty()) {
+  if (memory) t.peak_bytes = pass_peak(model, loss);
+  if (memory && !wrappers.empty()) {
     for (const auto& w : wrappers) w.first->set_enabled(true);
     t.checkpointed_peak_bytes = pass_peak(model, loss);
   }
@@ -142,17 +143,17 @@ at::ScalarType precision_named(const std::string& name, const std::string& sourc
 }  // namespace
 
 std::string Calibration::to_json() const {
-  nlohmann::json j{{"tokens", tokens},
-                   {"step_s_per_element", step_s_per_element},
-                   {"link_gbps", link_gbps},
-                   {"link_latency_us", link_latency_us},
-                   {"timings", nlohmann::json::array()}};
+  nlohmann::json j{
+      {"tokens", tokens},       {"small_tokens", small_tokens},       {"step_s_per_element", step_s_per_element},
+      {"link_gbps", link_gbps}, {"link_latency_us", link_latency_us}, {"timings", nlohmann::json::array()}};
   for (const auto& t : timings)
     j["timings"].push_back({{"precision", precision_name(t.precision)},
                             {"forward_s", t.forward_s},
                             {"backward_s", t.backward_s},
                             {"peak_bytes", t.peak_bytes},
-                            {"checkpointed_peak_bytes", t.checkpointed_peak_bytes}});
+                            {"checkpointed_peak_bytes", t.checkpointed_peak_bytes},
+                            {"small_forward_s", t.small_forward_s},
+                            {"small_backward_s", t.small_backward_s}});
   return j.dump(1);
 }
 
@@ -161,6 +162,7 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
   try {
     const auto j = nlohmann::json::parse(text);
     c.tokens = j.at("tokens").get<int64_t>();
+    c.small_tokens = j.value("small_tokens", int64_t(0));
     c.step_s_per_element = j.value("step_s_per_element", 0.0);
     c.link_gbps = j.value("link_gbps", 0.0);
     c.link_latency_us = j.value("link_latency_us", 0.0);
@@ -171,6 +173,11 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
       timing.backward_s = t.at("backward_s").get<double>();
       timing.peak_bytes = t.value("peak_bytes", int64_t(0));
       timing.checkpointed_peak_bytes = t.value("checkpointed_peak_bytes", int64_t(0));
+      timing.small_forward_s = t.value("small_forward_s", 0.0);
+      timing.small_backward_s = t.value("small_backward_s", 0.0);
+      FSDP_CHECK(timing.small_forward_s >= 0 && timing.small_backward_s >= 0, source, ": the ",
+                 precision_name(timing.precision),
+                 " timing's small_forward_s and small_backward_s must not be negative");
       FSDP_CHECK(timing.forward_s > 0 && timing.backward_s > 0, source, ": the ", precision_name(timing.precision),
                  " timing must have positive forward_s and backward_s");
       FSDP_CHECK(timing.peak_bytes >= 0 && timing.checkpointed_peak_bytes >= 0, source, ": the ",
@@ -181,6 +188,8 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
     throw Error(source + ": not a calibration (" + e.what() + "); fsdp::Calibration::save writes one");
   }
   FSDP_CHECK(c.tokens > 0, source, ": tokens must be positive");
+  FSDP_CHECK(c.small_tokens >= 0 && c.small_tokens < c.tokens, source,
+             ": small_tokens must be 0 (none) or fewer than tokens, got ", c.small_tokens);
   return c;
 }
 
@@ -210,8 +219,13 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
   FSDP_CHECK(tokens > 0, "fsdp::calibrate: tokens must be positive (the tokens in one forward), got ", tokens);
   FSDP_CHECK(options.repetitions() >= 1, "fsdp::calibrate: repetitions must be >= 1, got ", options.repetitions());
   FSDP_CHECK(!options.precisions().empty(), "fsdp::calibrate: no precision to time; name at least one");
+  const bool smaller = options.smaller_loss() != nullptr;
+  FSDP_CHECK(!smaller || (options.smaller_tokens() >= 1 && options.smaller_tokens() < tokens),
+             "fsdp::calibrate: smaller_tokens must be from 1 to tokens - 1 (", tokens - 1,
+             ") with a smaller_loss, got ", options.smaller_tokens());
   Calibration c;
   c.tokens = tokens;
+  c.small_tokens = smaller ? options.smaller_tokens() : 0;
   if (options.optimizer()) {
     model.to(at::kFloat);
     c.step_s_per_element = time_step(model, loss, options.optimizer(), options.repetitions());
@@ -222,6 +236,11 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
     model.to(precision);
     PrecisionTiming t = time_passes(model, loss, options.repetitions());
     t.precision = precision;
+    if (smaller) {
+      const PrecisionTiming s = time_passes(model, options.smaller_loss(), options.repetitions(), false);
+      t.small_forward_s = s.forward_s;
+      t.small_backward_s = s.backward_s;
+    }
     c.timings.push_back(t);
   }
   return c;

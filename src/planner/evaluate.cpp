@@ -9,6 +9,24 @@
 namespace fsdp::planner {
 namespace {
 
+struct CalibratedPasses {
+  double forward_s = 0, backward_s = 0;
+};
+
+// The calibrated passes' seconds at `tokens`: on the line through the two timed batch sizes (a
+// fixed cost and a cost per token; Note [Planner calibration]) where a smaller batch was timed and
+// gives a positive cost per token and fixed cost, else in proportion to the tokens.
+CalibratedPasses calibrated_passes(const Calibration& calibration, const PrecisionTiming& t, double tokens) {
+  const double big = static_cast<double>(calibration.tokens), small = static_cast<double>(calibration.small_tokens);
+  auto at = [&](double big_s, double small_s) {
+    const double per_token = small > 0 && small_s > 0 ? (big_s - small_s) / (big - small) : 0;
+    const double fixed = big_s - per_token * big;
+    if (per_token <= 0 || fixed < 0) return big_s * tokens / big;
+    return fixed + per_token * tokens;
+  };
+  return {at(t.forward_s, t.small_forward_s), at(t.backward_s, t.small_backward_s)};
+}
+
 // AdamW reads parameter, gradient and two moments and writes three of them: 7 values per element.
 constexpr double kOptimizerValuesPerElement = 7.0;
 
@@ -114,10 +132,13 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   }
   // Seconds per forward FLOP and backward over forward: measured (calibration) or nominal.
   const PrecisionTiming* timing = calibration.find(c.precision);
-  const double calibrated_flops = costs.forward_flops * static_cast<double>(calibration.tokens);
-  const bool calibrated = timing != nullptr && calibrated_flops > 0 && timing->forward_s > 0;
-  const double forward_s_per_flop = calibrated ? timing->forward_s / calibrated_flops : 1.0 / peak_flops;
-  const double backward_ratio = calibrated ? timing->backward_s / timing->forward_s : 2.0;
+  const bool calibrated = timing != nullptr && costs.forward_flops > 0 && timing->forward_s > 0 && tokens > 0;
+  double forward_s_per_flop = 1.0 / peak_flops, backward_ratio = 2.0;
+  if (calibrated) {
+    const CalibratedPasses passes = calibrated_passes(calibration, *timing, tokens);
+    forward_s_per_flop = passes.forward_s / (costs.forward_flops * tokens);
+    backward_ratio = passes.backward_s / passes.forward_s;
+  }
   for (const SegmentCost& s : costs.segments) {
     SimSegment seg;
     seg.unit = s.unit;
