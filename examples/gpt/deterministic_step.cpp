@@ -15,19 +15,24 @@ namespace {
 
 constexpr uint64_t kDropoutStream = 4;  // after the streams of training_data.h
 
-// The micro-batches' losses in index order on every rank: each rank writes its own, zeros
-// elsewhere, so the all-reduce adds each loss to zeros only (exact, in any order).
-double mean_of_all_losses(fsdp::ProcessGroup& pg, const std::vector<double>& losses, const MicroBatchRange& mine) {
-  const int count = static_cast<int>(losses.size());
-  at::Tensor all = at::zeros({count}, at::kDouble);
-  for (int i = mine.first; i < mine.end; ++i) all[i] = losses[i];
-  if (pg.size() > 1) pg.world()->all_reduce(all, fsdp::CollectiveOptions::labeled("micro-batch losses"))->wait();
-  double sum = 0;
-  for (int i = 0; i < count; ++i) sum += all[i].item<double>();
-  return sum / count;
-}
-
 }  // namespace
+
+std::vector<double> global_step_losses(fsdp::ProcessGroup& pg, const std::vector<std::vector<double>>& per_step) {
+  std::vector<double> means;
+  if (per_step.empty()) return means;
+  const auto steps = static_cast<int64_t>(per_step.size()), count = static_cast<int64_t>(per_step[0].size());
+  // Each loss is added to zeros only (every other rank holds 0 there): the sums are exact.
+  at::Tensor all = at::zeros({steps, count}, at::kDouble);
+  for (int64_t s = 0; s < steps; ++s) std::copy(per_step[s].begin(), per_step[s].end(), all[s].data_ptr<double>());
+  if (pg.size() > 1) pg.world()->all_reduce(all, fsdp::CollectiveOptions::labeled("micro-batch losses"))->wait();
+  for (int64_t s = 0; s < steps; ++s) {
+    const double* row = all[s].data_ptr<double>();
+    double sum = 0;
+    for (int64_t i = 0; i < count; ++i) sum += row[i];  // in index order, as at any world size
+    means.push_back(sum / static_cast<double>(count));
+  }
+  return means;
+}
 
 MicroBatchRange micro_batch_range(int count, int rank, int world) {
   return {static_cast<int>(int64_t(count) * rank / world), static_cast<int>(int64_t(count) * (rank + 1) / world)};
@@ -35,7 +40,7 @@ MicroBatchRange micro_batch_range(int count, int rank, int world) {
 
 int micro_batches_per_rank(int count, int world) { return static_cast<int>((int64_t(count) + world - 1) / world); }
 
-double deterministic_train_step(const TrainingLoop& loop, int step, double lr) {
+std::vector<double> deterministic_train_step(const TrainingLoop& loop, int step, double lr) {
   const TrainConfig& config = loop.config;
   for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   const BatchPlan& plan = config.batch;
@@ -83,7 +88,7 @@ double deterministic_train_step(const TrainingLoop& loop, int step, double lr) {
   } else {
     loop.optimizer.step();
   }
-  return mean_of_all_losses(loop.pg, losses, range);
+  return losses;
 }
 
 }  // namespace fsdp_gpt

@@ -15,8 +15,12 @@ MicroBatchRange micro_batch_range(int count, int rank, int world);
 // smaller range runs uncounted padding passes (FullyShardedModule::set_backward_counted).
 int micro_batches_per_rank(int count, int world);
 
-// One optimizer step at `lr`; returns the mean loss over every micro-batch of the global batch,
-// the same bits on every rank and at every world size.
-double deterministic_train_step(const TrainingLoop& loop, int step, double lr);
+// One optimizer step at `lr`; returns this rank's micro-batch losses: one value per micro-batch of
+// the global batch, zero outside this rank's range.
+std::vector<double> deterministic_train_step(const TrainingLoop& loop, int step, double lr);
+// Collective: each step's mean loss over every micro-batch of its global batch, from every rank's
+// deterministic_train_step() results of those steps, in one all-reduce; the same bits on every rank
+// and at every world size.
+std::vector<double> global_step_losses(fsdp::ProcessGroup& pg, const std::vector<std::vector<double>>& per_step);
 
 }  // namespace fsdp_gpt

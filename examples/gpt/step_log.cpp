@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "deterministic_step.h"
 #include "formatting.h"
 #include "measurements.h"
 
@@ -28,9 +29,16 @@ std::ofstream open_metrics(const TrainConfig& config, bool is_main) {
   return metrics;
 }
 
+void settle_losses(const TrainingLoop& loop, LogWindow& window) {
+  if (!loop.config.deterministic) return;
+  for (const double mean : global_step_losses(loop.pg, window.pending_losses)) window.loss += mean;
+  window.pending_losses.clear();
+}
+
 void log_window(const TrainingLoop& loop, int step, double lr, double local_loss, LogWindow& window,
                 TrainingResult& result, ProgressBar& progress) {
   const TrainConfig& config = loop.config;
+  settle_losses(loop, window);
   // The logged loss is the mean over the window's steps and over all ranks' slices (--deterministic:
   // each step's loss is already the global batch's, the same on every rank).
   const double mean_loss =

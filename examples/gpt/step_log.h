@@ -2,6 +2,7 @@
 // The step log: one line per logged step on rank 0 (loss, learning rate, speed, MFU, memory), and
 // the same as JSON in --metrics-file.
 #include <fstream>
+#include <vector>
 
 #include "progress_bar.h"
 #include "train_config.h"
@@ -19,7 +20,13 @@ struct LogWindow {
   int steps = 0;              // for the loss: every step of the window
   int timed_steps = 0;        // for the speed: the steps `seconds` measured
   double exposed_comm_s = 0;  // --measure-exposed-comm: the timed steps' waits on collectives
+  // --deterministic: this rank's micro-batch losses of the steps not yet in `loss` (settle_losses()).
+  std::vector<std::vector<double>> pending_losses;
 };
+
+// Collective under --deterministic: adds the pending steps' global mean losses to window.loss, in
+// step order, with one all-reduce. Every rank calls it at the same steps (before logging or saving).
+void settle_losses(const TrainingLoop& loop, LogWindow& window);
 
 // Closes a log window (collective): rank 0 logs its mean loss, speed and memory; a new window starts.
 void log_window(const TrainingLoop& loop, int step, double lr, double local_loss, LogWindow& window,

@@ -2,6 +2,7 @@
 
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
+#include <algorithm>
 
 #include <optional>
 #include <string>
@@ -72,14 +73,21 @@ TrainingResult train(const TrainingLoop& loop) {
   for (int step = loop.start.step + 1; step <= config.steps; ++step) {
     const auto step_start = Clock::now();
     const double lr = learning_rate(step, config);
-    const double local_loss =
-        config.deterministic ? deterministic_train_step(loop, step, lr) : train_step(loop, step, lr);
+    double local_loss = 0;
+    if (config.deterministic) {  // summed across ranks when the window is logged or saved (settle_losses)
+      window.pending_losses.push_back(deterministic_train_step(loop, step, lr));
+      int mine = 0;  // the progress bar's: the mean over this rank's micro-batches
+      for (const double l : window.pending_losses.back()) local_loss += l, mine += l != 0;
+      local_loss /= std::max(1, mine);
+    } else {
+      local_loss = train_step(loop, step, lr);
+      window.loss += local_loss;
+    }
     const double step_seconds = seconds_since(step_start);
     result.train_seconds += step_seconds;
     ++result.timed_steps;
     window.seconds += step_seconds;
     if (config.measure_exposed_comm) window.exposed_comm_s += loop.sharded.last_trace().exposed_comm_us * 1e-6;
-    window.loss += local_loss;
     ++window.steps;
     ++window.timed_steps;
     progress.draw(step, local_loss, result.train_seconds);
@@ -90,6 +98,7 @@ TrainingResult train(const TrainingLoop& loop) {
       const bool last = stop || step == config.steps;
       if (last || (config.save_every > 0 && step % config.save_every == 0)) {
         progress.clear();
+        settle_losses(loop, window);
         save_checkpoint(loop.pg, config, loop.sharded, loop.optimizer,
                         Progress{step, window.loss, window.steps, config.batch.global, ""}, loop.scaler,
                         config.async_save && !last, pending);
