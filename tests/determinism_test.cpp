@@ -309,6 +309,7 @@ void expect_same_bits(const at::Tensor& got, const at::Tensor& want, const std::
 // wire's range, and a flagged element, become NaN.
 TEST(Determinism, TwoLimbWireGivesTheThreeLimbSumsBits) {
   namespace exact = fsdp::exact;
+  torch::manual_seed(5);
   EXPECT_EQ(exact::wire_for(exact::kMaxWireTerms).limbs, 2);
   EXPECT_EQ(exact::wire_for(exact::kMaxWireTerms + 1).limbs, exact::kLimbs);
   const int64_t F = 3, S = 1001;
@@ -340,7 +341,9 @@ TEST(Determinism, TwoLimbWireGivesTheThreeLimbSumsBits) {
       const at::Tensor values = wire::converted(in_place, S, divisor), reference = wire::converted(want[r], S, divisor);
       wire::expect_same_bits(values, reference, "terms " + std::to_string(terms) + " row " + std::to_string(r));
       EXPECT_TRUE(values[S - 1].isnan().item<bool>() || r != F - 1);
-      EXPECT_FALSE(values[3].isnan().item<bool>());
+      if (r == 0) {  // the largest value in range, summed (elsewhere random values may leave it)
+        EXPECT_FALSE(values[3].isnan().item<bool>());
+      }
     }
     if (ranks >= 2) {  // a partial sum made one part again, plus the other ranks' parts
       at::Tensor partial = first_half.clone(), by_ops = first_half.clone();
