@@ -9,48 +9,12 @@
 #include <iostream>
 #include <sstream>
 
-#include "fsdp/adafactor.h"
-#include "fsdp/lamb.h"
-#include "fsdp/muon.h"
 #include "harness.h"
 #include "models.h"
-#include "whole_param_reference.h"
+#include "whole_param_optimizers.h"
 
 namespace fsdp_test {
 namespace {
-
-using StepFn = std::function<void(const std::vector<at::Tensor>&)>;
-
-// The sharded optimizer `kind` and the reference's step, with the settings of the CPU tests.
-std::pair<std::unique_ptr<fsdp::WholeParamOptimizer>, StepFn> gpu_optimizers(const std::string& kind,
-                                                                             fsdp::FullyShardedModule& sharded) {
-  if (kind == "lamb") {
-    auto ref = std::make_shared<ReferenceLamb>(ReferenceLamb{2e-2, 0.9, 0.99, 1e-6, 0.01, {}});
-    return {
-        std::make_unique<fsdp::Lamb>(sharded, fsdp::LambOptions(2e-2).betas({0.9, 0.99}).eps(1e-6).weight_decay(0.01)),
-        [ref](const std::vector<at::Tensor>& ps) {
-          ref->step(ps);
-        }};
-  }
-  if (kind == "adafactor") {
-    auto ref = std::make_shared<ReferenceAdafactor>();
-    ref->beta1 = 0.9;
-    ref->weight_decay = 0.01;
-    return {std::make_unique<fsdp::Adafactor>(sharded, fsdp::AdafactorOptions().beta1(0.9).weight_decay(0.01)),
-            [ref](const std::vector<at::Tensor>& ps) {
-              ref->step(ps);
-            }};
-  }
-  auto ref = std::make_shared<ReferenceMuon>(ReferenceMuon{2e-2, 0.95, 0.01, 1e-2, 0.9, 0.99, 1e-8, 0.01, {}, {}});
-  return {
-      std::make_unique<fsdp::Muon>(sharded, fsdp::MuonOptions(2e-2).momentum(0.95).weight_decay(0.01).adamw(
-                                                fsdp::MuonAdamW(1e-2).betas({0.9, 0.99}).eps(1e-8).weight_decay(0.01))),
-      [ref](const std::vector<at::Tensor>& ps) {
-        if (ref->muon.empty())
-          for (const auto& p : ps) ref->muon.push_back(p.dim() == 2);
-        ref->step(ps);
-      }};
-}
 
 // args: optimizer, strategy, "1" to offload the shards. Four steps of float64 training, clipping
 // before the last, against the reference on the same global batch.
@@ -69,7 +33,7 @@ FSDP_WORKER(gpu_whole_param_worker) {
   const torch::Device home = offload ? torch::Device(torch::kCPU) : kGpu;
   for (const auto& p : sharded->parameters())
     WORKER_CHECK(p.device() == home, "a piece is on ", p.device(), ", expected ", home);
-  auto [opt, ref_step] = gpu_optimizers(kind, *sharded);
+  auto [opt, ref_step] = optimizers(kind, *sharded);
   std::vector<at::Tensor> ref_params;
   for (const auto& p : unique_parameters(*ref))
     if (p.requires_grad()) ref_params.push_back(p);
