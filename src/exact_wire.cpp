@@ -49,7 +49,7 @@ namespace tensor_ops {
 at::Tensor to_wire(const at::Tensor& rows, const Wire& w) {
   check_wire(rows, w, "to_wire");
   const int64_t F = rows.size(0), S = (rows.size(1) - 1) / kLimbs;
-  const at::Tensor out = rows.view({-1}).narrow(0, 0, F * (2 * S + 1)).view({F, 2 * S + 1});
+  at::Tensor out = rows.view({-1}).narrow(0, 0, F * (2 * S + 1)).view({F, 2 * S + 1});
   const at::Tensor lo = rows.narrow(1, 0, S), mid = rows.narrow(1, S, S), top = rows.narrow(1, 2 * S, S);
   const int up = w.low_bits - 32;
   const at::Tensor m = mid + floor_shift(lo, 32);
@@ -94,7 +94,7 @@ at::Tensor to_wire(const at::Tensor& rows, const Wire& w) {
   TORCH_CHECK(rows.dim() == 2 && (rows.size(1) - 1) % kLimbs == 0, "exact::to_wire: rows must be [F, 3 S + 1]");
   const int64_t F = rows.size(0), S = (rows.size(1) - 1) / kLimbs, in_row = kLimbs * S + 1, out_row = 2 * S + 1;
   const at::Tensor flat = rows.view({-1});
-  const at::Tensor out = flat.narrow(0, 0, F * out_row).view({F, out_row});
+  at::Tensor out = flat.narrow(0, 0, F * out_row).view({F, out_row});
   if (rows.device().is_cpu()) {
     // Element by element, in order: each write lands on limbs already read (so no restrict).
     int64_t* p = flat.data_ptr<int64_t>();

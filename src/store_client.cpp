@@ -9,6 +9,9 @@ namespace wire = store_wire;
 StoreClient::StoreClient(const std::string& host, int port, const std::string& token, std::chrono::milliseconds timeout,
                          std::unique_ptr<StoreServer> server)
     : c10d::Store(timeout),
+      host_(host),
+      port_(port),
+      token_(token),
       where_(host + ":" + std::to_string(port)),
       fd_(connect_to_store(host, port, token, timeout, "rank 0")),
       server_(std::move(server)) {}
@@ -17,6 +20,12 @@ StoreClient::~StoreClient() {
   if (fd_ >= 0) close(fd_);
   server_.reset();
 }
+
+#ifdef FSDP_HAVE_STORE_CLONE
+c10::intrusive_ptr<c10d::Store> StoreClient::clone() {
+  return c10::make_intrusive<StoreClient>(host_, port_, token_, timeout_);
+}
+#endif
 
 std::string StoreClient::call(const std::string& request, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);

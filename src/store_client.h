@@ -35,12 +35,19 @@ class StoreClient : public c10d::Store {
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+#ifdef FSDP_HAVE_STORE_CLONE
+  // Another connection to the same store, proving the same token; it does not own the server.
+  c10::intrusive_ptr<c10d::Store> clone() override;
+#endif
 
  private:
   // Sends `request` and returns the reply, which must come within `timeout`.
   std::string call(const std::string& request, std::chrono::milliseconds timeout);
   bool wait_for(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
 
+  std::string host_;
+  int port_;
+  std::string token_;
   std::string where_;  // host:port, for messages
   int fd_ = -1;
   std::mutex mu_;

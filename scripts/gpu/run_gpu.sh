@@ -16,7 +16,8 @@ GEN=""; command -v ninja >/dev/null && GEN="-G Ninja"
 cmake -S . -B build-gpu $GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX" -DNCCL_ROOT="$NCCL_ROOT" \
   -DFSDP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DFSDP_UNITY_BUILD=OFF > "$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
 grep "libfsdp:" "$OUT/configure.log"
-time cmake --build build-gpu -j 16 --target fsdp_gpu_tests gpu_gpt_bench fsdp_bench_cpu_adamw > "$OUT/build.log" 2>&1 \
+KEEP_GOING=""; [ -n "$GEN" ] && KEEP_GOING="-- -k 0"  # every compile error in one log
+time cmake --build build-gpu -j 16 --target fsdp_gpu_tests gpu_gpt_bench fsdp_bench_cpu_adamw $KEEP_GOING > "$OUT/build.log" 2>&1 \
   || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
 echo "build ok"
 ./build-gpu/tests/fsdp_gpu_tests --gtest_color=no 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED) |Failure|error|Expected|Which is|actual" | head -60
