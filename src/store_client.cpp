@@ -21,11 +21,9 @@ StoreClient::~StoreClient() {
   server_.reset();
 }
 
-#ifdef FSDP_HAVE_STORE_CLONE
 c10::intrusive_ptr<c10d::Store> StoreClient::clone() {
   return c10::make_intrusive<StoreClient>(host_, port_, token_, timeout_);
 }
-#endif
 
 std::string StoreClient::call(const std::string& request, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);

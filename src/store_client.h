@@ -35,10 +35,10 @@ class StoreClient : public c10d::Store {
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
-#ifdef FSDP_HAVE_STORE_CLONE
   // Another connection to the same store, proving the same token; it does not own the server.
-  c10::intrusive_ptr<c10d::Store> clone() override;
-#endif
+  // Overrides c10d::Store::clone() in LibTorch versions that declare it (no `override`: older
+  // ones do not).
+  c10::intrusive_ptr<c10d::Store> clone();  // NOLINT(modernize-use-override)
 
  private:
   // Sends `request` and returns the reply, which must come within `timeout`.
