@@ -233,6 +233,11 @@ TEST(RendezvousSecurity, TheStoreAnswersClientsWithTheToken) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_THROW(b.wait({"never"}, milliseconds(200)), std::runtime_error);
   EXPECT_LT(seconds_since(t0), 2);
+  // A clone is its own connection to the same store (newer LibTorch clones a store for other threads).
+  const c10::intrusive_ptr<c10d::Store> c = b.clone();
+  EXPECT_EQ(c->get("k"), bytes("w"));
+  c->set("from-clone", bytes("c"));
+  EXPECT_EQ(a.get("from-clone"), bytes("c"));
 }
 
 // Root only: a process of another user on this host is refused even with the token.
