@@ -54,7 +54,7 @@ int run(int argc, char** argv) {
   const std::optional<TrainingData> data = load_data(config, is_main);
   if (!data) return 1;
   job.peak = measure_peak(*pg);
-  if (!config.memory_budget.empty() || !config.plan_file.empty()) adopt_plan(config, *pg, job.peak.job_flops);
+  if (!config.memory_budget.empty() || !config.plan_file.empty()) adopt_plan(config, pg, job.peak.job_flops);
 
   resolve_init(config, rank);
   BuiltModel built = build_model(config);

@@ -17,6 +17,7 @@
 #include "measurements.h"
 #include "model.h"
 #include "model_cost.h"
+#include "model_setup.h"
 #include "optimizer.h"
 
 namespace fsdp_gpt {
@@ -83,6 +84,39 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
     options.smaller_loss([&] { return next_token_loss(model, small); }).smaller_tokens(half * config.context);
   return fsdp::calibrate(
       *model, [&] { return next_token_loss(model, batch); }, rows * config.context, options);
+}
+
+void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg, bool flags_only,
+                           fsdp::Calibration& calibration) {
+  TrainConfig copy = config;
+  copy.activation_checkpointing = false;
+  copy.measure_exposed_comm = true;
+  copy.quantize_all_gather = copy.quantize_reduce = "none";
+  copy.deterministic = false;
+  copy.reshard_after_forward = "strategy";
+  copy.reshard_after_forward_size = 0;
+  if (copy.init == "deferred" && !fsdp::DeferredInit::supported()) copy.init = "eager";
+  const int64_t rows = config.batch_size > 0 ? config.batch_size : config.batch_per_rank;
+  torch::manual_seed(config.seed + pg->rank());
+  gpt::Batch batch;
+  batch.inputs = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
+  batch.targets = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
+  for (const at::ScalarType precision : plan_precisions(config, flags_only)) {
+    copy.mixed_precision = precision == at::kBFloat16 ? "bf16" : precision == at::kHalf ? "fp16" : "none";
+    BuiltModel built = build_model(copy);  // a throwaway copy, sharded as the flags say
+    auto sharded = shard_model(built, copy, pg);
+    fsdp::RuntimeTiming timed;
+    timed.wrap = copy.wrap;
+    timed.strategy = fsdp::parse_sharding_strategy(copy.strategy);
+    timed.sharding_factor = copy.sharding_factor;
+    timed.precision = precision;
+    timed.micro_batch = static_cast<int>(rows);
+    timed.all_gather_limit = copy.all_gather_limit;
+    timed.backward_prefetch = fsdp::parse_backward_prefetch(copy.backward_prefetch);
+    timed.forward_prefetch = copy.forward_prefetch;
+    fsdp::calibrate_runtime(
+        calibration, *sharded, *pg, [&] { return next_token_loss(built.model, batch); }, timed);
+  }
 }
 
 fsdp::Cluster plan_cluster(const TrainConfig& config, int world) {
@@ -206,7 +240,8 @@ int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
   return 0;
 }
 
-void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_flops) {
+void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double job_matmul_flops) {
+  fsdp::ProcessGroup& pg = *pg_ptr;
   fsdp::Cluster cluster = plan_cluster(config, pg.size());
   if (config.cluster.empty() && job_matmul_flops > 0) {
     // This machine: the matmul rate every rank measured at once is each rank's peak; 16-bit
@@ -231,6 +266,7 @@ void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_f
     }
     calibration.step_s_per_element = fsdp::mean_across_ranks(pg, calibration.step_s_per_element);
     fsdp::calibrate_link(calibration, *pg.world());
+    calibrate_gpt_runtime(config, pg_ptr, flags_only, calibration);
     if (pg.rank() == 0 && !config.calibration_file.empty()) calibration.save(config.calibration_file);
   } else if (!config.calibration_file.empty()) {
     calibration = fsdp::Calibration::from_file(config.calibration_file);

@@ -23,6 +23,12 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
 // the flags' own). Collective-free.
 fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only);
 
+// --calibrate in a training job: a throwaway copy of the GPT sharded as the flags say (without
+// checkpointing or quantization) timed through the FSDP runtime, every rank at once, in the
+// precisions the plan considers (fsdp::calibrate_runtime). Collective over `pg`.
+void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg, bool flags_only,
+                           fsdp::Calibration& calibration);
+
 // The flags that run `candidate` (strategy, wrapping, checkpointing, precision, micro-batch).
 void apply_candidate(const fsdp::Candidate& candidate, TrainConfig& config);
 
@@ -34,6 +40,6 @@ int print_plan(const TrainConfig& config, const fsdp::RankEnv& env);
 // naming the smallest budget that would fit when none does. --plan-file: rank 0 writes the
 // prediction for the configuration the run trains with. Without --cluster, `job_matmul_flops`
 // (the sum over ranks of the rates measured at once) sets this machine's peak per rank.
-void adopt_plan(TrainConfig& config, fsdp::ProcessGroup& pg, double job_matmul_flops);
+void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg, double job_matmul_flops);
 
 }  // namespace fsdp_gpt

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fsdp/comm.h"
+#include "fsdp/options.h"
 
 namespace fsdp {
 
@@ -30,6 +31,25 @@ struct PrecisionTiming {
   double small_backward_s = 0;
 };
 
+// The FSDP runtime's own forward and backward at the job's world, in one configuration
+// (calibrate_runtime), so the plan charges what the plain copy's passes leave out: FSDP's work per
+// unit (hooks, casts, copies, allocation) and waits for peers beyond the modeled collectives.
+// See Note [Planner runtime calibration] in docs/design.md.
+struct RuntimeTiming {
+  std::string wrap;  // the name of the PlanRequest wrap policy the timed copy was wrapped by
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  int sharding_factor = 0;  // HYBRID_SHARD
+  at::ScalarType precision = at::kFloat;
+  int micro_batch = 1;  // sequences in the timed forward (PlanRequest::seq_len tokens each)
+  int all_gather_limit = 2;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = true;
+  int reductions_in_flight = 2;
+  double forward_s = 0;   // forward and loss through the runtime
+  double backward_s = 0;  // its backward, the gradients reduced
+  double exposed_s = -1;  // the compute thread's waits on collectives per iteration; < 0: not measured
+};
+
 struct Calibration {
   int64_t tokens = 0;        // tokens in each timed forward
   int64_t small_tokens = 0;  // tokens in the smaller batch's forward (fewer than `tokens`); 0: none
@@ -37,14 +57,20 @@ struct Calibration {
   double step_s_per_element = 0;  // the optimizer's step per parameter element; 0: not measured
   double link_gbps = 0;           // between the job's ranks (calibrate_link); 0: the cluster's links
   double link_latency_us = 0;     // per ring step, with link_gbps
+  std::vector<RuntimeTiming> runtime;  // at most one per precision
 
   // The timing for `precision`, or null.
   const PrecisionTiming* find(at::ScalarType precision) const;
+  // The runtime timing for `precision`, or null.
+  const RuntimeTiming* find_runtime(at::ScalarType precision) const;
   bool empty() const { return timings.empty(); }
 
   // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings":
   // [{"precision": "fp32"|"bf16"|"fp16", "forward_s": F, "backward_s": B, "peak_bytes": P,
-  // "checkpointed_peak_bytes": C, "small_forward_s": f, "small_backward_s": b}, ...]}
+  // "checkpointed_peak_bytes": C, "small_forward_s": f, "small_backward_s": b}, ...],
+  // "runtime": [{"wrap": W, "strategy": S, "sharding_factor": K, "precision": P, "micro_batch": M,
+  // "all_gather_limit": A, "backward_prefetch": B, "forward_prefetch": F, "reductions_in_flight": R,
+  // "forward_s": f, "backward_s": b, "exposed_s": e}, ...]}
   std::string to_json() const;
   // Throws fsdp::Error naming the bad field and `source`.
   static Calibration from_json(const std::string& text, const std::string& source = "calibration JSON");
@@ -80,5 +106,17 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
 // a gather of one value per rank, the bandwidth from one of `bytes_per_rank`; the mean over ranks, so
 // every rank gets the same figures. Collective: every rank calls it at once.
 void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank = int64_t(1) << 20);
+
+class FullyShardedModule;
+class ProcessGroup;
+
+// Times `loss()` (one forward of `timed.micro_batch` sequences through `sharded`, a throwaway copy
+// of the model wrapped as `timed` describes) and its backward through the FSDP runtime, with the
+// event trace on for the waits, and records them (the mean over ranks, the median of `repetitions`
+// after one untimed) as `calibration`'s runtime timing for `timed.precision`, replacing any.
+// Collective over `pg`: every rank calls it at once. Throws fsdp::Error when `sharded`'s strategy
+// or sharding factor is not `timed`'s.
+void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, const ProcessGroup& pg,
+                       const std::function<at::Tensor()>& loss, RuntimeTiming timed, int repetitions = 3);
 
 }  // namespace fsdp

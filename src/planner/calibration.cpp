@@ -13,19 +13,14 @@
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
 #include "fsdp/network_model.h"
+#include "planner/timing_stats.h"
 
 namespace fsdp {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
+using planner::Clock;
+using planner::median;
+using planner::seconds_since;
 
 // A line "<key> <kB> kB" of /proc/self/status, in bytes; 0 when absent.
 int64_t status_bytes(const std::string& key) {
@@ -154,6 +149,20 @@ std::string Calibration::to_json() const {
                             {"checkpointed_peak_bytes", t.checkpointed_peak_bytes},
                             {"small_forward_s", t.small_forward_s},
                             {"small_backward_s", t.small_backward_s}});
+  j["runtime"] = nlohmann::json::array();
+  for (const auto& r : runtime)
+    j["runtime"].push_back({{"wrap", r.wrap},
+                            {"strategy", to_string(r.strategy)},
+                            {"sharding_factor", r.sharding_factor},
+                            {"precision", precision_name(r.precision)},
+                            {"micro_batch", r.micro_batch},
+                            {"all_gather_limit", r.all_gather_limit},
+                            {"backward_prefetch", to_string(r.backward_prefetch)},
+                            {"forward_prefetch", r.forward_prefetch},
+                            {"reductions_in_flight", r.reductions_in_flight},
+                            {"forward_s", r.forward_s},
+                            {"backward_s", r.backward_s},
+                            {"exposed_s", r.exposed_s}});
   return j.dump(1);
 }
 
@@ -184,6 +193,25 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
                  precision_name(timing.precision), " timing's peak bytes must not be negative");
       c.timings.push_back(timing);
     }
+    for (const auto& r : j.value("runtime", nlohmann::json::array())) {
+      RuntimeTiming timing;
+      timing.wrap = r.at("wrap").get<std::string>();
+      timing.strategy = parse_sharding_strategy(r.at("strategy").get<std::string>());
+      timing.sharding_factor = r.value("sharding_factor", 0);
+      timing.precision = precision_named(r.at("precision").get<std::string>(), source);
+      timing.micro_batch = r.at("micro_batch").get<int>();
+      timing.all_gather_limit = r.value("all_gather_limit", timing.all_gather_limit);
+      timing.backward_prefetch = parse_backward_prefetch(r.value("backward_prefetch", std::string("BACKWARD_PRE")));
+      timing.forward_prefetch = r.value("forward_prefetch", timing.forward_prefetch);
+      timing.reductions_in_flight = r.value("reductions_in_flight", timing.reductions_in_flight);
+      timing.forward_s = r.at("forward_s").get<double>();
+      timing.backward_s = r.at("backward_s").get<double>();
+      timing.exposed_s = r.value("exposed_s", -1.0);
+      FSDP_CHECK(timing.micro_batch >= 1, source, ": a runtime timing's micro_batch must be at least 1");
+      FSDP_CHECK(timing.forward_s > 0 && timing.backward_s > 0, source, ": the ", precision_name(timing.precision),
+                 " runtime timing must have positive forward_s and backward_s");
+      c.runtime.push_back(timing);
+    }
   } catch (const nlohmann::json::exception& e) {
     throw Error(source + ": not a calibration (" + e.what() + "); fsdp::Calibration::save writes one");
   }
@@ -210,6 +238,12 @@ void Calibration::save(const std::string& path) const {
 const PrecisionTiming* Calibration::find(at::ScalarType precision) const {
   for (const auto& t : timings)
     if (t.precision == precision) return &t;
+  return nullptr;
+}
+
+const RuntimeTiming* Calibration::find_runtime(at::ScalarType precision) const {
+  for (const auto& r : runtime)
+    if (r.precision == precision) return &r;
   return nullptr;
 }
 

@@ -51,7 +51,9 @@ struct Resting {
 }  // namespace
 
 PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cluster, int world,
-                   const PlanRequest& request) {
+                   const PlanRequest& request, const RuntimeCorrection* correction, Replayed* replayed) {
+  const RuntimeCorrection none;
+  const RuntimeCorrection& extra = correction != nullptr ? *correction : none;
   const UnitPlan& plan = *model.units;
   const ModelCosts& costs = *model.costs;
   const int F = shard_factor(c, world);
@@ -99,7 +101,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         flat.grad_buffer_bytes = flat.separate_shard ? padded * element_size(reduce) : 0;
         flat.reduce_output_bytes = flat.separate_shard && F > 1 ? shard * element_size(reduce) : 0;
       }
-      flat.gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link);
+      flat.gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link) +
+                      extra.per_collective_s;
       if (offload) flat.gather_s += static_cast<double>(shard * element_size(dtype)) / host_bps;
       if (requires_grad) {
         const int64_t grad_bytes = padded * element_size(reduce);
@@ -109,7 +112,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
           flat.reduce_s +=
               modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, replica_link);
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
+        flat.reduce_s = std::max(0.0, flat.reduce_s + extra.per_collective_s);
       }
+      flat.gather_s = std::max(0.0, flat.gather_s);
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
       if (requires_grad) {
         rest.piece_numel += flat.separate_shard ? piece : numel;
@@ -139,12 +144,17 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     forward_s_per_flop = passes.forward_s / (costs.forward_flops * tokens);
     backward_ratio = passes.backward_s / passes.forward_s;
   }
+  std::vector<int> unit_segments(plan.units.size(), 0);
+  for (const SegmentCost& s : costs.segments) ++unit_segments[s.unit];
   for (const SegmentCost& s : costs.segments) {
     SimSegment seg;
     seg.unit = s.unit;
-    seg.forward_s = s.forward_flops * tokens * forward_s_per_flop;
+    const double forward_s = s.forward_flops * tokens * forward_s_per_flop;
+    const double share = 1.0 / unit_segments[s.unit];  // the unit's runtime work, spread over its stretches
     const bool recompute = sim.units[s.unit].checkpointed;
-    seg.backward_s = (backward_ratio + (recompute ? 1.0 : 0.0)) * seg.forward_s;
+    seg.forward_s = std::max(0.0, forward_s + extra.forward_per_unit_s * share);
+    seg.backward_s = std::max(0.0, backward_ratio * forward_s + extra.backward_per_unit_s * share) +
+                     (recompute ? seg.forward_s : 0.0);
     const double unit_values = costs.unit_activation_values[s.unit];
     seg.activation_share = unit_values > 0 ? s.activation_values / unit_values : 0;
     sim.segments.push_back(seg);
@@ -158,6 +168,13 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   sim.separate_lanes = cluster.separate_comm_lanes;
   sim.comm_on_compute_cores = cluster.device_is_host;
   const SimResult r = simulate(sim);
+  if (replayed != nullptr) {
+    replayed->forward_s = r.forward_s;
+    replayed->passes_s = r.step_s;
+    replayed->exposed_s = r.exposed_s;
+    replayed->collectives = r.collectives;
+    replayed->units = static_cast<int>(plan.units.size());
+  }
 
   PlanEntry e;
   e.candidate = c;
@@ -198,6 +215,40 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const double peak = c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16;
   t.mfu = peak > 0 ? t.tflops_per_device * 1e12 / peak : 0;
   return e;
+}
+
+RuntimeCorrection runtime_correction(const ModelView& model, const RuntimeTiming& timing, const NamedWrapPolicy& wrap,
+                                     const Cluster& cluster, int world, const PlanRequest& request) {
+  Candidate c;
+  c.strategy = timing.strategy;
+  c.sharding_factor = timing.sharding_factor;
+  c.wrap = wrap;
+  c.precision = timing.precision;
+  c.all_gather_limit = timing.all_gather_limit;
+  c.backward_prefetch = timing.backward_prefetch;
+  c.forward_prefetch = timing.forward_prefetch;
+  c.reductions_in_flight = timing.reductions_in_flight;
+  c.micro_batch = timing.micro_batch;
+  Replayed replay;
+  evaluate(model, c, cluster, world, request, nullptr, &replay);
+  RuntimeCorrection out;
+  if (replay.units == 0) return out;
+  const double measured_backward = timing.backward_s, replay_backward = replay.passes_s - replay.forward_s;
+  // Waits beyond the replay's exposed collectives go to the collectives; the rest is FSDP's work per unit.
+  double waits = timing.exposed_s >= 0 ? timing.exposed_s - replay.exposed_s : 0;
+  if (replay.collectives > 0)
+    out.per_collective_s = waits / replay.collectives;
+  else
+    waits = 0;
+  const double work = timing.forward_s + measured_backward - replay.passes_s - waits;
+  const double forward_gap = timing.forward_s - replay.forward_s, backward_gap = measured_backward - replay_backward;
+  const double forward_share = forward_gap > 0 && backward_gap > 0 ? forward_gap / (forward_gap + backward_gap)
+                               : forward_gap > 0                   ? 1.0
+                               : backward_gap > 0                  ? 0.0
+                                                 : timing.forward_s / (timing.forward_s + measured_backward);
+  out.forward_per_unit_s = work * forward_share / replay.units;
+  out.backward_per_unit_s = work * (1 - forward_share) / replay.units;
+  return out;
 }
 
 }  // namespace fsdp::planner

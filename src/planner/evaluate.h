@@ -13,8 +13,32 @@ struct ModelView {
   const ModelCosts* costs = nullptr;
 };
 
-// `world` ranks of `cluster`; every other input comes from `request`.
+// What the runtime spends beyond the replay of a calibrated configuration (Note [Planner runtime
+// calibration]): per unit in each pass, and per collective.
+struct RuntimeCorrection {
+  double forward_per_unit_s = 0;
+  double backward_per_unit_s = 0;
+  double per_collective_s = 0;
+};
+
+// The replay's figures for one micro-batch of a candidate, beside its PlanEntry.
+struct Replayed {
+  double forward_s = 0;  // the forward's end
+  double passes_s = 0;   // forward and backward, the reductions waited for
+  double exposed_s = 0;
+  int collectives = 0;
+  int units = 0;
+};
+
+// `world` ranks of `cluster`; every other input comes from `request`. `correction`: added to the
+// replay (none: null); `replayed`: where to put the replay's own figures (null: nowhere).
 PlanEntry evaluate(const ModelView& model, const Candidate& candidate, const Cluster& cluster, int world,
-                   const PlanRequest& request);
+                   const PlanRequest& request, const RuntimeCorrection* correction = nullptr,
+                   Replayed* replayed = nullptr);
+
+// The correction a runtime timing implies: its measured passes against the replay of the
+// configuration it timed (`model` wrapped by the policy it names).
+RuntimeCorrection runtime_correction(const ModelView& model, const RuntimeTiming& timing, const NamedWrapPolicy& wrap,
+                                     const Cluster& cluster, int world, const PlanRequest& request);
 
 }  // namespace fsdp::planner

@@ -37,6 +37,7 @@ class Replay {
       compute(s.forward_s);
       add_acts(kept(s));
     }
+    r_.forward_s = now_;
     for (int i = static_cast<int>(in_.segments.size()) - 1; i >= 0; --i) {
       const SimSegment& s = in_.segments[i];
       const int u = s.unit;
@@ -134,6 +135,7 @@ class Replay {
   }
 
   double issue(double duration, bool reduction) {
+    ++r_.collectives;
     if (in_.comm_on_compute_cores) {  // the collective takes the compute thread's time: all exposed
       exposed_ += duration;
       now_ += duration;

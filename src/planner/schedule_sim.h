@@ -63,8 +63,10 @@ struct SimResult {
   // transient FSDP buffers of that size alive at once, times the size.
   int64_t pool_bytes = 0;
   double step_s = 0;
+  double forward_s = 0;  // when the forward's last stretch ends
   double compute_s = 0;
   double exposed_s = 0;
+  int collectives = 0;  // gathers and reductions issued
   int max_unsharded_units = 0;
 };
 

@@ -1,6 +1,7 @@
 // fsdp::plan (include/fsdp/planner.h): every candidate of the request's search space, each
 // predicted by evaluate(); fitting ones first, fastest first.
 #include <algorithm>
+#include <map>
 #include <sstream>
 
 #include "fsdp/check.h"
@@ -46,10 +47,29 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   result.memory_margin = request.memory_margin();
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
-  for (const NamedWrapPolicy& wrap : request.wrap_policies()) {
-    const UnitPlan units = plan_units(model, Options().auto_wrap_policy(wrap.policy), c10::Device(c10::kCPU));
-    const planner::ModelCosts costs = planner::model_costs(model, units, request.module_cost(), request.seq_len());
-    const planner::ModelView view{&units, &costs};
+  // Every wrap policy's units and costs, then what the runtime timings add to their replays.
+  const auto& wraps = request.wrap_policies();
+  std::vector<UnitPlan> unit_plans;
+  std::vector<planner::ModelCosts> model_costs;
+  unit_plans.reserve(wraps.size());
+  model_costs.reserve(wraps.size());
+  for (const NamedWrapPolicy& wrap : wraps) {
+    unit_plans.push_back(plan_units(model, Options().auto_wrap_policy(wrap.policy), c10::Device(c10::kCPU)));
+    model_costs.push_back(planner::model_costs(model, unit_plans.back(), request.module_cost(), request.seq_len()));
+  }
+  std::map<at::ScalarType, planner::RuntimeCorrection> corrections;
+  for (const RuntimeTiming& timing : request.calibration().runtime) {
+    size_t w = 0;
+    while (w < wraps.size() && wraps[w].name != timing.wrap) ++w;
+    FSDP_CHECK(w < wraps.size(), "the calibration's runtime timing was made with the wrap policy \"", timing.wrap,
+               "\", which PlanRequest::wrap_policies does not name; add it under that name, or calibrate again");
+    corrections[timing.precision] = planner::runtime_correction({&unit_plans[w], &model_costs[w]}, timing, wraps[w],
+                                                                cluster, world, request);
+  }
+  for (size_t w = 0; w < wraps.size(); ++w) {
+    const NamedWrapPolicy& wrap = wraps[w];
+    const UnitPlan& units = unit_plans[w];
+    const planner::ModelView view{&units, &model_costs[w]};
     for (const ShardingStrategy strategy : request.strategies()) {
       std::vector<int> factors{0};
       if (strategy == ShardingStrategy::kHybridShard) factors = hybrid_factors(request, cluster, world);
@@ -79,7 +99,10 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                         c.reductions_in_flight = in_flight;
                         c.micro_batch = micro;
                         c.accumulation = per_rank / micro;
-                        PlanEntry e = planner::evaluate(view, c, cluster, world, request);
+                        const auto corrected = corrections.find(precision);
+                        PlanEntry e = planner::evaluate(
+                            view, c, cluster, world, request,
+                            corrected == corrections.end() ? nullptr : &corrected->second);
                         e.fits =
                             static_cast<double>(e.memory.peak) * with_margin <= static_cast<double>(result.budget) &&
                             (e.memory.host == 0 || e.memory.host * cluster.ranks_per_node <= cluster.host_memory_bytes);

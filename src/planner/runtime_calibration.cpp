@@ -1,0 +1,68 @@
+// fsdp::calibrate_runtime (include/fsdp/calibration.h): the FSDP runtime's own passes timed at the
+// job's world. See Note [Planner runtime calibration] in docs/design.md.
+#include <algorithm>
+
+#include "fsdp/calibration.h"
+#include "fsdp/check.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/process_group.h"
+#include "planner/timing_stats.h"
+
+namespace fsdp {
+namespace {
+
+using planner::Clock;
+using planner::median;
+using planner::seconds_since;
+
+void drop_grads(const FullyShardedModule& sharded) {
+  for (const auto& p : sharded.shard_pieces())
+    if (p.piece.grad().defined()) p.piece.mutable_grad() = at::Tensor();
+}
+
+}  // namespace
+
+void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, const ProcessGroup& pg,
+                       const std::function<at::Tensor()>& loss, RuntimeTiming timed, int repetitions) {
+  FSDP_CHECK(loss != nullptr, "fsdp::calibrate_runtime: loss is null; pass a function that runs one forward");
+  FSDP_CHECK(repetitions >= 1, "fsdp::calibrate_runtime: repetitions must be >= 1, got ", repetitions);
+  FSDP_CHECK(timed.micro_batch >= 1, "fsdp::calibrate_runtime: the timed micro_batch must be at least 1, got ",
+             timed.micro_batch);
+  FSDP_CHECK(!timed.wrap.empty(),
+             "fsdp::calibrate_runtime: name the wrap policy the copy was wrapped by (RuntimeTiming::wrap), as the "
+             "PlanRequest names it");
+  FSDP_CHECK(sharded.sharding_strategy() == timed.strategy, "fsdp::calibrate_runtime: the copy is wrapped with ",
+             to_string(sharded.sharding_strategy()), " but the timing describes ", to_string(timed.strategy));
+  FSDP_CHECK(timed.strategy != ShardingStrategy::kHybridShard || sharded.sharding_factor() == timed.sharding_factor,
+             "fsdp::calibrate_runtime: the copy shards over ", sharded.sharding_factor(),
+             " ranks but the timing describes a hybrid factor of ", timed.sharding_factor);
+  sharded.set_trace(true);
+  std::vector<double> forward, backward, exposed;
+  if (pg.size() > 1) pg.world()->barrier();
+  for (int i = 0; i <= repetitions; ++i) {
+    drop_grads(sharded);
+    const auto start = Clock::now();
+    at::Tensor value = loss();
+    FSDP_CHECK(value.numel() == 1, "fsdp::calibrate_runtime: loss() must return a scalar, got ", value.numel(),
+               " values");
+    const double f = seconds_since(start);
+    const auto middle = Clock::now();
+    value.backward();
+    const double b = seconds_since(middle);
+    if (i == 0) continue;
+    forward.push_back(f);
+    backward.push_back(b);
+    exposed.push_back(sharded.last_trace().exposed_comm_us * 1e-6);
+  }
+  drop_grads(sharded);
+  timed.forward_s = mean_across_ranks(pg, median(forward));
+  timed.backward_s = mean_across_ranks(pg, median(backward));
+  timed.exposed_s = mean_across_ranks(pg, median(exposed));
+  auto& runtime = calibration.runtime;
+  runtime.erase(std::remove_if(runtime.begin(), runtime.end(),
+                               [&](const RuntimeTiming& r) { return r.precision == timed.precision; }),
+                runtime.end());
+  runtime.push_back(timed);
+}
+
+}  // namespace fsdp
