@@ -54,9 +54,9 @@ struct Calibration {
   int64_t tokens = 0;        // tokens in each timed forward
   int64_t small_tokens = 0;  // tokens in the smaller batch's forward (fewer than `tokens`); 0: none
   std::vector<PrecisionTiming> timings;
-  double step_s_per_element = 0;  // the optimizer's step per parameter element; 0: not measured
-  double link_gbps = 0;           // between the job's ranks (calibrate_link); 0: the cluster's links
-  double link_latency_us = 0;     // per ring step, with link_gbps
+  double step_s_per_element = 0;       // the optimizer's step per parameter element; 0: not measured
+  double link_gbps = 0;                // between the job's ranks (calibrate_link); 0: the cluster's links
+  double link_latency_us = 0;          // per ring step, with link_gbps
   std::vector<RuntimeTiming> runtime;  // at most one per precision
 
   // The timing for `precision`, or null.

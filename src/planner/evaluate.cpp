@@ -101,8 +101,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         flat.grad_buffer_bytes = flat.separate_shard ? padded * element_size(reduce) : 0;
         flat.reduce_output_bytes = flat.separate_shard && F > 1 ? shard * element_size(reduce) : 0;
       }
-      flat.gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link) +
-                      extra.per_collective_s;
+      flat.gather_s =
+          modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link) + extra.per_collective_s;
       if (offload) flat.gather_s += static_cast<double>(shard * element_size(dtype)) / host_bps;
       if (requires_grad) {
         const int64_t grad_bytes = padded * element_size(reduce);
@@ -245,7 +245,7 @@ RuntimeCorrection runtime_correction(const ModelView& model, const RuntimeTiming
   const double forward_share = forward_gap > 0 && backward_gap > 0 ? forward_gap / (forward_gap + backward_gap)
                                : forward_gap > 0                   ? 1.0
                                : backward_gap > 0                  ? 0.0
-                                                 : timing.forward_s / (timing.forward_s + measured_backward);
+                                                  : timing.forward_s / (timing.forward_s + measured_backward);
   out.forward_per_unit_s = work * forward_share / replay.units;
   out.backward_per_unit_s = work * (1 - forward_share) / replay.units;
   return out;

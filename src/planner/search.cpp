@@ -63,8 +63,8 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     while (w < wraps.size() && wraps[w].name != timing.wrap) ++w;
     FSDP_CHECK(w < wraps.size(), "the calibration's runtime timing was made with the wrap policy \"", timing.wrap,
                "\", which PlanRequest::wrap_policies does not name; add it under that name, or calibrate again");
-    corrections[timing.precision] = planner::runtime_correction({&unit_plans[w], &model_costs[w]}, timing, wraps[w],
-                                                                cluster, world, request);
+    corrections[timing.precision] =
+        planner::runtime_correction({&unit_plans[w], &model_costs[w]}, timing, wraps[w], cluster, world, request);
   }
   for (size_t w = 0; w < wraps.size(); ++w) {
     const NamedWrapPolicy& wrap = wraps[w];
@@ -100,9 +100,8 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                         c.micro_batch = micro;
                         c.accumulation = per_rank / micro;
                         const auto corrected = corrections.find(precision);
-                        PlanEntry e = planner::evaluate(
-                            view, c, cluster, world, request,
-                            corrected == corrections.end() ? nullptr : &corrected->second);
+                        PlanEntry e = planner::evaluate(view, c, cluster, world, request,
+                                                        corrected == corrections.end() ? nullptr : &corrected->second);
                         e.fits =
                             static_cast<double>(e.memory.peak) * with_margin <= static_cast<double>(result.budget) &&
                             (e.memory.host == 0 || e.memory.host * cluster.ranks_per_node <= cluster.host_memory_bytes);

@@ -1,0 +1,185 @@
+// The planner's runtime calibration (fsdp::calibrate_runtime, include/fsdp/calibration.h): the FSDP
+// runtime's passes timed at the job's world; the plan predicts the timed configuration as measured
+// and charges the same per-unit work and waits to every other configuration of that precision.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fsdp/cluster.h"
+#include "fsdp/fsdp.h"
+#include "fsdp/planner.h"
+#include "harness.h"
+#include "models.h"
+
+namespace fsdp_test {
+namespace {
+
+// Four ranks of this machine's preset with a memory bandwidth so high that the optimizer step
+// takes no time: a plan's step is its passes.
+fsdp::Cluster instant_step_cluster(int world) {
+  return fsdp::Cluster::from_json(R"({"preset": "cpu", "ranks_per_node": )" + std::to_string(world) +
+                                  R"(, "device": {"memory_gbps": 1e12}})");
+}
+
+fsdp::PlanRequest strategies_request(int world) {
+  return fsdp::PlanRequest()
+      .world(world)
+      .global_batch(2 * world)
+      .seq_len(8)
+      .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
+                   fsdp::ShardingStrategy::kNoShard})
+      .wrap_policies({{"block", fsdp::wrap::by_type<BlockImpl>()}})
+      .activation_checkpointing({false, true})
+      .cpu_offload({false})
+      .precisions({at::kFloat, at::kBFloat16})
+      .micro_batches({2});
+}
+
+fsdp::RuntimeTiming timed_full_shard(double forward_s, double backward_s, double exposed_s) {
+  fsdp::RuntimeTiming t;
+  t.wrap = "block";
+  t.micro_batch = 2;
+  t.forward_s = forward_s;
+  t.backward_s = backward_s;
+  t.exposed_s = exposed_s;
+  return t;
+}
+
+std::map<std::string, fsdp::TimePrediction> times_by_candidate(const fsdp::Plan& plan) {
+  std::map<std::string, fsdp::TimePrediction> out;
+  for (const auto& e : plan.entries) out[e.candidate.describe()] = e.time;
+  return out;
+}
+
+TEST(PlannerRuntimeCalibration, TheTimedConfigurationIsPredictedAsMeasured) {
+  fsdp::DeferredInit deferred;
+  TinyTransformer model(50, 16, 2, 3, 8);
+  const auto cluster = instant_step_cluster(4);
+  fsdp::Calibration calibration;
+  calibration.runtime.push_back(timed_full_shard(0.050, 0.110, 0.020));
+  const auto corrected = times_by_candidate(fsdp::plan(*model, cluster, strategies_request(4).calibration(calibration)));
+  const auto plain = times_by_candidate(fsdp::plan(*model, cluster, strategies_request(4)));
+  ASSERT_EQ(corrected.size(), 12U);
+  ASSERT_EQ(plain.size(), corrected.size());
+  const std::string reference = "FULL_SHARD, wrap block, fp32, micro-batch 2 x 1";
+  ASSERT_EQ(corrected.count(reference), 1U) << "no candidate described as " << reference;
+  EXPECT_NEAR(corrected.at(reference).step_s, 0.160, 1e-9);
+  EXPECT_NEAR(corrected.at(reference).exposed_comm_s, 0.020, 1e-9);
+  for (const auto& [name, time] : corrected) {
+    const bool fp32 = name.find("fp32") != std::string::npos;
+    if (fp32) {  // the runtime's work and waits are charged to every configuration of the timed precision
+      EXPECT_GT(time.step_s, plain.at(name).step_s + 0.05) << name;
+      EXPECT_GT(time.exposed_comm_s, plain.at(name).exposed_comm_s) << name;
+    } else {  // and to no other
+      EXPECT_DOUBLE_EQ(time.step_s, plain.at(name).step_s) << name;
+    }
+  }
+  // Recomputation repeats the forward's per-unit work: checkpointing costs more than without the correction.
+  const std::string checkpointed = "FULL_SHARD, wrap block, checkpointed, fp32, micro-batch 2 x 1";
+  ASSERT_EQ(corrected.count(checkpointed), 1U);
+  EXPECT_GT(corrected.at(checkpointed).step_s - corrected.at(reference).step_s,
+            plain.at(checkpointed).step_s - plain.at(reference).step_s + 1e-6);
+}
+
+TEST(PlannerRuntimeCalibration, RuntimeTimingsSurviveAFileAndNameTheirWrapPolicy) {
+  fsdp::Calibration calibration;
+  auto timing = timed_full_shard(0.010, 0.020, 0.001);
+  timing.strategy = fsdp::ShardingStrategy::kHybridShard;
+  timing.sharding_factor = 2;
+  timing.precision = at::kBFloat16;
+  timing.backward_prefetch = fsdp::BackwardPrefetch::kBackwardPost;
+  timing.all_gather_limit = 3;
+  calibration.runtime.push_back(timing);
+  calibration.tokens = 16;
+  const auto back = fsdp::Calibration::from_json(calibration.to_json());
+  ASSERT_NE(back.find_runtime(at::kBFloat16), nullptr);
+  EXPECT_EQ(back.find_runtime(at::kFloat), nullptr);
+  const auto& r = *back.find_runtime(at::kBFloat16);
+  EXPECT_EQ(r.wrap, "block");
+  EXPECT_EQ(r.strategy, fsdp::ShardingStrategy::kHybridShard);
+  EXPECT_EQ(r.sharding_factor, 2);
+  EXPECT_EQ(r.backward_prefetch, fsdp::BackwardPrefetch::kBackwardPost);
+  EXPECT_EQ(r.all_gather_limit, 3);
+  EXPECT_EQ(r.micro_batch, 2);
+  EXPECT_DOUBLE_EQ(r.forward_s, 0.010);
+  EXPECT_DOUBLE_EQ(r.exposed_s, 0.001);
+  EXPECT_THROW(fsdp::Calibration::from_json(
+                   R"({"tokens": 1, "timings": [], "runtime": [{"wrap": "block", "strategy": "FULL_SHARD",
+                       "precision": "fp32", "micro_batch": 1, "forward_s": 0, "backward_s": 1}]})"),
+               fsdp::Error);
+
+  // A plan whose wrap policies lack the timed one says which name is missing.
+  fsdp::DeferredInit deferred;
+  TinyTransformer model(50, 16, 2, 3, 8);
+  fsdp::Calibration other;
+  auto unnamed = timed_full_shard(0.01, 0.02, 0);
+  unnamed.wrap = "by-size";
+  other.runtime.push_back(unnamed);
+  try {
+    fsdp::plan(*model, instant_step_cluster(4), strategies_request(4).calibration(other));
+    ADD_FAILURE() << "a runtime timing of an unknown wrap policy was accepted";
+  } catch (const fsdp::Error& e) {
+    EXPECT_TRUE(contains(e.what(), "\"by-size\"")) << e.what();
+  }
+}
+
+// calibrate_runtime on a real sharded model: every rank gets the same figures, and the plan
+// reproduces them for the configuration they time.
+FSDP_WORKER(runtime_calibration_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  torch::manual_seed(5);
+  TinyTransformer model(50, 16, 2, 3, 8);
+  auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>()));
+  torch::manual_seed(11 + pg->rank());
+  const auto x = torch::randint(50, {2, 8}, torch::kLong);
+  fsdp::Calibration calibration;
+  fsdp::calibrate_runtime(calibration, *sharded, *pg, [&] { return loss_of(model, x); }, timed_full_shard(0, 0, -1));
+  WORKER_CHECK(calibration.runtime.size() == 1, "one timing expected, got ", calibration.runtime.size());
+  const fsdp::RuntimeTiming r = calibration.runtime.front();
+  WORKER_CHECK(r.forward_s > 0 && r.backward_s > 0, "passes not timed: ", r.forward_s, " ", r.backward_s);
+  WORKER_CHECK(r.exposed_s >= 0 && r.exposed_s < r.forward_s + r.backward_s, "waits ", r.exposed_s, " of ",
+               r.forward_s + r.backward_s, " s");
+  const double values[] = {r.forward_s, r.backward_s, r.exposed_s};
+  for (const double v : values)
+    WORKER_CHECK(fsdp::mean_across_ranks(*pg, v) == v, "ranks disagree on ", v);
+  fsdp::calibrate_runtime(calibration, *sharded, *pg, [&] { return loss_of(model, x); }, timed_full_shard(0, 0, -1));
+  WORKER_CHECK(calibration.runtime.size() == 1, "a second timing of fp32 must replace the first");
+
+  auto wrong = timed_full_shard(0, 0, -1);
+  wrong.strategy = fsdp::ShardingStrategy::kNoShard;
+  bool refused = false;
+  try {
+    fsdp::calibrate_runtime(calibration, *sharded, *pg, [&] { return loss_of(model, x); }, wrong);
+  } catch (const fsdp::Error& e) {
+    refused = contains(e.what(), "FULL_SHARD") && contains(e.what(), "NO_SHARD");
+  }
+  WORKER_CHECK(refused, "a timing that describes another strategy than the copy's was not refused");
+
+  fsdp::DeferredInit deferred;
+  TinyTransformer shapes(50, 16, 2, 3, 8);
+  const auto& t = calibration.runtime.front();
+  const auto plan = fsdp::plan(*shapes, instant_step_cluster(pg->size()),
+                               strategies_request(pg->size())
+                                   .strategies({fsdp::ShardingStrategy::kFullShard})
+                                   .activation_checkpointing({false})
+                                   .precisions({at::kFloat})
+                                   .calibration(calibration));
+  WORKER_CHECK(plan.entries.size() == 1, "one candidate expected, got ", plan.entries.size());
+  const auto& time = plan.entries.front().time;
+  WORKER_CHECK(std::abs(time.step_s - (t.forward_s + t.backward_s)) < 1e-6 * (t.forward_s + t.backward_s) + 1e-9,
+               "the timed configuration predicted at ", time.step_s, " s, measured ", t.forward_s + t.backward_s);
+  if (pg->rank() == 0)
+    std::cout << "runtime calibration: forward " << t.forward_s * 1e3 << " ms, backward " << t.backward_s * 1e3
+              << " ms, waits " << t.exposed_s * 1e3 << " ms" << std::endl;
+}
+
+TEST(PlannerRuntimeCalibration, CalibrateRuntimeTimesTheShardedPassesOnEveryRank) {
+  auto r = launch("runtime_calibration_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "runtime calibration: forward")) << r.report();
+}
+
+}  // namespace
+}  // namespace fsdp_test
