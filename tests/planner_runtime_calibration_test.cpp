@@ -123,6 +123,12 @@ TEST(PlannerRuntimeCalibration, RuntimeTimingsSurviveAFileAndNameTheirWrapPolicy
   } catch (const fsdp::Error& e) {
     EXPECT_TRUE(contains(e.what(), "\"by-size\"")) << e.what();
   }
+  // Named as a calibration wrap policy, it is replayed for the correction but not searched.
+  const auto plan =
+      fsdp::plan(*model, instant_step_cluster(4),
+                 strategies_request(4).calibration(other).calibration_wrap_policies(
+                     {{"by-size", fsdp::wrap::by_type<BlockImpl>()}}));
+  for (const auto& e : plan.entries) EXPECT_EQ(e.candidate.wrap.name, "block");
 }
 
 // calibrate_runtime on a real sharded model: every rank gets the same figures, and the plan

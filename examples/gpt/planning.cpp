@@ -115,7 +115,7 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
     timed.backward_prefetch = fsdp::parse_backward_prefetch(copy.backward_prefetch);
     timed.forward_prefetch = copy.forward_prefetch;
     fsdp::calibrate_runtime(
-        calibration, *sharded, *pg, [&] { return next_token_loss(built.model, batch); }, timed);
+        calibration, *sharded, *pg, [&] { return next_token_loss(built.model, batch); }, timed, 5);
   }
 }
 
@@ -136,6 +136,7 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
   return request.strategies({strategy})
       .hybrid_factors({config.sharding_factor})
       .wrap_policies(wrap)
+      .calibration_wrap_policies(request.wrap_policies())  // a saved calibration may have timed another
       .activation_checkpointing({config.activation_checkpointing})
       .cpu_offload({false})
       .precisions({precision})

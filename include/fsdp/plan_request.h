@@ -60,6 +60,8 @@ struct PlanRequest {
   // HYBRID_SHARD's sharding factors; empty: the ranks of one node (half the world on one node).
   TORCH_ARG(std::vector<int>, hybrid_factors) = {};
   TORCH_ARG(std::vector<NamedWrapPolicy>, wrap_policies) = {NamedWrapPolicy{"none", nullptr}};
+  /// Wrap policies a runtime timing of `calibration` may name besides `wrap_policies`; not searched.
+  TORCH_ARG(std::vector<NamedWrapPolicy>, calibration_wrap_policies) = {};
   // Every non-root unit checkpointed, or none.
   TORCH_ARG(std::vector<bool>, activation_checkpointing) = {false, true};
   TORCH_ARG(std::vector<bool>, cpu_offload) = {false, true};  // never where the device is the host

@@ -47,29 +47,36 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   result.memory_margin = request.memory_margin();
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
-  // Every wrap policy's units and costs, then what the runtime timings add to their replays.
-  const auto& wraps = request.wrap_policies();
+  // Every wrap policy's units and costs (the searched ones first, then those only runtime timings
+  // name), then what the runtime timings add to their replays.
+  std::vector<NamedWrapPolicy> known = request.wrap_policies();
+  const size_t searched = known.size();
+  known.insert(known.end(), request.calibration_wrap_policies().begin(), request.calibration_wrap_policies().end());
   std::vector<UnitPlan> unit_plans;
   std::vector<planner::ModelCosts> model_costs;
-  unit_plans.reserve(wraps.size());
-  model_costs.reserve(wraps.size());
-  for (const NamedWrapPolicy& wrap : wraps) {
-    unit_plans.push_back(plan_units(model, Options().auto_wrap_policy(wrap.policy), c10::Device(c10::kCPU)));
-    model_costs.push_back(planner::model_costs(model, unit_plans.back(), request.module_cost(), request.seq_len()));
-  }
+  unit_plans.reserve(known.size());
+  model_costs.reserve(known.size());
+  auto view_of = [&](size_t w) {
+    while (unit_plans.size() <= w) {
+      const size_t next = unit_plans.size();
+      unit_plans.push_back(plan_units(model, Options().auto_wrap_policy(known[next].policy), c10::Device(c10::kCPU)));
+      model_costs.push_back(planner::model_costs(model, unit_plans.back(), request.module_cost(), request.seq_len()));
+    }
+    return planner::ModelView{&unit_plans[w], &model_costs[w]};
+  };
   std::map<at::ScalarType, planner::RuntimeCorrection> corrections;
   for (const RuntimeTiming& timing : request.calibration().runtime) {
     size_t w = 0;
-    while (w < wraps.size() && wraps[w].name != timing.wrap) ++w;
-    FSDP_CHECK(w < wraps.size(), "the calibration's runtime timing was made with the wrap policy \"", timing.wrap,
-               "\", which PlanRequest::wrap_policies does not name; add it under that name, or calibrate again");
-    corrections[timing.precision] =
-        planner::runtime_correction({&unit_plans[w], &model_costs[w]}, timing, wraps[w], cluster, world, request);
+    while (w < known.size() && known[w].name != timing.wrap) ++w;
+    FSDP_CHECK(w < known.size(), "the calibration's runtime timing was made with the wrap policy \"", timing.wrap,
+               "\", which neither PlanRequest::wrap_policies nor calibration_wrap_policies names; add it under that "
+               "name, or calibrate again");
+    corrections[timing.precision] = planner::runtime_correction(view_of(w), timing, known[w], cluster, world, request);
   }
-  for (size_t w = 0; w < wraps.size(); ++w) {
-    const NamedWrapPolicy& wrap = wraps[w];
-    const UnitPlan& units = unit_plans[w];
-    const planner::ModelView view{&units, &model_costs[w]};
+  for (size_t w = 0; w < searched; ++w) {
+    const NamedWrapPolicy& wrap = known[w];
+    const planner::ModelView view = view_of(w);
+    const UnitPlan& units = *view.units;
     for (const ShardingStrategy strategy : request.strategies()) {
       std::vector<int> factors{0};
       if (strategy == ShardingStrategy::kHybridShard) factors = hybrid_factors(request, cluster, world);
