@@ -28,8 +28,8 @@ fsdp::PlanRequest strategies_request(int world) {
       .world(world)
       .global_batch(2 * world)
       .seq_len(8)
-      .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
-                   fsdp::ShardingStrategy::kNoShard})
+      .strategies(
+          {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp, fsdp::ShardingStrategy::kNoShard})
       .wrap_policies({{"block", fsdp::wrap::by_type<BlockImpl>()}})
       .activation_checkpointing({false, true})
       .cpu_offload({false})
@@ -37,9 +37,11 @@ fsdp::PlanRequest strategies_request(int world) {
       .micro_batches({2});
 }
 
+// A FULL_SHARD timing by block at world 4.
 fsdp::RuntimeTiming timed_full_shard(double forward_s, double backward_s, double exposed_s) {
   fsdp::RuntimeTiming t;
   t.wrap = "block";
+  t.world = 4;
   t.micro_batch = 2;
   t.forward_s = forward_s;
   t.backward_s = backward_s;
@@ -59,23 +61,31 @@ TEST(PlannerRuntimeCalibration, TheTimedConfigurationIsPredictedAsMeasured) {
   const auto cluster = instant_step_cluster(4);
   fsdp::Calibration calibration;
   calibration.runtime.push_back(timed_full_shard(0.050, 0.110, 0.020));
-  const auto corrected = times_by_candidate(fsdp::plan(*model, cluster, strategies_request(4).calibration(calibration)));
+  calibration.runtime.back().step_s = 0.004;  // the step predicted at no time: all of it is the runtime's
+  const auto corrected =
+      times_by_candidate(fsdp::plan(*model, cluster, strategies_request(4).calibration(calibration)));
   const auto plain = times_by_candidate(fsdp::plan(*model, cluster, strategies_request(4)));
   ASSERT_EQ(corrected.size(), 12U);
   ASSERT_EQ(plain.size(), corrected.size());
   const std::string reference = "FULL_SHARD, wrap block, fp32, micro-batch 2 x 1";
   ASSERT_EQ(corrected.count(reference), 1U) << "no candidate described as " << reference;
-  EXPECT_NEAR(corrected.at(reference).step_s, 0.160, 1e-9);
+  EXPECT_NEAR(corrected.at(reference).step_s, 0.164, 1e-9);
   EXPECT_NEAR(corrected.at(reference).exposed_comm_s, 0.020, 1e-9);
   for (const auto& [name, time] : corrected) {
     const bool fp32 = name.find("fp32") != std::string::npos;
     if (fp32) {  // the runtime's work and waits are charged to every configuration of the timed precision
-      EXPECT_GT(time.step_s, plain.at(name).step_s + 0.05) << name;
+      EXPECT_GT(time.step_s, plain.at(name).step_s + 0.054) << name;
       EXPECT_GT(time.exposed_comm_s, plain.at(name).exposed_comm_s) << name;
     } else {  // and to no other
       EXPECT_DOUBLE_EQ(time.step_s, plain.at(name).step_s) << name;
     }
   }
+  // A timing made at another world is not used, and the table says so.
+  auto elsewhere = calibration;
+  elsewhere.runtime.front().world = 2;
+  const auto other_world = fsdp::plan(*model, cluster, strategies_request(4).calibration(elsewhere));
+  EXPECT_EQ(times_by_candidate(other_world).at(reference).step_s, plain.at(reference).step_s);
+  EXPECT_TRUE(contains(other_world.table(), "made at world 2, not 4")) << other_world.table();
   // Recomputation repeats the forward's per-unit work: checkpointing costs more than without the correction.
   const std::string checkpointed = "FULL_SHARD, wrap block, checkpointed, fp32, micro-batch 2 x 1";
   ASSERT_EQ(corrected.count(checkpointed), 1U);
@@ -103,11 +113,12 @@ TEST(PlannerRuntimeCalibration, RuntimeTimingsSurviveAFileAndNameTheirWrapPolicy
   EXPECT_EQ(r.backward_prefetch, fsdp::BackwardPrefetch::kBackwardPost);
   EXPECT_EQ(r.all_gather_limit, 3);
   EXPECT_EQ(r.micro_batch, 2);
+  EXPECT_EQ(r.world, 4);
   EXPECT_DOUBLE_EQ(r.forward_s, 0.010);
   EXPECT_DOUBLE_EQ(r.exposed_s, 0.001);
   EXPECT_THROW(fsdp::Calibration::from_json(
                    R"({"tokens": 1, "timings": [], "runtime": [{"wrap": "block", "strategy": "FULL_SHARD",
-                       "precision": "fp32", "micro_batch": 1, "forward_s": 0, "backward_s": 1}]})"),
+                       "precision": "fp32", "micro_batch": 1, "world": 1, "forward_s": 0, "backward_s": 1}]})"),
                fsdp::Error);
 
   // A plan whose wrap policies lack the timed one says which name is missing.
@@ -124,10 +135,9 @@ TEST(PlannerRuntimeCalibration, RuntimeTimingsSurviveAFileAndNameTheirWrapPolicy
     EXPECT_TRUE(contains(e.what(), "\"by-size\"")) << e.what();
   }
   // Named as a calibration wrap policy, it is replayed for the correction but not searched.
-  const auto plan =
-      fsdp::plan(*model, instant_step_cluster(4),
-                 strategies_request(4).calibration(other).calibration_wrap_policies(
-                     {{"by-size", fsdp::wrap::by_type<BlockImpl>()}}));
+  const auto plan = fsdp::plan(*model, instant_step_cluster(4),
+                               strategies_request(4).calibration(other).calibration_wrap_policies(
+                                   {{"by-size", fsdp::wrap::by_type<BlockImpl>()}}));
   for (const auto& e : plan.entries) EXPECT_EQ(e.candidate.wrap.name, "block");
 }
 
@@ -141,23 +151,30 @@ FSDP_WORKER(runtime_calibration_worker) {
   torch::manual_seed(11 + pg->rank());
   const auto x = torch::randint(50, {2, 8}, torch::kLong);
   fsdp::Calibration calibration;
-  fsdp::calibrate_runtime(calibration, *sharded, *pg, [&] { return loss_of(model, x); }, timed_full_shard(0, 0, -1));
+  torch::optim::SGD sgd(sharded->parameters(), 0.01);
+  fsdp::calibrate_runtime(
+      calibration, *sharded, *pg, [&] { return loss_of(model, x); }, timed_full_shard(0, 0, -1), 3,
+      [&] { sgd.step(); });
   WORKER_CHECK(calibration.runtime.size() == 1, "one timing expected, got ", calibration.runtime.size());
   const fsdp::RuntimeTiming r = calibration.runtime.front();
-  WORKER_CHECK(r.forward_s > 0 && r.backward_s > 0, "passes not timed: ", r.forward_s, " ", r.backward_s);
+  WORKER_CHECK(r.world == pg->size(), "the timing's world is ", r.world, ", the job's ", pg->size());
+  WORKER_CHECK(r.forward_s > 0 && r.backward_s > 0 && r.step_s > 0, "not timed: ", r.forward_s, " ", r.backward_s, " ",
+               r.step_s);
   WORKER_CHECK(r.exposed_s >= 0 && r.exposed_s < r.forward_s + r.backward_s, "waits ", r.exposed_s, " of ",
                r.forward_s + r.backward_s, " s");
-  const double values[] = {r.forward_s, r.backward_s, r.exposed_s};
-  for (const double v : values)
-    WORKER_CHECK(fsdp::mean_across_ranks(*pg, v) == v, "ranks disagree on ", v);
-  fsdp::calibrate_runtime(calibration, *sharded, *pg, [&] { return loss_of(model, x); }, timed_full_shard(0, 0, -1));
-  WORKER_CHECK(calibration.runtime.size() == 1, "a second timing of fp32 must replace the first");
+  const double values[] = {r.forward_s, r.backward_s, r.exposed_s, r.step_s};
+  for (const double v : values) WORKER_CHECK(fsdp::mean_across_ranks(*pg, v) == v, "ranks disagree on ", v);
+  fsdp::calibrate_runtime(
+      calibration, *sharded, *pg, [&] { return loss_of(model, x); }, timed_full_shard(0, 0, -1));
+  WORKER_CHECK(calibration.runtime.size() == 1 && calibration.runtime.front().step_s < 0,
+               "a second timing of fp32 (without a step) must replace the first");
 
   auto wrong = timed_full_shard(0, 0, -1);
   wrong.strategy = fsdp::ShardingStrategy::kNoShard;
   bool refused = false;
   try {
-    fsdp::calibrate_runtime(calibration, *sharded, *pg, [&] { return loss_of(model, x); }, wrong);
+    fsdp::calibrate_runtime(
+        calibration, *sharded, *pg, [&] { return loss_of(model, x); }, wrong);
   } catch (const fsdp::Error& e) {
     refused = contains(e.what(), "FULL_SHARD") && contains(e.what(), "NO_SHARD");
   }
@@ -165,7 +182,8 @@ FSDP_WORKER(runtime_calibration_worker) {
 
   fsdp::DeferredInit deferred;
   TinyTransformer shapes(50, 16, 2, 3, 8);
-  const auto& t = calibration.runtime.front();
+  calibration.runtime.front() = r;  // the timing with its step
+  const auto& t = r;
   const auto plan = fsdp::plan(*shapes, instant_step_cluster(pg->size()),
                                strategies_request(pg->size())
                                    .strategies({fsdp::ShardingStrategy::kFullShard})
@@ -174,8 +192,9 @@ FSDP_WORKER(runtime_calibration_worker) {
                                    .calibration(calibration));
   WORKER_CHECK(plan.entries.size() == 1, "one candidate expected, got ", plan.entries.size());
   const auto& time = plan.entries.front().time;
-  WORKER_CHECK(std::abs(time.step_s - (t.forward_s + t.backward_s)) < 1e-6 * (t.forward_s + t.backward_s) + 1e-9,
-               "the timed configuration predicted at ", time.step_s, " s, measured ", t.forward_s + t.backward_s);
+  const double measured = t.forward_s + t.backward_s + t.step_s;
+  WORKER_CHECK(std::abs(time.step_s - measured) < 1e-6 * measured + 1e-9, "the timed configuration predicted at ",
+               time.step_s, " s, measured ", measured);
   if (pg->rank() == 0)
     std::cout << "runtime calibration: forward " << t.forward_s * 1e3 << " ms, backward " << t.backward_s * 1e3
               << " ms, waits " << t.exposed_s * 1e3 << " ms" << std::endl;

@@ -114,8 +114,10 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
     timed.all_gather_limit = copy.all_gather_limit;
     timed.backward_prefetch = fsdp::parse_backward_prefetch(copy.backward_prefetch);
     timed.forward_prefetch = copy.forward_prefetch;
+    auto optimizer = build_optimizer(*sharded, copy);
     fsdp::calibrate_runtime(
-        calibration, *sharded, *pg, [&] { return next_token_loss(built.model, batch); }, timed, 5);
+        calibration, *sharded, *pg, [&] { return next_token_loss(built.model, batch); }, timed, 5,
+        [&] { optimizer->step(); });
   }
 }
 
@@ -133,10 +135,10 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
   std::vector<fsdp::NamedWrapPolicy> wrap;
   for (const auto& w : request.wrap_policies())
     if (w.name == config.wrap) wrap.push_back(w);
+  request.calibration_wrap_policies(request.wrap_policies());  // a saved calibration may have timed another
   return request.strategies({strategy})
       .hybrid_factors({config.sharding_factor})
       .wrap_policies(wrap)
-      .calibration_wrap_policies(request.wrap_policies())  // a saved calibration may have timed another
       .activation_checkpointing({config.activation_checkpointing})
       .cpu_offload({false})
       .precisions({precision})

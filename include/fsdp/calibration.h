@@ -41,6 +41,7 @@ struct RuntimeTiming {
   int sharding_factor = 0;  // HYBRID_SHARD
   at::ScalarType precision = at::kFloat;
   int micro_batch = 1;  // sequences in the timed forward (PlanRequest::seq_len tokens each)
+  int world = 1;        // ranks of the timed job: plans for another world do not use it
   int all_gather_limit = 2;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = true;
@@ -48,6 +49,7 @@ struct RuntimeTiming {
   double forward_s = 0;   // forward and loss through the runtime
   double backward_s = 0;  // its backward, the gradients reduced
   double exposed_s = -1;  // the compute thread's waits on collectives per iteration; < 0: not measured
+  double step_s = -1;     // the optimizer's step over the copy's shard pieces; < 0: not timed
 };
 
 struct Calibration {
@@ -68,9 +70,9 @@ struct Calibration {
   // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings":
   // [{"precision": "fp32"|"bf16"|"fp16", "forward_s": F, "backward_s": B, "peak_bytes": P,
   // "checkpointed_peak_bytes": C, "small_forward_s": f, "small_backward_s": b}, ...],
-  // "runtime": [{"wrap": W, "strategy": S, "sharding_factor": K, "precision": P, "micro_batch": M,
+  // "runtime": [{"wrap": W, "strategy": S, "sharding_factor": K, "precision": P, "micro_batch": M, "world": N,
   // "all_gather_limit": A, "backward_prefetch": B, "forward_prefetch": F, "reductions_in_flight": R,
-  // "forward_s": f, "backward_s": b, "exposed_s": e}, ...]}
+  // "forward_s": f, "backward_s": b, "exposed_s": e, "step_s": s}, ...]}
   std::string to_json() const;
   // Throws fsdp::Error naming the bad field and `source`.
   static Calibration from_json(const std::string& text, const std::string& source = "calibration JSON");
@@ -110,13 +112,16 @@ void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_
 class FullyShardedModule;
 class ProcessGroup;
 
-// Times `loss()` (one forward of `timed.micro_batch` sequences through `sharded`, a throwaway copy
-// of the model wrapped as `timed` describes) and its backward through the FSDP runtime, with the
-// event trace on for the waits, and records them (the mean over ranks, the median of `repetitions`
-// after one untimed) as `calibration`'s runtime timing for `timed.precision`, replacing any.
+// Times training iterations of `sharded` (a throwaway copy of the model wrapped as `timed`
+// describes): `loss()` (one forward of `timed.micro_batch` sequences), its backward through the FSDP
+// runtime with the event trace on for the waits, and `step()` (the optimizer's step over the copy's
+// shard pieces; null: none), and records them (the mean over ranks, the median of `repetitions`
+// after one untimed) as `calibration`'s runtime timing for `timed.precision` at `pg`'s world,
+// replacing any.
 // Collective over `pg`: every rank calls it at once. Throws fsdp::Error when `sharded`'s strategy
 // or sharding factor is not `timed`'s.
 void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, const ProcessGroup& pg,
-                       const std::function<at::Tensor()>& loss, RuntimeTiming timed, int repetitions = 3);
+                       const std::function<at::Tensor()>& loss, RuntimeTiming timed, int repetitions = 3,
+                       const std::function<void()>& step = nullptr);
 
 }  // namespace fsdp

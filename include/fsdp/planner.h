@@ -19,6 +19,7 @@ struct Plan {
   int64_t budget = 0;
   double memory_margin = 0;  // PlanRequest::memory_margin
   std::string cluster;
+  std::vector<std::string> notes;  // what the plan could not use (a runtime timing of another world)
 
   bool any_fits() const { return !entries.empty() && entries.front().fits; }
   // The fastest fitting entry. Throws fsdp::Error naming the smallest budget any candidate needs.

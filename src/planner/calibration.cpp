@@ -156,13 +156,15 @@ std::string Calibration::to_json() const {
                             {"sharding_factor", r.sharding_factor},
                             {"precision", precision_name(r.precision)},
                             {"micro_batch", r.micro_batch},
+                            {"world", r.world},
                             {"all_gather_limit", r.all_gather_limit},
                             {"backward_prefetch", to_string(r.backward_prefetch)},
                             {"forward_prefetch", r.forward_prefetch},
                             {"reductions_in_flight", r.reductions_in_flight},
                             {"forward_s", r.forward_s},
                             {"backward_s", r.backward_s},
-                            {"exposed_s", r.exposed_s}});
+                            {"exposed_s", r.exposed_s},
+                            {"step_s", r.step_s}});
   return j.dump(1);
 }
 
@@ -200,6 +202,7 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
       timing.sharding_factor = r.value("sharding_factor", 0);
       timing.precision = precision_named(r.at("precision").get<std::string>(), source);
       timing.micro_batch = r.at("micro_batch").get<int>();
+      timing.world = r.at("world").get<int>();
       timing.all_gather_limit = r.value("all_gather_limit", timing.all_gather_limit);
       timing.backward_prefetch = parse_backward_prefetch(r.value("backward_prefetch", std::string("BACKWARD_PRE")));
       timing.forward_prefetch = r.value("forward_prefetch", timing.forward_prefetch);
@@ -207,7 +210,9 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
       timing.forward_s = r.at("forward_s").get<double>();
       timing.backward_s = r.at("backward_s").get<double>();
       timing.exposed_s = r.value("exposed_s", -1.0);
-      FSDP_CHECK(timing.micro_batch >= 1, source, ": a runtime timing's micro_batch must be at least 1");
+      timing.step_s = r.value("step_s", -1.0);
+      FSDP_CHECK(timing.micro_batch >= 1 && timing.world >= 1, source,
+                 ": a runtime timing's micro_batch and world must be at least 1");
       FSDP_CHECK(timing.forward_s > 0 && timing.backward_s > 0, source, ": the ", precision_name(timing.precision),
                  " runtime timing must have positive forward_s and backward_s");
       c.runtime.push_back(timing);

@@ -206,9 +206,11 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const double step_s = calibration.step_s_per_element > 0 && !offload
                             ? static_cast<double>(rest.piece_numel) * calibration.step_s_per_element
                             : static_cast<double>(rest.piece_numel) * kOptimizerValuesPerElement * 4.0 / bandwidth;
+  if (replayed != nullptr) replayed->optimizer_s = step_s;
+  const double optimizer_s = std::max(0.0, step_s + extra.per_step_s);
   TimePrediction& t = e.time;
-  t.step_s = c.accumulation * r.step_s + step_s;
-  t.compute_s = c.accumulation * r.compute_s + step_s;
+  t.step_s = c.accumulation * r.step_s + optimizer_s;
+  t.compute_s = c.accumulation * r.compute_s + optimizer_s;
   t.exposed_comm_s = c.accumulation * r.exposed_s;
   const double model_flops = 3.0 * costs.forward_flops * tokens * c.accumulation;
   t.tflops_per_device = t.step_s > 0 ? model_flops / t.step_s / 1e12 : 0;
@@ -233,6 +235,7 @@ RuntimeCorrection runtime_correction(const ModelView& model, const RuntimeTiming
   evaluate(model, c, cluster, world, request, nullptr, &replay);
   RuntimeCorrection out;
   if (replay.units == 0) return out;
+  if (timing.step_s >= 0) out.per_step_s = timing.step_s - replay.optimizer_s;
   const double measured_backward = timing.backward_s, replay_backward = replay.passes_s - replay.forward_s;
   // Waits beyond the replay's exposed collectives go to the collectives; the rest is FSDP's work per unit.
   double waits = timing.exposed_s >= 0 ? timing.exposed_s - replay.exposed_s : 0;

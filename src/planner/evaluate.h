@@ -19,6 +19,7 @@ struct RuntimeCorrection {
   double forward_per_unit_s = 0;
   double backward_per_unit_s = 0;
   double per_collective_s = 0;
+  double per_step_s = 0;  // beyond the optimizer step's own prediction
 };
 
 // The replay's figures for one micro-batch of a candidate, beside its PlanEntry.
@@ -28,6 +29,7 @@ struct Replayed {
   double exposed_s = 0;
   int collectives = 0;
   int units = 0;
+  double optimizer_s = 0;  // the predicted optimizer step
 };
 
 // `world` ranks of `cluster`; every other input comes from `request`. `correction`: added to the

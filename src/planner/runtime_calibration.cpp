@@ -23,7 +23,8 @@ void drop_grads(const FullyShardedModule& sharded) {
 }  // namespace
 
 void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, const ProcessGroup& pg,
-                       const std::function<at::Tensor()>& loss, RuntimeTiming timed, int repetitions) {
+                       const std::function<at::Tensor()>& loss, RuntimeTiming timed, int repetitions,
+                       const std::function<void()>& step) {
   FSDP_CHECK(loss != nullptr, "fsdp::calibrate_runtime: loss is null; pass a function that runs one forward");
   FSDP_CHECK(repetitions >= 1, "fsdp::calibrate_runtime: repetitions must be >= 1, got ", repetitions);
   FSDP_CHECK(timed.micro_batch >= 1, "fsdp::calibrate_runtime: the timed micro_batch must be at least 1, got ",
@@ -36,8 +37,9 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
   FSDP_CHECK(timed.strategy != ShardingStrategy::kHybridShard || sharded.sharding_factor() == timed.sharding_factor,
              "fsdp::calibrate_runtime: the copy shards over ", sharded.sharding_factor(),
              " ranks but the timing describes a hybrid factor of ", timed.sharding_factor);
+  timed.world = pg.size();
   sharded.set_trace(true);
-  std::vector<double> forward, backward, exposed;
+  std::vector<double> forward, backward, exposed, steps;
   if (pg.size() > 1) pg.world()->barrier();
   for (int i = 0; i <= repetitions; ++i) {
     drop_grads(sharded);
@@ -49,15 +51,20 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
     const auto middle = Clock::now();
     value.backward();
     const double b = seconds_since(middle);
+    const auto stepping = Clock::now();
+    if (step) step();
+    const double s = seconds_since(stepping);
     if (i == 0) continue;
     forward.push_back(f);
     backward.push_back(b);
     exposed.push_back(sharded.last_trace().exposed_comm_us * 1e-6);
+    steps.push_back(s);
   }
   drop_grads(sharded);
   timed.forward_s = mean_across_ranks(pg, median(forward));
   timed.backward_s = mean_across_ranks(pg, median(backward));
   timed.exposed_s = mean_across_ranks(pg, median(exposed));
+  timed.step_s = step ? mean_across_ranks(pg, median(steps)) : -1;
   auto& runtime = calibration.runtime;
   runtime.erase(std::remove_if(runtime.begin(), runtime.end(),
                                [&](const RuntimeTiming& r) { return r.precision == timed.precision; }),

@@ -66,6 +66,12 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   };
   std::map<at::ScalarType, planner::RuntimeCorrection> corrections;
   for (const RuntimeTiming& timing : request.calibration().runtime) {
+    if (timing.world != world) {
+      result.notes.push_back("the calibration's " + std::string(c10::toString(timing.precision)) +
+                             " runtime timing was made at world " + std::to_string(timing.world) + ", not " +
+                             std::to_string(world) + ": FSDP's own work is not in these predictions");
+      continue;
+    }
     size_t w = 0;
     while (w < known.size() && known[w].name != timing.wrap) ++w;
     FSDP_CHECK(w < known.size(), "the calibration's runtime timing was made with the wrap policy \"", timing.wrap,

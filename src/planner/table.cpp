@@ -64,6 +64,7 @@ std::string Plan::table(size_t max_rows) const {
       << fixed_digits(e.time.tflops_per_device, 3) << " | " << fixed_digits(e.time.mfu * 100, 1) << " |\n";
   }
   if (rows < entries.size()) o << "(" << entries.size() - rows << " more)\n";
+  for (const std::string& note : notes) o << "note: " << note << "\n";
   return o.str();
 }
 

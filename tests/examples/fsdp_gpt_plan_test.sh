@@ -57,9 +57,17 @@ test_plan_calibrated() {
   grep -q '"precision": "fp32"' "$TMP/calibration.json" || fail "no fp32 timing in the calibration file"
   grep -q '"precision": "bf16"' "$TMP/calibration.json" || fail "no bf16 timing in the calibration file"
   grep -qE '"link_gbps": (0\.0*[1-9]|[1-9])' "$TMP/calibration.json" || fail "no measured link in the calibration file"
+  grep -q '"runtime"' "$TMP/calibration.json" || fail "no runtime timing in the calibration file"
+  grep -q '"world": 2' "$TMP/calibration.json" || fail "the runtime timing does not name its world"
   run "$TRAINER" "${SMALL[@]}" --plan --calibration-file "$TMP/calibration.json"
   expect_rc 0
   expect_regex out "^best: "
+  expect_text out "runtime timing was made at world 2, not 1"
+  # A run wrapped otherwise than the timed copy still predicts from that timing.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --wrap none \
+    --plan-file "$TMP/plan.jsonl" --calibration-file "$TMP/calibration.json"
+  expect_rc 0
+  grep -q '"configuration":"FULL_SHARD, wrap none' "$TMP/plan.jsonl" || fail "no prediction for the wrap none run"
   run "$TRAINER" "${SMALL[@]}" --plan --calibrate --cluster a100-80g:1x8
   expect_failure
   expect_text err "--cluster a100-80g:1x8 plans for another"
