@@ -68,9 +68,9 @@ def free_port():
 
 def calibration(build, world, model, mp, tmp):
     """A calibration for (world, model, precision), made by a short job just before the run it serves
-    (the machine's speed drifts), whose ranks all time the model at once (--calibrate) and its copy
-    sharded FULL_SHARD by block through the runtime; a separate job, so the measured run's resident
-    set does not include it."""
+    (the machine's speed drifts), whose ranks all time the model at once (--calibrate) and copies of it
+    sharded FULL_SHARD and NO_SHARD by block through the runtime; a separate job, so the measured
+    run's resident set does not include it."""
     path = os.path.join(tmp, f"calibration-{world}-{model}-{mp}.json")
     cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
            str(free_port()), os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + [
@@ -169,8 +169,13 @@ def write(args, rows, started, finished, commit, load_start, load_end):
     tensors_ok = sum(1 for r in rows if abs(tensors(r) - 1) <= 0.10)
     step_ok = sum(1 for r in rows if abs(ratio(r["step"]) - 1) <= 0.15)
     exposed_ok = sum(1 for r in rows if abs(r["exposed"][0] - r["exposed"][1]) <= 0.05)
-    # The calibration times FULL_SHARD by block, not checkpointed, through the runtime: other rows are predictions.
-    others = [r for r in rows if not r["config"].startswith(("FULL_SHARD, wrap block, fp32", "FULL_SHARD, wrap block, bf16"))]
+    # The calibration times FULL_SHARD by block, and at worlds above 1 NO_SHARD by block, not checkpointed,
+    # through the runtime: the other rows are predictions.
+    def timed(r):
+        return r["config"].startswith(("FULL_SHARD, wrap block, fp32", "FULL_SHARD, wrap block, bf16")) or (
+            r["world"] > 1 and r["config"].startswith(("NO_SHARD, wrap block, fp32", "NO_SHARD, wrap block, bf16")))
+
+    others = [r for r in rows if not timed(r)]
     others_step_ok = sum(1 for r in others if abs(ratio(r["step"]) - 1) <= 0.15)
     others_exposed_ok = sum(1 for r in others if abs(r["exposed"][0] - r["exposed"][1]) <= 0.05)
     cmd = "bench/planner.py " + os.path.relpath(os.path.abspath(args.build), ROOT) + (
@@ -195,11 +200,12 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         "set-up and validation included) is shown beside it. Predicted: the trainer's `--plan-file` entry for the run (cluster `cpu:1xWORLD`, process bytes = "
         "the mean resident set over ranks after the data is loaded), with `--calibration-file` from a job of the "
         "same world, model and precision run just before it (`--calibrate`: every rank timing a copy "
-        "of the model at once, and measuring its passes' memory with and without checkpointed blocks; and a copy "
-        "sharded FULL_SHARD by block timed through the runtime, whose passes and waits beyond the replay of that "
-        "configuration become FSDP's work per unit and per collective in every prediction of the precision). "
-        "The rows of that configuration (FULL_SHARD, wrap block, not checkpointed) reproduce the calibration's "
-        "own timing; the others are predicted from it.",
+        "of the model at once, and measuring its passes' memory with and without checkpointed blocks; and copies "
+        "sharded FULL_SHARD and, at worlds above 1, NO_SHARD by block, each timed for iterations through the runtime: "
+        "what they take beyond the replays of their configurations becomes FSDP's work per unit and per collective, "
+        "and its waits per collective, in every prediction of the precision). The rows of those configurations "
+        "(FULL_SHARD or NO_SHARD, wrap block, not checkpointed) are fitted to the calibration's own timings; the "
+        "others are predicted from them.",
         "",
         f"- FSDP-managed memory (parameter + gradient peaks) within 2%: **{fsdp_ok} of {len(rows)}** runs "
         f"(worst measured / predicted {max(abs(ratio(r['fsdp']) - 1) for r in rows) * 100:.2f}% off).",

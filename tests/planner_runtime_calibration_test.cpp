@@ -93,6 +93,29 @@ TEST(PlannerRuntimeCalibration, TheTimedConfigurationIsPredictedAsMeasured) {
             plain.at(checkpointed).step_s - plain.at(reference).step_s + 1e-6);
 }
 
+// Two strategies timed: FSDP's work splits into a part per unit and a part per collective, so both
+// timed configurations are predicted as measured, and SHARD_GRAD_OP, whose collectives lie between
+// theirs, in between.
+TEST(PlannerRuntimeCalibration, TwoTimedStrategiesSplitWorkPerUnitAndPerCollective) {
+  fsdp::DeferredInit deferred;
+  TinyTransformer model(50, 16, 2, 3, 8);
+  const auto cluster = instant_step_cluster(4);
+  fsdp::Calibration calibration;
+  calibration.runtime.push_back(timed_full_shard(0.050, 0.110, -1));
+  auto no_shard = timed_full_shard(0.040, 0.060, -1);
+  no_shard.strategy = fsdp::ShardingStrategy::kNoShard;
+  calibration.runtime.push_back(no_shard);
+  const auto times = times_by_candidate(
+      fsdp::plan(*model, cluster, strategies_request(4).activation_checkpointing({false}).calibration(calibration)));
+  const double full = times.at("FULL_SHARD, wrap block, fp32, micro-batch 2 x 1").step_s;
+  const double none = times.at("NO_SHARD, wrap block, fp32, micro-batch 2 x 1").step_s;
+  const double grad_op = times.at("SHARD_GRAD_OP, wrap block, fp32, micro-batch 2 x 1").step_s;
+  EXPECT_NEAR(full, 0.160, 1e-9);
+  EXPECT_NEAR(none, 0.100, 1e-9);
+  EXPECT_GT(grad_op, none + 0.01);
+  EXPECT_LT(grad_op, full - 0.01);
+}
+
 TEST(PlannerRuntimeCalibration, RuntimeTimingsSurviveAFileAndNameTheirWrapPolicy) {
   fsdp::Calibration calibration;
   auto timing = timed_full_shard(0.010, 0.020, 0.001);

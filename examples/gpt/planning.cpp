@@ -101,24 +101,31 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
   gpt::Batch batch;
   batch.inputs = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
   batch.targets = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
-  for (const at::ScalarType precision : plan_precisions(config, flags_only)) {
-    copy.mixed_precision = precision == at::kBFloat16 ? "bf16" : precision == at::kHalf ? "fp16" : "none";
-    BuiltModel built = build_model(copy);  // a throwaway copy, sharded as the flags say
-    auto sharded = shard_model(built, copy, pg);
-    fsdp::RuntimeTiming timed;
-    timed.wrap = copy.wrap;
-    timed.strategy = fsdp::parse_sharding_strategy(copy.strategy);
-    timed.sharding_factor = copy.sharding_factor;
-    timed.precision = precision;
-    timed.micro_batch = static_cast<int>(rows);
-    timed.all_gather_limit = copy.all_gather_limit;
-    timed.backward_prefetch = fsdp::parse_backward_prefetch(copy.backward_prefetch);
-    timed.forward_prefetch = copy.forward_prefetch;
-    auto optimizer = build_optimizer(*sharded, copy);
-    fsdp::calibrate_runtime(
-        calibration, *sharded, *pg, [&] { return next_token_loss(built.model, batch); }, timed, 5,
-        [&] { optimizer->step(); });
-  }
+  // The flags' strategy and, at more than one rank, another with other collectives, so that the plan
+  // tells FSDP's work per unit from its work per collective.
+  std::vector<std::string> strategies{config.strategy};
+  if (pg->size() > 1) strategies.emplace_back(config.strategy == "NO_SHARD" ? "FULL_SHARD" : "NO_SHARD");
+  for (const at::ScalarType precision : plan_precisions(config, flags_only))
+    for (const std::string& strategy : strategies) {
+      copy.mixed_precision = precision == at::kBFloat16 ? "bf16" : precision == at::kHalf ? "fp16" : "none";
+      copy.strategy = strategy;
+      copy.sharding_factor = strategy == "HYBRID_SHARD" ? config.sharding_factor : 0;
+      BuiltModel built = build_model(copy);  // a throwaway copy, sharded as the flags say
+      auto sharded = shard_model(built, copy, pg);
+      fsdp::RuntimeTiming timed;
+      timed.wrap = copy.wrap;
+      timed.strategy = fsdp::parse_sharding_strategy(copy.strategy);
+      timed.sharding_factor = copy.sharding_factor;
+      timed.precision = precision;
+      timed.micro_batch = static_cast<int>(rows);
+      timed.all_gather_limit = copy.all_gather_limit;
+      timed.backward_prefetch = fsdp::parse_backward_prefetch(copy.backward_prefetch);
+      timed.forward_prefetch = copy.forward_prefetch;
+      auto optimizer = build_optimizer(*sharded, copy);
+      fsdp::calibrate_runtime(
+          calibration, *sharded, *pg, [&] { return next_token_loss(built.model, batch); }, timed, 5,
+          [&] { optimizer->step(); });
+    }
 }
 
 fsdp::Cluster plan_cluster(const TrainConfig& config, int world) {

@@ -59,11 +59,11 @@ struct Calibration {
   double step_s_per_element = 0;       // the optimizer's step per parameter element; 0: not measured
   double link_gbps = 0;                // between the job's ranks (calibrate_link); 0: the cluster's links
   double link_latency_us = 0;          // per ring step, with link_gbps
-  std::vector<RuntimeTiming> runtime;  // at most one per precision
+  std::vector<RuntimeTiming> runtime;  // calibrate_runtime's
 
   // The timing for `precision`, or null.
   const PrecisionTiming* find(at::ScalarType precision) const;
-  // The runtime timing for `precision`, or null.
+  // The first runtime timing for `precision`, or null.
   const RuntimeTiming* find_runtime(at::ScalarType precision) const;
   bool empty() const { return timings.empty(); }
 
@@ -116,8 +116,10 @@ class ProcessGroup;
 // describes): `loss()` (one forward of `timed.micro_batch` sequences), its backward through the FSDP
 // runtime with the event trace on for the waits, and `step()` (the optimizer's step over the copy's
 // shard pieces; null: none), and records them (the mean over ranks, the median of `repetitions`
-// after one untimed) as `calibration`'s runtime timing for `timed.precision` at `pg`'s world,
-// replacing any.
+// after one untimed) as a runtime timing of `calibration` at `pg`'s world, replacing one of the
+// same precision, strategy, sharding factor and wrap policy. Two strategies timed in a precision
+// (FULL_SHARD and NO_SHARD, say) let the plan tell FSDP's work per unit from its work per
+// collective.
 // Collective over `pg`: every rank calls it at once. Throws fsdp::Error when `sharded`'s strategy
 // or sharding factor is not `timed`'s.
 void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, const ProcessGroup& pg,

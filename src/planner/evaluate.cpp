@@ -2,6 +2,7 @@
 #include "planner/evaluate.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "planner/schedule_sim.h"
@@ -115,6 +116,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         flat.reduce_s = std::max(0.0, flat.reduce_s + extra.per_collective_s);
       }
       flat.gather_s = std::max(0.0, flat.gather_s);
+      flat.issue_work_s = extra.per_collective_work_s;
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
       if (requires_grad) {
         rest.piece_numel += flat.separate_shard ? piece : numel;
@@ -219,38 +221,64 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   return e;
 }
 
-RuntimeCorrection runtime_correction(const ModelView& model, const RuntimeTiming& timing, const NamedWrapPolicy& wrap,
-                                     const Cluster& cluster, int world, const PlanRequest& request) {
-  Candidate c;
-  c.strategy = timing.strategy;
-  c.sharding_factor = timing.sharding_factor;
-  c.wrap = wrap;
-  c.precision = timing.precision;
-  c.all_gather_limit = timing.all_gather_limit;
-  c.backward_prefetch = timing.backward_prefetch;
-  c.forward_prefetch = timing.forward_prefetch;
-  c.reductions_in_flight = timing.reductions_in_flight;
-  c.micro_batch = timing.micro_batch;
-  Replayed replay;
-  evaluate(model, c, cluster, world, request, nullptr, &replay);
+RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& timed, const Cluster& cluster, int world,
+                                     const PlanRequest& request) {
   RuntimeCorrection out;
-  if (replay.units == 0) return out;
-  if (timing.step_s >= 0) out.per_step_s = timing.step_s - replay.optimizer_s;
-  const double measured_backward = timing.backward_s, replay_backward = replay.passes_s - replay.forward_s;
-  // Waits beyond the replay's exposed collectives go to the collectives; the rest is FSDP's work per unit.
-  double waits = timing.exposed_s >= 0 ? timing.exposed_s - replay.exposed_s : 0;
-  if (replay.collectives > 0)
-    out.per_collective_s = waits / replay.collectives;
-  else
-    waits = 0;
-  const double work = timing.forward_s + measured_backward - replay.passes_s - waits;
-  const double forward_gap = timing.forward_s - replay.forward_s, backward_gap = measured_backward - replay_backward;
-  const double forward_share = forward_gap > 0 && backward_gap > 0 ? forward_gap / (forward_gap + backward_gap)
-                               : forward_gap > 0                   ? 1.0
-                               : backward_gap > 0                  ? 0.0
-                                                  : timing.forward_s / (timing.forward_s + measured_backward);
-  out.forward_per_unit_s = work * forward_share / replay.units;
-  out.backward_per_unit_s = work * (1 - forward_share) / replay.units;
+  // Per timing: the replay of its configuration, the waits beyond the replay's exposed collectives,
+  // and the rest of the difference (FSDP's work), with the units and collectives it spreads over.
+  double waits = 0, collectives = 0, steps = 0, forward_share = -1;
+  int stepped = 0;
+  std::vector<std::array<double, 3>> rows;  // units, collectives, work
+  for (const TimedConfiguration& t : timed) {
+    const RuntimeTiming& timing = *t.timing;
+    Candidate c;
+    c.strategy = timing.strategy;
+    c.sharding_factor = timing.sharding_factor;
+    c.wrap = t.wrap;
+    c.precision = timing.precision;
+    c.all_gather_limit = timing.all_gather_limit;
+    c.backward_prefetch = timing.backward_prefetch;
+    c.forward_prefetch = timing.forward_prefetch;
+    c.reductions_in_flight = timing.reductions_in_flight;
+    c.micro_batch = timing.micro_batch;
+    Replayed replay;
+    evaluate(t.model, c, cluster, world, request, nullptr, &replay);
+    if (replay.units == 0) continue;
+    if (timing.step_s >= 0) steps += timing.step_s - replay.optimizer_s, ++stepped;
+    const double wait = timing.exposed_s >= 0 && replay.collectives > 0 ? timing.exposed_s - replay.exposed_s : 0;
+    waits += wait;
+    collectives += replay.collectives;
+    const double replay_backward = replay.passes_s - replay.forward_s;
+    rows.push_back({static_cast<double>(replay.units), static_cast<double>(replay.collectives),
+                    timing.forward_s + timing.backward_s - replay.passes_s - wait});
+    if (forward_share < 0) {  // the first timing's passes apportion the per-unit work
+      const double forward_gap = timing.forward_s - replay.forward_s,
+                   backward_gap = timing.backward_s - replay_backward;
+      forward_share = forward_gap > 0 && backward_gap > 0 ? forward_gap / (forward_gap + backward_gap)
+                      : forward_gap > 0                   ? 1.0
+                      : backward_gap > 0                  ? 0.0
+                                                          : timing.forward_s / (timing.forward_s + timing.backward_s);
+    }
+  }
+  if (rows.empty()) return out;
+  if (stepped > 0) out.per_step_s = steps / stepped;
+  // work = per_unit * units + per_collective * collectives, by least squares over the timings;
+  // with one timing, or a fit that gives collectives negative work, all of it per unit.
+  double uu = 0, uc = 0, cc = 0, uw = 0, cw = 0, units = 0, work = 0;
+  for (const auto& [u, c, w] : rows) {
+    uu += u * u, uc += u * c, cc += c * c, uw += u * w, cw += c * w;
+    units += u, work += w;
+  }
+  const double det = uu * cc - uc * uc;
+  double per_unit = work / units, per_collective_work = 0;
+  if (rows.size() > 1 && std::abs(det) > 1e-9 * uu * cc) {
+    const double a = (uw * cc - cw * uc) / det, b = (uu * cw - uc * uw) / det;
+    if (b >= 0) per_unit = a, per_collective_work = b;
+  }
+  out.per_collective_s = collectives > 0 ? waits / collectives : 0;
+  out.per_collective_work_s = per_collective_work;
+  out.forward_per_unit_s = per_unit * forward_share;
+  out.backward_per_unit_s = per_unit * (1 - forward_share);
   return out;
 }
 

@@ -18,8 +18,9 @@ struct ModelView {
 struct RuntimeCorrection {
   double forward_per_unit_s = 0;
   double backward_per_unit_s = 0;
-  double per_collective_s = 0;
-  double per_step_s = 0;  // beyond the optimizer step's own prediction
+  double per_collective_s = 0;       // waits, added to each collective
+  double per_collective_work_s = 0;  // FSDP's work on the compute thread for each collective it issues
+  double per_step_s = 0;             // beyond the optimizer step's own prediction
 };
 
 // The replay's figures for one micro-batch of a candidate, beside its PlanEntry.
@@ -38,9 +39,16 @@ PlanEntry evaluate(const ModelView& model, const Candidate& candidate, const Clu
                    const PlanRequest& request, const RuntimeCorrection* correction = nullptr,
                    Replayed* replayed = nullptr);
 
-// The correction a runtime timing implies: its measured passes against the replay of the
-// configuration it timed (`model` wrapped by the policy it names).
-RuntimeCorrection runtime_correction(const ModelView& model, const RuntimeTiming& timing, const NamedWrapPolicy& wrap,
-                                     const Cluster& cluster, int world, const PlanRequest& request);
+// One runtime timing, with the units of the wrap policy it names.
+struct TimedConfiguration {
+  const RuntimeTiming* timing = nullptr;
+  ModelView model;
+  NamedWrapPolicy wrap;
+};
+
+// The correction a precision's runtime timings imply: their measured iterations against the
+// replays of the configurations they timed (Note [Planner runtime calibration]).
+RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& timed, const Cluster& cluster, int world,
+                                     const PlanRequest& request);
 
 }  // namespace fsdp::planner

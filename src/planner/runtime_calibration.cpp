@@ -67,7 +67,10 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
   timed.step_s = step ? mean_across_ranks(pg, median(steps)) : -1;
   auto& runtime = calibration.runtime;
   runtime.erase(std::remove_if(runtime.begin(), runtime.end(),
-                               [&](const RuntimeTiming& r) { return r.precision == timed.precision; }),
+                               [&](const RuntimeTiming& r) {
+                                 return r.precision == timed.precision && r.strategy == timed.strategy &&
+                                        r.sharding_factor == timed.sharding_factor && r.wrap == timed.wrap;
+                               }),
                 runtime.end());
   runtime.push_back(timed);
 }

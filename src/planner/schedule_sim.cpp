@@ -197,6 +197,7 @@ class Replay {
       add_params(f.unsharded_bytes + f.gather_input_bytes);
       pool(f.unsharded_bytes, 1);
       pool(f.gather_input_bytes, 1);
+      compute(f.issue_work_s);
       end = std::max(end, issue(f.gather_s, false));
     }
     unsharded_[u] = 1;
@@ -345,6 +346,7 @@ class Replay {
       finish_reductions(k > 0 ? k - 1 : 0);
       add_grads(f.reduce_output_bytes);
       pool(f.reduce_output_bytes, 1);
+      compute(f.issue_work_s);
       reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true)});
     }
     finish_reductions(k);

@@ -20,6 +20,7 @@ struct SimFlat {
   int64_t reduce_output_bytes = 0;  // the reduction's output (0: reduced in place)
   double gather_s = 0;
   double reduce_s = 0;
+  double issue_work_s = 0;  // the compute thread's own work for each of its collectives (runtime calibration)
 };
 
 struct SimUnit {

@@ -64,7 +64,7 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     }
     return planner::ModelView{&unit_plans[w], &model_costs[w]};
   };
-  std::map<at::ScalarType, planner::RuntimeCorrection> corrections;
+  std::map<at::ScalarType, std::vector<planner::TimedConfiguration>> timed;
   for (const RuntimeTiming& timing : request.calibration().runtime) {
     if (timing.world != world) {
       result.notes.push_back("the calibration's " + std::string(c10::toString(timing.precision)) +
@@ -77,8 +77,11 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     FSDP_CHECK(w < known.size(), "the calibration's runtime timing was made with the wrap policy \"", timing.wrap,
                "\", which neither PlanRequest::wrap_policies nor calibration_wrap_policies names; add it under that "
                "name, or calibrate again");
-    corrections[timing.precision] = planner::runtime_correction(view_of(w), timing, known[w], cluster, world, request);
+    timed[timing.precision].push_back({&timing, view_of(w), known[w]});
   }
+  std::map<at::ScalarType, planner::RuntimeCorrection> corrections;
+  for (const auto& [precision, configurations] : timed)
+    corrections[precision] = planner::runtime_correction(configurations, cluster, world, request);
   for (size_t w = 0; w < searched; ++w) {
     const NamedWrapPolicy& wrap = known[w];
     const planner::ModelView view = view_of(w);
