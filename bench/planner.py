@@ -84,8 +84,9 @@ def calibration(build, world, model, mp, tmp):
     return path
 
 
-def run_one(build, world, model, strategy, checkpointing, mp, tmp):
-    cal = calibration(build, world, model, mp, tmp)
+def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
+    """One measured run, predicted with the calibration file `cal` (None: one made just before)."""
+    cal = cal or calibration(build, world, model, mp, tmp)
     plan_file = os.path.join(tmp, "plan.jsonl")
     metrics = os.path.join(tmp, "metrics.jsonl")
     for f in (plan_file, metrics):

@@ -5,7 +5,7 @@
 
 Runs every candidate of a small search space (model XL of bench/planner.py, world 2, 4 sequences per
 rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, and FULL_SHARD's block units with
-2 micro-batches of 2) through the trainer with --plan-file and a calibration made first (as in
+2 micro-batches of 2) through the trainer with --plan-file and one calibration made first (as in
 bench/planner.py), then, for budgets from the smallest predicted peak to the largest, compares the
 planner's choice (the fastest predicted among the candidates predicted to fit with the margin) with the fastest
 measured among those whose measured peak resident set fits: whether the choice's measured peak fits
@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planner import ROOT, STEPS, run_one  # noqa: E402
+from planner import ROOT, STEPS, calibration, run_one  # noqa: E402
 
 
 def main():
@@ -39,8 +39,9 @@ def main():
         for checkpointing in (False, True):
             candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--batch-size", "2",
                                 "--grad-accum-mode", "reduce"], checkpointing))
+        cal = calibration(build, 2, "XL", "none", tmp)  # one calibration plans every candidate, as at launch
         for flags, checkpointing in candidates:
-            r = run_one(build, 2, "XL", flags, checkpointing, "none", tmp)
+            r = run_one(build, 2, "XL", flags, checkpointing, "none", tmp, cal)
             p, m = r["plan"], r["measured"]
             runs.append({"config": p["configuration"], "pred_peak": p["peak_bytes"], "pred_step": p["step_s"],
                          "margin": p["memory_margin"], "rss": m["rss_peak_bytes"], "step": m["ms_per_step"] / 1e3})
@@ -63,7 +64,8 @@ def main():
         "Candidates: model XL (4 layers, width 512, context 128), world 2, 4 sequences per rank, fp32, each run as "
         f"in [planner.md](planner.md) ({STEPS} steps; the median ms/step of the windows after the first; rank 0's "
         "peak resident set during "
-        "training; the prediction calibrated by a separate job first). The planner's choice at a budget is the "
+        "training; every prediction from one calibration, made by a separate job before the first run, as a plan at "
+        "launch has). The planner's choice at a budget is the "
         f"fastest predicted candidate whose predicted peak plus the trainer's margin ({margin * 100:.0f}%, "
         "`--memory-margin`) fits it, as `--memory-budget` chooses.",
         "",
