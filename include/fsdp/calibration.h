@@ -21,8 +21,9 @@ struct PrecisionTiming {
   at::ScalarType precision = at::kFloat;
   double forward_s = 0;   // forward and loss
   double backward_s = 0;  // backward of that loss
-  // The resident set's largest growth during forward and backward with the gradients allocated
-  // (activations and every temporary of the passes), for a model on the CPU; 0: not measured.
+  // The largest growth during forward and backward with the gradients allocated (activations and
+  // every temporary of the passes): of the resident set for a model on the CPU, of the caching
+  // allocator's allocated bytes for one on a CUDA device; 0: not measured.
   int64_t peak_bytes = 0;
   // The same with the model's fsdp::Checkpointed modules enabled; 0: none, or not measured.
   int64_t checkpointed_peak_bytes = 0;

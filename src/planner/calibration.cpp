@@ -12,6 +12,7 @@
 
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
+#include "fsdp/memory.h"
 #include "fsdp/network_model.h"
 #include "planner/timing_stats.h"
 
@@ -59,11 +60,24 @@ std::vector<std::pair<CheckpointedBase*, bool>> checkpointed_modules(torch::nn::
   return found;
 }
 
-// Memory of a forward and backward with the gradients already allocated, as in training.
+// The caching allocator's largest allocation on `device` while `run` runs beyond what was
+// allocated when it began; 0 where the allocator reports nothing (no CUDA).
+int64_t device_peak_growth(c10::Device device, const std::function<void()>& run) {
+  const DeviceMemoryStats before = device_memory_stats(device);
+  if (!before.available) return 0;
+  reset_device_peak_memory_stats(device);
+  run();
+  return std::max<int64_t>(0, device_memory_stats(device).allocated_peak_bytes - before.allocated_bytes);
+}
+
+// Memory of a forward and backward with the gradients already allocated, as in training: the
+// resident set's growth for a model on the CPU, the caching allocator's for one on a device.
 int64_t pass_peak(torch::nn::Module& model, const std::function<at::Tensor()>& loss) {
+  c10::optional<c10::Device> device;
   for (const auto& p : model.parameters())
-    if (!p.device().is_cpu()) return 0;
+    if (!p.device().is_cpu()) device = p.device();
   loss().backward();
+  if (device) return device_peak_growth(*device, [&] { loss().backward(); });
   return peak_growth([&] { loss().backward(); });
 }
 
