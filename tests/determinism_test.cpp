@@ -74,13 +74,6 @@ std::vector<at::Tensor> train(const std::string& strategy, int world, const std:
   return values;
 }
 
-bool bit_identical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  if (a.size() != b.size() || a.empty()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!torch::equal(a[i], b[i])) return false;
-  return true;
-}
-
 TEST(Determinism, EveryWorldSizeAndStrategyGivesTheParametersOfOneRank) {
   TempDir dir;
   const auto reference = train("FULL_SHARD", 1, dir / "reference.pt");

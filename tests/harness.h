@@ -76,6 +76,14 @@ struct TempDir {
 // Whether `part` occurs in `s` (an error message, a rank's output).
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// Two non-empty lists of tensors with the same values bit for bit, in order.
+inline bool bit_identical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size() || a.empty()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!torch::equal(a[i], b[i])) return false;
+  return true;
+}
+
 // The lines of `output` that start with `prefix`, each with its newline.
 std::string lines_starting_with(const std::string& prefix, const std::string& output);
 

@@ -78,13 +78,6 @@ std::vector<at::Tensor> train_on_device(const std::string& strategy, int world, 
   return values;
 }
 
-bool same_bits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  if (a.size() != b.size() || a.empty()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!torch::equal(a[i], b[i])) return false;
-  return true;
-}
-
 TEST(GpuDeterminism, EveryWorldAndStrategyGivesTheParametersOfOneRank) {
   REQUIRE_GPU();
   TempDir dir;
@@ -98,7 +91,7 @@ TEST(GpuDeterminism, EveryWorldAndStrategyGivesTheParametersOfOneRank) {
     for (const Case c : {Case{"FULL_SHARD", 2}, Case{"FULL_SHARD", 3}, Case{"SHARD_GRAD_OP", 2}, Case{"NO_SHARD", 3},
                          Case{"HYBRID_SHARD", 4}}) {
       const auto got = train_on_device(c.strategy, c.world, dir / "run.pt", precision);
-      EXPECT_TRUE(same_bits(got, reference))
+      EXPECT_TRUE(bit_identical(got, reference))
           << c.strategy << " at world " << c.world << " (" << precision << ") differs from world 1";
     }
   }
