@@ -100,6 +100,45 @@ struct Stranger {
   std::atomic<bool> stop{false};
   std::string c10d_error;  // the first error c10d's client met
   std::atomic<int> garbage_sent{0}, c10d_attempts{0}, c10d_reads{0}, refused_tokens{0}, accepted_tokens{0};
+  // c10d's client runs a listener thread that may end its process when the store resets the
+  // connection, so each attempt runs in a child; its exit code says whether it read a key.
+  void c10d_attempt(int port, const std::vector<std::string>& keys, const std::string& forged) {
+    int pipe_fds[2];
+    if (pipe(pipe_fds) != 0) return;
+    const pid_t child = fork();
+    if (child == 0) {
+      close(pipe_fds[0]);
+      int code = 1;
+      try {
+        c10d::TCPStoreOptions o;
+        o.port = static_cast<uint16_t>(port);
+        o.isServer = false;
+        o.waitWorkers = false;
+        o.timeout = std::chrono::seconds(2);
+        c10d::TCPStore store("127.0.0.1", o);
+        for (const auto& k : keys) store.set(k, std::vector<uint8_t>(forged.begin(), forged.end()));
+        store.get(keys[0]);
+        code = 0;
+      } catch (const std::exception& e) {
+        (void)!write(pipe_fds[1], e.what(), std::strlen(e.what()));
+      }
+      _exit(code);
+    }
+    close(pipe_fds[1]);
+    if (child < 0) {
+      close(pipe_fds[0]);
+      return;
+    }
+    std::string error;
+    char buf[256];
+    for (ssize_t n; (n = read(pipe_fds[0], buf, sizeof(buf))) > 0;) error.append(buf, static_cast<size_t>(n));
+    close(pipe_fds[0]);
+    int status = 0;
+    waitpid(child, &status, 0);
+    ++c10d_attempts;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) ++c10d_reads;
+    if (c10d_error.empty() && !error.empty()) c10d_error = error;
+  }
   void run(int port, const std::string& segment) {
     const std::vector<std::string> keys = {"fsdp/arrived/1",
                                            "fsdp/agree/0/0",
@@ -125,20 +164,7 @@ struct Stranger {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
         continue;
       }
-      try {
-        c10d::TCPStoreOptions o;
-        o.port = static_cast<uint16_t>(port);
-        o.isServer = false;
-        o.waitWorkers = false;
-        o.timeout = std::chrono::seconds(2);
-        c10d::TCPStore store("127.0.0.1", o);
-        ++c10d_attempts;
-        for (const auto& k : keys) store.set(k, std::vector<uint8_t>(forged.begin(), forged.end()));
-        store.get(keys[0]);
-        ++c10d_reads;
-      } catch (const std::exception& e) {
-        if (c10d_error.empty()) c10d_error = e.what();
-      }
+      c10d_attempt(port, keys, forged);
       try {
         fsdp::StoreClient store("127.0.0.1", port, "a-token-of-another-job-entirely", std::chrono::milliseconds(500));
         ++accepted_tokens;

@@ -67,7 +67,7 @@ class Communicator {
   virtual WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts = {}) = 0;
   // out and in (contiguous, same dtype and numel, a multiple of size()) are split into size()
   // equal parts; part p of out receives part rank() of rank p's in. Default: fails, naming the
-  // transport (only the CPU transports implement it).
+  // transport (has_all_to_all() says whether one implements it).
   virtual WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts = {});
   // Whether all_to_all_into() is implemented (rather than the default's failure).
   virtual bool has_all_to_all() const { return false; }

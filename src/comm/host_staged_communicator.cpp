@@ -115,6 +115,9 @@ class StageIn : public Work {
         prior->wait_copied_back();
         prior->done_.block(stream_);
       } else {
+        // On the staging stream: kernels it queues once its collective is done (a quantized
+        // reduction's next stage) run before the copy below.
+        c10::cuda::CUDAStreamGuard on(stream_);
         w.after_->wait();
       }
     }
@@ -185,6 +188,14 @@ class HostStagedCommunicator : public Communicator {
     check_args(t, "all_reduce tensor");
     return issue("all-reduce", t, t, std::move(opts),
                  [this](at::Tensor h, at::Tensor, CollectiveOptions o) { return host_->all_reduce(h, std::move(o)); });
+  }
+  bool has_all_to_all() const override { return host_->has_all_to_all(); }
+  WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
+    check_args(out, "all_to_all_into output");
+    check_args(in, "all_to_all_into input");
+    return issue("all-to-all", in, out, std::move(opts), [this](at::Tensor hin, at::Tensor hout, CollectiveOptions o) {
+      return host_->all_to_all_into(hout, hin, std::move(o));
+    });
   }
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts) override {
     check_args(t, "broadcast tensor");

@@ -184,6 +184,30 @@ class NcclCommunicator : public Communicator {
                            l.stream);
     });
   }
+  bool has_all_to_all() const override { return true; }
+  // NCCL has no all-to-all: one grouped send and receive per peer, on the reduce lane (the
+  // quantized gradient reductions use it).
+  WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
+    check_args(out, "all_to_all_into output");
+    check_args(in, "all_to_all_into input");
+    FSDP_CHECK(out.numel() == in.numel() && out.scalar_type() == in.scalar_type() && in.numel() % size_ == 0,
+               sh_->name, ": all_to_all_into needs an output and an input of the same dtype and numel, a multiple of ",
+               size_, " (got ", out.numel(), " ", out.scalar_type(), " and ", in.numel(), " ", in.scalar_type(), ")");
+    return launch(1, {out, in}, "all-to-all", opts, [&](Lane& l) {
+      const auto part = static_cast<size_t>(in.numel() / size_);
+      const size_t part_bytes = part * static_cast<size_t>(in.element_size());
+      const ncclDataType_t type = nccl_type(in.scalar_type());
+      const auto* send = static_cast<const char*>(in.data_ptr());
+      auto* recv = static_cast<char*>(out.data_ptr());
+      ncclResult_t r = ncclGroupStart();
+      for (int p = 0; p < size_ && r == ncclSuccess; ++p) {
+        r = ncclSend(send + static_cast<size_t>(p) * part_bytes, part, type, p, l.comm, l.stream);
+        if (r == ncclSuccess) r = ncclRecv(recv + static_cast<size_t>(p) * part_bytes, part, type, p, l.comm, l.stream);
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r == ncclSuccess ? end : r;
+    });
+  }
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts) override {
     check_args(t, "broadcast tensor");
     FSDP_CHECK(root >= 0 && root < size_, sh_->name, ": broadcast root ", root, " is outside [0, ", size_, ")");
@@ -213,16 +237,15 @@ class NcclCommunicator : public Communicator {
     Lane& lane = sh_->lanes[lane_index];
     const cudaStream_t current = c10::cuda::getCurrentCUDAStream(sh_->device.index()).stream();
     auto work = std::make_shared<NcclWork>(sh_, std::move(keep), std::string(what) + " on " + sh_->name);
+    auto* prior = dynamic_cast<NcclWork*>(opts.after.get());
+    // Other work (another transport's, or one that queues kernels on the caller's stream once its
+    // own collective is done, as a quantized reduction's stages do): waited for first, so the ready
+    // event below follows whatever it queued.
+    if (opts.after && !prior) opts.after->wait();
     // The lane waits for the caller's stream: inputs written and the output's memory free there.
     FSDP_CUDA_CHECK(cudaEventRecord(lane.ready, current), "recording a CUDA event");
     FSDP_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, lane.ready, 0), "ordering a collective after its inputs");
-    if (opts.after) {
-      if (auto* prior = dynamic_cast<NcclWork*>(opts.after.get())) {
-        FSDP_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, prior->event(), 0), "chaining a collective");
-      } else {
-        opts.after->wait();  // another transport's work: wait on the CPU
-      }
-    }
+    if (prior) FSDP_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, prior->event(), 0), "chaining a collective");
     check_nccl(sh_, fn(lane), what);
     work->record(lane.stream);
     {

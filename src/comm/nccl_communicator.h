@@ -3,7 +3,8 @@
 // LibTorch with NCCL: FSDP_WITH_NCCL).
 //
 // Streams. Each communicator has two lanes, each an NCCL communicator with its own CUDA stream:
-// the gather lane (all_gather_into, broadcast) and the reduce lane (reduce_scatter, all_reduce),
+// the gather lane (all_gather_into, broadcast) and the reduce lane (reduce_scatter, all_reduce,
+// all_to_all_into as grouped sends and receives),
 // so a reduce-scatter of one unit runs while the next unit's all-gather does (NCCL kernels of one
 // NCCL communicator must not run concurrently on two streams; two communicators may).
 // A collective is ordered with events, never with recordStream:

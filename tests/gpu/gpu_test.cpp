@@ -44,7 +44,15 @@ TEST(Gpu, NcclCollectivesAtWorld1) {
     comm->all_reduce(t)->wait();
     comm->broadcast(t, 0)->wait();
     EXPECT_TRUE(t.equal(in)) << dtype;
+    ASSERT_TRUE(comm->has_all_to_all());
+    auto a2a_out = torch::empty({1000}, opts);
+    comm->all_to_all_into(a2a_out, in)->wait();  // grouped send and receive to itself
+    EXPECT_TRUE(a2a_out.equal(in)) << dtype;
   }
+  auto packed = torch::randint(0, 256, {4096}, torch::TensorOptions().dtype(torch::kByte).device(kGpu));
+  auto packed_out = torch::empty_like(packed);
+  comm->all_to_all_into(packed_out, packed)->wait();  // the quantized reductions' bytes
+  EXPECT_TRUE(packed_out.equal(packed));
   comm->barrier();
 }
 
