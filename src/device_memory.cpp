@@ -29,4 +29,10 @@ void reset_device_peak_memory_stats(c10::Device device) {
 #endif
 }
 
+void release_cached_device_memory(c10::Device device) {
+#ifdef FSDP_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
 }  // namespace fsdp

@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_plan.h"
 #include "model.h"
 
 namespace {
@@ -73,7 +74,7 @@ int main(int argc, char** argv) {
   int layers = 24, width = 2048, heads = 16, context = 1024, batch = 8, warmup = 3, steps = 10, seed = 1;
   int peak_n = 8192;
   double peak_tflops = 0;
-  bool mixed_precision = false, offload = false, step_in_backward = false;
+  bool mixed_precision = false, offload = false, step_in_backward = false, plan = false;
   app.add_option("--mode", mode, "local | fsdp | peak")->check(CLI::IsMember({"local", "fsdp", "peak"}));
   app.add_option("--strategy", strategy, "fsdp mode: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");
   app.add_option("--dtype", dtype_name, "bf16 | f32: the model's parameters, gradients and AdamW state")
@@ -104,6 +105,9 @@ int main(int argc, char** argv) {
   app.add_flag("--step-in-backward", step_in_backward,
                "fsdp mode: the optimizer steps each unit in backward (set_step_in_backward; under --offload on a "
                "host thread of its own, beside the device's backward)");
+  app.add_flag("--plan", plan,
+               "fsdp mode: first calibrate on the device and plan this run (bench/gpu/gpu_plan.h); the "
+               "predicted step and peak reserved memory join the result");
   CLI11_PARSE(app, argc, argv);
 
   FSDP_CHECK(torch::cuda::is_available(), "gpu_gpt_bench needs a CUDA device (none is visible)");
@@ -128,6 +132,25 @@ int main(int argc, char** argv) {
     auto init = [cfg](const std::string& name, torch::nn::Module& m) {
       gpt::initialize(cfg, name, m);
     };
+    json planned;
+    if (plan) {
+      FSDP_CHECK(mode == "fsdp" && !offload && !step_in_backward && dtype_name == "f32",
+                 "--plan plans fsdp mode over float32 masters (--dtype f32, with or without --mixed-precision), "
+                 "without --offload or --step-in-backward");
+      gpu_bench::PlannedConfiguration run;
+      run.model = cfg;
+      run.rows = batch / pg->size();
+      run.strategy = fsdp::parse_sharding_strategy(strategy);
+      run.compute = mixed_precision ? torch::kBFloat16 : torch::kFloat;
+      run.fused_optimizer = optimizer_name == "fused";
+      const gpu_bench::PlannedRun p = gpu_bench::plan_run(
+          run, pg, gpu_bench::cluster_for(at::cuda::getDeviceProperties(device.index())->name, pg->size()));
+      if (pg->rank() == 0) std::cerr << p.table;
+      planned = {{"planned_step_ms", p.step_s * 1e3},
+                 {"planned_peak_bytes", p.peak_bytes},
+                 {"planned_allocator_headroom", p.allocator_headroom},
+                 {"calibrate_s", p.calibrate_s}};
+    }
     torch::manual_seed(seed);
     const auto built = Clock::now();
     gpt::GPT model{nullptr};
@@ -254,6 +277,7 @@ int main(int argc, char** argv) {
                 {"allocated_peak_bytes", mem.allocated_peak_bytes},
                 {"reserved_peak_bytes", mem.reserved_peak_bytes},
                 {"num_alloc_retries", mem.num_alloc_retries}});
+    if (!planned.empty()) out.update(planned);
     if (sharded) {
       const auto s = sharded->memory_stats();
       out.update({{"fsdp_param_peak_bytes", s.param_peak_bytes}, {"fsdp_grad_peak_bytes", s.grad_peak_bytes}});

@@ -36,5 +36,7 @@ struct DeviceMemoryStats {
 };
 DeviceMemoryStats device_memory_stats(c10::Device device);
 void reset_device_peak_memory_stats(c10::Device device);
+// Returns the caching allocator's unused cached blocks on `device` to the driver (nothing on the CPU).
+void release_cached_device_memory(c10::Device device);
 
 }  // namespace fsdp
