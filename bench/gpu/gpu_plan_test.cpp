@@ -39,8 +39,7 @@ TEST(GpuPlan, PlansTheRunsOwnConfigurationFromACalibrationOnItsDevice) {
 
   // The run itself: the median step within a factor of two of the prediction (this machine's
   // noise, not the planner's accuracy, bounds the check; bench/results/planner.md measures that).
-  auto sharded = fsdp::fully_shard(model, pg,
-                                   fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>()));
+  auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>()));
   std::vector<at::Tensor> pieces;
   for (const auto& kv : sharded->named_parameters()) pieces.push_back(kv.second);
   torch::optim::AdamW optimizer(pieces, torch::optim::AdamWOptions(3e-4));

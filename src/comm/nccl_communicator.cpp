@@ -190,9 +190,9 @@ class NcclCommunicator : public Communicator {
   WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_args(out, "all_to_all_into output");
     check_args(in, "all_to_all_into input");
-    FSDP_CHECK(out.numel() == in.numel() && out.scalar_type() == in.scalar_type() && in.numel() % size_ == 0,
-               sh_->name, ": all_to_all_into needs an output and an input of the same dtype and numel, a multiple of ",
-               size_, " (got ", out.numel(), " ", out.scalar_type(), " and ", in.numel(), " ", in.scalar_type(), ")");
+    FSDP_CHECK(out.numel() == in.numel() && out.scalar_type() == in.scalar_type() && in.numel() % size_ == 0, sh_->name,
+               ": all_to_all_into needs an output and an input of the same dtype and numel, a multiple of ", size_,
+               " (got ", out.numel(), " ", out.scalar_type(), " and ", in.numel(), " ", in.scalar_type(), ")");
     return launch(1, {out, in}, "all-to-all", opts, [&](Lane& l) {
       const auto part = static_cast<size_t>(in.numel() / size_);
       const size_t part_bytes = part * static_cast<size_t>(in.element_size());
