@@ -115,9 +115,6 @@ class StageIn : public Work {
         prior->wait_copied_back();
         prior->done_.block(stream_);
       } else {
-        // On the staging stream: kernels it queues once its collective is done (a quantized
-        // reduction's next stage) run before the copy below.
-        c10::cuda::CUDAStreamGuard on(stream_);
         w.after_->wait();
       }
     }
@@ -216,6 +213,13 @@ class HostStagedCommunicator : public Communicator {
   using Run = std::function<WorkPtr(at::Tensor host_in, at::Tensor host_out, CollectiveOptions)>;
   WorkPtr issue(const char* what, at::Tensor in, at::Tensor out, CollectiveOptions opts, const Run& run) {
     c10::cuda::CUDAGuard guard(device_);
+    // Work of another kind may queue kernels on the caller's stream once it is done (a quantized
+    // reduction's next stage): waited for here, on the caller's thread (blocking it), so the input
+    // copy below follows those kernels and later waits on that work see them in stream order.
+    if (opts.after && !dynamic_cast<StagedWork*>(opts.after.get())) {
+      opts.after->wait();
+      opts.after = nullptr;
+    }
     CommunicatorWork own_work;
     // Under one lock: the CPU collectives are issued, and copied back, in the caller's order.
     std::lock_guard<std::mutex> lock(mu_);
