@@ -170,8 +170,8 @@ FSDP_WORKER(whole_param_strategies_worker) {
 // reference of mixed precision stepped by the same single-process optimizer, within 1e-5.
 FSDP_WORKER(whole_param_mixed_precision_worker) {
   // bf16 matrix products through LibTorch's own BLAS path on every CPU: on AVX-512 CPUs LibTorch
-  // hands them to oneDNN, whose rounding differs between FSDP's views into flat buffers and the
-  // reference's own tensors, and Muon's Newton-Schulz iterations magnify that past the tolerance.
+  // hands them to oneDNN, which there rounds FSDP's and the reference's products differently
+  // enough for Muon's Newton-Schulz iterations to carry the difference past the tolerance.
   at::globalContext().setUserEnabledMkldnn(false);
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string kind = ctx.args.at(0), strategy = ctx.args.at(1);
