@@ -26,13 +26,17 @@ at::Tensor next_token_loss(gpt::GPT& model, const at::Tensor& tokens, const gpt:
                                    tokens.narrow(1, 1, context).reshape({-1}));
 }
 
+fsdp::ParamInitFn initializer(const gpt::GPTConfig& config) {
+  return [config](const std::string& name, torch::nn::Module& m) {
+    gpt::initialize(config, name, m);
+  };
+}
+
 fsdp::Options sharded_options(const PlannedConfiguration& run) {
   auto options = fsdp::Options()
                      .sharding_strategy(run.strategy)
                      .auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>())
-                     .param_init_fn([config = run.model](const std::string& name, torch::nn::Module& m) {
-                       gpt::initialize(config, name, m);
-                     });
+                     .param_init_fn(initializer(run.model));
   if (run.compute != at::kFloat)
     options.mixed_precision(fsdp::MixedPrecision().param_dtype(run.compute).reduce_dtype(at::kFloat));
   return options;
@@ -58,8 +62,12 @@ PlannedRun plan_run(const PlannedConfiguration& run, const fsdp::ProcessGroupPtr
   {
     // The plain copy: the passes in the compute dtype, their memory, the optimizer's step.
     torch::manual_seed(1);
-    gpt::GPT copy(run.model);
-    copy->to(device);
+    gpt::GPT copy{nullptr};
+    {
+      fsdp::DeferredInit deferred;  // initialized on the device, not built on the host and copied
+      copy = gpt::GPT(run.model);
+    }
+    fsdp::materialize(*copy, initializer(run.model), device);
     fsdp::reset_device_peak_memory_stats(device);
     const auto options = fsdp::CalibrateOptions()
                              .precisions({run.compute})
