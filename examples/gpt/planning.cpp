@@ -211,9 +211,7 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
                      .calibration(calibration)
                      .wrap_policies({{"block", fsdp::wrap::by_type<gpt::BlockImpl>()}, {"none", nullptr}});
   if (!config.memory_budget.empty()) request.memory_budget(fsdp::parse_bytes(config.memory_budget));
-  // Unset: the calibrated prediction's margin is its measured error on this machine's runs
-  // (docs/planner.md, "How close it is"), with a point to spare; an uncalibrated one keeps more.
-  request.memory_margin(config.memory_margin >= 0 ? config.memory_margin : calibration.empty() ? 0.1 : 0.06);
+  request.memory_margin(config.memory_margin);
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);
 }

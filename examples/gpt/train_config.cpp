@@ -204,9 +204,9 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                  "Bytes per rank (e.g. 1GiB, 70GB): train with the fastest planned configuration that fits, "
                  "replacing --strategy, --wrap, --activation-checkpointing, --mixed-precision and --batch-size");
   app.add_option("--memory-margin", config.memory_margin,
-                 "Share of each predicted peak kept free for the prediction's error when planning for a budget "
-                 "(default: 0.06 when planned with a calibration, --calibrate or --calibration-file; else 0.1)")
-      ->check(CLI::Range(0.0, 10.0));
+                 "Share of each predicted peak kept free for the prediction's error when planning for a budget")
+      ->check(CLI::Range(0.0, 10.0))
+      ->capture_default_str();
   app.add_option("--plan-file", config.plan_file,
                  "Write predictions as JSON lines: with --plan every configuration's, else this run's own");
   app.add_flag("--calibrate", config.calibrate,

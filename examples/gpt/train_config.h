@@ -77,7 +77,7 @@ struct TrainConfig {
   // Planning (docs/planner.md).
   bool plan = false;             // print the planner's table and exit
   std::string cluster;           // empty: this machine with the job's ranks
-  double memory_margin = -1;     // the planner's margin over each predicted peak; < 0: by calibration
+  double memory_margin = 0.1;    // the planner's margin over each predicted peak
   std::string memory_budget;     // e.g. 1GiB: train with the fastest planned configuration that fits
   std::string plan_file;         // JSON lines: --plan's entries, or the prediction for this run
   bool calibrate = false;        // time the model on this machine before planning
