@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Does the planner's choice fit, and how fast is it against the fastest run? (bench/results/planner_choice.md)
 
-    bench/planner_choice.py BUILD_DIR [--out bench/results/planner_choice.md]
+    bench/planner_choice.py BUILD_DIR [--out bench/results/planner_choice.md] [--rounds 3]
 
 Runs every candidate of a small search space (model XL of bench/planner.py, world 2, 4 sequences per
 rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, and FULL_SHARD's block units with
@@ -9,11 +9,14 @@ rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, and FULL_SH
 bench/planner.py), then, for budgets from the smallest predicted peak to the largest, compares the
 planner's choice (the fastest predicted among the candidates predicted to fit with the margin) with the fastest
 measured among those whose measured peak resident set fits: whether the choice's measured peak fits
-the budget (no OOM), and its measured step time over the fastest's.
+the budget (no OOM), and its measured step time over the fastest's. The candidates run in --rounds
+interleaved rounds (this machine's speed drifts by tens of percent within minutes): a candidate's
+step time is the median of its rounds, its peak the largest.
 """
 import argparse
 import datetime
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +29,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner_choice.md"))
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     started = datetime.datetime.utcnow()
@@ -40,13 +44,21 @@ def main():
             candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--batch-size", "2",
                                 "--grad-accum-mode", "reduce"], checkpointing))
         cal = calibration(build, 2, "XL", "none", tmp)  # one calibration plans every candidate, as at launch
-        for flags, checkpointing in candidates:
-            r = run_one(build, 2, "XL", flags, checkpointing, "none", tmp, cal)
-            p, m = r["plan"], r["measured"]
-            runs.append({"config": p["configuration"], "pred_peak": p["peak_bytes"], "pred_step": p["step_s"],
-                         "margin": p["memory_margin"], "rss": m["rss_peak_bytes"], "step": m["ms_per_step"] / 1e3})
-            print(f"{len(runs)}/{len(candidates)} {p['configuration']}: rss {m['rss_peak_bytes'] / 2**20:.1f} MiB, "
-                  f"step {m['ms_per_step']:.1f} ms", flush=True)
+        measured = [[] for _ in candidates]
+        for round_ in range(args.rounds):
+            for i, (flags, checkpointing) in enumerate(candidates):
+                r = run_one(build, 2, "XL", flags, checkpointing, "none", tmp, cal)
+                p, m = r["plan"], r["measured"]
+                measured[i].append(m)
+                if round_ == 0:
+                    runs.append({"config": p["configuration"], "pred_peak": p["peak_bytes"], "pred_step": p["step_s"],
+                                 "margin": p["memory_margin"]})
+                print(f"round {round_ + 1}, {i + 1}/{len(candidates)} {p['configuration']}: rss "
+                      f"{m['rss_peak_bytes'] / 2**20:.1f} MiB, step {m['ms_per_step']:.1f} ms", flush=True)
+        for run, ms in zip(runs, measured):
+            run["rss"] = max(m["rss_peak_bytes"] for m in ms)
+            run["step"] = statistics.median(m["ms_per_step"] for m in ms) / 1e3
+            run["steps"] = " ".join(f"{m['ms_per_step']:.0f}" for m in ms)
     finished = datetime.datetime.utcnow()
     margin = runs[0]["margin"]
     lo = min(min(r["pred_peak"], r["rss"]) for r in runs)
@@ -65,16 +77,18 @@ def main():
         f"in [planner.md](planner.md) ({STEPS} steps; the median ms/step of the windows after the first; rank 0's "
         "peak resident set during "
         "training; every prediction from one calibration, made by a separate job before the first run, as a plan at "
-        "launch has). The planner's choice at a budget is the "
+        f"launch has). The candidates run in {args.rounds} interleaved rounds: a candidate's step is the median "
+        "of its rounds, its peak the largest. The planner's choice at a budget is the "
         f"fastest predicted candidate whose predicted peak plus the trainer's margin ({margin * 100:.0f}%, "
         "`--memory-margin`) fits it, as `--memory-budget` chooses.",
         "",
-        "| candidate | predicted peak MiB | measured training peak RSS MiB | predicted step ms | measured step ms |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| candidate | predicted peak MiB | measured training peak RSS MiB | predicted step ms | measured step ms "
+        "(median) | each round's ms |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in sorted(runs, key=lambda r: r["step"]):
         lines.append(f"| {r['config']} | {r['pred_peak'] / 2**20:.1f} | {r['rss'] / 2**20:.1f} | "
-                     f"{r['pred_step'] * 1e3:.1f} | {r['step'] * 1e3:.1f} |")
+                     f"{r['pred_step'] * 1e3:.1f} | {r['step'] * 1e3:.1f} | {r['steps']} |")
     lines += ["", "| budget MiB | planner's choice | its measured peak fits | fastest measured that fits | "
               "choice's step / fastest's |", "| ---: | --- | --- | --- | ---: |"]
     for b in budgets:
