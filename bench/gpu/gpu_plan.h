@@ -24,7 +24,7 @@ struct PlannedConfiguration {
 struct PlannedRun {
   double step_s = 0;
   int64_t peak_bytes = 0;         // the device's whole peak, the allocator's headroom included
-  double allocator_headroom = 0;  // the calibrated passes' reserved peak over their allocated peak, minus 1
+  double allocator_headroom = 0;  // the plain copy's calibration: peak reserved over peak allocated, minus 1
   double calibrate_s = 0;         // the calibration's own wall time
   std::string table;              // Plan::table() of the one candidate
 };
