@@ -77,7 +77,7 @@ PlannedRun plan_run(const PlannedConfiguration& run, const fsdp::ProcessGroupPtr
                              });
     calibration = fsdp::calibrate(
         *copy, [&] { return next_token_loss(copy, tokens, run.model); }, run.rows * run.model.context, options);
-    // What the caching allocator holds beyond the live tensors at the passes' peak.
+    // What the caching allocator held beyond the live tensors while the plain copy was timed.
     const fsdp::DeviceMemoryStats stats = fsdp::device_memory_stats(device);
     if (stats.available && stats.allocated_peak_bytes > 0)
       out.allocator_headroom =
