@@ -39,7 +39,6 @@ def main():
     configurations = {
         "FULL_SHARD, bf16 compute (f32 masters)": ["--strategy", "FULL_SHARD", "--mixed-precision"],
         "FULL_SHARD, f32": ["--strategy", "FULL_SHARD"],
-        "NO_SHARD, bf16 compute (f32 masters)": ["--strategy", "NO_SHARD", "--mixed-precision"],
     }
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29574", RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
