@@ -19,6 +19,7 @@
 #include <fstream>
 #include <iostream>
 #include <mutex>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -119,20 +120,6 @@ fsdp::Options block_unit_options(const std::string& strategy) {
 }
 
 namespace {
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  int port = ntohs(a.sin_port);
-  close(fd);
-  return port;
-}
 
 std::string self_exe() {
   char buf[4096];
@@ -307,10 +294,30 @@ int zygote() {
 
 }  // namespace
 
+int free_loopback_port() {
+  // Below the kernel's ephemeral range, which the connections of concurrent tests draw from.
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  if (low <= 21000) low = 32768;
+  thread_local std::mt19937 pick(std::random_device{}());
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = 20000 + static_cast<int>(pick() % static_cast<unsigned>(low - 20000));
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool unused = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    close(fd);
+    if (unused) return port;
+  }
+  return 29500;
+}
+
 RunningRanks start(const std::string& name, int world, const std::vector<std::string>& args,
                    const std::vector<std::string>& extra_env) {
   RunningRanks running;
-  const int port = free_port();
+  const int port = free_loopback_port();
   const std::string exe = self_exe();
   const std::string cwd = std::filesystem::current_path().string();
   running.pids.resize(world);

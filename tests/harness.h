@@ -42,6 +42,9 @@ struct LaunchResult {
   std::string report() const;  // every rank's exit code and output, for failure messages
 };
 
+// A loopback port nothing is bound to now, below the ephemeral range (so no connection takes it).
+int free_loopback_port();
+
 // Runs worker `name` on `world` ranks; extra_env entries are "KEY=VALUE" for every rank.
 LaunchResult launch(const std::string& name, int world, const std::vector<std::string>& args = {}, int timeout_s = 300,
                     const std::vector<std::string>& extra_env = {});

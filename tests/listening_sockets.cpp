@@ -1,5 +1,7 @@
 #include "listening_sockets.h"
 
+#include "harness.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -52,16 +54,6 @@ std::vector<ListeningSocket> listening_sockets(int pid) {
   return found;
 }
 
-int unused_loopback_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+int unused_loopback_port() { return free_loopback_port(); }
 
 }  // namespace fsdp_test
