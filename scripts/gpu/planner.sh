@@ -9,11 +9,11 @@ export OUT=${OUT:-$PWD/out-gpu} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 start=$(date +%s)
 phase() { echo "[$(($(date +%s) - start)) s] $*"; }
-timeout "${BUILD_TEST_S:-330}" scripts/gpu/run_gpu.sh --skip-bench
+timeout "${BUILD_TEST_S:-300}" scripts/gpu/run_gpu.sh --skip-bench
 phase "build and GPU tests: exit $?"
 [ -x build-gpu/bench/gpu_gpt_bench ] || timeout 120 cmake --build build-gpu -j 16 --target gpu_gpt_bench > "$OUT/bench_build.log" 2>&1
 [ -x build-gpu/bench/gpu_gpt_bench ] || { phase "gpu_gpt_bench missing"; exit 1; }
 timeout "${PLANNER_S:-150}" python3 bench/gpu/planner.py --build-dir build-gpu --out "$OUT" --reps 1
 phase "planner: exit $?"
-timeout "${MP_S:-100}" python3 bench/gpu/offload.py --build-dir build-gpu --out "$OUT" --sections mp --reps "${REPS:-2}"
+timeout "${MP_S:-140}" python3 bench/gpu/offload.py --build-dir build-gpu --out "$OUT" --sections mp --reps "${REPS:-1}"
 phase "mixed precision: exit $?"
