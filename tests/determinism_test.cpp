@@ -52,13 +52,8 @@ FSDP_WORKER(deterministic_worker) {
     WORKER_CHECK(norm > 0.05, "the test must clip: norm ", norm);
     opt.step();
   }
-  auto full = sharded->full_state_dict();
+  const std::vector<at::Tensor> values = full_tensors_by_name(*sharded);
   if (ctx.rank != 0) return;
-  std::vector<std::string> names;
-  for (const auto& kv : full) names.push_back(kv.first);
-  std::sort(names.begin(), names.end());
-  std::vector<at::Tensor> values;
-  for (const auto& n : names) values.push_back(full.at(n).contiguous());
   torch::save(values, out);
   std::cout << "saved " << values.size() << " parameters" << std::endl;
 }

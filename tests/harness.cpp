@@ -294,6 +294,16 @@ int zygote() {
 
 }  // namespace
 
+std::vector<at::Tensor> full_tensors_by_name(fsdp::FullyShardedModule& sharded) {
+  const auto full = sharded.full_state_dict();
+  std::vector<std::string> names;
+  for (const auto& kv : full) names.push_back(kv.first);
+  std::sort(names.begin(), names.end());
+  std::vector<at::Tensor> values;
+  for (const auto& n : names) values.push_back(full.at(n).to(torch::kCPU).contiguous());
+  return values;
+}
+
 int free_loopback_port() {
   // Below the kernel's ephemeral range, which the connections of concurrent tests draw from.
   int low = 32768;

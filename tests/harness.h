@@ -79,6 +79,9 @@ struct TempDir {
 // Whether `part` occurs in `s` (an error message, a rank's output).
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// full_state_dict()'s tensors in name order, contiguous on the CPU (collective: every rank calls it).
+std::vector<at::Tensor> full_tensors_by_name(fsdp::FullyShardedModule& sharded);
+
 // Two non-empty lists of tensors with the same values bit for bit, in order.
 inline bool bit_identical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   if (a.size() != b.size() || a.empty()) return false;

@@ -44,13 +44,8 @@ FSDP_WORKER(gpu_quantized_worker) {
     model->forward(x.narrow(0, 2 * ctx.rank, 2).to(device)).pow(2).mean().backward();
     opt.step();
   }
-  auto full = sharded->full_state_dict();
+  const std::vector<at::Tensor> values = full_tensors_by_name(*sharded);
   if (ctx.rank != 0) return;
-  std::vector<std::string> names;
-  for (const auto& kv : full) names.push_back(kv.first);
-  std::sort(names.begin(), names.end());
-  std::vector<at::Tensor> values;
-  for (const auto& n : names) values.push_back(full.at(n).to(torch::kCPU).contiguous());
   torch::save(values, out);
   std::cout << ctx.args.at(0) << " " << strategy << " " << ctx.args.at(2) << " world " << ctx.world << " via "
             << pg->world()->transport() << std::endl;
