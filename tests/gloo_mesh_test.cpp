@@ -114,7 +114,8 @@ TEST(GlooMesh, StrangersAtTheGlooPortsChangeNothing) {
   const std::string expected = lines_starting_with("loss ", quiet.ranks[0].output);
   ASSERT_FALSE(expected.empty()) << quiet.report();
 
-  const int port = unused_loopback_port();
+  const LoopbackPort held;  // kept off other launches until this test ends
+  const int port = held.port();
   std::vector<std::string> disturbed_env = env;
   disturbed_env.push_back("MASTER_PORT=" + std::to_string(port));
   RunningRanks running = start("gloo_probe_worker", 2, {}, disturbed_env);

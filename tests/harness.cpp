@@ -304,30 +304,41 @@ std::vector<at::Tensor> full_tensors_by_name(fsdp::FullyShardedModule& sharded) 
   return values;
 }
 
-int free_loopback_port() {
+LoopbackPort::LoopbackPort() {
   // Below the kernel's ephemeral range, which the connections of concurrent tests draw from.
   int low = 32768;
   std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
   if (low <= 21000) low = 32768;
   thread_local std::mt19937 pick(std::random_device{}());
-  for (int attempt = 0; attempt < 200; ++attempt) {
+  for (int attempt = 0; attempt < 1000 && fd_ < 0; ++attempt) {
     const int port = 20000 + static_cast<int>(pick() % static_cast<unsigned>(low - 20000));
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    WORKER_CHECK(fd >= 0, "socket: ", std::strerror(errno));
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = htons(static_cast<uint16_t>(port));
-    const bool unused = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    close(fd);
-    if (unused) return port;
+    // Bound without SO_REUSEADDR, so no other holder shares it; marked reusable afterwards, so a
+    // listener that sets SO_REUSEADDR can still take the port while this socket holds it.
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+      const int on = 1;
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+      fd_ = fd;
+      port_ = port;
+    } else {
+      close(fd);
+    }
   }
-  return 29500;
+  WORKER_CHECK(fd_ >= 0, "no free loopback port below ", low);
 }
+
+LoopbackPort::~LoopbackPort() { close(fd_); }
 
 RunningRanks start(const std::string& name, int world, const std::vector<std::string>& args,
                    const std::vector<std::string>& extra_env) {
   RunningRanks running;
-  const int port = free_loopback_port();
+  running.master_port = std::make_shared<LoopbackPort>();
+  const int port = running.master_port->port();
   const std::string exe = self_exe();
   const std::string cwd = std::filesystem::current_path().string();
   running.pids.resize(world);
@@ -411,6 +422,7 @@ LaunchResult wait_for(RunningRanks& running, int timeout_s) {
     result.ranks[r].output = ss.str();
     unlink(running.logs[r].c_str());
   }
+  running.master_port.reset();
   return result;
 }
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,8 +43,21 @@ struct LaunchResult {
   std::string report() const;  // every rank's exit code and output, for failure messages
 };
 
-// A loopback port nothing is bound to now, below the ephemeral range (so no connection takes it).
-int free_loopback_port();
+// A loopback port below the ephemeral range, held while this object lives: neither another
+// holder nor an outgoing connection can take it, but a listener with SO_REUSEADDR (rank 0's store)
+// can (docs/building.md, Test ports).
+class LoopbackPort {
+ public:
+  LoopbackPort();
+  ~LoopbackPort();
+  LoopbackPort(const LoopbackPort&) = delete;
+  LoopbackPort& operator=(const LoopbackPort&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
 
 // Runs worker `name` on `world` ranks; extra_env entries are "KEY=VALUE" for every rank.
 LaunchResult launch(const std::string& name, int world, const std::vector<std::string>& args = {}, int timeout_s = 300,
@@ -54,6 +68,7 @@ LaunchResult launch(const std::string& name, int world, const std::vector<std::s
 struct RunningRanks {
   std::vector<int> pids;  // process ids; 0 once collected
   std::vector<std::string> logs;
+  std::shared_ptr<LoopbackPort> master_port;  // held until the ranks are collected
 };
 RunningRanks start(const std::string& name, int world, const std::vector<std::string>& args = {},
                    const std::vector<std::string>& extra_env = {});

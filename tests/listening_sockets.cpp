@@ -1,14 +1,8 @@
 #include "listening_sockets.h"
 
-#include "harness.h"
-
 #include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -53,7 +47,5 @@ std::vector<ListeningSocket> listening_sockets(int pid) {
   }
   return found;
 }
-
-int unused_loopback_port() { return free_loopback_port(); }
 
 }  // namespace fsdp_test

@@ -14,7 +14,4 @@ struct ListeningSocket {
 // empty when the process is gone.
 std::vector<ListeningSocket> listening_sockets(int pid);
 
-// A loopback port no socket is bound to at the moment of the call.
-int unused_loopback_port();
-
 }  // namespace fsdp_test

@@ -186,7 +186,8 @@ TEST(RendezvousSecurity, StrangersWritingStartUpKeysChangeNothing) {
   ASSERT_FALSE(expected.empty()) << quiet.report();
 
   ForeignSegment segment("/fsdp-stranger-" + std::to_string(getpid()));
-  const int port = unused_loopback_port();
+  const LoopbackPort held;  // kept off other launches until this test ends
+  const int port = held.port();
   Stranger stranger;
   std::thread hammer([&] { stranger.run(port, segment.name); });
   RunningRanks running = start("secure_training_worker", 2, {segment.name},
