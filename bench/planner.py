@@ -13,6 +13,7 @@ predicted whole-process peak, and the measured ms/step with the predicted step t
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -23,7 +24,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 12  # logged every 3 steps: four windows
+WINDOWS = 4  # logged windows per run; the first is warm-up
+WINDOW_S = 0.3  # a window spans at least this many predicted seconds, and at least 3 steps
 
 MODELS = {
     "S": ["--layers", "2", "--width", "64", "--heads", "4", "--context", "64"],
@@ -87,6 +89,11 @@ def calibration(build, world, model, mp, tmp):
 def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
     """One measured run, predicted with the calibration file `cal` (None: one made just before)."""
     cal = cal or calibration(build, world, model, mp, tmp)
+    # Windows long enough that a passing disturbance of the machine does not fill one: from the
+    # calibration job's own plan (the model's step, give or take its configuration).
+    with open(os.path.join(tmp, "calibration-plan.jsonl")) as f:
+        step_s = json.loads(f.readline())["step_s"]
+    interval = max(3, math.ceil(WINDOW_S / max(step_s, 1e-6)))
     plan_file = os.path.join(tmp, "plan.jsonl")
     metrics = os.path.join(tmp, "metrics.jsonl")
     for f in (plan_file, metrics):
@@ -95,7 +102,7 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
     cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
            str(free_port()), "/usr/bin/time", "-f",
            "maxrss_kb %M", os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + strategy + [
-               "--batch-per-rank", "4", "--steps", str(STEPS), "--warmup", "1", "--log-interval", "3", "--eval-batches", "1",
+               "--batch-per-rank", "4", "--steps", str(WINDOWS * interval), "--warmup", "1", "--log-interval", str(interval), "--eval-batches", "1",
                "--sample-bytes", "0", "--mixed-precision", mp, "--plan-file", plan_file, "--calibration-file", cal,
                "--metrics-file", metrics, "--measure-exposed-comm"]
     if checkpointing:
@@ -112,7 +119,7 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
     for key in ("ms_per_step", "exposed_comm_share"):
         measured[key] = statistics.median(w[key] for w in windows[1:])
     plan = json.loads(open(plan_file).readline())
-    return {"cmd": cmd, "rss": rss, "measured": measured, "plan": plan}
+    return {"cmd": cmd, "rss": rss, "measured": measured, "plan": plan, "interval": interval}
 
 
 def main():
@@ -135,7 +142,7 @@ def main():
             pred_fsdp = p["params_bytes"] + p["grads_bytes"]
             meas_fsdp = m["fsdp_param_peak_bytes"] + m["fsdp_grad_peak_bytes"]
             rows.append({
-                "run": i + 1, "world": world, "model": model, "config": p["configuration"],
+                "run": i + 1, "world": world, "model": model, "config": p["configuration"], "interval": r["interval"],
                 "params": (m["fsdp_param_peak_bytes"], p["params_bytes"]),
                 "grads": (m["fsdp_grad_peak_bytes"], p["grads_bytes"]),
                 "fsdp": (meas_fsdp, pred_fsdp), "rss": (m["rss_peak_bytes"], p["peak_bytes"]),
@@ -191,11 +198,12 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         f"Load average (1 min) at the start {load_start:.2f}, at the end {load_end:.2f}; other jobs share the "
         "machine.",
         "",
-        f"Each run: `fsdp-run --nproc-per-node WORLD /usr/bin/time fsdp_gpt MODEL --batch-per-rank 4 --steps {STEPS} "
-        "--log-interval 3 --plan-file ...` (one thread per rank). Models: S = 2 layers x width 64, M = 4 x 128, "
+        "Each run: `fsdp-run --nproc-per-node WORLD /usr/bin/time fsdp_gpt MODEL --batch-per-rank 4 --steps "
+        f"{WINDOWS}K --log-interval K --plan-file ...` (one thread per rank), K the steps the calibration job "
+        f"predicts in {WINDOW_S} s, at least 3 (K = 3 to {max(r['interval'] for r in rows)} here). Models: S = 2 layers x width 64, M = 4 x 128, "
         "L = 2 x 256, context 64; XL = 4 x 512, context 128; vocabulary 256. Measured, from rank 0's "
         "`--metrics-file` with `--measure-exposed-comm`: its `memory_stats()` peaks over the last logged window "
-        f"(steps {STEPS - 2}-{STEPS}), its resident set's peak during training (`rss_peak_bytes`: VmHWM restarted when "
+        "(the last K steps), its resident set's peak during training (`rss_peak_bytes`: VmHWM restarted when "
         "training begins; the planner predicts rank 0, the largest), and the median over the windows after the "
         "first of the ms/step and of the share of it the compute thread waited on collectives (the event trace). The whole run's peak over all ranks (`/usr/bin/time`, "
         "set-up and validation included) is shown beside it. Predicted: the trainer's `--plan-file` entry for the run (cluster `cpu:1xWORLD`, process bytes = "

@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planner import ROOT, STEPS, calibration, run_one  # noqa: E402
+from planner import ROOT, WINDOWS, calibration, run_one  # noqa: E402
 
 
 def main():
@@ -74,7 +74,7 @@ def main():
         f"with other jobs (load average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end).",
         "",
         "Candidates: model XL (4 layers, width 512, context 128), world 2, 4 sequences per rank, fp32, each run as "
-        f"in [planner.md](planner.md) ({STEPS} steps; the median ms/step of the windows after the first; rank 0's "
+        f"in [planner.md](planner.md) ({WINDOWS} windows of at least 3 steps; the median ms/step of the windows after the first; rank 0's "
         "peak resident set during "
         "training; every prediction from one calibration, made by a separate job before the first run, as a plan at "
         f"launch has). The candidates run in {args.rounds} interleaved rounds: a candidate's step is the median "

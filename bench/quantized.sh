@@ -4,35 +4,41 @@
 #   bench/quantized.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]
 #
 # Step time and modeled bytes: the example trainer at world 4 through fsdp-run (block units, one
-# thread per rank), a communication-bound GPT (1 sequence per rank). FULL_SHARD over shared memory
-# without a network model, over Gloo TCP and over the modeled network at 1 and 10 Gbit/s between
-# ranks (FSDP_NETWORK_MODEL, one rank per modeled host), unquantized and with int8 all-gathers and
-# reductions; NO_SHARD (its gradient all-reduce quantized) at 1 Gbit/s. Runs interleaved, REPEATS
-# rounds; medians. Loss: 500 steps unquantized, int8, and int8 with error feedback: validation loss
-# at the end and the training-loss curves (bench/results/quantized.png, with gnuplot). Prints the
-# markdown tables. REPEATS 0: the loss comparison only; LOSS=0: the step times only. MASTER_PORT:
-# fsdp-run's port (29500).
+# thread per rank), 1 sequence of 16 tokens per rank, two GPTs: `narrow` (width 384, whose step is
+# compute-bound at 10 Gbit/s) and `wide` (width 1024, communication-bound there). FULL_SHARD over
+# shared memory without a network model, over Gloo TCP and over the modeled network at 10 Gbit/s
+# between ranks (FSDP_NETWORK_MODEL, one rank per modeled host) for both; at 1 Gbit/s for the narrow
+# one, also NO_SHARD (its gradient all-reduce quantized); unquantized and with int8 all-gathers and
+# reductions. Runs interleaved, REPEATS rounds; medians. Loss (narrow GPT): 500 steps unquantized,
+# int8, and int8 with error feedback: validation loss at the end and the training-loss curves
+# (bench/results/quantized.png, with gnuplot). Prints the markdown tables. REPEATS 0: the loss
+# comparison only; LOSS=0: the step times only. MASTER_PORT: fsdp-run's port (29500).
 set -euo pipefail
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
-MODEL=(--layers 4 --width 384 --heads 6 --context 16 --batch-per-rank 1 --sample-bytes 0 "${EXTRA[@]}")
+COMMON=(--layers 4 --context 16 --batch-per-rank 1 --sample-bytes 0)
+declare -A SHAPES=([narrow]="--width 384 --heads 6" [wide]="--width 1024 --heads 8")
+read -ra narrow <<<"${SHAPES[narrow]}"
+MODEL=("${COMMON[@]}" "${narrow[@]}" "${EXTRA[@]}")
 QUANT=(--quantize-all-gather int8 --quantize-reduce int8)
 declare -A NETS=([shm]="FSDP_TRANSPORT=shm" [tcp]="FSDP_TRANSPORT=tcp"
                  [1gbit]="FSDP_NETWORK_MODEL=gbps=0.125,ranks_per_host=1"
                  [10gbit]="FSDP_NETWORK_MODEL=gbps=1.25,ranks_per_host=1")
-# Rows: "strategy network".
-ROWS=("FULL_SHARD shm" "FULL_SHARD tcp" "FULL_SHARD 1gbit" "FULL_SHARD 10gbit" "NO_SHARD 1gbit")
+# Rows: "model strategy network".
+ROWS=("narrow FULL_SHARD shm" "narrow FULL_SHARD tcp" "narrow FULL_SHARD 1gbit" "narrow FULL_SHARD 10gbit"
+      "narrow NO_SHARD 1gbit" "wide FULL_SHARD shm" "wide FULL_SHARD tcp" "wide FULL_SHARD 10gbit")
 declare -A TIMES BYTES
 ms_per_step() {  # the mean over the logged windows after the first (warm-up excluded)
   grep -E "^\[rank 0\] step +(16|24)/" | sed -E 's/.*\| +([0-9.]+) ms\/step.*/\1/' | awk '{ s += $1 } END { printf "%.1f", s / NR }'
 }
 for ((r = 0; r < REPEATS; r++)); do
   for row in "${ROWS[@]}"; do
-    read -r strategy net <<<"$row"
+    read -r shape strategy net <<<"$row"
+    read -ra shape_flags <<<"${SHAPES[$shape]}"
     for q in plain int8; do
       flags=(--strategy "$strategy")
       [ "$q" = int8 ] && flags+=("${QUANT[@]}")
-      out=$(env ${NETS[$net]} "$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 1 --steps 24 --log-interval 8 \
+      out=$(env ${NETS[$net]} "$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${COMMON[@]}" "${shape_flags[@]}" "${EXTRA[@]}" --eval-batches 1 --steps 24 --log-interval 8 \
             "${flags[@]}" 2>&1)
       ms=$(ms_per_step <<<"$out")
       TIMES[$row/$q]="${TIMES[$row/$q]:-} $ms"
@@ -42,13 +48,13 @@ for ((r = 0; r < REPEATS; r++)); do
   done
 done
 if ((REPEATS > 0)); then
-echo "| strategy | network | ms/step unquantized | ms/step int8 | speed-up | runs (unquantized; int8) | modeled MB per step, rank 0, unquantized | int8 |"
-echo "| --- | --- | ---: | ---: | ---: | --- | --- | --- |"
+echo "| model | strategy | network | ms/step unquantized | ms/step int8 | speed-up | runs (unquantized; int8) | modeled MB per step, rank 0, unquantized | int8 |"
+echo "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"
 for row in "${ROWS[@]}"; do
-  read -r strategy net <<<"$row"
+  read -r shape strategy net <<<"$row"
   a=$(echo "${TIMES[$row/plain]}" | median)
   b=$(echo "${TIMES[$row/int8]}" | median)
-  echo "| $strategy | $net | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }') | ${TIMES[$row/plain]# }; ${TIMES[$row/int8]# } | ${BYTES[$row/plain]:-n/a} | ${BYTES[$row/int8]:-n/a} |"
+  echo "| $shape | $strategy | $net | $a | $b | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.2f", a / b }') | ${TIMES[$row/plain]# }; ${TIMES[$row/int8]# } | ${BYTES[$row/plain]:-n/a} | ${BYTES[$row/int8]:-n/a} |"
 done
 fi
 

@@ -191,6 +191,17 @@ FSDP_WORKER(runtime_calibration_worker) {
       calibration, *sharded, *pg, [&] { return loss_of(model, x); }, timed_full_shard(0, 0, -1));
   WORKER_CHECK(calibration.runtime.size() == 1 && calibration.runtime.front().step_s < 0,
                "a second timing of fp32 (without a step) must replace the first");
+  // Short iterations are timed until min_timed_s (ten times the repetitions at most), every rank the same count.
+  int calls = 0;
+  fsdp::calibrate_runtime(
+      calibration, *sharded, *pg, [&] { return ++calls, loss_of(model, x); }, timed_full_shard(0, 0, -1), 3, nullptr,
+      1e3);
+  WORKER_CHECK(calls == 31, "one untimed and thirty timed iterations expected, got ", calls);
+  calls = 0;
+  fsdp::calibrate_runtime(
+      calibration, *sharded, *pg, [&] { return ++calls, loss_of(model, x); }, timed_full_shard(0, 0, -1), 3, nullptr,
+      0);
+  WORKER_CHECK(calls == 4, "one untimed and three timed iterations expected, got ", calls);
 
   auto wrong = timed_full_shard(0, 0, -1);
   wrong.strategy = fsdp::ShardingStrategy::kNoShard;

@@ -3,9 +3,11 @@
 // model that fits nowhere.
 #include <gtest/gtest.h>
 #include <malloc.h>
+#include <chrono>
 #include <cmath>
 
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fsdp/cluster.h"
@@ -305,6 +307,29 @@ struct MlpImpl : torch::nn::Module {
   torch::nn::Linear up, down;
 };
 TORCH_MODULE(Mlp);
+
+// Short passes are timed past `repetitions` until min_timed_s is timed, ten times `repetitions` at most;
+// passes that fill it sooner are timed `repetitions` times.
+TEST(Planner, ShortPassesAreTimedUntilTheMinimumSpan) {
+  torch::nn::Linear model(4, 4);
+  const auto input = torch::randn({2, 4});
+  auto calls_with = [&](double pass_s, double min_timed_s) {
+    int calls = 0;
+    auto loss = [&] {
+      ++calls;
+      std::this_thread::sleep_for(std::chrono::duration<double>(pass_s));
+      return model->forward(input).sum();
+    };
+    fsdp::calibrate(*model, loss, 2, fsdp::CalibrateOptions().repetitions(3).min_timed_s(min_timed_s));
+    return calls;
+  };
+  const int plain = calls_with(0.001, 0);          // one untimed, three timed, and the memory passes
+  EXPECT_EQ(calls_with(0.001, 10.0), plain + 27);  // capped at thirty timed
+  EXPECT_EQ(calls_with(0.050, 0.1), plain);        // three passes of 50 ms fill 0.1 s
+  EXPECT_THROW(fsdp::calibrate(
+                   *model, [&] { return model->forward(input).sum(); }, 2, fsdp::CalibrateOptions().min_timed_s(-1)),
+               fsdp::Error);
+}
 
 TEST(Planner, CalibratedPassMemoryBecomesTheWorkspace) {
   {  // fsdp::calibrate measures the passes' memory without and with the model's checkpointing.

@@ -69,7 +69,7 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
   small.inputs = batch.inputs.narrow(0, 0, std::max<int64_t>(half, 1));
   small.targets = batch.targets.narrow(0, 0, std::max<int64_t>(half, 1));
   auto options = fsdp::CalibrateOptions()
-                     .repetitions(5)  // the median of five: steadier on a machine others share
+                     .repetitions(5)  // the median of five or more: steadier on a machine others share
                      .precisions(plan_precisions(config, flags_only))
                      .optimizer([&](const std::vector<at::Tensor>&) -> std::unique_ptr<torch::optim::Optimizer> {
                        std::vector<std::pair<std::string, torch::Tensor>> named;

@@ -88,6 +88,8 @@ struct CalibrateOptions {
   TORCH_ARG(std::vector<at::ScalarType>, precisions) = {at::kFloat};
   /// Timed repetitions per precision after one untimed; the median counts.
   TORCH_ARG(int, repetitions) = 3;
+  /// Each timer repeats past `repetitions` until this many seconds are timed (ten times `repetitions` at most), so short passes are timed over a span a passing disturbance does not fill.
+  TORCH_ARG(double, min_timed_s) = 0.25;
   /// Builds the optimizer whose step is timed, over float32 parameters; null: the step is not timed.
   TORCH_ARG(OptimizerFactory, optimizer) = nullptr;
   /// One forward of a smaller batch, timed too, so that the plan tells the passes' fixed cost from their cost per token; null: none.
@@ -117,7 +119,8 @@ class ProcessGroup;
 // describes): `loss()` (one forward of `timed.micro_batch` sequences), its backward through the FSDP
 // runtime with the event trace on for the waits, and `step()` (the optimizer's step over the copy's
 // shard pieces; null: none), and records them (the mean over ranks, the median of `repetitions`
-// after one untimed) as a runtime timing of `calibration` at `pg`'s world, replacing one of the
+// after one untimed, or of more, up to ten times as many, where the untimed iteration's time over
+// the ranks says they take less than `min_timed_s`) as a runtime timing of `calibration` at `pg`'s world, replacing one of the
 // same precision, strategy, sharding factor and wrap policy. Two strategies timed in a precision
 // (FULL_SHARD and NO_SHARD, say) let the plan tell FSDP's work per unit from its work per
 // collective.
@@ -125,6 +128,6 @@ class ProcessGroup;
 // or sharding factor is not `timed`'s.
 void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, const ProcessGroup& pg,
                        const std::function<at::Tensor()>& loss, RuntimeTiming timed, int repetitions = 3,
-                       const std::function<void()>& step = nullptr);
+                       const std::function<void()>& step = nullptr, double min_timed_s = 0.25);
 
 }  // namespace fsdp

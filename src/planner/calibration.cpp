@@ -20,6 +20,7 @@ namespace fsdp {
 namespace {
 
 using planner::Clock;
+using planner::keep_timing;
 using planner::median;
 using planner::seconds_since;
 
@@ -81,14 +82,15 @@ int64_t pass_peak(torch::nn::Module& model, const std::function<at::Tensor()>& l
   return peak_growth([&] { loss().backward(); });
 }
 
-// Forward-and-loss and backward seconds, median over `repetitions` after one untimed, without
-// checkpointing; and with `memory`, the passes' memory without and with it.
+// Forward-and-loss and backward seconds, median over `repetitions` (or more: keep_timing) after one
+// untimed, without checkpointing; and with `memory`, the passes' memory without and with it.
 PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions,
-                            bool memory = true) {
+                            double min_timed_s, bool memory = true) {
   const auto wrappers = checkpointed_modules(model);
   for (const auto& w : wrappers) w.first->set_enabled(false);
   std::vector<double> forward, backward;
-  for (int i = 0; i <= repetitions; ++i) {
+  double timed_s = 0;
+  for (int i = 0; i == 0 || keep_timing(forward.size(), timed_s, repetitions, min_timed_s); ++i) {
     zero_grads(model);
     const auto start = Clock::now();
     at::Tensor value = loss();
@@ -97,7 +99,7 @@ PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Te
     const auto middle = Clock::now();
     value.backward();
     const double b = seconds_since(middle);
-    if (i > 0) forward.push_back(f), backward.push_back(b);
+    if (i > 0) forward.push_back(f), backward.push_back(b), timed_s += f + b;
   }
   PrecisionTiming t;
   t.forward_s = median(forward);
@@ -112,9 +114,10 @@ PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Te
   return t;
 }
 
-// The optimizer's step per parameter element, median over `repetitions` after one untimed.
+// The optimizer's step per parameter element, median over `repetitions` (or more: keep_timing)
+// after one untimed.
 double time_step(torch::nn::Module& model, const std::function<at::Tensor()>& loss, const OptimizerFactory& factory,
-                 int repetitions) {
+                 int repetitions, double min_timed_s) {
   std::vector<at::Tensor> params;
   int64_t numel = 0;
   for (auto& p : model.parameters())
@@ -124,10 +127,12 @@ double time_step(torch::nn::Module& model, const std::function<at::Tensor()>& lo
   auto optimizer = factory(params);
   FSDP_CHECK(optimizer != nullptr, "fsdp::calibrate: the optimizer factory returned null");
   std::vector<double> steps;
-  for (int i = 0; i <= repetitions; ++i) {
+  double timed_s = 0;
+  for (int i = 0; i == 0 || keep_timing(steps.size(), timed_s, repetitions, min_timed_s); ++i) {
     const auto start = Clock::now();
     optimizer->step();
-    if (i > 0) steps.push_back(seconds_since(start));
+    const double s = seconds_since(start);
+    if (i > 0) steps.push_back(s), timed_s += s;
   }
   zero_grads(model);
   return median(steps) / static_cast<double>(numel);
@@ -271,6 +276,7 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
   FSDP_CHECK(loss != nullptr, "fsdp::calibrate: loss is null; pass a function that runs one forward");
   FSDP_CHECK(tokens > 0, "fsdp::calibrate: tokens must be positive (the tokens in one forward), got ", tokens);
   FSDP_CHECK(options.repetitions() >= 1, "fsdp::calibrate: repetitions must be >= 1, got ", options.repetitions());
+  FSDP_CHECK(options.min_timed_s() >= 0, "fsdp::calibrate: min_timed_s must be >= 0, got ", options.min_timed_s());
   FSDP_CHECK(!options.precisions().empty(), "fsdp::calibrate: no precision to time; name at least one");
   const bool smaller = options.smaller_loss() != nullptr;
   FSDP_CHECK(!smaller || (options.smaller_tokens() >= 1 && options.smaller_tokens() < tokens),
@@ -281,16 +287,17 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
   c.small_tokens = smaller ? options.smaller_tokens() : 0;
   if (options.optimizer()) {
     model.to(at::kFloat);
-    c.step_s_per_element = time_step(model, loss, options.optimizer(), options.repetitions());
+    c.step_s_per_element = time_step(model, loss, options.optimizer(), options.repetitions(), options.min_timed_s());
   }
   for (const at::ScalarType precision : options.precisions()) {
     FSDP_CHECK(at::isFloatingType(precision), "fsdp::calibrate: precision ", c10::toString(precision),
                " is not a floating type");
     model.to(precision);
-    PrecisionTiming t = time_passes(model, loss, options.repetitions());
+    PrecisionTiming t = time_passes(model, loss, options.repetitions(), options.min_timed_s());
     t.precision = precision;
     if (smaller) {
-      const PrecisionTiming s = time_passes(model, options.smaller_loss(), options.repetitions(), false);
+      const PrecisionTiming s =
+          time_passes(model, options.smaller_loss(), options.repetitions(), options.min_timed_s(), false);
       t.small_forward_s = s.forward_s;
       t.small_backward_s = s.backward_s;
     }

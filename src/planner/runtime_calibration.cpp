@@ -1,6 +1,7 @@
 // fsdp::calibrate_runtime (include/fsdp/calibration.h): the FSDP runtime's own passes timed at the
 // job's world. See Note [Planner runtime calibration] in docs/design.md.
 #include <algorithm>
+#include <cmath>
 
 #include "fsdp/calibration.h"
 #include "fsdp/check.h"
@@ -24,9 +25,10 @@ void drop_grads(const FullyShardedModule& sharded) {
 
 void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, const ProcessGroup& pg,
                        const std::function<at::Tensor()>& loss, RuntimeTiming timed, int repetitions,
-                       const std::function<void()>& step) {
+                       const std::function<void()>& step, double min_timed_s) {
   FSDP_CHECK(loss != nullptr, "fsdp::calibrate_runtime: loss is null; pass a function that runs one forward");
   FSDP_CHECK(repetitions >= 1, "fsdp::calibrate_runtime: repetitions must be >= 1, got ", repetitions);
+  FSDP_CHECK(min_timed_s >= 0, "fsdp::calibrate_runtime: min_timed_s must be >= 0, got ", min_timed_s);
   FSDP_CHECK(timed.micro_batch >= 1, "fsdp::calibrate_runtime: the timed micro_batch must be at least 1, got ",
              timed.micro_batch);
   FSDP_CHECK(!timed.wrap.empty(),
@@ -41,7 +43,8 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
   sharded.set_trace(true);
   std::vector<double> forward, backward, exposed, steps;
   if (pg.size() > 1) pg.world()->barrier();
-  for (int i = 0; i <= repetitions; ++i) {
+  int timed_repetitions = repetitions;  // every rank the same count: the iterations are collective
+  for (int i = 0; i <= timed_repetitions; ++i) {
     drop_grads(sharded);
     const auto start = Clock::now();
     at::Tensor value = loss();
@@ -54,7 +57,13 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
     const auto stepping = Clock::now();
     if (step) step();
     const double s = seconds_since(stepping);
-    if (i == 0) continue;
+    if (i == 0) {
+      const double first_s = mean_across_ranks(pg, f + b + s);
+      if (first_s * repetitions < min_timed_s)
+        timed_repetitions =
+            std::min(10 * repetitions, static_cast<int>(std::ceil(min_timed_s / std::max(first_s, 1e-9))));
+      continue;
+    }
     forward.push_back(f);
     backward.push_back(b);
     exposed.push_back(sharded.last_trace().exposed_comm_us * 1e-6);

@@ -19,4 +19,11 @@ inline double median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+// Whether a timer that has timed `done` repetitions, `timed_s` seconds in all, goes on: until
+// `repetitions`, then until `min_timed_s` is reached or ten times `repetitions` are done.
+inline bool keep_timing(size_t done, double timed_s, int repetitions, double min_timed_s) {
+  const size_t least = static_cast<size_t>(repetitions);
+  return done < least || (timed_s < min_timed_s && done < 10 * least);
+}
+
 }  // namespace fsdp::planner
