@@ -456,10 +456,10 @@ std::string lines_starting_with(const std::string& prefix, const std::string& ou
 namespace fsdp_test {
 namespace {
 
-// Leaves LibTorch's oneDNN kernels off for this process when a convolution's gradients through
-// them differ from LibTorch's own kernels' (Note [oneDNN convolutions in tests]); says so when
-// `report`.
-void avoid_wrong_onednn_convolutions(bool report) {
+// Leaves LibTorch's oneDNN kernels off for this process, and for the ranks it starts (through
+// FSDP_TEST_NO_ONEDNN in their environment), when a convolution's gradients through them differ
+// from LibTorch's own kernels' (Note [oneDNN convolutions in tests]).
+void avoid_wrong_onednn_convolutions() {
   if (!at::globalContext().userEnabledMkldnn()) return;
   const auto gen = at::detail::createCPUGenerator(5);
   const at::Tensor x0 = at::randn({4, 6, 6}, gen), w0 = at::randn({5, 6, 3}, gen), g = at::randn({4, 5, 4}, gen);
@@ -475,10 +475,10 @@ void avoid_wrong_onednn_convolutions(bool report) {
     at::globalContext().setUserEnabledMkldnn(true);
     return;
   }
-  if (report)
-    std::cerr << "fsdp_tests: this LibTorch's oneDNN convolution gradients differ from its own kernels' ("
-              << at::isclose(onednn.first, native.first, 1e-4, 1e-5).logical_not().sum().item<int64_t>() << " of "
-              << native.first.numel() << " input-gradient elements); the tests run with oneDNN disabled\n";
+  setenv("FSDP_TEST_NO_ONEDNN", "1", 1);
+  std::cerr << "fsdp_tests: this LibTorch's oneDNN convolution gradients differ from its own kernels' ("
+            << at::isclose(onednn.first, native.first, 1e-4, 1e-5).logical_not().sum().item<int64_t>() << " of "
+            << native.first.numel() << " input-gradient elements); the tests run with oneDNN disabled\n";
 }
 
 // Runs the registered worker `name` as this process's rank (RANK, WORLD_SIZE from the
@@ -491,7 +491,7 @@ int run_worker(const std::string& name, const std::vector<std::string>& args) {
     std::cerr << "unknown worker " << name << "\n";
     return 2;
   }
-  avoid_wrong_onednn_convolutions(/*report=*/false);
+  if (std::getenv("FSDP_TEST_NO_ONEDNN")) at::globalContext().setUserEnabledMkldnn(false);
   WorkerContext ctx;
   ctx.rank = std::atoi(std::getenv("RANK"));
   ctx.world = std::atoi(std::getenv("WORLD_SIZE"));
@@ -548,7 +548,7 @@ int main(int argc, char** argv) {
   if (argc >= 3 && std::string(argv[1]) == "--fsdp-worker")
     _exit(fsdp_test::run_worker(argv[2], std::vector<std::string>(argv + 3, argv + argc)));
   if (argc == 3 && std::string(argv[1]) == "--fsdp-zygote") fsdp_test::zygote_loop(std::atoi(argv[2]));
-  fsdp_test::avoid_wrong_onednn_convolutions(/*report=*/true);
+  fsdp_test::avoid_wrong_onednn_convolutions();
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
