@@ -14,6 +14,8 @@
 #   FSDP_TESTS_O1=ON (default)          compile fsdp_tests' own sources at -O1 in optimized builds
 #                                       (tests/CMakeLists.txt): about 0.6 of their -O3 compile time;
 #                                       the library, examples and benchmarks keep the build type's -O
+#   FSDP_ALL_O1=OFF (default)           every target at -O1 in optimized builds: a build to test, not
+#                                       to time (CI's LibTorch 2.6 leg, scripts/test-trixie.sh)
 
 option(FSDP_WERROR "Treat compiler warnings as errors (libfsdp's own targets)" OFF)
 set(FSDP_SANITIZE "" CACHE STRING
@@ -24,6 +26,11 @@ option(FSDP_UNITY_BUILD "Compile the library's and the tests' sources in batches
 set(FSDP_UNITY_BATCH 14 CACHE STRING "Library sources per translation unit under FSDP_UNITY_BUILD")
 set(FSDP_TESTS_UNITY_BATCH 8 CACHE STRING "Test sources per translation unit under FSDP_UNITY_BUILD")
 option(FSDP_TESTS_O1 "Compile the test binary's own sources at -O1 in optimized builds" ON)
+option(FSDP_ALL_O1 "Compile every target of this project at -O1 in optimized builds (for tests, not timing)" OFF)
+if(FSDP_ALL_O1 AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  # Directory-wide, after the build type's flags on each command line, so this -O is the one used.
+  add_compile_options($<$<NOT:$<CONFIG:Debug>>:-O1>)
+endif()
 
 # --- fsdp_warnings: the warning flags of every target in this project -----------------------
 # Each target links it PRIVATE. The library takes it through its LINK_LIBRARIES property rather

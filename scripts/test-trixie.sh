@@ -11,7 +11,8 @@
 #   --test-only   ctest only, in a build made before (fails if it is missing)
 #
 # Environment: FSDP_TRIXIE_ROOT, FSDP_TRIXIE_MIRROR (scripts/trixie.sh), BUILD_DIR (default
-# build-trixie), JOBS (compile jobs, default: the number of cores).
+# build-trixie), JOBS (compile jobs, default: the number of cores), FSDP_TRIXIE_O1=1 (every target
+# at -O1, FSDP_ALL_O1: CI's build, to test and not to time; otherwise the build type's flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=all
@@ -20,6 +21,8 @@ case ${1:-} in
   --test-only) STEPS=test; shift ;;
 esac
 BUILD_DIR=${BUILD_DIR:-build-trixie}
+ALL_O1=OFF
+[ "${FSDP_TRIXIE_O1:-0}" = 1 ] && ALL_O1=ON
 JOBS=${JOBS:-$(nproc)}
 if [ "$STEPS" != test ] && ! command -v debootstrap >/dev/null; then
   echo "test-trixie: installing debootstrap"
@@ -40,8 +43,8 @@ if [ "$STEPS" = test ]; then
 else
   phase root scripts/trixie.sh setup
   phase build scripts/trixie.sh run -- sh -c '
-  cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null &&
-  cmake --build "$1" -j"$2"' sh "$BUILD_DIR" "$JOBS"
+  cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DFSDP_ALL_O1="$3" >/dev/null &&
+  cmake --build "$1" -j"$2"' sh "$BUILD_DIR" "$JOBS" "$ALL_O1"
 fi
 [ "$STEPS" != build ] || exit 0
 phase ctest scripts/trixie.sh run -- ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 900 "$@"
