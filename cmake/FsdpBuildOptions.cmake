@@ -23,7 +23,7 @@ set(FSDP_SANITIZE "" CACHE STRING
 option(FSDP_CCACHE "Compile through ccache when it is found" ON)
 option(FSDP_PCH "Precompile torch/torch.h once per target instead of parsing it in every source" ON)
 option(FSDP_UNITY_BUILD "Compile the library's and the tests' sources in batches (one translation unit each)" ON)
-set(FSDP_UNITY_BATCH 14 CACHE STRING "Library sources per translation unit under FSDP_UNITY_BUILD")
+set(FSDP_UNITY_BATCH 28 CACHE STRING "Library sources per translation unit under FSDP_UNITY_BUILD")
 set(FSDP_TESTS_UNITY_BATCH 8 CACHE STRING "Test sources per translation unit under FSDP_UNITY_BUILD")
 option(FSDP_TESTS_O1 "Compile the test binary's own sources at -O1 in optimized builds" ON)
 option(FSDP_ALL_O1 "Compile every target of this project at -O1 in optimized builds (for tests, not timing)" OFF)

@@ -5,10 +5,13 @@
 # build-trixie/ (GCC 14; the root's own ccache), and runs ctest there. Prints each phase's wall
 # time. Run as root on a Debian host.
 #
-#   scripts/test-trixie.sh [--build-only|--test-only] [ctest arguments...]   e.g. -R 'ExactTest' or -L gpt
+#   scripts/test-trixie.sh [--build-only|--test-only] [ctest selection...]   e.g. -R 'ExactTest' or -L gpt
 #
 #   --build-only  the root and the build only (.ci/run builds at idle priority while other tests run)
 #   --test-only   ctest only, in a build made before (fails if it is missing)
+#
+# The build makes the test binary and the targets the selected tests run (scripts/ctest_targets.py),
+# not the rest: without a selection, every target.
 #
 # Environment: FSDP_TRIXIE_ROOT, FSDP_TRIXIE_MIRROR (scripts/trixie.sh), BUILD_DIR (default
 # build-trixie), JOBS (compile jobs, default: the number of cores), FSDP_TRIXIE_O1=1 (every target
@@ -42,9 +45,20 @@ if [ "$STEPS" = test ]; then
   [ -x "$BUILD_DIR/tests/fsdp_tests" ] || { echo "test-trixie: $BUILD_DIR is not built; run scripts/test-trixie.sh --build-only first" >&2; exit 1; }
 else
   phase root scripts/trixie.sh setup
-  phase build scripts/trixie.sh run -- sh -c '
-  cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DFSDP_ALL_O1="$3" >/dev/null &&
-  cmake --build "$1" -j"$2"' sh "$BUILD_DIR" "$JOBS" "$ALL_O1"
+  # The code model's query: scripts/ctest_targets.py reads which target makes which file.
+  mkdir -p "$BUILD_DIR/.cmake/api/v1/query"
+  touch "$BUILD_DIR/.cmake/api/v1/query/codemodel-v2"
+  phase configure scripts/trixie.sh run -- \
+    cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DFSDP_ALL_O1="$ALL_O1" >/dev/null
+  targets=()
+  if [ $# -gt 0 ]; then
+    mapfile -t targets < <(scripts/trixie.sh run -- ctest --test-dir "$BUILD_DIR" --show-only=json-v1 "$@" |
+      /usr/bin/python3 scripts/ctest_targets.py "$BUILD_DIR" fsdp_tests)
+    [ ${#targets[@]} -gt 0 ] || { echo "test-trixie: no targets for the selection $*" >&2; exit 1; }
+    echo "test-trixie: building what the selection runs: ${targets[*]}"
+    targets=(--target "${targets[@]}")
+  fi
+  phase build scripts/trixie.sh run -- cmake --build "$BUILD_DIR" -j"$JOBS" "${targets[@]}"
 fi
 [ "$STEPS" != build ] || exit 0
 phase ctest scripts/trixie.sh run -- ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 --timeout 900 "$@"
