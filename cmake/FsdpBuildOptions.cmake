@@ -9,8 +9,9 @@
 #                                       <torch/torch.h> once for the examples and benchmarks
 #                                       (fsdp_precompile_headers below)
 #   FSDP_UNITY_BUILD=ON (default)       compile the library's sources in batches of FSDP_UNITY_BATCH
-#                                       (root CMakeLists.txt) and the test binary's in batches of
-#                                       FSDP_TESTS_UNITY_BATCH (tests/CMakeLists.txt)
+#                                       (root CMakeLists.txt), the test binary's in batches of
+#                                       FSDP_TESTS_UNITY_BATCH (tests/CMakeLists.txt), the example
+#                                       trainer's in batches of 6 (examples/gpt/CMakeLists.txt)
 #   FSDP_TESTS_O1=ON (default)          compile fsdp_tests' own sources at -O1 in optimized builds
 #                                       (tests/CMakeLists.txt): about 0.6 of their -O3 compile time;
 #                                       the library, examples and benchmarks keep the build type's -O
@@ -22,7 +23,7 @@ set(FSDP_SANITIZE "" CACHE STRING
     "Sanitizers for every target, as for -fsanitize= (address,undefined or thread); empty: none")
 option(FSDP_CCACHE "Compile through ccache when it is found" ON)
 option(FSDP_PCH "Precompile torch/torch.h once per target instead of parsing it in every source" ON)
-option(FSDP_UNITY_BUILD "Compile the library's and the tests' sources in batches (one translation unit each)" ON)
+option(FSDP_UNITY_BUILD "Compile the library's, the tests' and the example trainer's sources in batches (one translation unit each)" ON)
 set(FSDP_UNITY_BATCH 28 CACHE STRING "Library sources per translation unit under FSDP_UNITY_BUILD")
 set(FSDP_TESTS_UNITY_BATCH 8 CACHE STRING "Test sources per translation unit under FSDP_UNITY_BUILD")
 option(FSDP_TESTS_O1 "Compile the test binary's own sources at -O1 in optimized builds" ON)
