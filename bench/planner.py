@@ -24,7 +24,11 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WINDOWS = 4  # logged windows per run; the first is warm-up
+WINDOWS = 3  # logged windows per run that are measured, after the warm-up
+# Steps before the measured windows: glibc raises its mmap threshold over the first steps of a
+# run, and until it has, each step of the larger models faults in tens of MiB afresh (Note [glibc
+# malloc]); the planner predicts the steps after that.
+WARMUP_STEPS = 12
 WINDOW_S = 0.3  # a window spans at least this many predicted seconds, and at least 3 steps
 
 MODELS = {
@@ -94,6 +98,7 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
     with open(os.path.join(tmp, "calibration-plan.jsonl")) as f:
         step_s = json.loads(f.readline())["step_s"]
     interval = max(3, math.ceil(WINDOW_S / max(step_s, 1e-6)))
+    windows_run = WINDOWS + math.ceil(WARMUP_STEPS / interval)
     plan_file = os.path.join(tmp, "plan.jsonl")
     metrics = os.path.join(tmp, "metrics.jsonl")
     for f in (plan_file, metrics):
@@ -102,7 +107,7 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
     cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
            str(free_port()), "/usr/bin/time", "-f",
            "maxrss_kb %M", os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + strategy + [
-               "--batch-per-rank", "4", "--steps", str(WINDOWS * interval), "--warmup", "1", "--log-interval", str(interval), "--eval-batches", "1",
+               "--batch-per-rank", "4", "--steps", str(windows_run * interval), "--warmup", "1", "--log-interval", str(interval), "--eval-batches", "1",
                "--sample-bytes", "0", "--mixed-precision", mp, "--plan-file", plan_file, "--calibration-file", cal,
                "--metrics-file", metrics, "--measure-exposed-comm"]
     if checkpointing:
@@ -114,10 +119,10 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
     text = out.stdout + out.stderr
     rss = [int(m) * 1024 for m in re.findall(r"maxrss_kb (\d+)", text)]
     windows = [json.loads(line) for line in open(metrics)]
-    # Memory from the last window (steady state); time as the median of the windows after the first.
+    # Memory from the last window (steady state); time as the median of the windows after the warm-up.
     measured = dict(windows[-1])
     for key in ("ms_per_step", "exposed_comm_share"):
-        measured[key] = statistics.median(w[key] for w in windows[1:])
+        measured[key] = statistics.median(w[key] for w in windows[-WINDOWS:])
     plan = json.loads(open(plan_file).readline())
     return {"cmd": cmd, "rss": rss, "measured": measured, "plan": plan, "interval": interval}
 
@@ -199,13 +204,15 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         "machine.",
         "",
         "Each run: `fsdp-run --nproc-per-node WORLD /usr/bin/time fsdp_gpt MODEL --batch-per-rank 4 --steps "
-        f"{WINDOWS}K --log-interval K --plan-file ...` (one thread per rank), K the steps the calibration job "
-        f"predicts in {WINDOW_S} s, at least 3 (K = 3 to {max(r['interval'] for r in rows)} here). Models: S = 2 layers x width 64, M = 4 x 128, "
+        f"(N+{WINDOWS})K --log-interval K --plan-file ...` (one thread per rank), K the steps the calibration job "
+        f"predicts in {WINDOW_S} s, at least 3 (K = 3 to {max(r['interval'] for r in rows)} here), N K the "
+        f"first multiple of K from {WARMUP_STEPS} steps on: a warm-up, over which glibc's mmap threshold settles "
+        "(until it has, each step of the larger models faults in tens of MiB afresh: Note [glibc malloc]). Models: S = 2 layers x width 64, M = 4 x 128, "
         "L = 2 x 256, context 64; XL = 4 x 512, context 128; vocabulary 256. Measured, from rank 0's "
         "`--metrics-file` with `--measure-exposed-comm`: its `memory_stats()` peaks over the last logged window "
         "(the last K steps), its resident set's peak during training (`rss_peak_bytes`: VmHWM restarted when "
-        "training begins; the planner predicts rank 0, the largest), and the median over the windows after the "
-        "first of the ms/step and of the share of it the compute thread waited on collectives (the event trace). The whole run's peak over all ranks (`/usr/bin/time`, "
+        "training begins; the planner predicts rank 0, the largest), and the median over the last "
+        f"{WINDOWS} windows of the ms/step and of the share of it the compute thread waited on collectives (the event trace). The whole run's peak over all ranks (`/usr/bin/time`, "
         "set-up and validation included) is shown beside it. Predicted: the trainer's `--plan-file` entry for the run (cluster `cpu:1xWORLD`, process bytes = "
         "the mean resident set over ranks after the data is loaded), with `--calibration-file` from a job of the "
         "same world, model and precision run just before it (`--calibrate`: every rank timing a copy "
