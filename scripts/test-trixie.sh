@@ -7,7 +7,7 @@
 #
 #   scripts/test-trixie.sh [--build-only|--test-only] [ctest selection...]   e.g. -R 'ExactTest' or -L gpt
 #
-#   --build-only  the root and the build only (.ci/run builds at idle priority while other tests run)
+#   --build-only  the root and the build only (.ci/run builds at low priority while other tests run)
 #   --test-only   ctest only, in a build made before (fails if it is missing)
 #
 # The build makes the test binary and the targets the selected tests run (scripts/ctest_targets.py),
@@ -48,12 +48,14 @@ else
   # The code model's query: scripts/ctest_targets.py reads which target makes which file.
   mkdir -p "$BUILD_DIR/.cmake/api/v1/query"
   touch "$BUILD_DIR/.cmake/api/v1/query/codemodel-v2"
-  phase configure scripts/trixie.sh run -- \
-    cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DFSDP_ALL_O1="$ALL_O1" >/dev/null
+  phase configure scripts/trixie.sh run -- sh -c \
+    'cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DFSDP_ALL_O1="$2" >/dev/null' \
+    sh "$BUILD_DIR" "$ALL_O1"
   targets=()
   if [ $# -gt 0 ]; then
-    mapfile -t targets < <(scripts/trixie.sh run -- ctest --test-dir "$BUILD_DIR" --show-only=json-v1 "$@" |
-      /usr/bin/python3 scripts/ctest_targets.py "$BUILD_DIR" fsdp_tests)
+    # Inside the root, whose python3 the packages bring (the host may have none yet).
+    mapfile -t targets < <(scripts/trixie.sh run -- sh -c 'dir=$1; shift
+      ctest --test-dir "$dir" --show-only=json-v1 "$@" | python3 scripts/ctest_targets.py "$dir" fsdp_tests' sh "$BUILD_DIR" "$@")
     [ ${#targets[@]} -gt 0 ] || { echo "test-trixie: no targets for the selection $*" >&2; exit 1; }
     echo "test-trixie: building what the selection runs: ${targets[*]}"
     targets=(--target "${targets[@]}")
