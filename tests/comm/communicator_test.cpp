@@ -14,11 +14,23 @@
 namespace fsdp_test {
 namespace {
 
-// What rank r contributes: distinct per rank and element, and small enough that every sum is exact
-// whatever the order (bfloat16: integers up to 256, so smaller values that repeat across ranks).
-at::Tensor contribution(int rank, int64_t numel, at::ScalarType dtype) {
-  if (dtype == at::kBFloat16) return (torch::arange(numel, torch::kLong).remainder(5) + rank % 3).to(dtype);
-  return (torch::arange(numel, torch::kLong).remainder(97) + 7 * rank).to(dtype);
+// What rank r contributes at elements [offset, offset + numel) of a tensor: distinct per rank and
+// element, and small enough that every sum is exact whatever the order (bfloat16: integers up to
+// 256, so smaller values that repeat across ranks).
+int64_t contribution_period(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 5 : 97; }
+int64_t contribution_shift(int rank, at::ScalarType dtype) { return dtype == at::kBFloat16 ? rank % 3 : 7 * rank; }
+at::Tensor contribution(int rank, int64_t numel, at::ScalarType dtype, int64_t offset = 0) {
+  return (torch::arange(offset, offset + numel, torch::kLong).remainder(contribution_period(dtype)) +
+          contribution_shift(rank, dtype))
+      .to(dtype);
+}
+// The sum of contribution(p, numel, dtype, offset) over ranks p in [0, world), in closed form: the
+// reference costs one rank's share of the elements, not the whole world's.
+at::Tensor contribution_sum(int world, int64_t numel, at::ScalarType dtype, int64_t offset = 0) {
+  int64_t shifts = 0;
+  for (int p = 0; p < world; ++p) shifts += contribution_shift(p, dtype);
+  return (torch::arange(offset, offset + numel, torch::kLong).remainder(contribution_period(dtype)) * world + shifts)
+      .to(dtype);
 }
 
 FSDP_WORKER(transport_worker) {
@@ -35,8 +47,6 @@ FSDP_WORKER(transport_worker) {
       small ? std::vector<int64_t>{0, 1, 1001, 70001} : std::vector<int64_t>{0, 1, 1001, 262144, 700001};
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong}) {
     for (int64_t n : sizes) {
-      at::Tensor sum = contribution(0, n * W, dtype).zero_();
-      for (int p = 0; p < W; ++p) sum.add_(contribution(p, n * W, dtype));
       // all_gather_into
       at::Tensor out = torch::full({n * W}, -1, dtype);
       comm->all_gather_into(out, contribution(r, n, dtype))->wait();
@@ -46,18 +56,18 @@ FSDP_WORKER(transport_worker) {
       // reduce_scatter
       at::Tensor mine = torch::full({n}, -1, dtype);
       comm->reduce_scatter(mine, contribution(r, n * W, dtype))->wait();
-      WORKER_CHECK(mine.equal(sum.narrow(0, r * n, n)), "reduce_scatter ", dtype, " n=", n, " is wrong");
+      WORKER_CHECK(mine.equal(contribution_sum(W, n, dtype, r * n)), "reduce_scatter ", dtype, " n=", n, " is wrong");
       // all_to_all_into: part p comes from rank p's part r
       WORKER_CHECK(comm->has_all_to_all(), "the transport implements all_to_all_into but does not say so");
       at::Tensor exchanged = torch::full({n * W}, -1, dtype);
       comm->all_to_all_into(exchanged, contribution(r, n * W, dtype))->wait();
       for (int p = 0; p < W; ++p)
-        WORKER_CHECK(exchanged.narrow(0, p * n, n).equal(contribution(p, n * W, dtype).narrow(0, r * n, n)),
-                     "all_to_all_into ", dtype, " n=", n, ": the part from rank ", p, " is wrong");
+        WORKER_CHECK(exchanged.narrow(0, p * n, n).equal(contribution(p, n, dtype, r * n)), "all_to_all_into ", dtype,
+                     " n=", n, ": the part from rank ", p, " is wrong");
       // all_reduce, in place
       at::Tensor t = contribution(r, n * W, dtype);
       comm->all_reduce(t)->wait();
-      WORKER_CHECK(t.equal(sum), "all_reduce ", dtype, " n=", n, " is wrong");
+      WORKER_CHECK(t.equal(contribution_sum(W, n * W, dtype)), "all_reduce ", dtype, " n=", n, " is wrong");
       // broadcast from the last rank
       at::Tensor b = r == W - 1 ? contribution(r, n, dtype) : torch::full({n}, -1, dtype);
       comm->broadcast(b, W - 1)->wait();
