@@ -53,14 +53,16 @@ TSAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overl
 
 # Configures and builds fsdp_tests in $2 with FSDP_SANITIZE=$1, from the test sources $3.
 build() {
-  local sanitize=$1 dir=$2 sources=$3
-  # -O0 -g1, the test sources too (FSDP_TESTS_O1=OFF): the selected tests spend their time in
-  # LibTorch (not instrumented) and in the ranks' start-up, so optimizing our code does not shorten
-  # them and costs a third more compile (bench/results/build.md); -g1: line tables for the reports'
-  # stacks at a fraction of -g's compile time. Test batches of 6: each selection's files (and the
-  # harness) in two translation units, one per core.
-  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O0 -g1 -DNDEBUG" \
-    -DFSDP_TESTS_O1=OFF -DFSDP_SANITIZE="$sanitize" -DFSDP_TESTS_UNITY_BATCH=6 -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF \
+  local sanitize=$1 dir=$2 sources=$3 opt=-O1 tests_o1=ON
+  # ASan + UBSan at -O0, the test sources too: the selected tests spend their time in LibTorch (not
+  # instrumented) and in the ranks' start-up, so optimizing our code does not shorten them, and -O1
+  # costs a third more compile. TSan stays at -O1: at -O0 it instruments every spilled local and
+  # compiles slower (bench/results/build.md). -g1: line tables for the reports' stacks at a fraction
+  # of -g's compile time. Test batches of 6: each selection's files (and the harness) in two
+  # translation units, one per core.
+  [ "$sanitize" = thread ] || { opt=-O0; tests_o1=OFF; }
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$opt -g1 -DNDEBUG" \
+    -DFSDP_TESTS_O1="$tests_o1" -DFSDP_SANITIZE="$sanitize" -DFSDP_TESTS_UNITY_BATCH=6 -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF \
     -DFSDP_TEST_SOURCES="${FSDP_TEST_SOURCES:-$sources}" >/dev/null
   # The build runs the test binary (gtest_discover_tests), so the options apply there too.
   cmake --build "$dir" -j"$JOBS" --target fsdp_tests
