@@ -14,23 +14,23 @@
 namespace fsdp_test {
 namespace {
 
+// The part every rank shares: the element's index modulo a small period.
+at::Tensor contribution_pattern(int64_t numel, at::ScalarType dtype, int64_t offset) {
+  return torch::arange(offset, offset + numel, torch::kLong).remainder(dtype == at::kBFloat16 ? 5 : 97);
+}
+int64_t contribution_shift(int rank, at::ScalarType dtype) { return dtype == at::kBFloat16 ? rank % 3 : 7 * rank; }
 // What rank r contributes at elements [offset, offset + numel) of a tensor: distinct per rank and
 // element, and small enough that every sum is exact whatever the order (bfloat16: integers up to
 // 256, so smaller values that repeat across ranks).
-int64_t contribution_period(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 5 : 97; }
-int64_t contribution_shift(int rank, at::ScalarType dtype) { return dtype == at::kBFloat16 ? rank % 3 : 7 * rank; }
 at::Tensor contribution(int rank, int64_t numel, at::ScalarType dtype, int64_t offset = 0) {
-  return (torch::arange(offset, offset + numel, torch::kLong).remainder(contribution_period(dtype)) +
-          contribution_shift(rank, dtype))
-      .to(dtype);
+  return (contribution_pattern(numel, dtype, offset) + contribution_shift(rank, dtype)).to(dtype);
 }
 // The sum of contribution(p, numel, dtype, offset) over ranks p in [0, world), in closed form: the
 // reference costs one rank's share of the elements, not the whole world's.
 at::Tensor contribution_sum(int world, int64_t numel, at::ScalarType dtype, int64_t offset = 0) {
   int64_t shifts = 0;
   for (int p = 0; p < world; ++p) shifts += contribution_shift(p, dtype);
-  return (torch::arange(offset, offset + numel, torch::kLong).remainder(contribution_period(dtype)) * world + shifts)
-      .to(dtype);
+  return (contribution_pattern(numel, dtype, offset) * world + shifts).to(dtype);
 }
 
 FSDP_WORKER(transport_worker) {
