@@ -14,24 +14,32 @@
 namespace fsdp_test {
 namespace {
 
-// The part every rank shares: the element's index modulo a small period.
-at::Tensor contribution_pattern(int64_t numel, at::ScalarType dtype, int64_t offset) {
-  return torch::arange(offset, offset + numel, torch::kLong).remainder(dtype == at::kBFloat16 ? 5 : 97);
-}
-int64_t contribution_shift(int rank, at::ScalarType dtype) { return dtype == at::kBFloat16 ? rank % 3 : 7 * rank; }
-// What rank r contributes at elements [offset, offset + numel) of a tensor: distinct per rank and
-// element, and small enough that every sum is exact whatever the order (bfloat16: integers up to
-// 256, so smaller values that repeat across ranks).
-at::Tensor contribution(int rank, int64_t numel, at::ScalarType dtype, int64_t offset = 0) {
-  return (contribution_pattern(numel, dtype, offset) + contribution_shift(rank, dtype)).to(dtype);
-}
-// The sum of contribution(p, numel, dtype, offset) over ranks p in [0, world), in closed form: the
-// reference costs one rank's share of the elements, not the whole world's.
-at::Tensor contribution_sum(int world, int64_t numel, at::ScalarType dtype, int64_t offset = 0) {
-  int64_t shifts = 0;
-  for (int p = 0; p < world; ++p) shifts += contribution_shift(p, dtype);
-  return (contribution_pattern(numel, dtype, offset) * world + shifts).to(dtype);
-}
+// What each rank contributes to the collectives, in one dtype: rank r's element i is i modulo a
+// small period plus a shift of r's, distinct per rank and element and small enough that every sum
+// is exact whatever the order (bfloat16: integers up to 256, so smaller values that repeat across
+// ranks). The pattern is made once; each contribution and reference is one operation on a slice.
+class Contributions {
+ public:
+  Contributions(at::ScalarType dtype, int64_t numel)
+      : dtype_(dtype),
+        pattern_(torch::arange(numel, torch::kLong).remainder(dtype == at::kBFloat16 ? 5 : 97).to(dtype)) {}
+  // Rank r's elements [offset, offset + numel).
+  at::Tensor of(int rank, int64_t numel, int64_t offset = 0) const {
+    return pattern_.narrow(0, offset, numel) + shift(rank);
+  }
+  // The sum of of(p, numel, offset) over ranks p in [0, world), in closed form: the reference costs
+  // one rank's share of the elements, not the whole world's.
+  at::Tensor sum(int world, int64_t numel, int64_t offset = 0) const {
+    int64_t shifts = 0;
+    for (int p = 0; p < world; ++p) shifts += shift(p);
+    return pattern_.narrow(0, offset, numel) * world + shifts;
+  }
+
+ private:
+  int64_t shift(int rank) const { return dtype_ == at::kBFloat16 ? rank % 3 : 7 * rank; }
+  at::ScalarType dtype_;
+  at::Tensor pattern_;
+};
 
 FSDP_WORKER(transport_worker) {
   const std::string expected_transport = ctx.args.at(0);
@@ -46,45 +54,48 @@ FSDP_WORKER(transport_worker) {
   const std::vector<int64_t> sizes =
       small ? std::vector<int64_t>{0, 1, 1001, 70001} : std::vector<int64_t>{0, 1, 1001, 262144, 700001};
   for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong}) {
+    const Contributions c(dtype, sizes.back() * W);
     for (int64_t n : sizes) {
       // all_gather_into
       at::Tensor out = torch::full({n * W}, -1, dtype);
-      comm->all_gather_into(out, contribution(r, n, dtype))->wait();
+      comm->all_gather_into(out, c.of(r, n))->wait();
       for (int p = 0; p < W; ++p)
-        WORKER_CHECK(out.narrow(0, p * n, n).equal(contribution(p, n, dtype)), "all_gather_into ", dtype, " n=", n,
-                     ": rank ", p, "'s part is wrong");
+        WORKER_CHECK(out.narrow(0, p * n, n).equal(c.of(p, n)), "all_gather_into ", dtype, " n=", n, ": rank ", p,
+                     "'s part is wrong");
       // reduce_scatter
       at::Tensor mine = torch::full({n}, -1, dtype);
-      comm->reduce_scatter(mine, contribution(r, n * W, dtype))->wait();
-      WORKER_CHECK(mine.equal(contribution_sum(W, n, dtype, r * n)), "reduce_scatter ", dtype, " n=", n, " is wrong");
+      comm->reduce_scatter(mine, c.of(r, n * W))->wait();
+      WORKER_CHECK(mine.equal(c.sum(W, n, r * n)), "reduce_scatter ", dtype, " n=", n, " is wrong");
       // all_to_all_into: part p comes from rank p's part r
       WORKER_CHECK(comm->has_all_to_all(), "the transport implements all_to_all_into but does not say so");
       at::Tensor exchanged = torch::full({n * W}, -1, dtype);
-      comm->all_to_all_into(exchanged, contribution(r, n * W, dtype))->wait();
+      comm->all_to_all_into(exchanged, c.of(r, n * W))->wait();
       for (int p = 0; p < W; ++p)
-        WORKER_CHECK(exchanged.narrow(0, p * n, n).equal(contribution(p, n, dtype, r * n)), "all_to_all_into ", dtype,
-                     " n=", n, ": the part from rank ", p, " is wrong");
+        WORKER_CHECK(exchanged.narrow(0, p * n, n).equal(c.of(p, n, r * n)), "all_to_all_into ", dtype, " n=", n,
+                     ": the part from rank ", p, " is wrong");
       // all_reduce, in place
-      at::Tensor t = contribution(r, n * W, dtype);
+      at::Tensor t = c.of(r, n * W);
       comm->all_reduce(t)->wait();
-      WORKER_CHECK(t.equal(contribution_sum(W, n * W, dtype)), "all_reduce ", dtype, " n=", n, " is wrong");
+      WORKER_CHECK(t.equal(c.sum(W, n * W)), "all_reduce ", dtype, " n=", n, " is wrong");
       // broadcast from the last rank
-      at::Tensor b = r == W - 1 ? contribution(r, n, dtype) : torch::full({n}, -1, dtype);
+      at::Tensor b = r == W - 1 ? c.of(r, n) : torch::full({n}, -1, dtype);
       comm->broadcast(b, W - 1)->wait();
-      WORKER_CHECK(b.equal(contribution(W - 1, n, dtype)), "broadcast ", dtype, " n=", n, " is wrong");
+      WORKER_CHECK(b.equal(c.of(W - 1, n)), "broadcast ", dtype, " n=", n, " is wrong");
     }
   }
   // Several collectives in flight at once complete in issue order with the right values.
+  const int64_t in_flight = small ? 30000 : 300000;
+  const Contributions floats(at::kFloat, in_flight);
   std::vector<at::Tensor> ts;
   std::vector<fsdp::WorkPtr> works;
   for (int i = 0; i < 6; ++i) {
-    ts.push_back(contribution(r + i, small ? 30000 : 300000, at::kFloat));
+    ts.push_back(floats.of(r + i, in_flight));
     works.push_back(comm->all_reduce(ts.back()));
   }
   for (int i = 0; i < 6; ++i) {
     works[i]->wait();
-    at::Tensor expect = torch::zeros({small ? 30000 : 300000});
-    for (int p = 0; p < W; ++p) expect.add_(contribution(p + i, small ? 30000 : 300000, at::kFloat));
+    at::Tensor expect = torch::zeros({in_flight});
+    for (int p = 0; p < W; ++p) expect.add_(floats.of(p + i, in_flight));
     WORKER_CHECK(ts[i].equal(expect), "all_reduce #", i, " in flight is wrong");
   }
   comm->barrier();
@@ -101,10 +112,10 @@ FSDP_WORKER(transport_worker) {
     // Chained (CollectiveOptions::after), as hybrid sharding does: a world reduce-scatter, then the
     // pair all-reduces its two results without waiting in between.
     const int64_t n = 4;
-    at::Tensor sum = torch::zeros({n * W}, at::kDouble);
-    for (int p = 0; p < W; ++p) sum.add_(contribution(p, n * W, at::kDouble));
+    const Contributions doubles(at::kDouble, n * W);
+    at::Tensor sum = doubles.sum(W, n * W);
     at::Tensor mine = torch::empty({n}, at::kDouble);
-    auto scattered = comm->reduce_scatter(mine, contribution(r, n * W, at::kDouble));
+    auto scattered = comm->reduce_scatter(mine, doubles.of(r, n * W));
     if (r == 0 || r == 2) {
       fsdp::CollectiveOptions chained;
       chained.after = scattered;
