@@ -258,36 +258,58 @@ void set_env(std::vector<std::string>& env, const std::string& kv, bool keep_exi
   env.push_back(kv);
 }
 
-// The test process's end of the zygote's socket, started on first use: the zygote is this binary
-// exec'd as `--fsdp-zygote FD` with OMP_NUM_THREADS=1, so the libraries it loads (LibTorch's
-// OpenMP, OpenBLAS) size their thread pools at load as an exec'd rank's do. -1: exec ranks
-// (FSDP_TEST_EXEC=1, or the zygote could not start).
+// The number of threads of this process (/proc/self/task); 0 if it cannot be read.
+int thread_count() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+  }
+  return n;
+}
+
+// Starts the zygote: with `fork_now`, a fork of this process as it is (the caller has checked that
+// it is a rank's copy: one thread, OMP_NUM_THREADS=1 from its start); otherwise this binary exec'd
+// as `--fsdp-zygote FD` with OMP_NUM_THREADS=1, so the libraries it loads (LibTorch's OpenMP,
+// OpenBLAS) size their thread pools at load as an exec'd rank's do. Returns the test process's end
+// of the zygote's socket, or -1 (ranks are then exec'd).
+int start_zygote(bool fork_now) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return -1;
+  fcntl(sv[0], F_SETFD, FD_CLOEXEC);
+  if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
+    close(sv[0]);
+    close(sv[1]);
+    return -1;
+  }
+  std::vector<std::string> env = current_environment();
+  set_env(env, "OMP_NUM_THREADS=1");
+  std::vector<std::string> argv{self_exe(), "--fsdp-zygote", std::to_string(sv[1])};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(sv[0]);
+    if (fork_now) zygote_loop(sv[1]);
+    exec_with(argv, env);
+  }
+  close(sv[1]);
+  if (pid < 0) {
+    close(sv[0]);
+    return -1;
+  }
+  return sv[0];
+}
+
+// The zygote main() forked (prefork_zygote), or -1.
+int preforked_zygote = -1;
+
+// The test process's end of the zygote's socket: the one main() forked, else one exec'd on first
+// use. -1: exec ranks (FSDP_TEST_EXEC=1, or the zygote could not start).
 int zygote() {
   static int fd = [] {
+    if (preforked_zygote >= 0) return preforked_zygote;
     const char* exec = std::getenv("FSDP_TEST_EXEC");
     if (exec && std::string(exec) == "1") return -1;
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return -1;
-    fcntl(sv[0], F_SETFD, FD_CLOEXEC);
-    if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) {
-      close(sv[0]);
-      close(sv[1]);
-      return -1;
-    }
-    std::vector<std::string> env = current_environment();
-    set_env(env, "OMP_NUM_THREADS=1");
-    std::vector<std::string> argv{self_exe(), "--fsdp-zygote", std::to_string(sv[1])};
-    const pid_t pid = fork();
-    if (pid == 0) {
-      close(sv[0]);
-      exec_with(argv, env);
-    }
-    close(sv[1]);
-    if (pid < 0) {
-      close(sv[0]);
-      return -1;
-    }
-    return sv[0];
+    return start_zygote(/*fork_now=*/false);
   }();
   return fd;
 }
@@ -542,12 +564,27 @@ bool names_dead_member(const std::string& out) {
   return false;
 }
 
+namespace {
+
+// docs/building.md, "Rank processes": when this process started as a rank does (OMP_NUM_THREADS=1)
+// and is still single-threaded, the zygote is forked from it now, before any test runs, instead of
+// exec'd later: one LibTorch start-up fewer per test process.
+void prefork_zygote() {
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const char* exec = std::getenv("FSDP_TEST_EXEC");
+  if (!omp || std::string(omp) != "1" || (exec && std::string(exec) == "1") || thread_count() != 1) return;
+  preforked_zygote = start_zygote(/*fork_now=*/true);
+}
+
+}  // namespace
+
 }  // namespace fsdp_test
 
 int main(int argc, char** argv) {
   if (argc >= 3 && std::string(argv[1]) == "--fsdp-worker")
     _exit(fsdp_test::run_worker(argv[2], std::vector<std::string>(argv + 3, argv + argc)));
   if (argc == 3 && std::string(argv[1]) == "--fsdp-zygote") fsdp_test::zygote_loop(std::atoi(argv[2]));
+  fsdp_test::prefork_zygote();  // before anything starts a thread
   fsdp_test::avoid_wrong_onednn_convolutions();
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
