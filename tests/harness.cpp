@@ -282,9 +282,12 @@ int start_zygote(bool fork_now) {
     close(sv[1]);
     return -1;
   }
-  std::vector<std::string> env = current_environment();
-  set_env(env, "OMP_NUM_THREADS=1");
-  std::vector<std::string> argv{self_exe(), "--fsdp-zygote", std::to_string(sv[1])};
+  std::vector<std::string> env, argv;  // made before fork(): the child of a threaded process must not allocate
+  if (!fork_now) {
+    env = current_environment();
+    set_env(env, "OMP_NUM_THREADS=1");
+    argv = {self_exe(), "--fsdp-zygote", std::to_string(sv[1])};
+  }
   const pid_t pid = fork();
   if (pid == 0) {
     close(sv[0]);
@@ -302,14 +305,18 @@ int start_zygote(bool fork_now) {
 // The zygote main() forked (prefork_zygote), or -1.
 int preforked_zygote = -1;
 
+// FSDP_TEST_EXEC=1: every rank is exec'd, no zygote.
+bool exec_ranks() {
+  const char* exec = std::getenv("FSDP_TEST_EXEC");
+  return exec && std::string(exec) == "1";
+}
+
 // The test process's end of the zygote's socket: the one main() forked, else one exec'd on first
 // use. -1: exec ranks (FSDP_TEST_EXEC=1, or the zygote could not start).
 int zygote() {
   static int fd = [] {
     if (preforked_zygote >= 0) return preforked_zygote;
-    const char* exec = std::getenv("FSDP_TEST_EXEC");
-    if (exec && std::string(exec) == "1") return -1;
-    return start_zygote(/*fork_now=*/false);
+    return exec_ranks() ? -1 : start_zygote(/*fork_now=*/false);
   }();
   return fd;
 }
@@ -571,8 +578,7 @@ namespace {
 // exec'd later: one LibTorch start-up fewer per test process.
 void prefork_zygote() {
   const char* omp = std::getenv("OMP_NUM_THREADS");
-  const char* exec = std::getenv("FSDP_TEST_EXEC");
-  if (!omp || std::string(omp) != "1" || (exec && std::string(exec) == "1") || thread_count() != 1) return;
+  if (!omp || std::string(omp) != "1" || exec_ranks() || thread_count() != 1) return;
   preforked_zygote = start_zygote(/*fork_now=*/true);
 }
 
