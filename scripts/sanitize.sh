@@ -65,8 +65,7 @@ build() {
   [ "$sanitize" = thread ] || { opt=-O0; tests_o1=OFF; }
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$opt -g1 -DNDEBUG" \
     -DFSDP_TESTS_O1="$tests_o1" -DFSDP_SANITIZE="$sanitize" -DFSDP_TESTS_UNITY_BATCH=6 -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF \
-    -DFSDP_TEST_SOURCES="${FSDP_TEST_SOURCES:-$sources}" >/dev/null
-  # The build runs the test binary (gtest_discover_tests), so the options apply there too.
+    -DFSDP_TEST_SOURCES="${FSDP_TEST_SOURCES:-$sources}" >/dev/null || return 1
   cmake --build "$dir" -j"$JOBS" --target fsdp_tests
 }
 
@@ -121,7 +120,8 @@ job() {
   local sanitize=$1 dir=$2 tests=$3 timing=$4 sources=$5 name=${1%%,*} start=$SECONDS rc=0
   [ "$name" = address ] && name=asan || name=tsan
   if [ "$STEPS" != test ]; then
-    build "$sanitize" "$dir" "$sources"
+    # (set -e does not apply here: the job runs as an `if` condition)
+    build "$sanitize" "$dir" "$sources" || { echo "sanitize: $name build FAILED" >&2; return 1; }
     echo "sanitize: $name build $((SECONDS - start)) s"
   elif [ ! -x "$dir/tests/fsdp_tests" ]; then
     echo "sanitize: $dir/tests/fsdp_tests is missing; build it first (scripts/sanitize.sh --build-only $name)" >&2
