@@ -35,8 +35,8 @@ SUPP=$ROOT/tools/sanitizers
 JOBS=${JOBS:-2}
 
 # ctest names are gtest's: [Instantiation/]Suite.Test[/Param]
-ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|StepInBackward\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'}
-TSAN_TESTS=${TSAN_TESTS:-'StepInBackward\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|DesyncTest\.|^Desync\.|KilledAtRandomTest\.|KilledHoldingConnectionsTest\.|^DeadMembers\.|^Startup\.'}
+ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|StepInBackward\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|InStepTest\.EveryRankFinishesWithStatusZero/FULL_SHARD_accumulate_no_sync|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'}
+TSAN_TESTS=${TSAN_TESTS:-'StepInBackward\.|TransportTest\.|^Transport\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|DesyncTest\.|InStepTest\.EveryRankFinishesWithStatusZero/FULL_SHARD_accumulate_no_sync|KilledAtRandomTest\.|KilledHoldingConnectionsTest\.|^DeadMembers\.|^Startup\.'}
 # Tests that also bound their own wall time (fail-fast within 15 or 30 s of launching the ranks,
 # a shared-memory step faster than a modeled 0.13 s): under a sanitizer, rank start-up alone
 # (loading LibTorch under ASan/TSan interceptors) can take most of that on 2 busy cores. They still

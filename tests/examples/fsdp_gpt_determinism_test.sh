@@ -19,8 +19,9 @@ final_hash() { sed -nE 's/^(\[rank 0\] )?final parameter hash ([0-9a-f]{16})$/\2
 # "STEP LOSS" per logged step of the log $1, as printed.
 losses() { sed -nE 's/^(\[rank 0\] )?step +([0-9]+)\/[0-9]+ \| loss ([0-9.]+) \|.*/\2 \3/p' "$TMP/$1"; }
 
-# World 3 (4 micro-batches each), world 4 (3 each), world 5 (2 or 3 each: the ranks with 2 run a
-# padding pass) and world 8 (1 or 2 each) end with the hash and the losses of one process.
+# World 3 (4 micro-batches each) and world 8 (1 or 2 each: the ranks
+# with 1 run a padding pass) end with the hash and the losses of one process. The library's own
+# tests (determinism_test.cpp) cover worlds 2 to 5 and 8 and every strategy.
 test_deterministic_hash_across_world_sizes() {
   run "$TRAINER" "${DET[@]}" --steps 4
   expect_rc 0
@@ -28,7 +29,7 @@ test_deterministic_hash_across_world_sizes() {
   local one
   one=$(final_hash one.out)
   [ -n "$one" ] || fail "no final parameter hash: $(cat "$TMP/one.out")"
-  for world in 3 4 5 8; do
+  for world in 3 8; do
     run "$LAUNCHER" --nproc-per-node "$world" --master-port "$PORT" "$TRAINER" "${DET[@]}" --steps 4
     expect_rc 0
     cp "$TMP/out" "$TMP/w$world.out"

@@ -78,14 +78,25 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The same program on every rank ends with every rank agreeing, exit 0 (neither the fingerprints
 // nor the end-of-job check may fail a job that is in step, accumulating or not).
-TEST(Desync, RanksInStepAllFinishWithStatusZero) {
+class InStepTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(InStepTest, EveryRankFinishesWithStatusZero) {
+  const Case c = GetParam();
+  auto r = launch("desync_worker", 3, {c.strategy, c.what}, 120, {"FSDP_TRANSPORT=" + c.transport});
+  EXPECT_TRUE(r.all_ok()) << r.report();
+}
+
+std::vector<Case> in_step_cases() {
+  std::vector<Case> cases;
   for (const std::string transport : {"shm", "tcp"})
     for (const std::string what : {"none", "accumulate", "accumulate_no_sync"})
-      for (const std::string strategy : {"FULL_SHARD", "NO_SHARD"}) {
-        auto r = launch("desync_worker", 3, {strategy, what}, 120, {"FSDP_TRANSPORT=" + transport});
-        EXPECT_TRUE(r.all_ok()) << transport << " " << what << " " << strategy << "\n" << r.report();
-      }
+      for (const std::string strategy : {"FULL_SHARD", "NO_SHARD"}) cases.push_back(Case{strategy, what, transport});
+  return cases;
 }
+
+INSTANTIATE_TEST_SUITE_P(InStep, InStepTest, ::testing::ValuesIn(in_step_cases()), [](const auto& info) {
+  return info.param.strategy + "_" + info.param.what + "_" + info.param.transport;
+});
 
 }  // namespace
 }  // namespace fsdp_test
