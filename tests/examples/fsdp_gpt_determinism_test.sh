@@ -19,9 +19,9 @@ final_hash() { sed -nE 's/^(\[rank 0\] )?final parameter hash ([0-9a-f]{16})$/\2
 # "STEP LOSS" per logged step of the log $1, as printed.
 losses() { sed -nE 's/^(\[rank 0\] )?step +([0-9]+)\/[0-9]+ \| loss ([0-9.]+) \|.*/\2 \3/p' "$TMP/$1"; }
 
-# World 3 (4 micro-batches each) and world 8 (1 or 2 each: the ranks
-# with 1 run a padding pass) end with the hash and the losses of one process. The library's own
-# tests (determinism_test.cpp) cover worlds 2 to 5 and 8 and every strategy.
+# World 3 (4 micro-batches each) and world 8 (1 or 2 each: the ranks with 1 run a padding pass)
+# end with the hash and the losses of one process. The library's own tests (determinism_test.cpp)
+# cover worlds 2 to 5 and 8 and every strategy.
 test_deterministic_hash_across_world_sizes() {
   run "$TRAINER" "${DET[@]}" --steps 4
   expect_rc 0
