@@ -20,11 +20,12 @@ printed_losses() { sed -nE 's/^(\[rank 0\] )?step +([0-9]+)\/[0-9]+ \| loss ([0-
 # "STEP LOSS" per line of the metrics files $@, the loss with every digit.
 metrics_losses() { cat "$@" | sed -E 's/.*"loss":([-0-9.eE+]+).*"step":([0-9]+).*/\2 \1/'; }
 
-# Fails unless every step line of the log $1 has a measured MFU of at most 100%, and its ms/step
-# times its tok/s is the tokens of a step, $2 (both count the same steps), to within the rounding of ms/step.
+# Fails unless every step line of the log $1 has an MFU of at most 100% (or "n/a (over the peak)":
+# the matmul peak measured at start can come out low on a busy machine), and its ms/step times its
+# tok/s is the tokens of a step, $2 (both count the same steps), to within the rounding of ms/step.
 check_throughput() {
   local bad
-  bad=$(grep -E "step +[0-9]+/" "$1" | grep -vE "\| MFU ([0-9]|[1-9][0-9]|100)\.[0-9]% \|")
+  bad=$(grep -E "step +[0-9]+/" "$1" | grep -vE "\| MFU (([0-9]|[1-9][0-9]|100)\.[0-9]%|n/a \(over the peak\)) \|")
   [ -z "$bad" ] || fail "step lines without a possible MFU: $bad"
   bad=$(grep -E "step +[0-9]+/" "$1" | sed -E 's/.*\| +([0-9.]+) ms\/step \| +([0-9,]+) tok\/s \|.*/\1 \2/' |
         tr -d , | awk -v t="$2" '{ if ($1 * $2 / 1000 > t * (1 + 0.06 / $1) + 1 || $1 * $2 / 1000 < t * (1 - 0.06 / $1) - 1) print }')

@@ -42,8 +42,9 @@ check_training_output() {
   grep -qE "^  batch +global $((world * 8)) sequences \(--global-batch\) = $world ranks? x [0-9]+ micro-batch(es)? x [0-9]+ \(--batch-size\); $((world * 8)) x 32 = [0-9,]+ tokens per step$" "$out" ||
     fail "the batch row does not show the global batch $((world * 8))"
 
-  # One line per logged step: 1, 10, 20, 30, 40.
-  local step_re='^step +([0-9]+)/'"$STEPS"' \| loss ([0-9]+\.[0-9]{4}) \| lr [0-9.]+e[-+][0-9]+ \| +([0-9]+\.[0-9]) ms/step \| +([0-9,]+) tok/s \| ([0-9]+\.[0-9]{4}) TFLOP/s \| MFU ([0-9]+\.[0-9])% \| fsdp peak ([0-9]+\.[0-9]{2}) MiB \| rss ([0-9]+) MiB$'
+  # One line per logged step: 1, 10, 20, 30, 40. MFU is "n/a (over the peak)" when a step beats the
+  # matmul peak measured at start (on a busy machine that measurement can come out low).
+  local step_re='^step +([0-9]+)/'"$STEPS"' \| loss ([0-9]+\.[0-9]{4}) \| lr [0-9.]+e[-+][0-9]+ \| +([0-9]+\.[0-9]) ms/step \| +([0-9,]+) tok/s \| ([0-9]+\.[0-9]{4}) TFLOP/s \| MFU ([0-9]+\.[0-9]%|n/a \(over the peak\)) \| fsdp peak ([0-9]+\.[0-9]{2}) MiB \| rss ([0-9]+) MiB$'
   local steps
   steps=$(grep -E "^step " "$out" | sed -E "s#$step_re#\1#" | tr '\n' ' ')
   [ "$steps" = "1 10 20 30 40 " ] || fail "logged steps are '$steps', expected '1 10 20 30 40 '"
