@@ -2,6 +2,7 @@
 """The planner's predictions against measured runs of the example trainer (bench/results/planner.md).
 
     bench/planner.py BUILD_DIR [--out bench/results/planner.md] [--only N]
+    bench/planner.py BUILD_DIR --repeat 8,12,... [--times 5] [--out bench/results/planner_repeat.md]
 
 Runs fsdp_gpt through fsdp-run over a matrix of models (widths, depths), strategies, activation
 checkpointing, mixed precision and worlds 1-4, each with --plan-file (the planner's prediction for
@@ -9,6 +10,9 @@ that run, made after the trainer loaded its data) and under /usr/bin/time (each 
 resident set). Compares rank 0's FSDP peaks (memory_stats(), the last logged window: steady state)
 with the predicted parameter and gradient peaks, the peak resident set of every rank with the
 predicted whole-process peak, and the measured ms/step with the predicted step time.
+With --repeat, runs the listed rows of the matrix --times times each, in interleaved rounds (each
+with its own calibration), and writes the spread of the measured and predicted step time and
+exposed-communication share over the repetitions.
 """
 import argparse
 import datetime
@@ -127,42 +131,63 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
     return {"cmd": cmd, "rss": rss, "measured": measured, "plan": plan, "interval": interval}
 
 
+def row(i, world, model, r):
+    """The table row of run i + 1 from run_one's result r."""
+    p, m = r["plan"], r["measured"]
+    return {
+        "run": i + 1, "world": world, "model": model, "config": p["configuration"], "interval": r["interval"],
+        "params": (m["fsdp_param_peak_bytes"], p["params_bytes"]),
+        "grads": (m["fsdp_grad_peak_bytes"], p["grads_bytes"]),
+        "fsdp": (m["fsdp_param_peak_bytes"] + m["fsdp_grad_peak_bytes"], p["params_bytes"] + p["grads_bytes"]),
+        "rss": (m["rss_peak_bytes"], p["peak_bytes"]),
+        "run_rss": max(r["rss"]), "workspace": p["workspace_bytes"],
+        "activations": p["activations_bytes"], "process": p["process_bytes"],
+        "step": (m["ms_per_step"] / 1e3, p["step_s"]),
+        "exposed": (m["exposed_comm_share"], p["exposed_comm_s"] / p["step_s"] if p["step_s"] > 0 else 0),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner.md"))
+    ap.add_argument("--out", default=None, help="default: bench/results/planner.md (planner_repeat.md with --repeat)")
     ap.add_argument("--only", type=int, default=0, help="the first N runs only")
+    ap.add_argument("--repeat", default="", help="comma-separated run numbers of the matrix, each run --times times")
+    ap.add_argument("--times", type=int, default=5, help="repetitions per run with --repeat")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     runs = matrix()
-    if args.only:
-        runs = runs[:args.only]
+    if args.repeat:
+        picked = [int(x) for x in args.repeat.split(",")]
+        bad = [n for n in picked if not 1 <= n <= len(runs)]
+        if bad:
+            sys.exit(f"--repeat: no run {bad[0]}; the matrix has runs 1 to {len(runs)}")
+        chosen = [(n - 1, runs[n - 1]) for n in picked]
+        rounds = args.times
+    else:
+        chosen = list(enumerate(runs[:args.only] if args.only else runs))
+        rounds = 1
     started = datetime.datetime.utcnow()
     load_start = os.getloadavg()[0]
-    rows = []
+    rows = {i: [] for i, _ in chosen}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (world, model, strategy, checkpointing, mp) in enumerate(runs):
-            r = run_one(build, world, model, strategy, checkpointing, mp, tmp)
-            p, m = r["plan"], r["measured"]
-            pred_fsdp = p["params_bytes"] + p["grads_bytes"]
-            meas_fsdp = m["fsdp_param_peak_bytes"] + m["fsdp_grad_peak_bytes"]
-            rows.append({
-                "run": i + 1, "world": world, "model": model, "config": p["configuration"], "interval": r["interval"],
-                "params": (m["fsdp_param_peak_bytes"], p["params_bytes"]),
-                "grads": (m["fsdp_grad_peak_bytes"], p["grads_bytes"]),
-                "fsdp": (meas_fsdp, pred_fsdp), "rss": (m["rss_peak_bytes"], p["peak_bytes"]),
-                "run_rss": max(r["rss"]), "workspace": p["workspace_bytes"],
-                "activations": p["activations_bytes"], "process": p["process_bytes"],
-                "step": (m["ms_per_step"] / 1e3, p["step_s"]),
-                "exposed": (m["exposed_comm_share"], p["exposed_comm_s"] / p["step_s"] if p["step_s"] > 0 else 0),
-            })
-            print(f"{i + 1}/{len(runs)} world {world} {model} {p['configuration']}: fsdp {meas_fsdp / pred_fsdp:.4f} "
-                  f"rss {m['rss_peak_bytes'] / p['peak_bytes']:.3f} step {m['ms_per_step'] / 1e3 / p['step_s']:.2f}",
-                  flush=True)
+        for t in range(rounds):
+            for i, (world, model, strategy, checkpointing, mp) in chosen:
+                r = row(i, world, model, run_one(build, world, model, strategy, checkpointing, mp, tmp))
+                rows[i].append(r)
+                print(f"{'' if rounds == 1 else f'round {t + 1}/{rounds} '}run {i + 1} world {world} {model} "
+                      f"{r['config']}: fsdp {r['fsdp'][0] / r['fsdp'][1]:.4f} rss {r['rss'][0] / r['rss'][1]:.3f} "
+                      f"step {r['step'][0] / r['step'][1]:.2f} exposed {r['exposed'][0] * 100:.1f} / "
+                      f"{r['exposed'][1] * 100:.1f}", flush=True)
     finished = datetime.datetime.utcnow()
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    write(args, rows, started, finished, commit, load_start, os.getloadavg()[0])
+    if args.repeat:
+        args.out = args.out or os.path.join(ROOT, "bench/results/planner_repeat.md")
+        write_repeat(args, rows, started, finished, commit, load_start, os.getloadavg()[0])
+    else:
+        args.out = args.out or os.path.join(ROOT, "bench/results/planner.md")
+        write(args, [rs[0] for rs in rows.values()], started, finished, commit, load_start, os.getloadavg()[0])
 
 
 def mib(b):
@@ -252,6 +277,74 @@ def write(args, rows, started, finished, commit, load_start, load_end):
             f"| {ratio(r['rss']):.3f} | {tensors(r):.3f} | {mib(r['run_rss'])} "
             f"| {r['step'][0] * 1e3:.1f} / {r['step'][1] * 1e3:.1f} "
             f"| {r['exposed'][0] * 100:.1f} / {r['exposed'][1] * 100:.1f} |")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", args.out)
+
+
+def best_constant(values, upper):
+    """The most of `values` that one figure can be within tolerance of, where the values within it
+    of some figure form a window [v0, upper(v0)]: the fullest window starting at one of the values."""
+    return max(sum(1 for v in values if v0 <= v <= upper(v0)) for v0 in values)
+
+
+def write_repeat(args, rows, started, finished, commit, load_start, load_end):
+    runs = [rs for rs in rows.values()]
+    times = len(runs[0])
+    total = sum(len(rs) for rs in runs)
+
+    def spread(xs, scale=1.0, fmt="{:.1f}"):
+        xs = sorted(x * scale for x in xs)
+        return " / ".join(fmt.format(x) for x in (xs[0], statistics.median(xs), xs[-1]))
+
+    step_ok = [sum(1 for r in rs if abs(r["step"][0] / r["step"][1] - 1) <= 0.15) for rs in runs]
+    exposed_ok = [sum(1 for r in rs if abs(r["exposed"][0] - r["exposed"][1]) <= 0.05) for rs in runs]
+    # What one figure per configuration, fixed in advance, could reach at best: the measured values
+    # alone decide it (the steps within 15% of c lie in 0.85c..1.15c; the shares within 5 points of c
+    # in c - 0.05..c + 0.05).
+    step_best = [best_constant([r["step"][0] for r in rs], lambda v: v * 1.15 / 0.85) for rs in runs]
+    exposed_best = [best_constant([r["exposed"][0] for r in rs], lambda v: v + 0.10) for rs in runs]
+    exposed_span = [max(r["exposed"][0] for r in rs) - min(r["exposed"][0] for r in rs) for rs in runs]
+    step_span = [max(r["step"][0] for r in rs) / min(r["step"][0] for r in rs) for rs in runs]
+    cmd = (f"bench/planner.py {os.path.relpath(os.path.abspath(args.build), ROOT)} --repeat "
+           f"{','.join(str(rs[0]['run']) for rs in runs)} --times {times}")
+    lines = [
+        "# The planner's predictions over repeated runs",
+        "",
+        f"Produced by `{cmd}` from the repository root, {started:%Y-%m-%d %H:%M} to {finished:%H:%M} UTC, "
+        f"commit {commit}.",
+        "",
+        f"Machine: this CPU machine; {os.cpu_count()} CPUs; Linux {platform.release()}. Load average (1 min) at the "
+        f"start {load_start:.2f}, at the end {load_end:.2f}.",
+        "",
+        f"Runs of the matrix in [planner.md](planner.md) (same numbers), each run {times} times in {times} "
+        "interleaved rounds, each time exactly as there: a calibration job just before it, then the measured run "
+        "with its prediction. Each figure is min / median / max over the repetitions. \"best one figure\": the "
+        "most repetitions any single figure fixed in advance could be within the tolerance of (15% of the step; "
+        "5 points of the exposed share): the measured values alone decide it, so it bounds every predictor.",
+        "",
+        f"- Step time within 15%: **{sum(step_ok)} of {total}** runs; best one figure per configuration: "
+        f"{sum(step_best)} of {total}. The slowest repetition of a configuration takes "
+        f"{min(step_span):.2f} to {max(step_span):.2f} times its fastest.",
+        f"- Exposed-communication share within 5 points: **{sum(exposed_ok)} of {total}**; best one figure per "
+        f"configuration: {sum(exposed_best)} of {total}. The measured share of one configuration spans "
+        f"{min(exposed_span) * 100:.1f} to {max(exposed_span) * 100:.1f} points over its repetitions (median "
+        f"{statistics.median(exposed_span) * 100:.1f}); in {sum(1 for x in exposed_span if x > 0.10)} of {len(runs)} "
+        "configurations more than the 10 points a 5-point tolerance spans.",
+        "",
+        "| # | world | model | configuration | step ms measured | step ms predicted | step within 15% | best one "
+        "figure | exposed % measured | exposed % predicted | exposed within 5 points | best one figure | measured "
+        "exposed span (points) |",
+        "| ---: | ---: | --- | --- | --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+    for k, rs in enumerate(runs):
+        r0 = rs[0]
+        lines.append(
+            f"| {r0['run']} | {r0['world']} | {r0['model']} | {r0['config']} "
+            f"| {spread([r['step'][0] for r in rs], 1e3)} | {spread([r['step'][1] for r in rs], 1e3)} "
+            f"| {step_ok[k]} of {len(rs)} | {step_best[k]} of {len(rs)} "
+            f"| {spread([r['exposed'][0] for r in rs], 100)} | {spread([r['exposed'][1] for r in rs], 100)} "
+            f"| {exposed_ok[k]} of {len(rs)} | {exposed_best[k]} of {len(rs)} | {exposed_span[k] * 100:.1f} |")
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("wrote", args.out)
