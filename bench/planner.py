@@ -305,6 +305,7 @@ def write_repeat(args, rows, started, finished, commit, load_start, load_end):
     step_best = [best_constant([r["step"][0] for r in rs], lambda v: v * 1.15 / 0.85) for rs in runs]
     exposed_best = [best_constant([r["exposed"][0] for r in rs], lambda v: v + 0.10) for rs in runs]
     exposed_span = [max(r["exposed"][0] for r in rs) - min(r["exposed"][0] for r in rs) for rs in runs]
+    predicted_span = [max(r["exposed"][1] for r in rs) - min(r["exposed"][1] for r in rs) for rs in runs]
     step_span = [max(r["step"][0] for r in rs) / min(r["step"][0] for r in rs) for rs in runs]
     cmd = (f"bench/planner.py {os.path.relpath(os.path.abspath(args.build), ROOT)} --repeat "
            f"{','.join(str(rs[0]['run']) for rs in runs)} --times {times}")
@@ -330,7 +331,9 @@ def write_repeat(args, rows, started, finished, commit, load_start, load_end):
         f"configuration: {sum(exposed_best)} of {total}. The measured share of one configuration spans "
         f"{min(exposed_span) * 100:.1f} to {max(exposed_span) * 100:.1f} points over its repetitions (median "
         f"{statistics.median(exposed_span) * 100:.1f}); in {sum(1 for x in exposed_span if x > 0.10)} of {len(runs)} "
-        "configurations more than the 10 points a 5-point tolerance spans.",
+        "configurations more than the 10 points a 5-point tolerance spans. The predicted share of one "
+        f"configuration spans {min(predicted_span) * 100:.1f} to {max(predicted_span) * 100:.1f} points (median "
+        f"{statistics.median(predicted_span) * 100:.1f}): each run's calibration is measured anew.",
         "",
         "| # | world | model | configuration | step ms measured | step ms predicted | step within 15% | best one "
         "figure | exposed % measured | exposed % predicted | exposed within 5 points | best one figure | measured "

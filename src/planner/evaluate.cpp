@@ -102,8 +102,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         flat.grad_buffer_bytes = flat.separate_shard ? padded * element_size(reduce) : 0;
         flat.reduce_output_bytes = flat.separate_shard && F > 1 ? shard * element_size(reduce) : 0;
       }
-      flat.gather_s =
-          modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link) + extra.per_collective_s;
+      flat.gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link);
       if (offload) flat.gather_s += static_cast<double>(shard * element_size(dtype)) / host_bps;
       if (requires_grad) {
         const int64_t grad_bytes = padded * element_size(reduce);
@@ -113,9 +112,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
           flat.reduce_s +=
               modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, replica_link);
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
-        flat.reduce_s = std::max(0.0, flat.reduce_s + extra.per_collective_s);
       }
-      flat.gather_s = std::max(0.0, flat.gather_s);
       flat.issue_work_s = extra.per_collective_work_s;
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
       if (requires_grad) {
@@ -169,7 +166,18 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   sim.no_shard = c.strategy == ShardingStrategy::kNoShard;
   sim.separate_lanes = cluster.separate_comm_lanes;
   sim.comm_on_compute_cores = cluster.device_is_host;
-  const SimResult r = simulate(sim);
+  SimResult r = simulate(sim);
+  // The waits on peers grow with the computation between the ranks' meetings, not with their
+  // number: the candidate's share of them, spread evenly over the collectives it issues.
+  if (extra.waits_per_compute_s != 0 && r.collectives > 0) {
+    const double wait = extra.waits_per_compute_s * r.compute_s / r.collectives;
+    for (SimUnit& su : sim.units)
+      for (SimFlat& flat : su.flats) {
+        flat.gather_s = std::max(0.0, flat.gather_s + wait);
+        if (flat.requires_grad) flat.reduce_s = std::max(0.0, flat.reduce_s + wait);
+      }
+    r = simulate(sim);
+  }
   if (replayed != nullptr) {
     replayed->forward_s = r.forward_s;
     replayed->passes_s = r.step_s;
@@ -226,7 +234,7 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   RuntimeCorrection out;
   // Per timing: the replay of its configuration, the waits beyond the replay's exposed collectives,
   // and the rest of the difference (FSDP's work), with the units and collectives it spreads over.
-  double waits = 0, collectives = 0, steps = 0, forward_share = -1;
+  double waits = 0, computation = 0, steps = 0, forward_share = -1;
   int stepped = 0;
   std::vector<std::array<double, 3>> rows;  // units, collectives, work
   for (const TimedConfiguration& t : timed) {
@@ -246,8 +254,10 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
     if (replay.units == 0) continue;
     if (timing.step_s >= 0) steps += timing.step_s - replay.optimizer_s, ++stepped;
     const double wait = timing.exposed_s >= 0 && replay.collectives > 0 ? timing.exposed_s - replay.exposed_s : 0;
-    waits += wait;
-    collectives += replay.collectives;
+    if (timing.exposed_s >= 0 && replay.collectives > 0) {
+      waits += wait;
+      computation += timing.forward_s + timing.backward_s - timing.exposed_s;
+    }
     const double replay_backward = replay.passes_s - replay.forward_s;
     rows.push_back({static_cast<double>(replay.units), static_cast<double>(replay.collectives),
                     timing.forward_s + timing.backward_s - replay.passes_s - wait});
@@ -275,7 +285,7 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
     const double a = (uw * cc - cw * uc) / det, b = (uu * cw - uc * uw) / det;
     if (b >= 0) per_unit = a, per_collective_work = b;
   }
-  out.per_collective_s = collectives > 0 ? waits / collectives : 0;
+  out.waits_per_compute_s = computation > 0 ? waits / computation : 0;
   out.per_collective_work_s = per_collective_work;
   out.forward_per_unit_s = per_unit * forward_share;
   out.backward_per_unit_s = per_unit * (1 - forward_share);

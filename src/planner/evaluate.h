@@ -14,11 +14,11 @@ struct ModelView {
 };
 
 // What the runtime spends beyond the replay of a calibrated configuration (Note [Planner runtime
-// calibration]): per unit in each pass, and per collective.
+// calibration]): per unit in each pass, per collective, and waits on peers.
 struct RuntimeCorrection {
   double forward_per_unit_s = 0;
   double backward_per_unit_s = 0;
-  double per_collective_s = 0;       // waits, added to each collective
+  double waits_per_compute_s = 0;    // waits on peers per second of computation, spread over the collectives
   double per_collective_work_s = 0;  // FSDP's work on the compute thread for each collective it issues
   double per_step_s = 0;             // beyond the optimizer step's own prediction
 };
