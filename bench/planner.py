@@ -244,7 +244,7 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         "of the model at once, and measuring its passes' memory with and without checkpointed blocks; and copies "
         "sharded FULL_SHARD and, at worlds above 1, NO_SHARD by block, each timed for iterations through the runtime: "
         "what they take beyond the replays of their configurations becomes FSDP's work per unit and per collective, "
-        "and its waits per collective, in every prediction of the precision). The rows of those configurations "
+        "and its waits on peers per second of computation, in every prediction of the precision). The rows of those configurations "
         "(FULL_SHARD or NO_SHARD, wrap block, not checkpointed) are fitted to the calibration's own timings; the "
         "others are predicted from them.",
         "",
