@@ -190,6 +190,12 @@ def main():
         write(args, [rs[0] for rs in rows.values()], started, finished, commit, load_start, os.getloadavg()[0])
 
 
+def save(path, lines):
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", path)
+
+
 def mib(b):
     return f"{b / 1048576:.2f}"
 
@@ -277,9 +283,7 @@ def write(args, rows, started, finished, commit, load_start, load_end):
             f"| {ratio(r['rss']):.3f} | {tensors(r):.3f} | {mib(r['run_rss'])} "
             f"| {r['step'][0] * 1e3:.1f} / {r['step'][1] * 1e3:.1f} "
             f"| {r['exposed'][0] * 100:.1f} / {r['exposed'][1] * 100:.1f} |")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("wrote", args.out)
+    save(args.out, lines)
 
 
 def best_constant(values, upper):
@@ -348,9 +352,7 @@ def write_repeat(args, rows, started, finished, commit, load_start, load_end):
             f"| {step_ok[k]} of {len(rs)} | {step_best[k]} of {len(rs)} "
             f"| {spread([r['exposed'][0] for r in rs], 100)} | {spread([r['exposed'][1] for r in rs], 100)} "
             f"| {exposed_ok[k]} of {len(rs)} | {exposed_best[k]} of {len(rs)} | {exposed_span[k] * 100:.1f} |")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("wrote", args.out)
+    save(args.out, lines)
 
 
 if __name__ == "__main__":

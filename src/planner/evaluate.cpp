@@ -253,8 +253,9 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
     evaluate(t.model, c, cluster, world, request, nullptr, &replay);
     if (replay.units == 0) continue;
     if (timing.step_s >= 0) steps += timing.step_s - replay.optimizer_s, ++stepped;
-    const double wait = timing.exposed_s >= 0 && replay.collectives > 0 ? timing.exposed_s - replay.exposed_s : 0;
-    if (timing.exposed_s >= 0 && replay.collectives > 0) {
+    const bool waits_measured = timing.exposed_s >= 0 && replay.collectives > 0;
+    const double wait = waits_measured ? timing.exposed_s - replay.exposed_s : 0;
+    if (waits_measured) {
       waits += wait;
       computation += timing.forward_s + timing.backward_s - timing.exposed_s;
     }
