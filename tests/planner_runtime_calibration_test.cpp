@@ -116,6 +116,42 @@ TEST(PlannerRuntimeCalibration, TwoTimedStrategiesSplitWorkPerUnitAndPerCollecti
   EXPECT_LT(grad_op, full - 0.01);
 }
 
+// A configuration timed with its units checkpointed beside the same one without: the plan charges
+// what checkpointing changed in each pass, per second of the forward it covered, so the timed
+// checkpointed configuration is predicted as measured, and the copy's own checkpointed timings
+// (here twice the forward more) no longer decide it.
+TEST(PlannerRuntimeCalibration, ACheckpointedTimingGivesWhatCheckpointingChanges) {
+  fsdp::DeferredInit deferred;
+  TinyTransformer model(50, 16, 2, 3, 8);
+  const auto cluster = instant_step_cluster(4);
+  fsdp::Calibration calibration;
+  calibration.tokens = 16;  // the timed micro-batch: 2 sequences of 8
+  fsdp::PrecisionTiming copy{at::kFloat, 0.030, 0.060};
+  copy.checkpointed_forward_s = 0.030;
+  copy.checkpointed_backward_s = 0.120;
+  calibration.timings.push_back(copy);
+  calibration.runtime.push_back(timed_full_shard(0.050, 0.110, -1));
+  const std::string plain = "FULL_SHARD, wrap block, fp32, micro-batch 2 x 1";
+  const std::string checkpointed = "FULL_SHARD, wrap block, checkpointed, fp32, micro-batch 2 x 1";
+  auto request = strategies_request(4).precisions({at::kFloat});
+  const auto by_copy = times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(calibration)));
+  auto with = timed_full_shard(0.040, 0.150, -1);  // no graph kept: 10 ms less; recomputed: 40 ms more
+  with.activation_checkpointing = true;
+  calibration.runtime.push_back(with);
+  const auto measured = times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(calibration)));
+  EXPECT_NEAR(measured.at(plain).step_s, 0.160, 1e-9);
+  EXPECT_NEAR(measured.at(checkpointed).step_s, 0.190, 1e-9);
+  EXPECT_NEAR(by_copy.at(plain).step_s, 0.160, 1e-9);
+  EXPECT_NEAR(by_copy.at(checkpointed).step_s, 0.160 + 0.060, 1e-9);  // the copy's change
+  // The checkpointed timing is not FSDP's work: every plain candidate is predicted as without it.
+  for (const auto& [name, time] : measured)
+    if (name.find("checkpointed") == std::string::npos) EXPECT_NEAR(time.step_s, by_copy.at(name).step_s, 1e-12) << name;
+  const auto back = fsdp::Calibration::from_json(calibration.to_json());
+  ASSERT_EQ(back.runtime.size(), 2U);
+  EXPECT_FALSE(back.runtime[0].activation_checkpointing);
+  EXPECT_TRUE(back.runtime[1].activation_checkpointing);
+}
+
 TEST(PlannerRuntimeCalibration, RuntimeTimingsSurviveAFileAndNameTheirWrapPolicy) {
   fsdp::Calibration calibration;
   auto timing = timed_full_shard(0.010, 0.020, 0.001);

@@ -360,9 +360,12 @@ TEST(Planner, CalibratedPassMemoryBecomesTheWorkspace) {
     EXPECT_LT(t.checkpointed_peak_bytes, t.peak_bytes * 3 / 4) << t.checkpointed_peak_bytes << " vs " << t.peak_bytes;
     EXPECT_TRUE(checkpointed[0]->enabled());
     EXPECT_FALSE(checkpointed[1]->enabled());
+    EXPECT_GT(t.checkpointed_forward_s, 0);
+    EXPECT_GT(t.checkpointed_backward_s, 0);
     const auto back = fsdp::Calibration::from_json(c.to_json());
     EXPECT_EQ(back.timings[0].peak_bytes, t.peak_bytes);
     EXPECT_EQ(back.timings[0].checkpointed_peak_bytes, t.checkpointed_peak_bytes);
+    EXPECT_EQ(back.timings[0].checkpointed_backward_s, t.checkpointed_backward_s);
   }
   // Known figures: the workspace is what the passes held beyond the activations the plan keeps,
   // per token, at the candidate's tokens; the peak includes it.
@@ -385,6 +388,47 @@ TEST(Planner, CalibratedPassMemoryBecomesTheWorkspace) {
         EXPECT_EQ(e.memory.peak - w.memory.peak, e.memory.workspace) << e.candidate.describe();
       }
   }
+}
+
+// Timed checkpointed passes replace "one more forward in backward": what checkpointing added to
+// each pass, per second of the forward its checkpointed modules hold, charged to every stretch the
+// candidate checkpoints. The share is the model's fsdp::Checkpointed modules' where it has any, else
+// the candidate's checkpointed units'.
+TEST(Planner, TimedCheckpointedPassesReplaceOneMoreForward) {
+  fsdp::DeferredInit deferred;
+  torch::nn::ModuleList half;  // four equal blocks, the first two in checkpointing wrappers
+  for (int i = 0; i < 4; ++i)
+    if (i < 2)
+      half->push_back(fsdp::Checkpointed<Mlp>(Mlp(64)));
+    else
+      half->push_back(Mlp(64));
+  torch::nn::ModuleList none;
+  for (int i = 0; i < 4; ++i) none->push_back(Mlp(64));
+  const int64_t numel = 4 * (2 * 4 * 64 * 64 + 4 * 64 + 64);
+  fsdp::Calibration c;
+  c.tokens = 1024;
+  c.step_s_per_element = 1e-9;
+  fsdp::PrecisionTiming t{at::kFloat, 0.010, 0.025};
+  t.checkpointed_forward_s = 0.008;   // no graph kept: 0.002 s less
+  t.checkpointed_backward_s = 0.030;  // recomputation: 0.005 s more
+  c.timings.push_back(t);
+  const auto request = one_rank(0)
+                           .seq_len(2048)
+                           .wrap_policies({{"block", fsdp::wrap::by_type<MlpImpl>()}})
+                           .calibration(c);
+  for (const bool wrapped : {true, false}) {
+    const fsdp::Plan plan = fsdp::plan(wrapped ? *half : *none, fsdp::Cluster::parse("cpu:1x1"), request);
+    ASSERT_EQ(plan.entries.size(), 2U);
+    // Half the model timed checkpointed: every block's share of the change is twice its FLOP share.
+    const double change = (wrapped ? 2 : 1) * (0.008 + 0.030 - 0.010 - 0.025);
+    for (const auto& e : plan.entries) {
+      const double passes = 2 * (0.010 + 0.025 + (e.candidate.activation_checkpointing ? change : 0.0));
+      EXPECT_NEAR(e.time.compute_s, passes + numel * 1e-9, 1e-9) << wrapped << " " << e.candidate.describe();
+    }
+  }
+  auto bad = R"({"tokens": 8, "timings": [{"precision": "fp32", "forward_s": 1, "backward_s": 1,
+                 "checkpointed_forward_s": -1}]})";
+  EXPECT_THROW(fsdp::Calibration::from_json(bad), fsdp::Error);
 }
 
 TEST(Planner, TheMarginIsKeptFreeBeyondEachPeak) {

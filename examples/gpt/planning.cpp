@@ -103,12 +103,16 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
   batch.targets = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
   // The flags' strategy and, at more than one rank, another with other collectives, so that the plan
   // tells FSDP's work per unit from its work per collective.
-  std::vector<std::string> strategies{config.strategy};
-  if (pg->size() > 1) strategies.emplace_back(config.strategy == "NO_SHARD" ? "FULL_SHARD" : "NO_SHARD");
+  // The flags' strategy with its blocks checkpointed too, where the plan considers checkpointing,
+  // so that the plan charges what checkpointing changes in the runtime's passes.
+  std::vector<std::pair<std::string, bool>> timings{{config.strategy, false}};
+  if (pg->size() > 1) timings.emplace_back(config.strategy == "NO_SHARD" ? "FULL_SHARD" : "NO_SHARD", false);
+  if (!flags_only || config.activation_checkpointing) timings.emplace_back(config.strategy, true);
   for (const at::ScalarType precision : plan_precisions(config, flags_only))
-    for (const std::string& strategy : strategies) {
+    for (const auto& [strategy, checkpointing] : timings) {
       copy.mixed_precision = precision == at::kBFloat16 ? "bf16" : precision == at::kHalf ? "fp16" : "none";
       copy.strategy = strategy;
+      copy.activation_checkpointing = checkpointing;
       copy.sharding_factor = strategy == "HYBRID_SHARD" ? config.sharding_factor : 0;
       BuiltModel built = build_model(copy);  // a throwaway copy, sharded as the flags say
       auto sharded = shard_model(built, copy, pg);
@@ -117,6 +121,7 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
       timed.strategy = fsdp::parse_sharding_strategy(copy.strategy);
       timed.sharding_factor = copy.sharding_factor;
       timed.precision = precision;
+      timed.activation_checkpointing = checkpointing;
       timed.micro_batch = static_cast<int>(rows);
       timed.all_gather_limit = copy.all_gather_limit;
       timed.backward_prefetch = fsdp::parse_backward_prefetch(copy.backward_prefetch);

@@ -27,6 +27,10 @@ struct PrecisionTiming {
   int64_t peak_bytes = 0;
   // The same with the model's fsdp::Checkpointed modules enabled; 0: none, or not measured.
   int64_t checkpointed_peak_bytes = 0;
+  // The passes timed with those modules enabled (their forward without a graph, their backward
+  // recomputing it); 0: none, or not timed.
+  double checkpointed_forward_s = 0;
+  double checkpointed_backward_s = 0;
   // The passes on `Calibration::small_tokens` tokens; 0: not timed.
   double small_forward_s = 0;
   double small_backward_s = 0;
@@ -41,6 +45,7 @@ struct RuntimeTiming {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   int sharding_factor = 0;  // HYBRID_SHARD
   at::ScalarType precision = at::kFloat;
+  bool activation_checkpointing = false;  // the copy's units checkpointed (as PlanEntry's candidates are)
   int micro_batch = 1;  // sequences in the timed forward (PlanRequest::seq_len tokens each)
   int world = 1;        // ranks of the timed job: plans for another world do not use it
   int all_gather_limit = 2;
@@ -70,8 +75,10 @@ struct Calibration {
 
   // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings":
   // [{"precision": "fp32"|"bf16"|"fp16", "forward_s": F, "backward_s": B, "peak_bytes": P,
-  // "checkpointed_peak_bytes": C, "small_forward_s": f, "small_backward_s": b}, ...],
-  // "runtime": [{"wrap": W, "strategy": S, "sharding_factor": K, "precision": P, "micro_batch": M, "world": N,
+  // "checkpointed_peak_bytes": C, "checkpointed_forward_s": cf, "checkpointed_backward_s": cb,
+  // "small_forward_s": f, "small_backward_s": b}, ...],
+  // "runtime": [{"wrap": W, "strategy": S, "sharding_factor": K, "precision": P, "activation_checkpointing": A,
+  // "micro_batch": M, "world": N,
   // "all_gather_limit": A, "backward_prefetch": B, "forward_prefetch": F, "reductions_in_flight": R,
   // "forward_s": f, "backward_s": b, "exposed_s": e, "step_s": s}, ...]}
   std::string to_json() const;
@@ -99,8 +106,9 @@ struct CalibrateOptions {
 };
 
 // Times `loss()` (one forward of `tokens` tokens through `model`, returning a scalar) and its
-// backward in every precision of `options` (with `model`'s fsdp::Checkpointed modules disabled),
-// measures their memory without and with those enabled (PrecisionTiming), and times the optimizer's step over `model`'s parameters.
+// backward in every precision of `options`, with `model`'s fsdp::Checkpointed modules disabled and
+// (where it has any) enabled, measures their memory both ways (PrecisionTiming), and times the
+// optimizer's step over `model`'s parameters.
 // `model` is a throwaway copy on the device the job computes on; it is left in the last precision.
 // Collective-free: every rank of a job may calibrate at once (then the times include the ranks'
 // sharing of the machine). Throws fsdp::Error on bad arguments.
@@ -121,9 +129,10 @@ class ProcessGroup;
 // shard pieces; null: none), and records them (the mean over ranks, the median of `repetitions`
 // after one untimed, or of more, up to ten times as many, where the untimed iteration's time over
 // the ranks says they take less than `min_timed_s`) as a runtime timing of `calibration` at `pg`'s world, replacing one of the
-// same precision, strategy, sharding factor and wrap policy. Two strategies timed in a precision
+// same precision, strategy, sharding factor, wrap policy and checkpointing. Two strategies timed in a precision
 // (FULL_SHARD and NO_SHARD, say) let the plan tell FSDP's work per unit from its work per
-// collective.
+// collective; one configuration timed with and without its units checkpointed gives what
+// checkpointing changes in the passes.
 // Collective over `pg`: every rank calls it at once. Throws fsdp::Error when `sharded`'s strategy
 // or sharding factor is not `timed`'s.
 void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, const ProcessGroup& pg,

@@ -82,12 +82,14 @@ int64_t pass_peak(torch::nn::Module& model, const std::function<at::Tensor()>& l
   return peak_growth([&] { loss().backward(); });
 }
 
+struct PassTimes {
+  double forward_s = 0, backward_s = 0;
+};
+
 // Forward-and-loss and backward seconds, median over `repetitions` (or more: keep_timing) after one
-// untimed, without checkpointing; and with `memory`, the passes' memory without and with it.
-PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions,
-                            double min_timed_s, bool memory = true) {
-  const auto wrappers = checkpointed_modules(model);
-  for (const auto& w : wrappers) w.first->set_enabled(false);
+// untimed.
+PassTimes time_loop(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions,
+                    double min_timed_s) {
   std::vector<double> forward, backward;
   double timed_s = 0;
   for (int i = 0; i == 0 || keep_timing(forward.size(), timed_s, repetitions, min_timed_s); ++i) {
@@ -101,12 +103,25 @@ PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Te
     const double b = seconds_since(middle);
     if (i > 0) forward.push_back(f), backward.push_back(b), timed_s += f + b;
   }
+  return {median(forward), median(backward)};
+}
+
+// The passes' times without checkpointing; with `full`, their memory too, and both again with the
+// model's checkpointing wrappers enabled.
+PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions,
+                            double min_timed_s, bool full = true) {
+  const auto wrappers = checkpointed_modules(model);
+  for (const auto& w : wrappers) w.first->set_enabled(false);
+  const PassTimes plain = time_loop(model, loss, repetitions, min_timed_s);
   PrecisionTiming t;
-  t.forward_s = median(forward);
-  t.backward_s = median(backward);
-  if (memory) t.peak_bytes = pass_peak(model, loss);
-  if (memory && !wrappers.empty()) {
+  t.forward_s = plain.forward_s;
+  t.backward_s = plain.backward_s;
+  if (full) t.peak_bytes = pass_peak(model, loss);
+  if (full && !wrappers.empty()) {
     for (const auto& w : wrappers) w.first->set_enabled(true);
+    const PassTimes checkpointed = time_loop(model, loss, repetitions, min_timed_s);
+    t.checkpointed_forward_s = checkpointed.forward_s;
+    t.checkpointed_backward_s = checkpointed.backward_s;
     t.checkpointed_peak_bytes = pass_peak(model, loss);
   }
   for (const auto& w : wrappers) w.first->set_enabled(w.second);
@@ -166,6 +181,8 @@ std::string Calibration::to_json() const {
                             {"backward_s", t.backward_s},
                             {"peak_bytes", t.peak_bytes},
                             {"checkpointed_peak_bytes", t.checkpointed_peak_bytes},
+                            {"checkpointed_forward_s", t.checkpointed_forward_s},
+                            {"checkpointed_backward_s", t.checkpointed_backward_s},
                             {"small_forward_s", t.small_forward_s},
                             {"small_backward_s", t.small_backward_s}});
   j["runtime"] = nlohmann::json::array();
@@ -174,6 +191,7 @@ std::string Calibration::to_json() const {
                             {"strategy", to_string(r.strategy)},
                             {"sharding_factor", r.sharding_factor},
                             {"precision", precision_name(r.precision)},
+                            {"activation_checkpointing", r.activation_checkpointing},
                             {"micro_batch", r.micro_batch},
                             {"world", r.world},
                             {"all_gather_limit", r.all_gather_limit},
@@ -203,11 +221,16 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
       timing.backward_s = t.at("backward_s").get<double>();
       timing.peak_bytes = t.value("peak_bytes", int64_t(0));
       timing.checkpointed_peak_bytes = t.value("checkpointed_peak_bytes", int64_t(0));
+      timing.checkpointed_forward_s = t.value("checkpointed_forward_s", 0.0);
+      timing.checkpointed_backward_s = t.value("checkpointed_backward_s", 0.0);
       timing.small_forward_s = t.value("small_forward_s", 0.0);
       timing.small_backward_s = t.value("small_backward_s", 0.0);
       FSDP_CHECK(timing.small_forward_s >= 0 && timing.small_backward_s >= 0, source, ": the ",
                  precision_name(timing.precision),
                  " timing's small_forward_s and small_backward_s must not be negative");
+      FSDP_CHECK(timing.checkpointed_forward_s >= 0 && timing.checkpointed_backward_s >= 0, source, ": the ",
+                 precision_name(timing.precision),
+                 " timing's checkpointed_forward_s and checkpointed_backward_s must not be negative");
       FSDP_CHECK(timing.forward_s > 0 && timing.backward_s > 0, source, ": the ", precision_name(timing.precision),
                  " timing must have positive forward_s and backward_s");
       FSDP_CHECK(timing.peak_bytes >= 0 && timing.checkpointed_peak_bytes >= 0, source, ": the ",
@@ -220,6 +243,7 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
       timing.strategy = parse_sharding_strategy(r.at("strategy").get<std::string>());
       timing.sharding_factor = r.value("sharding_factor", 0);
       timing.precision = precision_named(r.at("precision").get<std::string>(), source);
+      timing.activation_checkpointing = r.value("activation_checkpointing", false);
       timing.micro_batch = r.at("micro_batch").get<int>();
       timing.world = r.at("world").get<int>();
       timing.all_gather_limit = r.value("all_gather_limit", timing.all_gather_limit);

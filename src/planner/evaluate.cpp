@@ -143,6 +143,25 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     forward_s_per_flop = passes.forward_s / (costs.forward_flops * tokens);
     backward_ratio = passes.backward_s / passes.forward_s;
   }
+  // What checkpointing changes per second of a checkpointed stretch's forward: in its forward (no
+  // graph kept) and in its backward (the recomputation). Measured through the runtime
+  // (runtime_correction), else by the copy's checkpointed passes, over the share of the forward
+  // that checkpointing covered (the model's fsdp::Checkpointed modules, else the units this
+  // candidate checkpoints); else one more forward in backward. See Note [Planner calibration].
+  double covered_flops = costs.checkpointed_forward_flops;
+  if (covered_flops <= 0 && c.activation_checkpointing)
+    for (const SegmentCost& s : costs.segments)
+      if (sim.units[s.unit].checkpointed) covered_flops += s.forward_flops;
+  const double covered_forward_s = covered_flops * tokens * forward_s_per_flop;
+  bool recompute_measured = extra.checkpointing_measured;
+  double recompute_forward = extra.checkpointed_forward_change, recompute_backward = extra.checkpointed_backward_change;
+  if (!recompute_measured && calibrated && covered_flops > 0 && timing->checkpointed_forward_s > 0 &&
+      timing->checkpointed_backward_s > 0) {
+    const double covered_s = timing->forward_s * covered_flops / costs.forward_flops;
+    recompute_measured = true;
+    recompute_forward = (timing->checkpointed_forward_s - timing->forward_s) / covered_s;
+    recompute_backward = (timing->checkpointed_backward_s - timing->backward_s) / covered_s;
+  }
   std::vector<int> unit_segments(plan.units.size(), 0);
   for (const SegmentCost& s : costs.segments) ++unit_segments[s.unit];
   for (const SegmentCost& s : costs.segments) {
@@ -151,9 +170,12 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     const double forward_s = s.forward_flops * tokens * forward_s_per_flop;
     const double share = 1.0 / unit_segments[s.unit];  // the unit's runtime work, spread over its stretches
     const bool recompute = sim.units[s.unit].checkpointed;
-    seg.forward_s = std::max(0.0, forward_s + extra.forward_per_unit_s * share);
-    seg.backward_s = std::max(0.0, backward_ratio * forward_s + extra.backward_per_unit_s * share) +
-                     (recompute ? seg.forward_s : 0.0);
+    const bool measured = recompute && recompute_measured;
+    seg.forward_s = std::max(0.0, forward_s * (1 + (measured ? recompute_forward : 0.0)) +
+                                      extra.forward_per_unit_s * share);
+    seg.backward_s = std::max(0.0, backward_ratio * forward_s + extra.backward_per_unit_s * share +
+                                       (measured ? recompute_backward * forward_s : 0.0)) +
+                     (recompute && !measured ? seg.forward_s : 0.0);
     const double unit_values = costs.unit_activation_values[s.unit];
     seg.activation_share = unit_values > 0 ? s.activation_values / unit_values : 0;
     sim.segments.push_back(seg);
@@ -184,6 +206,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     replayed->exposed_s = r.exposed_s;
     replayed->collectives = r.collectives;
     replayed->units = static_cast<int>(plan.units.size());
+    replayed->checkpointed_forward_s = covered_forward_s;
   }
 
   PlanEntry e;
@@ -237,8 +260,13 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   double waits = 0, computation = 0, steps = 0, forward_share = -1;
   int stepped = 0;
   std::vector<std::array<double, 3>> rows;  // units, collectives, work
+  std::vector<const TimedConfiguration*> checkpointed;
   for (const TimedConfiguration& t : timed) {
     const RuntimeTiming& timing = *t.timing;
+    if (timing.activation_checkpointing) {  // not FSDP's work: what checkpointing changes, below
+      checkpointed.push_back(&t);
+      continue;
+    }
     Candidate c;
     c.strategy = timing.strategy;
     c.sharding_factor = timing.sharding_factor;
@@ -285,6 +313,41 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   if (rows.size() > 1 && std::abs(det) > 1e-9 * uu * cc) {
     const double a = (uw * cc - cw * uc) / det, b = (uu * cw - uc * uw) / det;
     if (b >= 0) per_unit = a, per_collective_work = b;
+  }
+  // Checkpointing's change: a checkpointed timing against the plain one of the same configuration,
+  // the waits on peers left out, per second of the forward computation checkpointing covered.
+  double forward_change = 0, backward_change = 0;
+  int paired = 0;
+  for (const TimedConfiguration* t : checkpointed) {
+    const RuntimeTiming& with = *t->timing;
+    for (const TimedConfiguration& plain : timed) {
+      const RuntimeTiming& without = *plain.timing;
+      if (without.activation_checkpointing || without.strategy != with.strategy ||
+          without.sharding_factor != with.sharding_factor || without.wrap != with.wrap ||
+          without.micro_batch != with.micro_batch)
+        continue;
+      Candidate c;
+      c.strategy = with.strategy;
+      c.sharding_factor = with.sharding_factor;
+      c.wrap = t->wrap;
+      c.precision = with.precision;
+      c.micro_batch = with.micro_batch;
+      c.activation_checkpointing = true;
+      Replayed replay;
+      evaluate(t->model, c, cluster, world, request, nullptr, &replay);
+      if (replay.checkpointed_forward_s <= 0) break;
+      auto busy = [](const RuntimeTiming& r) { return r.forward_s + r.backward_s - std::max(0.0, r.exposed_s); };
+      const double forward = with.forward_s - without.forward_s;
+      forward_change += forward / replay.checkpointed_forward_s;
+      backward_change += (busy(with) - busy(without) - forward) / replay.checkpointed_forward_s;
+      ++paired;
+      break;
+    }
+  }
+  if (paired > 0) {
+    out.checkpointing_measured = true;
+    out.checkpointed_forward_change = forward_change / paired;
+    out.checkpointed_backward_change = backward_change / paired;
   }
   out.waits_per_compute_s = computation > 0 ? waits / computation : 0;
   out.per_collective_work_s = per_collective_work;

@@ -21,6 +21,11 @@ struct RuntimeCorrection {
   double waits_per_compute_s = 0;    // waits on peers per second of computation, spread over the collectives
   double per_collective_work_s = 0;  // FSDP's work on the compute thread for each collective it issues
   double per_step_s = 0;             // beyond the optimizer step's own prediction
+  // What checkpointing changes in each pass per second of the checkpointed forward, measured
+  // through the runtime; not measured: the copy's checkpointed timings, else one more forward.
+  bool checkpointing_measured = false;
+  double checkpointed_forward_change = 0;
+  double checkpointed_backward_change = 0;
 };
 
 // The replay's figures for one micro-batch of a candidate, beside its PlanEntry.
@@ -31,6 +36,7 @@ struct Replayed {
   int collectives = 0;
   int units = 0;
   double optimizer_s = 0;  // the predicted optimizer step
+  double checkpointed_forward_s = 0;  // the calibrated forward computation of what checkpointing covers
 };
 
 // `world` ranks of `cluster`; every other input comes from `request`. `correction`: added to the

@@ -4,6 +4,8 @@
 #include <map>
 #include <string>
 
+#include "fsdp/activation_checkpoint.h"
+
 namespace fsdp::planner {
 namespace {
 
@@ -54,6 +56,12 @@ int unit_of(const std::string& name, const std::map<std::string, int>& unit_by_n
   }
 }
 
+// Whether `name` is `scope` or lies inside it.
+bool within(const std::string& name, const std::string& scope) {
+  return name == scope || scope.empty() || (name.size() > scope.size() && name.compare(0, scope.size(), scope) == 0 &&
+                                            name[scope.size()] == '.');
+}
+
 }  // namespace
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len) {
@@ -62,8 +70,10 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
   ModelCosts costs;
   costs.unit_activation_values.assign(units.units.size(), 0.0);
   costs.unit_input_values.assign(units.units.size(), 0.0);
+  std::vector<std::string> checkpointed;  // the names of the model's checkpointing wrappers
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const torch::nn::Module& m = *item.value();
+    if (dynamic_cast<const CheckpointedBase*>(&m) != nullptr) checkpointed.push_back(item.key());
     int u = unit_of(item.key(), unit_by_name);
     // A unit without parameters is never entered by the runtime: its work runs in the enclosing one.
     while (u != 0 && units.units[u].flat_params.empty()) u = units.units[u].parent;
@@ -78,6 +88,11 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
     if (costs.unit_input_values[u] == 0) costs.unit_input_values[u] = c.input;
     costs.unit_activation_values[u] += c.values;
     costs.forward_flops += c.flops;
+    for (const std::string& scope : checkpointed)
+      if (within(item.key(), scope)) {
+        costs.checkpointed_forward_flops += c.flops;
+        break;
+      }
     if (costs.segments.empty() || costs.segments.back().unit != u) costs.segments.push_back({u, 0, 0});
     costs.segments.back().forward_flops += c.flops;
     costs.segments.back().activation_values += c.values;

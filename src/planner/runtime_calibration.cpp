@@ -78,7 +78,8 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
   runtime.erase(std::remove_if(runtime.begin(), runtime.end(),
                                [&](const RuntimeTiming& r) {
                                  return r.precision == timed.precision && r.strategy == timed.strategy &&
-                                        r.sharding_factor == timed.sharding_factor && r.wrap == timed.wrap;
+                                        r.sharding_factor == timed.sharding_factor && r.wrap == timed.wrap &&
+                                        r.activation_checkpointing == timed.activation_checkpointing;
                                }),
                 runtime.end());
   runtime.push_back(timed);
