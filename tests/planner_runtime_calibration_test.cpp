@@ -134,18 +134,21 @@ TEST(PlannerRuntimeCalibration, ACheckpointedTimingGivesWhatCheckpointingChanges
   const std::string plain = "FULL_SHARD, wrap block, fp32, micro-batch 2 x 1";
   const std::string checkpointed = "FULL_SHARD, wrap block, checkpointed, fp32, micro-batch 2 x 1";
   auto request = strategies_request(4).precisions({at::kFloat});
-  const auto by_copy = times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(calibration)));
+  const auto by_copy =
+      times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(calibration)));
   auto with = timed_full_shard(0.040, 0.150, -1);  // no graph kept: 10 ms less; recomputed: 40 ms more
   with.activation_checkpointing = true;
   calibration.runtime.push_back(with);
-  const auto measured = times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(calibration)));
+  const auto measured =
+      times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(calibration)));
   EXPECT_NEAR(measured.at(plain).step_s, 0.160, 1e-9);
   EXPECT_NEAR(measured.at(checkpointed).step_s, 0.190, 1e-9);
   EXPECT_NEAR(by_copy.at(plain).step_s, 0.160, 1e-9);
   EXPECT_NEAR(by_copy.at(checkpointed).step_s, 0.160 + 0.060, 1e-9);  // the copy's change
   // The checkpointed timing is not FSDP's work: every plain candidate is predicted as without it.
   for (const auto& [name, time] : measured)
-    if (name.find("checkpointed") == std::string::npos) EXPECT_NEAR(time.step_s, by_copy.at(name).step_s, 1e-12) << name;
+    if (name.find("checkpointed") == std::string::npos)
+      EXPECT_NEAR(time.step_s, by_copy.at(name).step_s, 1e-12) << name;
   const auto back = fsdp::Calibration::from_json(calibration.to_json());
   ASSERT_EQ(back.runtime.size(), 2U);
   EXPECT_FALSE(back.runtime[0].activation_checkpointing);

@@ -412,10 +412,8 @@ TEST(Planner, TimedCheckpointedPassesReplaceOneMoreForward) {
   t.checkpointed_forward_s = 0.008;   // no graph kept: 0.002 s less
   t.checkpointed_backward_s = 0.030;  // recomputation: 0.005 s more
   c.timings.push_back(t);
-  const auto request = one_rank(0)
-                           .seq_len(2048)
-                           .wrap_policies({{"block", fsdp::wrap::by_type<MlpImpl>()}})
-                           .calibration(c);
+  const auto request =
+      one_rank(0).seq_len(2048).wrap_policies({{"block", fsdp::wrap::by_type<MlpImpl>()}}).calibration(c);
   for (const bool wrapped : {true, false}) {
     const fsdp::Plan plan = fsdp::plan(wrapped ? *half : *none, fsdp::Cluster::parse("cpu:1x1"), request);
     ASSERT_EQ(plan.entries.size(), 2U);

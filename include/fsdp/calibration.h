@@ -46,8 +46,8 @@ struct RuntimeTiming {
   int sharding_factor = 0;  // HYBRID_SHARD
   at::ScalarType precision = at::kFloat;
   bool activation_checkpointing = false;  // the copy's units checkpointed (as PlanEntry's candidates are)
-  int micro_batch = 1;  // sequences in the timed forward (PlanRequest::seq_len tokens each)
-  int world = 1;        // ranks of the timed job: plans for another world do not use it
+  int micro_batch = 1;                    // sequences in the timed forward (PlanRequest::seq_len tokens each)
+  int world = 1;                          // ranks of the timed job: plans for another world do not use it
   int all_gather_limit = 2;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = true;

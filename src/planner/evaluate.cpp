@@ -171,8 +171,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     const double share = 1.0 / unit_segments[s.unit];  // the unit's runtime work, spread over its stretches
     const bool recompute = sim.units[s.unit].checkpointed;
     const bool measured = recompute && recompute_measured;
-    seg.forward_s = std::max(0.0, forward_s * (1 + (measured ? recompute_forward : 0.0)) +
-                                      extra.forward_per_unit_s * share);
+    seg.forward_s =
+        std::max(0.0, forward_s * (1 + (measured ? recompute_forward : 0.0)) + extra.forward_per_unit_s * share);
     seg.backward_s = std::max(0.0, backward_ratio * forward_s + extra.backward_per_unit_s * share +
                                        (measured ? recompute_backward * forward_s : 0.0)) +
                      (recompute && !measured ? seg.forward_s : 0.0);
@@ -336,7 +336,9 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
       Replayed replay;
       evaluate(t->model, c, cluster, world, request, nullptr, &replay);
       if (replay.checkpointed_forward_s <= 0) break;
-      auto busy = [](const RuntimeTiming& r) { return r.forward_s + r.backward_s - std::max(0.0, r.exposed_s); };
+      auto busy = [](const RuntimeTiming& r) {
+        return r.forward_s + r.backward_s - std::max(0.0, r.exposed_s);
+      };
       const double forward = with.forward_s - without.forward_s;
       forward_change += forward / replay.checkpointed_forward_s;
       backward_change += (busy(with) - busy(without) - forward) / replay.checkpointed_forward_s;

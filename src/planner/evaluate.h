@@ -35,7 +35,7 @@ struct Replayed {
   double exposed_s = 0;
   int collectives = 0;
   int units = 0;
-  double optimizer_s = 0;  // the predicted optimizer step
+  double optimizer_s = 0;             // the predicted optimizer step
   double checkpointed_forward_s = 0;  // the calibrated forward computation of what checkpointing covers
 };
 

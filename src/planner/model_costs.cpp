@@ -58,8 +58,8 @@ int unit_of(const std::string& name, const std::map<std::string, int>& unit_by_n
 
 // Whether `name` is `scope` or lies inside it.
 bool within(const std::string& name, const std::string& scope) {
-  return name == scope || scope.empty() || (name.size() > scope.size() && name.compare(0, scope.size(), scope) == 0 &&
-                                            name[scope.size()] == '.');
+  return name == scope || scope.empty() ||
+         (name.size() > scope.size() && name.compare(0, scope.size(), scope) == 0 && name[scope.size()] == '.');
 }
 
 }  // namespace
