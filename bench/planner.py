@@ -213,10 +213,11 @@ def write(args, rows, started, finished, commit, load_start, load_end):
     tensors_ok = sum(1 for r in rows if abs(tensors(r) - 1) <= 0.10)
     step_ok = sum(1 for r in rows if abs(ratio(r["step"]) - 1) <= 0.15)
     exposed_ok = sum(1 for r in rows if abs(r["exposed"][0] - r["exposed"][1]) <= 0.05)
-    # The calibration times FULL_SHARD by block, and at worlds above 1 NO_SHARD by block, not checkpointed,
-    # through the runtime: the other rows are predictions.
+    # The calibration times FULL_SHARD by block, with and without checkpointing, and at worlds above 1
+    # NO_SHARD by block through the runtime: the other rows are predictions.
     def timed(r):
-        return r["config"].startswith(("FULL_SHARD, wrap block, fp32", "FULL_SHARD, wrap block, bf16")) or (
+        return r["config"].startswith(("FULL_SHARD, wrap block, fp32", "FULL_SHARD, wrap block, bf16",
+                                       "FULL_SHARD, wrap block, checkpointed")) or (
             r["world"] > 1 and r["config"].startswith(("NO_SHARD, wrap block, fp32", "NO_SHARD, wrap block, bf16")))
 
     others = [r for r in rows if not timed(r)]
@@ -250,9 +251,11 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         "of the model at once, and measuring its passes' memory with and without checkpointed blocks; and copies "
         "sharded FULL_SHARD and, at worlds above 1, NO_SHARD by block, each timed for iterations through the runtime: "
         "what they take beyond the replays of their configurations becomes FSDP's work per unit and per collective, "
-        "and its waits on peers per second of computation, in every prediction of the precision). The rows of those configurations "
-        "(FULL_SHARD or NO_SHARD, wrap block, not checkpointed) are fitted to the calibration's own timings; the "
-        "others are predicted from them.",
+        "and its waits on peers per second of computation, in every prediction of the precision; and the FULL_SHARD "
+        "copy timed again with its blocks checkpointed, whose difference is what checkpointing changes in every "
+        "checkpointed prediction). The rows of those configurations (FULL_SHARD by block, checkpointed or not, and "
+        "NO_SHARD by block, not checkpointed) are fitted to the calibration's own timings; the others are predicted "
+        "from them.",
         "",
         f"- FSDP-managed memory (parameter + gradient peaks) within 2%: **{fsdp_ok} of {len(rows)}** runs "
         f"(worst measured / predicted {max(abs(ratio(r['fsdp']) - 1) for r in rows) * 100:.2f}% off).",
