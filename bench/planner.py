@@ -329,7 +329,9 @@ def write_repeat(args, rows, started, finished, commit, load_start, load_end):
         "interleaved rounds, each time exactly as there: a calibration job just before it, then the measured run "
         "with its prediction. Each figure is min / median / max over the repetitions. \"best one figure\": the "
         "most repetitions any single figure fixed in advance could be within the tolerance of (15% of the step; "
-        "5 points of the exposed share): the measured values alone decide it, so it bounds every predictor.",
+        "5 points of the exposed share): the measured values alone decide it, so it bounds every predictor that "
+        "gives one figure per configuration (one that follows the machine's drift, as a calibration made just before "
+        "each run can, may do better).",
         "",
         f"- Step time within 15%: **{sum(step_ok)} of {total}** runs; best one figure per configuration: "
         f"{sum(step_best)} of {total}. The slowest repetition of a configuration takes "
