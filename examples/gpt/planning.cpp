@@ -102,9 +102,8 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
   batch.inputs = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
   batch.targets = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
   // The flags' strategy and, at more than one rank, another with other collectives, so that the plan
-  // tells FSDP's work per unit from its work per collective.
-  // The flags' strategy with its blocks checkpointed too, where the plan considers checkpointing,
-  // so that the plan charges what checkpointing changes in the runtime's passes.
+  // tells FSDP's work per unit from its work per collective; and where the plan considers
+  // checkpointing, the flags' strategy with its blocks checkpointed, for what checkpointing changes.
   std::vector<std::pair<std::string, bool>> timings{{config.strategy, false}};
   if (pg->size() > 1) timings.emplace_back(config.strategy == "NO_SHARD" ? "FULL_SHARD" : "NO_SHARD", false);
   if (!flags_only || config.activation_checkpointing) timings.emplace_back(config.strategy, true);

@@ -252,6 +252,27 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   return e;
 }
 
+namespace {
+
+// The configuration a runtime timing describes, as a candidate.
+Candidate timed_candidate(const TimedConfiguration& t) {
+  const RuntimeTiming& timing = *t.timing;
+  Candidate c;
+  c.strategy = timing.strategy;
+  c.sharding_factor = timing.sharding_factor;
+  c.wrap = t.wrap;
+  c.precision = timing.precision;
+  c.activation_checkpointing = timing.activation_checkpointing;
+  c.all_gather_limit = timing.all_gather_limit;
+  c.backward_prefetch = timing.backward_prefetch;
+  c.forward_prefetch = timing.forward_prefetch;
+  c.reductions_in_flight = timing.reductions_in_flight;
+  c.micro_batch = timing.micro_batch;
+  return c;
+}
+
+}  // namespace
+
 RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& timed, const Cluster& cluster, int world,
                                      const PlanRequest& request) {
   RuntimeCorrection out;
@@ -267,18 +288,8 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
       checkpointed.push_back(&t);
       continue;
     }
-    Candidate c;
-    c.strategy = timing.strategy;
-    c.sharding_factor = timing.sharding_factor;
-    c.wrap = t.wrap;
-    c.precision = timing.precision;
-    c.all_gather_limit = timing.all_gather_limit;
-    c.backward_prefetch = timing.backward_prefetch;
-    c.forward_prefetch = timing.forward_prefetch;
-    c.reductions_in_flight = timing.reductions_in_flight;
-    c.micro_batch = timing.micro_batch;
     Replayed replay;
-    evaluate(t.model, c, cluster, world, request, nullptr, &replay);
+    evaluate(t.model, timed_candidate(t), cluster, world, request, nullptr, &replay);
     if (replay.units == 0) continue;
     if (timing.step_s >= 0) steps += timing.step_s - replay.optimizer_s, ++stepped;
     const bool waits_measured = timing.exposed_s >= 0 && replay.collectives > 0;
@@ -316,6 +327,9 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   }
   // Checkpointing's change: a checkpointed timing against the plain one of the same configuration,
   // the waits on peers left out, per second of the forward computation checkpointing covered.
+  auto busy = [](const RuntimeTiming& r) {
+    return r.forward_s + r.backward_s - std::max(0.0, r.exposed_s);
+  };
   double forward_change = 0, backward_change = 0;
   int paired = 0;
   for (const TimedConfiguration* t : checkpointed) {
@@ -326,19 +340,9 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
           without.sharding_factor != with.sharding_factor || without.wrap != with.wrap ||
           without.micro_batch != with.micro_batch)
         continue;
-      Candidate c;
-      c.strategy = with.strategy;
-      c.sharding_factor = with.sharding_factor;
-      c.wrap = t->wrap;
-      c.precision = with.precision;
-      c.micro_batch = with.micro_batch;
-      c.activation_checkpointing = true;
       Replayed replay;
-      evaluate(t->model, c, cluster, world, request, nullptr, &replay);
+      evaluate(t->model, timed_candidate(*t), cluster, world, request, nullptr, &replay);
       if (replay.checkpointed_forward_s <= 0) break;
-      auto busy = [](const RuntimeTiming& r) {
-        return r.forward_s + r.backward_s - std::max(0.0, r.exposed_s);
-      };
       const double forward = with.forward_s - without.forward_s;
       forward_change += forward / replay.checkpointed_forward_s;
       backward_change += (busy(with) - busy(without) - forward) / replay.checkpointed_forward_s;
