@@ -146,9 +146,11 @@ TEST(PlannerRuntimeCalibration, ACheckpointedTimingGivesWhatCheckpointingChanges
   EXPECT_NEAR(by_copy.at(plain).step_s, 0.160, 1e-9);
   EXPECT_NEAR(by_copy.at(checkpointed).step_s, 0.160 + 0.060, 1e-9);  // the copy's change
   // The checkpointed timing is not FSDP's work: every plain candidate is predicted as without it.
-  for (const auto& [name, time] : measured)
-    if (name.find("checkpointed") == std::string::npos)
+  for (const auto& [name, time] : measured) {
+    if (name.find("checkpointed") == std::string::npos) {
       EXPECT_NEAR(time.step_s, by_copy.at(name).step_s, 1e-12) << name;
+    }
+  }
   const auto back = fsdp::Calibration::from_json(calibration.to_json());
   ASSERT_EQ(back.runtime.size(), 2U);
   EXPECT_FALSE(back.runtime[0].activation_checkpointing);
