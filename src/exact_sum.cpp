@@ -11,6 +11,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace fsdp::exact {
 
 namespace {
@@ -125,10 +127,6 @@ __attribute__((target("avx2"))) void deposit_float_avx2(const float* __restrict 
 // exponent alone tells what is out of range, as split()'s magnitude test does.
 bool avx2_grid(int scale_exp) { return 150 - scale_exp + kRangeExp - 24 >= 1; }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
 #endif
 
 // deposit_row<Overwrite, T>, vectorized where it can be.
@@ -136,7 +134,7 @@ template <bool Overwrite, typename T>
 void deposit_row_fastest(const T* in, int64_t n, int64_t* lo, int64_t* mid, int64_t* top, int scale_exp) {
 #ifdef FSDP_EXACT_AVX2
   if constexpr (std::is_same_v<T, float>) {
-    if (has_avx2() && avx2_grid(scale_exp)) {
+    if (cpu_has_avx2() && avx2_grid(scale_exp)) {
       deposit_float_avx2<Overwrite>(in, n, lo, mid, top, scale_exp);
       return;
     }
@@ -257,7 +255,7 @@ at::Tensor to_double_on_cpu(at::Tensor limbs[kLimbs], int scale_exp, double divi
   const int64_t* mid = limbs[1].data_ptr<int64_t>();
   const int64_t* top = limbs[2].data_ptr<int64_t>();
 #ifdef FSDP_EXACT_AVX2
-  if (has_avx2()) {
+  if (cpu_has_avx2()) {
     to_double_avx2(lo, mid, top, out.data_ptr<double>(), out.numel(), factors, divisor);
     return out;
   }
@@ -355,7 +353,7 @@ std::array<int64_t, kLimbs> sum(const at::Tensor& values, int scale_exp) {
     const at::Tensor x = values.contiguous();
     const double* in = x.data_ptr<double>();
 #ifdef FSDP_EXACT_AVX2
-    if (has_avx2()) {
+    if (cpu_has_avx2()) {
       sum_double_avx2(in, x.numel(), scale_exp, out);
       return out;
     }

@@ -6,6 +6,7 @@
 // strategy at worlds 1-4; the full-precision shards stay the optimizer's master copy.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <map>
 #include <string>
@@ -57,6 +58,20 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
         fsdp::dequantize_into(narrow, packed, 1, n, f);
         ASSERT_TRUE(torch::equal(wide.to(at::kFloat), back));
         ASSERT_TRUE(torch::equal(narrow, back.to(at::kBFloat16)));
+        // The one-pass sum of packed parts (vectorized where the CPU allows) against the tensor
+        // operations' dequantized parts added in float32 in order.
+        at::Tensor parts = at::empty({3 * packed.numel()}, at::kByte);
+        at::Tensor expected = at::zeros({n});
+        for (int64_t r = 0; r < 3; ++r) {
+          const at::Tensor part = parts.narrow(0, r * packed.numel(), packed.numel());
+          fsdp::quantize_into(part, x * std::array<double, 3>{1.0, -0.5, 3.0}[r], f);
+          at::Tensor values = at::empty({n}, at::kDouble);
+          fsdp::dequantize_into(values, part, 1, n, f);
+          expected = r == 0 ? values.to(at::kFloat) : expected + values.to(at::kFloat);
+        }
+        at::Tensor sum = at::empty({n});
+        fsdp::sum_dequantized_into(sum, parts, 3, n, packed.numel(), f);
+        ASSERT_TRUE(torch::equal(sum, expected)) << fsdp::to_string(dtype) << " block " << block << " n " << n;
       }
 }
 
