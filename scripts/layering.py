@@ -36,7 +36,7 @@ LAYERS = [
         "include/fsdp/optim.h", "src/optim.cpp", "src/optimizer_state_key.h",
         "include/fsdp/rank_env.h", "src/rank_env.cpp", "src/env_var.*",
         "src/internal_op_guard.*", "src/tensor_alias.h", "src/exact_sum.*", "src/exact_wire.*",
-        "src/job_token.*", "src/block_quantization.*",
+        "src/job_token.*", "src/block_quantization.*", "src/cpu_features.h",
     ]),
     ("transports", [  # communicators, and the process group that makes them
         "src/comm/*",
