@@ -281,5 +281,72 @@ TEST(PlannerRuntimeCalibration, CalibrateRuntimeTimesTheShardedPassesOnEveryRank
   EXPECT_TRUE(contains(r.ranks[0].output, "runtime calibration: forward")) << r.report();
 }
 
+// agree_across_ranks: per-rank calibrations become one (means of the times, the largest peaks);
+// ranks that timed different precisions fail alike, naming the difference.
+FSDP_WORKER(calibration_agreement_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int r = pg->rank(), n = pg->size();
+  fsdp::Calibration c;
+  c.step_s_per_element = 1e-9 * (r + 1);
+  for (const auto precision : {at::kFloat, at::kBFloat16}) {
+    fsdp::PrecisionTiming t;
+    t.precision = precision;
+    t.forward_s = 0.010 * (r + 1);
+    t.backward_s = 0.020 * (r + 1);
+    t.checkpointed_forward_s = 0.012 * (r + 1);
+    t.checkpointed_backward_s = 0.030 * (r + 1);
+    t.small_forward_s = 0.004 * (r + 1);
+    t.small_backward_s = 0.008 * (r + 1);
+    t.peak_bytes = 1000 + 100 * ((r + 1) % n);  // the largest on rank n - 2 (or 0 alone)
+    t.checkpointed_peak_bytes = 500 - r;        // the largest on rank 0
+    c.timings.push_back(t);
+  }
+  fsdp::agree_across_ranks(c, *pg->world());
+  const double mean = (n + 1) / 2.0;  // the mean of r + 1 over the ranks
+  auto near = [](double a, double b) {
+    return std::abs(a - b) <= 1e-12 * std::abs(b);
+  };
+  WORKER_CHECK(near(c.step_s_per_element, 1e-9 * mean), "step_s_per_element ", c.step_s_per_element);
+  for (const auto& t : c.timings) {
+    WORKER_CHECK(near(t.forward_s, 0.010 * mean) && near(t.backward_s, 0.020 * mean) &&
+                     near(t.checkpointed_forward_s, 0.012 * mean) && near(t.checkpointed_backward_s, 0.030 * mean) &&
+                     near(t.small_forward_s, 0.004 * mean) && near(t.small_backward_s, 0.008 * mean),
+                 "not the means: ", t.forward_s, " ", t.backward_s, " ", t.checkpointed_forward_s, " ",
+                 t.checkpointed_backward_s, " ", t.small_forward_s, " ", t.small_backward_s);
+    WORKER_CHECK(t.peak_bytes == 1000 + 100 * (n - 1) && t.checkpointed_peak_bytes == 500,
+                 "not the largest peaks: ", t.peak_bytes, " ", t.checkpointed_peak_bytes);
+  }
+  // The same bits on every rank.
+  for (const double v : {c.timings[0].forward_s, c.timings[1].checkpointed_backward_s, c.step_s_per_element})
+    WORKER_CHECK(fsdp::mean_across_ranks(*pg, v) == v, "ranks disagree on ", v);
+
+  if (r == n - 1) c.timings.pop_back();
+  bool refused = false;
+  try {
+    fsdp::agree_across_ranks(c, *pg->world());
+  } catch (const fsdp::Error& e) {
+    refused = contains(e.what(), "timing") && contains(e.what(), "same precisions");
+    if (!refused) std::cerr << e.what() << std::endl;
+  }
+  WORKER_CHECK(refused, "ranks with different numbers of timings were not refused");
+  c.timings.resize(1);
+  c.timings[0].precision = r == 0 ? at::kFloat : at::kBFloat16;
+  refused = false;
+  try {
+    fsdp::agree_across_ranks(c, *pg->world());
+  } catch (const fsdp::Error& e) {
+    refused = contains(e.what(), "BFloat16") && contains(e.what(), "Float");
+    if (!refused) std::cerr << e.what() << std::endl;
+  }
+  WORKER_CHECK(refused, "ranks that timed different precisions were not refused");
+  if (r == 0) std::cout << "calibrations agree" << std::endl;
+}
+
+TEST(PlannerRuntimeCalibration, AgreeAcrossRanksGivesEveryRankTheMeanTimesAndTheLargestPeaks) {
+  auto r = launch("calibration_agreement_worker", 3);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "calibrations agree")) << r.report();
+}
+
 }  // namespace
 }  // namespace fsdp_test

@@ -274,11 +274,7 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
   if (config.calibrate) {  // every rank at once, so the times include their sharing of the machine
     if (pg.size() > 1) pg.world()->barrier();
     calibration = calibrate_gpt(config, flags_only);
-    for (auto& t : calibration.timings) {  // the same figures on every rank, so every rank plans alike
-      t.forward_s = fsdp::mean_across_ranks(pg, t.forward_s);
-      t.backward_s = fsdp::mean_across_ranks(pg, t.backward_s);
-    }
-    calibration.step_s_per_element = fsdp::mean_across_ranks(pg, calibration.step_s_per_element);
+    fsdp::agree_across_ranks(calibration, *pg.world());  // the same figures on every rank: the same plan
     fsdp::calibrate_link(calibration, *pg.world());
     calibrate_gpt_runtime(config, pg_ptr, flags_only, calibration);
     if (pg.rank() == 0 && !config.calibration_file.empty()) calibration.save(config.calibration_file);

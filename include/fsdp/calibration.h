@@ -120,6 +120,12 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
 // every rank gets the same figures. Collective: every rank calls it at once.
 void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank = int64_t(1) << 20);
 
+// Makes `calibration`'s timings (calibrate()'s, per rank) the same on every rank of `comm`: each
+// time the mean over ranks, each memory peak the largest (a plan must fit on every rank), so that
+// every rank plans alike. Collective: every rank calls it at once, with timings for the same
+// precisions (else fsdp::Error naming both lists).
+void agree_across_ranks(Calibration& calibration, Communicator& comm);
+
 class FullyShardedModule;
 class ProcessGroup;
 

@@ -357,4 +357,52 @@ void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_
   calibration.link_gbps = per_gbps / std::max(mean_large - mean_small, 1e-9);
 }
 
+void agree_across_ranks(Calibration& calibration, Communicator& comm) {
+  const int n = comm.size();
+  if (n < 2) return;
+  auto& timings = calibration.timings;
+  const auto count = static_cast<int64_t>(timings.size());
+  // The counts first (every rank sees every count, so all fail alike), then every rank's precisions
+  // and peaks: the precision and the two peaks per timing.
+  auto counts = torch::empty({n}, torch::kLong);
+  comm.all_gather_into(counts, torch::tensor({count}, torch::kLong))->wait();
+  std::string listed;
+  auto names = [&](int64_t k) {
+    return std::to_string(k) + " timing" + (k == 1 ? "" : "s");
+  };
+  for (int r = 0; r < n; ++r)
+    FSDP_CHECK(counts[r].item<int64_t>() == count, "fsdp::agree_across_ranks: this rank has ", names(count),
+               " but rank ", r, " has ", names(counts[r].item<int64_t>()),
+               "; calibrate every rank in the same precisions");
+  auto mine = torch::empty({3 * count}, torch::kLong);
+  for (int64_t i = 0; i < count; ++i) {
+    mine[3 * i] = static_cast<int64_t>(timings[i].precision);
+    mine[3 * i + 1] = timings[i].peak_bytes;
+    mine[3 * i + 2] = timings[i].checkpointed_peak_bytes;
+  }
+  auto all = torch::empty({n, 3 * count}, torch::kLong);
+  if (count > 0) comm.all_gather_into(all.view({-1}), mine)->wait();
+  for (int64_t i = 0; i < count; ++i) {
+    for (int r = 0; r < n; ++r) {
+      const auto theirs = static_cast<at::ScalarType>(all[r][3 * i].item<int64_t>());
+      FSDP_CHECK(theirs == timings[i].precision, "fsdp::agree_across_ranks: timing ", i, " is for ",
+                 timings[i].precision, " on this rank but for ", theirs, " on rank ", r,
+                 "; calibrate every rank in the same precisions, in the same order");
+      timings[i].peak_bytes = std::max(timings[i].peak_bytes, all[r][3 * i + 1].item<int64_t>());
+      timings[i].checkpointed_peak_bytes =
+          std::max(timings[i].checkpointed_peak_bytes, all[r][3 * i + 2].item<int64_t>());
+    }
+  }
+  // The times: one sum over ranks of every figure, then the mean.
+  std::vector<double*> figures = {&calibration.step_s_per_element};
+  for (auto& t : timings)
+    for (double* f : {&t.forward_s, &t.backward_s, &t.checkpointed_forward_s, &t.checkpointed_backward_s,
+                      &t.small_forward_s, &t.small_backward_s})
+      figures.push_back(f);
+  auto sums = torch::empty({static_cast<int64_t>(figures.size())}, torch::kDouble);
+  for (size_t i = 0; i < figures.size(); ++i) sums[static_cast<int64_t>(i)] = *figures[i];
+  comm.all_reduce(sums)->wait();
+  for (size_t i = 0; i < figures.size(); ++i) *figures[i] = sums[static_cast<int64_t>(i)].item<double>() / n;
+}
+
 }  // namespace fsdp
