@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -73,23 +72,6 @@ __attribute__((target("avx2"))) void block_codes_avx2(int8_t* codes, const float
     codes[i] = static_cast<int8_t>((std::min(127.0f, std::max(-127.0f, x[i] / divisor)) + kRound) - kRound);
 }
 
-// dst[i] (+)= codes[i] * scale for one block, 8 values at a time (a product, then a sum: no fused
-// multiply-add, so the scalar loop's bits).
-template <bool Accumulate>
-__attribute__((target("avx2"))) void block_values_avx2(float* dst, const int8_t* codes, int64_t len, float scale) {
-  const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    const __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), s);
-    if (Accumulate) v = _mm256_add_ps(_mm256_loadu_ps(dst + i), v);
-    _mm256_storeu_ps(dst + i, v);
-  }
-  for (; i < len; ++i) {
-    const float v = static_cast<float>(codes[i]) * scale;
-    dst[i] = Accumulate ? dst[i] + v : v;
-  }
-}
 #endif
 
 // The largest |x[i]| of one block; NaNs are passed over. AVX2 or SSE2 where the machine has it
@@ -172,14 +154,6 @@ void dequantize_int8(Out* out, const uint8_t* base, int64_t count, int64_t numel
       float scale;
       std::memcpy(&scale, part + 4 * b, sizeof(float));
       const int64_t end = std::min(numel, (b + 1) * B);
-#if FSDP_QUANT_AVX2
-      if constexpr (std::is_same_v<Out, float>) {
-        if (cpu_has_avx2()) {
-          block_values_avx2<false>(dst + b * B, codes + b * B, end - b * B, scale);
-          continue;
-        }
-      }
-#endif
       for (int64_t i = b * B; i < end; ++i) dst[i] = static_cast<Out>(static_cast<float>(codes[i]) * scale);
     }
   }
@@ -209,15 +183,6 @@ void sum_int8(float* out, const uint8_t* base, int64_t count, int64_t numel, int
       float scale;
       std::memcpy(&scale, part + 4 * b, sizeof(float));
       const int64_t end = std::min(numel, (b + 1) * B);
-#if FSDP_QUANT_AVX2
-      if (cpu_has_avx2()) {
-        if (r == 0)
-          block_values_avx2<false>(out + b * B, codes + b * B, end - b * B, scale);
-        else
-          block_values_avx2<true>(out + b * B, codes + b * B, end - b * B, scale);
-        continue;
-      }
-#endif
       if (r == 0)
         for (int64_t i = b * B; i < end; ++i) out[i] = static_cast<float>(codes[i]) * scale;
       else
