@@ -366,8 +366,7 @@ void agree_across_ranks(Calibration& calibration, Communicator& comm) {
   // and peaks: the precision and the two peaks per timing.
   auto counts = torch::empty({n}, torch::kLong);
   comm.all_gather_into(counts, torch::tensor({count}, torch::kLong))->wait();
-  std::string listed;
-  auto names = [&](int64_t k) {
+  auto names = [](int64_t k) {
     return std::to_string(k) + " timing" + (k == 1 ? "" : "s");
   };
   for (int r = 0; r < n; ++r)
@@ -399,10 +398,12 @@ void agree_across_ranks(Calibration& calibration, Communicator& comm) {
     for (double* f : {&t.forward_s, &t.backward_s, &t.checkpointed_forward_s, &t.checkpointed_backward_s,
                       &t.small_forward_s, &t.small_backward_s})
       figures.push_back(f);
-  auto sums = torch::empty({static_cast<int64_t>(figures.size())}, torch::kDouble);
-  for (size_t i = 0; i < figures.size(); ++i) sums[static_cast<int64_t>(i)] = *figures[i];
+  std::vector<double> values;
+  for (const double* f : figures) values.push_back(*f);
+  auto sums = torch::tensor(values, torch::kDouble);
   comm.all_reduce(sums)->wait();
-  for (size_t i = 0; i < figures.size(); ++i) *figures[i] = sums[static_cast<int64_t>(i)].item<double>() / n;
+  const double* sum = sums.data_ptr<double>();
+  for (size_t i = 0; i < figures.size(); ++i) *figures[i] = sum[i] / n;
 }
 
 }  // namespace fsdp
