@@ -203,10 +203,10 @@ void quantize_into(const at::Tensor& packed, const at::Tensor& values, const Blo
   at::Tensor x = values.to(at::kFloat).reshape({-1});
   if (nb * B != n) x = at::constant_pad_nd(x, {0, nb * B - n});
   x = x.view({nb, B});
-  at::Tensor scales = packed.narrow(0, 0, 4 * nb).view(at::kFloat);
+  // The scales are computed apart and copied in as bytes: `packed` need not start 4-byte aligned.
+  const at::Tensor scales = at::amax(x.abs(), {1}).div_(code_max(format.dtype));
+  packed.narrow(0, 0, 4 * nb).copy_(scales.view(at::kByte));
   at::Tensor codes = packed.narrow(0, 4 * nb, nb * B).view(code_type(format.dtype)).view({nb, B});
-  at::amax_out(scales, x.abs(), {1});
-  scales.div_(code_max(format.dtype));
   // A block of zeros keeps scale 0 and codes 0; dividing by 1 there avoids 0/0.
   const at::Tensor divisor = at::where(scales > 0, scales, at::ones_like(scales)).unsqueeze(1);
   if (format.dtype == QuantizedDtype::kInt8)
