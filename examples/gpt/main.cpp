@@ -24,6 +24,7 @@
 #include "model_setup.h"
 #include "parameter_hash.h"
 #include "planning.h"
+#include "quantization_report.h"
 #include "rank_setup.h"
 #include "report.h"
 #include "step_log.h"
@@ -113,6 +114,7 @@ int run(int argc, char** argv) {
     sample = generate(built.model, config.prompt, config);
   }
   if (is_main) print_report(config, job, result, val_loss_start, val_loss_end, sample, program_start);
+  if (!config.quantization_report.empty()) report_quantization_error(config, *sharded, pg, data->splits.train, is_main);
   if (!config.export_file.empty()) export_model(config, *sharded, is_main);
   return 0;
 }

@@ -144,6 +144,11 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--quantize-block", config.quantize_block, "Values per scale of quantized communication")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  app.add_option("--quantization-report", config.quantization_report,
+                 "After training, each parameter's relative error through int8 (and fp8) all-gathers and gradient "
+                 "reductions, against unquantized ones, at these block sizes (comma-separated)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--grad-accum", config.grad_accum,
                  "Splits --batch-per-rank into this many micro-batches (must divide it): sets the default "
                  "--batch-size; all micro-batches but the last of a step run without gradient communication")
@@ -257,6 +262,9 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
                                                       "use bf16 (or LibTorch 2.x, or a GPU)");
     }
   }
+  if (!config.quantization_report.empty() && env.world_size < 2)
+    throw CLI::ValidationError("--quantization-report", "a world of one rank moves nothing and quantizes nothing; "
+                                                        "run it with at least 2 ranks");
   if (config.grad_accum_mode == "replica-deferred" && config.strategy != "HYBRID_SHARD")
     throw CLI::ValidationError("--grad-accum-mode", "replica-deferred needs --strategy HYBRID_SHARD (got " +
                                                         config.strategy + "); use no-sync");

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace fsdp_gpt {
 
@@ -57,6 +58,7 @@ struct TrainConfig {
   std::string quantize_reduce = "none";            // none, int8, fp8: the gradient reduce-scatters' codes
   int quantize_block = 256;                        // values per scale
   bool quantize_error_feedback = false;            // quantized reductions keep and re-add their rounding error
+  std::vector<int> quantization_report;            // block sizes: after training, each parameter's quantization error
   int grad_accum = 1;                              // splits --batch-per-rank into micro-batches
   std::string grad_accum_mode = "no-sync";         // how micro-batches other than the last treat gradients
   double clip_grad_norm = 0;                       // 0: no clipping

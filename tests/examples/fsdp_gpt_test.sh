@@ -231,6 +231,30 @@ test_quantized_communication() {
   expect_regex out "quantized communication +all-gathers none, reductions int8 with error feedback, 256 values per scale"
 }
 
+# --quantization-report: after training, a table per kind of collective with each parameter's
+# relative error per block size; the root unit's parameters are not quantized; over all the
+# quantized ones int8's error is small but not zero, and smaller with smaller blocks. One rank
+# quantizes nothing, which the flag says.
+test_quantization_report() {
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --quantization-report 32,1024
+  expect_rc 0
+  expect_regex out "quantization error, int8 all-gathers: "
+  expect_regex out "quantization error, int8 reductions: "
+  expect_regex out "^\[rank 0\] \| token_embedding.weight \| not quantized \| not quantized \|$"
+  expect_regex out "^\[rank 0\] \| blocks.1.mlp.fc.weight \| [0-9.]+e-[0-9]+ \| [0-9.]+e-[0-9]+ \|$"
+  local rows
+  rows=$(grep -E "^\[rank 0\] \| all quantized parameters \|" "$TMP/out" | head -2 |
+         sed -E 's/.*parameters \| ([^ ]+) \| ([^ ]+) \|$/\1 \2/')
+  [ "$(wc -l <<<"$rows")" -eq 2 ] || fail "no 'all quantized parameters' row for gathers and reductions"
+  while read -r small large; do
+    less_than 1e-4 "$small" && less_than "$small" "$large" && less_than "$large" 0.05 ||
+      fail "int8 relative errors out of bounds: block 32 $small, block 1024 $large"
+  done <<<"$rows"
+  run "$TRAINER" "${TINY[@]}" --quantization-report 256
+  expect_failure
+  expect_text err "a world of one rank moves nothing and quantizes nothing"
+}
+
 # The other accumulation modes train, and the configuration names each; replica-deferred needs
 # HYBRID_SHARD and says so.
 test_grad_accum_modes() {
