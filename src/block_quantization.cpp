@@ -125,69 +125,64 @@ void block_codes(int8_t* codes, const float* x, int64_t len, float divisor) {
 
 // One pass over each block for the common case (float32 values, int8 codes, on the CPU); the
 // same arithmetic as the tensor operations below, so both give the same bits.
-bool quantize_int8_on_cpu(const at::Tensor& packed, const at::Tensor& values, const BlockFormat& format) {
+bool quantize_int8_on_cpu(const at::Tensor& packed, const at::Tensor& values, const BlockFormat& format,
+                          int64_t origin) {
   if (format.dtype != QuantizedDtype::kInt8 || !values.device().is_cpu() || values.scalar_type() != at::kFloat ||
-      !values.is_contiguous())
+      !values.is_contiguous() || !packed.is_contiguous())
     return false;
-  const int64_t n = values.numel(), nb = format.blocks(n), B = format.block;
+  const int64_t n = values.numel();
   const float* x = values.data_ptr<float>();
   uint8_t* base = packed.data_ptr<uint8_t>();
-  auto* codes = reinterpret_cast<int8_t*>(base + 4 * nb);
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t start = b * B, len = std::min(n, start + B) - start;
+  auto* codes = reinterpret_cast<int8_t*>(base + 4 * format.blocks(n, origin));
+  int64_t b = 0;
+  format.for_each_block(origin, n, [&](int64_t start, int64_t len) {
     const float scale = block_amax(x + start, len) / 127.0f;
-    std::memcpy(base + 4 * b, &scale, sizeof(float));
+    std::memcpy(base + 4 * b++, &scale, sizeof(float));
     block_codes(codes + start, x + start, len, scale > 0 ? scale : 1.0f);
-    std::memset(codes + start + len, 0, B - len);
-  }
+  });
   return true;
 }
 
 template <typename Out>
-void dequantize_int8(Out* out, const uint8_t* base, int64_t count, int64_t numel, const BlockFormat& format) {
-  const int64_t nb = format.blocks(numel), B = format.block, per = format.packed_bytes(numel);
-  for (int64_t r = 0; r < count; ++r) {
-    const uint8_t* part = base + r * per;
-    const auto* codes = reinterpret_cast<const int8_t*>(part + 4 * nb);
-    Out* dst = out + r * numel;
-    for (int64_t b = 0; b < nb; ++b) {
-      float scale;
-      std::memcpy(&scale, part + 4 * b, sizeof(float));
-      const int64_t end = std::min(numel, (b + 1) * B);
-      for (int64_t i = b * B; i < end; ++i) dst[i] = static_cast<Out>(static_cast<float>(codes[i]) * scale);
-    }
-  }
+void dequantize_int8(Out* out, const uint8_t* part, int64_t numel, const BlockFormat& format, int64_t origin) {
+  const auto* codes = reinterpret_cast<const int8_t*>(part + 4 * format.blocks(numel, origin));
+  int64_t b = 0;
+  format.for_each_block(origin, numel, [&](int64_t start, int64_t len) {
+    float scale;
+    std::memcpy(&scale, part + 4 * b++, sizeof(float));
+    for (int64_t i = start; i < start + len; ++i) out[i] = static_cast<Out>(static_cast<float>(codes[i]) * scale);
+  });
 }
 
-bool dequantize_int8_on_cpu(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel,
-                            const BlockFormat& format) {
+bool dequantize_int8_on_cpu(const at::Tensor& out, const at::Tensor& packed, const BlockFormat& format,
+                            int64_t origin) {
   if (format.dtype != QuantizedDtype::kInt8 || !out.device().is_cpu() || !out.is_contiguous() ||
       !packed.is_contiguous())
     return false;
-  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const uint8_t* part = packed.data_ptr<uint8_t>();
   switch (out.scalar_type()) {
-    case at::kFloat: dequantize_int8(out.data_ptr<float>(), base, count, numel, format); return true;
-    case at::kBFloat16: dequantize_int8(out.data_ptr<at::BFloat16>(), base, count, numel, format); return true;
+    case at::kFloat: dequantize_int8(out.data_ptr<float>(), part, out.numel(), format, origin); return true;
+    case at::kBFloat16: dequantize_int8(out.data_ptr<at::BFloat16>(), part, out.numel(), format, origin); return true;
     default: return false;
   }
 }
 
-// out = the sum of `count` int8 packed buffers `stride` bytes apart, in order, in float32.
-void sum_int8(float* out, const uint8_t* base, int64_t count, int64_t numel, int64_t stride,
-              const BlockFormat& format) {
-  const int64_t nb = format.blocks(numel), B = format.block;
+// out = the sum of `count` int8 packed forms `stride` bytes apart, in order, in float32.
+void sum_int8(float* out, const uint8_t* base, int64_t count, int64_t numel, int64_t stride, const BlockFormat& format,
+              int64_t origin) {
+  const int64_t nb = format.blocks(numel, origin);
   for (int64_t r = 0; r < count; ++r) {
     const uint8_t* part = base + r * stride;
     const auto* codes = reinterpret_cast<const int8_t*>(part + 4 * nb);
-    for (int64_t b = 0; b < nb; ++b) {
+    int64_t b = 0;
+    format.for_each_block(origin, numel, [&](int64_t start, int64_t len) {
       float scale;
-      std::memcpy(&scale, part + 4 * b, sizeof(float));
-      const int64_t end = std::min(numel, (b + 1) * B);
+      std::memcpy(&scale, part + 4 * b++, sizeof(float));
       if (r == 0)
-        for (int64_t i = b * B; i < end; ++i) out[i] = static_cast<float>(codes[i]) * scale;
+        for (int64_t i = start; i < start + len; ++i) out[i] = static_cast<float>(codes[i]) * scale;
       else
-        for (int64_t i = b * B; i < end; ++i) out[i] += static_cast<float>(codes[i]) * scale;
-    }
+        for (int64_t i = start; i < start + len; ++i) out[i] += static_cast<float>(codes[i]) * scale;
+    });
   }
 }
 
@@ -195,67 +190,83 @@ void sum_int8(float* out, const uint8_t* base, int64_t count, int64_t numel, int
 
 bool has_float8() { return kHasFloat8; }
 
-void quantize_into(const at::Tensor& packed, const at::Tensor& values, const BlockFormat& format) {
-  const int64_t n = values.numel(), nb = format.blocks(n), B = format.block;
-  FSDP_CHECK(packed.scalar_type() == at::kByte && packed.numel() == format.packed_bytes(n),
-             "quantize_into: the packed buffer holds ", packed.numel(), " bytes, not ", format.packed_bytes(n));
-  if (n == 0 || quantize_int8_on_cpu(packed, values, format)) return;
-  at::Tensor x = values.to(at::kFloat).reshape({-1});
-  if (nb * B != n) x = at::constant_pad_nd(x, {0, nb * B - n});
-  x = x.view({nb, B});
-  // The scales are computed apart and copied in as bytes: `packed` need not start 4-byte aligned.
-  const at::Tensor scales = at::amax(x.abs(), {1}).div_(code_max(format.dtype));
-  packed.narrow(0, 0, 4 * nb).copy_(scales.view(at::kByte));
-  at::Tensor codes = packed.narrow(0, 4 * nb, nb * B).view(code_type(format.dtype)).view({nb, B});
-  // A block of zeros keeps scale 0 and codes 0; dividing by 1 there avoids 0/0.
-  const at::Tensor divisor = at::where(scales > 0, scales, at::ones_like(scales)).unsqueeze(1);
-  if (format.dtype == QuantizedDtype::kInt8)
-    codes.copy_(at::round(x / divisor).clamp_(-127, 127));
-  else
-    codes.copy_(x / divisor);  // round to nearest in the 8-bit float's own grid
+std::shared_ptr<const std::vector<int64_t>> parameter_cuts(std::vector<int64_t> starts, int64_t numel) {
+  std::sort(starts.begin(), starts.end());
+  auto cuts = std::make_shared<std::vector<int64_t>>();
+  for (const int64_t s : starts)
+    if (s > 0 && s < numel && (cuts->empty() || cuts->back() != s)) cuts->push_back(s);
+  return cuts;
 }
 
-void dequantize_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel,
-                     const BlockFormat& format) {
-  const int64_t nb = format.blocks(numel), B = format.block, per = format.packed_bytes(numel);
-  FSDP_CHECK(packed.numel() == count * per && out.numel() == count * numel,
-             "dequantize_into: sizes do not match the format");
-  if (numel == 0 || dequantize_int8_on_cpu(out, packed, count, numel, format)) return;
-  at::Tensor all = packed.view({count, per});
-  // One copy of the scales (rank r's start at byte r * per, not 4-byte aligned in general).
-  at::Tensor scales = all.narrow(1, 0, 4 * nb).clone().reshape({-1}).view(at::kFloat).view({count, nb, 1});
-  at::Tensor codes = all.narrow(1, 4 * nb, nb * B).view(code_type(format.dtype)).view({count, nb, B});
-  at::Tensor values = (codes.to(at::kFloat) * scales).view({count, nb * B});
-  out.view({count, numel}).copy_(values.narrow(1, 0, numel));
+void quantize_into(const at::Tensor& packed, const at::Tensor& values, const BlockFormat& format, int64_t origin) {
+  const int64_t n = values.numel(), nb = format.blocks(n, origin), B = format.block;
+  FSDP_CHECK(packed.scalar_type() == at::kByte && packed.numel() == 4 * nb + n,
+             "quantize_into: the packed buffer holds ", packed.numel(), " bytes, not ", 4 * nb + n);
+  if (n == 0 || quantize_int8_on_cpu(packed, values, format, origin)) return;
+  const at::Tensor all = values.to(at::kFloat).reshape({-1});
+  int64_t b0 = 0;
+  format.for_each_segment(origin, n, [&](int64_t start, int64_t len) {
+    const int64_t nb_s = (len + B - 1) / B;
+    at::Tensor x = all.narrow(0, start, len);
+    if (nb_s * B != len) x = at::constant_pad_nd(x, {0, nb_s * B - len});
+    x = x.view({nb_s, B});
+    // The scales are computed apart and copied in as bytes: they need not start 4-byte aligned.
+    const at::Tensor scales = at::amax(x.abs(), {1}).div_(code_max(format.dtype));
+    packed.narrow(0, 4 * b0, 4 * nb_s).copy_(scales.view(at::kByte));
+    // A block of zeros keeps scale 0 and codes 0; dividing by 1 there avoids 0/0.
+    const at::Tensor divisor = at::where(scales > 0, scales, at::ones_like(scales)).unsqueeze(1);
+    const at::Tensor codes = format.dtype == QuantizedDtype::kInt8
+                                 ? at::round(x / divisor).clamp_(-127, 127).to(at::kChar)
+                                 : (x / divisor).to(code_type(format.dtype));  // rounded in the 8-bit float's grid
+    packed.narrow(0, 4 * nb + start, len).copy_(codes.reshape({-1}).narrow(0, 0, len).view(at::kByte));
+    b0 += nb_s;
+  });
 }
 
-void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t numel, int64_t stride,
-                          const BlockFormat& format) {
-  const int64_t per = format.packed_bytes(numel);
-  FSDP_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == numel && count >= 1 &&
-                 stride >= per && packed.numel() >= (count - 1) * stride + per,
+void dequantize_into(const at::Tensor& out, const at::Tensor& packed, const BlockFormat& format, int64_t origin) {
+  const int64_t n = out.numel(), nb = format.blocks(n, origin), B = format.block;
+  FSDP_CHECK(packed.numel() == 4 * nb + n, "dequantize_into: sizes do not match the format");
+  if (n == 0 || dequantize_int8_on_cpu(out, packed, format, origin)) return;
+  const at::Tensor flat = out.view({-1});
+  int64_t b0 = 0;
+  format.for_each_segment(origin, n, [&](int64_t start, int64_t len) {
+    const int64_t nb_s = (len + B - 1) / B;
+    // A copy of the scales (a part need not start 4-byte aligned).
+    const at::Tensor scales = packed.narrow(0, 4 * b0, 4 * nb_s).clone().view(at::kFloat).unsqueeze(1);
+    at::Tensor codes = packed.narrow(0, 4 * nb + start, len).view(code_type(format.dtype)).to(at::kFloat);
+    if (nb_s * B != len) codes = at::constant_pad_nd(codes, {0, nb_s * B - len});
+    flat.narrow(0, start, len).copy_((codes.view({nb_s, B}) * scales).view({-1}).narrow(0, 0, len));
+    b0 += nb_s;
+  });
+}
+
+void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t stride,
+                          const BlockFormat& format, int64_t origin) {
+  const int64_t numel = out.numel(), per = format.packed_bytes(numel, origin);
+  FSDP_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && count >= 1 && stride >= per &&
+                 packed.numel() >= (count - 1) * stride + per,
              "sum_dequantized_into: sizes do not match the format");
   if (numel == 0) return;
   if (format.dtype == QuantizedDtype::kInt8 && out.device().is_cpu() && packed.is_contiguous()) {
-    sum_int8(out.data_ptr<float>(), packed.data_ptr<uint8_t>(), count, numel, stride, format);
+    sum_int8(out.data_ptr<float>(), packed.data_ptr<uint8_t>(), count, numel, stride, format, origin);
     return;
   }
-  dequantize_into(out, packed.narrow(0, 0, per), 1, numel, format);
+  dequantize_into(out, packed.narrow(0, 0, per), format, origin);
   at::Tensor part = at::empty_like(out);
   for (int64_t r = 1; r < count; ++r) {
-    dequantize_into(part, packed.narrow(0, r * stride, per), 1, numel, format);
+    dequantize_into(part, packed.narrow(0, r * stride, per), format, origin);
     out.add_(part);
   }
 }
 
 void quantize_with_feedback(const at::Tensor& packed, const at::Tensor& values, const at::Tensor& residual,
-                            const BlockFormat& format) {
-  if (!residual.defined()) return quantize_into(packed, values, format);
+                            const BlockFormat& format, int64_t origin) {
+  if (!residual.defined()) return quantize_into(packed, values, format, origin);
   FSDP_CHECK(residual.scalar_type() == at::kFloat && residual.numel() == values.numel(),
              "quantize_with_feedback: the residual does not match the values");
   const at::Tensor sent = values.to(at::kFloat).reshape({-1}).add(residual);
-  quantize_into(packed, sent, format);
-  dequantize_into(residual, packed, 1, sent.numel(), format);
+  quantize_into(packed, sent, format, origin);
+  dequantize_into(residual, packed, format, origin);
   at::Tensor(residual).neg_().add_(sent);  // sent - decoded, exactly
 }
 

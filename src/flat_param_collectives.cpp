@@ -28,18 +28,23 @@ CollectiveOptions reduction_label(const FlatParam& fp, const char* purpose, int6
 // The all-gather of fp's shard as block-quantized codes (Note [Quantized communication]).
 WorkPtr start_quantized_all_gather(FlatParam& fp, const BlockFormat& format) {
   const ShardingGroups& group = fp.groups();
-  const int64_t n = fp.shard_numel(), per = format.packed_bytes(n);
   const int W = group.shard_comm->size();
+  // Rank r's shard is the flat buffer's part from r * n; each travels in a slot of the largest size.
+  const int64_t n = fp.shard_numel(), per = packed_slot_bytes(format, W, n, 0),
+                mine = format.packed_bytes(n, fp.shard_rank() * n);
   auto bytes = fp.shard().options().dtype(at::kByte);
   at::Tensor packed = fp.buffers().empty(per, bytes), gathered = fp.buffers().empty(W * per, bytes);
   fp.memory().add_param((W + 1) * per);
-  quantize_into(packed, fp.shard(), format);
+  quantize_into(packed.narrow(0, 0, mine), fp.shard(), format, fp.shard_rank() * n);
+  if (mine < per) packed.narrow(0, mine, per - mine).zero_();  // the slot's unused tail
   WorkPtr work = group.shard_comm->all_gather_into(gathered, packed,
                                                    label(fp, "quantized parameter all-gather", fp.count_gather()));
   at::Tensor out = fp.unsharded_alias();
   MemoryTracker* memory = &fp.memory();
   auto unpack = [packed, gathered, out, W, n, per, format, memory]() mutable {
-    dequantize_into(out, gathered, W, n, format);
+    for (int r = 0; r < W; ++r)
+      dequantize_into(out.narrow(0, r * n, n), gathered.narrow(0, r * per, format.packed_bytes(n, r * n)), format,
+                      r * n);
     memory->add_param(-(W + 1) * per);
     packed = at::Tensor();
     gathered = at::Tensor();
@@ -50,15 +55,18 @@ WorkPtr start_quantized_all_gather(FlatParam& fp, const BlockFormat& format) {
 }
 
 // Where fp's quantized reductions take their buffers, and its error feedback's residuals.
-QuantizedBuffers reduction_buffers(FlatParam& fp) { return {*fp.reduce_format(), &fp.buffers(), &fp.memory()}; }
+// `origin`: where the reduced values start in the flat buffer.
+QuantizedBuffers reduction_buffers(FlatParam& fp, int64_t origin = 0) {
+  return {*fp.reduce_format(), &fp.buffers(), &fp.memory(), origin};
+}
 QuantizationResiduals* feedback(FlatParam& fp) { return fp.residuals().enabled ? &fp.residuals() : nullptr; }
 
-// The all-reduce of `t` over `comm`, quantized when fp's reductions are (Note [Quantized
-// communication]).
-WorkPtr all_reduce(FlatParam& fp, Communicator& comm, const at::Tensor& t, CollectiveOptions opts) {
+// The all-reduce of `t` (fp's flat values from `origin`) over `comm`, quantized when fp's
+// reductions are (Note [Quantized communication]).
+WorkPtr all_reduce(FlatParam& fp, Communicator& comm, const at::Tensor& t, int64_t origin, CollectiveOptions opts) {
   if (!fp.reduce_format() || fp.grad().deterministic()) return comm.all_reduce(t, std::move(opts));
   opts.label = detail::compose(opts.label, " (quantized)");
-  return quantized_all_reduce(comm, t, reduction_buffers(fp), feedback(fp), std::move(opts));
+  return quantized_all_reduce(comm, t, reduction_buffers(fp, origin), feedback(fp), std::move(opts));
 }
 
 }  // namespace
@@ -132,7 +140,7 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
   const at::Tensor input = grad.deterministic() ? grad.take_exact() : grad.buffer();
   if (!fp.sharded_over_peers()) {
     // F == 1: the whole buffer is the shard (NO_SHARD, a world of one), reduced in place.
-    WorkPtr work = group.world_size > 1 ? all_reduce(fp, *group.world_comm, input,
+    WorkPtr work = group.world_size > 1 ? all_reduce(fp, *group.world_comm, input, 0,
                                                      reduction_label(fp, "gradient all-reduce", grad.count_reduction()))
                                         : nullptr;
     grad.set_reduction(input, work, false, false);
@@ -147,13 +155,14 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
           : group.shard_comm->reduce_scatter(sums, input,
                                              reduction_label(fp, "gradient reduce-scatter", grad.count_reduction()));
   const bool replicas = group.replicate_comm && group.replicate_comm->size() > 1;
+  const int64_t shard_origin = fp.shard_rank() * fp.shard_numel();  // where this rank's sums start in the flat buffer
   if (replicas && !across_replicas) {
     grad.set_reduction(sums, work, /*defer_replicas=*/true, false);  // completion adds them to the partial sums
   } else if (replicas && grad.has_partial()) {
     // The earlier micro-batches' shard-group sums join this one before the replica all-reduce.
     work->wait();
     grad.add_partial_into(sums);
-    work = all_reduce(fp, *group.replicate_comm, sums,
+    work = all_reduce(fp, *group.replicate_comm, sums, shard_origin,
                       reduction_label(fp, "replica gradient all-reduce", grad.count_replica_reduction()));
     grad.set_reduction(sums, work, false, true);
   } else if (replicas) {
@@ -162,7 +171,7 @@ void start_reduction(FlatParam& fp, bool across_replicas) {
     CollectiveOptions after_scatter =
         reduction_label(fp, "replica gradient all-reduce", grad.count_replica_reduction());
     after_scatter.after = work;
-    work = all_reduce(fp, *group.replicate_comm, sums, std::move(after_scatter));
+    work = all_reduce(fp, *group.replicate_comm, sums, shard_origin, std::move(after_scatter));
     grad.set_reduction(sums, work, false, true);
   } else {
     grad.set_reduction(sums, work, false, false);

@@ -22,13 +22,14 @@ void DequantizingWork::wait() {
 
 namespace {
 
-// out (any floating dtype) = the sum of `count` packed buffers `stride` bytes apart, in float32.
-void sum_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t stride,
-              const BlockFormat& format) {
+// out (any floating dtype) = the sum of `count` packed forms of the part from `origin`, `stride`
+// bytes apart, in float32.
+void sum_into(const at::Tensor& out, const at::Tensor& packed, int64_t count, int64_t stride, const BlockFormat& format,
+              int64_t origin) {
   if (out.scalar_type() == at::kFloat && out.is_contiguous())
-    return sum_dequantized_into(out, packed, count, out.numel(), stride, format);
+    return sum_dequantized_into(out, packed, count, stride, format, origin);
   at::Tensor sum = at::empty({out.numel()}, out.options().dtype(at::kFloat));
-  sum_dequantized_into(sum, packed, count, out.numel(), stride, format);
+  sum_dequantized_into(sum, packed, count, stride, format, origin);
   out.copy_(sum);
 }
 
@@ -41,23 +42,33 @@ at::Tensor residual_for(at::Tensor* residual, const at::Tensor& values) {
 
 }  // namespace
 
+int64_t packed_slot_bytes(const BlockFormat& format, int64_t parts, int64_t numel, int64_t origin) {
+  int64_t most = 0;
+  for (int64_t q = 0; q < parts; ++q) most = std::max(most, format.packed_bytes(numel, origin + q * numel));
+  return most;
+}
+
 WorkPtr quantized_reduce_scatter(Communicator& comm, const at::Tensor& out, const at::Tensor& in,
                                  const QuantizedBuffers& buffers, at::Tensor* residual, CollectiveOptions opts) {
   const int W = comm.size();
   const BlockFormat format = buffers.format;
-  const int64_t n = out.numel(), per = format.packed_bytes(n);
+  const int64_t n = out.numel(), origin = buffers.origin, per = packed_slot_bytes(format, W, n, origin);
   FSDP_CHECK(in.numel() == W * n, "quantized_reduce_scatter: the input is not size() times the output");
   auto bytes = in.options().dtype(at::kByte);
   at::Tensor packed = buffers.pool->empty(W * per, bytes), received = buffers.pool->empty(W * per, bytes);
   MemoryTracker* memory = buffers.memory;
   memory->add_grad(2 * W * per);
   const at::Tensor res = residual_for(residual, in);
-  for (int q = 0; q < W; ++q)
-    quantize_with_feedback(packed.narrow(0, q * per, per), in.narrow(0, q * n, n),
-                           res.defined() ? res.narrow(0, q * n, n) : at::Tensor(), format);
+  for (int q = 0; q < W; ++q) {
+    const int64_t used = format.packed_bytes(n, origin + q * n);
+    quantize_with_feedback(packed.narrow(0, q * per, used), in.narrow(0, q * n, n),
+                           res.defined() ? res.narrow(0, q * n, n) : at::Tensor(), format, origin + q * n);
+    if (used < per) packed.narrow(0, q * per + used, per - used).zero_();  // the slot's unused tail
+  }
   WorkPtr work = comm.all_to_all_into(received, packed, std::move(opts));
-  auto unpack = [packed, received, out, W, per, format, memory]() mutable {
-    sum_into(out, received, W, per, format);
+  const int64_t mine = origin + comm.rank() * n;
+  auto unpack = [packed, received, out, W, per, format, memory, mine]() mutable {
+    sum_into(out, received, W, per, format, mine);
     memory->add_grad(-2 * W * per);
     packed = at::Tensor();
     received = at::Tensor();
@@ -71,10 +82,13 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
   const int W = comm.size(), me = comm.rank();
   const BlockFormat format = buffers.format;
   // Member q owns part q: p values from q * p (the last parts shorter, or empty).
-  const int64_t N = t.numel(), p = (N + W - 1) / W, per = format.packed_bytes(p);
+  const int64_t N = t.numel(), p = (N + W - 1) / W, origin = buffers.origin;
   auto length = [N, p](int q) {
     return std::max<int64_t>(0, std::min(p, N - q * p));
   };
+  // Part q's packed form starts a slot of `per` bytes (the largest part's; the last parts are shorter).
+  int64_t per = 0;
+  for (int q = 0; q < W; ++q) per = std::max(per, format.packed_bytes(length(q), origin + q * p));
   auto bytes = t.options().dtype(at::kByte);
   BufferPool& pool = *buffers.pool;
   at::Tensor packed = pool.empty(W * per, bytes), received = pool.empty(W * per, bytes), own = pool.empty(per, bytes),
@@ -89,12 +103,13 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
   const at::Tensor summed = feedback ? residuals->summed : at::Tensor();
 
   // Stage 1: each member's parts, quantized once, to their owners.
-  auto quantize = [packed, t, sent, format, W, p, per, length]() {
+  auto quantize = [packed, t, sent, format, W, p, per, length, origin]() {
     for (int q = 0; q < W; ++q) {
-      const int64_t len = length(q);
-      if (len == 0) continue;
-      quantize_with_feedback(packed.narrow(0, q * per, format.packed_bytes(len)), t.narrow(0, q * p, len),
-                             sent.defined() ? sent.narrow(0, q * p, len) : at::Tensor(), format);
+      const int64_t len = length(q), used = format.packed_bytes(len, origin + q * p);
+      if (len > 0)
+        quantize_with_feedback(packed.narrow(0, q * per, used), t.narrow(0, q * p, len),
+                               sent.defined() ? sent.narrow(0, q * p, len) : at::Tensor(), format, origin + q * p);
+      if (used < per) packed.narrow(0, q * per + used, per - used).zero_();  // the slot's unused tail
     }
   };
   const std::string label = opts.label;
@@ -105,11 +120,13 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
   WorkPtr scatter = comm.all_to_all_into(received, packed, std::move(opts));
 
   // Stage 2: the owner sums its part in float32 in member order and quantizes the sum once.
-  auto sum_and_quantize = [received, own, summed, format, W, per, len = length(me)]() {
+  auto sum_and_quantize = [received, own, summed, format, W, per, len = length(me), from = origin + me * p]() {
+    const int64_t used = format.packed_bytes(len, from);
+    if (used < per) own.narrow(0, used, per - used).zero_();  // the slot's unused tail
     if (len == 0) return;
     at::Tensor sum = at::empty({len}, received.options().dtype(at::kFloat));
-    sum_dequantized_into(sum, received, W, len, per, format);
-    quantize_with_feedback(own.narrow(0, 0, format.packed_bytes(len)), sum, summed, format);
+    sum_dequantized_into(sum, received, W, per, format, from);
+    quantize_with_feedback(own.narrow(0, 0, used), sum, summed, format, from);
   };
   CollectiveOptions gather_opts = CollectiveOptions::labeled(label + ", quantized sums all-gather");
   gather_opts.tag = 0;
@@ -117,11 +134,12 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
   WorkPtr gather = comm.all_gather_into(gathered, own, std::move(gather_opts));
 
   // Every member, the owner too, takes the dequantized sums: all hold the same values.
-  auto unpack = [gathered, t, format, W, p, per, length, memory, counted]() mutable {
+  auto unpack = [gathered, t, format, W, p, per, length, memory, counted, origin]() mutable {
     for (int q = 0; q < W; ++q) {
-      const int64_t len = length(q);
+      const int64_t len = length(q), from = origin + q * p;
       if (len > 0)
-        dequantize_into(t.narrow(0, q * p, len), gathered.narrow(0, q * per, format.packed_bytes(len)), 1, len, format);
+        dequantize_into(t.narrow(0, q * p, len), gathered.narrow(0, q * per, format.packed_bytes(len, from)), format,
+                        from);
     }
     memory->add_grad(-counted);
     gathered = at::Tensor();

@@ -46,7 +46,12 @@ struct QuantizedBuffers {
   BlockFormat format;
   BufferPool* pool = nullptr;
   MemoryTracker* memory = nullptr;
+  int64_t origin = 0;  // where the collective's values start in the flat buffer the format's cuts are of
 };
+
+// The largest packed form of `parts` consecutive parts of `numel` values from `origin`: each part
+// of a collective travels in a slot that size (the parts' blocks differ where cuts fall in them).
+int64_t packed_slot_bytes(const BlockFormat& format, int64_t parts, int64_t numel, int64_t origin);
 
 // out (numel n) = the sum over members of part rank() of their `in` (numel size() * n), each part
 // quantized once by its sender. `residual`: null, or error feedback's residual of `in`.

@@ -24,66 +24,98 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
   if (fsdp::has_float8()) dtypes.push_back(fsdp::QuantizedDtype::kFloat8E4M3);
   for (const auto dtype : dtypes)
     for (const int64_t block : {1, 7, 64, 256})
-      for (const int64_t n : {0, 1, 63, 64, 1000, 4099}) {
-        fsdp::BlockFormat f{dtype, block};
-        auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(n * 31 + block));
-        // Magnitudes over several orders, one block of zeros, one of a single huge value.
-        at::Tensor x = at::randn({n}, gen) * at::pow(10.0, at::randint(-3, 3, {n}, gen).to(at::kFloat));
-        if (n > 2 * block) {
-          x.narrow(0, 0, block).zero_();
-          x[block] = 1e30;
+      for (const int64_t n : {0, 1, 63, 64, 1000, 4099})
+        for (const bool with_cuts : {false, true}) {
+          // With cuts: a part of a flat buffer from offset 37 whose parameters start at 30, 40, 41,
+          // 100 and 700 (blocks restart at each that falls inside the part).
+          fsdp::BlockFormat f{dtype, block,
+                              with_cuts ? fsdp::parameter_cuts({0, 700, 30, 41, 40, 100}, 5000) : nullptr};
+          const int64_t origin = with_cuts ? 37 : 0;
+          const std::string what = fsdp::to_string(dtype) + " block " + std::to_string(block) + " n " +
+                                   std::to_string(n) + (with_cuts ? " with cuts" : "");
+          auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(n * 31 + block));
+          // Magnitudes over several orders, one block of zeros, one of a single huge value.
+          at::Tensor x = at::randn({n}, gen) * at::pow(10.0, at::randint(-3, 3, {n}, gen).to(at::kFloat));
+          if (n > 2 * block) {
+            x.narrow(0, 0, block).zero_();
+            x[block] = 1e30;
+          }
+          std::vector<std::pair<int64_t, int64_t>> blocks;
+          f.for_each_block(origin, n, [&](int64_t start, int64_t len) { blocks.emplace_back(start, len); });
+          // The blocks tile the part in order, none longer than `block`, none across a cut.
+          int64_t covered = 0;
+          for (const auto& [start, len] : blocks) {
+            ASSERT_EQ(start, covered) << what;
+            ASSERT_TRUE(len >= 1 && len <= block) << what;
+            if (with_cuts) {
+              for (const int64_t cut : *f.cuts) {
+                ASSERT_FALSE(origin + start < cut && cut < origin + start + len) << what;
+              }
+            }
+            covered += len;
+          }
+          ASSERT_EQ(covered, n) << what;
+          at::Tensor packed = at::empty({f.packed_bytes(n, origin)}, at::kByte);
+          ASSERT_EQ(packed.numel(), static_cast<int64_t>(4 * blocks.size()) + n) << what;
+          fsdp::quantize_into(packed, x, f, origin);
+          at::Tensor back = at::empty({n});
+          fsdp::dequantize_into(back, packed, f, origin);
+          for (const auto& [start, len] : blocks) {
+            const at::Tensor xs = x.narrow(0, start, len), ys = back.narrow(0, start, len);
+            const double bound = fsdp::error_bound(xs.abs().max().item<double>(), f);
+            const double err = (xs.to(at::kDouble) - ys.to(at::kDouble)).abs().max().item<double>();
+            ASSERT_LE(err, bound) << what << " block at " << start;
+          }
+          if (n > 2 * block && !with_cuts) {
+            EXPECT_TRUE(back.narrow(0, 0, block).eq(0).all().item<bool>());
+          }
+          // The one-pass CPU path (float32 in, int8 codes; float32 or bf16 out) and the tensor
+          // operations (any other dtype) give the same bytes and values.
+          at::Tensor generic = at::empty_like(packed);
+          fsdp::quantize_into(generic, x.to(at::kDouble), f, origin);
+          ASSERT_TRUE(torch::equal(generic, packed)) << what;
+          at::Tensor wide = at::empty({n}, at::kDouble), narrow = at::empty({n}, at::kBFloat16);
+          fsdp::dequantize_into(wide, packed, f, origin);
+          fsdp::dequantize_into(narrow, packed, f, origin);
+          ASSERT_TRUE(torch::equal(wide.to(at::kFloat), back)) << what;
+          ASSERT_TRUE(torch::equal(narrow, back.to(at::kBFloat16))) << what;
+          // A packed form at an odd byte offset (a slot of a gathered buffer) reads the same.
+          at::Tensor shifted = at::empty({packed.numel() + 3}, at::kByte);
+          fsdp::quantize_into(shifted.narrow(0, 3, packed.numel()), x.to(at::kDouble), f, origin);
+          ASSERT_TRUE(torch::equal(shifted.narrow(0, 3, packed.numel()), packed)) << what;
+          // The one-pass sum of packed parts (vectorized where the CPU allows) against the tensor
+          // operations' dequantized parts added in float32 in order.
+          const int64_t stride = packed.numel() + 5;
+          at::Tensor parts = at::zeros({3 * stride}, at::kByte);
+          at::Tensor expected = at::zeros({n});
+          for (int64_t r = 0; r < 3; ++r) {
+            const at::Tensor part = parts.narrow(0, r * stride, packed.numel());
+            fsdp::quantize_into(part, x * std::array<double, 3>{1.0, -0.5, 3.0}[r], f, origin);
+            at::Tensor values = at::empty({n}, at::kDouble);
+            fsdp::dequantize_into(values, part, f, origin);
+            expected = r == 0 ? values.to(at::kFloat) : expected + values.to(at::kFloat);
+          }
+          at::Tensor sum = at::empty({n});
+          fsdp::sum_dequantized_into(sum, parts, 3, stride, f, origin);
+          ASSERT_TRUE(torch::equal(sum, expected)) << what;
         }
-        at::Tensor packed = at::empty({f.packed_bytes(n)}, at::kByte);
-        ASSERT_EQ(packed.numel(), f.blocks(n) * (4 + block));
-        fsdp::quantize_into(packed, x, f);
-        at::Tensor back = at::empty({n});
-        fsdp::dequantize_into(back, packed, 1, n, f);
-        for (int64_t b = 0; b < f.blocks(n); ++b) {
-          const int64_t len = std::min(block, n - b * block);
-          const at::Tensor xs = x.narrow(0, b * block, len), ys = back.narrow(0, b * block, len);
-          const double bound = fsdp::error_bound(xs.abs().max().item<double>(), f);
-          const double err = (xs.to(at::kDouble) - ys.to(at::kDouble)).abs().max().item<double>();
-          ASSERT_LE(err, bound) << fsdp::to_string(dtype) << " block " << block << " n " << n << " block #" << b;
-        }
-        if (n > 2 * block) {
-          EXPECT_TRUE(back.narrow(0, 0, block).eq(0).all().item<bool>());
-        }
-        // The one-pass CPU path (float32 in, int8 codes; float32 or bf16 out) and the tensor
-        // operations (any other dtype) give the same bytes and values.
-        at::Tensor generic = at::empty_like(packed);
-        fsdp::quantize_into(generic, x.to(at::kDouble), f);
-        ASSERT_TRUE(torch::equal(generic, packed)) << fsdp::to_string(dtype) << " block " << block << " n " << n;
-        at::Tensor wide = at::empty({n}, at::kDouble), narrow = at::empty({n}, at::kBFloat16);
-        fsdp::dequantize_into(wide, packed, 1, n, f);
-        fsdp::dequantize_into(narrow, packed, 1, n, f);
-        ASSERT_TRUE(torch::equal(wide.to(at::kFloat), back));
-        ASSERT_TRUE(torch::equal(narrow, back.to(at::kBFloat16)));
-        // The one-pass sum of packed parts (vectorized where the CPU allows) against the tensor
-        // operations' dequantized parts added in float32 in order.
-        at::Tensor parts = at::empty({3 * packed.numel()}, at::kByte);
-        at::Tensor expected = at::zeros({n});
-        for (int64_t r = 0; r < 3; ++r) {
-          const at::Tensor part = parts.narrow(0, r * packed.numel(), packed.numel());
-          fsdp::quantize_into(part, x * std::array<double, 3>{1.0, -0.5, 3.0}[r], f);
-          at::Tensor values = at::empty({n}, at::kDouble);
-          fsdp::dequantize_into(values, part, 1, n, f);
-          expected = r == 0 ? values.to(at::kFloat) : expected + values.to(at::kFloat);
-        }
-        at::Tensor sum = at::empty({n});
-        fsdp::sum_dequantized_into(sum, parts, 3, n, packed.numel(), f);
-        ASSERT_TRUE(torch::equal(sum, expected)) << fsdp::to_string(dtype) << " block " << block << " n " << n;
-      }
 }
 
-// The reference's own quantization of one shard: int8 codes on max|block| / 127, rounded to
-// nearest (ties to even), scale and product in float32.
-at::Tensor reference_int8_round_trip(const at::Tensor& shard, int64_t block) {
-  auto x = shard.contiguous();
+// The reference's own quantization of one part of a unit's flat buffer (from `origin`; the unit's
+// parameters start at `starts`): int8 codes on max|block| / 127 per block of `block` values,
+// blocks restarting where a parameter (or the padding) starts, rounded to nearest (ties to even),
+// scale and product in float32.
+at::Tensor reference_int8_round_trip(const at::Tensor& part, int64_t block, const std::vector<int64_t>& starts,
+                                     int64_t origin) {
+  auto x = part.contiguous();
   at::Tensor y = at::empty_like(x);
   const float* src = x.data_ptr<float>();
   float* dst = y.data_ptr<float>();
-  for (int64_t start = 0; start < x.numel(); start += block) {
-    const int64_t end = std::min(x.numel(), start + block);
+  const int64_t n = x.numel();
+  for (int64_t start = 0; start < n;) {
+    int64_t end = std::min(n, start + block);
+    for (const int64_t s : starts)  // a parameter starting inside the block ends it there
+      if (s - origin > start && s - origin < end) end = s - origin;
     float amax = 0;
     for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::fabs(src[i]));
     const float scale = amax / 127.0f;
@@ -91,8 +123,23 @@ at::Tensor reference_int8_round_trip(const at::Tensor& shard, int64_t block) {
       const float q = scale > 0 ? std::nearbyint(src[i] / scale) : 0.0f;
       dst[i] = std::min(127.0f, std::max(-127.0f, q)) * scale;
     }
+    // The next block starts here, or at the next block boundary of this parameter's run.
+    start = end;
   }
   return y;
+}
+
+// Where each parameter of unit `u` starts in its flat buffer, and where the padding starts.
+std::vector<int64_t> parameter_starts(torch::nn::Module& model, const fsdp::UnitInfo& u) {
+  const auto params = model.named_parameters();
+  std::vector<int64_t> starts;
+  int64_t offset = 0;
+  for (const auto& name : u.parameters) {
+    starts.push_back(offset);
+    offset += params[name].numel();
+  }
+  starts.push_back(offset);
+  return starts;
 }
 
 // Overwrites `model`'s parameters unit by unit with what a quantized gather delivers: each unit's
@@ -109,7 +156,9 @@ void quantize_like_the_gather(torch::nn::Module& model, const std::vector<fsdp::
     const int64_t padded = (all.numel() + shards - 1) / shards * shards, per = padded / shards;
     all = at::constant_pad_nd(all, {0, padded - all.numel()});
     std::vector<at::Tensor> parts;
-    for (int s = 0; s < shards; ++s) parts.push_back(reference_int8_round_trip(all.narrow(0, s * per, per), block));
+    const std::vector<int64_t> starts = parameter_starts(model, u);
+    for (int s = 0; s < shards; ++s)
+      parts.push_back(reference_int8_round_trip(all.narrow(0, s * per, per), block, starts, s * per));
     at::Tensor back = torch::cat(parts);
     int64_t offset = 0;
     for (const auto& name : u.parameters) {
@@ -125,11 +174,13 @@ void quantize_like_the_gather(torch::nn::Module& model, const std::vector<fsdp::
 struct ReferenceFeedback {
   bool on = false;
   std::map<std::string, at::Tensor> residuals;
-  // What travels of `x` from quantization point `key`: its int8 round trip, after feedback.
-  at::Tensor send(const at::Tensor& x, const std::string& key, int64_t block) {
-    if (!on) return reference_int8_round_trip(x, block);
+  // What travels of `x` (a unit's flat values from `origin`) from quantization point `key`: its
+  // int8 round trip, after feedback.
+  at::Tensor send(const at::Tensor& x, const std::string& key, int64_t block, const std::vector<int64_t>& starts,
+                  int64_t origin) {
+    if (!on) return reference_int8_round_trip(x, block, starts, origin);
     auto it = residuals.emplace(key, at::zeros_like(x)).first;
-    const at::Tensor v = x + it->second, y = reference_int8_round_trip(v, block);
+    const at::Tensor v = x + it->second, y = reference_int8_round_trip(v, block, starts, origin);
     it->second = v - y;
     return y;
   }
@@ -139,11 +190,12 @@ std::string key(int rank, size_t unit, const char* point, int64_t part) {
   return std::to_string(rank) + "/" + std::to_string(unit) + "/" + point + "/" + std::to_string(part);
 }
 
-// The reference's quantized all-reduce of `inputs` (member m's values, global rank ranks[m]): W
-// parts of ceil(N / W) values, each member's part quantized, summed by its owner in member order,
-// the sum quantized once and given to every member.
+// The reference's quantized all-reduce of `inputs` (member m's values, global rank ranks[m]; the
+// unit's flat values from `origin`): W parts of ceil(N / W) values, each member's part quantized,
+// summed by its owner in member order, the sum quantized once and given to every member.
 at::Tensor reference_all_reduce(const std::vector<at::Tensor>& inputs, const std::vector<int>& ranks, size_t unit,
-                                int64_t block, ReferenceFeedback& fb) {
+                                int64_t block, const std::vector<int64_t>& starts, int64_t origin,
+                                ReferenceFeedback& fb) {
   const int W = static_cast<int>(inputs.size());
   const int64_t N = inputs[0].numel(), p = (N + W - 1) / W;
   std::vector<at::Tensor> parts;
@@ -152,10 +204,11 @@ at::Tensor reference_all_reduce(const std::vector<at::Tensor>& inputs, const std
     if (len == 0) continue;
     at::Tensor sum;
     for (int m = 0; m < W; ++m) {
-      const at::Tensor got = fb.send(inputs[m].narrow(0, o * p, len), key(ranks[m], unit, "sent", o), block);
+      const at::Tensor got =
+          fb.send(inputs[m].narrow(0, o * p, len), key(ranks[m], unit, "sent", o), block, starts, origin + o * p);
       sum = m == 0 ? got.clone() : sum.add_(got);
     }
-    parts.push_back(fb.send(sum, key(ranks[o], unit, "summed", 0), block));
+    parts.push_back(fb.send(sum, key(ranks[o], unit, "summed", 0), block, starts, origin + o * p));
   }
   return torch::cat(parts);
 }
@@ -184,11 +237,12 @@ void quantized_mean_gradient(MLP& ref, const std::vector<fsdp::UnitInfo>& units,
   const int groups = world / shards;
   for (size_t u = 0; u < units.size(); ++u) {
     if (units[u].parameters.empty()) continue;
+    const std::vector<int64_t> starts = parameter_starts(*ref, units[u]);
     at::Tensor total;
     if (shards == 1) {
       std::vector<int> ranks;
       for (int r = 0; r < world; ++r) ranks.push_back(r);
-      total = reference_all_reduce(grads[u], ranks, u, block, fb);
+      total = reference_all_reduce(grads[u], ranks, u, block, starts, 0, fb);
     } else {
       const int64_t n = grads[u][0].numel() / shards;
       std::vector<at::Tensor> parts;
@@ -199,13 +253,15 @@ void quantized_mean_gradient(MLP& ref, const std::vector<fsdp::UnitInfo>& units,
           at::Tensor sum;
           for (int i = 0; i < shards; ++i) {
             const int r = g * shards + i;
-            const at::Tensor got = fb.send(grads[u][r].narrow(0, q * n, n), key(r, u, "scatter", q), block);
+            const at::Tensor got =
+                fb.send(grads[u][r].narrow(0, q * n, n), key(r, u, "scatter", q), block, starts, q * n);
             sum = i == 0 ? got.clone() : sum.add_(got);
           }
           group_sums.push_back(sum);
           owners.push_back(g * shards + q);
         }
-        parts.push_back(groups > 1 ? reference_all_reduce(group_sums, owners, u, block, fb) : group_sums[0]);
+        parts.push_back(groups > 1 ? reference_all_reduce(group_sums, owners, u, block, starts, q * n, fb)
+                                   : group_sums[0]);
       }
       total = torch::cat(parts);
     }

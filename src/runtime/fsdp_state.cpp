@@ -181,14 +181,18 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
                                     plan.flat_params[id].full_precision ? MixedPrecision() : options_.mixed_precision(),
                                     &memory_, &pool_, offloader_.get());
     FlatParam& fp = *flat_params_[id];
+    // Blocks end where each original parameter (and the padding) starts.
+    std::vector<int64_t> starts{fp.numel()};
+    for (const ParamSlot& slot : fp.slots()) starts.push_back(slot.offset);
+    const auto cuts = parameter_cuts(std::move(starts), fp.padded_numel());
     const Quantization& q = options_.all_gather_quantization();
     const UnitPlan::Unit& pu = plan.units[plan.flat_params[id].unit];
     if (q.applies_to(pu.name, *pu.module) && fp.sharded_over_peers() && at::isFloatingType(fp.dtype()))
-      fp.quantize_gathers(BlockFormat{q.dtype(), q.block_size()});
+      fp.quantize_gathers(BlockFormat{q.dtype(), q.block_size(), cuts});
     const Quantization& rq = options_.reduce_quantization();
     if (rq.applies_to(pu.name, *pu.module) && groups_.world_size > 1 && fp.requires_grad() &&
         at::isFloatingType(fp.dtype())) {
-      fp.quantize_reductions(BlockFormat{rq.dtype(), rq.block_size()});
+      fp.quantize_reductions(BlockFormat{rq.dtype(), rq.block_size(), cuts});
       fp.residuals().enabled = rq.error_feedback();
     }
     flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
