@@ -4,15 +4,18 @@
 #   bench/quantized.sh BUILD_DIR [REPEATS] [EXTRA FLAGS...]
 #
 # Step time and modeled bytes: the example trainer at world 4 through fsdp-run (block units, one
-# thread per rank), 1 sequence of 16 tokens per rank, two GPTs: `narrow` (width 384, whose step is
-# compute-bound at 10 Gbit/s) and `wide` (width 1024, communication-bound there). FULL_SHARD over
+# thread per rank), 1 sequence of 16 tokens per rank, two GPTs: `narrow` (width 384) and `wide`
+# (width 1024, 7x the parameters). FULL_SHARD over
 # shared memory without a network model, over Gloo TCP and over the modeled network at 10 Gbit/s
 # between ranks (FSDP_NETWORK_MODEL, one rank per modeled host) for both; at 1 Gbit/s for the narrow
 # one, also NO_SHARD (its gradient all-reduce quantized); unquantized and with int8 all-gathers and
 # reductions. Runs interleaved, REPEATS rounds; medians. Loss (narrow GPT): 500 steps unquantized,
-# int8, and int8 with error feedback: validation loss at the end and the training-loss curves
-# (bench/results/quantized.png, with gnuplot). Prints the markdown tables. REPEATS 0: the loss
-# comparison only; LOSS=0: the step times only. MASTER_PORT: fsdp-run's port (29500).
+# int8 (blocks of 256, also of 64 and 1024), and int8 with error feedback: validation loss at the
+# end and the training-loss curves (bench/results/quantized.png, with gnuplot); after the
+# unquantized run, its --quantization-report at block sizes 32 to 4096 (each parameter's error
+# through int8 gathers and reductions at the trained weights). Prints the markdown tables.
+# REPEATS 0: the loss comparison only; LOSS=0: the step times only. MASTER_PORT: fsdp-run's port
+# (29500).
 set -euo pipefail
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
@@ -63,13 +66,18 @@ fi
 DIR=$(mktemp -d)
 VAL=()
 trap 'rm -rf "$DIR"' EXIT
-for q in plain int8 feedback; do
+REPORT_BLOCKS=32,64,128,256,512,1024,4096
+for q in plain int8 feedback int8_64 int8_1024; do
   flags=()
+  [ "$q" = plain ] && flags=(--quantization-report "$REPORT_BLOCKS")
   [ "$q" = int8 ] && flags=("${QUANT[@]}")
   [ "$q" = feedback ] && flags=("${QUANT[@]}" --quantize-error-feedback)
+  [ "$q" = int8_64 ] && flags=("${QUANT[@]}" --quantize-block 64)
+  [ "$q" = int8_1024 ] && flags=("${QUANT[@]}" --quantize-block 1024)
   out=$("$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 8 --steps 500 --log-interval 10 \
         --metrics-file "$DIR/$q.jsonl" "${flags[@]}" 2>&1)
   VAL[${#VAL[@]}]=$(grep -oE "validation loss after training: [0-9.]+" <<<"$out" | grep -oE "[0-9.]+$")
+  [ "$q" = plain ] && REPORT=$(sed -n 's/^\[rank 0\] //p' <<<"$out" | sed -n '/^quantization error, /,$p')
   /usr/bin/python3 -c 'import json, sys
 for line in open(sys.argv[1]):
     m = json.loads(line)
@@ -79,8 +87,12 @@ echo
 echo "| run | validation loss after 500 steps | relative to unquantized |"
 echo "| --- | ---: | ---: |"
 echo "| unquantized | ${VAL[0]} | 1.0000 |"
-echo "| int8 all-gathers and reduce-scatters | ${VAL[1]} | $(awk -v a="${VAL[1]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
+echo "| int8 all-gathers and reduce-scatters, blocks of 256 | ${VAL[1]} | $(awk -v a="${VAL[1]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
 echo "| int8, reductions with error feedback | ${VAL[2]} | $(awk -v a="${VAL[2]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
+echo "| int8, blocks of 64 | ${VAL[3]} | $(awk -v a="${VAL[3]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
+echo "| int8, blocks of 1024 | ${VAL[4]} | $(awk -v a="${VAL[4]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
+echo
+echo "$REPORT"
 if command -v gnuplot >/dev/null; then
   gnuplot <<EOF
 set terminal pngcairo size 800,450 noenhanced
