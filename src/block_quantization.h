@@ -47,7 +47,7 @@ struct BlockFormat {
   // Blocks of the part [origin, origin + numel).
   int64_t blocks(int64_t numel, int64_t origin = 0) const {
     int64_t count = 0;
-    for_each_block(origin, numel, [&count](int64_t, int64_t) { ++count; });
+    for_each_segment(origin, numel, [&](int64_t, int64_t length) { count += (length + block - 1) / block; });
     return count;
   }
   // Bytes of the packed form of the part [origin, origin + numel).
