@@ -270,6 +270,14 @@ void quantize_with_feedback(const at::Tensor& packed, const at::Tensor& values, 
   at::Tensor(residual).neg_().add_(sent);  // sent - decoded, exactly
 }
 
+void quantize_into_slot(const at::Tensor& slot, const at::Tensor& values, const at::Tensor& residual,
+                        const BlockFormat& format, int64_t origin) {
+  const int64_t used = format.packed_bytes(values.numel(), origin);
+  FSDP_CHECK(slot.numel() >= used, "quantize_into_slot: the slot holds ", slot.numel(), " bytes, not ", used);
+  quantize_with_feedback(slot.narrow(0, 0, used), values, residual, format, origin);
+  if (used < slot.numel()) slot.narrow(0, used, slot.numel() - used).zero_();
+}
+
 double error_bound(double block_max, const BlockFormat& format) {
   // int8: half a code step; float8 e4m3 (3 mantissa bits): half an ulp, at most 2^-4 of the
   // value. Plus float32's own rounding of the division and the product.

@@ -58,9 +58,6 @@ struct BlockFormat {
 // order; 0 and numel are no cuts): where blocks must end.
 std::shared_ptr<const std::vector<int64_t>> parameter_cuts(std::vector<int64_t> starts, int64_t numel);
 
-// Whether this LibTorch has the 8-bit float type kFloat8E4M3 needs.
-bool has_float8();
-
 // Packs the 1-D `values` (any floating dtype; numel n), the part of the flat buffer from `origin`,
 // into `packed` (uint8, packed_bytes(n, origin)).
 void quantize_into(const at::Tensor& packed, const at::Tensor& values, const BlockFormat& format, int64_t origin = 0);
@@ -75,6 +72,10 @@ void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64
 // their dequantized codes).
 void quantize_with_feedback(const at::Tensor& packed, const at::Tensor& values, const at::Tensor& residual,
                             const BlockFormat& format, int64_t origin = 0);
+// quantize_with_feedback() into the first packed_bytes(n, origin) bytes of `slot`, the rest of
+// which (the room a larger part of the same collective needs) is zeroed.
+void quantize_into_slot(const at::Tensor& slot, const at::Tensor& values, const at::Tensor& residual,
+                        const BlockFormat& format, int64_t origin);
 // The largest |dequantized - value| quantize_into allows for a value of a block whose largest
 // magnitude is `block_max`.
 double error_bound(double block_max, const BlockFormat& format);

@@ -30,13 +30,11 @@ WorkPtr start_quantized_all_gather(FlatParam& fp, const BlockFormat& format) {
   const ShardingGroups& group = fp.groups();
   const int W = group.shard_comm->size();
   // Rank r's shard is the flat buffer's part from r * n; each travels in a slot of the largest size.
-  const int64_t n = fp.shard_numel(), per = packed_slot_bytes(format, W, n, 0),
-                mine = format.packed_bytes(n, fp.shard_rank() * n);
+  const int64_t n = fp.shard_numel(), per = packed_slot_bytes(format, W, n, 0);
   auto bytes = fp.shard().options().dtype(at::kByte);
   at::Tensor packed = fp.buffers().empty(per, bytes), gathered = fp.buffers().empty(W * per, bytes);
   fp.memory().add_param((W + 1) * per);
-  quantize_into(packed.narrow(0, 0, mine), fp.shard(), format, fp.shard_rank() * n);
-  if (mine < per) packed.narrow(0, mine, per - mine).zero_();  // the slot's unused tail
+  quantize_into_slot(packed, fp.shard(), at::Tensor(), format, fp.shard_rank() * n);
   WorkPtr work = group.shard_comm->all_gather_into(gathered, packed,
                                                    label(fp, "quantized parameter all-gather", fp.count_gather()));
   at::Tensor out = fp.unsharded_alias();

@@ -59,12 +59,9 @@ WorkPtr quantized_reduce_scatter(Communicator& comm, const at::Tensor& out, cons
   MemoryTracker* memory = buffers.memory;
   memory->add_grad(2 * W * per);
   const at::Tensor res = residual_for(residual, in);
-  for (int q = 0; q < W; ++q) {
-    const int64_t used = format.packed_bytes(n, origin + q * n);
-    quantize_with_feedback(packed.narrow(0, q * per, used), in.narrow(0, q * n, n),
-                           res.defined() ? res.narrow(0, q * n, n) : at::Tensor(), format, origin + q * n);
-    if (used < per) packed.narrow(0, q * per + used, per - used).zero_();  // the slot's unused tail
-  }
+  for (int q = 0; q < W; ++q)
+    quantize_into_slot(packed.narrow(0, q * per, per), in.narrow(0, q * n, n),
+                       res.defined() ? res.narrow(0, q * n, n) : at::Tensor(), format, origin + q * n);
   WorkPtr work = comm.all_to_all_into(received, packed, std::move(opts));
   const int64_t mine = origin + comm.rank() * n;
   auto unpack = [packed, received, out, W, per, format, memory, mine]() mutable {
@@ -103,13 +100,11 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
   const at::Tensor summed = feedback ? residuals->summed : at::Tensor();
 
   // Stage 1: each member's parts, quantized once, to their owners.
-  auto quantize = [packed, t, sent, format, W, p, per, length, origin]() {
+  auto quantize = [packed, t, sent, format, W, N, p, per, length, origin]() {
     for (int q = 0; q < W; ++q) {
-      const int64_t len = length(q), used = format.packed_bytes(len, origin + q * p);
-      if (len > 0)
-        quantize_with_feedback(packed.narrow(0, q * per, used), t.narrow(0, q * p, len),
-                               sent.defined() ? sent.narrow(0, q * p, len) : at::Tensor(), format, origin + q * p);
-      if (used < per) packed.narrow(0, q * per + used, per - used).zero_();  // the slot's unused tail
+      const int64_t len = length(q), from = std::min(N, q * p);  // an empty part at the end
+      quantize_into_slot(packed.narrow(0, q * per, per), t.narrow(0, from, len),
+                         sent.defined() ? sent.narrow(0, from, len) : at::Tensor(), format, origin + q * p);
     }
   };
   const std::string label = opts.label;
@@ -121,12 +116,9 @@ WorkPtr quantized_all_reduce(Communicator& comm, const at::Tensor& t, const Quan
 
   // Stage 2: the owner sums its part in float32 in member order and quantizes the sum once.
   auto sum_and_quantize = [received, own, summed, format, W, per, len = length(me), from = origin + me * p]() {
-    const int64_t used = format.packed_bytes(len, from);
-    if (used < per) own.narrow(0, used, per - used).zero_();  // the slot's unused tail
-    if (len == 0) return;
     at::Tensor sum = at::empty({len}, received.options().dtype(at::kFloat));
     sum_dequantized_into(sum, received, W, per, format, from);
-    quantize_with_feedback(own.narrow(0, 0, used), sum, summed, format, from);
+    quantize_into_slot(own, sum, summed, format, from);
   };
   CollectiveOptions gather_opts = CollectiveOptions::labeled(label + ", quantized sums all-gather");
   gather_opts.tag = 0;

@@ -1,7 +1,6 @@
 #include "quantization_report.h"
 
 #include <c10/util/irange.h>
-#include <torch/version.h>
 
 #include <cmath>
 #include <cstdint>
@@ -22,9 +21,6 @@
 namespace fsdp_gpt {
 
 namespace {
-
-// float8 e4m3 codes need LibTorch 2.1 or later.
-constexpr bool kHasFloat8 = TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1);
 
 // A copy of the trained model whose collectives quantize as `gather` and `reduce` say ("none",
 // "int8", "fp8") with `block` values per scale.
@@ -175,7 +171,7 @@ void report_quantization_error(const TrainConfig& config, fsdp::FullyShardedModu
   const auto reference_values = gathered(plain);
 
   std::vector<std::string> dtypes{"int8"};
-  if (kHasFloat8) dtypes.emplace_back("fp8");
+  if (fsdp::has_float8()) dtypes.emplace_back("fp8");
   for (const auto& dtype : dtypes) {
     std::vector<SquareSums> gathers, reductions;
     for (const int block : config.quantization_report) {

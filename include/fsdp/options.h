@@ -136,6 +136,7 @@ using ReshardPolicy =
 enum class QuantizedDtype { kInt8, kFloat8E4M3 };
 std::string to_string(QuantizedDtype d);
 QuantizedDtype parse_quantized_dtype(const std::string& name);  // "int8", "fp8"; throws fsdp::Error
+bool has_float8();  // whether this LibTorch has the 8-bit float type kFloat8E4M3 needs
 
 // Which units' all-gathers a Quantization applies to: asked with each unit's qualified name ("" for
 // the root) and module.
