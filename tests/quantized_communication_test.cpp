@@ -381,22 +381,34 @@ TEST(QuantizedCommunication, ErrorFeedbackTrainsLikeTheLocalReferenceWithFeedbac
     }
 }
 
-// Error feedback on the all-gathers is refused: they start from the full-precision shards.
-FSDP_WORKER(gather_feedback_refusal_worker) {
+// Combinations that cannot work are refused at fully_shard(), naming the options: error feedback
+// on the all-gathers (they start from the full-precision shards every time), quantization with
+// deterministic training (exact sums; values that do not depend on the world size).
+FSDP_WORKER(refused_combinations_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
-  MLP model(6, 24, 5, 2);
-  const auto options = fsdp::Options().all_gather_quantization(fsdp::Quantization::int8().error_feedback(true));
-  bool refused = false;
-  try {
-    fsdp::fully_shard(model, pg, options);
-  } catch (const fsdp::Error& e) {
-    refused = std::string(e.what()).find("error_feedback applies to reduce_quantization only") != std::string::npos;
+  const auto int8 = fsdp::Quantization::int8();
+  const std::vector<std::pair<fsdp::Options, std::string>> cases = {
+      {fsdp::Options().all_gather_quantization(fsdp::Quantization::int8().error_feedback(true)),
+       "error_feedback applies to reduce_quantization only"},
+      {fsdp::Options().reduce_quantization(int8).deterministic(true),
+       "Options::reduce_quantization and deterministic(true) exclude each other"},
+      {fsdp::Options().all_gather_quantization(int8).deterministic(true),
+       "Options::all_gather_quantization and deterministic(true) exclude each other"},
+  };
+  for (const auto& [options, expected] : cases) {
+    MLP model(6, 24, 5, 2);
+    std::string message = "nothing was thrown";
+    try {
+      fsdp::fully_shard(model, pg, options);
+    } catch (const fsdp::Error& e) {
+      message = e.what();
+    }
+    WORKER_CHECK(message.find(expected) != std::string::npos, "expected \"", expected, "\", got: ", message);
   }
-  WORKER_CHECK(refused, "error feedback on the all-gathers was not refused");
 }
 
-TEST(QuantizedCommunication, ErrorFeedbackIsForReductionsOnly) {
-  auto r = launch("gather_feedback_refusal_worker", 1, {});
+TEST(QuantizedCommunication, CombinationsThatCannotWorkAreRefused) {
+  auto r = launch("refused_combinations_worker", 2, {});
   ASSERT_TRUE(r.all_ok()) << r.report();
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "evaluation.h"
+#include "optimizer.h"
 #include "training_data.h"
 
 namespace fsdp_gpt {
@@ -42,7 +43,7 @@ int micro_batches_per_rank(int count, int world) { return static_cast<int>((int6
 
 std::vector<double> deterministic_train_step(const TrainingLoop& loop, int step, double lr) {
   const TrainConfig& config = loop.config;
-  for (auto& group : loop.optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  gpt::set_learning_rate(loop.optimizer, lr);
   const BatchPlan& plan = config.batch;
   const int count = plan.global / plan.micro;
   const MicroBatchRange range = micro_batch_range(count, loop.pg.rank(), loop.pg.size());
@@ -80,14 +81,7 @@ std::vector<double> deterministic_train_step(const TrainingLoop& loop, int step,
     if (real) losses[i] = loss.item<double>();
   }
   loop.sharded.set_backward_counted(true);
-  if (loop.scaler && config.clip_grad_norm > 0) loop.scaler->unscale_(loop.optimizer);
-  if (config.clip_grad_norm > 0) loop.sharded.clip_grad_norm_(config.clip_grad_norm);
-  if (loop.scaler) {
-    loop.scaler->step(loop.optimizer);
-    loop.scaler->update();
-  } else {
-    loop.optimizer.step();
-  }
+  finish_step(loop);
   return losses;
 }
 

@@ -37,7 +37,7 @@ Copy make_copy(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg,
   c.quantize_reduce = reduce;
   c.quantize_block = block;
   c.quantize_error_feedback = false;
-  c.deterministic = false;  // exact integer sums exclude quantized reductions
+  c.deterministic = false;  // deterministic training excludes quantized communication
   c.measure_exposed_comm = false;
   Copy copy;
   copy.built = build_model(c);

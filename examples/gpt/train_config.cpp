@@ -111,10 +111,12 @@ void add_flags(CLI::App& app, TrainConfig& config) {
   app.add_option("--eval-batches", config.eval_batches, "Held-out batches (16 sequences each) in each validation loss")
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
-  app.add_option("--metrics-file", config.metrics_file, "Write one JSON object per logged step to this file");
+  auto* metrics_file =
+      app.add_option("--metrics-file", config.metrics_file, "Write one JSON object per logged step to this file");
   app.add_flag("--measure-exposed-comm", config.measure_exposed_comm,
                "Trace every iteration and write the share of each step spent waiting on collectives to "
-               "--metrics-file (exposed_comm_share)");
+               "--metrics-file (exposed_comm_share)")
+      ->needs(metrics_file);
   app.add_option("--sample-bytes", config.sample_bytes, "Bytes to generate after training (0: none)")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
@@ -235,6 +237,13 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
   if (config.deterministic && config.grad_accum_mode != "no-sync" && config.grad_accum_mode != "no-sync-unsharded")
     throw CLI::ValidationError("--deterministic", "accumulates each rank's micro-batches locally and reduces once; "
                                                   "use --grad-accum-mode no-sync or no-sync-unsharded");
+  if (config.quantize_error_feedback && config.quantize_reduce == "none")
+    throw CLI::ValidationError("--quantize-error-feedback", "keeps what quantized reductions round off; add "
+                                                            "--quantize-reduce int8 (or fp8)");
+  if (config.deterministic && (config.quantize_all_gather != "none" || config.quantize_reduce != "none"))
+    throw CLI::ValidationError("--deterministic", "sums gradients exactly and keeps every value the same at any world "
+                                                  "size, which quantized communication does not; drop "
+                                                  "--quantize-all-gather and --quantize-reduce, or --deterministic");
   if (!config.memory_budget.empty()) {
     try {
       if (fsdp::parse_bytes(config.memory_budget) <= 0) throw fsdp::Error("must be positive");

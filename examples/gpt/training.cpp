@@ -47,18 +47,23 @@ double train_step(const TrainingLoop& loop, int step, double lr) {
     (loop.scaler ? loop.scaler->scale(loss) : loss).backward();
     loss_sum += loss.item<double>();
   }
-  if (loop.scaler && config.clip_grad_norm > 0) loop.scaler->unscale_(loop.optimizer);
-  if (config.clip_grad_norm > 0) loop.sharded.clip_grad_norm_(config.clip_grad_norm);
+  finish_step(loop);
+  return loss_sum;
+}
+
+}  // namespace
+
+void finish_step(const TrainingLoop& loop) {
+  const double max_norm = loop.config.clip_grad_norm;
+  if (loop.scaler && max_norm > 0) loop.scaler->unscale_(loop.optimizer);
+  if (max_norm > 0) loop.sharded.clip_grad_norm_(max_norm);
   if (loop.scaler) {
     loop.scaler->step(loop.optimizer);
     loop.scaler->update();
   } else {
     loop.optimizer.step();
   }
-  return loss_sum;
 }
-
-}  // namespace
 
 TrainingResult train(const TrainingLoop& loop) {
   const TrainConfig& config = loop.config;

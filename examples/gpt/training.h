@@ -39,6 +39,10 @@ struct TrainingLoop {
   Progress start;                      // where training continues: a resumed checkpoint's, or step 0
 };
 
+// After a step's backward passes: clips the gradients (--clip-grad-norm), then steps the
+// optimizer, through the scaler under --mixed-precision fp16.
+void finish_step(const TrainingLoop& loop);
+
 // Runs --steps optimizer steps, logging at step 1, every --log-interval steps and at the last.
 TrainingResult train(const TrainingLoop& loop);
 

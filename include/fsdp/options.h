@@ -230,10 +230,10 @@ struct Options {
   TORCH_ARG(Quantization, reduce_quantization) = {};
   // Record an event trace of every iteration (FullyShardedModule::last_trace()).
   TORCH_ARG(bool, trace) = false;
-  // Gradients summed exactly, in an order-independent way, over every backward pass of every rank
-  // since the last reduction, and divided by the number of those passes (not by the world size):
-  // the same bits at any world size and sharding strategy. Losses must not be divided by the
-  // number of micro-batches. See Note [Deterministic training] in docs/design.md.
+  // Gradients summed exactly, in any order, over every backward pass of every rank since the last
+  // reduction, and divided by the number of those passes (not by the world size): the same bits at
+  // any world size and strategy. Losses must not be divided by the number of micro-batches; no
+  // quantized communication. See Note [Deterministic training] in docs/design.md.
   TORCH_ARG(bool, deterministic) = false;
 };
 

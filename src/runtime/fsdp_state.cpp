@@ -137,6 +137,10 @@ void FsdpState::check_quantization(const Options& options) {
     FSDP_CHECK(std::string(what) != "reduce_quantization" || !options.deterministic(),
                "Options::reduce_quantization and deterministic(true) exclude each other: deterministic training "
                "sums exact integers, which quantization would round; turn one of them off");
+    FSDP_CHECK(std::string(what) != "all_gather_quantization" || !options.deterministic(),
+               "Options::all_gather_quantization and deterministic(true) exclude each other: the codes' blocks "
+               "start at each rank's shard, so the gathered values, and the results with them, would change "
+               "with the world size; turn one of them off");
   }
 }
 

@@ -107,4 +107,23 @@ test_elastic_nodes_after_a_lost_node() {
   [ -z "$missing" ] || fail "steps whose losses differ: $missing"
 }
 
+# One process, one micro-batch per step, no dropout: --deterministic runs the same arithmetic as
+# the plain loop, so each step logs the same loss. Muon's blocks step at 20 x --lr and its AdamW
+# part at --lr; a schedule set on the wrong options shows from the second step on.
+test_deterministic_steps_like_the_plain_loop_with_every_optimizer() {
+  local one=(--layers 2 --width 64 --heads 4 --context 32 --eval-batches 1 --sample-bytes 0 --global-batch 2
+             --batch-size 2 --warmup 2 --steps 5 --log-interval 1)
+  local optimizer
+  for optimizer in muon lamb adafactor adamw; do
+    run "$TRAINER" "${one[@]}" --optimizer "$optimizer"
+    expect_rc 0
+    cp "$TMP/out" "$TMP/plain.out"
+    run "$TRAINER" "${one[@]}" --optimizer "$optimizer" --deterministic
+    expect_rc 0
+    [ "$(losses out | wc -l)" = 5 ] || fail "$optimizer: not 5 logged steps: $(cat "$TMP/out")"
+    [ "$(losses out)" = "$(losses plain.out)" ] ||
+      fail "$optimizer: --deterministic logs $(losses out | tr '\n' ' ')but the plain loop $(losses plain.out | tr '\n' ' ')"
+  done
+}
+
 run_cases "$@"

@@ -180,6 +180,9 @@ test_bad_flags() {
     "--mixed-precision fp8|--mixed-precision"
     "--reshard-after-forward sometimes|--reshard-after-forward"
     "--clip-grad-norm -1|--clip-grad-norm"
+    "--quantize-all-gather int8 --quantize-error-feedback|--quantize-error-feedback"
+    "--measure-exposed-comm|--metrics-file"
+    "--deterministic --quantize-all-gather int8|drop --quantize-all-gather and --quantize-reduce, or --deterministic"
   )
   for c in "${cases[@]}"; do
     local flags=${c%|*} name=${c#*|}
