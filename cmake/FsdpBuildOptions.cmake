@@ -9,6 +9,7 @@
 #                                       <torch/torch.h> once for the examples and benchmarks
 #                                       (fsdp_precompile_headers below)
 #   FSDP_UNITY_BUILD=ON (default)       compile the library's sources in batches of FSDP_UNITY_BATCH
+#                                       (0, the default: one batch)
 #                                       (root CMakeLists.txt), the test binary's in batches of
 #                                       FSDP_TESTS_UNITY_BATCH (tests/CMakeLists.txt), the example
 #                                       trainer's in batches of 6 (examples/gpt/CMakeLists.txt)
@@ -24,8 +25,8 @@ set(FSDP_SANITIZE "" CACHE STRING
 option(FSDP_CCACHE "Compile through ccache when it is found" ON)
 option(FSDP_PCH "Precompile torch/torch.h once per target instead of parsing it in every source" ON)
 option(FSDP_UNITY_BUILD "Compile the library's, the tests' and the example trainer's sources in batches (one translation unit each)" ON)
-set(FSDP_UNITY_BATCH 28 CACHE STRING "Library sources per translation unit under FSDP_UNITY_BUILD")
-set(FSDP_TESTS_UNITY_BATCH 8 CACHE STRING "Test sources per translation unit under FSDP_UNITY_BUILD")
+set(FSDP_UNITY_BATCH 0 CACHE STRING "Library sources per translation unit under FSDP_UNITY_BUILD (0: all in one)")
+set(FSDP_TESTS_UNITY_BATCH 16 CACHE STRING "Test sources per translation unit under FSDP_UNITY_BUILD")
 option(FSDP_TESTS_O1 "Compile the test binary's own sources at -O1 in optimized builds" ON)
 option(FSDP_ALL_O1 "Compile every target of this project at -O1 in optimized builds (for tests, not timing)" OFF)
 if(FSDP_ALL_O1 AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
