@@ -131,16 +131,15 @@ void FsdpState::check_quantization(const Options& options) {
                ": fp8 needs LibTorch 2.1 or later (this is ", TORCH_VERSION, "); use int8");
     FSDP_CHECK(!options.offload().enabled(), "Options::", what,
                " does not work with CPU offload yet; turn one of them off");
-    FSDP_CHECK(std::string(what) == "reduce_quantization" || !q.error_feedback(), "Options::", what,
+    const bool reduce = std::string(what) == "reduce_quantization";
+    FSDP_CHECK(reduce || !q.error_feedback(), "Options::", what,
                ": error_feedback applies to reduce_quantization only (gathers start from the full-precision "
                "shards every time)");
-    FSDP_CHECK(std::string(what) != "reduce_quantization" || !options.deterministic(),
-               "Options::reduce_quantization and deterministic(true) exclude each other: deterministic training "
-               "sums exact integers, which quantization would round; turn one of them off");
-    FSDP_CHECK(std::string(what) != "all_gather_quantization" || !options.deterministic(),
-               "Options::all_gather_quantization and deterministic(true) exclude each other: the codes' blocks "
-               "start at each rank's shard, so the gathered values, and the results with them, would change "
-               "with the world size; turn one of them off");
+    FSDP_CHECK(!options.deterministic(), "Options::", what, " and deterministic(true) exclude each other: ",
+               reduce ? "deterministic training sums exact integers, which quantization would round"
+                      : "the codes' blocks start at each rank's shard, so the gathered values, and the results with "
+                        "them, would change with the world size",
+               "; turn one of them off");
   }
 }
 
