@@ -1,6 +1,5 @@
 #include "comm/gloo_communicator.h"
 
-#include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
 #include <gloo/barrier.h>
@@ -11,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -92,9 +92,10 @@ void add_to_output(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
 constexpr std::chrono::milliseconds kWatchEvery{200};
 constexpr std::chrono::milliseconds kWatchGrace{2000};
 
-// Slot prefixes for our ring reduce-scatter and fingerprint exchange; gloo's own collectives use 0x01..0x08.
+// Slot prefixes for our own collectives and the fingerprint exchange; gloo's own collectives use 0x01..0x08.
 constexpr uint8_t kReduceScatterSlotPrefix = 0x10;
 constexpr uint8_t kFingerprintSlotPrefix = 0x11;
+constexpr uint8_t kAllGatherSlotPrefix = 0x12;
 // Tags chosen by the communicator itself have the top bit set so they never collide with
 // explicit tags, which must stay below 2^31.
 constexpr uint32_t kAutoTagBit = 0x80000000u;
@@ -149,13 +150,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
         out.copy_(in);
         return;
       }
-      if (in.numel() == 0) return;  // gloo divides by the input size
-      gloo::AllgatherOptions o(ctx_);
-      o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
-      o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      gloo::allgather(o);
+      if (in.numel() == 0) return;
+      direct_all_gather(out, in, tag);
     });
   }
 
@@ -310,6 +306,26 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   // (scratch_bytes()): Note [Gloo reduce-scatter] in docs/design.md.
   static constexpr int kDepth = 4;
   static constexpr size_t kSegmentBytes = size_t(1) << 20;
+
+  // All-gather in one round: every member posts its receives from all others, sends its input to
+  // all others, and copies its own part while they travel (Note [Gloo all-gather]).
+  void direct_all_gather(const at::Tensor& out, const at::Tensor& in, uint32_t tag) {
+    const int W = size(), r = rank();
+    const size_t bytes = in.nbytes();
+    auto* base = static_cast<uint8_t*>(out.data_ptr());
+    auto send_buf = ctx_->createUnboundBuffer(in.data_ptr(), bytes);
+    auto recv_buf = ctx_->createUnboundBuffer(base, out.nbytes());
+    const uint64_t slot = gloo::Slot::build(kAllGatherSlotPrefix, tag);
+    for (int i = 1; i < W; ++i) {
+      const int from = (r + W - i) % W;
+      recv_buf->recv(from, slot, static_cast<size_t>(from) * bytes, bytes);
+    }
+    for (int i = 1; i < W; ++i) send_buf->send((r + i) % W, slot, 0, bytes);
+    uint8_t* own = base + static_cast<size_t>(r) * bytes;
+    if (own != in.data_ptr()) std::memcpy(own, in.data_ptr(), bytes);  // in place: already there
+    for (int i = 1; i < W; ++i) FSDP_CHECK(recv_buf->waitRecv(timeout_), "all_gather receive was aborted");
+    for (int i = 1; i < W; ++i) FSDP_CHECK(send_buf->waitSend(timeout_), "all_gather send was aborted");
+  }
 
   void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, uint32_t tag) {
     const int W = size(), r = rank();
