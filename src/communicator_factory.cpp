@@ -121,7 +121,7 @@ CommunicatorPtr CommunicatorFactory::connect_gloo(const c10::intrusive_ptr<c10d:
   mesh.timeout = options_.timeout;
   auto ctx = connect_verified_mesh(store, my_index, size, id, mesh);
   return make_gloo_communicator(std::move(ctx), id, options_.timeout, options_.check_collectives,
-                                members_->exit_watch(ranks));
+                                members_->exit_watch(ranks), store);
 #endif
 }
 

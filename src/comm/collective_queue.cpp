@@ -93,6 +93,21 @@ bool Fingerprint::operator==(const Fingerprint& o) const {
          sequence == o.sequence && label_hash == o.label_hash;
 }
 
+uint64_t Fingerprint::digest() const {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xff)) * 0x100000001b3ull;
+  };
+  mix(static_cast<uint64_t>(kind));
+  mix(static_cast<uint64_t>(static_cast<int64_t>(dtype)));
+  mix(static_cast<uint64_t>(bytes));
+  mix(static_cast<uint64_t>(static_cast<int64_t>(root)));
+  mix(round);
+  mix(sequence);
+  mix(label_hash);
+  return h;
+}
+
 std::string Fingerprint::describe() const {
   std::ostringstream s;
   s << kind_name(kind) << " #" << sequence;
@@ -107,11 +122,17 @@ std::string Fingerprint::describe() const {
   return s.str();
 }
 
+std::string out_of_step_message(const std::string& group, int me, const Fingerprint& mine, int other,
+                                const Fingerprint& theirs) {
+  return detail::compose(
+      "ranks diverged: member ", me, " of ", group, " issued ", mine.describe(), " while member ", other, " issued ",
+      theirs.describe(),
+      ". Every rank must issue the same collectives in the same order (same model, same FSDP options, "
+      "same control flow through the units, same number of steps and micro-batches)");
+}
+
 void fail_out_of_step(const std::string& group, int me, const Fingerprint& mine, int other, const Fingerprint& theirs) {
-  FSDP_FAIL("ranks diverged: member ", me, " of ", group, " issued ", mine.describe(), " while member ", other,
-            " issued ", theirs.describe(),
-            ". Every rank must issue the same collectives in the same order (same model, same FSDP options, "
-            "same control flow through the units, same number of steps and micro-batches)");
+  FSDP_FAIL(out_of_step_message(group, me, mine, other, theirs));
 }
 
 WorkPtr completed_work() { return std::make_shared<AlreadyDoneWork>(); }
@@ -197,16 +218,17 @@ CollectiveQueue::~CollectiveQueue() {
   worker_.join();
 }
 
-void CollectiveQueue::watch_members(std::function<std::string()> exited, std::chrono::milliseconds every,
-                                    std::chrono::milliseconds grace) {
-  FSDP_CHECK(exited && !watcher_.joinable(), "internal: watch_members needs a check and is set once");
+void CollectiveQueue::watch(std::function<std::string()> exited, std::function<void()> stalled,
+                            std::chrono::milliseconds every, std::chrono::milliseconds grace) {
+  FSDP_CHECK((exited || stalled) && !watcher_.joinable(), "internal: watch needs a check and is set once");
   exited_ = std::move(exited);
+  stalled_ = std::move(stalled);
   every_ = every;
   grace_ = grace;
-  watcher_ = std::thread([this] { watch(); });
+  watcher_ = std::thread([this] { watch_jobs(); });
 }
 
-void CollectiveQueue::watch() {
+void CollectiveQueue::watch_jobs() {
   // It polls: the worker never wakes it, so collectives pay nothing for the watch.
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_watch_) {
@@ -214,7 +236,8 @@ void CollectiveQueue::watch() {
     if (stop_watch_ || running_job_ == 0 || std::chrono::steady_clock::now() < running_since_ + every_) continue;
     const uint64_t job = running_job_;
     lock.unlock();
-    const std::string why = exited_();
+    if (stalled_) stalled_();
+    const std::string why = exited_ ? exited_() : std::string();
     lock.lock();
     if (why.empty() || running_job_ != job) continue;
     // A member is gone. A collective it had done its part of may still be completing here (its

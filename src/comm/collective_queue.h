@@ -51,9 +51,13 @@ struct Fingerprint {
   static Fingerprint of(CollectiveKind kind, uint64_t sequence, const at::Tensor& t, int64_t bytes, int root,
                         const std::string& label);
   bool operator==(const Fingerprint& o) const;
+  uint64_t digest() const;       // of every field operator== compares: equal fingerprints, equal digests
   std::string describe() const;  // e.g. "all_reduce #4 of 40 bytes (Float) for 'unit 2 gradient all-reduce #0'"
 };
-// Throws the error of member `me`, whose collective is `mine`, finding member `other` at `theirs`.
+// The error of member `me`, whose collective is `mine`, finding member `other` at `theirs`.
+std::string out_of_step_message(const std::string& group, int me, const Fingerprint& mine, int other,
+                                const Fingerprint& theirs);
+// Throws it.
 [[noreturn]] void fail_out_of_step(const std::string& group, int me, const Fingerprint& mine, int other,
                                    const Fingerprint& theirs);
 
@@ -99,19 +103,20 @@ class CollectiveQueue {
   bool failed() const { return failed_.load(); }
   bool shut_down() const;
 
-  // Member watch for transports that may not notice a dead peer (Note [Dead members]): once a job
-  // has run for `every`, asks `exited()` each `every` whether a member is known to have died (a
-  // description, or empty). If one has and the same job is still running `grace` later, prints
-  // why and ends the process with status 1: the transport still owns the job's buffers, so
-  // failing its Work and going on would let it write into memory handed back. Call once, before
-  // the first enqueue.
-  void watch_members(std::function<std::string()> exited, std::chrono::milliseconds every,
-                     std::chrono::milliseconds grace);
+  // Watch of long-running jobs, on a thread of its own; call once, before the first enqueue. Once
+  // a job has run for `every`, it calls `stalled()` (if given) each `every`, for the transport's
+  // own diagnosis, and asks `exited()` (if given) whether a member is known to have died (a
+  // description, or empty): for transports that may not notice a dead peer (Note [Dead
+  // members]). If one has and the same job is still running `grace` later, prints why and ends
+  // the process with status 1: the transport still owns the job's buffers, so failing its Work
+  // and going on would let it write into memory handed back.
+  void watch(std::function<std::string()> exited, std::function<void()> stalled, std::chrono::milliseconds every,
+             std::chrono::milliseconds grace);
 
  private:
   WorkPtr enqueue(const char* op, std::function<void()> body, WorkPtr after, bool is_shutdown);
   void run();
-  void watch();
+  void watch_jobs();
   std::string name_;
   int rank_, size_;
   std::chrono::milliseconds timeout_;
@@ -125,8 +130,9 @@ class CollectiveQueue {
   std::atomic<bool> failed_{false};
   WorkPtr shutdown_;  // under mu_
   uint32_t debug_count_ = 0;
-  // The member watch. The running job (under mu_): its number (0: the worker is idle), op, start.
+  // The watch. The running job (under mu_): its number (0: the worker is idle), op, start.
   std::function<std::string()> exited_;
+  std::function<void()> stalled_;
   std::chrono::milliseconds every_{0}, grace_{0};
   uint64_t jobs_started_ = 0, running_job_ = 0;
   const char* running_op_ = nullptr;

@@ -1,7 +1,6 @@
 #include "comm/gloo_communicator.h"
 
 #include <gloo/allreduce.h>
-#include <gloo/alltoall.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/context.h>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "comm/collective_queue.h"
+#include "comm/stall_diagnosis.h"
 #include "fsdp/check.h"
 
 #if defined(__x86_64__)
@@ -91,11 +91,14 @@ void add_to_output(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
 // members, and one still running this long after a member was found dead ends the process.
 constexpr std::chrono::milliseconds kWatchEvery{200};
 constexpr std::chrono::milliseconds kWatchGrace{2000};
+// How long a collective waits on its peers before its member publishes it for the stall diagnosis.
+constexpr std::chrono::milliseconds kStallAfter{1000};
 
 // Slot prefixes for our own collectives and the fingerprint exchange; gloo's own collectives use 0x01..0x08.
 constexpr uint8_t kReduceScatterSlotPrefix = 0x10;
 constexpr uint8_t kFingerprintSlotPrefix = 0x11;
 constexpr uint8_t kAllGatherSlotPrefix = 0x12;
+constexpr uint8_t kAllToAllSlotPrefix = 0x13;
 // Tags chosen by the communicator itself have the top bit set so they never collide with
 // explicit tags, which must stay below 2^31.
 constexpr uint32_t kAutoTagBit = 0x80000000u;
@@ -125,13 +128,21 @@ gloo::AllreduceOptions::Func sum_function(at::ScalarType type) {
 class GlooCommunicator : public Communicator, public std::enable_shared_from_this<GlooCommunicator> {
  public:
   GlooCommunicator(std::shared_ptr<gloo::Context> ctx, std::string name, std::chrono::milliseconds timeout, bool check,
-                   std::function<std::string()> exited)
+                   std::function<std::string()> exited, c10::intrusive_ptr<c10d::Store> store)
       : ctx_(std::move(ctx)),
         name_(std::move(name)),
         timeout_(timeout),
         check_(check),
+        diagnosis_(check && store && ctx_->size > 1
+                       ? std::make_unique<StallDiagnosis>(std::move(store), name_, ctx_->rank, ctx_->size, kStallAfter)
+                       : nullptr),
         queue_(std::make_unique<CollectiveQueue>(name_, ctx_->rank, ctx_->size, timeout_)) {
-    if (exited) queue_->watch_members(std::move(exited), kWatchEvery, kWatchGrace);
+    std::function<void()> stalled;
+    if (diagnosis_)
+      stalled = [d = diagnosis_.get()] {
+        d->poll();
+      };
+    if (exited || stalled) queue_->watch(std::move(exited), std::move(stalled), kWatchEvery, kWatchGrace);
   }
   // The queue is declared last, so its worker finishes the queued jobs before the scratch and the
   // context go.
@@ -145,54 +156,57 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 
   WorkPtr all_gather_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_gather_args(out, in, size(), "Gloo");
-    return issue("all_gather_into", CollectiveKind::kAllGather, in, -1, opts, [this, out, in](uint32_t tag) {
-      if (size() == 1) {
-        out.copy_(in);
-        return;
-      }
-      if (in.numel() == 0) return;
-      direct_all_gather(out, in, tag);
-    });
+    return issue("all_gather_into", CollectiveKind::kAllGather, in, -1, opts, /*carries=*/true,
+                 [this, out, in](const Issued& is) {
+                   if (size() == 1) {
+                     out.copy_(in);
+                     return;
+                   }
+                   if (in.numel() == 0) return;
+                   direct_all_gather(out, in, is);
+                 });
   }
 
   WorkPtr reduce_scatter(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_reduce_scatter_args(out, in, size(), "Gloo");
-    return issue("reduce_scatter", CollectiveKind::kReduceScatter, in, -1, opts,
-                 [this, out, in](uint32_t tag) { ring_reduce_scatter(out, in, tag); });
+    return issue("reduce_scatter", CollectiveKind::kReduceScatter, in, -1, opts, /*carries=*/true,
+                 [this, out, in](const Issued& is) { ring_reduce_scatter(out, in, is); });
   }
 
   bool has_all_to_all() const override { return true; }
   WorkPtr all_to_all_into(at::Tensor out, at::Tensor in, CollectiveOptions opts) override {
     check_all_to_all_args(out, in, size(), "Gloo");
-    return issue("all_to_all_into", CollectiveKind::kAllToAll, in, -1, opts, [this, out, in](uint32_t tag) {
-      if (size() == 1 || in.numel() == 0) {
-        if (!out.is_same(in)) out.copy_(in);
-        return;
-      }
-      gloo::AlltoallOptions o(ctx_);
-      o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
-      o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      gloo::alltoall(o);
-    });
+    const auto* o = static_cast<const uint8_t*>(out.data_ptr());
+    const auto* i = static_cast<const uint8_t*>(in.data_ptr());
+    FSDP_CHECK(size() == 1 || in.numel() == 0 || o + out.nbytes() <= i || i + in.nbytes() <= o,
+               "all_to_all_into: over Gloo the output must not overlap the input; pass a separate output tensor");
+    return issue("all_to_all_into", CollectiveKind::kAllToAll, in, -1, opts, /*carries=*/true,
+                 [this, out, in](const Issued& is) {
+                   if (size() == 1 || in.numel() == 0) {
+                     if (!out.is_same(in)) out.copy_(in);
+                     return;
+                   }
+                   direct_all_to_all(out, in, is);
+                 });
   }
 
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
     check_dense_cpu(t, "all_reduce", "tensor", "Gloo");
     auto fn = sum_function(t.scalar_type());
-    return issue("all_reduce", CollectiveKind::kAllReduce, t, -1, opts, [this, t, fn](uint32_t tag) {
-      if (size() == 1 || t.numel() == 0) return;
-      // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
-      // element's width; the reduce function interprets the elements as the real dtype.
-      switch (t.element_size()) {
-        case 1: run_allreduce(static_cast<uint8_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-        case 2: run_allreduce(static_cast<uint16_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-        case 4: run_allreduce(static_cast<uint32_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-        case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-        default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
-      }
-    });
+    return issue("all_reduce", CollectiveKind::kAllReduce, t, -1, opts, /*carries=*/false,
+                 [this, t, fn](const Issued& is) {
+                   const uint32_t tag = is.tag;
+                   if (size() == 1 || t.numel() == 0) return;
+                   // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
+                   // element's width; the reduce function interprets the elements as the real dtype.
+                   switch (t.element_size()) {
+                     case 1: run_allreduce(static_cast<uint8_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+                     case 2: run_allreduce(static_cast<uint16_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+                     case 4: run_allreduce(static_cast<uint32_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+                     case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+                     default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
+                   }
+                 });
   }
 
   template <typename T>
@@ -208,23 +222,24 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr broadcast(at::Tensor t, int root, CollectiveOptions opts) override {
     check_dense_cpu(t, "broadcast", "tensor", "Gloo");
     FSDP_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is outside [0, ", size(), ")");
-    return issue("broadcast", CollectiveKind::kBroadcast, t, root, opts, [this, t, root](uint32_t tag) {
-      if (size() == 1 || t.numel() == 0) return;
-      gloo::BroadcastOptions o(ctx_);
-      o.setRoot(root);
-      if (rank() == root) o.setInput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
-      o.setOutput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      gloo::broadcast(o);
-    });
+    return issue("broadcast", CollectiveKind::kBroadcast, t, root, opts, /*carries=*/false,
+                 [this, t, root](const Issued& is) {
+                   if (size() == 1 || t.numel() == 0) return;
+                   gloo::BroadcastOptions o(ctx_);
+                   o.setRoot(root);
+                   if (rank() == root) o.setInput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
+                   o.setOutput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
+                   o.setTag(is.tag);
+                   o.setTimeout(timeout_);
+                   gloo::broadcast(o);
+                 });
   }
 
   void barrier() override {
-    issue("barrier", CollectiveKind::kBarrier, at::Tensor(), -1, {}, [this](uint32_t tag) {
+    issue("barrier", CollectiveKind::kBarrier, at::Tensor(), -1, {}, /*carries=*/false, [this](const Issued& is) {
       if (size() == 1) return;
       gloo::BarrierOptions o(ctx_);
-      o.setTag(tag);
+      o.setTag(is.tag);
       o.setTimeout(timeout_);
       gloo::barrier(o);
     })->wait();
@@ -234,16 +249,27 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     std::lock_guard<std::mutex> issuing(issue_mu_);
     if (queue_->shut_down()) return queue_->enqueue_shutdown(nullptr);  // returns the first shutdown's work
     const uint32_t tag = resolve_tag({});
-    auto x = post_fingerprint(CollectiveKind::kShutdown, at::Tensor(), 0, -1, "", tag);
+    auto x = post_fingerprint(CollectiveKind::kShutdown, at::Tensor(), 0, -1, "", tag, /*exchange=*/true);
     return queue_->enqueue_shutdown([this, x] { run_gloo_job([&] { check_fingerprint(*x); }); });
   }
 
  private:
-  // Every member sends its fingerprint of each collective to every other and compares what it
-  // receives with its own before any data moves: members out of step fail at once, each naming
-  // both collectives, where the data exchange would wait for messages that never come. The
-  // exchange is posted when the collective is issued, so it travels while earlier collectives
-  // run; the worker only checks it (Note [Collective fingerprints]).
+  // What a collective's job gets: its tag, and the bits its data's slots carry of its fingerprint
+  // (0 where the fingerprints are exchanged instead, or not checked).
+  struct Issued {
+    uint32_t tag = 0;
+    uint64_t fingerprint_bits = 0;
+    Fingerprint fingerprint;
+    uint64_t slot(uint8_t prefix) const { return (uint64_t(prefix) << 56) | fingerprint_bits | tag; }
+  };
+
+  // Before Gloo's own algorithms, every member sends its fingerprint of the collective to every
+  // other and compares what it receives with its own before any data moves: members out of step
+  // fail at once, each naming both collectives, where the data exchange would wait for messages
+  // that never come. The exchange is posted when the collective is issued, so it travels while
+  // earlier collectives run; the worker only checks it. Our own algorithms exchange nothing: their
+  // slots carry the fingerprint, so different collectives never pair, and the stall diagnosis
+  // names them (Note [Collective fingerprints]).
   struct FingerprintExchange {
     Fingerprint mine;
     std::vector<Fingerprint> got;
@@ -252,15 +278,15 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   };
   using ExchangePtr = std::shared_ptr<FingerprintExchange>;
 
-  // Posts this collective's exchange; called under issue_mu_, in issue order.
+  // Posts this collective's exchange (with `exchange`); called under issue_mu_, in issue order.
   ExchangePtr post_fingerprint(CollectiveKind kind, const at::Tensor& t, int64_t bytes, int root,
-                               const std::string& label, uint32_t tag) {
+                               const std::string& label, uint32_t tag, bool exchange) {
     auto x = std::make_shared<FingerprintExchange>();
     x->mine = Fingerprint::of(kind, collectives_++, t, bytes, root, label);
     const int W = size(), r = rank();
     // Nothing alone, nothing when checks are off (except at shutdown), nothing after shutdown
     // (the queue refuses the collective itself).
-    if (W == 1 || (!check_ && kind != CollectiveKind::kShutdown) || queue_->shut_down()) return x;
+    if (!exchange || W == 1 || (!check_ && kind != CollectiveKind::kShutdown) || queue_->shut_down()) return x;
     x->got.resize(W);
     try {
       x->send_buf = ctx_->createUnboundBuffer(&x->mine, sizeof(Fingerprint));
@@ -282,10 +308,37 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     FSDP_CHECK(x.error.empty(), "sending its fingerprint failed: ", x.error);
     if (!x.send_buf) return;
     const int W = size(), r = rank();
-    for (int i = 0; i < W - 1; ++i) FSDP_CHECK(x.recv_buf->waitRecv(timeout_), "fingerprint receive was aborted");
-    for (int i = 0; i < W - 1; ++i) FSDP_CHECK(x.send_buf->waitSend(timeout_), "fingerprint send was aborted");
+    {
+      StallDiagnosis::Wait waiting(diagnosis_.get(), x.mine, aborter(x.send_buf.get(), x.recv_buf.get()));
+      for (int i = 0; i < W - 1; ++i) wait_recv(*x.recv_buf, "fingerprint receive");
+      for (int i = 0; i < W - 1; ++i) wait_send(*x.send_buf, "fingerprint send");
+    }
     for (int p = 0; p < W; ++p)
       if (p != r && !(x.got[p] == x.mine)) fail_out_of_step(name_, r, x.mine, p, x.got[p]);
+  }
+
+  // What wakes a wait on these buffers when the stall diagnosis finds the members out of step.
+  static std::function<void()> aborter(gloo::transport::UnboundBuffer* send, gloo::transport::UnboundBuffer* recv) {
+    return [send, recv] {
+      send->abortWaitSend();
+      recv->abortWaitRecv();
+    };
+  }
+  // Waits for one receive / send on `buf`. A wait that is aborted, or fails once the members are
+  // known to be out of step, throws the divergence.
+  void wait_recv(gloo::transport::UnboundBuffer& buf, const char* what) { wait_one(buf, what, true); }
+  void wait_send(gloo::transport::UnboundBuffer& buf, const char* what) { wait_one(buf, what, false); }
+  void wait_one(gloo::transport::UnboundBuffer& buf, const char* what, bool recv) {
+    bool done = false;
+    try {
+      done = recv ? buf.waitRecv(nullptr, timeout_) : buf.waitSend(nullptr, timeout_);
+    } catch (const std::exception&) {
+      if (diagnosis_) diagnosis_->throw_if_diverged();
+      throw;
+    }
+    if (done) return;
+    if (diagnosis_) diagnosis_->throw_if_diverged();
+    FSDP_FAIL(what, " was aborted");
   }
 
   uint32_t resolve_tag(const CollectiveOptions& opts) {
@@ -309,13 +362,13 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 
   // All-gather in one round: every member posts its receives from all others, sends its input to
   // all others, and copies its own part while they travel (Note [Gloo all-gather]).
-  void direct_all_gather(const at::Tensor& out, const at::Tensor& in, uint32_t tag) {
+  void direct_all_gather(const at::Tensor& out, const at::Tensor& in, const Issued& is) {
     const int W = size(), r = rank();
     const size_t bytes = in.nbytes();
     auto* base = static_cast<uint8_t*>(out.data_ptr());
     auto send_buf = ctx_->createUnboundBuffer(in.data_ptr(), bytes);
     auto recv_buf = ctx_->createUnboundBuffer(base, out.nbytes());
-    const uint64_t slot = gloo::Slot::build(kAllGatherSlotPrefix, tag);
+    const uint64_t slot = is.slot(kAllGatherSlotPrefix);
     for (int i = 1; i < W; ++i) {
       const int from = (r + W - i) % W;
       recv_buf->recv(from, slot, static_cast<size_t>(from) * bytes, bytes);
@@ -323,11 +376,36 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     for (int i = 1; i < W; ++i) send_buf->send((r + i) % W, slot, 0, bytes);
     uint8_t* own = base + static_cast<size_t>(r) * bytes;
     if (own != in.data_ptr()) std::memcpy(own, in.data_ptr(), bytes);  // in place: already there
-    for (int i = 1; i < W; ++i) FSDP_CHECK(recv_buf->waitRecv(timeout_), "all_gather receive was aborted");
-    for (int i = 1; i < W; ++i) FSDP_CHECK(send_buf->waitSend(timeout_), "all_gather send was aborted");
+    StallDiagnosis::Wait waiting(diagnosis_.get(), is.fingerprint, aborter(send_buf.get(), recv_buf.get()));
+    for (int i = 1; i < W; ++i) wait_recv(*recv_buf, "all_gather receive");
+    for (int i = 1; i < W; ++i) wait_send(*send_buf, "all_gather send");
   }
 
-  void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, uint32_t tag) {
+  // All-to-all in one round, like the all-gather: part q of `in` goes to member q, and part p of
+  // `out` comes from member p.
+  void direct_all_to_all(const at::Tensor& out, const at::Tensor& in, const Issued& is) {
+    const int W = size(), r = rank();
+    const size_t part = in.nbytes() / static_cast<size_t>(W);
+    auto* src = static_cast<uint8_t*>(in.data_ptr());
+    auto* dst = static_cast<uint8_t*>(out.data_ptr());
+    auto send_buf = ctx_->createUnboundBuffer(src, in.nbytes());
+    auto recv_buf = ctx_->createUnboundBuffer(dst, out.nbytes());
+    const uint64_t slot = is.slot(kAllToAllSlotPrefix);
+    for (int i = 1; i < W; ++i) {
+      const int from = (r + W - i) % W;
+      recv_buf->recv(from, slot, static_cast<size_t>(from) * part, part);
+    }
+    for (int i = 1; i < W; ++i) {
+      const int to = (r + i) % W;
+      send_buf->send(to, slot, static_cast<size_t>(to) * part, part);
+    }
+    std::memcpy(dst + static_cast<size_t>(r) * part, src + static_cast<size_t>(r) * part, part);
+    StallDiagnosis::Wait waiting(diagnosis_.get(), is.fingerprint, aborter(send_buf.get(), recv_buf.get()));
+    for (int i = 1; i < W; ++i) wait_recv(*recv_buf, "all_to_all receive");
+    for (int i = 1; i < W; ++i) wait_send(*send_buf, "all_to_all send");
+  }
+
+  void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, const Issued& is) {
     const int W = size(), r = rank();
     const int64_t n = out.numel();
     if (W == 1) {
@@ -349,7 +427,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     at::Tensor flat = in.view({W * n});
     auto send_buf = ctx_->createUnboundBuffer(in.data_ptr(), in.nbytes());
     auto recv_buf = ctx_->createUnboundBuffer(scratch_.data_ptr(), scratch_.nbytes());
-    const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+    const uint64_t slot = is.slot(kReduceScatterSlotPrefix);
     const int next = (r + 1) % W, prev = (r + W - 1) % W;
     auto chunk_at = [&](int64_t step, int shift) {
       return ((r - shift - step) % W + W) % W;
@@ -370,8 +448,9 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
     };
     for (int64_t j = 0; j < depth; ++j) post_recv(j);
     for (int64_t k = 0; k < segments; ++k) send_segment(chunk_at(0, 1), k);
+    StallDiagnosis::Wait waiting(diagnosis_.get(), is.fingerprint, aborter(send_buf.get(), recv_buf.get()));
     for (int64_t j = 0; j < receives; ++j) {
-      FSDP_CHECK(recv_buf->waitRecv(nullptr, timeout_), "reduce_scatter receive was aborted");
+      wait_recv(*recv_buf, "reduce_scatter receive");
       const int64_t step = j / segments, k = j % segments, len = seg_len(k);
       const int chunk = chunk_at(step, 2);
       at::Tensor partial = flat.narrow(0, chunk * n + k * seg, len);
@@ -385,24 +464,29 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
       if (j + depth < receives) post_recv(j + depth);
       if (step + 1 < W - 1) send_segment(chunk, k);  // this partial sum is the next step's send
     }
-    for (int64_t i = 0; i < sends; ++i)
-      FSDP_CHECK(send_buf->waitSend(nullptr, timeout_), "reduce_scatter send was aborted");
+    for (int64_t i = 0; i < sends; ++i) wait_send(*send_buf, "reduce_scatter send");
   }
 
-  // Issues one collective: its tag, fingerprint exchange and queue position are taken under
+  // Issues one collective: its tag, fingerprint (exchange) and queue position are taken under
   // issue_mu_, so all three follow the issue order; its job checks the fingerprint, then runs
-  // body(tag) on the worker (through run_gloo_job).
+  // body on the worker (through run_gloo_job). `carries`: the body's data slots can carry the
+  // fingerprint instead (our own algorithms), when the stall diagnosis runs and data moves.
   WorkPtr issue(const char* op, CollectiveKind kind, const at::Tensor& t, int root, const CollectiveOptions& opts,
-                std::function<void(uint32_t tag)> body) {
+                bool carries, std::function<void(const Issued&)> body) {
     std::lock_guard<std::mutex> issuing(issue_mu_);
-    const uint32_t tag = resolve_tag(opts);
-    auto x = post_fingerprint(kind, t, t.defined() ? t.nbytes() : 0, root, opts.label, tag);
+    const int64_t bytes = t.defined() ? t.nbytes() : 0;
+    carries = carries && diagnosis_ && bytes > 0;
+    Issued is;
+    is.tag = resolve_tag(opts);
+    auto x = post_fingerprint(kind, t, bytes, root, opts.label, is.tag, /*exchange=*/!carries);
+    is.fingerprint = x->mine;
+    if (carries) is.fingerprint_bits = (is.fingerprint.digest() & 0xffffffull) << 32;
     return queue_->enqueue(
         op,
-        [this, x, tag, body = std::move(body)] {
+        [this, x, is, body = std::move(body)] {
           run_gloo_job([&] {
             check_fingerprint(*x);
-            body(tag);
+            body(is);
           });
         },
         opts.after);
@@ -413,10 +497,11 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::chrono::milliseconds timeout_;
   bool check_;
   std::atomic<uint32_t> next_tag_{1};
-  std::mutex issue_mu_;                    // issuing: tag, fingerprint and queue position in one order
-  uint64_t collectives_ = 0;               // collectives issued, under issue_mu_
-  at::Tensor scratch_;                     // reduce-scatter receive ring, only touched by the worker thread
-  std::atomic<int64_t> scratch_bytes_{0};  // its size, for memory_stats() on other threads
+  std::mutex issue_mu_;                        // issuing: tag, fingerprint and queue position in one order
+  uint64_t collectives_ = 0;                   // collectives issued, under issue_mu_
+  std::unique_ptr<StallDiagnosis> diagnosis_;  // with checks on and a store; outlives the queue's threads
+  at::Tensor scratch_;                         // reduce-scatter receive ring, only touched by the worker thread
+  std::atomic<int64_t> scratch_bytes_{0};      // its size, for memory_stats() on other threads
   std::unique_ptr<CollectiveQueue> queue_;
 };
 
@@ -424,8 +509,9 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 
 CommunicatorPtr make_gloo_communicator(std::shared_ptr<gloo::Context> context, std::string name,
                                        std::chrono::milliseconds timeout, bool check,
-                                       std::function<std::string()> exited) {
-  return std::make_shared<GlooCommunicator>(std::move(context), std::move(name), timeout, check, std::move(exited));
+                                       std::function<std::string()> exited, c10::intrusive_ptr<c10d::Store> store) {
+  return std::make_shared<GlooCommunicator>(std::move(context), std::move(name), timeout, check, std::move(exited),
+                                            std::move(store));
 }
 
 }  // namespace fsdp

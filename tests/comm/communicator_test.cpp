@@ -1,13 +1,14 @@
 // CPU transports (Gloo over TCP, shared memory): collectives, failure paths and transport names.
 // Against values computed locally: every collective, several dtypes, sizes of zero, odd and larger
-// than the shared-memory staging buffers; the shared-memory transport's failure paths (diverged
-// ranks, a member that died or left); FSDP_TRANSPORT's names.
+// than the shared-memory staging buffers; the failure paths (diverged ranks on both transports;
+// on shared memory a member that died or left); FSDP_TRANSPORT's names.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
 
 #include <chrono>
 #include <thread>
+#include <tuple>
 
 #include "harness.h"
 
@@ -148,18 +149,23 @@ TEST(SharedMemory, CollectivesMatchLocalResultsAtWorld10) {
   EXPECT_TRUE(contains(r.ranks[0].output, "transport shm ok")) << r.report();
 }
 
-// Rank 1 issues a different collective from the others: every rank fails at once, naming both.
+// Rank 1 issues a different collective from the others ("kind": an all-gather against all-reduces;
+// "label": an all-gather of the same size for another purpose, which would pair and deliver the
+// wrong data): every rank fails fast, naming both.
 FSDP_WORKER(diverged_worker) {
+  const std::string what = ctx.args.at(0);
   auto pg = fsdp::ProcessGroup::from_env();
   auto comm = pg->world();
   at::Tensor t = torch::ones({10});
   comm->all_reduce(t)->wait();  // in step
   try {
+    at::Tensor out = torch::empty({10 * ctx.world});
     if (ctx.rank == 1) {
-      at::Tensor out = torch::empty({10 * ctx.world});
-      comm->all_gather_into(out, torch::ones({10}))->wait();
-    } else {
+      comm->all_gather_into(out, torch::ones({10}), fsdp::CollectiveOptions::labeled("the odd one"))->wait();
+    } else if (what == "kind") {
       comm->all_reduce(t)->wait();
+    } else {
+      comm->all_gather_into(out, torch::ones({10}), fsdp::CollectiveOptions::labeled("the common one"))->wait();
     }
   } catch (const fsdp::Error& e) {
     std::cout << "caught: " << e.what() << std::endl;
@@ -168,18 +174,29 @@ FSDP_WORKER(diverged_worker) {
   throw std::runtime_error("diverged collectives did not fail");
 }
 
-TEST(SharedMemory, DivergedRanksFailFastNamingBothCollectives) {
+class DivergedTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(DivergedTest, RanksFailFastNamingBothCollectives) {
+  const auto [transport, what] = GetParam();
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = launch("diverged_worker", 3, {}, 120, {"FSDP_TRANSPORT=shm"});
+  auto r = launch("diverged_worker", 3, {what}, 120, {"FSDP_TRANSPORT=" + transport});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(r.all_ok()) << r.report();
   for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_TRUE(contains(r.ranks[rank].output, "ranks diverged")) << r.report();
-    EXPECT_TRUE(contains(r.ranks[rank].output, "all_gather_into #1 of 40 bytes")) << r.report();
-    EXPECT_TRUE(contains(r.ranks[rank].output, "all_reduce #1 of 40 bytes")) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, "ranks diverged: member")) << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, "all_gather_into #1 of 40 bytes (Float) for 'the odd one'"))
+        << r.report();
+    EXPECT_TRUE(contains(r.ranks[rank].output, what == "kind" ? "all_reduce #1 of 40 bytes"
+                                                              : "all_gather_into #1 of 40 bytes (Float) for "
+                                                                "'the common one'"))
+        << r.report();
   }
   EXPECT_LT(seconds, 30) << r.report();  // the timeout is 60 s
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, DivergedTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm"), ::testing::Values("kind", "label")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
 // A member dies inside a collective, or destroys its communicator while the others wait in one:
 // the others fail within about the liveness period (dies) or at once (leaves), naming the member,
