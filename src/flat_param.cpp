@@ -103,7 +103,7 @@ FlatParam::~FlatParam() {
 }
 
 int64_t FlatParam::shard_version() const {
-  int64_t v = shard_._version();
+  int64_t v = shard_._version() + shard_writes_.load(std::memory_order_relaxed);
   for (const auto& s : slots_)
     if (s.piece.defined()) v += s.piece._version();
   return v;

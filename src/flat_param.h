@@ -10,6 +10,7 @@
 // offload the shard is a host tensor (Note [CPU offload]).
 #include <torch/torch.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,6 +74,9 @@ class FlatParam {
   bool is_unsharded() const { return unsharded_; }
   // True if the shard changed (optimizer step, load) since the unsharded copy was gathered.
   bool unsharded_is_stale() const;
+  // An operator wrote into the shard through a tensor whose version counter is not the shard's
+  // or a piece's (an optimizer writing through .data()): Note [Shard writes].
+  void note_shard_written() { shard_writes_.fetch_add(1, std::memory_order_relaxed); }
   // Gives the flat storage memory again if it was freed (same StorageImpl, new memory) and
   // records the shard's version its values are to come from. Its contents are undefined until
   // a gather (flat_param_collectives.h) fills them.
@@ -132,11 +136,12 @@ class FlatParam {
   at::Tensor shard_;  // this rank's shard (== full_ if keep_unsharded)
   bool unsharded_ = true;
   int64_t gathered_version_ = 0;
-  WorkPtr gather_work_;                  // all-gather in flight into full_
-  at::Tensor gather_input_;              // what the gather in flight reads when not the shard, alive until it lands
-  bool gathering_post_forward_ = false;  // the last gather ran over the post-forward group
-  at::Tensor post_forward_shard_;        // compute dtype: 1/k of the unsharded values (reshard_to_post_forward_shard)
-  int64_t post_forward_version_ = 0;     // the shard's version those values were gathered from
+  std::atomic<int64_t> shard_writes_{0};  // note_shard_written() calls, part of shard_version()
+  WorkPtr gather_work_;                   // all-gather in flight into full_
+  at::Tensor gather_input_;               // what the gather in flight reads when not the shard, alive until it lands
+  bool gathering_post_forward_ = false;   // the last gather ran over the post-forward group
+  at::Tensor post_forward_shard_;         // compute dtype: 1/k of the unsharded values (reshard_to_post_forward_shard)
+  int64_t post_forward_version_ = 0;      // the shard's version those values were gathered from
   mutable int64_t gathers_issued_ = 0;
   c10::optional<BlockFormat> gather_format_, reduce_format_;
   QuantizationResiduals residuals_;

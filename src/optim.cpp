@@ -111,6 +111,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         if (!v.is_contiguous()) s.exp_avg_sq(v = v.contiguous());
         cpu_adamw(p.data_ptr<float>(), p.grad().data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), p.numel(),
                   o, s.step());
+        torch::autograd::impl::bump_version(p);  // written through its pointer: say so, as an operator would
       }
     }
     return loss;

@@ -2,10 +2,12 @@
 // BatchNorm by default): a convolutional network with BatchNorm and a raw parameter trains under
 // bfloat16 with no further option, equal to a local reference in which BatchNorm's parameters and
 // running statistics stay float32 and the rest computes in bfloat16; buffer_dtype leaves BatchNorm's
-// statistics alone; a forgotten input cast fails with a hint naming the unit and the fix.
+// statistics alone; a forgotten input cast fails with a hint naming the unit and the fix; copies
+// of the parameters made before a step are not used after it.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <string>
 
 #include "fsdp/activation_checkpoint.h"
@@ -74,13 +76,17 @@ at::Tensor classification_loss(ResNet& m, const at::Tensor& x) {
   return torch::cross_entropy_loss(m->forward(x).to(at::kFloat), labels);
 }
 
-// args: strategy, "standardize" or "plain". 3 AdamW steps on 2 images of 6x6 per rank, bfloat16
-// compute, float32 reduction, no other option (buffer_dtype bfloat16 with "standardize").
+// args: strategy, "standardize" or "plain", optionally "checkpointed" or "sgd_peek". 3 AdamW steps
+// on 2 images of 6x6 per rank, bfloat16 compute, float32 reduction, no other option (buffer_dtype
+// bfloat16 with "standardize"). "sgd_peek": SGD with momentum (LibTorch's writes the parameters
+// without moving their version counters), and the module's parameters read between backward and
+// the step (which gathers or casts them before the step changes the shards).
 FSDP_WORKER(full_precision_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0);
   const bool standardize = ctx.args.at(1) == "standardize";
   const bool checkpointed = ctx.args.size() > 2 && ctx.args[2] == "checkpointed";
+  const bool sgd_peek = ctx.args.size() > 2 && ctx.args[2] == "sgd_peek";
   ResNet ref = make_resnet(standardize), compute = make_resnet(standardize),
          model = make_resnet(standardize, checkpointed);
   LocalMixedPrecision<ResNet> local(ref, compute, at::kBFloat16, at::kFloat, fsdp::MixedPrecision::is_batch_norm);
@@ -112,24 +118,35 @@ FSDP_WORKER(full_precision_worker) {
       WORKER_CHECK(kv.value().scalar_type() == at::kBFloat16, "buffer '", kv.key(), "' is ", kv.value().scalar_type());
   }
 
-  torch::optim::AdamW ref_opt(local.parameters(), torch::optim::AdamWOptions(0.01)),
-      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+  std::unique_ptr<torch::optim::Optimizer> ref_opt, opt;
+  if (sgd_peek) {
+    ref_opt = std::make_unique<torch::optim::SGD>(local.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    opt = std::make_unique<torch::optim::SGD>(sharded->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  } else {
+    ref_opt = std::make_unique<torch::optim::AdamW>(local.parameters(), torch::optim::AdamWOptions(0.01));
+    opt = std::make_unique<torch::optim::AdamW>(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+  }
   const int rows = 2;
   for (int step = 0; step < 3; ++step) {
     const auto x = at::randn({rows * ctx.world, 3, 6, 6}, at::detail::createCPUGenerator(60 + step));
-    ref_opt.zero_grad();
+    ref_opt->zero_grad();
     const auto losses = local.backward(x, ctx.world, rows, 1.0, [&](ResNet& m, const at::Tensor& xs) {
       return classification_loss(m, xs.to(at::kBFloat16));
     });
-    ref_opt.step();
-    opt.zero_grad();
+    ref_opt->step();
+    opt->zero_grad();
     // The handle's forward casts the root's input (as PyTorch FSDP does): no cast in user code.
     const at::Tensor rows_here = x.narrow(0, ctx.rank * rows, rows);
     const at::Tensor labels =
         rows_here.sum({1, 2, 3}).gt(0).to(at::kLong) + 2 * rows_here.select(1, 0).mean({1, 2}).gt(0).to(at::kLong);
     at::Tensor loss = torch::cross_entropy_loss(sharded->forward(rows_here).to(at::kFloat), labels);
     loss.backward();
-    opt.step();
+    if (sgd_peek) {
+      double sum = 0;
+      for (const auto& p : model->parameters()) sum += p.to(at::kDouble).sum().item<double>();
+      WORKER_CHECK(std::isfinite(sum), "the parameters read before the step");
+    }
+    opt->step();
     const double mine = loss.item<double>(), theirs = losses.at(ctx.rank);
     WORKER_CHECK(std::abs(mine - theirs) <= 1e-6 * std::abs(theirs), "step ", step, " loss ", mine, " vs local ",
                  theirs);
@@ -158,6 +175,17 @@ TEST(FullPrecisionModules, BatchNormKeepsFloat32AndTrainsLikeTheReferenceUnderBf
   for (const char* strategy : {"SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
     auto r = launch("full_precision_worker", 4, {strategy, "plain"});
     ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
+// Gathered or cast copies made after backward do not outlive the step that changes their shards,
+// whether the optimizer moves the pieces' version counters or not.
+TEST(FullPrecisionModules, CopiesMadeBeforeTheStepAreNotUsedAfterIt) {
+  for (int world : {1, 2}) {
+    for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}) {
+      auto r = launch("full_precision_worker", world, {strategy, "plain", "sgd_peek"});
+      ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
+    }
   }
 }
 

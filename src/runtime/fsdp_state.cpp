@@ -199,6 +199,8 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
       fp.residuals().enabled = rq.error_feedback();
     }
     flat_param_of_storage_[fp.storage()] = static_cast<int>(id);
+    if (!fp.keep_unsharded())
+      flat_param_of_shard_storage_[fp.shard().storage().unsafeGetStorageImpl()] = static_cast<int>(id);
     for (size_t s = 0; s < fp.slots().size(); ++s)
       slot_of_param_[fp.slots()[s].param.unsafeGetTensorImpl()] = {static_cast<int>(id), static_cast<int>(s)};
     const auto& sentinels = fp.grad().sentinels();
@@ -260,6 +262,11 @@ int FsdpState::flat_param_of_storage(const c10::StorageImpl* storage) const {
 const std::pair<int, int>* FsdpState::slot_of_param(const c10::TensorImpl* param) const {
   auto it = slot_of_param_.find(param);
   return it == slot_of_param_.end() ? nullptr : &it->second;
+}
+
+int FsdpState::flat_param_of_shard_storage(const c10::StorageImpl* storage) const {
+  auto it = flat_param_of_shard_storage_.find(storage);
+  return it == flat_param_of_shard_storage_.end() ? -1 : it->second;
 }
 
 const std::pair<int, int>* FsdpState::sentinel_of_storage(const c10::StorageImpl* storage) const {

@@ -72,6 +72,8 @@ class FsdpState {
   // Lookups, read-only after construction (the operator hook reads them from any thread).
   // -1 / nullptr when absent.
   int flat_param_of_storage(const c10::StorageImpl* storage) const;
+  // The flat param whose separate shard (Note [Shard writes]) has this storage.
+  int flat_param_of_shard_storage(const c10::StorageImpl* storage) const;
   const std::pair<int, int>* slot_of_param(const c10::TensorImpl* param) const;  // {flat param, slot}
   int unit_of_module(const torch::nn::Module* module) const;
   // The {flat param, slot} whose gradient placeholder (Note [Gradient sentinel]) has this storage.
@@ -123,6 +125,7 @@ class FsdpState {
   std::unique_ptr<Scheduler> scheduler_;
 
   std::unordered_map<const c10::StorageImpl*, int> flat_param_of_storage_;
+  std::unordered_map<const c10::StorageImpl*, int> flat_param_of_shard_storage_;
   std::unordered_map<const c10::TensorImpl*, std::pair<int, int>> slot_of_param_;
   std::unordered_map<const torch::nn::Module*, int> unit_of_module_;
   std::unordered_map<const c10::StorageImpl*, std::pair<int, int>> sentinel_of_storage_;

@@ -222,17 +222,30 @@ void Hooks::on_operator(const at::RecordFunction& fn) {
 
 void Hooks::intercept(const at::RecordFunction& fn) {
   auto inputs = fn.inputs();
+  const bool inplace = is_inplace_op(fn.name());
   for (size_t i = 0; i < inputs.size(); ++i) {
     auto visit = [&](const at::Tensor& t) {
       if (!t.defined() || !t.has_storage()) return;
       const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
       if (f < 0) {
+        if (i == 0 && inplace) {  // Note [Shard writes]
+          const int s = state_.flat_param_of_shard_storage(t.storage().unsafeGetStorageImpl());
+          if (s >= 0) {
+            state_.flat_params()[s]->note_shard_written();
+            return;
+          }
+        }
         check_sentinel_read(fn, t);
         return;
       }
+      const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
+      // Storage that is never freed, read without grad through another tensor than the module's
+      // parameter (the optimizer stepping its pieces): no use of the unit, so nothing is scheduled
+      // (Note [Shard writes]).
+      if (!slot && state_.flat_params()[f]->keep_unsharded() && !at::GradMode::is_enabled()) return;
       std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-      const bool writes = i == 0 && is_inplace_op(fn.name()) && !state_.has_pending_error();
-      if (const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl())) {
+      const bool writes = i == 0 && inplace && !state_.has_pending_error();
+      if (slot) {
         ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
         if (writes)
           state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"),
