@@ -14,8 +14,8 @@
 # end and the training-loss curves (bench/results/quantized.png, with gnuplot); after the
 # unquantized run, its --quantization-report at block sizes 32 to 4096 (each parameter's error
 # through int8 gathers and reductions at the trained weights). Prints the markdown tables.
-# REPEATS 0: the loss comparison only; LOSS=0: the step times only. MASTER_PORT: fsdp-run's port
-# (29500).
+# REPEATS 0: the loss comparison only; LOSS=0: the step times only; ONLY=NETWORK (shm, tcp, 1gbit,
+# 10gbit): the step-time rows of that network only. MASTER_PORT: fsdp-run's port (29500).
 set -euo pipefail
 # shellcheck source=bench/trainer_runs.sh
 source "$(dirname "$0")/trainer_runs.sh"
@@ -30,6 +30,11 @@ declare -A NETS=([shm]="FSDP_TRANSPORT=shm" [tcp]="FSDP_TRANSPORT=tcp"
 # Rows: "model strategy network".
 ROWS=("narrow FULL_SHARD shm" "narrow FULL_SHARD tcp" "narrow FULL_SHARD 1gbit" "narrow FULL_SHARD 10gbit"
       "narrow NO_SHARD 1gbit" "wide FULL_SHARD shm" "wide FULL_SHARD tcp" "wide FULL_SHARD 10gbit")
+if [ -n "${ONLY:-}" ]; then
+  KEPT=()
+  for row in "${ROWS[@]}"; do [ "${row##* }" = "$ONLY" ] && KEPT+=("$row"); done
+  ROWS=("${KEPT[@]}")
+fi
 declare -A TIMES BYTES
 ms_per_step() {  # the mean over the logged windows after the first (warm-up excluded)
   grep -E "^\[rank 0\] step +(16|24)/" | sed -E 's/.*\| +([0-9.]+) ms\/step.*/\1/' | awk '{ s += $1 } END { printf "%.1f", s / NR }'

@@ -172,7 +172,11 @@ void FullyShardedModule::begin_root_forward() { detail::clear_escaped_dtype_hint
 
 void FullyShardedModule::rethrow_with_dtype_hint(const std::exception& e) {
   const std::string hint = detail::take_escaped_dtype_hint();
-  if (!hint.empty()) throw Error(std::string(e.what()) + "\nlibfsdp: " + hint);
+  if (hint.empty()) return;
+  // The hint first: LibTorch's message names neither the unit nor the fix, and its backtrace is long.
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  throw Error(detail::compose(
+      "libfsdp: ", hint, ". (LibTorch's error: ", c10_error ? c10_error->what_without_backtrace() : e.what(), ")"));
 }
 
 at::Tensor FullyShardedModule::cast_forward_input(at::Tensor input) const {

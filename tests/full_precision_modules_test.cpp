@@ -255,6 +255,32 @@ FSDP_WORKER(hint_through_handle_worker) {
       "MixedPrecision::buffer_dtype casts buffers", "again");
 }
 
+// BatchNorm taken out of full precision (keep_full_precision(nullptr)) without buffer_dtype: its
+// float32 running statistics meet its bfloat16 parameters. The error opens with the hint.
+FSDP_WORKER(batch_norm_in_bf16_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  ResNet model = make_resnet(false);
+  auto sharded = fsdp::fully_shard(
+      model, pg,
+      fsdp::Options()
+          .auto_wrap_policy(fsdp::wrap::by_type<ConvBnImpl>())
+          .mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16).keep_full_precision(nullptr)));
+  try {
+    sharded->forward(torch::randn({2, 3, 6, 6}));
+  } catch (const fsdp::Error& e) {
+    const std::string what = e.what();
+    WORKER_CHECK(what.rfind("libfsdp: operator aten::", 0) == 0, "the hint does not come first: ", what);
+    WORKER_CHECK(contains(what, "bn.weight' of unit") && contains(what, "MixedPrecision::buffer_dtype"), what);
+    return;
+  }
+  WORKER_CHECK(false, "float32 running statistics under bfloat16 BatchNorm parameters did not fail");
+}
+
+TEST(FullPrecisionModules, BatchNormInBf16WithFloat32StatisticsFailsWithTheHintFirst) {
+  auto r = launch("batch_norm_in_bf16_worker", 1);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
 TEST(FullPrecisionModules, AnInputLeftInFloat32FailsWithAHintNamingTheUnitAndTheFix) {
   auto r = launch("keep_policy_worker", 2, {"none"});
   ASSERT_TRUE(r.all_ok()) << r.report();

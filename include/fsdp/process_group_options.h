@@ -30,9 +30,10 @@ struct ProcessGroupOptions {
   // A modeled network (network_model.h) wrapping every communicator this group creates. Unset:
   // FSDP_NETWORK_MODEL decides. options() shows the resolved model.
   std::optional<NetworkModel> network_model;
-  // Gloo over TCP: compare every collective's fingerprint across members before its data moves
-  // (one extra small message per pair per collective), so ranks out of step fail at once instead of
-  // at the timeout or with wrong sums. Shared memory always checks (free); the end-of-job agreement
+  // Gloo over TCP: check that the members run the same collective (fingerprints carried in the
+  // data's slots and compared through the store when a collective stalls, or exchanged before
+  // all-reduces, broadcasts and barriers), so ranks out of step fail within seconds instead of at
+  // the timeout or with wrong sums. Shared memory always checks (free); the end-of-job agreement
   // always runs. FSDP_CHECK_COLLECTIVES=0/1 overrides (Note [Collective fingerprints]).
   bool check_collectives = true;
   // Chosen per communicator, identically on every member. kAuto: FSDP_TRANSPORT if set, else

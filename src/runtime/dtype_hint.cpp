@@ -38,7 +38,8 @@ std::string mixed_precision_mismatch(const FsdpState& state, const at::RecordFun
       "operator ", fn.name(), " read ", slot ? "parameter '" + slot->name + "'" : std::string("a parameter"),
       " of unit '", unit.empty() ? "<root>" : unit, "' in ", *param_dtype, " (MixedPrecision::param_dtype) with a ",
       wider,
-      " input. Under mixed precision a unit computes in param_dtype: call the model through the handle "
+      " tensor (an input, a buffer or another tensor). Under mixed precision a unit computes in param_dtype: call the "
+      "model through the handle "
       "fully_shard() returned, sharded->forward(x), which casts the root's inputs, or cast them with "
       "FullyShardedModule::cast_forward_input(x); a ",
       wider,
