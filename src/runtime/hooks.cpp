@@ -222,13 +222,17 @@ void Hooks::on_operator(const at::RecordFunction& fn) {
 
 void Hooks::intercept(const at::RecordFunction& fn) {
   auto inputs = fn.inputs();
-  const bool inplace = is_inplace_op(fn.name());
+  int inplace_op = -1;  // is_inplace_op(fn.name()), worked out when first needed
+  auto inplace = [&] {
+    if (inplace_op < 0) inplace_op = is_inplace_op(fn.name()) ? 1 : 0;
+    return inplace_op == 1;
+  };
   for (size_t i = 0; i < inputs.size(); ++i) {
     auto visit = [&](const at::Tensor& t) {
       if (!t.defined() || !t.has_storage()) return;
       const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
       if (f < 0) {
-        if (i == 0 && inplace) {  // Note [Shard writes]
+        if (i == 0 && inplace()) {  // Note [Shard writes]
           const int s = state_.flat_param_of_shard_storage(t.storage().unsafeGetStorageImpl());
           if (s >= 0) {
             state_.flat_params()[s]->note_shard_written();
@@ -244,7 +248,7 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       // (Note [Shard writes]).
       if (!slot && state_.flat_params()[f]->keep_unsharded() && !at::GradMode::is_enabled()) return;
       std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-      const bool writes = i == 0 && inplace && !state_.has_pending_error();
+      const bool writes = i == 0 && inplace() && !state_.has_pending_error();
       if (slot) {
         ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
         if (writes)
