@@ -15,7 +15,7 @@
 #         fit its time (desync, ranks stopped, start-up failures, and ranks killed at random
 #         moments: four of the eight seeds, which draw worlds 3 and 4 and both transports)
 #   tsan  build-tsan, FSDP_SANITIZE=thread: the communicators, the overlap tests (as for asan), and
-#         the desync, killed-at-random (the same four seeds) and start-up fault tests
+#         the desync, diverged-collective, killed-at-random (the same four seeds) and start-up fault tests
 #
 # LibTorch (and Gloo, OpenMP, libstdc++) are not instrumented; what they report on their own is
 # suppressed in tools/sanitizers/*.supp, each entry with its reason. The options reach the rank
@@ -37,13 +37,13 @@ JOBS=${JOBS:-2}
 
 # ctest names are gtest's: [Instantiation/]Suite.Test[/Param]
 ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|StepInBackward\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|TransportTest\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|InStepTest\.EveryRankFinishesWithStatusZero/FULL_SHARD_accumulate_no_sync|KilledAtRandomTest\.EverySurvivorFailsWithinSeconds/[1-4]$|StoppedInStepTest\.|^Startup\.'}
-TSAN_TESTS=${TSAN_TESTS:-'StepInBackward\.|TransportTest\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|DesyncTest\.|InStepTest\.EveryRankFinishesWithStatusZero/FULL_SHARD_accumulate_no_sync|KilledAtRandomTest\.EverySurvivorFailsWithinSeconds/[1-4]$|KilledHoldingConnectionsTest\.|^DeadMembers\.|^Startup\.'}
+TSAN_TESTS=${TSAN_TESTS:-'StepInBackward\.|TransportTest\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|DesyncTest\.|DivergedTest\.|InStepTest\.EveryRankFinishesWithStatusZero/FULL_SHARD_accumulate_no_sync|KilledAtRandomTest\.EverySurvivorFailsWithinSeconds/[1-4]$|KilledHoldingConnectionsTest\.|^DeadMembers\.|^Startup\.'}
 # Tests that also bound their own wall time (fail-fast within 15 or 30 s of launching the ranks,
 # a shared-memory step faster than a modeled 0.13 s): under a sanitizer, rank start-up alone
 # (loading LibTorch under ASan/TSan interceptors) can take most of that on 2 busy cores. They still
 # run, and their sanitizer reports still fail the job, but a failure on their own timing does not.
 ASAN_TIMING_BOUND='NetworkModel\.IntraAndInterHostLinksFromOptions|NetworkModel\.CompletesNoEarlierThanModeled|SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.|KilledAtRandomTest\.|StoppedInStepTest\.|^Startup\.'
-TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.|KilledAtRandomTest\.|KilledHoldingConnectionsTest\.|^Startup\.'
+TSAN_TIMING_BOUND='SharedMemory\.DivergedRanksFailFast|MemberGoneTest\.|DesyncTest\.|DivergedTest\.|KilledAtRandomTest\.|KilledHoldingConnectionsTest\.|^Startup\.'
 
 # Ranks run one OpenMP thread (the test harness sets it for them too): LibTorch's OpenMP runtime
 # (libgomp) is not instrumented, and TSan cannot see its barriers.
