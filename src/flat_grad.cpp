@@ -17,9 +17,8 @@ FlatGrad::FlatGrad(std::vector<ParamSlot>& slots, const FlatGradLayout& layout, 
       memory_(memory),
       buffers_(buffers),
       offload_(offload),
-      like_(at::empty({0}, layout.unsharded_options)) {
-  if (layout_.separate_shard) sentinels_ = make_sentinels();
-}
+      like_(at::empty({0}, layout.unsharded_options)),
+      sentinels_(make_sentinels()) {}
 
 FlatGrad::~FlatGrad() {
   // A reduction of an interrupted backward still reads memory that this object keeps alive.
@@ -84,8 +83,9 @@ bool FlatGrad::ensure_buffer() {
 std::vector<at::Tensor> FlatGrad::make_sentinels() const {
   // All strides 0 over one zero element; not views (zero_grad() detach_()es them). On the CPU the
   // element lives outside LibTorch's allocator, so model-state accounting does not see it.
-  const auto options = layout_.unsharded_options.dtype(slots_.front().param.scalar_type());
   std::vector<at::Tensor> out;
+  if (slots_.empty()) return out;
+  const auto options = layout_.unsharded_options.dtype(slots_.front().param.scalar_type());
   auto zero = std::make_shared<std::array<uint64_t, 2>>();  // zero bits: 0 in every floating dtype
   for (const auto& t : slots_) {
     const std::vector<int64_t> strides(t.shape.size(), 0);
@@ -101,8 +101,7 @@ std::vector<at::Tensor> FlatGrad::make_sentinels() const {
 void FlatGrad::take(int slot) {
   ParamSlot& s = slots_[slot];
   at::Tensor& g = s.param.mutable_grad();
-  if (!g.defined()) return;
-  if (!sentinels_.empty() && g.is_same(sentinels_[slot])) return;
+  if (!g.defined() || is_sentinel(slot, g)) return;
   FSDP_CHECK(buffer_.defined(), "internal: gradient of '", s.name, "' arrived without a gradient buffer");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
@@ -116,8 +115,12 @@ void FlatGrad::take(int slot) {
     part.copy_(g);
   }
   written_[slot] = 1;
-  g.reset();
-  if (layout_.separate_shard) g = sentinels_[slot];
+  g = sentinels_[slot];
+}
+
+bool FlatGrad::is_sentinel(int slot, const at::Tensor& g) const {
+  // Module::zero_grad() replaces it by a detached copy: the same storage.
+  return g.has_storage() && g.storage().unsafeGetStorageImpl() == sentinels_[slot].storage().unsafeGetStorageImpl();
 }
 
 void FlatGrad::keep_unreduced() {

@@ -2,8 +2,7 @@
 // FlatGrad: the gradient side of one FlatParameter. During backward, AccumulateGrad gives a
 // parameter its gradient as usual (stealing autograd's tensor, no copy); take() then moves it into
 // the parameter's region of one flat gradient buffer (a copy the first time, an add for a later
-// gradient) and clears the parameter's .grad: with a separate shard, to a zero-stride zero (Note
-// [Gradient sentinel]). The buffer's reduction (issued by flat_param_collectives.h) lands here
+// gradient) and leaves in the parameter's .grad a zero-stride zero (Note [Gradient sentinel]). The buffer's reduction (issued by flat_param_collectives.h) lands here
 // and is averaged into the shard pieces' .grad. Kept unsharded (NO_SHARD), the buffer persists
 // between iterations and the pieces' .grad alias it (Note [NO_SHARD flat gradient]). Hybrid
 // reductions that skip the replicas keep their partial sums here (Note [Hybrid sharding]).
@@ -44,8 +43,8 @@ class FlatGrad {
   FlatGrad(const FlatGrad&) = delete;
   FlatGrad& operator=(const FlatGrad&) = delete;
 
-  // Per slot, what its module parameter's .grad holds between backwards when the shard is separate
-  // (a zero of the parameter's shape, all strides 0: Note [Gradient sentinel]); empty otherwise.
+  // Per slot, what its module parameter's .grad holds between backwards (a zero of the parameter's
+  // shape, all strides 0: Note [Gradient sentinel]).
   const std::vector<at::Tensor>& sentinels() const { return sentinels_; }
 
   // The flat gradient buffer exists during backward (padded_numel elements, reduce dtype).
@@ -118,6 +117,8 @@ class FlatGrad {
 
  private:
   std::vector<at::Tensor> make_sentinels() const;
+  // `g` is slot's sentinel (or a tensor over its storage).
+  bool is_sentinel(int slot, const at::Tensor& g) const;
   // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
   at::Tensor grad_alias(const ParamSlot& s, const at::Tensor& store) const;
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g, const at::Tensor& store) const;

@@ -77,6 +77,8 @@ class FlatParam {
   // An operator wrote into the shard through a tensor whose version counter is not the shard's
   // or a piece's (an optimizer writing through .data()): Note [Shard writes].
   void note_shard_written() { shard_writes_.fetch_add(1, std::memory_order_relaxed); }
+  // Moves whenever the shard is written: its own, its pieces' and note_shard_written()'s counts.
+  int64_t shard_version() const;
   // Gives the flat storage memory again if it was freed (same StorageImpl, new memory) and
   // records the shard's version its values are to come from. Its contents are undefined until
   // a gather (flat_param_collectives.h) fills them.
@@ -117,7 +119,6 @@ class FlatParam {
   void copy_full_into_shard(const at::Tensor& full);
 
  private:
-  int64_t shard_version() const;
   int id_, unit_;
   std::vector<ParamSlot> slots_;
   ShardingGroups group_;

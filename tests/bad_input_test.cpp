@@ -2,6 +2,10 @@
 // naming the mistake, never a hang.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "harness.h"
 #include "models.h"
 
@@ -134,18 +138,24 @@ TEST(BadInput, OptimizerOverOriginalParametersIsDetected) {
 }
 
 // A stock optimizer over module->parameters() (not the shards) never gets to train silently: the
-// parameters' .grad between backwards is a zero sentinel, so its first step writes a parameter in
-// place, which is refused by the next forward. args: optimizer (sgd, adam, adamw)
+// parameters' .grad between backwards is a zero sentinel. Where sharding frees the parameters, the
+// first step writes one in place, which is refused by the next forward; where the parameters are
+// the shards (a world of one, NO_SHARD), the first step reads a sentinel, which is refused by the
+// next backward. args: optimizer (sgd, adam, adamw, adamw_no_decay), strategy
 FSDP_WORKER(stock_optimizer_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
-  auto sharded =
-      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded = fsdp::fully_shard(model, pg,
+                                   fsdp::Options()
+                                       .sharding_strategy(fsdp::parse_sharding_strategy(ctx.args.at(1)))
+                                       .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
   std::unique_ptr<torch::optim::Optimizer> opt;
   const std::string kind = ctx.args.at(0);
   if (kind == "sgd") opt = std::make_unique<torch::optim::SGD>(model->parameters(), 0.1);
   if (kind == "adam") opt = std::make_unique<torch::optim::Adam>(model->parameters(), 0.1);
   if (kind == "adamw") opt = std::make_unique<torch::optim::AdamW>(model->parameters(), 0.1);
+  if (kind == "adamw_no_decay")  // reads each gradient only as a later input of in-place operators
+    opt = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(0.1).weight_decay(0));
   for (int step = 0; step < 3; ++step) {
     try {
       opt->zero_grad();
@@ -154,7 +164,7 @@ FSDP_WORKER(stock_optimizer_worker) {
       opt->step();
     } catch (const std::exception& e) {
       WORKER_CHECK(step == 1, "failed at step ", step,
-                   " (expected at the first forward after the first step): ", e.what());
+                   " (expected at the first forward or backward after the first step): ", e.what());
       WORKER_CHECK(contains(e.what(), "build the optimizer over FullyShardedModule::parameters()"), e.what());
       std::cout << "refused: " << e.what() << std::endl;
       return;
@@ -164,10 +174,12 @@ FSDP_WORKER(stock_optimizer_worker) {
 }
 
 TEST(BadInput, StockOptimizerOverModuleParametersFailsAfterItsFirstStep) {
-  for (const std::string kind : {"sgd", "adam", "adamw"}) {
-    auto r = launch("stock_optimizer_worker", 2, {kind}, 120);
-    EXPECT_TRUE(r.all_ok()) << kind << "\n" << r.report();
-  }
+  for (const std::string kind : {"sgd", "adam", "adamw", "adamw_no_decay"})
+    for (const auto& [world, strategy] :
+         std::vector<std::pair<int, std::string>>{{2, "FULL_SHARD"}, {1, "FULL_SHARD"}, {2, "NO_SHARD"}}) {
+      auto r = launch("stock_optimizer_worker", world, {kind, strategy}, 120);
+      EXPECT_TRUE(r.all_ok()) << kind << " " << strategy << " world " << world << "\n" << r.report();
+    }
 }
 
 // Writes that bypass the parameter's own tensor: through .data(), .detach() or set_data(). Each

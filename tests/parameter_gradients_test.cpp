@@ -8,6 +8,8 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "harness.h"
 #include "models.h"
@@ -110,11 +112,11 @@ TEST(ParameterGradients, GradNormsEqualLocalTrainingsPerParameter) {
 }
 
 // After backward, zeroing the original parameters' .grad is fine; reading one as a gradient makes
-// the next backward fail, naming the parameter and the way to its gradient.
+// the next backward fail, naming the parameter and the way to its gradient. args: strategy
 FSDP_WORKER(placeholder_read_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model = make_mlp();
-  auto sharded = fsdp::fully_shard(model, pg);
+  auto sharded = fsdp::fully_shard(model, pg, strategy_options(ctx.args.at(0)));
   const at::Tensor x = at::randn({2, 5});
   model->forward(x).sum().backward();
   zero_grad_in_place(*std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1)));
@@ -133,8 +135,37 @@ FSDP_WORKER(placeholder_read_worker) {
 }
 
 TEST(ParameterGradients, ReadingAParametersPlaceholderGradIsAnErrorNamingTheWayToTheGradient) {
-  auto r = launch("placeholder_read_worker", 2);
-  ASSERT_TRUE(r.all_ok()) << r.report();
+  // The parameters are the shards at a world of one and under NO_SHARD.
+  for (const auto& [world, strategy] :
+       std::vector<std::pair<int, std::string>>{{2, "FULL_SHARD"}, {1, "FULL_SHARD"}, {2, "NO_SHARD"}}) {
+    auto r = launch("placeholder_read_worker", world, {strategy});
+    ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
+  }
+}
+
+// A module's own zero_grad() (which detaches each .grad, the placeholder included) is harmless
+// beside an optimizer over the shards, which trains. args: strategy
+FSDP_WORKER(module_zero_grad_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model = make_mlp();
+  auto sharded = fsdp::fully_shard(model, pg, strategy_options(ctx.args.at(0)));
+  torch::optim::SGD opt(sharded->parameters(), 0.1);
+  const at::Tensor before = sharded->full_state_dict().at("layers.0.weight").clone();
+  for (int step = 0; step < 3; ++step) {
+    model->zero_grad();
+    opt.zero_grad();
+    model->forward(at::randn({2, 5})).sum().backward();
+    opt.step();
+  }
+  WORKER_CHECK(!torch::equal(sharded->full_state_dict().at("layers.0.weight"), before), "nothing was trained");
+}
+
+TEST(ParameterGradients, AModulesZeroGradIsHarmless) {
+  for (const auto& [world, strategy] :
+       std::vector<std::pair<int, std::string>>{{2, "FULL_SHARD"}, {1, "FULL_SHARD"}, {2, "NO_SHARD"}}) {
+    auto r = launch("module_zero_grad_worker", world, {strategy});
+    ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
+  }
 }
 
 }  // namespace

@@ -34,6 +34,9 @@ std::shared_ptr<const HooksList> g_all = std::make_shared<HooksList>();
 std::shared_ptr<const HooksList> g_intercepting = std::make_shared<HooksList>();
 at::CallbackHandle g_callback = 0;
 
+// How many backward passes the sentinel watch follows at most when no optimizer step is seen.
+constexpr int kSentinelWatches = 32;
+
 // Operators nest (conv2d calls convolution calls a kernel): per thread, the depth of the operator
 // running now, and the hint of the outermost one in this nest whose inputs mix dtypes under mixed
 // precision. Printed once, when that nest unwinds with an exception.
@@ -75,25 +78,35 @@ std::shared_ptr<const HooksList> with(const std::shared_ptr<const HooksList>& li
   return next;
 }
 
-void register_model(Hooks* hooks, bool intercept) {
+// Adds `hooks` to, or removes it from, the models whose operators are intercepted; the global
+// callback exists while any is.
+void set_intercepting(Hooks* hooks, bool on) {
   std::lock_guard<std::mutex> lock(g_registry_mu);
-  std::atomic_store(&g_all, with(g_all, hooks, nullptr));
-  if (!intercept) return;
-  std::atomic_store(&g_intercepting, with(g_intercepting, hooks, nullptr));
-  if (g_callback == 0)
+  std::atomic_store(&g_intercepting, with(g_intercepting, on ? hooks : nullptr, hooks));
+  if (!std::atomic_load(&g_intercepting)->empty() && g_callback == 0) {
     g_callback = at::addGlobalCallback(at::RecordFunctionCallback(&on_operator_start, &on_operator_end)
                                            .needsInputs(true)
                                            .scopes({at::RecordScope::FUNCTION}));
-}
-
-void unregister_model(Hooks* hooks) {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  std::atomic_store(&g_all, with(g_all, nullptr, hooks));
-  std::atomic_store(&g_intercepting, with(g_intercepting, nullptr, hooks));
-  if (std::atomic_load(&g_intercepting)->empty() && g_callback != 0) {
+  } else if (std::atomic_load(&g_intercepting)->empty() && g_callback != 0) {
     at::removeCallback(g_callback);
     g_callback = 0;
   }
+}
+
+void register_model(Hooks* hooks, bool intercept) {
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    std::atomic_store(&g_all, with(g_all, hooks, nullptr));
+  }
+  if (intercept) set_intercepting(hooks, true);
+}
+
+void unregister_model(Hooks* hooks) {
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    std::atomic_store(&g_all, with(g_all, nullptr, hooks));
+  }
+  set_intercepting(hooks, false);
 }
 
 // The model and unit of a Sharded module, if fully_shard made it a unit.
@@ -165,7 +178,7 @@ std::string Hooks::managed_parameter(torch::nn::Module& module) {
   return "";
 }
 
-Hooks::Hooks(FsdpState& state) : state_(state) {
+Hooks::Hooks(FsdpState& state) : state_(state), watches_left_(state.intercepting() ? 0 : kSentinelWatches) {
   add_grad_hooks();
   register_model(this, state_.intercepting());
 }
@@ -214,7 +227,10 @@ void Hooks::on_operator(const at::RecordFunction& fn) {
   // RecordFunction catches and only logs what a callback throws, so errors found here are kept
   // and rethrown from the next autograd hook or API call.
   try {
-    intercept(fn);
+    if (state_.intercepting())
+      intercept(fn);
+    else
+      watch_sentinels(fn);
   } catch (const std::exception& e) {
     state_.set_pending_error(e.what(), /*print_now=*/true);
   }
@@ -239,7 +255,7 @@ void Hooks::intercept(const at::RecordFunction& fn) {
             return;
           }
         }
-        check_sentinel_read(fn, t);
+        check_sentinel_read(fn, t, i);
         return;
       }
       const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
@@ -275,12 +291,59 @@ void Hooks::intercept(const at::RecordFunction& fn) {
   }
 }
 
-void Hooks::check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& t) {
+void Hooks::watch_sentinels(const at::RecordFunction& fn) {
+  auto inputs = fn.inputs();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto visit = [&](const at::Tensor& t) {
+      if (!t.defined() || !t.has_storage()) return;
+      const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
+      if (f < 0) {
+        check_sentinel_read(fn, t, i);
+      } else if (i == 0 && is_inplace_op(fn.name())) {
+        state_.flat_params()[f]->note_shard_written();  // an optimizer step, most likely
+      }
+    };
+    const c10::IValue& v = inputs[i];
+    if (v.isTensor()) {
+      visit(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
+    }
+  }
+}
+
+int64_t Hooks::shard_versions() const {
+  int64_t v = 0;
+  for (const auto& fp : state_.flat_params()) v += fp->shard_version();
+  return v;
+}
+
+void Hooks::begin_sentinel_watch() {
+  if (watching_ || watches_left_ <= 0) return;
+  versions_at_watch_ = shard_versions();
+  set_intercepting(this, true);
+  watching_ = true;
+}
+
+void Hooks::end_sentinel_watch() {
+  if (!watching_) return;
+  set_intercepting(this, false);
+  watching_ = false;
+  // The shards changed since the last backward: an optimizer over them stepped, so one over the
+  // module's parameters would have been caught already.
+  if (shard_versions() != versions_at_watch_) watches_left_ = 0;
+  --watches_left_;
+}
+
+void Hooks::check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& t, size_t input) {
   const auto* slot = state_.sentinel_of_storage(t.storage().unsafeGetStorageImpl());
-  // Zeroing it and detaching it (zero_grad) are fine; reading it as a gradient is not.
+  // Zeroing it and detaching it (zero_grad) are fine; reading it as a gradient is not, also as
+  // another input of an in-place operator (exp_avg.add_(grad)).
   const char* op = fn.name();
-  if (!slot || is_inplace_op(op) || std::strcmp(op, "aten::detach") == 0 || std::strcmp(op, "aten::detach_") == 0 ||
-      std::strcmp(op, "aten::requires_grad_") == 0)
+  // Named with or without the namespace: Module::zero_grad()'s detach() records "detach".
+  const char* bare = std::strncmp(op, "aten::", 6) == 0 ? op + 6 : op;
+  if (!slot || (input == 0 && is_inplace_op(op)) || std::strcmp(bare, "detach") == 0 ||
+      std::strcmp(bare, "detach_") == 0 || std::strcmp(bare, "requires_grad_") == 0)
     return;
   std::lock_guard<std::recursive_mutex> lock(state_.mutex());
   if (state_.has_pending_error()) return;
@@ -315,6 +378,7 @@ void Hooks::on_grad_pre(int f, int s) {
 
 void Hooks::begin_backward() {
   if (final_callback_queued_) return;
+  end_sentinel_watch();
   // Queued on the backward this thread runs now; it runs when that backward ends.
   torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
   final_callback_queued_ = true;
@@ -342,6 +406,7 @@ void Hooks::on_backward_end() {
   state_.rethrow_pending_error();
   state_.scheduler().finalize_backward(state_.buffers());
   state_.check_parameters_unchanged();
+  if (!state_.intercepting()) begin_sentinel_watch();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 // Hooks: every way FSDP sees the computation of an unmodified model, registered in one place and
 // each calling the Scheduler or the GradientReducer, never one another:
 //  * the operator hook (a global RecordFunction callback): an operator reads a parameter of a
-//    sharded unit -> Scheduler::use (Note [Interception by storage]);
+//    sharded unit -> Scheduler::use (Note [Interception by storage]); where the parameters are the
+//    shards, only between a backward and the optimizer's first step (the sentinel watch);
 //  * AccumulateGrad pre/post hooks on every parameter -> GradientReducer, and
 //    Scheduler::post_backward when a unit's gradients are complete;
 //  * a callback queued on the autograd engine at the end of backward -> Scheduler::finalize_backward;
@@ -37,9 +38,16 @@ class Hooks {
 
  private:
   void intercept(const at::RecordFunction& fn);
-  // Keeps an error if `fn` reads (not zeroes) a parameter's gradient placeholder (Note [Gradient
-  // sentinel]): the gradient is in the shard pieces.
-  void check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& t);
+  // Where the parameters are the shards (no interception): from the end of a backward to the start
+  // of the next, reads of the gradient placeholders are errors and in-place writes to a
+  // FlatParameter's storage are counted (Note [Gradient sentinel]).
+  void watch_sentinels(const at::RecordFunction& fn);
+  void begin_sentinel_watch();
+  void end_sentinel_watch();
+  int64_t shard_versions() const;
+  // Keeps an error if `fn` reads (not zeroes) a parameter's gradient placeholder, its input number
+  // `input` (Note [Gradient sentinel]): the gradient is in the shard pieces.
+  void check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& t, size_t input);
   void add_grad_hooks();
   void remove_grad_hooks();
   // The first gradient hook (or recompute) of a backward: queue the end-of-backward callback on
@@ -48,6 +56,11 @@ class Hooks {
 
   FsdpState& state_;
   bool final_callback_queued_ = false;
+  // The sentinel watch: whether it runs now, how many more backwards it may follow (none once an
+  // optimizer step has changed the shards), and the shards' versions when it began.
+  bool watching_ = false;
+  int watches_left_ = 0;
+  int64_t versions_at_watch_ = 0;
 };
 
 namespace detail {
