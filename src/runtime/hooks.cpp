@@ -353,8 +353,9 @@ void Hooks::check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& 
           "libfsdp: operator ", fn.name(), " read the .grad of parameter '", s.name,
           "' of a sharded module, which is a placeholder (zeros), not its gradient: after backward a sharded "
           "parameter's gradient is in its shard pieces. Read them with FullyShardedModule::shard_pieces() (each "
-          "piece's .grad, with the parameter's name and shape), or each parameter's gradient norm with grad_norms(). "
-          "An optimizer reads gradients too: build the optimizer over FullyShardedModule::parameters() (the shards)"),
+          "piece's .grad, with the parameter's name and shape), or each parameter's gradient norm with grad_norms(); "
+          "clip them with FullyShardedModule::clip_grad_norm_(). An optimizer reads gradients too: build the "
+          "optimizer over FullyShardedModule::parameters() (the shards)"),
       /*print_now=*/true);
 }
 
