@@ -63,6 +63,8 @@ constexpr uint8_t kReduceScatterSlotPrefix = 0x10;
 constexpr uint8_t kFingerprintSlotPrefix = 0x11;
 constexpr uint8_t kAllGatherSlotPrefix = 0x12;
 constexpr uint8_t kAllToAllSlotPrefix = 0x13;
+constexpr uint8_t kAllReduceScatterSlotPrefix = 0x14;  // our all-reduce's two phases
+constexpr uint8_t kAllReduceGatherSlotPrefix = 0x15;
 // Tags chosen by the communicator itself have the top bit set so they never collide with
 // explicit tags, which must stay below 2^31.
 constexpr uint32_t kAutoTagBit = 0x80000000u;
@@ -160,20 +162,32 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   WorkPtr all_reduce(at::Tensor t, CollectiveOptions opts) override {
     check_dense_cpu(t, "all_reduce", "tensor", "Gloo");
     auto fn = sum_function(t.scalar_type());
-    return issue("all_reduce", CollectiveKind::kAllReduce, t, -1, opts, /*carries=*/false,
-                 [this, t, fn](const Issued& is) {
-                   const uint32_t tag = is.tag;
-                   if (size() == 1 || t.numel() == 0) return;
-                   // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
-                   // element's width; the reduce function interprets the elements as the real dtype.
-                   switch (t.element_size()) {
-                     case 1: run_allreduce(static_cast<uint8_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-                     case 2: run_allreduce(static_cast<uint16_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-                     case 4: run_allreduce(static_cast<uint32_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-                     case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
-                     default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
-                   }
-                 });
+    // A tensor that splits evenly over the members goes through our ring reduce-scatter and
+    // all-gather, in place, which carry the fingerprint in their slots; any other through Gloo's
+    // all-reduce (Note [Collective fingerprints]).
+    const bool ours = size() > 1 && t.is_contiguous() && t.numel() > 0 && t.numel() % size() == 0;
+    return issue(
+        "all_reduce", CollectiveKind::kAllReduce, t, -1, opts, /*carries=*/ours, [this, t, fn, ours](const Issued& is) {
+          if (size() == 1 || t.numel() == 0) return;
+          if (ours) {
+            const at::Tensor flat = t.view({t.numel()});
+            const at::Tensor mine = flat.view({size(), -1})[rank()];
+            gloo_reduce_scatter(*ctx_, mine, flat, is.slot(kAllReduceScatterSlotPrefix), scratch_, waiting(is));
+            if (scratch_.defined()) scratch_bytes_ = scratch_.nbytes();
+            gloo_all_gather(*ctx_, flat, mine, is.slot(kAllReduceGatherSlotPrefix), waiting(is));
+            return;
+          }
+          const uint32_t tag = is.tag;
+          // Gloo splits the buffer into segments by element size, so hand it a pointer type of the
+          // element's width; the reduce function interprets the elements as the real dtype.
+          switch (t.element_size()) {
+            case 1: run_allreduce(static_cast<uint8_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+            case 2: run_allreduce(static_cast<uint16_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+            case 4: run_allreduce(static_cast<uint32_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+            case 8: run_allreduce(static_cast<uint64_t*>(t.data_ptr()), t.numel(), fn, tag); break;
+            default: FSDP_FAIL("all_reduce: unsupported element size ", t.element_size());
+          }
+        });
   }
 
   template <typename T>
