@@ -127,6 +127,24 @@ bool is_inplace_op(const char* name) {
   return std::strcmp(name, "aten::requires_grad_") != 0 && std::strcmp(name, "aten::detach_") != 0;
 }
 
+// Calls visit(i, t) for every tensor with storage among fn's inputs: input i, or an element of the
+// tensor list that input i is.
+template <typename Visit>
+void for_each_input_tensor(const at::RecordFunction& fn, Visit&& visit) {
+  auto inputs = fn.inputs();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto one = [&](const at::Tensor& t) {
+      if (t.defined() && t.has_storage()) visit(i, t);
+    };
+    const c10::IValue& v = inputs[i];
+    if (v.isTensor()) {
+      one(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) one(t);
+    }
+  }
+}
+
 // The parameter whose elements a tensor starting at `storage_offset` of fp's storage shows.
 std::string parameter_at(const FlatParam& fp, int64_t storage_offset) {
   for (const auto& s : fp.slots())
@@ -237,79 +255,59 @@ void Hooks::on_operator(const at::RecordFunction& fn) {
 }
 
 void Hooks::intercept(const at::RecordFunction& fn) {
-  auto inputs = fn.inputs();
   int inplace_op = -1;  // is_inplace_op(fn.name()), worked out when first needed
   auto inplace = [&] {
     if (inplace_op < 0) inplace_op = is_inplace_op(fn.name()) ? 1 : 0;
     return inplace_op == 1;
   };
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    auto visit = [&](const at::Tensor& t) {
-      if (!t.defined() || !t.has_storage()) return;
-      const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
-      if (f < 0) {
-        if (i == 0 && inplace()) {  // Note [Shard writes]
-          const int s = state_.flat_param_of_shard_storage(t.storage().unsafeGetStorageImpl());
-          if (s >= 0) {
-            state_.flat_params()[s]->note_shard_written();
-            return;
-          }
+  for_each_input_tensor(fn, [&](size_t i, const at::Tensor& t) {
+    const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
+    if (f < 0) {
+      if (i == 0 && inplace()) {  // Note [Shard writes]
+        const int s = state_.flat_param_of_shard_storage(t.storage().unsafeGetStorageImpl());
+        if (s >= 0) {
+          state_.flat_params()[s]->note_shard_written();
+          return;
         }
-        check_sentinel_read(fn, t, i);
-        return;
       }
-      const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
-      // Storage that is never freed, read without grad through another tensor than the module's
-      // parameter (the optimizer stepping its pieces): no use of the unit, so nothing is scheduled
-      // (Note [Shard writes]).
-      if (!slot && state_.flat_params()[f]->keep_unsharded() && !at::GradMode::is_enabled()) return;
-      std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-      const bool writes = i == 0 && inplace() && !state_.has_pending_error();
-      if (slot) {
-        ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
-        if (writes)
-          state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"),
-                                   /*print_now=*/true);
-        if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
-      } else if (writes && !state_.flat_params()[f]->keep_unsharded()) {
-        // Another tensor over the same storage: p.data(), p.detach(), a view of a parameter.
-        state_.set_pending_error(
-            in_place_write_error(fn.name(), "a tensor sharing the storage of parameter '" +
-                                                parameter_at(*state_.flat_params()[f], t.storage_offset()) +
-                                                "' of a sharded module (its .data(), .detach() or a view of it)"),
-            /*print_now=*/true);
-      }
-      // Unshard even for a refused in-place op, so its kernel writes valid memory.
-      state_.scheduler().use(state_.flat_params()[f]->unit());
-    };
-    const c10::IValue& v = inputs[i];
-    if (v.isTensor()) {
-      visit(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
+      check_sentinel_read(fn, t, i);
+      return;
     }
-  }
+    const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
+    // Storage that is never freed, read without grad through another tensor than the module's
+    // parameter (the optimizer stepping its pieces): no use of the unit, so nothing is scheduled
+    // (Note [Shard writes]).
+    if (!slot && state_.flat_params()[f]->keep_unsharded() && !at::GradMode::is_enabled()) return;
+    std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+    const bool writes = i == 0 && inplace() && !state_.has_pending_error();
+    if (slot) {
+      ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
+      if (writes)
+        state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"),
+                                 /*print_now=*/true);
+      if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
+    } else if (writes && !state_.flat_params()[f]->keep_unsharded()) {
+      // Another tensor over the same storage: p.data(), p.detach(), a view of a parameter.
+      state_.set_pending_error(
+          in_place_write_error(fn.name(), "a tensor sharing the storage of parameter '" +
+                                              parameter_at(*state_.flat_params()[f], t.storage_offset()) +
+                                              "' of a sharded module (its .data(), .detach() or a view of it)"),
+          /*print_now=*/true);
+    }
+    // Unshard even for a refused in-place op, so its kernel writes valid memory.
+    state_.scheduler().use(state_.flat_params()[f]->unit());
+  });
 }
 
 void Hooks::watch_sentinels(const at::RecordFunction& fn) {
-  auto inputs = fn.inputs();
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    auto visit = [&](const at::Tensor& t) {
-      if (!t.defined() || !t.has_storage()) return;
-      const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
-      if (f < 0) {
-        check_sentinel_read(fn, t, i);
-      } else if (i == 0 && is_inplace_op(fn.name())) {
-        state_.flat_params()[f]->note_shard_written();  // an optimizer step, most likely
-      }
-    };
-    const c10::IValue& v = inputs[i];
-    if (v.isTensor()) {
-      visit(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) visit(t);
+  for_each_input_tensor(fn, [&](size_t i, const at::Tensor& t) {
+    const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
+    if (f < 0) {
+      check_sentinel_read(fn, t, i);
+    } else if (i == 0 && is_inplace_op(fn.name())) {
+      state_.flat_params()[f]->note_shard_written();  // an optimizer step, most likely
     }
-  }
+  });
 }
 
 int64_t Hooks::shard_versions() const {
