@@ -18,7 +18,8 @@
 // more for small sizes until a path's runs take about --min-seconds (at most --max-iters). algbw =
 // bytes / time; busbw follows nccl-tests: all-gather and reduce-scatter algbw * (n-1)/n,
 // all-reduce algbw * 2(n-1)/n. "vs best raw" = our busbw / the best busbw among the raw gloo and
-// c10d reference paths at the same size. The program exits 1 if any #wrong > 0.
+// c10d reference paths at the same size. The program exits 1 if any #wrong > 0, except on the one
+// reference path whose wrong results are Gloo's own race (Note [Gloo halving-doubling race]).
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -180,6 +181,7 @@ struct Bench {
   int rank = 0, world = 1;
   std::optional<fsdp::NetworkModel> env_model;  // FSDP_NETWORK_MODEL, read before it is cleared
   bool any_wrong = false;
+  bool peer_race_seen = false;
 
   void barrier() {
     if (world == 1) return;
@@ -227,6 +229,7 @@ struct Path {
   std::function<void()> prepare;   // untimed, before every run (e.g. restore an input used as scratch)
   std::function<void()> run;       // timed
   std::function<int64_t()> wrong;  // this rank's wrong elements after one run
+  bool known_race = false;         // a peer's documented race: its #wrong is shown but does not fail the run
   // filled by measure():
   int64_t total_wrong = 0;
   double seconds = 0;
@@ -276,7 +279,8 @@ int measure(Bench& b, std::vector<Path>& paths, int warmup, int iters, double mi
     iters = std::clamp(static_cast<int>(min_seconds / std::max(first[0].item<double>(), 1e-9)), iters, max_iters);
   for (int p = 0; p < P; ++p) {
     paths[p].total_wrong = wrong[p].item<int64_t>();
-    if (paths[p].total_wrong) b.any_wrong = true;
+    if (paths[p].total_wrong && !paths[p].known_race) b.any_wrong = true;
+    if (paths[p].total_wrong && paths[p].known_race) b.peer_race_seen = true;
   }
   for (int w = 0; w < warmup; ++w)
     for (auto& path : paths) {
@@ -504,7 +508,8 @@ void reduce_scatter_section(Bench& b) {
                      },
                      check_out});
     // Gloo's own reduce-scatter (h-d: halving-doubling, bound buffers): built untimed before each run,
-    // its result (left at the front of `in`) moved to `out` untimed by the check.
+    // its result (left at the front of `in`) moved to `out` untimed by the check. It can return wrong
+    // sums on a loaded machine (Note [Gloo halving-doubling race]), shown in #wrong without failing the run.
     auto halving_doubling = std::make_shared<std::unique_ptr<gloo::ReduceScatterHalvingDoubling<float>>>();
     paths.push_back({"gloo reduce_scatter h-d (raw)", true, false, rs_bus,
                      [&b, restore, halving_doubling, in, W, n] {
@@ -521,6 +526,7 @@ void reduce_scatter_section(Bench& b) {
                        out.copy_(in.narrow(0, 0, n));  // it leaves every rank's result at the front
                        return check_out();
                      }});
+    paths.back().known_race = true;
     paths.push_back({"gloo allreduce (raw) [all-reduce]", true, false, ar_bus, restore,
                      [&b, in] { b.raw_thread.run([&] { raw_allreduce(b, in); }); }, check_full});
     paths.push_back({"c10d allreduce [all-reduce]", true, false, ar_bus, restore,
@@ -772,6 +778,9 @@ int main(int argc, char** argv) {
     if (has("split")) split_section(b);
     if (has("model")) model_section(b);
     b.print("\n# load average at end: %s\n", read_all("/proc/loadavg").c_str());
+    if (b.peer_race_seen)
+      b.print("# gloo reduce_scatter h-d (raw) returned wrong sums: Gloo's own race, not a failure of this run "
+              "(Note [Gloo halving-doubling race] in docs/design.md)\n");
     if (b.any_wrong) b.print("# FAILED: some path produced wrong results (#wrong > 0)\n");
     b.flush();
     b.barrier();
