@@ -80,6 +80,7 @@ FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module,
     }
     saved_->flats.push_back(std::move(v));
   }
+  state.enter_full_params();
 }
 
 FullyShardedModule::FullParamsGuard::FullParamsGuard(FullParamsGuard&& other) noexcept
@@ -105,6 +106,7 @@ FullyShardedModule::FullParamsGuard::~FullParamsGuard() {
     }
   }
   state.scheduler().forget_last_used();
+  state.exit_full_params();
 }
 
 }  // namespace fsdp

@@ -1,8 +1,10 @@
 // Bad input: wrong arguments, wrong options and misuse of the API are a clear error on every rank,
 // naming the mistake, never a hang.
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -223,6 +225,74 @@ TEST(BadInput, WritesThroughDataDetachOrSetDataAreRefused) {
   auto r = launch("write_route_worker", 2, {"set_data", "NO_SHARD"}, 120);
   EXPECT_TRUE(r.all_ok()) << "set_data NO_SHARD\n" << r.report();
   EXPECT_TRUE(contains(r.ranks[0].output, "no longer shows FSDP's storage")) << r.report();
+}
+
+// module->to(another dtype) after fully_shard() replaces every parameter's data, and with it the
+// gradient hooks: the first backward after it throws, naming the parameter and the cause, under
+// every strategy (also where no operator is intercepted), before training or during it.
+// args: strategy, when ("before" or "after" a first step)
+FSDP_WORKER(module_to_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  auto sharded = fsdp::fully_shard(model, pg,
+                                   fsdp::Options()
+                                       .sharding_strategy(fsdp::parse_sharding_strategy(ctx.args.at(0)))
+                                       .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  torch::optim::SGD opt(sharded->parameters(), 0.1);
+  if (ctx.args.at(1) == "after") {
+    model->forward(torch::randn({2, 6})).sum().backward();
+    opt.step();
+  }
+  model->to(torch::kDouble);
+  try {
+    opt.zero_grad();
+    model->forward(torch::randn({2, 6}, torch::kDouble)).sum().backward();
+    opt.step();
+  } catch (const fsdp::Error& e) {
+    WORKER_CHECK(contains(e.what(), "parameter 'layers."), e.what());
+    WORKER_CHECK(contains(e.what(), "module->to(dtype or device)"), e.what());
+    std::cout << "refused: " << e.what() << std::endl;
+    return;
+  }
+  throw std::runtime_error("a step after module->to(kDouble) ran without an error");
+}
+
+TEST(BadInput, ModuleToAnotherDtypeAfterFullyShardIsRefusedAtTheNextBackward) {
+  for (const auto& [world, strategy, when] :
+       std::vector<std::tuple<int, std::string, std::string>>{{2, "FULL_SHARD", "before"},
+                                                              {2, "FULL_SHARD", "after"},
+                                                              {1, "FULL_SHARD", "before"},
+                                                              {2, "NO_SHARD", "before"},
+                                                              {2, "SHARD_GRAD_OP", "before"}}) {
+    auto r = launch("module_to_worker", world, {strategy, when}, 120);
+    EXPECT_TRUE(r.all_ok()) << strategy << " world " << world << " " << when << "\n" << r.report();
+  }
+}
+
+// Where nothing is sharded, that watch costs a model that is only run forward (evaluation) two
+// forwards: once every parameter has been read twice from FSDP's storage, no operator callback
+// is left. args: strategy
+FSDP_WORKER(forward_only_watch_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  MLP model(6, 10, 3, 2);
+  WORKER_CHECK(!at::hasGlobalCallbacks(), "an operator callback exists before fully_shard()");
+  auto sharded = fsdp::fully_shard(model, pg,
+                                   fsdp::Options()
+                                       .sharding_strategy(fsdp::parse_sharding_strategy(ctx.args.at(0)))
+                                       .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  WORKER_CHECK(at::hasGlobalCallbacks(), "no operator callback watches the first forward");
+  torch::NoGradGuard no_grad;
+  model->forward(torch::randn({2, 6}));
+  WORKER_CHECK(at::hasGlobalCallbacks(), "the watch ended after one forward");
+  model->forward(torch::randn({2, 6}));
+  WORKER_CHECK(!at::hasGlobalCallbacks(), "an operator callback is left after two forwards");
+}
+
+TEST(BadInput, WhereNothingIsShardedAModelRunOnlyForwardIsWatchedForTwoForwards) {
+  for (const auto& [world, strategy] : std::vector<std::pair<int, std::string>>{{1, "FULL_SHARD"}, {2, "NO_SHARD"}}) {
+    auto r = launch("forward_only_watch_worker", world, {strategy}, 120);
+    EXPECT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
+  }
 }
 
 // The module's parameters changed after fully_shard (added, replaced, removed): the next backward

@@ -1,7 +1,7 @@
 #pragma once
 // The runtime's entry points that an explicit unit's forward (fsdp::Sharded<M>, sharded.h) calls:
 // entering and leaving the unit, its backward, and mixed precision's casts of its inputs and
-// outputs. Implemented by the runtime (src/runtime/hooks.cpp). See Note [Explicit units] in
+// outputs. Implemented by the runtime (src/runtime/explicit_units.cpp). See Note [Explicit units] in
 // docs/design.md.
 #include <torch/torch.h>
 

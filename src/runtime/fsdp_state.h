@@ -5,6 +5,7 @@
 // the hooks (runtime/hooks.cpp) drive.
 #include <torch/torch.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -95,6 +96,10 @@ class FsdpState {
   // Throws if the module's parameters are no longer those fully_shard() found (added, removed or
   // replaced since).
   void check_parameters_unchanged() const;
+  // While summon_full_params() guards are alive, the parameters show storage FSDP does not watch.
+  void enter_full_params() { ++full_params_guards_; }
+  void exit_full_params() { --full_params_guards_; }
+  bool full_params_summoned() const { return full_params_guards_.load() > 0; }
   // The model's checkpoint save still finishing in the background, if any (checkpoint::async_save).
   std::weak_ptr<checkpoint::detail::SaveJob>& in_flight_save() { return in_flight_save_; }
 
@@ -112,6 +117,7 @@ class FsdpState {
   Options options_;
   ShardingGroups groups_;
   bool intercepting_ = false;
+  std::atomic<int> full_params_guards_{0};   // read by the operator hook on any thread
   std::vector<bool> reshard_after_forward_;  // per unit, from the strategy and Options::reshard_after_forward_policy
   MemoryTracker memory_;
   BufferPool pool_;

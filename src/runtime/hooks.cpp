@@ -14,9 +14,7 @@
 
 #include "comm/communicator_work.h"
 #include "fsdp/check.h"
-#include "fsdp/unit_scope.h"
 #include "internal_op_guard.h"
-#include "mixed_precision.h"
 #include "runtime/checkpointed_forward.h"
 #include "runtime/dtype_hint.h"
 
@@ -109,16 +107,6 @@ void unregister_model(Hooks* hooks) {
   set_intercepting(hooks, false);
 }
 
-// The model and unit of a Sharded module, if fully_shard made it a unit.
-std::pair<Hooks*, int> find_unit(const torch::nn::Module& module) {
-  std::shared_ptr<const HooksList> list = std::atomic_load(&g_all);
-  for (Hooks* h : *list) {
-    const int u = h->state().unit_of_module(&module);
-    if (u >= 0) return {h, u};
-  }
-  return {nullptr, -1};
-}
-
 bool is_inplace_op(const char* name) {
   if (std::strcmp(name, "aten::set_data") == 0) return true;  // replaces the tensor's storage
   const size_t n = std::strlen(name);
@@ -186,6 +174,17 @@ std::string in_place_write_error(const char* op, const std::string& what) {
                          "summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
 }
 
+// The error (without the "libfsdp: " prefix) for a managed parameter whose data no longer lives in
+// FSDP's storage.
+std::string replaced_parameter_error(const std::string& name) {
+  return detail::compose(
+      "parameter '", name,
+      "' no longer shows FSDP's storage: module->to(dtype or device), set_data() or an assignment to its data "
+      "replaced it after fully_shard(), so its updates and gradients no longer meet the shards. Move or cast the "
+      "model before fully_shard() (for a lower compute dtype, Options::mixed_precision); to set values use "
+      "load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
+}
+
 }  // namespace
 
 std::string Hooks::managed_parameter(torch::nn::Module& module) {
@@ -196,9 +195,27 @@ std::string Hooks::managed_parameter(torch::nn::Module& module) {
   return "";
 }
 
+std::pair<Hooks*, int> Hooks::find_unit(const torch::nn::Module& module) {
+  std::shared_ptr<const HooksList> list = std::atomic_load(&g_all);
+  for (Hooks* h : *list) {
+    const int u = h->state().unit_of_module(&module);
+    if (u >= 0) return {h, u};
+  }
+  return {nullptr, -1};
+}
+
 Hooks::Hooks(FsdpState& state) : state_(state), watches_left_(state.intercepting() ? 0 : kSentinelWatches) {
   add_grad_hooks();
   register_model(this, state_.intercepting());
+  if (state_.intercepting()) return;
+  // The first watch: parameters replaced before training (Note [Replaced parameter data]).
+  for (const auto& fp : state_.flat_params()) {
+    reads_in_first_watch_.emplace_back(fp->slots().size(), 0);
+    slots_to_read_ += fp->slots().size();
+  }
+  if (slots_to_read_ == 0) return;
+  watching_ = first_watch_ = true;
+  set_intercepting(this, true);
 }
 
 Hooks::~Hooks() {
@@ -270,6 +287,7 @@ void Hooks::intercept(const at::RecordFunction& fn) {
           return;
         }
       }
+      check_replaced_param(t);
       check_sentinel_read(fn, t, i);
       return;
     }
@@ -303,11 +321,25 @@ void Hooks::watch_sentinels(const at::RecordFunction& fn) {
   for_each_input_tensor(fn, [&](size_t i, const at::Tensor& t) {
     const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
     if (f < 0) {
+      check_replaced_param(t);
       check_sentinel_read(fn, t, i);
-    } else if (i == 0 && is_inplace_op(fn.name())) {
-      state_.flat_params()[f]->note_shard_written();  // an optimizer step, most likely
+    } else {
+      if (i == 0 && is_inplace_op(fn.name())) state_.flat_params()[f]->note_shard_written();  // an optimizer step
+      // Outermost operators only (nested ones read it again); set_data's own check reads no values.
+      if (first_watch_ && t_operator_depth == 1 &&
+          std::strcmp(fn.name(), "aten::_has_compatible_shallow_copy_type") != 0)
+        note_read_in_first_watch(t);
     }
   });
+}
+
+void Hooks::note_read_in_first_watch(const at::Tensor& t) {
+  const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
+  if (!slot) return;
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  char& reads = reads_in_first_watch_[slot->first][slot->second];
+  if (!first_watch_ || reads >= 2) return;
+  if (++reads == 2 && --slots_to_read_ == 0) end_sentinel_watch();
 }
 
 int64_t Hooks::shard_versions() const {
@@ -327,6 +359,10 @@ void Hooks::end_sentinel_watch() {
   if (!watching_) return;
   set_intercepting(this, false);
   watching_ = false;
+  if (first_watch_) {  // no optimizer step to tell from a load before the first backward
+    first_watch_ = false;
+    return;
+  }
   // The shards changed since the last backward: an optimizer over them stepped, so one over the
   // module's parameters would have been caught already.
   if (shard_versions() != versions_at_watch_) watches_left_ = 0;
@@ -357,6 +393,32 @@ void Hooks::check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& 
       /*print_now=*/true);
 }
 
+void Hooks::check_replaced_param(const at::Tensor& t) {
+  if (!t.is_leaf() || state_.full_params_summoned()) return;
+  const auto* found = state_.slot_of_param(t.unsafeGetTensorImpl());
+  if (!found) return;
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  if (state_.has_pending_error()) return;
+  const ParamSlot& found_slot = state_.flat_params()[found->first]->slots()[found->second];
+  state_.set_pending_error("libfsdp: " + replaced_parameter_error(found_slot.name), /*print_now=*/true);
+  // A parameter's AccumulateGrad node, which carries FSDP's gradient hooks, goes with its old data
+  // when set_data changes its dtype or device: hook every new one, so that the backward throws the
+  // error before accumulating into any of them.
+  auto& flat_params = state_.flat_params();
+  for (size_t f = 0; f < flat_params.size(); ++f) {
+    auto& slots = flat_params[f]->slots();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      ParamSlot& slot = slots[i];
+      if (!slot.param.requires_grad() || slot.param.storage().unsafeGetStorageImpl() == flat_params[f]->storage())
+        continue;
+      auto acc = torch::autograd::impl::grad_accumulator(slot.param);
+      if (!acc || acc == slot.grad_accumulator) continue;
+      acc->add_pre_hook(std::make_unique<GradPreHook>(this, int(f), int(i)));
+      slot.grad_accumulator = std::move(acc);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward.
 
@@ -366,11 +428,7 @@ void Hooks::on_grad_pre(int f, int s) {
   state_.rethrow_pending_error();
   const FlatParam& fp = *state_.flat_params()[f];
   const ParamSlot& slot = fp.slots()[s];
-  FSDP_CHECK(slot.param.storage().unsafeGetStorageImpl() == fp.storage(), "parameter '", slot.name,
-             "' no longer shows FSDP's storage: set_data() (or an assignment to its data) replaced it after "
-             "fully_shard(), so its updates and gradients no longer meet the shards. To set values use "
-             "load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it before "
-             "fully_shard().");
+  FSDP_CHECK(slot.param.storage().unsafeGetStorageImpl() == fp.storage(), replaced_parameter_error(slot.name));
   begin_backward();
   state_.reducer().prepare_grad(f, s);
 }
@@ -408,68 +466,7 @@ void Hooks::on_backward_end() {
   if (!state_.intercepting()) begin_sentinel_watch();
 }
 
-// ---------------------------------------------------------------------------------------------
-// The explicit form (fsdp::Sharded).
-
-void Hooks::on_unit_enter(int u) {
-  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-  state_.rethrow_pending_error();
-  state_.scheduler().use(u);
-}
-
-void Hooks::on_unit_exit(int u) {
-  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-  state_.scheduler().post_forward(u);
-}
-
-void Hooks::on_unit_backward(int u) {
-  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-  state_.scheduler().use(u);
-}
-
 namespace detail {
-
-void enter_unit(const torch::nn::Module& module) {
-  auto [hooks, unit] = find_unit(module);
-  if (hooks) hooks->on_unit_enter(unit);
-}
-
-void exit_unit(const torch::nn::Module& module) {
-  auto [hooks, unit] = find_unit(module);
-  if (hooks) hooks->on_unit_exit(unit);
-}
-
-at::Tensor cast_forward_input(const torch::nn::Module& module, at::Tensor input) {
-  auto [hooks, unit] = find_unit(module);
-  if (!hooks) return input;
-  return fsdp::cast_forward_input(hooks->state().options().mixed_precision(), std::move(input));
-}
-
-at::Tensor cast_forward_output(const torch::nn::Module& module, at::Tensor output) {
-  auto [hooks, unit] = find_unit(module);
-  if (!hooks) return output;
-  return fsdp::cast_forward_output(hooks->state().options().mixed_precision(), std::move(output));
-}
-
-at::Tensor attach_pre_backward(const torch::nn::Module& module, at::Tensor output) {
-  if (!output.defined() || !output.requires_grad() || !at::GradMode::is_enabled()) return output;
-  if (find_unit(module).first == nullptr) return output;
-  // The hook holds the module weakly: a graph may outlive the model.
-  std::weak_ptr<const torch::nn::Module> weak;
-  try {
-    weak = module.shared_from_this();
-  } catch (const std::bad_weak_ptr&) {
-    return output;  // not owned by a shared_ptr: the operator hook gathers it in backward
-  }
-  output.register_hook([weak](const at::Tensor& grad) {
-    if (auto m = weak.lock()) {
-      auto [hooks, unit] = find_unit(*m);
-      if (hooks) hooks->on_unit_backward(unit);
-    }
-    return grad;
-  });
-  return output;
-}
 
 std::string take_escaped_dtype_hint() { return std::exchange(t_escaped_dtype_hint, std::string()); }
 

@@ -7,7 +7,12 @@
 //  * AccumulateGrad pre/post hooks on every parameter -> GradientReducer, and
 //    Scheduler::post_backward when a unit's gradients are complete;
 //  * a callback queued on the autograd engine at the end of backward -> Scheduler::finalize_backward;
-//  * fsdp::Sharded<M> (include/fsdp/sharded.h): entering, leaving and the backward of an explicit unit.
+//  * fsdp::Sharded<M> (include/fsdp/sharded.h): entering, leaving and the backward of an explicit unit
+//    (src/runtime/explicit_units.cpp).
+#include <atomic>
+#include <utility>
+#include <vector>
+
 #include "runtime/fsdp_state.h"
 
 namespace fsdp {
@@ -24,6 +29,8 @@ class Hooks {
   FsdpState& state() { return state_; }
   // The qualified name of a parameter of `module` that a live model's hooks already manage, or "".
   static std::string managed_parameter(torch::nn::Module& module);
+  // The live model that made `module` a unit, and the unit; {nullptr, -1} if none.
+  static std::pair<Hooks*, int> find_unit(const torch::nn::Module& module);
 
   // Called by the registered mechanisms.
   void on_operator(const at::RecordFunction& fn);
@@ -44,10 +51,15 @@ class Hooks {
   void watch_sentinels(const at::RecordFunction& fn);
   void begin_sentinel_watch();
   void end_sentinel_watch();
+  // The first watch saw an outermost operator read parameter `t` from FSDP's storage.
+  void note_read_in_first_watch(const at::Tensor& t);
   int64_t shard_versions() const;
   // Keeps an error if `fn` reads (not zeroes) a parameter's gradient placeholder, its input number
   // `input` (Note [Gradient sentinel]): the gradient is in the shard pieces.
   void check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& t, size_t input);
+  // Keeps an error if `t`, outside every FlatParameter's storage, is a parameter FSDP manages: its
+  // data was replaced (module->to(dtype or device), set_data). Note [Replaced parameter data].
+  void check_replaced_param(const at::Tensor& t);
   void add_grad_hooks();
   void remove_grad_hooks();
   // The first gradient hook (or recompute) of a backward: queue the end-of-backward callback on
@@ -57,8 +69,14 @@ class Hooks {
   FsdpState& state_;
   bool final_callback_queued_ = false;
   // The sentinel watch: whether it runs now, how many more backwards it may follow (none once an
-  // optimizer step has changed the shards), and the shards' versions when it began.
+  // optimizer step has changed the shards), and the shards' versions when it began. The first
+  // watch runs from construction until the first backward, or until every parameter has been read
+  // twice from FSDP's storage (a model only run forward; module->to() reads each once), and
+  // counts for neither.
   bool watching_ = false;
+  std::atomic<bool> first_watch_{false};
+  std::vector<std::vector<char>> reads_in_first_watch_;  // per slot, up to 2; under the state's mutex
+  size_t slots_to_read_ = 0;                             // slots read fewer than twice
   int watches_left_ = 0;
   int64_t versions_at_watch_ = 0;
 };
