@@ -10,6 +10,7 @@
 //                   all-gather vs uneven inputs (gloo allgatherv; c10d one broadcast per rank)
 //   reduce_scatter  ours vs the raw references (Gloo's own reduce-scatter; gloo / c10d all-reduce, alone and + slice)
 //   split           paper Fig. 2b: a fixed total all-gathered in collectives of varying size
+//   hd_race         (only when named) Gloo's halving-doubling reduce-scatter alone, every call checked
 //   model           the network model (include/fsdp/network_model.h): modeled time vs formula
 //
 // Every path is checked for correctness (one run, every element compared) before it is timed.
@@ -536,6 +537,35 @@ void reduce_scatter_section(Bench& b) {
   }
 }
 
+// Gloo's halving-doubling reduce-scatter alone, `--iters` calls at `--max-bytes`, each checked:
+// how often it returns wrong sums (Note [Gloo halving-doubling race]). Not a failure of the run.
+void hd_race_section(Bench& b) {
+  const int W = b.world, r = b.rank;
+  const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(b.flags.max_bytes / (4 * W)));
+  const int64_t scale = int64_t(W) * (W + 1) / 2;
+  const at::Tensor pristine = reduce_values(r + 1, 0, n * W);
+  at::Tensor in = torch::empty({n * W});
+  at::Tensor wrong_calls = torch::zeros({W}, at::kLong), wrong_elements = torch::zeros({W}, at::kLong);
+  for (int i = 0; i < b.flags.iters; ++i) {
+    in.copy_(pristine);
+    b.barrier();
+    b.raw_thread.run([&] {
+      gloo::ReduceScatterHalvingDoubling<float> hd(b.raw, std::vector<float*>{in.data_ptr<float>()},
+                                                   static_cast<int>(W * n), std::vector<int>(W, static_cast<int>(n)));
+      hd.run();
+    });
+    const int64_t wrong = wrong_reduced(in.narrow(0, 0, n), scale, int64_t(r) * n);
+    if (wrong) wrong_calls[r] += 1, wrong_elements[r] += wrong;
+  }
+  b.reduce(wrong_calls, c10d::ReduceOp::SUM);
+  b.reduce(wrong_elements, c10d::ReduceOp::SUM);
+  b.print("\n## gloo reduce_scatter h-d (raw) alone; %d ranks; %lld bytes per rank; %d calls\n", W,
+          (long long)(n * W * 4), b.flags.iters);
+  for (int q = 0; q < W; ++q)
+    b.print("rank %d: wrong in %lld of %d calls (%lld wrong elements)\n", q, (long long)wrong_calls[q].item<int64_t>(),
+            b.flags.iters, (long long)wrong_elements[q].item<int64_t>());
+}
+
 void split_section(Bench& b) {
   const int W = b.world, r = b.rank;
   b.print("\n## fixed total, varying all-gather size (paper Fig. 2b); %d ranks; iters %d, warmup %d\n", W,
@@ -668,9 +698,9 @@ int main(int argc, char** argv) {
   Bench b;
   Flags& f = b.flags;
   CLI::App app{"libfsdp collectives benchmark (nccl-tests form). Launch with fsdp-run."};
-  app.add_option("--sections", f.sections, "memcpy, allgather, reduce_scatter, split, model")
+  app.add_option("--sections", f.sections, "memcpy, allgather, reduce_scatter, split, model; hd_race (not by default)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"memcpy", "allgather", "reduce_scatter", "split", "model"}))
+      ->check(CLI::IsMember({"memcpy", "allgather", "reduce_scatter", "split", "model", "hd_race"}))
       ->capture_default_str();
   app.add_option("-b,--min-bytes", f.min_bytes, "smallest collective, bytes (allgather, reduce_scatter)")
       ->transform(CLI::AsSizeValue(false))
@@ -775,6 +805,7 @@ int main(int argc, char** argv) {
     if (has("memcpy")) memcpy_section(b);
     if (has("allgather")) allgather_section(b);
     if (has("reduce_scatter")) reduce_scatter_section(b);
+    if (has("hd_race")) hd_race_section(b);
     if (has("split")) split_section(b);
     if (has("model")) model_section(b);
     b.print("\n# load average at end: %s\n", read_all("/proc/loadavg").c_str());
