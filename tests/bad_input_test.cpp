@@ -229,8 +229,9 @@ TEST(BadInput, WritesThroughDataDetachOrSetDataAreRefused) {
 
 // module->to(another dtype) after fully_shard() replaces every parameter's data, and with it the
 // gradient hooks: the first backward after it throws, naming the parameter and the cause, under
-// every strategy (also where no operator is intercepted), before training or during it.
-// args: strategy, when ("before" or "after" a first step)
+// every strategy (also where no operator is intercepted), before training or during it; to() its
+// own dtype and device changes nothing. args: strategy, when ("before" or "after" a first step)
+// [, "unchanged"]
 FSDP_WORKER(module_to_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
@@ -242,6 +243,18 @@ FSDP_WORKER(module_to_worker) {
   if (ctx.args.at(1) == "after") {
     model->forward(torch::randn({2, 6})).sum().backward();
     opt.step();
+  }
+  if (ctx.args.size() > 2) {  // to() its own dtype and device changes nothing: training goes on
+    model->to(torch::kFloat);
+    model->to(torch::kCPU);
+    const at::Tensor before = sharded->full_state_dict().at("layers.0.weight").clone();
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      model->forward(torch::randn({2, 6})).sum().backward();
+      opt.step();
+    }
+    WORKER_CHECK(!torch::equal(sharded->full_state_dict().at("layers.0.weight"), before), "nothing was trained");
+    return;
   }
   model->to(torch::kDouble);
   try {
@@ -266,6 +279,11 @@ TEST(BadInput, ModuleToAnotherDtypeAfterFullyShardIsRefusedAtTheNextBackward) {
                                                               {2, "SHARD_GRAD_OP", "before"}}) {
     auto r = launch("module_to_worker", world, {strategy, when}, 120);
     EXPECT_TRUE(r.all_ok()) << strategy << " world " << world << " " << when << "\n" << r.report();
+  }
+  for (const auto& [world, strategy] : std::vector<std::pair<int, std::string>>{{2, "FULL_SHARD"}, {1, "NO_SHARD"}}) {
+    auto r = launch("module_to_worker", world, {strategy, "before", "unchanged"}, 120);
+    EXPECT_TRUE(r.all_ok()) << "to() its own dtype and device, " << strategy << " world " << world << "\n"
+                            << r.report();
   }
 }
 
