@@ -14,6 +14,13 @@
 namespace fsdp_test {
 namespace {
 
+// Each Linear its own unit, under the strategy named `strategy`.
+fsdp::Options linear_units(const std::string& strategy) {
+  return fsdp::Options()
+      .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+      .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
+}
+
 FSDP_WORKER(different_models_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, ctx.rank == 1 ? 11 : 10, 3, 2);  // rank 1 built a different hidden size
@@ -147,10 +154,7 @@ TEST(BadInput, OptimizerOverOriginalParametersIsDetected) {
 FSDP_WORKER(stock_optimizer_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
-  auto sharded = fsdp::fully_shard(model, pg,
-                                   fsdp::Options()
-                                       .sharding_strategy(fsdp::parse_sharding_strategy(ctx.args.at(1)))
-                                       .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded = fsdp::fully_shard(model, pg, linear_units(ctx.args.at(1)));
   std::unique_ptr<torch::optim::Optimizer> opt;
   const std::string kind = ctx.args.at(0);
   if (kind == "sgd") opt = std::make_unique<torch::optim::SGD>(model->parameters(), 0.1);
@@ -235,10 +239,7 @@ TEST(BadInput, WritesThroughDataDetachOrSetDataAreRefused) {
 FSDP_WORKER(module_to_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
-  auto sharded = fsdp::fully_shard(model, pg,
-                                   fsdp::Options()
-                                       .sharding_strategy(fsdp::parse_sharding_strategy(ctx.args.at(0)))
-                                       .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded = fsdp::fully_shard(model, pg, linear_units(ctx.args.at(0)));
   torch::optim::SGD opt(sharded->parameters(), 0.1);
   if (ctx.args.at(1) == "after") {
     model->forward(torch::randn({2, 6})).sum().backward();
@@ -294,10 +295,7 @@ FSDP_WORKER(forward_only_watch_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
   WORKER_CHECK(!at::hasGlobalCallbacks(), "an operator callback exists before fully_shard()");
-  auto sharded = fsdp::fully_shard(model, pg,
-                                   fsdp::Options()
-                                       .sharding_strategy(fsdp::parse_sharding_strategy(ctx.args.at(0)))
-                                       .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  auto sharded = fsdp::fully_shard(model, pg, linear_units(ctx.args.at(0)));
   WORKER_CHECK(at::hasGlobalCallbacks(), "no operator callback watches the first forward");
   torch::NoGradGuard no_grad;
   model->forward(torch::randn({2, 6}));
