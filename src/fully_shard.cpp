@@ -108,6 +108,11 @@ void FullyShardedModule::check_optimizer_parameters(const std::vector<at::Tensor
 
 void FullyShardedModule::check_optimizer(const torch::optim::Optimizer& optimizer) const {
   for (const auto& group : optimizer.param_groups()) check_optimizer_parameters(group.params());
+  FSDP_CHECK(
+      world_size() == 1 || dynamic_cast<const torch::optim::LBFGS*>(&optimizer) == nullptr,
+      "torch::optim::LBFGS over the shard pieces would take its inner products over this rank's pieces and "
+      "its loss from this rank's batch alone: the ranks would each run another L-BFGS. Use fsdp::LBFGS(*sharded, "
+      "options), which is L-BFGS over the whole model and the global batch");
 }
 
 std::unordered_map<std::string, at::Tensor> FullyShardedModule::full_state_dict() {

@@ -11,6 +11,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/lamb.h"
+#include "fsdp/lbfgs.h"
 #include "fsdp/memory.h"
 #include "fsdp/muon.h"
 #include "fsdp/network_model.h"

@@ -76,6 +76,7 @@ class FullyShardedModule {
   // Throws if `params` (e.g. an optimizer's parameters) contains an original parameter of the
   // sharded module instead of a shard piece.
   void check_optimizer_parameters(const std::vector<at::Tensor>& params) const;
+  // Also throws for torch::optim::LBFGS on more than one rank (fsdp::LBFGS is L-BFGS over shards).
   void check_optimizer(const torch::optim::Optimizer& optimizer) const;
 
   // Collective: every rank gets every parameter (unsharded, cloned) and buffer by name.

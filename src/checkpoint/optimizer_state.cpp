@@ -169,7 +169,7 @@ OptimizerKind optimizer_kind(const optim::Optimizer* optimizer) {
   if (dynamic_cast<const optim::SGD*>(optimizer)) return OptimizerKind::kSgd;
   FSDP_FAIL("checkpoints carry the state of torch::optim::AdamW (and fsdp::FusedAdamW), Adam, SGD, fsdp::Lamb, "
             "fsdp::Muon and fsdp::Adafactor only; save this optimizer's state yourself, or pass no optimizer to save "
-            "the model alone");
+            "the model alone (fsdp::LBFGS: a resumed one starts a new history)");
 }
 
 std::string to_string(OptimizerKind kind) {

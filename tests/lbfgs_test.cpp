@@ -1,0 +1,95 @@
+// fsdp::LBFGS: L-BFGS over a sharded module equals torch::optim::LBFGS on the unsharded model and
+// the global batch (float64, within rounding), with and without the strong Wolfe line search and
+// with a history short enough to drop pairs, at worlds 1-4 under every strategy; the same
+// iterations and closure evaluations; and torch::optim::LBFGS over the pieces is refused.
+#include <gtest/gtest.h>
+
+#include "fsdp/lbfgs.h"
+#include "harness.h"
+#include "models.h"
+
+namespace fsdp_test {
+namespace {
+
+torch::optim::LBFGSOptions lbfgs_options(bool line_search) {
+  torch::optim::LBFGSOptions o(line_search ? 1.0 : 0.5);
+  o.max_iter(6).history_size(3);
+  if (line_search) o.line_search_fn("strong_wolfe");
+  return o;
+}
+
+// Three steps of both optimizers on the same batches; the parameters, the iterations and the
+// closure evaluations must agree.
+void expect_local_lbfgs(const WorkerContext& ctx, const fsdp::ProcessGroupPtr& pg, const std::string& strategy,
+                        bool line_search) {
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options(strategy));
+  fsdp::LBFGS opt(*sharded, lbfgs_options(line_search));
+  torch::optim::LBFGS ref_opt(unique_parameters(*ref), lbfgs_options(line_search));
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor x = token_batch(ctx.world, step);
+    const at::Tensor mine = x.narrow(0, ctx.rank * 2, 2);
+    ref_opt.step([&] {
+      ref_opt.zero_grad();
+      at::Tensor loss = loss_of(ref, x);
+      loss.backward();
+      return loss;
+    });
+    opt.step([&] {
+      opt.zero_grad();
+      at::Tensor loss = loss_of(model, mine);
+      loss.backward();
+      return loss;
+    });
+  }
+  const std::string what =
+      strategy + (line_search ? " strong_wolfe" : " fixed step") + " world " + std::to_string(ctx.world);
+  const auto& state = static_cast<const torch::optim::LBFGSParamState&>(*ref_opt.state().begin()->second);
+  WORKER_CHECK(opt.iterations() == state.n_iter() && opt.evaluations() == state.func_evals(), what, ": ",
+               opt.iterations(), " iterations and ", opt.evaluations(), " evaluations against LibTorch's ",
+               state.n_iter(), " and ", state.func_evals());
+  expect_same_parameters(*ref, *sharded, 1e-10, what);
+  if (ctx.rank == 0) std::cout << what << ": " << opt.iterations() << " iterations ok" << std::endl;
+}
+
+FSDP_WORKER(lbfgs_strategies_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  std::vector<std::string> strategies{"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
+  if (ctx.world % 2 == 0 && ctx.world >= 4) strategies.emplace_back("HYBRID_SHARD");
+  for (const auto& strategy : strategies)
+    for (bool line_search : {false, true}) expect_local_lbfgs(ctx, pg, strategy, line_search);
+}
+
+// torch::optim::LBFGS over the pieces on more than one rank, and a closure without a loss.
+FSDP_WORKER(lbfgs_refusals_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options("FULL_SHARD"));
+  torch::optim::LBFGS stock(sharded->parameters());
+  if (ctx.world > 1)
+    expect_error([&] { sharded->check_optimizer(stock); }, "fsdp::LBFGS(*sharded", "torch::optim::LBFGS");
+  else
+    sharded->check_optimizer(stock);
+  fsdp::LBFGS opt(*sharded);
+  expect_error([&] { opt.step([] { return at::Tensor(); }); }, "the closure must return the loss",
+               "a closure without a loss");
+  expect_error([&] { fsdp::LBFGS(*sharded, torch::optim::LBFGSOptions().line_search_fn("backtracking")); },
+               "line_search_fn must be unset or \"strong_wolfe\"", "another line search");
+}
+
+TEST(LBFGS, EqualsTorchLbfgsOnTheGlobalBatchUnderEveryStrategyAtWorlds1To4) {
+  for (int world : {1, 2, 3, 4}) {
+    auto r = launch("lbfgs_strategies_worker", world);
+    ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
+  }
+}
+
+TEST(LBFGS, TorchLbfgsOverThePiecesAndAClosureWithoutALossAreRefused) {
+  for (int world : {1, 2}) {
+    auto r = launch("lbfgs_refusals_worker", world);
+    ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_test
