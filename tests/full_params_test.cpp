@@ -9,7 +9,7 @@ namespace fsdp_test {
 namespace {
 
 // args: mixed ("mp" for bf16 compute, else none). summon_full_params shows the whole parameters in
-// full precision, a forward inside it equals the local model's, writes are dropped without
+// full precision, a forward and torch::save inside it see the local model's, writes are dropped without
 // writeback and land in the shards with it; explicit unshard gathers everything and training goes on.
 FSDP_WORKER(full_params_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
@@ -40,6 +40,16 @@ FSDP_WORKER(full_params_worker) {
     const auto mine = model->forward(x), theirs = ref->forward(x);
     WORKER_CHECK(rel_diff(mine, theirs) <= tol, "forward inside summon_full_params differs by ",
                  rel_diff(mine, theirs));
+    // LibTorch's own serialization of the module sees the whole parameters here (and only here).
+    TempDir dir;
+    torch::save(model, dir / "model.pt");
+    TinyTransformer loaded(32, 16, 2, 3, 8);
+    loaded->to(at::kDouble);
+    torch::load(loaded, dir / "model.pt");
+    for (const auto& kv : loaded->named_parameters())
+      WORKER_CHECK(rel_diff(kv.value(), ref_params[kv.key()]) <= tol,
+                   "torch::save inside summon_full_params: ", kv.key(), " differs by ",
+                   rel_diff(kv.value(), ref_params[kv.key()]));
     for (auto& p : model->parameters()) p.mul_(0.5);  // dropped: no writeback
   }
   expect_same_parameters(*ref, *sharded, tol, "after summon without writeback");
