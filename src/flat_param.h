@@ -105,6 +105,10 @@ class FlatParam {
   std::string reduce_track() const;
   // The sequence number of this FlatParameter's next all-gather, for its fingerprint.
   int64_t count_gather() const { return gathers_issued_++; }
+  // Backward passes finished so far, also in the all-gathers' fingerprints: a gather pairs only with
+  // one of the same pass (Note [Collective fingerprints]).
+  void note_backward_finished() { ++backwards_finished_; }
+  int64_t backwards_finished() const { return backwards_finished_; }
 
   // All-gathers carry the shards quantized in `format` (Options::all_gather_quantization).
   void quantize_gathers(const BlockFormat& format) { gather_format_ = format; }
@@ -144,6 +148,7 @@ class FlatParam {
   at::Tensor post_forward_shard_;         // compute dtype: 1/k of the unsharded values (reshard_to_post_forward_shard)
   int64_t post_forward_version_ = 0;      // the shard's version those values were gathered from
   mutable int64_t gathers_issued_ = 0;
+  int64_t backwards_finished_ = 0;
   c10::optional<BlockFormat> gather_format_, reduce_format_;
   QuantizationResiduals residuals_;
   std::unique_ptr<FlatGrad> grad_;

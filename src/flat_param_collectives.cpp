@@ -15,6 +15,15 @@ CollectiveOptions label(const FlatParam& fp, const char* purpose, int64_t count)
       detail::compose("unit ", fp.unit(), " flat parameter ", fp.id(), ": ", purpose, " #", count));
 }
 
+// label() of an all-gather, with the backward passes finished before it: a rank that gathers a unit
+// once more than its peers (a parameter read on that rank alone) fails at the first gather whose
+// pair would mix shards from different steps, instead of pairing it (Note [Collective fingerprints]).
+CollectiveOptions gather_label(const FlatParam& fp, const char* purpose) {
+  CollectiveOptions o = label(fp, purpose, fp.count_gather());
+  o.label = detail::compose(o.label, " after backward ", fp.backwards_finished());
+  return o;
+}
+
 // label(), naming the earlier backward passes whose gradients this rank adds in.
 CollectiveOptions reduction_label(const FlatParam& fp, const char* purpose, int64_t count) {
   CollectiveOptions o = label(fp, purpose, count);
@@ -35,8 +44,8 @@ WorkPtr start_quantized_all_gather(FlatParam& fp, const BlockFormat& format) {
   at::Tensor packed = fp.buffers().empty(per, bytes), gathered = fp.buffers().empty(W * per, bytes);
   fp.memory().add_param((W + 1) * per);
   quantize_into_slot(packed, fp.shard(), at::Tensor(), format, fp.shard_rank() * n);
-  WorkPtr work = group.shard_comm->all_gather_into(gathered, packed,
-                                                   label(fp, "quantized parameter all-gather", fp.count_gather()));
+  WorkPtr work =
+      group.shard_comm->all_gather_into(gathered, packed, gather_label(fp, "quantized parameter all-gather"));
   at::Tensor out = fp.unsharded_alias();
   MemoryTracker* memory = &fp.memory();
   auto unpack = [packed, gathered, out, W, n, per, format, memory]() mutable {
@@ -91,8 +100,8 @@ WorkPtr start_all_gather(FlatParam& fp) {
   }
   if (at::Tensor kept = fp.take_post_forward_shard(); kept.defined()) {
     // hpZ: the parts kept after forward, gathered within their group; freed when the gather lands.
-    WorkPtr work = group.post_forward_comm->all_gather_into(fp.unsharded(), kept,
-                                                            label(fp, "parameter all-gather", fp.count_gather()));
+    WorkPtr work =
+        group.post_forward_comm->all_gather_into(fp.unsharded(), kept, gather_label(fp, "parameter all-gather"));
     fp.set_pending_gather(work, kept, true);
     return work;
   }
@@ -105,8 +114,7 @@ WorkPtr start_all_gather(FlatParam& fp) {
     fp.memory().add_param(fp.shard_numel() * fp.compute_element_size());
     WorkPtr work;
     offload->on_copy_stream([&] {
-      work = group.shard_comm->all_gather_into(fp.unsharded(), input,
-                                               label(fp, "parameter all-gather", fp.count_gather()));
+      work = group.shard_comm->all_gather_into(fp.unsharded(), input, gather_label(fp, "parameter all-gather"));
     });
     fp.set_pending_gather(work, input, false);
     return work;
@@ -122,8 +130,7 @@ WorkPtr start_all_gather(FlatParam& fp) {
   }
   // Gloo writes through the raw pointer: no tensor op, so the parameters' version counters (which
   // autograd checks for saved tensors) do not move.
-  WorkPtr work =
-      group.shard_comm->all_gather_into(fp.unsharded(), input, label(fp, "parameter all-gather", fp.count_gather()));
+  WorkPtr work = group.shard_comm->all_gather_into(fp.unsharded(), input, gather_label(fp, "parameter all-gather"));
   fp.set_pending_gather(work, gather_input, false);
   return work;
 }

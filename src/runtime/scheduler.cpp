@@ -186,6 +186,7 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
   for (auto& unit : units_) {
     unit.drop_post_forward_shards();
     unit.reset();
+    for (FlatParam* fp : unit.flat_params()) fp->note_backward_finished();
   }
   last_used_ = -1;
   kept_for_backward_ = -1;

@@ -1,5 +1,5 @@
 // Ranks out of step: a unit skipped on one rank, an extra micro-batch on one rank, a collective
-// API called by one rank alone. Every rank must fail (none may exit 0), fast, naming the two
+// API called by one rank alone, a parameter read by one rank alone. Every rank must fail (none may exit 0), fast, naming the two
 // collectives, on both CPU transports (Note [Collective fingerprints], Note [End-of-job agreement]).
 #include <gtest/gtest.h>
 
@@ -34,6 +34,9 @@ FSDP_WORKER(desync_worker) {
       model->forward(x, what == "skip_unit" && odd_one).pow(2).mean().backward();
     }
     if (what == "state_dict_alone" && odd_one) sharded->full_state_dict();
+    // A parameter read outside forward and backward gathers it: on one rank alone, or on every rank.
+    if ((what == "read_alone" && odd_one) || (what == "read_everywhere" && step == 1))
+      (void)model->parameters().front().norm().item<double>();
     opt.step();
     zero_grad_in_place(opt);
   }
@@ -62,6 +65,9 @@ TEST_P(DesyncTest, EveryRankFailsFastNamingBothCollectives) {
     if (c.what == "extra_micro_batch") {
       EXPECT_TRUE(contains(r.ranks[rank].output, "backward held")) << r.report();
     }
+    if (c.what == "read_alone") {
+      EXPECT_TRUE(contains(r.ranks[rank].output, "reading a sharded parameter outside forward")) << r.report();
+    }
   }
   EXPECT_LT(seconds, 45) << r.report();  // the timeout is 120 s
   EXPECT_TRUE(leftover_segments(pids).empty()) << leftover_segments(pids).front();
@@ -73,7 +79,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"FULL_SHARD", "skip_unit", "shm"}, Case{"FULL_SHARD", "skip_unit", "tcp"},
                       Case{"NO_SHARD", "extra_micro_batch", "shm"}, Case{"NO_SHARD", "extra_micro_batch", "tcp"},
                       Case{"FULL_SHARD", "extra_micro_batch", "shm"}, Case{"FULL_SHARD", "extra_micro_batch", "tcp"},
-                      Case{"FULL_SHARD", "state_dict_alone", "shm"}, Case{"FULL_SHARD", "state_dict_alone", "tcp"}),
+                      Case{"FULL_SHARD", "state_dict_alone", "shm"}, Case{"FULL_SHARD", "state_dict_alone", "tcp"},
+                      Case{"FULL_SHARD", "read_alone", "shm"}, Case{"FULL_SHARD", "read_alone", "tcp"}),
     [](const auto& info) { return info.param.strategy + "_" + info.param.what + "_" + info.param.transport; });
 
 // The same program on every rank ends with every rank agreeing, exit 0 (neither the fingerprints
@@ -89,7 +96,7 @@ TEST_P(InStepTest, EveryRankFinishesWithStatusZero) {
 std::vector<Case> in_step_cases() {
   std::vector<Case> cases;
   for (const std::string transport : {"shm", "tcp"})
-    for (const std::string what : {"none", "accumulate", "accumulate_no_sync"})
+    for (const std::string what : {"none", "accumulate", "accumulate_no_sync", "read_everywhere"})
       for (const std::string strategy : {"FULL_SHARD", "NO_SHARD"}) cases.push_back(Case{strategy, what, transport});
   return cases;
 }
