@@ -1,4 +1,4 @@
-// Whole-parameter optimizers (LAMB, Adafactor, Muon) on CUDA shards, on one GPU: at world > 1 the
+// Whole-parameter optimizers (LAMB, Adafactor, Muon, L-BFGS) on CUDA shards, on one GPU: at world > 1 the
 // ranks share cuda:0 through the host-staged communicator (which has no all-to-all, so Muon
 // exchanges by reduce-scatter and all-gather), with the shards on the device or offloaded to host
 // memory (the step runs where they live), against the single-process references of
@@ -9,6 +9,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "fsdp/lbfgs.h"
 #include "harness.h"
 #include "models.h"
 #include "whole_param_optimizers.h"
@@ -89,6 +90,72 @@ TEST(GpuWholeParamOptim, LambAdafactorMuonEqualSingleProcessOnTheDeviceAndOffloa
       runs.push_back({kind, "HYBRID_SHARD", offload, "4"});
     }
   run_all(runs);
+}
+
+// args: strategy, "1" to offload the shards, "1" for the strong Wolfe line search. Three steps of
+// fsdp::LBFGS against torch::optim::LBFGS on the unsharded model and global batch, on the device.
+FSDP_WORKER(gpu_lbfgs_worker) {
+  fsdp::ProcessGroupOptions pgo;
+  pgo.device = kGpu;
+  auto pg = fsdp::ProcessGroup::from_env(pgo);
+  const std::string strategy = ctx.args.at(0);
+  const bool offload = ctx.args.at(1) == "1", line_search = ctx.args.at(2) == "1";
+  auto [ref, model] = twin_tiny_transformers();
+  ref->to(kGpu);
+  model->to(kGpu);
+  auto options = block_unit_options(strategy);
+  if (offload) options.offload(fsdp::CpuOffload().params(true));
+  auto sharded = fsdp::fully_shard(model, pg, options);
+  torch::optim::LBFGSOptions o(line_search ? 1.0 : 0.5);
+  o.max_iter(6).history_size(3);
+  if (line_search) o.line_search_fn("strong_wolfe");
+  fsdp::LBFGS opt(*sharded, o);
+  torch::optim::LBFGS ref_opt(unique_parameters(*ref), o);
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor x = token_batch(ctx.world, step).to(kGpu);
+    ref_opt.step([&] {
+      ref_opt.zero_grad();
+      at::Tensor loss = loss_of(ref, x);
+      loss.backward();
+      return loss;
+    });
+    opt.step([&] {
+      opt.zero_grad();
+      at::Tensor loss = loss_of(model, x.narrow(0, ctx.rank * 2, 2));
+      loss.backward();
+      return loss;
+    });
+  }
+  const std::string what = "lbfgs " + strategy + (line_search ? " strong_wolfe" : " fixed step") + " world " +
+                           std::to_string(ctx.world) + " offload " + std::to_string(int(offload));
+  const auto& state = static_cast<const torch::optim::LBFGSParamState&>(*ref_opt.state().begin()->second);
+  WORKER_CHECK(opt.iterations() == state.n_iter() && opt.evaluations() == state.func_evals(), what, ": ",
+               opt.iterations(), " iterations and ", opt.evaluations(), " evaluations against LibTorch's ",
+               state.n_iter(), " and ", state.func_evals());
+  auto full = sharded->full_state_dict();
+  for (const auto& kv : ref->named_parameters()) {
+    const auto it = full.find(kv.key());
+    WORKER_CHECK(it != full.end(), what, ": ", kv.key(), " is missing from full_state_dict");
+    const double d = rel_diff(it->second.detach().cpu(), kv.value().detach().cpu());
+    WORKER_CHECK(d <= 1e-10, what, ": ", kv.key(), " differs by ", d);
+  }
+  if (ctx.rank == 0) std::cout << what << " ok" << std::endl;
+}
+
+TEST(GpuWholeParamOptim, LbfgsEqualsTorchLbfgsOnTheDeviceAndOffloaded) {
+  REQUIRE_GPU();
+  for (const auto& [strategy, world] : std::vector<std::pair<std::string, int>>{
+           {"FULL_SHARD", 1}, {"FULL_SHARD", 3}, {"NO_SHARD", 2}, {"HYBRID_SHARD", 4}})
+    for (const char* offload : {"0", "1"})
+      for (const char* line_search : {"0", "1"}) {
+        const std::vector<std::string> env = world > 1
+                                                 ? std::vector<std::string>{"FSDP_TRANSPORT=shm", "FSDP_TIMEOUT_S=30"}
+                                                 : std::vector<std::string>{};
+        auto r = launch("gpu_lbfgs_worker", world, {strategy, offload, line_search}, 120, env);
+        EXPECT_TRUE(r.all_ok()) << strategy << " world " << world << " offload " << offload << " line search "
+                                << line_search << "\n"
+                                << r.report();
+      }
 }
 
 }  // namespace
