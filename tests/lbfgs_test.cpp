@@ -1,7 +1,8 @@
 // fsdp::LBFGS: L-BFGS over a sharded module equals torch::optim::LBFGS on the unsharded model and
 // the global batch (float64, within rounding), with and without the strong Wolfe line search and
-// with a history short enough to drop pairs, at worlds 1-4 under every strategy; the same
-// iterations and closure evaluations; and torch::optim::LBFGS over the pieces is refused.
+// with a history short enough to drop pairs, at worlds 1-4 under every strategy, also where ranks
+// hold no piece; the same iterations and closure evaluations; and torch::optim::LBFGS over the
+// pieces is refused.
 #include <gtest/gtest.h>
 
 #include "fsdp/lbfgs.h"
@@ -60,6 +61,46 @@ FSDP_WORKER(lbfgs_strategies_worker) {
     for (bool line_search : {false, true}) expect_local_lbfgs(ctx, pg, strategy, line_search);
 }
 
+// A model of two scalars over up to four ranks: ranks that hold no piece take part with empty
+// vectors, and the run stops early (the strong Wolfe search converges) on every rank alike.
+FSDP_WORKER(lbfgs_empty_ranks_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  torch::manual_seed(0);
+  torch::nn::Linear ref(1, 1);
+  ref->to(at::kDouble);
+  torch::manual_seed(0);
+  torch::nn::Linear model(1, 1);
+  model->to(at::kDouble);
+  auto sharded = fsdp::fully_shard(model, pg, fsdp::Options());
+  WORKER_CHECK(ctx.rank < 2 || sharded->parameters().empty(), "rank ", ctx.rank, " holds ",
+               sharded->parameters().size(), " pieces of the two scalars");
+  const auto o = torch::optim::LBFGSOptions(1).line_search_fn("strong_wolfe").max_iter(8);
+  torch::optim::LBFGS ref_opt(ref->parameters(), o);
+  fsdp::LBFGS opt(*sharded, o);
+  const at::Tensor x = at::randn({4 * ctx.world, 1}, at::detail::createCPUGenerator(5)).to(at::kDouble);
+  const at::Tensor y = 3 * x + 1;
+  for (int step = 0; step < 2; ++step) {
+    ref_opt.step([&] {
+      ref_opt.zero_grad();
+      at::Tensor loss = torch::mse_loss(ref->forward(x), y);
+      loss.backward();
+      return loss;
+    });
+    opt.step([&] {
+      opt.zero_grad();
+      at::Tensor loss = torch::mse_loss(model->forward(x.narrow(0, 4 * ctx.rank, 4)), y.narrow(0, 4 * ctx.rank, 4));
+      loss.backward();
+      return loss;
+    });
+  }
+  const auto& state = static_cast<const torch::optim::LBFGSParamState&>(*ref_opt.state().begin()->second);
+  const std::string what = "two scalars at world " + std::to_string(ctx.world);
+  WORKER_CHECK(opt.iterations() == state.n_iter() && opt.evaluations() == state.func_evals(), what, ": ",
+               opt.iterations(), " iterations and ", opt.evaluations(), " evaluations against LibTorch's ",
+               state.n_iter(), " and ", state.func_evals());
+  expect_same_parameters(*ref, *sharded, 1e-10, what);
+}
+
 // torch::optim::LBFGS over the pieces on more than one rank, and a closure without a loss.
 FSDP_WORKER(lbfgs_refusals_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
@@ -80,6 +121,13 @@ FSDP_WORKER(lbfgs_refusals_worker) {
 TEST(LBFGS, EqualsTorchLbfgsOnTheGlobalBatchUnderEveryStrategyAtWorlds1To4) {
   for (int world : {1, 2, 3, 4}) {
     auto r = launch("lbfgs_strategies_worker", world);
+    ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
+  }
+}
+
+TEST(LBFGS, RanksHoldingNoPieceTakePartAndStopWithTheOthers) {
+  for (int world : {3, 4}) {
+    auto r = launch("lbfgs_empty_ranks_worker", world);
     ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
   }
 }
