@@ -46,7 +46,7 @@ double cubic_minimum(double x1, double f1, double g1, double x2, double f2, doub
 
 LBFGS::LBFGS(FullyShardedModule& module, const LBFGSOptions& options)
     : WholeParamOptimizer(module, {}, std::make_unique<LBFGSOptions>(checked(options))),
-      world_(detail::StateAccess::of(module).groups().world_comm) {}
+      pg_(&detail::StateAccess::of(module).process_group()) {}
 
 at::Tensor LBFGS::flat_grad() const {
   std::vector<at::Tensor> parts;
@@ -102,18 +102,7 @@ LBFGS::Evaluation LBFGS::evaluated(const at::Tensor& loss) {
              "fsdp::LBFGS::step: the closure must return the loss, one value; it returned ",
              loss.defined() ? "a tensor of shape " + c10::str(loss.sizes()) : std::string("an undefined tensor"));
   Evaluation e;
-  e.loss = loss.item<double>();
-  if (world_ && world_->size() > 1) {
-    // Every rank sums the gathered losses in rank order, so all of them decide alike.
-    const int n = world_->size();
-    const at::Tensor mine = at::full({1}, e.loss, at::TensorOptions(at::kDouble).device(world_->device()));
-    at::Tensor all = at::empty({n}, mine.options());
-    world_->all_gather_into(all, mine, CollectiveOptions::labeled("LBFGS: loss all-gather"))->wait();
-    const at::Tensor host = all.cpu();
-    double sum = 0;
-    for (int r = 0; r < n; ++r) sum += host.data_ptr<double>()[r];
-    e.loss = sum / n;
-  }
+  e.loss = mean_across_ranks(*pg_, loss.item<double>());  // the same on every rank, so all decide alike
   e.grad = flat_grad();
   return e;
 }

@@ -5,19 +5,12 @@
 // pieces is refused.
 #include <gtest/gtest.h>
 
-#include "fsdp/lbfgs.h"
 #include "harness.h"
+#include "lbfgs_side_by_side.h"
 #include "models.h"
 
 namespace fsdp_test {
 namespace {
-
-torch::optim::LBFGSOptions lbfgs_options(bool line_search) {
-  torch::optim::LBFGSOptions o(line_search ? 1.0 : 0.5);
-  o.max_iter(6).history_size(3);
-  if (line_search) o.line_search_fn("strong_wolfe");
-  return o;
-}
 
 // Three steps of both optimizers on the same batches; the parameters, the iterations and the
 // closure evaluations must agree.
@@ -29,26 +22,13 @@ void expect_local_lbfgs(const WorkerContext& ctx, const fsdp::ProcessGroupPtr& p
   torch::optim::LBFGS ref_opt(unique_parameters(*ref), lbfgs_options(line_search));
   for (int step = 0; step < 3; ++step) {
     const at::Tensor x = token_batch(ctx.world, step);
-    const at::Tensor mine = x.narrow(0, ctx.rank * 2, 2);
-    ref_opt.step([&] {
-      ref_opt.zero_grad();
-      at::Tensor loss = loss_of(ref, x);
-      loss.backward();
-      return loss;
-    });
-    opt.step([&] {
-      opt.zero_grad();
-      at::Tensor loss = loss_of(model, mine);
-      loss.backward();
-      return loss;
-    });
+    lbfgs_step_side_by_side(
+        ref_opt, [&, &ref = ref] { return loss_of(ref, x); }, opt,
+        [&, &model = model] { return loss_of(model, x.narrow(0, ctx.rank * 2, 2)); });
   }
   const std::string what =
       strategy + (line_search ? " strong_wolfe" : " fixed step") + " world " + std::to_string(ctx.world);
-  const auto& state = static_cast<const torch::optim::LBFGSParamState&>(*ref_opt.state().begin()->second);
-  WORKER_CHECK(opt.iterations() == state.n_iter() && opt.evaluations() == state.func_evals(), what, ": ",
-               opt.iterations(), " iterations and ", opt.evaluations(), " evaluations against LibTorch's ",
-               state.n_iter(), " and ", state.func_evals());
+  expect_same_lbfgs_counts(opt, ref_opt, what);
   expect_same_parameters(*ref, *sharded, 1e-10, what);
   if (ctx.rank == 0) std::cout << what << ": " << opt.iterations() << " iterations ok" << std::endl;
 }
@@ -79,25 +59,13 @@ FSDP_WORKER(lbfgs_empty_ranks_worker) {
   fsdp::LBFGS opt(*sharded, o);
   const at::Tensor x = at::randn({4 * ctx.world, 1}, at::detail::createCPUGenerator(5)).to(at::kDouble);
   const at::Tensor y = 3 * x + 1;
-  for (int step = 0; step < 2; ++step) {
-    ref_opt.step([&] {
-      ref_opt.zero_grad();
-      at::Tensor loss = torch::mse_loss(ref->forward(x), y);
-      loss.backward();
-      return loss;
-    });
-    opt.step([&] {
-      opt.zero_grad();
-      at::Tensor loss = torch::mse_loss(model->forward(x.narrow(0, 4 * ctx.rank, 4)), y.narrow(0, 4 * ctx.rank, 4));
-      loss.backward();
-      return loss;
-    });
-  }
-  const auto& state = static_cast<const torch::optim::LBFGSParamState&>(*ref_opt.state().begin()->second);
+  const int64_t rows = 4 * ctx.rank;
+  for (int step = 0; step < 2; ++step)
+    lbfgs_step_side_by_side(
+        ref_opt, [&] { return torch::mse_loss(ref->forward(x), y); }, opt,
+        [&] { return torch::mse_loss(model->forward(x.narrow(0, rows, 4)), y.narrow(0, rows, 4)); });
   const std::string what = "two scalars at world " + std::to_string(ctx.world);
-  WORKER_CHECK(opt.iterations() == state.n_iter() && opt.evaluations() == state.func_evals(), what, ": ",
-               opt.iterations(), " iterations and ", opt.evaluations(), " evaluations against LibTorch's ",
-               state.n_iter(), " and ", state.func_evals());
+  expect_same_lbfgs_counts(opt, ref_opt, what);
   expect_same_parameters(*ref, *sharded, 1e-10, what);
 }
 

@@ -8,6 +8,7 @@
 #include <deque>
 #include <vector>
 
+#include "fsdp/process_group.h"
 #include "fsdp/whole_param_optimizer.h"
 
 namespace fsdp {
@@ -52,7 +53,7 @@ class LBFGS : public WholeParamOptimizer {
   std::vector<double> dots(const std::vector<std::pair<at::Tensor, at::Tensor>>& pairs,
                            const std::vector<at::Tensor>& abs_max = {});
 
-  CommunicatorPtr world_;
+  const ProcessGroup* pg_;  // the module's: the closure's loss is averaged over it
   // The state LibTorch's LBFGSParamState keeps, its vectors over this rank's pieces; and the
   // history's inner products over the whole model: sy_[i][k] = s_i . y_(i+k) (the recursion reads
   // no s_i . y_j with j < i), yy_[i][j] = y_i . y_j.

@@ -9,28 +9,40 @@
 #include <iostream>
 #include <sstream>
 
-#include "fsdp/lbfgs.h"
 #include "harness.h"
+#include "lbfgs_side_by_side.h"
 #include "models.h"
 #include "whole_param_optimizers.h"
 
 namespace fsdp_test {
 namespace {
 
-// args: optimizer, strategy, "1" to offload the shards. Four steps of float64 training, clipping
-// before the last, against the reference on the same global batch.
-FSDP_WORKER(gpu_whole_param_worker) {
+// The twin float64 models on the device, the second sharded under `strategy` by block, its shards
+// offloaded to host memory if asked.
+struct GpuTwins {
+  TinyTransformer ref{nullptr}, model{nullptr};
+  std::shared_ptr<fsdp::FullyShardedModule> sharded;
+};
+GpuTwins gpu_twins(const std::string& strategy, bool offload) {
   fsdp::ProcessGroupOptions pgo;
   pgo.device = kGpu;
   auto pg = fsdp::ProcessGroup::from_env(pgo);
-  const std::string kind = ctx.args.at(0), strategy = ctx.args.at(1);
-  const bool offload = ctx.args.at(2) == "1";
-  auto [ref, model] = twin_tiny_transformers();
-  ref->to(kGpu);
-  model->to(kGpu);
+  GpuTwins t;
+  std::tie(t.ref, t.model) = twin_tiny_transformers();
+  t.ref->to(kGpu);
+  t.model->to(kGpu);
   auto options = block_unit_options(strategy);
   if (offload) options.offload(fsdp::CpuOffload().params(true));
-  auto sharded = fsdp::fully_shard(model, pg, options);
+  t.sharded = fsdp::fully_shard(t.model, pg, options);
+  return t;
+}
+
+// args: optimizer, strategy, "1" to offload the shards. Four steps of float64 training, clipping
+// before the last, against the reference on the same global batch.
+FSDP_WORKER(gpu_whole_param_worker) {
+  const std::string kind = ctx.args.at(0), strategy = ctx.args.at(1);
+  const bool offload = ctx.args.at(2) == "1";
+  auto [ref, model, sharded] = gpu_twins(strategy, offload);
   const torch::Device home = offload ? torch::Device(torch::kCPU) : kGpu;
   for (const auto& p : sharded->parameters())
     WORKER_CHECK(p.device() == home, "a piece is on ", p.device(), ", expected ", home);
@@ -95,43 +107,20 @@ TEST(GpuWholeParamOptim, LambAdafactorMuonEqualSingleProcessOnTheDeviceAndOffloa
 // args: strategy, "1" to offload the shards, "1" for the strong Wolfe line search. Three steps of
 // fsdp::LBFGS against torch::optim::LBFGS on the unsharded model and global batch, on the device.
 FSDP_WORKER(gpu_lbfgs_worker) {
-  fsdp::ProcessGroupOptions pgo;
-  pgo.device = kGpu;
-  auto pg = fsdp::ProcessGroup::from_env(pgo);
   const std::string strategy = ctx.args.at(0);
   const bool offload = ctx.args.at(1) == "1", line_search = ctx.args.at(2) == "1";
-  auto [ref, model] = twin_tiny_transformers();
-  ref->to(kGpu);
-  model->to(kGpu);
-  auto options = block_unit_options(strategy);
-  if (offload) options.offload(fsdp::CpuOffload().params(true));
-  auto sharded = fsdp::fully_shard(model, pg, options);
-  torch::optim::LBFGSOptions o(line_search ? 1.0 : 0.5);
-  o.max_iter(6).history_size(3);
-  if (line_search) o.line_search_fn("strong_wolfe");
-  fsdp::LBFGS opt(*sharded, o);
-  torch::optim::LBFGS ref_opt(unique_parameters(*ref), o);
+  auto [ref, model, sharded] = gpu_twins(strategy, offload);
+  fsdp::LBFGS opt(*sharded, lbfgs_options(line_search));
+  torch::optim::LBFGS ref_opt(unique_parameters(*ref), lbfgs_options(line_search));
   for (int step = 0; step < 3; ++step) {
     const at::Tensor x = token_batch(ctx.world, step).to(kGpu);
-    ref_opt.step([&] {
-      ref_opt.zero_grad();
-      at::Tensor loss = loss_of(ref, x);
-      loss.backward();
-      return loss;
-    });
-    opt.step([&] {
-      opt.zero_grad();
-      at::Tensor loss = loss_of(model, x.narrow(0, ctx.rank * 2, 2));
-      loss.backward();
-      return loss;
-    });
+    lbfgs_step_side_by_side(
+        ref_opt, [&, &ref = ref] { return loss_of(ref, x); }, opt,
+        [&, &model = model] { return loss_of(model, x.narrow(0, ctx.rank * 2, 2)); });
   }
   const std::string what = "lbfgs " + strategy + (line_search ? " strong_wolfe" : " fixed step") + " world " +
                            std::to_string(ctx.world) + " offload " + std::to_string(int(offload));
-  const auto& state = static_cast<const torch::optim::LBFGSParamState&>(*ref_opt.state().begin()->second);
-  WORKER_CHECK(opt.iterations() == state.n_iter() && opt.evaluations() == state.func_evals(), what, ": ",
-               opt.iterations(), " iterations and ", opt.evaluations(), " evaluations against LibTorch's ",
-               state.n_iter(), " and ", state.func_evals());
+  expect_same_lbfgs_counts(opt, ref_opt, what);
   auto full = sharded->full_state_dict();
   for (const auto& kv : ref->named_parameters()) {
     const auto it = full.find(kv.key());
