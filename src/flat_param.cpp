@@ -203,4 +203,15 @@ void FlatParam::copy_full_into_shard(const at::Tensor& full) {
   shard_.copy_(full.narrow(0, int64_t(shard_rank_) * shard_numel_, shard_numel_));
 }
 
+void FlatParam::scale_shard_range(int64_t begin, int64_t end, double scale) {
+  const int64_t lo = int64_t(shard_rank_) * shard_numel_;
+  const int64_t b = std::max(begin, lo), e = std::min(end, lo + shard_numel_);
+  if (b >= e) return;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  const bool current = shard_version() == gathered_version_;
+  shard_.narrow(0, b - lo, e - b).mul_(scale);
+  if (current) gathered_version_ = shard_version();
+}
+
 }  // namespace fsdp

@@ -121,6 +121,9 @@ class FlatParam {
 
   // Copies this rank's part of full padded flat values into the shard (load_full_state_dict).
   void copy_full_into_shard(const at::Tensor& full);
+  // Multiplies the shard's part of flat elements [begin, end) by `scale`; an unsharded copy that
+  // was current stays so (the caller made the same change there): Note [Embedding max_norm].
+  void scale_shard_range(int64_t begin, int64_t end, double scale);
 
  private:
   int id_, unit_;

@@ -17,6 +17,8 @@
 #include "internal_op_guard.h"
 #include "runtime/checkpointed_forward.h"
 #include "runtime/dtype_hint.h"
+#include "runtime/embedding_renorm.h"
+#include "runtime/parameter_misuse.h"
 
 namespace fsdp {
 
@@ -41,9 +43,13 @@ constexpr int kSentinelWatches = 32;
 thread_local int t_operator_depth = 0;
 thread_local std::string t_mixed_dtype_hint;
 thread_local std::string t_escaped_dtype_hint;  // that hint, once its nest ended with an exception
+// The depth of the embedding_renorm_ running on this thread, 0 if none: the operators nested in it
+// write the parameter on its behalf (Note [Embedding max_norm]).
+thread_local int t_renorm_depth = 0;
 
 std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction& fn) {
   if (t_operator_depth++ == 0) t_mixed_dtype_hint.clear();
+  if (t_renorm_depth == 0 && is_embedding_renorm(fn.name())) t_renorm_depth = t_operator_depth;
   if (internal_op_flag() || in_communicator_work()) return nullptr;
   std::shared_ptr<const HooksList> list = std::atomic_load(&g_intercepting);
   for (Hooks* h : *list) h->on_operator(fn);
@@ -59,6 +65,7 @@ std::unique_ptr<at::ObserverContext> on_operator_start(const at::RecordFunction&
 // The kernel's own error for a dtype mix names no unit and no fix: the hint goes to stderr beside
 // it, when the outermost operator of the nest ends with an exception in flight.
 void on_operator_end(const at::RecordFunction&, at::ObserverContext*) {
+  if (t_renorm_depth == t_operator_depth) t_renorm_depth = 0;
   if (t_operator_depth > 0) --t_operator_depth;  // an operator that began before the callback: no start
   if (t_operator_depth > 0 || t_mixed_dtype_hint.empty()) return;
   if (std::uncaught_exceptions() > 0) {
@@ -164,27 +171,6 @@ struct GradPostHook : torch::autograd::FunctionPostHook {
   int flat_param, slot;
 };
 
-// The error for an in-place write to `what` (a parameter of a sharded module, or a tensor over its
-// storage): the write is lost at the next reshard.
-std::string in_place_write_error(const char* op, const std::string& what) {
-  return detail::compose("libfsdp: in-place operation ", op, " on ", what,
-                         ": the change is lost at the next reshard. If this is an optimizer "
-                         "step, build the optimizer over FullyShardedModule::parameters() (the shards), not "
-                         "module->parameters(); to set values use load_full_state_dict() or "
-                         "summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
-}
-
-// The error (without the "libfsdp: " prefix) for a managed parameter whose data no longer lives in
-// FSDP's storage.
-std::string replaced_parameter_error(const std::string& name) {
-  return detail::compose(
-      "parameter '", name,
-      "' no longer shows FSDP's storage: module->to(dtype or device), set_data() or an assignment to its data "
-      "replaced it after fully_shard(), so its updates and gradients no longer meet the shards. Move or cast the "
-      "model before fully_shard() (for a lower compute dtype, Options::mixed_precision); to set values use "
-      "load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
-}
-
 }  // namespace
 
 std::string Hooks::managed_parameter(torch::nn::Module& module) {
@@ -206,7 +192,9 @@ std::pair<Hooks*, int> Hooks::find_unit(const torch::nn::Module& module) {
 
 Hooks::Hooks(FsdpState& state) : state_(state), watches_left_(state.intercepting() ? 0 : kSentinelWatches) {
   add_grad_hooks();
-  register_model(this, state_.intercepting());
+  const CommunicatorPtr& world = state_.groups().world_comm;
+  renorm_watch_ = !state_.intercepting() && world && world->size() > 1 && has_max_norm_embedding(*state_.module());
+  register_model(this, state_.intercepting() || renorm_watch_);
   if (state_.intercepting()) return;
   // The first watch: parameters replaced before training (Note [Replaced parameter data]).
   for (const auto& fp : state_.flat_params()) {
@@ -262,10 +250,12 @@ void Hooks::on_operator(const at::RecordFunction& fn) {
   // RecordFunction catches and only logs what a callback throws, so errors found here are kept
   // and rethrown from the next autograd hook or API call.
   try {
-    if (state_.intercepting())
+    if (state_.intercepting()) {
       intercept(fn);
-    else
-      watch_sentinels(fn);
+      return;
+    }
+    if (t_renorm_depth == t_operator_depth && renorm_unsharded(fn)) renorm_watch_ = true;
+    if (watching_ && t_renorm_depth == 0) watch_sentinels(fn);
   } catch (const std::exception& e) {
     state_.set_pending_error(e.what(), /*print_now=*/true);
   }
@@ -277,6 +267,10 @@ void Hooks::intercept(const at::RecordFunction& fn) {
     if (inplace_op < 0) inplace_op = is_inplace_op(fn.name()) ? 1 : 0;
     return inplace_op == 1;
   };
+  // An embedding's renormalization writes its parameter for every rank (Note [Embedding max_norm]).
+  const bool renorm = t_renorm_depth > 0 && t_renorm_depth == t_operator_depth;
+  const bool in_renorm = t_renorm_depth > 0 && t_operator_depth > t_renorm_depth;
+  const std::pair<int, int>* renormed = nullptr;
   for_each_input_tensor(fn, [&](size_t i, const at::Tensor& t) {
     const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
     if (f < 0) {
@@ -297,10 +291,12 @@ void Hooks::intercept(const at::RecordFunction& fn) {
     // (Note [Shard writes]).
     if (!slot && state_.flat_params()[f]->keep_unsharded() && !at::GradMode::is_enabled()) return;
     std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-    const bool writes = i == 0 && inplace() && !state_.has_pending_error();
+    const bool writes = i == 0 && inplace() && !in_renorm && !state_.has_pending_error();
     if (slot) {
       ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
-      if (writes)
+      if (i == 0 && renorm)
+        renormed = slot;
+      else if (writes)
         state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"),
                                  /*print_now=*/true);
       if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
@@ -315,6 +311,23 @@ void Hooks::intercept(const at::RecordFunction& fn) {
     // Unshard even for a refused in-place op, so its kernel writes valid memory.
     state_.scheduler().use(state_.flat_params()[f]->unit());
   });
+  if (!renormed) return;
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  FlatParam& fp = *state_.flat_params()[renormed->first];
+  renorm_rows_of_every_rank(fn, fp, fp.slots()[renormed->second]);
+}
+
+bool Hooks::renorm_unsharded(const at::RecordFunction& fn) {
+  const auto inputs = fn.inputs();
+  if (inputs.empty() || !inputs[0].isTensor()) return false;
+  const auto* slot = state_.slot_of_param(inputs[0].toTensor().unsafeGetTensorImpl());
+  const CommunicatorPtr& world = state_.groups().world_comm;
+  if (!slot || !world || world->size() == 1) return false;
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  FlatParam& fp = *state_.flat_params()[slot->first];
+  renorm_rows_of_every_rank(fn, fp, fp.slots()[slot->second]);
+  if (!renorm_watch_) set_intercepting(this, true);  // from now on, also outside the sentinel watch
+  return true;
 }
 
 void Hooks::watch_sentinels(const at::RecordFunction& fn) {
@@ -357,7 +370,7 @@ void Hooks::begin_sentinel_watch() {
 
 void Hooks::end_sentinel_watch() {
   if (!watching_) return;
-  set_intercepting(this, false);
+  set_intercepting(this, renorm_watch_);
   watching_ = false;
   if (first_watch_) {  // no optimizer step to tell from a load before the first backward
     first_watch_ = false;
@@ -382,15 +395,7 @@ void Hooks::check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& 
   std::lock_guard<std::recursive_mutex> lock(state_.mutex());
   if (state_.has_pending_error()) return;
   const ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
-  state_.set_pending_error(
-      detail::compose(
-          "libfsdp: operator ", fn.name(), " read the .grad of parameter '", s.name,
-          "' of a sharded module, which is a placeholder (zeros), not its gradient: after backward a sharded "
-          "parameter's gradient is in its shard pieces. Read them with FullyShardedModule::shard_pieces() (each "
-          "piece's .grad, with the parameter's name and shape), or each parameter's gradient norm with grad_norms(); "
-          "clip them with FullyShardedModule::clip_grad_norm_(). An optimizer reads gradients too: build the "
-          "optimizer over FullyShardedModule::parameters() (the shards)"),
-      /*print_now=*/true);
+  state_.set_pending_error(placeholder_read_error(fn.name(), s.name), /*print_now=*/true);
 }
 
 void Hooks::check_replaced_param(const at::Tensor& t) {

@@ -45,6 +45,9 @@ class Hooks {
 
  private:
   void intercept(const at::RecordFunction& fn);
+  // Where the parameters are the shards: an embedding_renorm_ of a managed parameter, done for every
+  // rank's rows (Note [Embedding max_norm]); false if `fn` is not one.
+  bool renorm_unsharded(const at::RecordFunction& fn);
   // Where the parameters are the shards (no interception): from the end of a backward to the start
   // of the next, reads of the gradient placeholders are errors and in-place writes to a
   // FlatParameter's storage are counted (Note [Gradient sentinel]).
@@ -73,7 +76,10 @@ class Hooks {
   // watch runs from construction until the first backward, or until every parameter has been read
   // twice from FSDP's storage (a model only run forward; module->to() reads each once), and
   // counts for neither.
-  bool watching_ = false;
+  std::atomic<bool> watching_{false};
+  // The operator callback stays on after the watches for an embedding's max_norm (Note [Embedding
+  // max_norm]): the model has one, or a renormalization was seen.
+  std::atomic<bool> renorm_watch_{false};
   std::atomic<bool> first_watch_{false};
   std::vector<std::vector<char>> reads_in_first_watch_;  // per slot, up to 2; under the state's mutex
   size_t slots_to_read_ = 0;                             // slots read fewer than twice

@@ -1,0 +1,34 @@
+#include "runtime/parameter_misuse.h"
+
+#include "fsdp/check.h"
+
+namespace fsdp {
+
+std::string in_place_write_error(const char* op, const std::string& what) {
+  return detail::compose("libfsdp: in-place operation ", op, " on ", what,
+                         ": the change is lost at the next reshard. If this is an optimizer "
+                         "step, build the optimizer over FullyShardedModule::parameters() (the shards), not "
+                         "module->parameters(); to set values use load_full_state_dict() or "
+                         "summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
+}
+
+std::string replaced_parameter_error(const std::string& name) {
+  return detail::compose(
+      "parameter '", name,
+      "' no longer shows FSDP's storage: module->to(dtype or device), set_data() or an assignment to its data "
+      "replaced it after fully_shard(), so its updates and gradients no longer meet the shards. Move or cast the "
+      "model before fully_shard() (for a lower compute dtype, Options::mixed_precision); to set values use "
+      "load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
+}
+
+std::string placeholder_read_error(const char* op, const std::string& name) {
+  return detail::compose(
+      "libfsdp: operator ", op, " read the .grad of parameter '", name,
+      "' of a sharded module, which is a placeholder (zeros), not its gradient: after backward a sharded "
+      "parameter's gradient is in its shard pieces. Read them with FullyShardedModule::shard_pieces() (each "
+      "piece's .grad, with the parameter's name and shape), or each parameter's gradient norm with grad_norms(); "
+      "clip them with FullyShardedModule::clip_grad_norm_(). An optimizer reads gradients too: build the "
+      "optimizer over FullyShardedModule::parameters() (the shards)");
+}
+
+}  // namespace fsdp
