@@ -346,4 +346,91 @@ torch::Tensor LBFGS::step(LossClosure closure) {
   return orig_loss;
 }
 
+LBFGS::History LBFGS::history() const {
+  History h;
+  h.n_iter = n_iter_;
+  h.func_evals = func_evals_;
+  h.t = t_;
+  h.prev_loss = prev_loss_;
+  h.h_diag = h_diag_;
+  h.ro.assign(ro_.begin(), ro_.end());
+  for (const auto& row : sy_) h.sy.emplace_back(row.begin(), row.end());
+  for (const auto& row : yy_) h.yy.emplace_back(row.begin(), row.end());
+  return h;
+}
+
+std::map<std::string, at::Tensor> LBFGS::piece_state(const at::Tensor& piece) const {
+  std::map<std::string, at::Tensor> out;
+  if (!d_.defined()) return out;
+  int64_t offset = 0;
+  for (const auto& p : param_groups_.at(0).params()) {
+    if (p.unsafeGetTensorImpl() == piece.unsafeGetTensorImpl()) {
+      auto part = [&](const at::Tensor& flat) {
+        return flat.narrow(0, offset, p.numel());
+      };
+      out["d"] = part(d_);
+      out["prev_flat_grad"] = part(prev_grad_);
+      for (size_t i = 0; i < s_.size(); ++i) {
+        out["s." + std::to_string(i)] = part(s_[i]);
+        out["y." + std::to_string(i)] = part(y_[i]);
+      }
+      return out;
+    }
+    offset += p.numel();
+  }
+  return out;
+}
+
+void LBFGS::set_history(const History& h) {
+  const size_t m = h.ro.size();
+  FSDP_CHECK(h.sy.size() == m && h.yy.size() == m, "fsdp::LBFGS: a history of ", m, " pairs with ", h.sy.size(),
+             " rows of s . y and ", h.yy.size(), " of y . y; the checkpoint is damaged");
+  for (size_t i = 0; i < m; ++i)
+    FSDP_CHECK(h.sy[i].size() == m - i && h.yy[i].size() == m,
+               "fsdp::LBFGS: the history's inner products do not fit its ", m, " pairs; the checkpoint is damaged");
+  n_iter_ = h.n_iter;
+  func_evals_ = h.func_evals;
+  t_ = h.t;
+  prev_loss_ = h.prev_loss;
+  h_diag_ = h.h_diag;
+  ro_.assign(h.ro.begin(), h.ro.end());
+  sy_.clear(), yy_.clear();
+  for (const auto& row : h.sy) sy_.emplace_back(row.begin(), row.end());
+  for (const auto& row : h.yy) yy_.emplace_back(row.begin(), row.end());
+  loaded_.clear();
+}
+
+void LBFGS::set_piece_state(const at::Tensor& piece, std::map<std::string, at::Tensor> state) {
+  loaded_[piece.unsafeGetTensorImpl()] = std::move(state);
+}
+
+void LBFGS::after_load() {
+  const auto& pieces = param_groups_.at(0).params();
+  std::map<const c10::TensorImpl*, std::map<std::string, at::Tensor>> loaded = std::move(loaded_);
+  loaded_.clear();
+  s_.clear(), y_.clear();
+  d_ = prev_grad_ = at::Tensor();
+  if (n_iter_ == 0) return;  // saved before the first step: nothing to assemble
+  auto flat = [&](const std::string& name) {
+    std::vector<at::Tensor> parts;
+    for (const auto& p : pieces) {
+      auto it = loaded.find(p.unsafeGetTensorImpl());
+      FSDP_CHECK(it != loaded.end() && it->second.count(name), "fsdp::LBFGS: the checkpoint holds no '", name,
+                 "' of the L-BFGS history for a piece of this rank (", p.numel(),
+                 " elements); it is damaged, or was saved by another optimizer");
+      const at::Tensor& t = it->second.at(name);
+      FSDP_CHECK(t.numel() == p.numel(), "fsdp::LBFGS: the history's '", name, "' has ", t.numel(),
+                 " elements for a piece of ", p.numel());
+      parts.push_back(t.reshape({-1}).to(p.device()));
+    }
+    return parts.empty() ? at::empty({0}) : at::cat(parts);
+  };
+  d_ = flat("d");
+  prev_grad_ = flat("prev_flat_grad");
+  for (size_t i = 0; i < ro_.size(); ++i) {
+    s_.push_back(flat("s." + std::to_string(i)));
+    y_.push_back(flat("y." + std::to_string(i)));
+  }
+}
+
 }  // namespace fsdp

@@ -86,6 +86,57 @@ FSDP_WORKER(lbfgs_refusals_worker) {
                "line_search_fn must be unset or \"strong_wolfe\"", "another line search");
 }
 
+// args: phase (save: 2 steps at world 4, then a checkpoint into dir; load: the checkpoint into an
+// optimizer built with another rate, then 2 more steps), dir, strategy, "wolfe" or "fixed". After
+// load, equal to 4 steps of torch::optim::LBFGS on the global batches, with its counts.
+FSDP_WORKER(lbfgs_checkpoint_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string phase = ctx.args.at(0), dir = ctx.args.at(1), strategy = ctx.args.at(2);
+  const bool line_search = ctx.args.at(3) == "wolfe";
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options(strategy));
+  auto loss = [&, &model = model](int step) {
+    return [&, step] {
+      return loss_of(model, token_batch(ctx.world, step).narrow(0, ctx.rank * 2, 2));
+    };
+  };
+  if (phase == "save") {
+    fsdp::LBFGS opt(*sharded, lbfgs_options(line_search));
+    for (int step = 0; step < 2; ++step)
+      opt.step([&, f = loss(step)] {
+        opt.zero_grad();
+        at::Tensor l = f();
+        l.backward();
+        return l;
+      });
+    fsdp::checkpoint::save(dir, *sharded, opt);
+    return;
+  }
+  fsdp::LBFGS opt(*sharded, lbfgs_options(line_search).lr(0.01));
+  fsdp::checkpoint::load(dir, *sharded, opt);
+  torch::optim::LBFGS ref_opt(unique_parameters(*ref), lbfgs_options(line_search));
+  const int saved_world = 4;
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor x = token_batch(step < 2 ? saved_world : ctx.world, step);
+    auto ref_loss = [&, &ref = ref] {
+      return loss_of(ref, x);
+    };
+    if (step < 2)
+      ref_opt.step([&] {
+        ref_opt.zero_grad();
+        at::Tensor l = ref_loss();
+        l.backward();
+        return l;
+      });
+    else
+      lbfgs_step_side_by_side(ref_opt, ref_loss, opt, loss(step));
+  }
+  const std::string what = strategy + " " + ctx.args.at(3) + " resumed at world " + std::to_string(ctx.world);
+  expect_same_lbfgs_counts(opt, ref_opt, what);
+  expect_same_parameters(*ref, *sharded, 1e-10, what);
+  if (ctx.rank == 0) std::cout << what << " ok" << std::endl;
+}
+
 TEST(LBFGS, EqualsTorchLbfgsOnTheGlobalBatchUnderEveryStrategyAtWorlds1To4) {
   for (int world : {1, 2, 3, 4}) {
     auto r = launch("lbfgs_strategies_worker", world);
@@ -104,6 +155,19 @@ TEST(LBFGS, TorchLbfgsOverThePiecesAndAClosureWithoutALossAreRefused) {
   for (int world : {1, 2}) {
     auto r = launch("lbfgs_refusals_worker", world);
     ASSERT_TRUE(r.all_ok()) << "world " << world << "\n" << r.report();
+  }
+}
+
+TEST(LBFGS, HistorySavedAtWorld4ResumesAtWorlds3And2And1AsUninterruptedTorchLbfgs) {
+  for (const char* search : {"wolfe", "fixed"}) {
+    TempDir tmp;
+    auto r = launch("lbfgs_checkpoint_worker", 4, {"save", tmp / "ckpt", "FULL_SHARD", search});
+    ASSERT_TRUE(r.all_ok()) << search << " save\n" << r.report();
+    for (auto [world, strategy] :
+         {std::pair<int, const char*>{3, "FULL_SHARD"}, {2, "SHARD_GRAD_OP"}, {1, "NO_SHARD"}}) {
+      r = launch("lbfgs_checkpoint_worker", world, {"load", tmp / "ckpt", strategy, search});
+      ASSERT_TRUE(r.all_ok()) << search << " load at world " << world << "\n" << r.report();
+    }
   }
 }
 

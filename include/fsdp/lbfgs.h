@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <deque>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "fsdp/process_group.h"
@@ -26,6 +28,23 @@ class LBFGS : public WholeParamOptimizer {
   // The step's iterations and closure evaluations so far (LBFGSParamState's n_iter, func_evals).
   int64_t iterations() const { return n_iter_; }
   int64_t evaluations() const { return func_evals_; }
+
+  // Checkpoints (fsdp::checkpoint) carry the history: its scalars, the same on every rank, and each
+  // piece's part of its vectors, which any sharding can take back.
+  struct History {
+    int64_t n_iter = 0, func_evals = 0;
+    double t = 0, prev_loss = 0, h_diag = 1;
+    std::vector<double> ro;                   // 1 / (s_i . y_i), oldest pair first
+    std::vector<std::vector<double>> sy, yy;  // sy[i][k] = s_i . y_(i+k); yy[i][j] = y_i . y_j
+  };
+  History history() const;
+  // This piece's part of the direction ("d"), the last gradient ("prev_flat_grad") and of every
+  // pair ("s.<i>", "y.<i>"); empty before the first step.
+  std::map<std::string, at::Tensor> piece_state(const at::Tensor& piece) const;
+  // A load: set_history, set_piece_state for every piece this rank holds, then after_load().
+  void set_history(const History& history);
+  void set_piece_state(const at::Tensor& piece, std::map<std::string, at::Tensor> state);
+  void after_load() override;
 
  private:
   struct Evaluation {
@@ -63,6 +82,8 @@ class LBFGS : public WholeParamOptimizer {
   std::deque<at::Tensor> s_, y_;
   std::deque<double> ro_;
   std::deque<std::deque<double>> sy_, yy_;
+  // Each piece's part of the vectors, between set_piece_state and after_load.
+  std::map<const c10::TensorImpl*, std::map<std::string, at::Tensor>> loaded_;
 };
 
 }  // namespace fsdp

@@ -16,7 +16,15 @@ constexpr int64_t kMaxNumel = int64_t(1) << 56;  // keeps every byte count below
 constexpr int64_t kMaxOffset = int64_t(1) << 62;
 const std::set<std::string> kStateNames{"exp_avg",         "exp_avg_sq",     "max_exp_avg_sq",
                                         "momentum_buffer", "exp_avg_sq_row", "exp_avg_sq_col"};
-const std::set<std::string> kOptimizerKinds{"none", "adamw", "adam", "sgd", "lamb", "muon", "adafactor"};
+// A state tensor's name: one of kStateNames, or of fsdp::LBFGS's history (d, prev_flat_grad, s.<i>,
+// y.<i>).
+bool known_state_name(const std::string& name) {
+  if (kStateNames.count(name) || name == "d" || name == "prev_flat_grad") return true;
+  if (name.size() < 3 || name.size() > 8 || (name[0] != 's' && name[0] != 'y') || name[1] != '.') return false;
+  return std::all_of(name.begin() + 2, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+const std::set<std::string> kOptimizerKinds{"none", "adamw", "adam", "sgd", "lamb", "muon", "adafactor", "lbfgs"};
 
 bool printable(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
@@ -217,14 +225,14 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
   const json& opt = r.member(j, "$", "optimizer");
   m.optimizer_kind = r.string(opt, "$.optimizer", "kind");
   if (!kOptimizerKinds.count(m.optimizer_kind))
-    r.fail("$.optimizer.kind", "is not one of none, adamw, adam, sgd, lamb, muon, adafactor");
+    r.fail("$.optimizer.kind", "is not one of none, adamw, adam, sgd, lamb, muon, adafactor, lbfgs");
   const json& groups = r.array(opt, "$.optimizer", "groups");
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::string path = "$.optimizer.groups[" + std::to_string(g) + "]";
     if (!groups[g].is_object()) r.fail(path, "is not a JSON object");
     for (auto it = groups[g].begin(); it != groups[g].end(); ++it)
-      if (!it->is_number() && !it->is_boolean() && !it->is_array())
-        r.fail(path + "." + it.key(), "is not a number, boolean or array");
+      if (!it->is_number() && !it->is_boolean() && !it->is_array() && !it->is_string() && !it->is_object())
+        r.fail(path + "." + it.key(), "is not a number, boolean, string, array or object");
     m.optimizer_groups.push_back(groups[g]);
   }
   if (m.optimizer_kind == "none" && !m.optimizer_groups.empty())
@@ -288,7 +296,7 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
           const json& st = r.member(pj, pp, "state");
           if (!st.is_object()) r.fail(pp + ".state", "is not a JSON object");
           for (auto it = st.begin(); it != st.end(); ++it) {
-            if (!kStateNames.count(it.key())) r.fail(pp + ".state", "names an unknown state tensor '" + it.key() + "'");
+            if (!known_state_name(it.key())) r.fail(pp + ".state", "names an unknown state tensor '" + it.key() + "'");
             const uint64_t off = static_cast<uint64_t>(r.integer(*it, pp + ".state." + it.key(), 0, kMaxOffset));
             check_extent(off, pp + ".state." + it.key());
             e.state[it.key()] = off;

@@ -6,6 +6,7 @@
 #include "fsdp/adafactor.h"
 #include "fsdp/check.h"
 #include "fsdp/lamb.h"
+#include "fsdp/lbfgs.h"
 #include "fsdp/muon.h"
 #include "optimizer_state_key.h"
 
@@ -164,12 +165,13 @@ OptimizerKind optimizer_kind(const optim::Optimizer* optimizer) {
   if (dynamic_cast<const Lamb*>(optimizer)) return OptimizerKind::kLamb;
   if (dynamic_cast<const Muon*>(optimizer)) return OptimizerKind::kMuon;
   if (dynamic_cast<const Adafactor*>(optimizer)) return OptimizerKind::kAdafactor;
+  if (dynamic_cast<const LBFGS*>(optimizer)) return OptimizerKind::kLbfgs;
   if (dynamic_cast<const optim::AdamW*>(optimizer)) return OptimizerKind::kAdamW;
   if (dynamic_cast<const optim::Adam*>(optimizer)) return OptimizerKind::kAdam;
   if (dynamic_cast<const optim::SGD*>(optimizer)) return OptimizerKind::kSgd;
   FSDP_FAIL("checkpoints carry the state of torch::optim::AdamW (and fsdp::FusedAdamW), Adam, SGD, fsdp::Lamb, "
-            "fsdp::Muon and fsdp::Adafactor only; save this optimizer's state yourself, or pass no optimizer to save "
-            "the model alone (fsdp::LBFGS: a resumed one starts a new history)");
+            "fsdp::Muon, fsdp::Adafactor and fsdp::LBFGS only; save this optimizer's state yourself, or pass no "
+            "optimizer to save the model alone");
 }
 
 std::string to_string(OptimizerKind kind) {
@@ -181,6 +183,7 @@ std::string to_string(OptimizerKind kind) {
     case OptimizerKind::kLamb: return "lamb";
     case OptimizerKind::kMuon: return "muon";
     case OptimizerKind::kAdafactor: return "adafactor";
+    case OptimizerKind::kLbfgs: return "lbfgs";
   }
   return "none";
 }
@@ -209,6 +212,17 @@ json group_options(OptimizerKind kind, const optim::OptimizerOptions& options) {
               {"scale_parameter", o.scale_parameter()},
               {"relative_step", o.relative_step()},
               {"warmup_init", o.warmup_init()}};
+    }
+    case OptimizerKind::kLbfgs: {
+      const auto& o = static_cast<const optim::LBFGSOptions&>(options);
+      json out{{"lr", o.lr()},
+               {"max_iter", o.max_iter()},
+               {"tolerance_grad", o.tolerance_grad()},
+               {"tolerance_change", o.tolerance_change()},
+               {"history_size", o.history_size()}};
+      if (o.max_eval()) out["max_eval"] = *o.max_eval();
+      if (o.line_search_fn()) out["line_search_fn"] = *o.line_search_fn();
+      return out;
     }
     case OptimizerKind::kSgd: {
       const auto& o = static_cast<const optim::SGDOptions&>(options);
@@ -251,6 +265,27 @@ void restore_group_options(OptimizerKind kind, const json& saved, optim::Optimiz
       o.warmup_init(flag(saved, "warmup_init", where));
       break;
     }
+    case OptimizerKind::kLbfgs: {
+      // The history's size is the optimizer's structure: the saved history must fit it.
+      auto& o = static_cast<optim::LBFGSOptions&>(options);
+      FSDP_CHECK(number(saved, "history_size", where) == static_cast<double>(o.history_size()), "checkpoint '", where,
+                 "': fsdp::LBFGS was saved with history_size ", number(saved, "history_size", where),
+                 ", but is built with ", o.history_size(), "; build it with the saved history_size");
+      o.lr(number(saved, "lr", where));
+      o.max_iter(static_cast<int64_t>(number(saved, "max_iter", where)));
+      o.tolerance_grad(number(saved, "tolerance_grad", where));
+      o.tolerance_change(number(saved, "tolerance_change", where));
+      if (saved.contains("max_eval")) o.max_eval(static_cast<int64_t>(number(saved, "max_eval", where)));
+      auto fn = saved.find("line_search_fn");
+      if (fn == saved.end()) {
+        o.line_search_fn(c10::nullopt);
+      } else {
+        FSDP_CHECK(fn->is_string() && fn->get<std::string>() == "strong_wolfe", "checkpoint '", where,
+                   "': optimizer option 'line_search_fn' is not \"strong_wolfe\"; the manifest is damaged");
+        o.line_search_fn(fn->get<std::string>());
+      }
+      break;
+    }
     case OptimizerKind::kSgd: {
       auto& o = static_cast<optim::SGDOptions&>(options);
       o.lr(number(saved, "lr", where));
@@ -265,6 +300,14 @@ void restore_group_options(OptimizerKind kind, const json& saved, optim::Optimiz
 }
 
 PieceState get_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::Tensor& param) {
+  if (kind == OptimizerKind::kLbfgs) {
+    const auto& lbfgs = static_cast<const LBFGS&>(optimizer);
+    PieceState out;
+    out.tensors = lbfgs.piece_state(param);
+    out.present = !out.tensors.empty();
+    out.step = lbfgs.iterations();
+    return out;
+  }
   auto& states = optimizer.state();
   auto it = states.find(key_of(param));
   if (it == states.end() || !it->second) return {};
@@ -294,6 +337,7 @@ PieceState get_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, cons
       out.tensors["momentum_buffer"] = s.momentum_buffer();
       return out;
     }
+    case OptimizerKind::kLbfgs:
     case OptimizerKind::kNone: break;
   }
   return {};
@@ -301,6 +345,10 @@ PieceState get_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, cons
 
 void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::Tensor& param,
                      const PieceState& state) {
+  if (kind == OptimizerKind::kLbfgs) {
+    if (state.present) static_cast<LBFGS&>(optimizer).set_piece_state(param, state.tensors);
+    return;
+  }
   auto& states = optimizer.state();
   const StateKey key = key_of(param);
   if (!state.present) {
@@ -343,8 +391,42 @@ void set_piece_state(OptimizerKind kind, optim::Optimizer& optimizer, const at::
       states[key] = std::move(s);
       break;
     }
+    case OptimizerKind::kLbfgs:
     case OptimizerKind::kNone: break;
   }
+}
+
+void add_optimizer_scalars(OptimizerKind kind, const optim::Optimizer& optimizer, json& group) {
+  if (kind != OptimizerKind::kLbfgs) return;
+  const LBFGS::History h = static_cast<const LBFGS&>(optimizer).history();
+  group["history"] = {{"n_iter", h.n_iter}, {"func_evals", h.func_evals},
+                      {"t", h.t},           {"prev_loss", h.prev_loss},
+                      {"h_diag", h.h_diag}, {"ro", h.ro},
+                      {"sy", h.sy},         {"yy", h.yy}};
+}
+
+void restore_optimizer_scalars(OptimizerKind kind, const json& group, optim::Optimizer& optimizer,
+                               const std::string& where) {
+  if (kind != OptimizerKind::kLbfgs) return;
+  auto it = group.find("history");
+  FSDP_CHECK(it != group.end() && it->is_object(), "checkpoint '", where,
+             "': the fsdp::LBFGS history is missing; the manifest is damaged");
+  const json& saved = *it;
+  LBFGS::History h;
+  try {
+    h.n_iter = saved.at("n_iter").get<int64_t>();
+    h.func_evals = saved.at("func_evals").get<int64_t>();
+    h.t = saved.at("t").get<double>();
+    h.prev_loss = saved.at("prev_loss").get<double>();
+    h.h_diag = saved.at("h_diag").get<double>();
+    h.ro = saved.at("ro").get<std::vector<double>>();
+    h.sy = saved.at("sy").get<std::vector<std::vector<double>>>();
+    h.yy = saved.at("yy").get<std::vector<std::vector<double>>>();
+  } catch (const json::exception& e) {
+    FSDP_FAIL("checkpoint '", where, "': the fsdp::LBFGS history is malformed (", e.what(),
+              "); the manifest is damaged");
+  }
+  static_cast<LBFGS&>(optimizer).set_history(h);
 }
 
 std::map<const c10::TensorImpl*, int> groups_by_tensor(const torch::optim::Optimizer* optimizer) {

@@ -11,7 +11,7 @@
 
 namespace fsdp::checkpoint::detail {
 
-enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd, kLamb, kMuon, kAdafactor };
+enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd, kLamb, kMuon, kAdafactor, kLbfgs };
 // Null: kNone. Throws for an optimizer of another kind, naming the supported ones.
 OptimizerKind optimizer_kind(const torch::optim::Optimizer* optimizer);
 std::string to_string(OptimizerKind kind);
@@ -20,6 +20,12 @@ nlohmann::json group_options(OptimizerKind kind, const torch::optim::OptimizerOp
 // Sets the options saved by group_options; throws naming `where` if a field is missing or mistyped.
 void restore_group_options(OptimizerKind kind, const nlohmann::json& saved, torch::optim::OptimizerOptions& options,
                            const std::string& where);
+
+// What an optimizer keeps besides its options and its pieces' state (fsdp::LBFGS's history's
+// scalars), into its first group's saved options, and back (before the pieces' state is set).
+void add_optimizer_scalars(OptimizerKind kind, const torch::optim::Optimizer& optimizer, nlohmann::json& group);
+void restore_optimizer_scalars(OptimizerKind kind, const nlohmann::json& group, torch::optim::Optimizer& optimizer,
+                               const std::string& where);
 
 // The optimizer's parameter group of each tensor it holds (by TensorImpl); empty for null.
 std::map<const c10::TensorImpl*, int> groups_by_tensor(const torch::optim::Optimizer* optimizer);

@@ -132,6 +132,7 @@ Manifest manifest_skeleton(FsdpState& state, torch::optim::Optimizer* optimizer,
   m.optimizer_kind = to_string(kind);
   if (optimizer)
     for (const auto& g : optimizer->param_groups()) m.optimizer_groups.push_back(group_options(kind, g.options()));
+  if (optimizer && !m.optimizer_groups.empty()) add_optimizer_scalars(kind, *optimizer, m.optimizer_groups.front());
   m.extra = extra;
   for (const auto& fp : state.flat_params())
     for (const auto& s : fp->slots()) {

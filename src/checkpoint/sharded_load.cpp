@@ -173,6 +173,7 @@ void load_local(const std::string& dir, FsdpState& state, torch::optim::Optimize
     for (size_t g = 0; g < saved_group.size(); ++g)
       if (saved_group[g] >= 0)
         restore_group_options(kind, m.optimizer_groups[saved_group[g]], optimizer->param_groups()[g].options(), dir);
+    if (!m.optimizer_groups.empty()) restore_optimizer_scalars(kind, m.optimizer_groups.front(), *optimizer, dir);
   }
 
   state.scheduler().reshard_all();
