@@ -4,6 +4,7 @@
 
 #include "flat_param_collectives.h"
 #include "fsdp/check.h"
+#include "internal_op_guard.h"
 
 namespace fsdp {
 
@@ -20,6 +21,7 @@ GradientReducer::GradientReducer(std::vector<Unit>& units, std::vector<std::uniq
 
 void GradientReducer::begin_backward() {
   stepper_.wait_all(tracer_);  // a backward that failed may have left steps running
+  apply_module_zero_grad();
   update_sharded_grad_bytes();
   // A piece whose gradient is gone, replaced or written since the last backward: the user zeroed
   // (or dropped) gradients, so this backward starts a new sum.
@@ -191,7 +193,29 @@ void GradientReducer::end_backward() {
         h.impl = s.piece.grad().unsafeGetTensorImpl();
         h.version = s.piece.grad()._version();
       }
+      h.param_grad = s.param.grad();
+      if (h.param_grad.defined()) h.param_grad_version = h.param_grad._version();
       held_[f].push_back(h);
+    }
+  }
+}
+
+void GradientReducer::apply_module_zero_grad() {
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  for (size_t f = 0; f < held_.size() && f < flat_params_.size(); ++f) {
+    auto& slots = flat_params_[f]->slots();
+    for (size_t s = 0; s < slots.size() && s < held_[f].size(); ++s) {
+      const HeldGrad& h = held_[f][s];
+      if (!h.param_grad.defined()) continue;  // it had no gradient: nothing to zero
+      const at::Tensor& now = slots[s].param.grad();
+      if (now.defined() && now.is_same(h.param_grad) && now._version() == h.param_grad_version) continue;
+      at::Tensor& piece = slots[s].piece;
+      if (!piece.defined() || !piece.grad().defined()) continue;
+      if (now.defined())
+        piece.mutable_grad().zero_();
+      else
+        piece.mutable_grad().reset();
     }
   }
 }

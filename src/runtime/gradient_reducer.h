@@ -88,7 +88,14 @@ class GradientReducer {
   struct HeldGrad {
     const c10::TensorImpl* impl = nullptr;
     uint32_t version = 0;
+    // The module parameter's own .grad (the sentinel, or undefined) and its version: Note [Module
+    // zero_grad].
+    at::Tensor param_grad;
+    uint32_t param_grad_version = 0;
   };
+  // Zeroes or drops the pieces' gradients of the parameters whose own .grad the user zeroed or
+  // dropped since the last backward (Module::zero_grad()).
+  void apply_module_zero_grad();
   int64_t backwards_held_ = 0;
   int64_t backwards_since_sync_ = 0;         // deterministic mode's divisor: this rank's part of it
   std::vector<std::vector<HeldGrad>> held_;  // [flat param][slot]
