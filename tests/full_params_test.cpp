@@ -9,7 +9,7 @@ namespace fsdp_test {
 namespace {
 
 // args: mixed ("mp" for bf16 compute, else none). summon_full_params shows the whole parameters in
-// full precision, a forward and torch::save inside it see the local model's, writes are dropped without
+// full precision, a forward (also on rank 0 alone) and torch::save inside it see the local model's, writes are dropped without
 // writeback and land in the shards with it; explicit unshard gathers everything and training goes on.
 FSDP_WORKER(full_params_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
@@ -40,6 +40,9 @@ FSDP_WORKER(full_params_worker) {
     const auto mine = model->forward(x), theirs = ref->forward(x);
     WORKER_CHECK(rel_diff(mine, theirs) <= tol, "forward inside summon_full_params differs by ",
                  rel_diff(mine, theirs));
+    // Evaluation on one rank: a forward inside summon_full_params issues no collective.
+    for (int i = 0; ctx.rank == 0 && i < 3; ++i)
+      WORKER_CHECK(torch::equal(model->forward(x), mine), "a forward on rank 0 alone differs");
     // LibTorch's own serialization of the module sees the whole parameters here (and only here).
     TempDir dir;
     torch::save(model, dir / "model.pt");
