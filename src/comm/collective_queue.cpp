@@ -131,7 +131,8 @@ std::string out_of_step_message(const std::string& group, int me, const Fingerpr
       "same control flow through the units, same number of steps and micro-batches; reading a sharded "
       "parameter outside forward and backward, e.g. to log it, gathers it: do it on every rank; a forward on "
       "some ranks only, e.g. evaluation on rank 0, gathers too: run it on every rank, or inside "
-      "summon_full_params() entered on every rank)");
+      "summon_full_params() entered on every rank; state dicts, checkpoints and clip_grad_norm_ are collective: "
+      "call them on every rank)");
 }
 
 void fail_out_of_step(const std::string& group, int me, const Fingerprint& mine, int other, const Fingerprint& theirs) {
