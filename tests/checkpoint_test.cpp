@@ -80,9 +80,21 @@ std::unique_ptr<torch::optim::Optimizer> checkpoint_optimizer(const std::string&
     return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
   if (name == "adam")
     return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01).weight_decay(0.01));
-  if (name == "rmsprop") return std::make_unique<torch::optim::RMSprop>(params, torch::optim::RMSpropOptions(0.01));
+  if (name == "rmsprop")
+    return std::make_unique<torch::optim::RMSprop>(params,
+                                                   torch::optim::RMSpropOptions(0.01).momentum(0.5).centered(true));
+  if (name == "adagrad")
+    return std::make_unique<torch::optim::Adagrad>(
+        params, torch::optim::AdagradOptions(0.05).lr_decay(0.01).initial_accumulator_value(0.1));
   return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(0.01).weight_decay(0.1));
 }
+
+// An optimizer whose state checkpoints do not know.
+struct UnknownOptimizer : torch::optim::Optimizer {
+  explicit UnknownOptimizer(const std::vector<at::Tensor>& params)
+      : Optimizer({torch::optim::OptimizerParamGroup(params)}, std::make_unique<torch::optim::SGDOptions>(0.01)) {}
+  at::Tensor step(LossClosure) override { return {}; }
+};
 
 constexpr int kGlobalRows = 12;  // divisible by every world size used here
 
@@ -259,7 +271,8 @@ TEST_P(ResumeTest, TrainingTwoNStepsEqualsNStepsSaveRestartLoadNSteps) {
   // Every parameter, optimizer state tensor and step count, bit for bit.
   const auto a = logical_contents(tmp / "whole"), b = logical_contents(tmp / "resumed");
   EXPECT_GT(a.size(), 10u);
-  EXPECT_TRUE(a.count("state:tok.weight:exp_avg") || a.count("state:tok.weight:momentum_buffer"));
+  EXPECT_TRUE(a.count("state:tok.weight:exp_avg") || a.count("state:tok.weight:momentum_buffer") ||
+              a.count("state:tok.weight:sum"));
   for (const auto& [key, value] : a) {
     auto it = b.find(key);
     ASSERT_NE(it, b.end()) << key;
@@ -271,7 +284,9 @@ TEST_P(ResumeTest, TrainingTwoNStepsEqualsNStepsSaveRestartLoadNSteps) {
 INSTANTIATE_TEST_SUITE_P(Strategies, ResumeTest,
                          ::testing::Values(ResumeCase{"FULL_SHARD", "adamw", 2}, ResumeCase{"FULL_SHARD", "sgd", 3},
                                            ResumeCase{"SHARD_GRAD_OP", "adam", 2},
-                                           ResumeCase{"HYBRID_SHARD", "adamw", 4}, ResumeCase{"NO_SHARD", "adamw", 2}),
+                                           ResumeCase{"HYBRID_SHARD", "adamw", 4}, ResumeCase{"NO_SHARD", "adamw", 2},
+                                           ResumeCase{"FULL_SHARD", "adagrad", 3},
+                                           ResumeCase{"SHARD_GRAD_OP", "rmsprop", 2}),
                          [](const auto& info) { return info.param.strategy + "_" + info.param.optim; });
 
 // --- Resharding ---------------------------------------------------------------------------------
@@ -405,9 +420,9 @@ FSDP_WORKER(ckpt_bad_inputs) {
   auto sgd = checkpoint_optimizer("sgd", sharded->parameters());
   expect_error([&] { ckpt::load(good, *sharded, *sgd); }, "of kind 'adamw', but the optimizer given is of kind 'sgd'",
                "other optimizer kind");
-  auto rms = checkpoint_optimizer("rmsprop", sharded->parameters());
-  expect_error([&] { ckpt::save(dir + "/rms", *sharded, *rms); }, "AdamW", "unsupported optimizer");
-  WORKER_CHECK(!fs::exists(dir + "/rms"), "a failed save left its directory");
+  UnknownOptimizer unknown(sharded->parameters());
+  expect_error([&] { ckpt::save(dir + "/unknown", *sharded, unknown); }, "AdamW", "unsupported optimizer");
+  WORKER_CHECK(!fs::exists(dir + "/unknown"), "a failed save left its directory");
   {
     auto other = checkpoint_model("gpt_wide", at::kFloat);
     auto other_sharded = fsdp::fully_shard(other, pg, make_options("FULL_SHARD", "block"));

@@ -14,8 +14,9 @@ namespace {
 
 constexpr int64_t kMaxNumel = int64_t(1) << 56;  // keeps every byte count below 2^62
 constexpr int64_t kMaxOffset = int64_t(1) << 62;
-const std::set<std::string> kStateNames{"exp_avg",         "exp_avg_sq",     "max_exp_avg_sq",
-                                        "momentum_buffer", "exp_avg_sq_row", "exp_avg_sq_col"};
+const std::set<std::string> kStateNames{
+    "exp_avg",        "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "exp_avg_sq_row",
+    "exp_avg_sq_col", "sum",        "square_avg",     "grad_avg"};
 // A state tensor's name: one of kStateNames, or of fsdp::LBFGS's history (d, prev_flat_grad, s.<i>,
 // y.<i>).
 bool known_state_name(const std::string& name) {
@@ -24,7 +25,8 @@ bool known_state_name(const std::string& name) {
   return std::all_of(name.begin() + 2, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-const std::set<std::string> kOptimizerKinds{"none", "adamw", "adam", "sgd", "lamb", "muon", "adafactor", "lbfgs"};
+const std::set<std::string> kOptimizerKinds{"none",    "adamw", "adam", "sgd",       "adagrad",
+                                            "rmsprop", "lamb",  "muon", "adafactor", "lbfgs"};
 
 bool printable(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
@@ -225,7 +227,7 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
   const json& opt = r.member(j, "$", "optimizer");
   m.optimizer_kind = r.string(opt, "$.optimizer", "kind");
   if (!kOptimizerKinds.count(m.optimizer_kind))
-    r.fail("$.optimizer.kind", "is not one of none, adamw, adam, sgd, lamb, muon, adafactor, lbfgs");
+    r.fail("$.optimizer.kind", "is not one of none, adamw, adam, sgd, adagrad, rmsprop, lamb, muon, adafactor, lbfgs");
   const json& groups = r.array(opt, "$.optimizer", "groups");
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::string path = "$.optimizer.groups[" + std::to_string(g) + "]";

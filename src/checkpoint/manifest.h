@@ -55,7 +55,7 @@ struct Manifest {
   std::vector<FileEntry> files;
   std::vector<TensorEntry> parameters;
   std::vector<TensorEntry> buffers;
-  std::string optimizer_kind = "none";           // none, adamw, adam, sgd, lamb, muon, adafactor, lbfgs
+  std::string optimizer_kind = "none";  // none, adamw, adam, sgd, adagrad, rmsprop, lamb, muon, adafactor, lbfgs
   std::vector<nlohmann::json> optimizer_groups;  // each group's options (an object of numbers / bools)
   std::map<std::string, std::string> extra;
 };

@@ -1,7 +1,8 @@
 #pragma once
 // The optimizers whose state a checkpoint carries (torch::optim::AdamW, fsdp::FusedAdamW as AdamW,
-// Adam, SGD, fsdp::Lamb, fsdp::Muon, fsdp::Adafactor): their kind, group options as JSON, and one parameter's state as named tensors plus
-// a step count. LibTorch keys an optimizer's state by the parameter's TensorImpl.
+// Adam, SGD, Adagrad, RMSprop, fsdp::Lamb, fsdp::Muon, fsdp::Adafactor, fsdp::LBFGS): their kind,
+// and one parameter's state as named tensors plus a step count. LibTorch keys an optimizer's state
+// by the parameter's TensorImpl.
 #include <torch/torch.h>
 
 #include <map>
@@ -11,15 +12,10 @@
 
 namespace fsdp::checkpoint::detail {
 
-enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd, kLamb, kMuon, kAdafactor, kLbfgs };
+enum class OptimizerKind { kNone, kAdamW, kAdam, kSgd, kAdagrad, kRmsprop, kLamb, kMuon, kAdafactor, kLbfgs };
 // Null: kNone. Throws for an optimizer of another kind, naming the supported ones.
 OptimizerKind optimizer_kind(const torch::optim::Optimizer* optimizer);
 std::string to_string(OptimizerKind kind);
-
-nlohmann::json group_options(OptimizerKind kind, const torch::optim::OptimizerOptions& options);
-// Sets the options saved by group_options; throws naming `where` if a field is missing or mistyped.
-void restore_group_options(OptimizerKind kind, const nlohmann::json& saved, torch::optim::OptimizerOptions& options,
-                           const std::string& where);
 
 // What an optimizer keeps besides its options and its pieces' state (fsdp::LBFGS's history's
 // scalars), into its first group's saved options, and back (before the pieces' state is set).
@@ -32,8 +28,8 @@ std::map<const c10::TensorImpl*, int> groups_by_tensor(const torch::optim::Optim
 
 struct PieceState {
   bool present = false;                       // false: the optimizer has no state for it (never stepped)
-  int64_t step = 0;                           // Adam / AdamW / Lamb / Muon
-  std::map<std::string, at::Tensor> tensors;  // exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer
+  int64_t step = 0;                           // all but SGD
+  std::map<std::string, at::Tensor> tensors;  // exp_avg, exp_avg_sq, momentum_buffer, sum, square_avg, ...
 };
 PieceState get_piece_state(OptimizerKind kind, torch::optim::Optimizer& optimizer, const at::Tensor& param);
 // Replaces the parameter's state (removes it if !state.present).

@@ -8,6 +8,7 @@
 #include "checkpoint/data_file.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/hash.h"
+#include "checkpoint/optimizer_options.h"
 #include "fsdp/check.h"
 
 namespace fsdp::checkpoint::detail {

@@ -13,7 +13,7 @@
 #include "checkpoint/collective.h"
 #include "checkpoint/data_file.h"
 #include "checkpoint/file_io.h"
-#include "checkpoint/optimizer_state.h"
+#include "checkpoint/optimizer_options.h"
 #include "fsdp/check.h"
 
 namespace fsdp::checkpoint::detail {
