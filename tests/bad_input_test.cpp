@@ -344,5 +344,41 @@ TEST(BadInput, ParametersChangedAfterFullyShardAreAClearError) {
   }
 }
 
+// A module that keeps a view of its parameter made in its constructor: after fully_shard() the view
+// still shows the parameter's initial memory, so training would compute with the initial values.
+// Its first read is refused under every strategy, naming the parameter. args: strategy.
+struct KeptViewImpl : torch::nn::Module {
+  KeptViewImpl() {
+    w = register_parameter("w", torch::randn({4, 6}));
+    wt = w.t();
+  }
+  at::Tensor forward(const at::Tensor& x) { return x.matmul(wt); }
+  at::Tensor w, wt;
+};
+TORCH_MODULE(KeptView);
+
+FSDP_WORKER(kept_view_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  KeptView model;
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().sharding_strategy(fsdp::parse_sharding_strategy(ctx.args.at(0))));
+  torch::optim::SGD opt(sharded->parameters(), 0.1);
+  try {
+    model->forward(torch::randn({2, 6})).sum().backward();
+    opt.step();
+    throw std::runtime_error("a view kept from before fully_shard was read unreported");
+  } catch (const fsdp::Error& e) {
+    WORKER_CHECK(contains(e.what(), "parameter 'w' had before fully_shard()"), e.what());
+    std::cout << "refused: " << e.what() << std::endl;
+  }
+}
+
+TEST(BadInput, AViewOfAParameterKeptFromBeforeFullyShardIsRefusedWhenRead) {
+  for (const std::string strategy : {"FULL_SHARD", "NO_SHARD"}) {
+    auto r = launch("kept_view_worker", 2, {strategy}, 120);
+    EXPECT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
 }  // namespace
 }  // namespace fsdp_test

@@ -80,6 +80,15 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
                                                groups_.world_comm, tracer_, memory_);
   scheduler_ = std::make_unique<Scheduler>(units_, options_, pg_->rank(), tracer_, *reducer_);
   for (const auto& p : module_->parameters(/*recurse=*/true)) parameters_at_shard_.push_back(p.unsafeGetTensorImpl());
+  for (auto& r : retiring_)
+    if (auto alive = r.storage.lock()) retired_storage_.emplace(alive.get(), std::move(r));
+  retiring_.clear();
+}
+
+const std::string* FsdpState::retired_parameter(const c10::StorageImpl* storage) const {
+  if (retired_storage_.empty()) return nullptr;
+  auto it = retired_storage_.find(storage);
+  return it == retired_storage_.end() || it->second.storage.expired() ? nullptr : &it->second.name;
 }
 
 void FsdpState::check_parameters_unchanged() const {
@@ -177,6 +186,7 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
       slot.aliases = plan.params[i].aliases;
       slot.param = plan.params[i].param;
       if (sync) broadcast_from_rank0(slot.param);
+      if (slot.param.has_storage()) retiring_.push_back({slot.param.storage().getWeakStorageImpl(), slot.name});
       slots.push_back(std::move(slot));
     }
     flat_params_[id] =

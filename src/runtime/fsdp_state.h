@@ -79,6 +79,9 @@ class FsdpState {
   int unit_of_module(const torch::nn::Module* module) const;
   // The {flat param, slot} whose gradient placeholder (Note [Gradient sentinel]) has this storage.
   const std::pair<int, int>* sentinel_of_storage(const c10::StorageImpl* storage) const;
+  // The parameter whose storage from before fully_shard() `storage` is, while something still shows
+  // it (a view or .data() kept from then): Note [Views kept from before fully_shard]. Null if none.
+  const std::string* retired_parameter(const c10::StorageImpl* storage) const;
 
   // Held by every hook and API call that touches the runtime.
   std::recursive_mutex& mutex() { return mu_; }
@@ -135,6 +138,12 @@ class FsdpState {
   std::unordered_map<const c10::TensorImpl*, std::pair<int, int>> slot_of_param_;
   std::unordered_map<const torch::nn::Module*, int> unit_of_module_;
   std::unordered_map<const c10::StorageImpl*, std::pair<int, int>> sentinel_of_storage_;
+  struct RetiredStorage {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    std::string name;
+  };
+  std::vector<RetiredStorage> retiring_;  // every parameter's storage before it moved into its FlatParameter
+  std::unordered_map<const c10::StorageImpl*, RetiredStorage> retired_storage_;  // those still shown after
 
   std::recursive_mutex mu_;
   std::string pending_error_;

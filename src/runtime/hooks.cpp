@@ -18,6 +18,7 @@
 #include "runtime/checkpointed_forward.h"
 #include "runtime/dtype_hint.h"
 #include "runtime/embedding_renorm.h"
+#include "runtime/operator_inputs.h"
 #include "runtime/parameter_misuse.h"
 
 namespace fsdp {
@@ -112,32 +113,6 @@ void unregister_model(Hooks* hooks) {
     std::atomic_store(&g_all, with(g_all, nullptr, hooks));
   }
   set_intercepting(hooks, false);
-}
-
-bool is_inplace_op(const char* name) {
-  if (std::strcmp(name, "aten::set_data") == 0) return true;  // replaces the tensor's storage
-  const size_t n = std::strlen(name);
-  if (n < 2 || name[n - 1] != '_' || name[n - 2] == '_') return false;  // "add_" yes, "__iadd__" no
-  // Ops that change autograd metadata only, not values.
-  return std::strcmp(name, "aten::requires_grad_") != 0 && std::strcmp(name, "aten::detach_") != 0;
-}
-
-// Calls visit(i, t) for every tensor with storage among fn's inputs: input i, or an element of the
-// tensor list that input i is.
-template <typename Visit>
-void for_each_input_tensor(const at::RecordFunction& fn, Visit&& visit) {
-  auto inputs = fn.inputs();
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    auto one = [&](const at::Tensor& t) {
-      if (t.defined() && t.has_storage()) visit(i, t);
-    };
-    const c10::IValue& v = inputs[i];
-    if (v.isTensor()) {
-      one(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) one(t);
-    }
-  }
 }
 
 // The parameter whose elements a tensor starting at `storage_offset` of fp's storage shows.
@@ -283,6 +258,7 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       }
       check_replaced_param(t);
       check_sentinel_read(fn, t, i);
+      check_retired_read(fn, t);
       return;
     }
     const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
@@ -336,6 +312,7 @@ void Hooks::watch_sentinels(const at::RecordFunction& fn) {
     if (f < 0) {
       check_replaced_param(t);
       check_sentinel_read(fn, t, i);
+      check_retired_read(fn, t);
     } else {
       if (i == 0 && is_inplace_op(fn.name())) state_.flat_params()[f]->note_shard_written();  // an optimizer step
       // Outermost operators only (nested ones read it again); set_data's own check reads no values.
@@ -396,6 +373,14 @@ void Hooks::check_sentinel_read(const at::RecordFunction& fn, const at::Tensor& 
   if (state_.has_pending_error()) return;
   const ParamSlot& s = state_.flat_params()[slot->first]->slots()[slot->second];
   state_.set_pending_error(placeholder_read_error(fn.name(), s.name), /*print_now=*/true);
+}
+
+void Hooks::check_retired_read(const at::RecordFunction& fn, const at::Tensor& t) {
+  const std::string* name = state_.retired_parameter(t.storage().unsafeGetStorageImpl());
+  if (!name) return;
+  std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+  if (!state_.has_pending_error())
+    state_.set_pending_error(retired_storage_error(fn.name(), *name), /*print_now=*/true);
 }
 
 void Hooks::check_replaced_param(const at::Tensor& t) {

@@ -63,6 +63,9 @@ class Hooks {
   // Keeps an error if `t`, outside every FlatParameter's storage, is a parameter FSDP manages: its
   // data was replaced (module->to(dtype or device), set_data). Note [Replaced parameter data].
   void check_replaced_param(const at::Tensor& t);
+  // Keeps an error if `t` shows a parameter's storage from before fully_shard() (Note [Views kept
+  // from before fully_shard]): it holds the initial values, not the trained ones.
+  void check_retired_read(const at::RecordFunction& fn, const at::Tensor& t);
   void add_grad_hooks();
   void remove_grad_hooks();
   // The first gradient hook (or recompute) of a backward: queue the end-of-backward callback on

@@ -21,6 +21,15 @@ std::string replaced_parameter_error(const std::string& name) {
       "load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
 }
 
+std::string retired_storage_error(const char* op, const std::string& name) {
+  return detail::compose(
+      "libfsdp: operator ", op, " read a tensor over the memory parameter '", name,
+      "' had before fully_shard(): a view of it or its .data(), made before fully_shard() and kept (e.g. a module "
+      "member set to weight.t() in its constructor). fully_shard() moved the parameter into FSDP's storage, so "
+      "that tensor still shows the initial values, not the trained ones. Make such views inside forward, from the "
+      "module's parameter");
+}
+
 std::string placeholder_read_error(const char* op, const std::string& name) {
   return detail::compose(
       "libfsdp: operator ", op, " read the .grad of parameter '", name,
