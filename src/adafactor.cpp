@@ -83,9 +83,11 @@ torch::Tensor Adafactor::step(LossClosure closure) {
       wsq = dbl(p.piece).square().sum().reshape({1});
       if (factored(p)) {
         const at::Tensor& g = p.piece.grad();
-        const PieceRows sq = piece_rows(p, g * g + w.o->eps1());
-        rows.narrow(0, sq.first_row, sq.matrix.size(0)).copy_(dbl(sq.matrix.sum(1)));
-        cols.copy_(dbl(sq.matrix.sum(0)));
+        // In double: a float's square is exact there, so the sums do not depend on how the ranks
+        // split the matrix (Note [Whole-parameter reductions]).
+        const PieceRows sq = piece_rows(p, dbl(g).square() + w.o->eps1());
+        rows.narrow(0, sq.first_row, sq.matrix.size(0)).copy_(sq.matrix.sum(1));
+        cols.copy_(sq.matrix.sum(0));
       }
     }
     w.weight_sq = reduction_.add(wsq, Combine::kSum);

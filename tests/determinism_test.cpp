@@ -17,9 +17,10 @@ namespace {
 constexpr int kMicroBatches = 12;  // the global batch: a fixed list, split into contiguous ranges
 constexpr int kRows = 2;           // rows per micro-batch
 
-// args: strategy, output file, "fp32" or "bf16" (mixed precision), "deterministic" or "default".
-// Trains a float32 TinyTransformer for 3 steps of kMicroBatches micro-batches (AdamW, clipping
-// below the norm); rank 0 saves the full parameters in name order.
+// args: strategy, output file, "fp32" or "bf16" (mixed precision), "deterministic" or "default",
+// and optionally the optimizer (adamw, lamb, adafactor or muon; default adamw). Trains a float32
+// TinyTransformer for 3 steps of kMicroBatches micro-batches (clipping below the norm); rank 0
+// saves the full parameters in name order.
 FSDP_WORKER(deterministic_worker) {
   at::set_num_threads(1);  // a micro-batch's forward and backward: the same bits on every rank
   auto pg = fsdp::ProcessGroup::from_env();
@@ -30,7 +31,17 @@ FSDP_WORKER(deterministic_worker) {
   auto options = block_unit_options(strategy).deterministic(deterministic);
   if (bf16) options.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kBFloat16));
   auto sharded = fsdp::fully_shard(model, pg, options);
-  torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(1e-2));
+  const std::string kind = ctx.args.size() > 4 ? ctx.args[4] : "adamw";
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (kind == "lamb")
+    optimizer = std::make_unique<fsdp::Lamb>(*sharded, fsdp::LambOptions(1e-2));
+  else if (kind == "adafactor")
+    optimizer = std::make_unique<fsdp::Adafactor>(*sharded, fsdp::AdafactorOptions(1e-2));
+  else if (kind == "muon")
+    optimizer = std::make_unique<fsdp::Muon>(*sharded, fsdp::MuonOptions(1e-2));
+  else
+    optimizer = std::make_unique<torch::optim::AdamW>(sharded->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::Optimizer& opt = *optimizer;
   const int begin = kMicroBatches * ctx.rank / ctx.world, end = kMicroBatches * (ctx.rank + 1) / ctx.world;
   // Forwards are collective: a rank with a shorter range runs uncounted padding passes.
   const int passes = (kMicroBatches + ctx.world - 1) / ctx.world;
@@ -60,9 +71,9 @@ FSDP_WORKER(deterministic_worker) {
 
 std::vector<at::Tensor> train(const std::string& strategy, int world, const std::string& out,
                               const std::string& precision = "fp32", const std::string& mode = "deterministic",
-                              const std::string& transport = "shm") {
-  auto r =
-      launch("deterministic_worker", world, {strategy, out, precision, mode}, 300, {"FSDP_TRANSPORT=" + transport});
+                              const std::string& transport = "shm", const std::string& optimizer = "adamw") {
+  auto r = launch("deterministic_worker", world, {strategy, out, precision, mode, optimizer}, 300,
+                  {"FSDP_TRANSPORT=" + transport});
   EXPECT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
   std::vector<at::Tensor> values;
   if (r.all_ok()) torch::load(values, out);
@@ -88,6 +99,21 @@ TEST(Determinism, UnevenSplitsGiveTheParametersOfOneRank) {
   // 12 micro-batches: 2 or 3 per rank at world 5, 1 or 2 at world 8; the short ranks pad.
   EXPECT_TRUE(bit_identical(train("FULL_SHARD", 5, dir / "five.pt"), reference)) << "FULL_SHARD at world 5";
   EXPECT_TRUE(bit_identical(train("SHARD_GRAD_OP", 8, dir / "eight.pt"), reference)) << "SHARD_GRAD_OP at world 8";
+}
+
+// The optimizers that need whole parameters take norms and row sums over pieces that each world
+// size cuts differently; in double precision (exact squares of float32 values) those sums do not
+// depend on the cuts.
+TEST(Determinism, WholeParameterOptimizersGiveTheParametersOfOneRank) {
+  TempDir dir;
+  for (const char* kind : {"lamb", "adafactor", "muon"}) {
+    const auto reference = train("FULL_SHARD", 1, dir / "reference.pt", "fp32", "deterministic", "shm", kind);
+    ASSERT_FALSE(reference.empty()) << kind;
+    for (int world : {2, 3, 4}) {
+      const auto got = train("FULL_SHARD", world, dir / "run.pt", "fp32", "deterministic", "shm", kind);
+      EXPECT_TRUE(bit_identical(got, reference)) << kind << " at world " << world << " differs from world 1";
+    }
+  }
 }
 
 // Leaving a backward out of the mean needs exact sums: refused in the default mode.
