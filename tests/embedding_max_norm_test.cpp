@@ -5,11 +5,10 @@
 #include <sstream>
 
 #include "harness.h"
+#include "models.h"
 
 namespace fsdp_test {
 namespace {
-
-namespace F = torch::nn::functional;
 
 std::vector<std::string> fields(const std::string& s, char sep) {
   std::vector<std::string> out;
@@ -17,41 +16,6 @@ std::vector<std::string> fields(const std::string& s, char sep) {
   for (std::string part; std::getline(in, part, sep);) out.push_back(part);
   return out;
 }
-
-// A lookup with max_norm (a stock Embedding, EmbeddingBag, or the functional form on a parameter of
-// its own), a Linear, and a head tied to the table: the head reads every row after the lookup
-// renormalized some, so each rank's output depends on the rows the other ranks' batches name.
-struct LookupImpl : torch::nn::Module {
-  explicit LookupImpl(const std::string& kind) : kind(kind) {
-    if (kind == "embedding")
-      emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(kRows, 6).max_norm(1.0)));
-    else if (kind == "bag")
-      bag = register_module(
-          "bag", torch::nn::EmbeddingBag(
-                     torch::nn::EmbeddingBagOptions(kRows, 6).max_norm(0.9).norm_type(3.0).mode(torch::kMean)));
-    else
-      table = register_parameter("table", torch::randn({kRows, 6}));
-    lin = register_module("lin", torch::nn::Linear(6, 6));
-  }
-  at::Tensor weight() const { return emb ? emb->weight : bag ? bag->weight : table; }
-  at::Tensor forward(const at::Tensor& idx) {
-    at::Tensor e;
-    if (emb)
-      e = emb(idx).mean(1);
-    else if (bag)
-      e = bag(idx);
-    else
-      e = F::embedding(idx, table, F::EmbeddingFuncOptions().max_norm(0.8)).mean(1);
-    return torch::tanh(lin(e)).matmul(weight().t());
-  }
-  static constexpr int64_t kRows = 40;
-  std::string kind;
-  torch::nn::Embedding emb{nullptr};
-  torch::nn::EmbeddingBag bag{nullptr};
-  at::Tensor table;
-  torch::nn::Linear lin{nullptr};
-};
-TORCH_MODULE(Lookup);
 
 // args: "kind:strategy[:wrap]".
 FSDP_WORKER(max_norm_worker) {
