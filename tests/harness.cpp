@@ -69,7 +69,7 @@ void expect_same_parameters(const torch::nn::Module& ref, fsdp::FullyShardedModu
     WORKER_CHECK(it != full.end(), what, ": parameter ", kv.key(), " is missing from full_state_dict");
     WORKER_CHECK(it->second.scalar_type() == kv.value().scalar_type(), what, ": parameter ", kv.key(),
                  " comes back as ", it->second.scalar_type(), " from full_state_dict");
-    const double d = rel_diff(it->second, kv.value().detach());
+    const double d = rel_diff(it->second.detach().cpu(), kv.value().detach().cpu());
     WORKER_CHECK(d <= tol, what, ": parameter ", kv.key(), " differs by ", d);
   }
 }

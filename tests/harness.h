@@ -125,8 +125,8 @@ double rel_diff(const at::Tensor& a, const at::Tensor& b);
 // that registers it, and an optimizer over that list would step it twice.
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
 
-// Inside a worker: every parameter of `ref` equals (dtype, and within `tol` by rel_diff) the one
-// of the same name in sharded.full_state_dict(); `what` heads the message otherwise.
+// Inside a worker: every parameter of `ref` equals (dtype, and within `tol` by rel_diff, compared
+// on the CPU) the one of the same name in sharded.full_state_dict(); `what` heads the message otherwise.
 void expect_same_parameters(const torch::nn::Module& ref, fsdp::FullyShardedModule& sharded, double tol,
                             const std::string& what);
 

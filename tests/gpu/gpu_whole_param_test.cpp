@@ -121,13 +121,7 @@ FSDP_WORKER(gpu_lbfgs_worker) {
   const std::string what = "lbfgs " + strategy + (line_search ? " strong_wolfe" : " fixed step") + " world " +
                            std::to_string(ctx.world) + " offload " + std::to_string(int(offload));
   expect_same_lbfgs_counts(opt, ref_opt, what);
-  auto full = sharded->full_state_dict();
-  for (const auto& kv : ref->named_parameters()) {
-    const auto it = full.find(kv.key());
-    WORKER_CHECK(it != full.end(), what, ": ", kv.key(), " is missing from full_state_dict");
-    const double d = rel_diff(it->second.detach().cpu(), kv.value().detach().cpu());
-    WORKER_CHECK(d <= 1e-10, what, ": ", kv.key(), " differs by ", d);
-  }
+  expect_same_parameters(*ref, *sharded, 1e-10, what);
   if (ctx.rank == 0) std::cout << what << " ok" << std::endl;
 }
 
