@@ -48,6 +48,30 @@ void FullyShardedModule::reshard() {
   state_->scheduler().reshard_all();
 }
 
+namespace {
+
+// A parameter whose data was replaced inside the guard (torch::load, set_data) has its new values
+// copied into `full`, so writeback keeps them; one of another shape is an error.
+void adopt_replaced_data(FsdpState& state, const ParamSlot& slot, const at::Tensor& full) {
+  if (slot.numel == 0) return;
+  const at::Tensor now = slot.param.variable_data();
+  const at::Tensor view = full.narrow(0, slot.offset, slot.numel);
+  if (now.defined() && now.data_ptr() == view.data_ptr() && now.numel() == slot.numel) return;
+  if (!now.defined() || now.sizes() != at::IntArrayRef(slot.shape)) {
+    state.set_pending_error(
+        detail::compose("libfsdp: summon_full_params(/*writeback=*/true): parameter '", slot.name,
+                        "' was replaced inside the guard by ",
+                        now.defined() ? detail::compose("a tensor of shape ", now.sizes()) : "an undefined tensor",
+                        ", but its shape is ", at::IntArrayRef(slot.shape),
+                        "; nothing of it was written back. Load a checkpoint of this model (same parameter shapes)"),
+        /*print_now=*/true);
+    return;
+  }
+  view.copy_(now.reshape({-1}));
+}
+
+}  // namespace
+
 struct FullyShardedModule::FullParamsGuard::Saved {
   struct FlatValues {
     FlatParam* flat_param;
@@ -96,7 +120,10 @@ FullyShardedModule::FullParamsGuard::~FullParamsGuard() {
   at::NoGradGuard no_grad;
   for (auto& v : saved_->flats) {
     auto& slots = v.flat_param->slots();
-    if (writeback_) v.flat_param->copy_full_into_shard(v.full);  // this rank's part only: not collective
+    if (writeback_) {
+      for (const ParamSlot& slot : slots) adopt_replaced_data(state, slot, v.full);
+      v.flat_param->copy_full_into_shard(v.full);  // this rank's part only: not collective
+    }
     for (size_t i = 0; i < slots.size(); ++i) {
       slots[i].param.set_data(v.before[i]);
       // set_data with another dtype (mixed precision) drops the parameter's AccumulateGrad node,

@@ -10,7 +10,7 @@ namespace {
 
 // args: mixed ("mp" for bf16 compute, else none). summon_full_params shows the whole parameters in
 // full precision, a forward (also on rank 0 alone) and torch::save inside it see the local model's, writes are dropped without
-// writeback and land in the shards with it; explicit unshard gathers everything and training goes on.
+// writeback and land in the shards with it (torch::load's too); explicit unshard gathers everything and training goes on.
 FSDP_WORKER(full_params_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const bool mixed = ctx.args.at(0) == "mp";
@@ -66,6 +66,40 @@ FSDP_WORKER(full_params_worker) {
     for (auto& p : unique_parameters(*ref)) p.mul_(0.5);
   }
   expect_same_parameters(*ref, *sharded, tol, "after summon with writeback");
+
+  // torch::load of a LibTorch module file (another model's weights) inside the guard replaces the
+  // parameters' data; writeback keeps the loaded values.
+  {
+    TempDir dir;
+    torch::manual_seed(11);
+    TinyTransformer other(32, 16, 2, 3, 8);
+    other->to(at::kDouble);
+    torch::save(other, dir / "other.pt");
+    torch::load(ref, dir / "other.pt");
+    {
+      auto full = sharded->summon_full_params(/*writeback=*/true);
+      torch::load(model, dir / "other.pt");
+    }
+    expect_same_parameters(*ref, *sharded, tol, "after torch::load inside summon with writeback");
+    // A file of another shape: an error naming the parameter, and that parameter keeps its values.
+    TinyTransformer wider(32, 24, 2, 3, 8);
+    wider->to(at::kDouble);
+    torch::save(wider, dir / "wider.pt");
+    {
+      auto full = sharded->summon_full_params(/*writeback=*/true);
+      torch::load(model, dir / "wider.pt");
+    }
+    std::string error;
+    try {
+      (void)sharded->full_state_dict();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    WORKER_CHECK(contains(error, "was replaced inside the guard by a tensor of shape") &&
+                     contains(error, "nothing of it was written back"),
+                 "torch::load of another shape inside summon: ", error.empty() ? "no error" : error);
+    expect_same_parameters(*ref, *sharded, tol, "after a refused torch::load of another shape");
+  }
 
   // Explicit unshard: every unit gathered; the next step trains as usual; reshard frees them.
   auto handle = sharded->unshard();

@@ -169,7 +169,7 @@ class FullyShardedModule {
   // Full parameters for evaluation, generation or inspection (FSDP's summon_full_params): while
   // the guard lives, every parameter of the module holds its whole value in the shards' dtype (full
   // precision under mixed precision), in a new tensor; with `writeback`, what was written into them
-  // is copied into the shards when the guard ends. Collective to create. Run the model under
+  // (in place, or as new data of the same shape, as torch::load does) is copied into the shards when the guard ends. Collective to create. Run the model under
   // torch::NoGradGuard inside it: no training step may happen while it lives.
   class FullParamsGuard {
    public:

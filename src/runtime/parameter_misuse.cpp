@@ -5,8 +5,12 @@
 namespace fsdp {
 
 std::string in_place_write_error(const char* op, const std::string& what) {
-  return detail::compose("libfsdp: in-place operation ", op, " on ", what,
-                         ": the change is lost at the next reshard. If this is an optimizer "
+  const bool set = std::string(op) == "aten::set_";
+  return detail::compose("libfsdp: in-place operation ", op, " on ", what, ": the change is lost at the next reshard. ",
+                         set ? "torch::load(module, path) replaces parameters this way: call it before fully_shard(), "
+                               "or on every rank inside summon_full_params(/*writeback=*/true). "
+                             : "",
+                         "If this is an optimizer "
                          "step, build the optimizer over FullyShardedModule::parameters() (the shards), not "
                          "module->parameters(); to set values use load_full_state_dict() or "
                          "summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
@@ -15,10 +19,12 @@ std::string in_place_write_error(const char* op, const std::string& what) {
 std::string replaced_parameter_error(const std::string& name) {
   return detail::compose(
       "parameter '", name,
-      "' no longer shows FSDP's storage: module->to(dtype or device), set_data() or an assignment to its data "
-      "replaced it after fully_shard(), so its updates and gradients no longer meet the shards. Move or cast the "
-      "model before fully_shard() (for a lower compute dtype, Options::mixed_precision); to set values use "
-      "load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it before fully_shard().");
+      "' no longer shows FSDP's storage: module->to(dtype or device), torch::load(module, path), set_data() or an "
+      "assignment to its data replaced it after fully_shard(), so its updates and gradients no longer meet the shards. "
+      "Move or cast the "
+      "model before fully_shard() (for a lower compute dtype, Options::mixed_precision); to set values (torch::load "
+      "included) use load_full_state_dict() or summon_full_params(/*writeback=*/true); to initialize, do it before "
+      "fully_shard().");
 }
 
 std::string retired_storage_error(const char* op, const std::string& name) {
