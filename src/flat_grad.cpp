@@ -1,5 +1,6 @@
 #include "flat_grad.h"
 
+#include <algorithm>
 #include <array>
 #include <memory>
 
@@ -133,6 +134,62 @@ void FlatGrad::keep_unreduced() {
     kept_[i] = kept_[i] || written_[i];
     written_[i] = 0;
   }
+}
+
+std::vector<uint8_t> FlatGrad::held_slots() const {
+  std::vector<uint8_t> held(slots_.size(), 0);
+  const bool kept = buffer_.defined() && !reduce_started_, folded = exact_.defined() && !exact_blank_;
+  for (size_t i = 0; i < slots_.size(); ++i)
+    held[i] = (kept && i < kept_.size() && kept_[i]) || (folded && i < folded_.size() && folded_[i]) ||
+              (partial_.defined() && i < partial_slots_.size() && partial_slots_[i]);
+  return held;
+}
+
+void FlatGrad::mark_held_pieces() {
+  const std::vector<uint8_t> held = held_slots();
+  const bool in_store = holds_in_store() && buffer_.defined();
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    ParamSlot& s = slots_[i];
+    if (held[i] && s.piece.defined() && s.piece.requires_grad() && !s.piece.grad().defined())
+      s.piece.mutable_grad() = in_store ? grad_alias(s, buffer_) : at::zeros_like(s.piece);
+  }
+}
+
+void FlatGrad::resync_store() {
+  if (!holds_in_store() || !buffer_.defined() || reduce_started_) return;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    ParamSlot& s = slots_[i];
+    if (!kept_[i] || !s.piece.defined()) continue;
+    at::Tensor& g = s.piece.mutable_grad();
+    at::Tensor region = buffer_.narrow(0, s.piece_offset, s.piece_numel);
+    if (!g.defined()) {
+      region.zero_();
+    } else if (!is_grad_alias(s, g, buffer_)) {
+      region.copy_(g);
+      g = grad_alias(s, buffer_);
+    }
+  }
+}
+
+void FlatGrad::drop_held() {
+  if (holds_in_store() || reduce_started_) return;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  if (buffer_.defined()) {
+    memory_->add_grad(-buffer_.nbytes());
+    buffer_ = at::Tensor();
+  }
+  std::fill(kept_.begin(), kept_.end(), 0);
+  std::fill(written_.begin(), written_.end(), 0);
+  std::fill(folded_.begin(), folded_.end(), 0);
+  exact_blank_ = exact_.defined();
+  if (partial_.defined()) memory_->add_grad(-partial_.nbytes());
+  partial_ = at::Tensor();
+  partial_slots_.clear();
 }
 
 void FlatGrad::begin_reduction() {

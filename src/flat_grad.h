@@ -91,6 +91,21 @@ class FlatGrad {
   // `defer_landing` left it for land() (Note [Step on its own thread]).
   bool complete_reduction(bool defer_landing);
 
+  // Per slot: this rank holds a gradient of it that is not in the pieces' .grad yet (kept without
+  // sync, folded into the exact sums, or shard-group sums awaiting the replicas).
+  std::vector<uint8_t> held_slots() const;
+  // NO_SHARD without deterministic mode: the held sums are the store the pieces' .grad alias, so
+  // the user's writes to those act on them directly (Note [Gradients held without sync]).
+  bool holds_in_store() const { return !layout_.separate_shard && !layout_.deterministic; }
+  // After a backward that held gradients: a piece with none gets a .grad, so the user's zero_grad()
+  // (in place or set to none) is seen: its region of the store, or else zeros.
+  void mark_held_pieces();
+  // holds_in_store(): a piece's .grad the user dropped zeroes its region of the store, one they
+  // replaced is copied into it (and aliases it again).
+  void resync_store();
+  // Otherwise: the user zeroed or dropped the gradients, so the held ones go too.
+  void drop_held();
+
   // Hybrid: shard-group sums waiting for the replica all-reduce (reduce dtype).
   bool has_partial() const { return partial_.defined(); }
   // Adds them into `sums` (this reduction's shard-group sums) and lets them go.

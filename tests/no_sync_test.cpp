@@ -125,5 +125,90 @@ TEST(NoSync, ReshardAfterBackwardOffGathersNothingBetweenMicroBatches) {
   ASSERT_TRUE(r.all_ok()) << r.report();
 }
 
+// args: strategy, mode ("no_sync" or "replica_deferred"). Gradients zeroed in place or set to none
+// between micro-batches whose gradients are held unreduced are gone, with the held ones, as in
+// local training: micro-batch 0 is dropped, 1 and 2 are summed.
+FSDP_WORKER(held_gradients_dropped_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0), mode = ctx.args.at(1);
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options(strategy));
+  torch::optim::AdamW ref_opt(unique_parameters(*ref), torch::optim::AdamWOptions(0.01)),
+      opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+  const int rows = 2, micro = 3;
+  for (int step = 0; step < 2; ++step) {
+    const bool in_place = step == 0;
+    for (int m = 0; m < micro; ++m) {
+      if (m < 2) {  // before micro-batches 0 and 1: every gradient zeroed or dropped
+        if (in_place) {
+          zero_grad_in_place(ref_opt);
+          zero_grad_in_place(opt);
+        } else {
+          for (auto& p : unique_parameters(*ref)) p.mutable_grad().reset();
+          for (auto& p : sharded->parameters()) p.mutable_grad().reset();
+        }
+      }
+      const auto x = at::randint(0, 32, {rows * ctx.world, 8}, at::detail::createCPUGenerator(100 * step + m));
+      loss_of(ref, x).backward();
+      const bool last = m + 1 == micro;
+      if (mode == "no_sync")
+        sharded->set_requires_gradient_sync(last);
+      else
+        sharded->set_requires_all_reduce(last);
+      loss_of(model, x.narrow(0, ctx.rank * rows, rows)).backward();
+    }
+    ref_opt.step();
+    opt.step();
+  }
+  expect_same_parameters(*ref, *sharded, 1e-12, strategy + " " + mode + ": held gradients dropped");
+  if (ctx.rank == 0) std::cout << strategy << " " << mode << " ok" << std::endl;
+}
+
+// A model so small that rank 3 of 4 holds only padding in every FlatParameter: it sees no piece,
+// so it learns from its peers that the gradients were dropped (one all-reduce of a flag).
+FSDP_WORKER(held_gradients_dropped_padding_rank_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto make = [] {
+    torch::manual_seed(8);
+    torch::nn::Sequential m(torch::nn::Linear(2, 1), torch::nn::Tanh(), torch::nn::Linear(1, 1));
+    m->to(at::kDouble);
+    return m;
+  };
+  auto ref = make(), model = make();
+  auto sharded =
+      fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  WORKER_CHECK(ctx.rank != 3 || sharded->shard_pieces().empty(), "rank 3 holds a piece");
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(sharded->parameters(), 0.1);
+  for (int step = 0; step < 2; ++step) {
+    for (int m = 0; m < 3; ++m) {
+      if (m == 1) {
+        for (auto& p : ref->parameters()) p.mutable_grad().reset();
+        for (auto& p : sharded->parameters()) p.mutable_grad().reset();
+      }
+      const auto x = at::randn({2 * ctx.world, 2}, at::detail::createCPUGenerator(10 * step + m)).to(at::kDouble);
+      ref->forward(x).pow(2).mean().backward();
+      sharded->set_requires_gradient_sync(m == 2);
+      model->forward(x.narrow(0, 2 * ctx.rank, 2)).pow(2).mean().backward();
+    }
+    ref_opt.step();
+    opt.step();
+  }
+  expect_same_parameters(*ref, *sharded, 1e-12, "held gradients dropped, a rank with only padding");
+}
+
+TEST(NoSync, ZeroingOrDroppingGradientsBetweenMicroBatchesDropsTheHeldOnes) {
+  {
+    auto r = launch("held_gradients_dropped_padding_rank_worker", 4);
+    ASSERT_TRUE(r.all_ok()) << r.report();
+  }
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
+    auto r =
+        launch("held_gradients_dropped_worker", strategy == std::string("HYBRID_SHARD") ? 4 : 3, {strategy, "no_sync"});
+    ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+  auto r = launch("held_gradients_dropped_worker", 4, {"HYBRID_SHARD", "replica_deferred"});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
 }  // namespace
 }  // namespace fsdp_test

@@ -41,12 +41,45 @@ void GradientReducer::begin_backward() {
   bool observable = false;
   for (const auto& fp : flat_params_)
     observable = observable || (fp->requires_grad() && fp->padded_numel() - fp->shard_numel() < fp->numel());
+  drop_or_resync_held(observable);
   if (zeroed || !observable) backwards_held_ = 0;
   if (counted_) ++backwards_since_sync_;
   for (auto& fp : flat_params_) {
     fp->grad().set_backwards_held(backwards_held_);
     fp->grad().set_backward_count(backwards_since_sync_, counted_);
   }
+}
+
+void GradientReducer::drop_or_resync_held(bool observable) {
+  bool holding = false, changed = false;
+  for (size_t f = 0; f < flat_params_.size(); ++f) {
+    FlatGrad& grad = flat_params_[f]->grad();
+    const std::vector<uint8_t> held = grad.held_slots();
+    if (std::find(held.begin(), held.end(), 1) == held.end()) continue;
+    if (grad.holds_in_store()) {
+      grad.resync_store();
+      continue;
+    }
+    holding = true;
+    const auto& slots = flat_params_[f]->slots();
+    for (size_t s = 0; f < held_.size() && s < slots.size() && s < held_[f].size() && !changed; ++s) {
+      const HeldGrad& h = held_[f][s];
+      if (!h.impl) continue;
+      const at::Tensor& g = slots[s].piece.grad();
+      changed = !g.defined() || g.unsafeGetTensorImpl() != h.impl || g._version() != h.version;
+    }
+  }
+  if (!holding) return;
+  // A rank whose shards are all padding sees no piece: it takes its peers' view.
+  if (!observable && world_ && world_->size() > 1) {
+    at::Tensor flag =
+        at::full({1}, changed ? 1.0 : 0.0, at::TensorOptions().dtype(at::kFloat).device(world_->device()));
+    world_->all_reduce(flag, CollectiveOptions::labeled("gradients zeroed since a backward without sync"))->wait();
+    changed = flag.cpu().item<float>() > 0;
+  }
+  if (!changed) return;
+  for (auto& fp : flat_params_) fp->grad().drop_held();
+  backwards_since_sync_ = 0;
 }
 
 void GradientReducer::prepare_grad(int f, int s) {
@@ -179,6 +212,7 @@ void GradientReducer::end_backward() {
     for (auto& fp : flat_params_) fp->grad().keep_unreduced();
   else
     backwards_since_sync_ = 0;
+  for (auto& fp : flat_params_) fp->grad().mark_held_pieces();
   for (auto& unit : units_) unit.reset_grad_count();
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;

@@ -66,6 +66,9 @@ class GradientReducer {
   // Finishes f's reduction; under the step in backward, steps f once its pieces' gradients are in.
   void finish_reduction(int f);
   void finish_reductions(size_t keep_in_flight);
+  // begin_backward(): gradients held from backward passes without sync follow what the user did
+  // to the pieces' .grad since (Note [Gradients held without sync]).
+  void drop_or_resync_held(bool observable);
   void step(FlatParam& fp);
 
   std::vector<Unit>& units_;
