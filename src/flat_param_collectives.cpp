@@ -208,4 +208,33 @@ at::Tensor gather_full_values(const FlatParam& fp) {
   return out;
 }
 
+std::pair<at::Tensor, std::vector<bool>> gather_full_gradient(const FlatParam& fp) {
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  const auto& slots = fp.slots();
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const c10::Device device = fp.unsharded().device();
+  at::Tensor shard = at::zeros({fp.shard_numel()}, at::TensorOptions().dtype(fp.dtype()).device(device));
+  at::Tensor has = at::zeros({n}, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (int64_t i = 0; i < n; ++i) {
+    const ParamSlot& s = slots[i];
+    if (!s.piece.defined() || !s.piece.grad().defined()) continue;
+    const at::Tensor g = s.piece.grad();
+    shard.narrow(0, s.piece_offset, s.piece_numel).copy_(g.is_sparse() ? g.to_dense() : g);
+    has[i] = 1;
+  }
+  at::Tensor full = shard;
+  if (fp.sharded_over_peers()) {
+    const CommunicatorPtr& comm = fp.groups().shard_comm;
+    const int64_t count = fp.count_gather();
+    full = at::empty({fp.padded_numel()}, shard.options());
+    comm->all_gather_into(full, shard, label(fp, "full-gradient all-gather", count))->wait();
+    comm->all_reduce(has, label(fp, "full-gradient presence all-reduce", count))->wait();
+  }
+  const at::Tensor present = has.cpu();
+  std::vector<bool> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = present[i].item<float>() > 0;
+  return {full, out};
+}
+
 }  // namespace fsdp

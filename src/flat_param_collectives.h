@@ -5,6 +5,9 @@
 // for state dicts. Each is labeled for the cross-rank fingerprint (Note [Collective fingerprints]).
 #include <torch/torch.h>
 
+#include <utility>
+#include <vector>
+
 #include "flat_param.h"
 #include "fsdp/comm.h"
 
@@ -30,5 +33,8 @@ bool finish_reduction(FlatParam& fp, bool defer_landing = false);
 // Collective over the shard group: the full padded flat values in the shard's dtype (a gather of
 // the shards into a new tensor; the unsharded storage itself when kept unsharded).
 at::Tensor gather_full_values(const FlatParam& fp);
+// Collective over the shard group: the full padded flat gradient from the shard pieces' .grad (zeros
+// where a piece has none), and per slot whether any member's piece of it has a gradient.
+std::pair<at::Tensor, std::vector<bool>> gather_full_gradient(const FlatParam& fp);
 
 }  // namespace fsdp

@@ -77,30 +77,50 @@ struct FullyShardedModule::FullParamsGuard::Saved {
     FlatParam* flat_param;
     at::Tensor full;                 // the whole flat values the parameters are views of now
     std::vector<at::Tensor> before;  // each slot's parameter data before the guard
+    std::vector<at::Tensor> grads;   // with_grads: each slot's parameter .grad before the guard
   };
   std::vector<FlatValues> flats;
 };
 
 FullyShardedModule::FullParamsGuard FullyShardedModule::summon_full_params(bool writeback) {
-  return FullParamsGuard(this, writeback);
+  return FullParamsGuard(this, FullParamsOptions().writeback(writeback));
 }
 
-FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module, bool writeback)
-    : module_(module), writeback_(writeback), saved_(std::make_unique<Saved>()) {
+FullyShardedModule::FullParamsGuard FullyShardedModule::summon_full_params(const FullParamsOptions& options) {
+  return FullParamsGuard(this, options);
+}
+
+FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module, const FullParamsOptions& options)
+    : module_(module), options_(options), saved_(std::make_unique<Saved>()) {
   FsdpState& state = *module_->state_;
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
   FSDP_CHECK(!Scheduler::in_backward(), "summon_full_params: called during backward; call it between training steps");
+  if (options_.with_grads())
+    for (const Unit& unit : state.units())
+      FSDP_CHECK(!state.reducer().has_unreduced(unit.index()),
+                 "summon_full_params(with_grads): the last backward ran without gradient synchronization (no_sync "
+                 "or set_requires_gradient_sync(false)), so its gradients are not reduced yet; call it after a "
+                 "backward that reduces them");
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   state.scheduler().reshard_all();  // nothing stale stays gathered behind the guard
   for (auto& fp : state.flat_params()) {
-    Saved::FlatValues v{fp.get(), gather_full_values(*fp).clone(), {}};
+    Saved::FlatValues v{fp.get(), gather_full_values(*fp).clone(), {}, {}};
     for (auto& s : fp->slots()) {
       v.before.push_back(s.param.variable_data());
       // The parameter (its identity kept) now shows its whole value, in a storage FSDP does not
       // watch, so operators on it inside the guard trigger no gathers.
       s.param.set_data(v.full.narrow(0, s.offset, s.numel).view(s.shape));
+    }
+    if (options_.with_grads()) {
+      auto [grad, present] = gather_full_gradient(*fp);
+      auto& slots = fp->slots();
+      for (size_t i = 0; i < slots.size(); ++i) {
+        v.grads.push_back(slots[i].param.grad());
+        slots[i].param.mutable_grad() =
+            present[i] ? grad.narrow(0, slots[i].offset, slots[i].numel).view(slots[i].shape) : at::Tensor();
+      }
     }
     saved_->flats.push_back(std::move(v));
   }
@@ -108,7 +128,7 @@ FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module,
 }
 
 FullyShardedModule::FullParamsGuard::FullParamsGuard(FullParamsGuard&& other) noexcept
-    : module_(other.module_), writeback_(other.writeback_), saved_(std::move(other.saved_)) {
+    : module_(other.module_), options_(other.options_), saved_(std::move(other.saved_)) {
   other.module_ = nullptr;
 }
 
@@ -120,11 +140,12 @@ FullyShardedModule::FullParamsGuard::~FullParamsGuard() {
   at::NoGradGuard no_grad;
   for (auto& v : saved_->flats) {
     auto& slots = v.flat_param->slots();
-    if (writeback_) {
+    if (options_.writeback()) {
       for (const ParamSlot& slot : slots) adopt_replaced_data(state, slot, v.full);
       v.flat_param->copy_full_into_shard(v.full);  // this rank's part only: not collective
     }
     for (size_t i = 0; i < slots.size(); ++i) {
+      if (!v.grads.empty()) slots[i].param.mutable_grad() = v.grads[i];
       slots[i].param.set_data(v.before[i]);
       // set_data with another dtype (mixed precision) drops the parameter's AccumulateGrad node,
       // which carries FSDP's gradient hooks: give it back the one the slot keeps.

@@ -25,6 +25,33 @@ FSDP_WORKER(full_params_worker) {
   lm_step_side_by_side(ref, ref_opt, model, opt, ctx, 0);
   lm_step_side_by_side(ref, ref_opt, model, opt, ctx, 1);
 
+  // with_grads: each parameter's .grad is its whole reduced gradient, the local model's after the
+  // same step; the placeholders are back afterwards and training goes on (checked below).
+  {
+    auto full = sharded->summon_full_params(fsdp::FullParamsOptions().with_grads(true));
+    auto ref_params = ref->named_parameters();
+    for (const auto& kv : model->named_parameters()) {
+      const at::Tensor g = kv.value().grad(), want = ref_params[kv.key()].grad();
+      // The frozen table and the unused parameter have none, as in local training.
+      WORKER_CHECK(g.defined() == want.defined(), "summoned gradient of ", kv.key(), " defined: ", g.defined(),
+                   ", in local training: ", want.defined());
+      if (!want.defined()) continue;
+      WORKER_CHECK(g.sizes() == want.sizes(), "summoned gradient of ", kv.key(), " has shape ", g.sizes());
+      WORKER_CHECK(rel_diff(g, want) <= 10 * tol, "summoned gradient of ", kv.key(), " differs by ", rel_diff(g, want));
+    }
+  }
+  for (const auto& kv : model->named_parameters())
+    WORKER_CHECK(!kv.value().requires_grad() || kv.value().grad().stride(0) == 0, "after with_grads, ", kv.key(),
+                 "'s .grad is not the placeholder");
+  {
+    auto no_sync = sharded->no_sync();
+    loss_of(model, token_batch(ctx.world, 5).narrow(0, ctx.rank * 2, 2)).backward();
+    expect_error([&] { auto full = sharded->summon_full_params(fsdp::FullParamsOptions().with_grads(true)); },
+                 "gradients are not reduced yet", "with_grads after a backward without sync");
+  }
+  opt.zero_grad();
+  ref_opt.zero_grad();
+
   const auto x = token_batch(ctx.world, 9);
   {
     auto full = sharded->summon_full_params();

@@ -35,6 +35,14 @@ struct ShardPiece {
   int64_t begin = 0;           // `piece` holds elements [begin, begin + piece.numel()) of the flattened parameter
 };
 
+// What FullyShardedModule::summon_full_params shows and keeps.
+struct FullParamsOptions {
+  /// When the guard ends, copy into the shards what was written into the parameters (in place, or as new data of the same shape, as torch::load does).
+  TORCH_ARG(bool, writeback) = false;
+  /// While the guard lives, each parameter's .grad is its whole reduced gradient (undefined where no rank has one); changes to it are dropped.
+  TORCH_ARG(bool, with_grads) = false;
+};
+
 // One unit as FSDP built it (for printing, tests and memory estimates).
 struct UnitInfo {
   std::string name;  // qualified module name; "" for the root
@@ -168,9 +176,9 @@ class FullyShardedModule {
 
   // Full parameters for evaluation, generation or inspection (FSDP's summon_full_params): while
   // the guard lives, every parameter of the module holds its whole value in the shards' dtype (full
-  // precision under mixed precision), in a new tensor; with `writeback`, what was written into them
-  // (in place, or as new data of the same shape, as torch::load does) is copied into the shards when the guard ends. Collective to create. Run the model under
-  // torch::NoGradGuard inside it: no training step may happen while it lives.
+  // precision under mixed precision), in a new tensor; FullParamsOptions says what else it shows and
+  // what it writes back. Collective to create. Run the model under torch::NoGradGuard inside it: no
+  // training step may happen while it lives.
   class FullParamsGuard {
    public:
     FullParamsGuard(FullParamsGuard&&) noexcept;
@@ -179,12 +187,13 @@ class FullyShardedModule {
    private:
     friend class FullyShardedModule;
     struct Saved;
-    FullParamsGuard(FullyShardedModule* module, bool writeback);
+    FullParamsGuard(FullyShardedModule* module, const FullParamsOptions& options);
     FullyShardedModule* module_;
-    bool writeback_;
+    FullParamsOptions options_;
     std::unique_ptr<Saved> saved_;
   };
   [[nodiscard]] FullParamsGuard summon_full_params(bool writeback = false);
+  [[nodiscard]] FullParamsGuard summon_full_params(const FullParamsOptions& options);
 
   MemoryStats memory_stats() const;
   void reset_peak_memory_stats();

@@ -41,7 +41,8 @@ std::string placeholder_read_error(const char* op, const std::string& name) {
       "libfsdp: operator ", op, " read the .grad of parameter '", name,
       "' of a sharded module, which is a placeholder (zeros), not its gradient: after backward a sharded "
       "parameter's gradient is in its shard pieces. Read them with FullyShardedModule::shard_pieces() (each "
-      "piece's .grad, with the parameter's name and shape), or each parameter's gradient norm with grad_norms(); "
+      "piece's .grad, with the parameter's name and shape), each parameter's gradient norm with grad_norms(), or "
+      "whole gradients inside summon_full_params(FullParamsOptions().with_grads(true)); "
       "clip them with FullyShardedModule::clip_grad_norm_(). An optimizer reads gradients too: build the "
       "optimizer over FullyShardedModule::parameters() (the shards)");
 }
