@@ -51,8 +51,8 @@ export OMP_NUM_THREADS=1
 
 # The test sources that hold each selection above and the workers its tests launch (OverlapExact runs
 # fully_shard_exact_test.cpp's exact_worker); each build's fsdp_tests is built from these only.
-ASAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp;embedding_max_norm_test.cpp;module_zero_grad_test.cpp'
-TSAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/startup_test.cpp;embedding_max_norm_test.cpp;module_zero_grad_test.cpp'
+ASAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp;embedding_max_norm_test.cpp;module_zero_grad_test.cpp;failed_backward_test.cpp'
+TSAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/startup_test.cpp;embedding_max_norm_test.cpp;module_zero_grad_test.cpp;failed_backward_test.cpp'
 
 # Configures and builds fsdp_tests in $2 with FSDP_SANITIZE=$1, from the test sources $3.
 build() {

@@ -176,13 +176,25 @@ void FlatGrad::resync_store() {
 }
 
 void FlatGrad::drop_held() {
-  if (holds_in_store() || reduce_started_) return;
-  InternalOpGuard internal;
-  at::NoGradGuard no_grad;
-  if (buffer_.defined()) {
-    memory_->add_grad(-buffer_.nbytes());
-    buffer_ = at::Tensor();
+  if (!holds_in_store()) abandon_unreduced();
+}
+
+void FlatGrad::discard_landing() {
+  if (landing_.copy) landing_.copy->wait();
+  if (landing_.alias_store && landing_.values.defined()) {
+    // NO_SHARD reduced in place, in the store the pieces' .grad may still alias: its sums go too.
+    InternalOpGuard internal;
+    at::NoGradGuard no_grad;
+    landing_.values.zero_();
   }
+  landing_ = Landing();
+  release_device_grad();
+}
+
+void FlatGrad::abandon_unreduced() {
+  if (reduce_started_) return;
+  if (buffer_.defined() && layout_.separate_shard) memory_->add_grad(-buffer_.nbytes());
+  buffer_ = at::Tensor();
   std::fill(kept_.begin(), kept_.end(), 0);
   std::fill(written_.begin(), written_.end(), 0);
   std::fill(folded_.begin(), folded_.end(), 0);

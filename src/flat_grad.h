@@ -105,6 +105,12 @@ class FlatGrad {
   void resync_store();
   // Otherwise: the user zeroed or dropped the gradients, so the held ones go too.
   void drop_held();
+  // A backward failed: every gradient not reduced (in the buffer, the exact sums or the partial
+  // sums) is dropped; NO_SHARD's store stays only as the pieces' .grad that alias it.
+  void abandon_unreduced();
+  // A reduction complete_reduction() left for land() is dropped instead (its host copy waited for;
+  // NO_SHARD's store, reduced in place, zeroed).
+  void discard_landing();
 
   // Hybrid: shard-group sums waiting for the replica all-reduce (reduce dtype).
   bool has_partial() const { return partial_.defined(); }

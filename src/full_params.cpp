@@ -17,6 +17,7 @@ FullyShardedModule::UnshardHandle FullyShardedModule::unshard() {
   FsdpState& state = *state_;
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
+  state.settle_failed_backward();
   InternalOpGuard internal;
   for (const Unit& unit : state.units()) state.scheduler().unshard_async(unit.index());
   return UnshardHandle(this);
@@ -95,6 +96,7 @@ FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module,
   FsdpState& state = *module_->state_;
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
+  state.settle_failed_backward();
   FSDP_CHECK(!Scheduler::in_backward(), "summon_full_params: called during backward; call it between training steps");
   if (options_.with_grads())
     for (const Unit& unit : state.units())

@@ -12,6 +12,7 @@ namespace fsdp {
 void Hooks::on_unit_enter(int u) {
   std::lock_guard<std::recursive_mutex> lock(state_.mutex());
   state_.rethrow_pending_error();
+  state_.settle_failed_backward();
   state_.scheduler().use(u);
 }
 

@@ -311,6 +311,14 @@ void FsdpState::set_pending_error(const std::string& message, bool print_now) {
   std::fflush(stderr);
 }
 
+void FsdpState::settle_failed_backward() {
+  if (!backward_begun_ || !backward_token_.expired()) return;
+  backward_begun_ = false;
+  InternalOpGuard internal;
+  at::NoGradGuard no_grad;
+  scheduler_->abandon_backward();
+}
+
 void FsdpState::rethrow_pending_error() {
   if (pending_error_.empty()) return;
   const std::string message = pending_error_;

@@ -103,6 +103,18 @@ class FsdpState {
   void enter_full_params() { ++full_params_guards_; }
   void exit_full_params() { --full_params_guards_; }
   bool full_params_summoned() const { return full_params_guards_.load() > 0; }
+  // Note [Failed backward]: a backward began (its end-of-backward callback queued with `token`,
+  // which lives as long as that backward's graph task) / ended through that callback.
+  void begin_backward_pass(std::weak_ptr<void> token) {
+    backward_token_ = std::move(token);
+    backward_begun_ = true;
+  }
+  void end_backward_pass() { backward_begun_ = false; }
+  // The backward that began is still running (its graph task lives).
+  bool backward_running() const { return backward_begun_ && !backward_token_.expired(); }
+  // If the last backward ended without its callback (an exception inside it): what it had not
+  // landed in the pieces' .grad is dropped and the next iteration starts clean.
+  void settle_failed_backward();
   // The model's checkpoint save still finishing in the background, if any (checkpoint::async_save).
   std::weak_ptr<checkpoint::detail::SaveJob>& in_flight_save() { return in_flight_save_; }
 
@@ -120,7 +132,9 @@ class FsdpState {
   Options options_;
   ShardingGroups groups_;
   bool intercepting_ = false;
-  std::atomic<int> full_params_guards_{0};   // read by the operator hook on any thread
+  std::atomic<int> full_params_guards_{0};  // read by the operator hook on any thread
+  bool backward_begun_ = false;
+  std::weak_ptr<void> backward_token_;
   std::vector<bool> reshard_after_forward_;  // per unit, from the strategy and Options::reshard_after_forward_policy
   MemoryTracker memory_;
   BufferPool pool_;
@@ -155,7 +169,10 @@ class FsdpState {
 // operator hook rethrown, and the call's tensor operations FSDP's own (InternalOpGuard), without grad.
 class RuntimeCall {
  public:
-  explicit RuntimeCall(FsdpState& state) : lock_(state.mutex()) { state.rethrow_pending_error(); }
+  explicit RuntimeCall(FsdpState& state) : lock_(state.mutex()) {
+    state.rethrow_pending_error();
+    state.settle_failed_backward();
+  }
   RuntimeCall(const RuntimeCall&) = delete;
   RuntimeCall& operator=(const RuntimeCall&) = delete;
 

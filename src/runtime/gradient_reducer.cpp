@@ -185,6 +185,24 @@ void GradientReducer::finish_all() {
   to_host_order_.clear();
 }
 
+void GradientReducer::abandon_backward() {
+  // Reductions issued complete (every rank issued them) but do not land: the user zeroes the
+  // gradients after a failed backward, and a landing after that would bring them back.
+  while (!reduce_order_.empty()) {
+    const int f = reduce_order_.front();
+    reduce_order_.erase(reduce_order_.begin());
+    fsdp::finish_reduction(*flat_params_[f], /*defer_landing=*/true);
+  }
+  stepper_.wait_all(tracer_);
+  for (auto& fp : flat_params_) {
+    fp->grad().discard_landing();
+    fp->grad().abandon_unreduced();
+  }
+  to_host_order_.clear();
+  backwards_since_sync_ = 0;
+  end_backward();
+}
+
 void GradientReducer::step(FlatParam& fp) {
   if (!stepper_.on()) return;
   const auto start = Tracer::Clock::now();

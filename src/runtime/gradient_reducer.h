@@ -48,6 +48,9 @@ class GradientReducer {
   // Clears the per-backward gradient counts and flags; without sync, keeps the gradients for the
   // next backward to add to. Counts this backward as held (Note [Backward passes held]).
   void end_backward();
+  // Scheduler::abandon_backward: reductions issued complete without landing, and every gradient
+  // not reduced (this backward's, and those held without sync) is dropped; then end_backward().
+  void abandon_backward();
   // Whether backward reduces gradients (FullyShardedModule::set_requires_gradient_sync).
   void set_sync(bool sync) { sync_ = sync; }
   bool sync() const { return sync_; }

@@ -284,6 +284,7 @@ void Hooks::intercept(const at::RecordFunction& fn) {
                                               "' of a sharded module (its .data(), .detach() or a view of it)"),
           /*print_now=*/true);
     }
+    state_.settle_failed_backward();
     // Unshard even for a refused in-place op, so its kernel writes valid memory.
     state_.scheduler().use(state_.flat_params()[f]->unit());
   });
@@ -424,11 +425,14 @@ void Hooks::on_grad_pre(int f, int s) {
 }
 
 void Hooks::begin_backward() {
-  if (final_callback_queued_) return;
+  state_.settle_failed_backward();
+  if (state_.backward_running()) return;
   end_sentinel_watch();
-  // Queued on the backward this thread runs now; it runs when that backward ends.
-  torch::autograd::Engine::get_default_engine().queue_callback([this] { on_backward_end(); });
-  final_callback_queued_ = true;
+  // Queued on the backward this thread runs now; it runs when that backward ends. The token dies
+  // with the backward's graph task, also when an exception ends it (Note [Failed backward]).
+  auto token = std::make_shared<char>(0);
+  state_.begin_backward_pass(token);
+  torch::autograd::Engine::get_default_engine().queue_callback([this, token] { on_backward_end(); });
   state_.scheduler().begin_backward();
   state_.reducer().begin_backward();
 }
@@ -449,7 +453,7 @@ void Hooks::on_grad_post(int f, int s) {
 void Hooks::on_backward_end() {
   std::lock_guard<std::recursive_mutex> lock(state_.mutex());
   InternalOpGuard internal;
-  final_callback_queued_ = false;
+  state_.end_backward_pass();
   state_.rethrow_pending_error();
   state_.scheduler().finalize_backward(state_.buffers());
   state_.check_parameters_unchanged();

@@ -73,7 +73,6 @@ class Hooks {
   void begin_backward();
 
   FsdpState& state_;
-  bool final_callback_queued_ = false;
   // The sentinel watch: whether it runs now, how many more backwards it may follow (none once an
   // optimizer step has changed the shards), and the shards' versions when it began. The first
   // watch runs from construction until the first backward, or until every parameter has been read

@@ -183,6 +183,16 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
   if (reshard_after_backward_) reshard_all();
   if (options_.broadcast_buffers() && reducer_.sync()) reducer_.broadcast_buffers(buffers);
   reducer_.end_backward();
+  start_next_iteration();
+}
+
+void Scheduler::abandon_backward() {
+  reducer_.abandon_backward();
+  reshard_all();
+  start_next_iteration();
+}
+
+void Scheduler::start_next_iteration() {
   for (auto& unit : units_) {
     unit.drop_post_forward_shards();
     unit.reset();

@@ -30,6 +30,10 @@ class Scheduler {
   // The end of backward: reduce what is left, finish every reduction, reshard everything,
   // broadcast buffers, and start the next iteration (its trace, its prefetch order).
   void finalize_backward(const std::vector<std::pair<std::string, at::Tensor>>& buffers);
+  // A backward that ended in an exception (Note [Failed backward]): its issued reductions complete
+  // without landing, its unreduced gradients are dropped, every unit is resharded, the next
+  // iteration starts.
+  void abandon_backward();
 
   // Outside the step (state dicts, explicit unshard): issue u's gathers / gather u now / free u /
   // free every unit.
@@ -51,6 +55,8 @@ class Scheduler {
 
  private:
   void pre_forward(int u);
+  // The end of a backward, either way: units reset and the next iteration's state and trace begun.
+  void start_next_iteration();
   void pre_backward(int u);
   void reshard_units_left(int u);
   void unshard(int u, const char* why);

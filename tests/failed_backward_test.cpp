@@ -1,0 +1,101 @@
+// A backward that ends in an exception, caught on every rank: the next iteration starts clean, and
+// training after zero_grad() equals local training that skipped that batch.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "harness.h"
+
+namespace fsdp_test {
+namespace {
+
+// Passes values through in forward; its backward throws.
+struct ThrowingBackward : torch::autograd::Function<ThrowingBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*, torch::autograd::tensor_list) {
+    throw std::runtime_error("a failure inside backward");
+  }
+};
+
+torch::nn::Sequential four_linears() {
+  torch::manual_seed(6);
+  torch::nn::Sequential m(torch::nn::Linear(5, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::Tanh(),
+                          torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3));
+  m->to(at::kDouble);
+  return m;
+}
+
+// The forward of `m` with the throwing function after its first Linear: backward reduces the later
+// units (or has their reductions in flight) and then fails before the first one.
+at::Tensor forward_failing_in_backward(torch::nn::Sequential& m, const at::Tensor& x) {
+  at::Tensor h = ThrowingBackward::apply(torch::tanh(m[0]->as<torch::nn::Linear>()->forward(x)));
+  for (auto it = m->begin() + 2; it != m->end(); ++it) h = it->forward(h);
+  return h;
+}
+
+// args: strategy, then when the failed step's gradients are zeroed: "before_forward" (right after
+// the exception) or "after_call" (after another libfsdp call, a state dict); optional "no_sync":
+// the failure comes in the second micro-batch of an accumulation, whose held gradients go with it.
+FSDP_WORKER(failed_backward_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0), when = ctx.args.at(1);
+  const bool no_sync = ctx.args.size() > 2 && ctx.args[2] == "no_sync";
+  auto ref = four_linears(), model = four_linears();
+  auto options = fsdp::Options()
+                     .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
+                     .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
+  if (strategy == "HYBRID_SHARD") options.sharding_factor(2);
+  auto sharded = fsdp::fully_shard(model, pg, options);
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::optim::SGD ref_opt(ref->parameters(), sgd), opt(sharded->parameters(), sgd);
+  const int rows = 2;
+  for (int step = 0; step < 4; ++step) {
+    const auto x = at::randn({rows * ctx.world, 5}, at::detail::createCPUGenerator(step)).to(at::kDouble);
+    const auto y = at::randn({rows * ctx.world, 3}, at::detail::createCPUGenerator(50 + step)).to(at::kDouble);
+    const auto mine = x.narrow(0, ctx.rank * rows, rows), my_y = y.narrow(0, ctx.rank * rows, rows);
+    if (step == 2) {  // the failed step: nothing of it reaches the local model
+      opt.zero_grad();
+      if (no_sync) {
+        auto guard = sharded->no_sync();
+        torch::mse_loss(model->forward(mine), my_y).backward();
+      }
+      bool failed = false;
+      try {
+        torch::mse_loss(forward_failing_in_backward(model, mine), my_y).backward();
+      } catch (const std::exception& e) {
+        failed = contains(e.what(), "a failure inside backward");
+      }
+      WORKER_CHECK(failed, "the backward did not fail as arranged");
+      if (when == "after_call") (void)sharded->full_state_dict();
+      opt.zero_grad();
+    }
+    ref_opt.zero_grad();
+    opt.zero_grad();
+    torch::mse_loss(ref->forward(x), y).backward();
+    torch::mse_loss(model->forward(mine), my_y).backward();
+    ref_opt.step();
+    opt.step();
+  }
+  expect_same_parameters(*ref, *sharded, 1e-12, strategy + " " + when + (no_sync ? " no_sync" : ""));
+  if (ctx.rank == 0) std::cout << strategy << " " << when << " ok" << std::endl;
+}
+
+TEST(FailedBackward, TrainingAfterACaughtFailureInBackwardEqualsLocalTrainingWithoutThatBatch) {
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"})
+    for (const char* when : {"before_forward", "after_call"}) {
+      auto r = launch("failed_backward_worker", 3, {strategy, when});
+      ASSERT_TRUE(r.all_ok()) << strategy << " " << when << "\n" << r.report();
+    }
+  auto r = launch("failed_backward_worker", 4, {"HYBRID_SHARD", "before_forward"});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
+TEST(FailedBackward, AFailureInAnAccumulationDropsTheHeldGradients) {
+  for (const char* strategy : {"FULL_SHARD", "NO_SHARD"}) {
+    auto r = launch("failed_backward_worker", 3, {strategy, "before_forward", "no_sync"});
+    ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
+}  // namespace
+}  // namespace fsdp_test
