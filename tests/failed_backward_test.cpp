@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
+
 #include "harness.h"
 
 namespace fsdp_test {
@@ -40,6 +42,7 @@ FSDP_WORKER(failed_backward_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0), when = ctx.args.at(1);
   const bool no_sync = ctx.args.size() > 2 && ctx.args[2] == "no_sync";
+  const bool one_rank = ctx.args.size() > 2 && ctx.args[2] == "one_rank";  // the others' backward succeeds
   auto ref = four_linears(), model = four_linears();
   auto options = fsdp::Options()
                      .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
@@ -61,11 +64,14 @@ FSDP_WORKER(failed_backward_worker) {
       }
       bool failed = false;
       try {
-        torch::mse_loss(forward_failing_in_backward(model, mine), my_y).backward();
+        if (one_rank && ctx.rank != 1)
+          torch::mse_loss(model->forward(mine), my_y).backward();
+        else
+          torch::mse_loss(forward_failing_in_backward(model, mine), my_y).backward();
       } catch (const std::exception& e) {
         failed = contains(e.what(), "a failure inside backward");
       }
-      WORKER_CHECK(failed, "the backward did not fail as arranged");
+      WORKER_CHECK(failed || (one_rank && ctx.rank != 1), "the backward did not fail as arranged");
       if (when == "after_call") (void)sharded->full_state_dict();
       opt.zero_grad();
     }
@@ -94,6 +100,23 @@ TEST(FailedBackward, AFailureInAnAccumulationDropsTheHeldGradients) {
   for (const char* strategy : {"FULL_SHARD", "NO_SHARD"}) {
     auto r = launch("failed_backward_worker", 3, {strategy, "before_forward", "no_sync"});
     ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
+// A failure on one rank only: that rank's next collectives differ from its peers', and every rank
+// fails at once, naming both (Note [Collective fingerprints]).
+TEST(FailedBackward, AFailureOnOneRankOnlyFailsEveryRankFastNamingBothCollectives) {
+  for (const char* strategy : {"FULL_SHARD", "NO_SHARD"}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    RunningRanks running =
+        start("failed_backward_worker", 3, {strategy, "before_forward", "one_rank"}, {"FSDP_TIMEOUT_S=120"});
+    auto r = wait_for(running, 240);
+    ASSERT_FALSE(r.timed_out) << strategy << "\n" << r.report();
+    for (int rank = 0; rank < 3; ++rank) {
+      EXPECT_NE(r.ranks[rank].exit_code, 0) << strategy << ": rank " << rank << " finished\n" << r.report();
+      EXPECT_TRUE(contains(r.ranks[rank].output, "ranks diverged: member")) << strategy << "\n" << r.report();
+    }
+    EXPECT_LT(seconds_since(t0), 45) << strategy << "\n" << r.report();  // the timeout is 120 s
   }
 }
 

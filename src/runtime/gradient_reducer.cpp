@@ -201,6 +201,7 @@ void GradientReducer::abandon_backward() {
   to_host_order_.clear();
   backwards_since_sync_ = 0;
   end_backward();
+  backwards_held_ = 0;  // it holds nothing for the next reduction to add to
 }
 
 void GradientReducer::step(FlatParam& fp) {
