@@ -82,6 +82,8 @@ double clip_grad_norm(FsdpState& state, double max_norm, double norm_type) {
   FSDP_CHECK(max_norm >= 0 && !std::isnan(max_norm), "clip_grad_norm_: max_norm must be 0 or more, got ", max_norm);
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   state.rethrow_pending_error();
+  state.settle_failed_backward();
+  FSDP_CHECK(!state.reducer().holds_unreduced(), GradientReducer::unreduced_error("clip_grad_norm_"));
   FSDP_CHECK(!state.reducer().stepper().on(),
              "clip_grad_norm_: the module steps its optimizer in backward (set_step_in_backward), so each unit was "
              "stepped before the total norm existed. Clipping needs every gradient first: turn the step in backward "

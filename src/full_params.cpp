@@ -98,12 +98,8 @@ FullyShardedModule::FullParamsGuard::FullParamsGuard(FullyShardedModule* module,
   state.rethrow_pending_error();
   state.settle_failed_backward();
   FSDP_CHECK(!Scheduler::in_backward(), "summon_full_params: called during backward; call it between training steps");
-  if (options_.with_grads())
-    for (const Unit& unit : state.units())
-      FSDP_CHECK(!state.reducer().has_unreduced(unit.index()),
-                 "summon_full_params(with_grads): the last backward ran without gradient synchronization (no_sync "
-                 "or set_requires_gradient_sync(false)), so its gradients are not reduced yet; call it after a "
-                 "backward that reduces them");
+  FSDP_CHECK(!options_.with_grads() || !state.reducer().holds_unreduced(),
+             GradientReducer::unreduced_error("summon_full_params(with_grads)"));
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   state.scheduler().reshard_all();  // nothing stale stays gathered behind the guard

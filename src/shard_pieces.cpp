@@ -26,6 +26,7 @@ std::vector<std::pair<std::string, double>> FullyShardedModule::grad_norms(doubl
              norm_type);
   FsdpState& state = *state_;
   RuntimeCall call(state);
+  FSDP_CHECK(!state.reducer().holds_unreduced(), GradientReducer::unreduced_error("grad_norms"));
   const bool inf = std::isinf(norm_type);
   // Per original parameter, in the same order on every rank: this rank's part (max |g|, or sum
   // |g|^p) and whether it holds a gradient of it.

@@ -196,6 +196,32 @@ FSDP_WORKER(held_gradients_dropped_padding_rank_worker) {
   expect_same_parameters(*ref, *sharded, 1e-12, "held gradients dropped, a rank with only padding");
 }
 
+// args: strategy. After a backward without sync, clip_grad_norm_ and grad_norms are refused (there
+// is no reduced gradient to measure) and change nothing: the accumulation still equals local training.
+FSDP_WORKER(norms_refused_while_held_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0);
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options(strategy));
+  accumulate_side_by_side(
+      ref, model, *sharded, ctx, strategy + " norms refused while held", [&](int m, bool last, const at::Tensor& mine) {
+        sharded->set_requires_gradient_sync(last);
+        loss_of(model, mine).backward();
+        if (last) return;
+        expect_error([&] { (void)sharded->clip_grad_norm_(1e-3); }, "not reduced yet",
+                     "clip_grad_norm_ between micro-batches");
+        expect_error([&] { (void)sharded->grad_norms(); }, "not reduced yet", "grad_norms between micro-batches");
+        (void)m;
+      });
+}
+
+TEST(NoSync, NormsOfGradientsNotYetReducedAreRefused) {
+  for (const char* strategy : {"FULL_SHARD", "NO_SHARD"}) {
+    auto r = launch("norms_refused_while_held_worker", 3, {strategy});
+    ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+}
+
 TEST(NoSync, ZeroingOrDroppingGradientsBetweenMicroBatchesDropsTheHeldOnes) {
   {
     auto r = launch("held_gradients_dropped_padding_rank_worker", 4);

@@ -118,6 +118,22 @@ bool GradientReducer::has_unreduced(int u) const {
   return false;
 }
 
+bool GradientReducer::holds_unreduced() const {
+  for (const auto& fp : flat_params_) {
+    const std::vector<uint8_t> held = fp->grad().held_slots();
+    if (std::find(held.begin(), held.end(), 1) != held.end()) return true;
+  }
+  return false;
+}
+
+std::string GradientReducer::unreduced_error(const std::string& what) {
+  return detail::compose(
+      "libfsdp: ", what,
+      ": the last backward ran without gradient synchronization (no_sync, set_requires_gradient_sync(false) or "
+      "set_requires_all_reduce(false)), so its gradients are not reduced yet and the pieces' .grad do not hold "
+      "them; call it after the backward that reduces them");
+}
+
 void GradientReducer::reduce(int u) {
   if (!sync_) return;  // accumulation without communication: the buffers stay for the next backward
   // Waiting before issuing (not after) frees the oldest buffer before this reduction's output is

@@ -40,6 +40,12 @@ class GradientReducer {
   void reduce(int u);
   // Unit u has a gradient buffer whose reduction was not issued (its gradients did not all arrive).
   bool has_unreduced(int u) const;
+  // Between backward passes: gradients of a backward without sync are held, not yet reduced
+  // (Note [Gradients held without sync]); the pieces' .grad do not hold them.
+  bool holds_unreduced() const;
+  // The message for an operation over reduced gradients (`what`, e.g. "clip_grad_norm_") asked for
+  // while holds_unreduced().
+  static std::string unreduced_error(const std::string& what);
   // Waits for every reduction and averages it into the shard pieces' .grad.
   // Every reduction finished, and (CPU offload) landed in host memory.
   void finish_all();
