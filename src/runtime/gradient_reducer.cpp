@@ -128,10 +128,9 @@ bool GradientReducer::holds_unreduced() const {
 
 std::string GradientReducer::unreduced_error(const std::string& what) {
   return detail::compose(
-      "libfsdp: ", what,
-      ": the last backward ran without gradient synchronization (no_sync, set_requires_gradient_sync(false) or "
-      "set_requires_all_reduce(false)), so its gradients are not reduced yet and the pieces' .grad do not hold "
-      "them; call it after the backward that reduces them");
+      what, ": the last backward ran without gradient synchronization (no_sync, set_requires_gradient_sync(false) or "
+            "set_requires_all_reduce(false)), so its gradients are not reduced yet and the pieces' .grad do not hold "
+            "them; call it after the backward that reduces them");
 }
 
 void GradientReducer::reduce(int u) {
