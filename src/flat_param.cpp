@@ -109,6 +109,13 @@ int64_t FlatParam::shard_version() const {
   return v;
 }
 
+int64_t FlatParam::optimizer_writes() const {
+  int64_t v = shard_writes_.load(std::memory_order_relaxed);
+  for (const auto& s : slots_)
+    if (s.piece.defined()) v += s.piece._version();
+  return v;
+}
+
 bool FlatParam::unsharded_is_stale() const {
   return separate_shard_ && unsharded_ && shard_version() != gathered_version_;
 }

@@ -79,6 +79,9 @@ class FlatParam {
   void note_shard_written() { shard_writes_.fetch_add(1, std::memory_order_relaxed); }
   // Moves whenever the shard is written: its own, its pieces' and note_shard_written()'s counts.
   int64_t shard_version() const;
+  // Moves with the optimizer's writes (through the pieces, or .data(): Note [Shard writes]), not
+  // with writes through the parameters or the shard itself (max_norm in forward, loads).
+  int64_t optimizer_writes() const;
   // Gives the flat storage memory again if it was freed (same StorageImpl, new memory) and
   // records the shard's version its values are to come from. Its contents are undefined until
   // a gather (flat_param_collectives.h) fills them.

@@ -222,6 +222,36 @@ TEST(NoSync, NormsOfGradientsNotYetReducedAreRefused) {
   }
 }
 
+// args: strategy, the switch left off ("sync" or "all_reduce"). An optimizer step after a backward
+// whose gradients were held, with no synchronizing backward between, is refused at the next backward.
+FSDP_WORKER(step_while_held_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0), off = ctx.args.at(1);
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options(strategy));
+  torch::optim::SGD opt(sharded->parameters(), 0.1);
+  const auto x = token_batch(ctx.world, 3).narrow(0, ctx.rank * 2, 2);
+  if (off == "sync")
+    sharded->set_requires_gradient_sync(false);
+  else
+    sharded->set_requires_all_reduce(false);
+  opt.zero_grad();
+  loss_of(model, x).backward();
+  opt.step();  // the switch was never turned back on
+  opt.zero_grad();
+  expect_error([&] { loss_of(model, x).backward(); }, "the optimizer stepped the shards after a backward without",
+               strategy + ": a step while gradients were held");
+}
+
+TEST(NoSync, AnOptimizerStepWhileGradientsAreHeldIsRefused) {
+  for (const char* strategy : {"FULL_SHARD", "NO_SHARD"}) {
+    auto r = launch("step_while_held_worker", 3, {strategy, "sync"});
+    ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
+  }
+  auto r = launch("step_while_held_worker", 4, {"HYBRID_SHARD", "all_reduce"});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
 TEST(NoSync, ZeroingOrDroppingGradientsBetweenMicroBatchesDropsTheHeldOnes) {
   {
     auto r = launch("held_gradients_dropped_padding_rank_worker", 4);

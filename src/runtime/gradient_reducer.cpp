@@ -51,6 +51,14 @@ void GradientReducer::begin_backward() {
 }
 
 void GradientReducer::drop_or_resync_held(bool observable) {
+  // The optimizer stepped while gradients were held: that step took none of them.
+  for (size_t f = 0; f < held_shard_versions_.size() && f < flat_params_.size(); ++f)
+    FSDP_CHECK(flat_params_[f]->optimizer_writes() == held_shard_versions_[f],
+               "the optimizer stepped the shards after a backward without gradient synchronization and before one "
+               "with it: that step used none of the gradients held since, which no rank has reduced. Turn "
+               "synchronization back on for the last micro-batch before optimizer.step() "
+               "(leave no_sync(), or set_requires_gradient_sync(true) / set_requires_all_reduce(true))");
+  held_shard_versions_.clear();
   bool holding = false, changed = false;
   for (size_t f = 0; f < flat_params_.size(); ++f) {
     FlatGrad& grad = flat_params_[f]->grad();
@@ -247,6 +255,9 @@ void GradientReducer::end_backward() {
   else
     backwards_since_sync_ = 0;
   for (auto& fp : flat_params_) fp->grad().mark_held_pieces();
+  held_shard_versions_.clear();
+  if (holds_unreduced())
+    for (const auto& fp : flat_params_) held_shard_versions_.push_back(fp->optimizer_writes());
   for (auto& unit : units_) unit.reset_grad_count();
   for (auto& fp : flat_params_)
     for (auto& s : fp->slots()) s.used = s.got_grad = false;

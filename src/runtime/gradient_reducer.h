@@ -111,6 +111,8 @@ class GradientReducer {
   int64_t backwards_held_ = 0;
   int64_t backwards_since_sync_ = 0;         // deterministic mode's divisor: this rank's part of it
   std::vector<std::vector<HeldGrad>> held_;  // [flat param][slot]
+  // While gradients are held without sync: each FlatParameter's optimizer_writes() then.
+  std::vector<int64_t> held_shard_versions_;
 };
 
 }  // namespace fsdp
