@@ -8,6 +8,7 @@
 // reductions that skip the replicas keep their partial sums here (Note [Hybrid sharding]).
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -94,6 +95,10 @@ class FlatGrad {
   // Per slot: this rank holds a gradient of it that is not in the pieces' .grad yet (kept without
   // sync, folded into the exact sums, or shard-group sums awaiting the replicas).
   std::vector<uint8_t> held_slots() const;
+  bool holds_any() const {
+    const std::vector<uint8_t> held = held_slots();
+    return std::find(held.begin(), held.end(), 1) != held.end();
+  }
   // NO_SHARD without deterministic mode: the held sums are the store the pieces' .grad alias, so
   // the user's writes to those act on them directly (Note [Gradients held without sync]).
   bool holds_in_store() const { return !layout_.separate_shard && !layout_.deterministic; }

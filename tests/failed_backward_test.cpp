@@ -7,33 +7,10 @@
 #include <chrono>
 
 #include "harness.h"
+#include "models.h"
 
 namespace fsdp_test {
 namespace {
-
-// Passes values through in forward; its backward throws.
-struct ThrowingBackward : torch::autograd::Function<ThrowingBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*, torch::autograd::tensor_list) {
-    throw std::runtime_error("a failure inside backward");
-  }
-};
-
-torch::nn::Sequential four_linears() {
-  torch::manual_seed(6);
-  torch::nn::Sequential m(torch::nn::Linear(5, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::Tanh(),
-                          torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3));
-  m->to(at::kDouble);
-  return m;
-}
-
-// The forward of `m` with the throwing function after its first Linear: backward reduces the later
-// units (or has their reductions in flight) and then fails before the first one.
-at::Tensor forward_failing_in_backward(torch::nn::Sequential& m, const at::Tensor& x) {
-  at::Tensor h = ThrowingBackward::apply(torch::tanh(m[0]->as<torch::nn::Linear>()->forward(x)));
-  for (auto it = m->begin() + 2; it != m->end(); ++it) h = it->forward(h);
-  return h;
-}
 
 // args: strategy, then when the failed step's gradients are zeroed: "before_forward" (right after
 // the exception) or "after_call" (after another libfsdp call, a state dict); optional "no_sync":

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <stdexcept>
 #include <string>
 
 namespace fsdp_test {
@@ -217,5 +218,30 @@ struct LookupImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
 };
 TORCH_MODULE(Lookup);
+
+// Passes values through in forward; its backward throws "a failure inside backward".
+struct ThrowingBackward : torch::autograd::Function<ThrowingBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*, torch::autograd::tensor_list) {
+    throw std::runtime_error("a failure inside backward");
+  }
+};
+
+// Four Linear layers with Tanh between them, float64 on `device`, the same weights every call.
+inline torch::nn::Sequential four_linears(const torch::Device& device = torch::kCPU) {
+  torch::manual_seed(6);
+  torch::nn::Sequential m(torch::nn::Linear(5, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::Tanh(),
+                          torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3));
+  m->to(device, at::kDouble);
+  return m;
+}
+
+// four_linears' forward with ThrowingBackward after its first Linear: backward reduces the later
+// units (or has their reductions in flight) and then fails before the first one.
+inline at::Tensor forward_failing_in_backward(torch::nn::Sequential& m, const at::Tensor& x) {
+  at::Tensor h = ThrowingBackward::apply(torch::tanh(m[0]->as<torch::nn::Linear>()->forward(x)));
+  for (auto it = m->begin() + 2; it != m->end(); ++it) h = it->forward(h);
+  return h;
+}
 
 }  // namespace fsdp_test

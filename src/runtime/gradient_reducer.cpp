@@ -26,15 +26,7 @@ void GradientReducer::begin_backward() {
   // A piece whose gradient is gone, replaced or written since the last backward: the user zeroed
   // (or dropped) gradients, so this backward starts a new sum.
   bool zeroed = held_.size() != flat_params_.size();
-  for (size_t f = 0; f < held_.size() && !zeroed; ++f) {
-    const auto& slots = flat_params_[f]->slots();
-    for (size_t s = 0; s < slots.size() && !zeroed; ++s) {
-      const HeldGrad& h = held_[f][s];
-      if (!h.impl) continue;
-      const at::Tensor& g = slots[s].piece.grad();
-      zeroed = !g.defined() || g.unsafeGetTensorImpl() != h.impl || g._version() != h.version;
-    }
-  }
+  for (size_t f = 0; f < held_.size() && !zeroed; ++f) zeroed = piece_grads_changed(f);
   // Every member of a shard group must be able to see the zeroing: one whose shard is all padding
   // in every FlatParameter holds no piece, so the count is left out on every rank (the sharding is
   // the same on all of them).
@@ -62,20 +54,13 @@ void GradientReducer::drop_or_resync_held(bool observable) {
   bool holding = false, changed = false;
   for (size_t f = 0; f < flat_params_.size(); ++f) {
     FlatGrad& grad = flat_params_[f]->grad();
-    const std::vector<uint8_t> held = grad.held_slots();
-    if (std::find(held.begin(), held.end(), 1) == held.end()) continue;
+    if (!grad.holds_any()) continue;
     if (grad.holds_in_store()) {
       grad.resync_store();
       continue;
     }
     holding = true;
-    const auto& slots = flat_params_[f]->slots();
-    for (size_t s = 0; f < held_.size() && s < slots.size() && s < held_[f].size() && !changed; ++s) {
-      const HeldGrad& h = held_[f][s];
-      if (!h.impl) continue;
-      const at::Tensor& g = slots[s].piece.grad();
-      changed = !g.defined() || g.unsafeGetTensorImpl() != h.impl || g._version() != h.version;
-    }
+    changed = changed || (f < held_.size() && piece_grads_changed(f));
   }
   if (!holding) return;
   // A rank whose shards are all padding sees no piece: it takes its peers' view.
@@ -127,9 +112,16 @@ bool GradientReducer::has_unreduced(int u) const {
 }
 
 bool GradientReducer::holds_unreduced() const {
-  for (const auto& fp : flat_params_) {
-    const std::vector<uint8_t> held = fp->grad().held_slots();
-    if (std::find(held.begin(), held.end(), 1) != held.end()) return true;
+  return std::any_of(flat_params_.begin(), flat_params_.end(), [](const auto& fp) { return fp->grad().holds_any(); });
+}
+
+bool GradientReducer::piece_grads_changed(size_t f) const {
+  const auto& slots = flat_params_[f]->slots();
+  for (size_t s = 0; s < slots.size() && s < held_[f].size(); ++s) {
+    const HeldGrad& h = held_[f][s];
+    if (!h.impl) continue;
+    const at::Tensor& g = slots[s].piece.grad();
+    if (!g.defined() || g.unsafeGetTensorImpl() != h.impl || g._version() != h.version) return true;
   }
   return false;
 }

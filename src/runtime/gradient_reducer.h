@@ -78,6 +78,9 @@ class GradientReducer {
   // begin_backward(): gradients held from backward passes without sync follow what the user did
   // to the pieces' .grad since (Note [Gradients held without sync]).
   void drop_or_resync_held(bool observable);
+  // A shard piece of FlatParameter f whose .grad is gone, replaced or written since end_backward
+  // recorded it (Note [Backward passes held]).
+  bool piece_grads_changed(size_t f) const;
   void step(FlatParam& fp);
 
   std::vector<Unit>& units_;

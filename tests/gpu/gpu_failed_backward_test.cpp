@@ -7,24 +7,10 @@
 #include <iostream>
 
 #include "harness.h"
+#include "models.h"
 
 namespace fsdp_test {
 namespace {
-
-struct ThrowingBackward : torch::autograd::Function<ThrowingBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext*, torch::autograd::tensor_list) {
-    throw std::runtime_error("a failure inside backward");
-  }
-};
-
-torch::nn::Sequential gpu_four_linears() {
-  torch::manual_seed(6);
-  torch::nn::Sequential m(torch::nn::Linear(5, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::Tanh(),
-                          torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3));
-  m->to(kGpu, at::kDouble);
-  return m;
-}
 
 // args: strategy, "1" to offload the shards, case ("failed_backward" or "dropped_between").
 FSDP_WORKER(gpu_failed_backward_worker) {
@@ -33,7 +19,7 @@ FSDP_WORKER(gpu_failed_backward_worker) {
   fsdp::ProcessGroupOptions pgo;
   pgo.device = kGpu;
   auto pg = fsdp::ProcessGroup::from_env(pgo);
-  auto ref = gpu_four_linears(), model = gpu_four_linears();
+  auto ref = four_linears(kGpu), model = four_linears(kGpu);
   auto options = fsdp::Options()
                      .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
                      .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
@@ -51,9 +37,7 @@ FSDP_WORKER(gpu_failed_backward_worker) {
       opt.zero_grad();
       bool failed = false;
       try {
-        at::Tensor h = ThrowingBackward::apply(torch::tanh(model[0]->as<torch::nn::Linear>()->forward(mine)));
-        for (auto it = model->begin() + 2; it != model->end(); ++it) h = it->forward(h);
-        torch::mse_loss(h, my_y).backward();
+        torch::mse_loss(forward_failing_in_backward(model, mine), my_y).backward();
       } catch (const std::exception& e) {
         failed = contains(e.what(), "a failure inside backward");
       }
