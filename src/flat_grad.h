@@ -140,11 +140,11 @@ class FlatGrad {
   int64_t count_replica_reduction() { return replica_reductions_issued_++; }
   // Bytes of the shard pieces' gradients that currently exist.
   int64_t sharded_bytes() const;
+  // `g` is slot's sentinel (or a tensor over its storage).
+  bool is_sentinel(int slot, const at::Tensor& g) const;
 
  private:
   std::vector<at::Tensor> make_sentinels() const;
-  // `g` is slot's sentinel (or a tensor over its storage).
-  bool is_sentinel(int slot, const at::Tensor& g) const;
   // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
   at::Tensor grad_alias(const ParamSlot& s, const at::Tensor& store) const;
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g, const at::Tensor& store) const;

@@ -77,6 +77,7 @@ FlatParam::FlatParam(int id, int unit, std::vector<ParamSlot> slots, const Shard
                   .set_(shard_.storage(), shard_.storage_offset() + s.piece_offset, {s.piece_numel}, {1});
     s.piece.set_requires_grad(requires_grad_);
   }
+  for (auto& s : slots_) s.requires_grad_seen = s.param.requires_grad();
   gathered_version_ = shard_version();
   FlatGradLayout layout;
   layout.numel = numel_;

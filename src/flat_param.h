@@ -39,7 +39,9 @@ class FlatParam {
 
   int id() const { return id_; }
   int unit() const { return unit_; }
+  // Some parameter of it has required grad since fully_shard() (Note [Unfreezing]).
   bool requires_grad() const { return requires_grad_; }
+  void note_requires_grad() { requires_grad_ = true; }
   at::ScalarType dtype() const { return dtype_; }                  // the shard's (what the optimizer steps)
   at::ScalarType compute_dtype() const { return compute_dtype_; }  // the unsharded parameters'
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }    // the gradient reduction's

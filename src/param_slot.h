@@ -23,8 +23,9 @@ struct ParamSlot {
   int64_t piece_offset = 0;  // in the shard
   int64_t piece_numel = 0;
   std::shared_ptr<torch::autograd::Node> grad_accumulator;  // kept alive: autograd holds it weakly
-  bool used = false;                                        // an op read it with grad mode on since the last backward
-  bool got_grad = false;                                    // its AccumulateGrad ran in this backward
+  bool requires_grad_seen = false;  // the parameter's requires_grad when FSDP last looked (Note [Unfreezing])
+  bool used = false;                // an op read it with grad mode on since the last backward
+  bool got_grad = false;            // its AccumulateGrad ran in this backward
 };
 
 }  // namespace fsdp

@@ -203,8 +203,7 @@ void FsdpState::build_flat_params(UnitPlan& plan) {
     if (q.applies_to(pu.name, *pu.module) && fp.sharded_over_peers() && at::isFloatingType(fp.dtype()))
       fp.quantize_gathers(BlockFormat{q.dtype(), q.block_size(), cuts});
     const Quantization& rq = options_.reduce_quantization();
-    if (rq.applies_to(pu.name, *pu.module) && groups_.world_size > 1 && fp.requires_grad() &&
-        at::isFloatingType(fp.dtype())) {
+    if (rq.applies_to(pu.name, *pu.module) && groups_.world_size > 1 && at::isFloatingType(fp.dtype())) {
       fp.quantize_reductions(BlockFormat{rq.dtype(), rq.block_size(), cuts});
       fp.residuals().enabled = rq.error_feedback();
     }

@@ -169,7 +169,8 @@ Hooks::Hooks(FsdpState& state) : state_(state), watches_left_(state.intercepting
   add_grad_hooks();
   const CommunicatorPtr& world = state_.groups().world_comm;
   renorm_watch_ = !state_.intercepting() && world && world->size() > 1 && has_max_norm_embedding(*state_.module());
-  register_model(this, state_.intercepting() || renorm_watch_);
+  unfreeze_watch_ = !state_.intercepting() && !any_hooked();
+  register_model(this, state_.intercepting() || renorm_watch_ || unfreeze_watch_);
   if (state_.intercepting()) return;
   // The first watch: parameters replaced before training (Note [Replaced parameter data]).
   for (const auto& fp : state_.flat_params()) {
@@ -187,18 +188,77 @@ Hooks::~Hooks() {
 }
 
 void Hooks::add_grad_hooks() {
-  // Autograd holds AccumulateGrad nodes weakly, so the slots keep them alive.
   auto& flat_params = state_.flat_params();
-  for (size_t f = 0; f < flat_params.size(); ++f) {
-    auto& slots = flat_params[f]->slots();
-    for (size_t s = 0; s < slots.size(); ++s) {
-      if (!slots[s].param.requires_grad()) continue;
-      auto acc = torch::autograd::impl::grad_accumulator(slots[s].param);
-      FSDP_CHECK(acc, "internal: parameter '", slots[s].name, "' has no gradient accumulator");
-      acc->add_pre_hook(std::make_unique<GradPreHook>(this, int(f), int(s)));
-      acc->add_post_hook(std::make_unique<GradPostHook>(this, int(f), int(s)));
-      slots[s].grad_accumulator = std::move(acc);
-    }
+  for (size_t f = 0; f < flat_params.size(); ++f)
+    for (size_t s = 0; s < flat_params[f]->slots().size(); ++s)
+      if (flat_params[f]->slots()[s].param.requires_grad()) hook_slot(int(f), int(s));
+}
+
+void Hooks::hook_slot(int f, int s) {
+  // Autograd holds AccumulateGrad nodes weakly, so the slots keep them alive.
+  ParamSlot& slot = state_.flat_params()[f]->slots()[s];
+  auto acc = torch::autograd::impl::grad_accumulator(slot.param);
+  FSDP_CHECK(acc, "internal: parameter '", slot.name, "' has no gradient accumulator");
+  acc->add_pre_hook(std::make_unique<GradPreHook>(this, f, s));
+  acc->add_post_hook(std::make_unique<GradPostHook>(this, f, s));
+  slot.grad_accumulator = std::move(acc);
+}
+
+void Hooks::sync_requires_grad(int f, int s) {
+  FlatParam& fp = *state_.flat_params()[f];
+  ParamSlot& slot = fp.slots()[s];
+  const bool now = slot.param.requires_grad();
+  if (now == slot.requires_grad_seen) {
+    FSDP_CHECK(!slot.piece.defined() || slot.piece.requires_grad() == now, "the shard piece of parameter '", slot.name,
+               "' was set to requires_grad ", slot.piece.requires_grad() ? "true" : "false",
+               " but the parameter itself was not: a piece follows its parameter. Freeze or unfreeze through the "
+               "module's parameters (module->parameters() or named_parameters(), as in local training), on every "
+               "rank");
+    return;
+  }
+  slot.requires_grad_seen = now;
+  if (slot.piece.defined() && slot.piece.unsafeGetTensorImpl() != slot.param.unsafeGetTensorImpl())
+    slot.piece.set_requires_grad(now);
+  if (!now || slot.grad_accumulator) return;
+  fp.note_requires_grad();
+  hook_slot(f, s);
+  hooked_since_backward_.emplace_back(f, s);
+}
+
+void Hooks::sync_requires_grad() {
+  auto& flat_params = state_.flat_params();
+  for (size_t f = 0; f < flat_params.size(); ++f)
+    for (size_t s = 0; s < flat_params[f]->slots().size(); ++s) sync_requires_grad(int(f), int(s));
+}
+
+bool Hooks::any_hooked() const {
+  for (const auto& fp : state_.flat_params())
+    for (const auto& slot : fp->slots())
+      if (slot.grad_accumulator) return true;
+  return false;
+}
+
+void Hooks::watch_unfreezing(const at::RecordFunction& fn) {
+  for_each_input_tensor(fn, [&](size_t, const at::Tensor& t) {
+    const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
+    if (!slot || !t.requires_grad()) return;
+    std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+    sync_requires_grad(slot->first, slot->second);
+    if (!unfreeze_watch_ || !any_hooked()) return;
+    unfreeze_watch_ = false;  // from now on every backward begins through a hook
+    set_intercepting(this, watching_ || renorm_watch_);
+  });
+}
+
+void Hooks::take_late_grads() {
+  for (const auto& [f, s] : std::exchange(hooked_since_backward_, {})) {
+    FlatParam& fp = *state_.flat_params()[f];
+    ParamSlot& slot = fp.slots()[s];
+    at::Tensor g = slot.param.grad();
+    if (!g.defined() || fp.grad().is_sentinel(s, g)) continue;  // none, or its hooks took it
+    state_.reducer().prepare_grad(f, s);
+    slot.param.mutable_grad() = std::move(g);
+    if (state_.reducer().take_grad(f, s)) state_.scheduler().post_backward(fp.unit());
   }
 }
 
@@ -231,6 +291,7 @@ void Hooks::on_operator(const at::RecordFunction& fn) {
     }
     if (t_renorm_depth == t_operator_depth && renorm_unsharded(fn)) renorm_watch_ = true;
     if (watching_ && t_renorm_depth == 0) watch_sentinels(fn);
+    if (unfreeze_watch_) watch_unfreezing(fn);
   } catch (const std::exception& e) {
     state_.set_pending_error(e.what(), /*print_now=*/true);
   }
@@ -275,6 +336,9 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       else if (writes)
         state_.set_pending_error(in_place_write_error(fn.name(), "parameter '" + s.name + "' of a sharded module"),
                                  /*print_now=*/true);
+      if (s.param.requires_grad() != s.requires_grad_seen ||
+          (s.piece.defined() && s.piece.requires_grad() != s.requires_grad_seen))
+        sync_requires_grad(slot->first, slot->second);
       if (detail::forward_with_grad() && s.param.requires_grad()) s.used = true;
     } else if (writes && !state_.flat_params()[f]->keep_unsharded()) {
       // Another tensor over the same storage: p.data(), p.detach(), a view of a parameter.
@@ -348,7 +412,7 @@ void Hooks::begin_sentinel_watch() {
 
 void Hooks::end_sentinel_watch() {
   if (!watching_) return;
-  set_intercepting(this, renorm_watch_);
+  set_intercepting(this, renorm_watch_ || unfreeze_watch_);
   watching_ = false;
   if (first_watch_) {  // no optimizer step to tell from a load before the first backward
     first_watch_ = false;
@@ -433,6 +497,7 @@ void Hooks::begin_backward() {
   auto token = std::make_shared<char>(0);
   state_.begin_backward_pass(token);
   torch::autograd::Engine::get_default_engine().queue_callback([this, token] { on_backward_end(); });
+  sync_requires_grad();
   state_.scheduler().begin_backward();
   state_.reducer().begin_backward();
 }
@@ -455,6 +520,7 @@ void Hooks::on_backward_end() {
   InternalOpGuard internal;
   state_.end_backward_pass();
   state_.rethrow_pending_error();
+  take_late_grads();
   state_.scheduler().finalize_backward(state_.buffers());
   state_.check_parameters_unchanged();
   if (!state_.intercepting()) begin_sentinel_watch();

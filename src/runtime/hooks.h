@@ -67,12 +67,23 @@ class Hooks {
   // from before fully_shard]): it holds the initial values, not the trained ones.
   void check_retired_read(const at::RecordFunction& fn, const at::Tensor& t);
   void add_grad_hooks();
+  void hook_slot(int flat_param, int slot);  // FSDP's pre and post hooks on its AccumulateGrad node
   void remove_grad_hooks();
+  // Note [Unfreezing]: a parameter whose requires_grad changed since FSDP last looked gets FSDP's
+  // gradient hooks (if it never had them) and its piece follows; a piece changed alone is an error.
+  void sync_requires_grad(int flat_param, int slot);
+  void sync_requires_grad();
+  // Gradients that reached a parameter hooked too late in the backward that ends now, taken as its
+  // hooks would have taken them.
+  void take_late_grads();
+  void watch_unfreezing(const at::RecordFunction& fn);
+  bool any_hooked() const;
   // The first gradient hook (or recompute) of a backward: queue the end-of-backward callback on
   // the backward running now and begin the scheduler's and the reducer's backward.
   void begin_backward();
 
   FsdpState& state_;
+  std::vector<std::pair<int, int>> hooked_since_backward_;  // slots hooked since the last backward ended
   // The sentinel watch: whether it runs now, how many more backwards it may follow (none once an
   // optimizer step has changed the shards), and the shards' versions when it began. The first
   // watch runs from construction until the first backward, or until every parameter has been read
@@ -83,6 +94,9 @@ class Hooks {
   // max_norm]): the model has one, or a renormalization was seen.
   std::atomic<bool> renorm_watch_{false};
   std::atomic<bool> first_watch_{false};
+  // No parameter required grad at fully_shard() and nothing is intercepted: reads are watched for
+  // one that does now, until one is hooked (Note [Unfreezing]).
+  std::atomic<bool> unfreeze_watch_{false};
   std::vector<std::vector<char>> reads_in_first_watch_;  // per slot, up to 2; under the state's mutex
   size_t slots_to_read_ = 0;                             // slots read fewer than twice
   int watches_left_ = 0;
