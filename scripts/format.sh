@@ -13,6 +13,12 @@ if [ $# -eq 0 ]; then
   mapfile -t files < <(git ls-files -- '*.cpp' '*.h' '*.hpp' '*.cu')
 else
   files=("$@")
+  for f in "${files[@]}"; do  # clang-format would rewrite any other text as if it were C++
+    case "$f" in
+      *.cpp | *.h | *.hpp | *.cu) ;;
+      *) echo "format: $f is not a C++ file (.cpp, .h, .hpp, .cu); nothing was changed" >&2; exit 2 ;;
+    esac
+  done
 fi
 if [ "$check" = 1 ]; then
   bad=0

@@ -2,7 +2,6 @@
 
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
 
 #include <atomic>
 #include <cstdio>
@@ -122,30 +121,6 @@ std::string parameter_at(const FlatParam& fp, int64_t storage_offset) {
   return fp.slots().empty() ? std::string("?") : fp.slots().front().name;
 }
 
-// ---------------------------------------------------------------------------------------------
-// AccumulateGrad hooks.
-
-struct GradPreHook : torch::autograd::FunctionPreHook {
-  GradPreHook(Hooks* h, int f, int s) : hooks(h), flat_param(f), slot(s) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    hooks->on_grad_pre(flat_param, slot);
-    return grads;
-  }
-  Hooks* hooks;
-  int flat_param, slot;
-};
-
-struct GradPostHook : torch::autograd::FunctionPostHook {
-  GradPostHook(Hooks* h, int f, int s) : hooks(h), flat_param(f), slot(s) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    hooks->on_grad_post(flat_param, slot);
-    return outputs;
-  }
-  Hooks* hooks;
-  int flat_param, slot;
-};
-
 }  // namespace
 
 std::string Hooks::managed_parameter(torch::nn::Module& module) {
@@ -185,97 +160,6 @@ Hooks::Hooks(FsdpState& state) : state_(state), watches_left_(state.intercepting
 Hooks::~Hooks() {
   unregister_model(this);
   remove_grad_hooks();
-}
-
-void Hooks::add_grad_hooks() {
-  auto& flat_params = state_.flat_params();
-  for (size_t f = 0; f < flat_params.size(); ++f)
-    for (size_t s = 0; s < flat_params[f]->slots().size(); ++s)
-      if (flat_params[f]->slots()[s].param.requires_grad()) hook_slot(int(f), int(s));
-}
-
-void Hooks::hook_slot(int f, int s) {
-  // Autograd holds AccumulateGrad nodes weakly, so the slots keep them alive.
-  ParamSlot& slot = state_.flat_params()[f]->slots()[s];
-  auto acc = torch::autograd::impl::grad_accumulator(slot.param);
-  FSDP_CHECK(acc, "internal: parameter '", slot.name, "' has no gradient accumulator");
-  acc->add_pre_hook(std::make_unique<GradPreHook>(this, f, s));
-  acc->add_post_hook(std::make_unique<GradPostHook>(this, f, s));
-  slot.grad_accumulator = std::move(acc);
-}
-
-void Hooks::sync_requires_grad(int f, int s) {
-  FlatParam& fp = *state_.flat_params()[f];
-  ParamSlot& slot = fp.slots()[s];
-  const bool now = slot.param.requires_grad();
-  if (now == slot.requires_grad_seen) {
-    FSDP_CHECK(!slot.piece.defined() || slot.piece.requires_grad() == now, "the shard piece of parameter '", slot.name,
-               "' was set to requires_grad ", slot.piece.requires_grad() ? "true" : "false",
-               " but the parameter itself was not: a piece follows its parameter. Freeze or unfreeze through the "
-               "module's parameters (module->parameters() or named_parameters(), as in local training), on every "
-               "rank");
-    return;
-  }
-  slot.requires_grad_seen = now;
-  if (slot.piece.defined() && slot.piece.unsafeGetTensorImpl() != slot.param.unsafeGetTensorImpl())
-    slot.piece.set_requires_grad(now);
-  if (!now || slot.grad_accumulator) return;
-  fp.note_requires_grad();
-  hook_slot(f, s);
-  hooked_since_backward_.emplace_back(f, s);
-}
-
-void Hooks::sync_requires_grad() {
-  auto& flat_params = state_.flat_params();
-  for (size_t f = 0; f < flat_params.size(); ++f)
-    for (size_t s = 0; s < flat_params[f]->slots().size(); ++s) sync_requires_grad(int(f), int(s));
-}
-
-bool Hooks::any_hooked() const {
-  for (const auto& fp : state_.flat_params())
-    for (const auto& slot : fp->slots())
-      if (slot.grad_accumulator) return true;
-  return false;
-}
-
-void Hooks::watch_unfreezing(const at::RecordFunction& fn) {
-  for_each_input_tensor(fn, [&](size_t, const at::Tensor& t) {
-    const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
-    if (!slot || !t.requires_grad()) return;
-    std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-    sync_requires_grad(slot->first, slot->second);
-    if (!unfreeze_watch_ || !any_hooked()) return;
-    unfreeze_watch_ = false;  // from now on every backward begins through a hook
-    set_intercepting(this, watching_ || renorm_watch_);
-  });
-}
-
-void Hooks::take_late_grads() {
-  for (const auto& [f, s] : std::exchange(hooked_since_backward_, {})) {
-    FlatParam& fp = *state_.flat_params()[f];
-    ParamSlot& slot = fp.slots()[s];
-    at::Tensor g = slot.param.grad();
-    if (!g.defined() || fp.grad().is_sentinel(s, g)) continue;  // none, or its hooks took it
-    state_.reducer().prepare_grad(f, s);
-    slot.param.mutable_grad() = std::move(g);
-    if (state_.reducer().take_grad(f, s)) state_.scheduler().post_backward(fp.unit());
-  }
-}
-
-void Hooks::remove_grad_hooks() {
-  for (auto& fp : state_.flat_params())
-    for (auto& slot : fp->slots()) {
-      if (!slot.grad_accumulator) continue;
-      auto& pre = slot.grad_accumulator->pre_hooks();
-      pre.erase(std::remove_if(pre.begin(), pre.end(),
-                               [](const auto& h) { return dynamic_cast<GradPreHook*>(h.get()) != nullptr; }),
-                pre.end());
-      auto& post = slot.grad_accumulator->post_hooks();
-      post.erase(std::remove_if(post.begin(), post.end(),
-                                [](const auto& h) { return dynamic_cast<GradPostHook*>(h.get()) != nullptr; }),
-                 post.end());
-      slot.grad_accumulator.reset();
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -448,6 +332,18 @@ void Hooks::check_retired_read(const at::RecordFunction& fn, const at::Tensor& t
     state_.set_pending_error(retired_storage_error(fn.name(), *name), /*print_now=*/true);
 }
 
+void Hooks::watch_unfreezing(const at::RecordFunction& fn) {
+  for_each_input_tensor(fn, [&](size_t, const at::Tensor& t) {
+    const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());
+    if (!slot || !t.requires_grad()) return;
+    std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+    sync_requires_grad(slot->first, slot->second);
+    if (!unfreeze_watch_ || !any_hooked()) return;
+    unfreeze_watch_ = false;  // from now on every backward begins through a hook
+    set_intercepting(this, watching_ || renorm_watch_);
+  });
+}
+
 void Hooks::check_replaced_param(const at::Tensor& t) {
   if (!t.is_leaf() || state_.full_params_summoned()) return;
   const auto* found = state_.slot_of_param(t.unsafeGetTensorImpl());
@@ -456,22 +352,7 @@ void Hooks::check_replaced_param(const at::Tensor& t) {
   if (state_.has_pending_error()) return;
   const ParamSlot& found_slot = state_.flat_params()[found->first]->slots()[found->second];
   state_.set_pending_error("libfsdp: " + replaced_parameter_error(found_slot.name), /*print_now=*/true);
-  // A parameter's AccumulateGrad node, which carries FSDP's gradient hooks, goes with its old data
-  // when set_data changes its dtype or device: hook every new one, so that the backward throws the
-  // error before accumulating into any of them.
-  auto& flat_params = state_.flat_params();
-  for (size_t f = 0; f < flat_params.size(); ++f) {
-    auto& slots = flat_params[f]->slots();
-    for (size_t i = 0; i < slots.size(); ++i) {
-      ParamSlot& slot = slots[i];
-      if (!slot.param.requires_grad() || slot.param.storage().unsafeGetStorageImpl() == flat_params[f]->storage())
-        continue;
-      auto acc = torch::autograd::impl::grad_accumulator(slot.param);
-      if (!acc || acc == slot.grad_accumulator) continue;
-      acc->add_pre_hook(std::make_unique<GradPreHook>(this, int(f), int(i)));
-      slot.grad_accumulator = std::move(acc);
-    }
-  }
+  hook_replaced_params();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -63,6 +63,10 @@ class Hooks {
   // Keeps an error if `t`, outside every FlatParameter's storage, is a parameter FSDP manages: its
   // data was replaced (module->to(dtype or device), set_data). Note [Replaced parameter data].
   void check_replaced_param(const at::Tensor& t);
+  // A parameter's AccumulateGrad node, which carries FSDP's gradient hooks, goes with its old data
+  // when set_data changes its dtype or device: hooks every new one, so that the backward throws the
+  // error before accumulating into any of them.
+  void hook_replaced_params();
   // Keeps an error if `t` shows a parameter's storage from before fully_shard() (Note [Views kept
   // from before fully_shard]): it holds the initial values, not the trained ones.
   void check_retired_read(const at::RecordFunction& fn, const at::Tensor& t);
