@@ -1,7 +1,9 @@
 // Per original parameter, through the shards: FullyShardedModule::shard_pieces() (each piece with its
 // parameter's name, shape and element range) and grad_norms() (each parameter's gradient norm,
 // equal to local training's); reading a sharded parameter's .grad placeholder as a gradient is an
-// error that names the way to the gradient.
+// error that names the way to the gradient. torch::autograd::grad with respect to the parameters
+// gives this rank's own gradient, frees what it gathered, and leaves training as it was; a penalty
+// on the input gradient (create_graph) trains like local training.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -165,6 +167,56 @@ TEST(ParameterGradients, AModulesZeroGradIsHarmless) {
        std::vector<std::pair<int, std::string>>{{2, "FULL_SHARD"}, {1, "FULL_SHARD"}, {2, "NO_SHARD"}}) {
     auto r = launch("module_zero_grad_worker", world, {strategy});
     ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
+  }
+}
+
+// loss(m, x) + 0.1 * mean over rows of |d sum(m(x)) / dx|^2: per row, so its mean over the global
+// batch is the mean of the ranks' means.
+at::Tensor penalized_loss(MLP& m, const at::Tensor& rows) {
+  auto x = rows.clone().requires_grad_(true);
+  auto out = m->forward(x);
+  auto gx = torch::autograd::grad({out.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+  return out.pow(2).mean() + 0.1 * gx.pow(2).sum(1).mean();
+}
+
+// args: strategy.
+FSDP_WORKER(autograd_grad_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string strategy = ctx.args.at(0);
+  MLP ref = make_mlp(), model = make_mlp();
+  auto sharded = fsdp::fully_shard(
+      model, pg, strategy_options(strategy).auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>()));
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(0.05)),
+      opt(sharded->parameters(), torch::optim::AdamWOptions(0.05));
+  const int rows = 2;
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor x = at::randn({rows * ctx.world, 5}, at::detail::createCPUGenerator(60 + step));
+    const at::Tensor mine = x.narrow(0, ctx.rank * rows, rows);
+    if (step == 1) {  // between steps: a gradient with respect to the parameters, as for logging
+      const int64_t before = sharded->memory_stats().param_bytes;
+      auto local = torch::autograd::grad({ref->forward(mine).pow(2).mean()}, ref->parameters());
+      auto g = torch::autograd::grad({model->forward(mine).pow(2).mean()}, model->parameters());
+      WORKER_CHECK(g.size() == local.size(), "autograd::grad gave ", g.size(), " gradients");
+      for (size_t i = 0; i < g.size(); ++i)
+        WORKER_CHECK(rel_diff(g[i], local[i]) < 1e-5, "autograd::grad: gradient ", i, " is not this rank's own");
+      WORKER_CHECK(sharded->memory_stats().param_bytes == before, strategy, ": ", sharded->memory_stats().param_bytes,
+                   " parameter bytes held after autograd::grad, ", before, " before it");
+    }
+    ref_opt.zero_grad();
+    penalized_loss(ref, x).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    penalized_loss(model, mine).backward();
+    opt.step();
+  }
+  expect_same_parameters(*ref, *sharded, 1e-5, strategy);
+}
+
+TEST(ParameterGradients, AutogradGradAndAnInputGradientPenaltyTrainLikeLocal) {
+  for (const auto& [strategy, world] : std::vector<std::pair<std::string, int>>{
+           {"FULL_SHARD", 3}, {"SHARD_GRAD_OP", 2}, {"NO_SHARD", 3}, {"HYBRID_SHARD", 4}}) {
+    auto r = launch("autograd_grad_worker", world, {strategy});
+    ASSERT_TRUE(r.all_ok()) << strategy << "\n" << r.report();
   }
 }
 

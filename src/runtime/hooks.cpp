@@ -235,6 +235,8 @@ void Hooks::intercept(const at::RecordFunction& fn) {
     state_.settle_failed_backward();
     // Unshard even for a refused in-place op, so its kernel writes valid memory.
     state_.scheduler().use(state_.flat_params()[f]->unit());
+    if (!state_.backward_running() && gradless_watch_.expired() && Scheduler::in_backward())
+      watch_backward_without_gradients();
   });
   if (!renormed) return;
   std::lock_guard<std::recursive_mutex> lock(state_.mutex());
@@ -381,6 +383,16 @@ void Hooks::begin_backward() {
   sync_requires_grad();
   state_.scheduler().begin_backward();
   state_.reducer().begin_backward();
+}
+
+void Hooks::watch_backward_without_gradients() {
+  auto token = std::make_shared<char>(0);
+  gradless_watch_ = token;
+  torch::autograd::Engine::get_default_engine().queue_callback([this, token] {
+    std::lock_guard<std::recursive_mutex> lock(state_.mutex());
+    InternalOpGuard internal;
+    if (!state_.backward_running()) state_.scheduler().end_backward_without_gradients();
+  });
 }
 
 void Hooks::on_recompute() {

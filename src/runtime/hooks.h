@@ -85,9 +85,14 @@ class Hooks {
   // The first gradient hook (or recompute) of a backward: queue the end-of-backward callback on
   // the backward running now and begin the scheduler's and the reducer's backward.
   void begin_backward();
+  // An operator of a backward read a unit before any gradient hook ran: at that backward's end,
+  // if none ran, Scheduler::end_backward_without_gradients (Note [Backward without parameter
+  // gradients]).
+  void watch_backward_without_gradients();
 
   FsdpState& state_;
   std::vector<std::pair<int, int>> hooked_since_backward_;  // slots hooked since the last backward ended
+  std::weak_ptr<void> gradless_watch_;  // lives while a watch_backward_without_gradients() callback is queued
   // The sentinel watch: whether it runs now, how many more backwards it may follow (none once an
   // optimizer step has changed the shards), and the shards' versions when it began. The first
   // watch runs from construction until the first backward, or until every parameter has been read

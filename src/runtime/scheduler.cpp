@@ -192,6 +192,14 @@ void Scheduler::abandon_backward() {
   start_next_iteration();
 }
 
+void Scheduler::end_backward_without_gradients() {
+  if (reshard_after_backward_) reshard_all();
+  kept_for_backward_ = -1;
+  lingering_.clear();
+  last_used_ = -1;
+  backward_started_ = false;
+}
+
 void Scheduler::start_next_iteration() {
   for (auto& unit : units_) {
     unit.drop_post_forward_shards();

@@ -34,6 +34,10 @@ class Scheduler {
   // without landing, its unreduced gradients are dropped, every unit is resharded, the next
   // iteration starts.
   void abandon_backward();
+  // A backward that reached no gradient hook of this model (autograd::grad with respect to the
+  // parameters or other tensors): what it gathered is freed, and the next backward begins afresh;
+  // the forward's state stays for it (Note [Backward without parameter gradients]).
+  void end_backward_without_gradients();
 
   // Outside the step (state dicts, explicit unshard): issue u's gathers / gather u now / free u /
   // free every unit.
