@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -30,6 +31,13 @@ namespace fsdp_test {
 std::map<std::string, WorkerFn>& worker_registry() {
   static std::map<std::string, WorkerFn> registry;
   return registry;
+}
+
+WorkerRegistrar::WorkerRegistrar(const std::string& name, WorkerFn fn) {
+  if (!worker_registry().emplace(name, std::move(fn)).second) {
+    std::fprintf(stderr, "fsdp_tests: two workers are named %s; rename one\n", name.c_str());
+    std::abort();
+  }
 }
 
 bool LaunchResult::all_ok() const {

@@ -24,8 +24,9 @@ struct WorkerContext {
 using WorkerFn = std::function<void(const WorkerContext&)>;
 
 std::map<std::string, WorkerFn>& worker_registry();
+// Registers a worker; a second worker of the same name aborts the test binary at start.
 struct WorkerRegistrar {
-  WorkerRegistrar(const std::string& name, WorkerFn fn) { worker_registry()[name] = std::move(fn); }
+  WorkerRegistrar(const std::string& name, WorkerFn fn);
 };
 #define FSDP_WORKER(name)                                             \
   static void name(const ::fsdp_test::WorkerContext& ctx);            \

@@ -147,7 +147,7 @@ TEST(ParameterGradients, ReadingAParametersPlaceholderGradIsAnErrorNamingTheWayT
 
 // A module's own zero_grad() (which detaches each .grad, the placeholder included) is harmless
 // beside an optimizer over the shards, which trains. args: strategy
-FSDP_WORKER(module_zero_grad_worker) {
+FSDP_WORKER(module_own_zero_grad_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model = make_mlp();
   auto sharded = fsdp::fully_shard(model, pg, strategy_options(ctx.args.at(0)));
@@ -165,7 +165,7 @@ FSDP_WORKER(module_zero_grad_worker) {
 TEST(ParameterGradients, AModulesZeroGradIsHarmless) {
   for (const auto& [world, strategy] :
        std::vector<std::pair<int, std::string>>{{2, "FULL_SHARD"}, {1, "FULL_SHARD"}, {2, "NO_SHARD"}}) {
-    auto r = launch("module_zero_grad_worker", world, {strategy});
+    auto r = launch("module_own_zero_grad_worker", world, {strategy});
     ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
   }
 }
