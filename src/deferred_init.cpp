@@ -5,6 +5,7 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <functional>
 #include <set>
 
@@ -23,15 +24,140 @@ namespace {
 // the fallback below first.
 constexpr c10::DispatchKey kDeferredKey = c10::DispatchKey::DeferredInit;
 
+// Per thread: MetaShapePass scopes open, and operators running on CPU stand-ins now.
+thread_local int t_shape_passes = 0;
+thread_local int t_stand_in_depth = 0;
+
+// A CPU tensor of `t`'s shape and dtype: integers and booleans zero (indices stay in range), the
+// rest uninitialized (its pages are never touched unless the kernel reads them).
+at::Tensor cpu_stand_in(const at::Tensor& t) {
+  if (!t.defined() || !t.is_meta()) return t;
+  at::Tensor c = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU));
+  if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) c.zero_();
+  return c;
+}
+
+at::Tensor meta_like(const at::Tensor& t) {
+  if (!t.defined() || t.is_meta() || t.device().type() != c10::kCPU) return t;
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
+}
+
+bool tensor_typed(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::TensorType) return true;
+  if (auto list = type->cast<c10::ListType>()) return tensor_typed(list->getElementType());
+  if (auto optional = type->cast<c10::OptionalType>()) return tensor_typed(optional->getElementType());
+  return false;
+}
+
+// Fails where a stand-in's values would decide what the shape pass sees: a result that is not a
+// tensor (a number read from one), or a result shape that depends on the arguments' values.
+void check_shape_only(const c10::OperatorHandle& op, const torch::jit::Stack& arguments) {
+  const std::string& name = op.schema().name();
+  for (const c10::Argument& r : op.schema().returns())
+    TORCH_CHECK(tensor_typed(r.type()), "libfsdp: ", name,
+                " reads a tensor's value, which a pass on the meta device does not have; keep value reads "
+                "(item, comparisons, printing) out of the traced forward");
+  static const std::set<std::string> data_dependent = {"aten::nonzero",
+                                                       "aten::nonzero_numpy",
+                                                       "aten::argwhere",
+                                                       "aten::masked_select",
+                                                       "aten::_unique",
+                                                       "aten::_unique2",
+                                                       "aten::unique_dim",
+                                                       "aten::unique_consecutive",
+                                                       "aten::unique_dim_consecutive",
+                                                       "aten::bincount",
+                                                       "aten::repeat_interleave"};
+  bool bool_index = false;
+  if (name == "aten::index")
+    for (const c10::IValue& v : arguments)
+      if (v.isList())
+        for (const c10::IValue& e : v.toListRef())
+          bool_index =
+              bool_index ||
+              (e.isTensor() && (e.toTensor().scalar_type() == at::kBool || e.toTensor().scalar_type() == at::kByte));
+  TORCH_CHECK(data_dependent.count(name) == 0 && !bool_index, "libfsdp: ", name,
+              " gives a result whose shape depends on its arguments' values, which a pass on the meta device "
+              "does not have; keep it out of the traced forward");
+}
+
+// Runs `op` on CPU stand-ins of the meta tensors among its arguments and hands back its results
+// as meta tensors (Note [Meta shape pass] in docs/design.md).
+void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  struct StandInScope {  // open before the stand-ins are made, so their factories stay on the CPU
+    StandInScope() { ++t_stand_in_depth; }
+    ~StandInScope() { --t_stand_in_depth; }
+  } scope;
+  const size_t n = op.schema().arguments().size();
+  bool needs_grad = false;  // the results of an operator on a tensor that requires grad do too
+  for (size_t i = stack->size() - n; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isTensor()) {
+      needs_grad = needs_grad || (v.toTensor().defined() && v.toTensor().requires_grad());
+      v = cpu_stand_in(v.toTensor());
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> list = v.toTensorVector();
+      for (at::Tensor& t : list) {
+        needs_grad = needs_grad || (t.defined() && t.requires_grad());
+        t = cpu_stand_in(t);
+      }
+      v = c10::IValue(list);
+    } else if (v.isList()) {  // optional tensors (index's indices)
+      c10::impl::GenericList list(v.toList().elementType());
+      for (const c10::IValue& e : v.toListRef()) {
+        const bool tensor = e.isTensor();
+        needs_grad = needs_grad || (tensor && e.toTensor().defined() && e.toTensor().requires_grad());
+        list.push_back(tensor ? c10::IValue(cpu_stand_in(e.toTensor())) : e);
+      }
+      v = c10::IValue(list);
+    } else if (v.isDevice() && v.toDevice().is_meta()) {
+      v = c10::IValue(c10::Device(c10::kCPU));
+    }
+  }
+  op.callBoxed(stack);
+  needs_grad = needs_grad && at::GradMode::is_enabled();
+  auto to_meta = [needs_grad](const at::Tensor& t) {
+    at::Tensor m = meta_like(t);
+    if (needs_grad && m.defined() && at::isFloatingType(m.scalar_type())) m.requires_grad_(true);
+    return m;
+  };
+  const size_t r = op.schema().returns().size();
+  for (size_t i = stack->size() - r; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isTensor()) {
+      v = to_meta(v.toTensor());
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> list = v.toTensorVector();
+      for (at::Tensor& t : list) t = to_meta(t);
+      v = c10::IValue(list);
+    }
+  }
+}
+
 // Factory operations take a `device` argument: point it at the meta device, then continue with
 // the keys below ours. Other operations pass through unchanged (on meta inputs they run their meta
-// kernels, which allocate nothing and draw no random numbers).
+// kernels, which allocate nothing and draw no random numbers). In a shape pass, an operator whose
+// meta kernel is missing runs on CPU stand-ins instead.
 void to_meta_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t n = args.size();
-  for (size_t i = 0; i < n; ++i)
-    if (args[i].name() == "device") (*stack)[stack->size() - n + i] = c10::IValue(c10::Device(c10::kMeta));
-  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kDeferredKey), stack);
+  if (t_stand_in_depth == 0)
+    for (size_t i = 0; i < n; ++i)
+      if (args[i].name() == "device") (*stack)[stack->size() - n + i] = c10::IValue(c10::Device(c10::kMeta));
+  const c10::DispatchKeySet below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kDeferredKey);
+  if (t_shape_passes == 0 || t_stand_in_depth > 0) {
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  const torch::jit::Stack arguments(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
+  try {
+    op.redispatchBoxed(below, stack);
+  } catch (const c10::NotImplementedError&) {
+    stack->erase(stack->end() - static_cast<std::ptrdiff_t>(std::min(stack->size(), n)), stack->end());
+    stack->insert(stack->end(), arguments.begin(), arguments.end());
+    check_shape_only(op, arguments);
+    run_on_stand_ins(op, stack);
+  }
 }
 
 }  // namespace
@@ -47,6 +173,10 @@ bool DeferredInit::supported() { return true; }
 
 namespace detail {
 bool deferring() { return c10::impl::tls_is_dispatch_key_included(kDeferredKey); }
+
+MetaShapePass::MetaShapePass() { ++t_shape_passes; }
+MetaShapePass::~MetaShapePass() { --t_shape_passes; }
+bool in_stand_in() { return t_stand_in_depth > 0; }
 }  // namespace detail
 #else
 DeferredInit::DeferredInit() : previous_(false) {
@@ -58,6 +188,10 @@ bool DeferredInit::supported() { return false; }
 
 namespace detail {
 bool deferring() { return false; }
+
+MetaShapePass::MetaShapePass() = default;
+MetaShapePass::~MetaShapePass() = default;
+bool in_stand_in() { return false; }
 }  // namespace detail
 #endif  // FSDP_HAVE_DEFERRED_INIT_KEY
 

@@ -23,6 +23,18 @@ bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init,
                              c10::Device device = c10::Device(c10::kCPU));
 
 bool deferring();  // a DeferredInit scope is open on this thread
+
+// Inside a DeferredInit scope on this thread, while alive: an operator on meta tensors that has no
+// meta kernel runs on CPU stand-ins of its arguments, its results handed back as meta tensors of
+// the same shapes (Note [Meta shape pass] in docs/design.md). For shape passes (the planner's trace).
+class MetaShapePass {
+ public:
+  MetaShapePass();
+  ~MetaShapePass();
+  MetaShapePass(const MetaShapePass&) = delete;
+  MetaShapePass& operator=(const MetaShapePass&) = delete;
+};
+bool in_stand_in();  // an operator runs on CPU stand-ins on this thread now
 void check_not_deferring(const char* what);
 
 }  // namespace fsdp::detail

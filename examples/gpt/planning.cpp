@@ -210,10 +210,18 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
                      .world(world)
                      .global_batch(global)
                      .seq_len(config.context)
-                     .module_cost(gpt::module_cost)
                      .process_bytes(cluster.device_is_host ? process_bytes : 0)  // the host's, not a device's
                      .calibration(calibration)
                      .wrap_policies({{"block", fsdp::wrap::by_type<gpt::BlockImpl>()}, {"none", nullptr}});
+  if (config.plan_trace)  // one sequence's forward and loss, on the meta device like the model
+    request.trace_forward([&] {
+      gpt::Batch sequence;
+      sequence.inputs = torch::zeros({1, config.context}, torch::kLong);
+      sequence.targets = torch::zeros({1, config.context}, torch::kLong);
+      next_token_loss(model, sequence);
+    });
+  else
+    request.module_cost(gpt::module_cost);
   if (!config.memory_budget.empty()) request.memory_budget(fsdp::parse_bytes(config.memory_budget));
   request.memory_margin(config.memory_margin);
   if (flags_only) request = only_the_flags(request, config);

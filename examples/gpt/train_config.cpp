@@ -216,6 +216,9 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->capture_default_str();
   app.add_option("--plan-file", config.plan_file,
                  "Write predictions as JSON lines: with --plan every configuration's, else this run's own");
+  app.add_flag("--plan-trace", config.plan_trace,
+               "Count the model's FLOPs and saved activations for the planner by tracing one forward and loss "
+               "on the meta device, instead of by rule (docs/planner.md, The operator trace)");
   app.add_flag("--calibrate", config.calibrate,
                "Plan with this machine's measured times: every rank times a copy of the model's forward, "
                "backward and optimizer step first (needs the model to fit once per rank)");

@@ -83,6 +83,7 @@ struct TrainConfig {
   std::string memory_budget;     // e.g. 1GiB: train with the fastest planned configuration that fits
   std::string plan_file;         // JSON lines: --plan's entries, or the prediction for this run
   bool calibrate = false;        // time the model on this machine before planning
+  bool plan_trace = false;       // count the model's operators from a traced forward, not by rule
   std::string calibration_file;  // with calibrate: where to save it; without: the calibration to plan with
   BatchPlan batch;               // resolved by resolve_batch, not a flag
 };

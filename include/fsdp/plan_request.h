@@ -46,6 +46,11 @@ struct PlanRequest {
   // Optimizer state per parameter element, in the parameters' dtype (AdamW 2, SGD with momentum 1).
   TORCH_ARG(int, optimizer_states) = 2;
   TORCH_ARG(ModuleCostFn, module_cost) = nullptr;
+  /// Runs one forward of `trace_sequences` sequences on the model (built on the meta device), for
+  /// the planner to count its operators instead of its rules (docs/planner.md, The operator trace).
+  TORCH_ARG(std::function<void()>, trace_forward) = nullptr;
+  /// Sequences (samples) of `seq_len` tokens in trace_forward's input.
+  TORCH_ARG(int64_t, trace_sequences) = 1;
   // Memory the process holds outside tensors (libraries, threads, data), per rank.
   TORCH_ARG(int64_t, process_bytes) = 0;
   // The allocator's memory beyond the live tensors, as a share of their peak.

@@ -3,6 +3,8 @@
 
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "fsdp/activation_checkpoint.h"
 
@@ -62,21 +64,49 @@ bool within(const std::string& name, const std::string& scope) {
          (name.size() > scope.size() && name.compare(0, scope.size(), scope) == 0 && name[scope.size()] == '.');
 }
 
+// Accumulates module costs in forward order into per-unit figures and segments.
+class CostBuilder {
+ public:
+  CostBuilder(torch::nn::Module& root, const UnitPlan& units) : units_(units) {
+    for (size_t u = 0; u < units.units.size(); ++u) unit_by_name_[units.units[u].name] = static_cast<int>(u);
+    costs_.unit_activation_values.assign(units.units.size(), 0.0);
+    costs_.unit_input_values.assign(units.units.size(), 0.0);
+    for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true))
+      if (dynamic_cast<const CheckpointedBase*>(item.value().get()) != nullptr) checkpointed_.push_back(item.key());
+  }
+
+  void add(const std::string& module, double flops, double values, double input) {
+    int u = unit_of(module, unit_by_name_);
+    // A unit without parameters is never entered by the runtime: its work runs in the enclosing one.
+    while (u != 0 && units_.units[u].flat_params.empty()) u = units_.units[u].parent;
+    if (costs_.unit_input_values[u] == 0) costs_.unit_input_values[u] = input;
+    costs_.unit_activation_values[u] += values;
+    costs_.forward_flops += flops;
+    for (const std::string& scope : checkpointed_)
+      if (within(module, scope)) {
+        costs_.checkpointed_forward_flops += flops;
+        break;
+      }
+    if (costs_.segments.empty() || costs_.segments.back().unit != u) costs_.segments.push_back({u, 0, 0});
+    costs_.segments.back().forward_flops += flops;
+    costs_.segments.back().activation_values += values;
+  }
+
+  ModelCosts take() { return std::move(costs_); }
+
+ private:
+  const UnitPlan& units_;
+  std::map<std::string, int> unit_by_name_;
+  std::vector<std::string> checkpointed_;  // the names of the model's checkpointing wrappers
+  ModelCosts costs_;
+};
+
 }  // namespace
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len) {
-  std::map<std::string, int> unit_by_name;
-  for (size_t u = 0; u < units.units.size(); ++u) unit_by_name[units.units[u].name] = static_cast<int>(u);
-  ModelCosts costs;
-  costs.unit_activation_values.assign(units.units.size(), 0.0);
-  costs.unit_input_values.assign(units.units.size(), 0.0);
-  std::vector<std::string> checkpointed;  // the names of the model's checkpointing wrappers
+  CostBuilder builder(root, units);
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const torch::nn::Module& m = *item.value();
-    if (dynamic_cast<const CheckpointedBase*>(&m) != nullptr) checkpointed.push_back(item.key());
-    int u = unit_of(item.key(), unit_by_name);
-    // A unit without parameters is never entered by the runtime: its work runs in the enclosing one.
-    while (u != 0 && units.units[u].flat_params.empty()) u = units.units[u].parent;
     OwnCost c = own_cost(m);
     if (extra) {
       const ModuleCost more = extra(item.key(), m, seq_len);
@@ -85,19 +115,15 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
     }
     // A module with parameters marks where its unit runs even when it costs nothing by the rules.
     if (c.flops == 0 && c.values == 0 && m.named_parameters(/*recurse=*/false).is_empty()) continue;
-    if (costs.unit_input_values[u] == 0) costs.unit_input_values[u] = c.input;
-    costs.unit_activation_values[u] += c.values;
-    costs.forward_flops += c.flops;
-    for (const std::string& scope : checkpointed)
-      if (within(item.key(), scope)) {
-        costs.checkpointed_forward_flops += c.flops;
-        break;
-      }
-    if (costs.segments.empty() || costs.segments.back().unit != u) costs.segments.push_back({u, 0, 0});
-    costs.segments.back().forward_flops += c.flops;
-    costs.segments.back().activation_values += c.values;
+    builder.add(item.key(), c.flops, c.values, c.input);
   }
-  return costs;
+  return builder.take();
+}
+
+ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std::vector<TracedSegment>& traced) {
+  CostBuilder builder(root, units);
+  for (const TracedSegment& s : traced) builder.add(s.module, s.forward_flops, s.activation_values, s.input_values);
+  return builder.take();
 }
 
 }  // namespace fsdp::planner

@@ -1,13 +1,14 @@
 #pragma once
 // The planner's shape pass: per unit, the forward FLOPs and the values kept for backward per token,
 // counted over the module tree (Linear, Embedding, LayerNorm and matrices by rule; anything else by
-// PlanRequest::module_cost), and the order in which forward runs through the units. Nothing is
-// allocated or run. See Note [Planner cost pass] in docs/design.md.
+// PlanRequest::module_cost) or from an operator trace, and the order in which forward runs through
+// the units. See Note [Planner cost pass] in docs/design.md.
 #include <torch/torch.h>
 
 #include <vector>
 
 #include "fsdp/plan_request.h"
+#include "planner/op_trace.h"
 #include "unit_plan.h"
 
 namespace fsdp::planner {
@@ -28,5 +29,7 @@ struct ModelCosts {
 };
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len);
+// The same from an operator trace (op_trace.h) instead of the rules, in the trace's order.
+ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std::vector<TracedSegment>& traced);
 
 }  // namespace fsdp::planner

@@ -52,6 +52,12 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   std::vector<NamedWrapPolicy> known = request.wrap_policies();
   const size_t searched = known.size();
   known.insert(known.end(), request.calibration_wrap_policies().begin(), request.calibration_wrap_policies().end());
+  FSDP_CHECK(!request.trace_forward() || !request.module_cost(),
+             "PlanRequest: set trace_forward or module_cost, not both (the trace counts every operator, the "
+             "module's own ones included)");
+  std::vector<planner::TracedSegment> traced;
+  if (request.trace_forward())
+    traced = planner::trace_forward(model, request.trace_forward(), request.trace_sequences() * request.seq_len());
   std::vector<UnitPlan> unit_plans;
   std::vector<planner::ModelCosts> model_costs;
   unit_plans.reserve(known.size());
@@ -60,7 +66,9 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     while (unit_plans.size() <= w) {
       const size_t next = unit_plans.size();
       unit_plans.push_back(plan_units(model, Options().auto_wrap_policy(known[next].policy), c10::Device(c10::kCPU)));
-      model_costs.push_back(planner::model_costs(model, unit_plans.back(), request.module_cost(), request.seq_len()));
+      model_costs.push_back(request.trace_forward() ? planner::model_costs(model, unit_plans.back(), traced)
+                                                    : planner::model_costs(model, unit_plans.back(),
+                                                                           request.module_cost(), request.seq_len()));
     }
     return planner::ModelView{&unit_plans[w], &model_costs[w]};
   };

@@ -73,4 +73,29 @@ test_plan_calibrated() {
   expect_text err "--cluster a100-80g:1x8 plans for another"
 }
 
+# configuration<TAB>activations_bytes<TAB>tflops_per_device, one line per --plan-file entry.
+plan_figures() {
+  sed -E 's/.*"activations_bytes":([0-9]+).*"configuration":"([^"]*)".*"tflops_per_device":([0-9.e+-]+).*/\2\t\1\t\3/' "$1" | sort
+}
+
+test_plan_trace() {
+  # The traced forward and loss count what the example's rules and module_cost count: the same
+  # FLOPs, and without checkpointing the same activations within 2% (the trace also sees the
+  # layer norms' statistics, the attention mask and the token indices).
+  run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:1x8 --plan-file "$TMP/rules.jsonl"
+  expect_rc 0
+  run "$TRAINER" "${SMALL[@]}" --plan --plan-trace --cluster a100-80g:1x8 --plan-file "$TMP/trace.jsonl"
+  expect_rc 0
+  expect_regex out "^best: "
+  plan_figures "$TMP/rules.jsonl" >"$TMP/rules.tsv"
+  plan_figures "$TMP/trace.jsonl" >"$TMP/trace.tsv"
+  [ "$(wc -l <"$TMP/trace.tsv")" -gt 10 ] || fail "too few configurations in the traced plan"
+  join -t $'\t' "$TMP/rules.tsv" "$TMP/trace.tsv" >"$TMP/both.tsv"
+  [ "$(wc -l <"$TMP/both.tsv")" -eq "$(wc -l <"$TMP/trace.tsv")" ] || fail "the traced plan has other configurations"
+  awk -F '\t' '{
+      if ($5 < $3 * (1 - 1e-9) || $5 > $3 * (1 + 1e-9)) { print "TFLOP/s " $3 " by rule, " $5 " traced: " $1; bad = 1 }
+      if ($1 !~ /checkpointed/ && ($4 < $2 || $4 > 1.02 * $2)) { print "activations " $2 " by rule, " $4 " traced: " $1; bad = 1 }
+    } END { exit bad }' "$TMP/both.tsv" || fail "the trace and the rules disagree"
+}
+
 run_cases "$@"

@@ -1,0 +1,25 @@
+#pragma once
+// The planner's operator trace: one forward of the user's model on the meta device, its operators
+// counted (products' FLOPs, the tensors autograd keeps for backward) and charged to the module
+// whose parameter was read last. See Note [Planner operator trace] in docs/design.md.
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace fsdp::planner {
+
+// One stretch of forward charged to one module, per token.
+struct TracedSegment {
+  std::string module;            // qualified name; "" for the root
+  double forward_flops = 0;      // matrix products and convolutions
+  double activation_values = 0;  // kept for backward (first kept here), in values of their dtype's width
+  double input_values = 0;       // the stretch's first input (what a checkpointed unit keeps)
+};
+
+// The segments in forward order; a module appears again where forward returns to it.
+std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::function<void()>& forward, int64_t tokens);
+
+}  // namespace fsdp::planner
