@@ -1,5 +1,7 @@
 #include "model_cost.h"
 
+#include <torch/version.h>
+
 #include "model.h"
 
 namespace gpt {
@@ -10,7 +12,12 @@ fsdp::ModuleCost module_cost(const std::string&, const torch::nn::Module& module
   if (const auto* attn = dynamic_cast<const CausalSelfAttentionImpl*>(&module)) {
     const auto width = static_cast<double>(attn->proj->options.in_features());
     cost.forward_flops = 4.0 * context * width;                                         // scores and mixing
+#if TORCH_VERSION_MAJOR >= 2
+    // q, k, v; the fused kernel's output and log-sum-exp (model.cpp)
+    cost.activation_values = 4.0 * width + static_cast<double>(attn->heads);
+#else
     cost.activation_values = 3.0 * width + static_cast<double>(attn->heads) * context;  // q, k, v; softmax
+#endif
   } else if (const auto* mlp = dynamic_cast<const MLPImpl*>(&module)) {
     cost.activation_values = static_cast<double>(mlp->fc->options.out_features());  // GELU's input
   } else if (const auto* model = dynamic_cast<const GPTImpl*>(&module)) {

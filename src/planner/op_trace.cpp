@@ -90,13 +90,16 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
     for (const char* op : {"relu", "threshold", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "softmax", "_softmax",
                            "log_softmax", "_log_softmax", "hardtanh"})
       r[op] = {KeepArgs::kNone, 0};
-    // Their first result is the output; what follows (statistics, indices, log-sum-exp) is kept.
+    // Their first result is the output; what follows (statistics, indices) is kept.
     for (const char* op :
          {"native_layer_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
           "_batch_norm_no_update", "native_group_norm", "max_pool1d_with_indices", "max_pool2d_with_indices",
-          "max_pool3d_with_indices", "_scaled_dot_product_flash_attention",
-          "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention"})
+          "max_pool3d_with_indices"})
       r[op] = {KeepArgs::kAll, 1};
+    // Fused attention keeps its inputs, its output and the log-sum-exp (and a generator's state).
+    for (const char* op : {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
+      r[op] = {KeepArgs::kAll, 0};
     r["native_dropout"] = {KeepArgs::kNone, 1};  // the mask
     return r;
   }();
