@@ -1,10 +1,16 @@
 // The planner's operator trace (PlanRequest::trace_forward): one forward on the meta device counts
 // what the rules cannot see (convolutions, attention, normalization, pooling), operators without a
 // meta kernel in this LibTorch included, and equals the rules where they apply.
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <iostream>
+#include <limits>
 #include <string>
 #include <vector>
+
+#include "counting_allocator.h"
 
 #include "fsdp/cluster.h"
 #include "fsdp/fsdp.h"
@@ -101,9 +107,143 @@ TEST(PlannerTrace, CountsConvolutionsPoolingAndNormalizationFromShapes) {
   // Kept per image, in values: the image (768); the batch norm's input (2048) and its two statistics
   // (8 + 8 per batch); the ReLU's output (2048); the pool's int64 indices (512, two values' bytes each);
   // the second convolution's input (512) and its ReLU's output (1024); the average pool's input (the
-  // same); the head's input (16); the log-softmax's output (10); the loss's targets (int64, 2 values).
-  const double kept = images * (768 + 2048 + 2048 + 2 * 512 + 512 + 1024 + 16 + 10 + 2) + 16;
+  // same); the head's input (16); the log-softmax's output (10); the loss's targets (int64, 2 values)
+  // and its total weight (one value per batch).
+  const double kept = images * (768 + 2048 + 2048 + 2 * 512 + 512 + 1024 + 16 + 10 + 2) + 16 + 1;
   EXPECT_EQ(e.memory.activations, static_cast<int64_t>(kept * 4)) << plan.table();
+}
+
+// A small transformer: embedding, layer norms, attention written out (products, scaling, a causal
+// mask, softmax), a GELU MLP and a language-model head.
+struct AttentionLmImpl : nn::Module {
+  AttentionLmImpl(int64_t vocab, int64_t d, int64_t heads) : heads(heads) {
+    embed = register_module("embed", nn::Embedding(vocab, d));
+    ln1 = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({d})));
+    qkv = register_module("qkv", nn::Linear(d, 3 * d));
+    proj = register_module("proj", nn::Linear(d, d));
+    ln2 = register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({d})));
+    fc = register_module("fc", nn::Linear(d, 4 * d));
+    out = register_module("out", nn::Linear(4 * d, d));
+    head = register_module("head", nn::Linear(d, vocab));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    const int64_t b = tokens.size(0), t = tokens.size(1);
+    at::Tensor x = embed->forward(tokens);
+    const int64_t d = x.size(-1), hd = d / heads;
+    auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
+    auto split = [&](const at::Tensor& p) {
+      return p.view({b, t, heads, hd}).transpose(1, 2);
+    };
+    at::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
+    at::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+    at::Tensor future = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+    at::Tensor weights = torch::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+    x = x + proj->forward(torch::matmul(weights, v).transpose(1, 2).reshape({b, t, d}));
+    x = x + out->forward(torch::gelu(fc->forward(ln2->forward(x))));
+    return head->forward(x);
+  }
+  int64_t heads;
+  nn::Embedding embed{nullptr};
+  nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, out{nullptr}, head{nullptr};
+};
+TORCH_MODULE(AttentionLm);
+
+// An MLP with SiLU, dropout and a regression loss.
+struct DropoutMlpImpl : nn::Module {
+  DropoutMlpImpl() {
+    net = register_module(
+        "net", nn::Sequential(nn::Linear(32, 96), nn::SiLU(), nn::Dropout(0.25), nn::Linear(96, 8), nn::Tanh()));
+  }
+  at::Tensor forward(const at::Tensor& x) { return net->forward(x); }
+  nn::Sequential net{nullptr};
+};
+TORCH_MODULE(DropoutMlp);
+
+// One model for the comparison: made on the device `build` runs under, its inputs (made before
+// the counting starts), and its forward and loss.
+struct KeptCase {
+  std::string name;
+  std::function<std::shared_ptr<nn::Module>()> build;
+  std::function<std::vector<at::Tensor>()> inputs;
+  std::function<at::Tensor(nn::Module&, const std::vector<at::Tensor>&)> loss;
+  int64_t sequences, seq_len;
+};
+
+std::vector<KeptCase> kept_cases() {
+  const int64_t images = 3, rows = 5, tokens = 12, vocab = 50;
+  return {
+      {"convnet", [=] { return ConvNet().ptr(); },
+       [=] {
+         return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
+       },
+       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+         return nn::functional::cross_entropy(dynamic_cast<ConvNetImpl&>(m).forward(in[0]), in[1]);
+       },
+       images, 1},
+      {"transformer", [=] { return AttentionLm(vocab, 32, 4).ptr(); },
+       [=] {
+         return std::vector<at::Tensor>{torch::zeros({2, tokens}, torch::kLong),
+                                        torch::zeros({2 * tokens}, torch::kLong)};
+       },
+       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+         at::Tensor logits = dynamic_cast<AttentionLmImpl&>(m).forward(in[0]);
+         return nn::functional::cross_entropy(logits.reshape({-1, vocab}), in[1]);
+       },
+       2, tokens},
+      {"mlp", [=] { return DropoutMlp().ptr(); },
+       [=] {
+         return std::vector<at::Tensor>{torch::zeros({rows, 32}), torch::zeros({rows, 8})};
+       },
+       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+         return nn::functional::mse_loss(dynamic_cast<DropoutMlpImpl&>(m).forward(in[0]), in[1]);
+       },
+       rows, 1},
+  };
+}
+
+// Per case: the bytes the trace counts, and the bytes a real forward and loss keep alive on the
+// CPU (counted by the allocator), plus the inputs, which autograd keeps too.
+FSDP_WORKER(trace_kept_bytes_worker) {
+  auto* counter = new fsdp_bench::CountingAllocator(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(counter, /*priority=*/100);
+  for (const KeptCase& c : kept_cases()) {
+    int64_t traced = 0;
+    {
+      fsdp::DeferredInit deferred;
+      std::shared_ptr<nn::Module> model = c.build();
+      auto request = world_one()
+                         .global_batch(static_cast<int>(c.sequences))
+                         .micro_batches({static_cast<int>(c.sequences)})
+                         .activation_checkpointing({false})
+                         .seq_len(c.seq_len)
+                         .trace_sequences(c.sequences)
+                         .trace_forward([&] { c.loss(*model, c.inputs()); });
+      const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+      WORKER_CHECK(plan.entries.size() == 1U, c.name, ": ", plan.entries.size(), " candidates");
+      traced = plan.entries[0].memory.activations;
+    }
+    torch::manual_seed(0);
+    std::shared_ptr<nn::Module> model = c.build();
+    model->train();
+    const std::vector<at::Tensor> inputs = c.inputs();
+    int64_t input_bytes = 0;
+    for (const at::Tensor& t : inputs) input_bytes += static_cast<int64_t>(t.nbytes());
+    const int64_t before = counter->live();
+    at::Tensor loss = c.loss(*model, inputs);
+    // The loss itself is not kept for backward (its storage may be larger than its one value).
+    const int64_t measured = counter->live() - before - static_cast<int64_t>(loss.storage().nbytes()) + input_bytes;
+    std::cout << c.name << ": traced " << traced << " bytes, kept by a real forward " << measured << std::endl;
+    WORKER_CHECK(traced == measured, c.name, ": the trace counts ", traced, " bytes, a real forward keeps ", measured);
+    loss.backward();
+  }
+  std::cout << "kept bytes ok" << std::endl;
+}
+
+TEST(PlannerTrace, CountsWhatARealForwardKeepsAlive) {
+  auto r = launch("trace_kept_bytes_worker", 1);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "kept bytes ok")) << r.report();
 }
 
 TEST(PlannerTrace, RefusesAMaterializedModelValueReadsAndBothWaysOfCounting) {

@@ -11,7 +11,7 @@ fsdp::ModuleCost module_cost(const std::string&, const torch::nn::Module& module
   const auto context = static_cast<double>(seq_len);
   if (const auto* attn = dynamic_cast<const CausalSelfAttentionImpl*>(&module)) {
     const auto width = static_cast<double>(attn->proj->options.in_features());
-    cost.forward_flops = 4.0 * context * width;                                         // scores and mixing
+    cost.forward_flops = 4.0 * context * width;  // scores and mixing
 #if TORCH_VERSION_MAJOR >= 2
     // q, k, v; the fused kernel's output and log-sum-exp (model.cpp)
     cost.activation_values = 4.0 * width + static_cast<double>(attn->heads);

@@ -21,36 +21,24 @@ namespace {
 enum class KeepArgs {
   kNone,
   kAll,
-  kCrosswise,  // a product's: each of the first two where the other requires grad
+  kCrosswise,  // a product's factors `argument` and the next: each where the other requires grad
   kDivisor,    // a quotient's: the divisor, and the dividend too where the divisor requires grad
-  kMask,       // the second only (masked_fill's mask)
+  kOne,        // argument `argument` only (an index, a mask, a target)
 };
 
-// What an operator's backward keeps, by rule: arguments, and its results from `results_from` on
-// (-1: none).
+// What autograd keeps for an operator it records (composite operators keep nothing of their own:
+// their parts do), by rule: arguments, and its results from `results_from` on (-1: none).
 struct KeepRule {
   KeepArgs arguments = KeepArgs::kNone;
+  size_t argument = 0;
   int results_from = -1;
 };
 
 const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
   static const std::unordered_map<std::string_view, KeepRule> rules = [] {
     std::unordered_map<std::string_view, KeepRule> r;
-    for (const char* op : {"mm",
-                           "addmm",
-                           "bmm",
-                           "baddbmm",
-                           "addbmm",
-                           "matmul",
-                           "linear",
-                           "convolution",
+    for (const char* op : {"convolution",
                            "_convolution",
-                           "conv1d",
-                           "conv2d",
-                           "conv3d",
-                           "conv_transpose1d",
-                           "conv_transpose2d",
-                           "conv_transpose3d",
                            "pow",
                            "gelu",
                            "silu",
@@ -63,44 +51,42 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
                            "cos",
                            "log",
                            "erf",
-                           "embedding",
-                           "index_select",
-                           "max_pool2d",
                            "avg_pool1d",
                            "avg_pool2d",
                            "avg_pool3d",
-                           "adaptive_avg_pool1d",
-                           "adaptive_avg_pool2d",
-                           "adaptive_avg_pool3d",
                            "_adaptive_avg_pool2d",
+                           "_adaptive_avg_pool3d",
                            "upsample_nearest2d",
                            "upsample_bilinear2d",
                            "mse_loss",
                            "l1_loss",
                            "smooth_l1_loss",
                            "huber_loss",
-                           "nll_loss",
-                           "nll_loss_nd",
                            "binary_cross_entropy",
                            "binary_cross_entropy_with_logits"})
-      r[op] = {KeepArgs::kAll, -1};
-    r["mul"] = {KeepArgs::kCrosswise, -1};
-    r["div"] = {KeepArgs::kDivisor, -1};
-    r["masked_fill"] = {KeepArgs::kMask, -1};
-    for (const char* op : {"relu", "threshold", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "softmax", "_softmax",
-                           "log_softmax", "_log_softmax", "hardtanh"})
-      r[op] = {KeepArgs::kNone, 0};
-    // Their first result is the output; what follows (statistics, indices) is kept.
+      r[op] = {KeepArgs::kAll, 0, -1};
+    for (const char* op : {"mul", "mm", "bmm"}) r[op] = {KeepArgs::kCrosswise, 0, -1};
+    for (const char* op : {"addmm", "baddbmm", "addbmm"}) r[op] = {KeepArgs::kCrosswise, 1, -1};
+    r["div"] = {KeepArgs::kDivisor, 0, -1};
+    r["masked_fill"] = {KeepArgs::kOne, 1, -1};
+    r["embedding"] = {KeepArgs::kOne, 1, -1};
+    r["index_select"] = {KeepArgs::kOne, 2, -1};
+    r["gather"] = {KeepArgs::kOne, 2, -1};
+    r["nll_loss_forward"] = {KeepArgs::kOne, 1, 1};  // the target; the total weight
+    r["nll_loss2d_forward"] = {KeepArgs::kOne, 1, 1};
     for (const char* op :
-         {"native_layer_norm", "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
-          "_batch_norm_no_update", "native_group_norm", "max_pool1d_with_indices", "max_pool2d_with_indices",
-          "max_pool3d_with_indices"})
-      r[op] = {KeepArgs::kAll, 1};
+         {"relu", "threshold", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "_softmax", "_log_softmax", "hardtanh"})
+      r[op] = {KeepArgs::kNone, 0, 0};
+    // Their first result is the output; what follows (statistics, indices) is kept.
+    for (const char* op : {"native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
+                           "_batch_norm_with_update", "_batch_norm_no_update", "native_group_norm",
+                           "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices"})
+      r[op] = {KeepArgs::kAll, 0, 1};
     // Fused attention keeps its inputs, its output and the log-sum-exp (and a generator's state).
     for (const char* op : {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
-      r[op] = {KeepArgs::kAll, 0};
-    r["native_dropout"] = {KeepArgs::kNone, 1};  // the mask
+      r[op] = {KeepArgs::kAll, 0, 0};
+    r["native_dropout"] = {KeepArgs::kNone, 0, 1};  // the mask
     return r;
   }();
   return rules;
@@ -227,14 +213,14 @@ struct Tracer {
         for (size_t i = 0; i < f.inputs.size(); ++i) keep_input(i);
         break;
       case KeepArgs::kCrosswise:
-        if (grad(1)) keep_input(0);
-        if (grad(0)) keep_input(1);
+        if (grad(rule->argument + 1)) keep_input(rule->argument);
+        if (grad(rule->argument)) keep_input(rule->argument + 1);
         break;
       case KeepArgs::kDivisor:
         keep_input(1);
         if (grad(1)) keep_input(0);
         break;
-      case KeepArgs::kMask: keep_input(1); break;
+      case KeepArgs::kOne: keep_input(rule->argument); break;
     }
     if (rule->results_from >= 0)
       each_tensor(outputs, static_cast<size_t>(rule->results_from), [&](const at::Tensor& t) { keep(t); });
