@@ -1,6 +1,7 @@
 #include "fsdp/deferred_init.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 #include <torch/version.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <functional>
 #include <set>
+#include <vector>
 
 #include "deferred_init_impl.h"
 #include "fsdp/check.h"
@@ -134,6 +136,52 @@ void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// The results of an operator whose stand-in would do its whole work (CPU flash attention), made
+// from its arguments' shapes and laid out as its CPU kernel lays them out; false for any other.
+bool shape_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (op.schema().name() != "aten::_scaled_dot_product_flash_attention_for_cpu") return false;
+  const size_t n = op.schema().arguments().size();
+  const at::Tensor q = (*stack)[stack->size() - n].toTensor();
+  const at::Tensor k = (*stack)[stack->size() - n + 1].toTensor();
+  const at::Tensor v = (*stack)[stack->size() - n + 2].toTensor();
+  TORCH_CHECK(q.dim() == 4 && v.dim() == 4, "libfsdp: flash attention on the meta device takes 4-d inputs");
+  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2);
+  const at::TensorOptions meta = q.options().device(c10::kMeta);
+  at::Tensor out = at::empty({batch, rows, heads, v.size(3)}, meta).transpose(1, 2);
+  at::Tensor lse =
+      at::empty({batch, rows, heads}, meta.dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat))
+          .transpose(1, 2);
+  if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()))
+    out.requires_grad_(true);
+  torch::jit::drop(*stack, n);
+  torch::jit::push(*stack, out, lse);
+  return true;
+}
+
+// LibTorch 2.x's scaled_dot_product_attention takes its unfused path on the meta device; where
+// the CPU would choose flash attention, runs that instead (true), as a real run would.
+bool as_the_cpu_would(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  static const auto choice = c10::Dispatcher::singleton().findSchema({"aten::_fused_sdp_choice", ""});
+  static const auto flash =
+      c10::Dispatcher::singleton().findSchema({"aten::_scaled_dot_product_flash_attention_for_cpu", ""});
+  const size_t n = op.schema().arguments().size();  // query, key, value, mask, dropout, causal, scale, gqa
+  if (!choice || !flash || choice->schema().arguments().size() != n || n < 7 || flash->schema().arguments().size() != 7)
+    return false;
+  torch::jit::Stack ask(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
+  run_on_stand_ins(*choice, &ask);
+  constexpr int64_t kFlashAttention = 1;  // sdp::SDPBackend::flash_attention
+  if (ask.empty() || !ask.back().isInt() || ask.back().toInt() != kFlashAttention) return false;
+  const auto arg = [&](size_t i) {
+    return (*stack)[stack->size() - n + i];
+  };
+  torch::jit::Stack call{arg(0), arg(1), arg(2), arg(4), arg(5), arg(3), arg(6)};
+  flash->callBoxed(&call);
+  const c10::IValue out = call.front();
+  torch::jit::drop(*stack, n);
+  torch::jit::push(*stack, out);
+  return true;
+}
+
 // Factory operations take a `device` argument: point it at the meta device, then continue with
 // the keys below ours. Other operations pass through unchanged (on meta inputs they run their meta
 // kernels, which allocate nothing and draw no random numbers). In a shape pass, an operator whose
@@ -149,12 +197,14 @@ void to_meta_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, t
     op.redispatchBoxed(below, stack);
     return;
   }
+  if (op.schema().name() == "aten::scaled_dot_product_attention" && as_the_cpu_would(op, stack)) return;
   const torch::jit::Stack arguments(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   try {
     op.redispatchBoxed(below, stack);
   } catch (const c10::NotImplementedError&) {
     stack->erase(stack->end() - static_cast<std::ptrdiff_t>(std::min(stack->size(), n)), stack->end());
     stack->insert(stack->end(), arguments.begin(), arguments.end());
+    if (shape_rule(op, stack)) return;
     check_shape_only(op, arguments);
     run_on_stand_ins(op, stack);
   }

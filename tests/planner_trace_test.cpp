@@ -3,6 +3,7 @@
 // meta kernel in this LibTorch included, and equals the rules where they apply.
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
 #include <functional>
 #include <iostream>
@@ -116,7 +117,7 @@ TEST(PlannerTrace, CountsConvolutionsPoolingAndNormalizationFromShapes) {
 // A small transformer: embedding, layer norms, attention written out (products, scaling, a causal
 // mask, softmax), a GELU MLP and a language-model head.
 struct AttentionLmImpl : nn::Module {
-  AttentionLmImpl(int64_t vocab, int64_t d, int64_t heads) : heads(heads) {
+  AttentionLmImpl(int64_t vocab, int64_t d, int64_t heads, bool fused = false) : heads(heads), fused(fused) {
     embed = register_module("embed", nn::Embedding(vocab, d));
     ln1 = register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({d})));
     qkv = register_module("qkv", nn::Linear(d, 3 * d));
@@ -135,14 +136,23 @@ struct AttentionLmImpl : nn::Module {
       return p.view({b, t, heads, hd}).transpose(1, 2);
     };
     at::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
-    at::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    at::Tensor future = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
-    at::Tensor weights = torch::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
-    x = x + proj->forward(torch::matmul(weights, v).transpose(1, 2).reshape({b, t, d}));
+    at::Tensor mixed;
+#if TORCH_VERSION_MAJOR >= 2
+    if (fused)
+      mixed = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+#endif
+    if (!mixed.defined()) {
+      at::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+      at::Tensor future = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+      at::Tensor weights = torch::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1);
+      mixed = torch::matmul(weights, v);
+    }
+    x = x + proj->forward(mixed.transpose(1, 2).reshape({b, t, d}));
     x = x + out->forward(torch::gelu(fc->forward(ln2->forward(x))));
     return head->forward(x);
   }
   int64_t heads;
+  bool fused;  // LibTorch 2.x's fused attention (on the CPU, flash attention)
   nn::Embedding embed{nullptr};
   nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, out{nullptr}, head{nullptr};
@@ -173,32 +183,52 @@ struct KeptCase {
 std::vector<KeptCase> kept_cases() {
   const int64_t images = 3, rows = 5, tokens = 12, vocab = 50;
   return {
-      {"convnet", [=] { return ConvNet().ptr(); },
-       [=] {
-         return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
-       },
-       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-         return nn::functional::cross_entropy(dynamic_cast<ConvNetImpl&>(m).forward(in[0]), in[1]);
-       },
-       images, 1},
-      {"transformer", [=] { return AttentionLm(vocab, 32, 4).ptr(); },
-       [=] {
-         return std::vector<at::Tensor>{torch::zeros({2, tokens}, torch::kLong),
-                                        torch::zeros({2 * tokens}, torch::kLong)};
-       },
-       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-         at::Tensor logits = dynamic_cast<AttentionLmImpl&>(m).forward(in[0]);
-         return nn::functional::cross_entropy(logits.reshape({-1, vocab}), in[1]);
-       },
-       2, tokens},
-      {"mlp", [=] { return DropoutMlp().ptr(); },
-       [=] {
-         return std::vector<at::Tensor>{torch::zeros({rows, 32}), torch::zeros({rows, 8})};
-       },
-       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-         return nn::functional::mse_loss(dynamic_cast<DropoutMlpImpl&>(m).forward(in[0]), in[1]);
-       },
-       rows, 1},
+    {"convnet",
+     [=] { return ConvNet().ptr(); },
+     [=] {
+       return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
+     },
+     [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+       return nn::functional::cross_entropy(dynamic_cast<ConvNetImpl&>(m).forward(in[0]), in[1]);
+     },
+     images,
+     1},
+        {"transformer",
+         [=] { return AttentionLm(vocab, 32, 4).ptr(); },
+         [=] {
+           return std::vector<at::Tensor>{torch::zeros({2, tokens}, torch::kLong),
+                                          torch::zeros({2 * tokens}, torch::kLong)};
+         },
+         [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+           at::Tensor logits = dynamic_cast<AttentionLmImpl&>(m).forward(in[0]);
+           return nn::functional::cross_entropy(logits.reshape({-1, vocab}), in[1]);
+         },
+         2,
+         tokens},
+#if TORCH_VERSION_MAJOR >= 2
+        {"transformer, fused attention",
+         [=] { return AttentionLm(vocab, 32, 4, /*fused=*/true).ptr(); },
+         [=] {
+           return std::vector<at::Tensor>{torch::zeros({2, tokens}, torch::kLong),
+                                          torch::zeros({2 * tokens}, torch::kLong)};
+         },
+         [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+           at::Tensor logits = dynamic_cast<AttentionLmImpl&>(m).forward(in[0]);
+           return nn::functional::cross_entropy(logits.reshape({-1, vocab}), in[1]);
+         },
+         2,
+         tokens},
+#endif
+        {"mlp",
+         [=] { return DropoutMlp().ptr(); },
+         [=] {
+           return std::vector<at::Tensor>{torch::zeros({rows, 32}), torch::zeros({rows, 8})};
+         },
+         [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+           return nn::functional::mse_loss(dynamic_cast<DropoutMlpImpl&>(m).forward(in[0]), in[1]);
+         },
+         rows,
+         1},
   };
 }
 

@@ -13,8 +13,8 @@ fsdp::ModuleCost module_cost(const std::string&, const torch::nn::Module& module
     const auto width = static_cast<double>(attn->proj->options.in_features());
     cost.forward_flops = 4.0 * context * width;  // scores and mixing
 #if TORCH_VERSION_MAJOR >= 2
-    // q, k, v; the fused kernel's output and log-sum-exp (model.cpp)
-    cost.activation_values = 4.0 * width + static_cast<double>(attn->heads);
+    // q, k, v; the fused kernel's log-sum-exp (its output is the projection's input, counted there)
+    cost.activation_values = 3.0 * width + static_cast<double>(attn->heads);
 #else
     cost.activation_values = 3.0 * width + static_cast<double>(attn->heads) * context;  // q, k, v; softmax
 #endif
