@@ -36,7 +36,7 @@ SUPP=$ROOT/tools/sanitizers
 JOBS=${JOBS:-2}
 
 # ctest names are gtest's: [Instantiation/]Suite.Test[/Param]
-ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|EmbeddingMaxNorm\.|ModuleZeroGrad\.|StepInBackward\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|TransportTest\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|InStepTest\.EveryRankFinishesWithStatusZero/FULL_SHARD_accumulate_no_sync|KilledAtRandomTest\.EverySurvivorFailsWithinSeconds/[1-4]$|StoppedInStepTest\.|^Startup\.|FrozenParameters\.ParametersFrozen|ParameterGradients\.Autograd'}
+ASAN_TESTS=${ASAN_TESTS:-'ExactTest\.|EmbeddingMaxNorm\.|ModuleZeroGrad\.|StepInBackward\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|TransportTest\.|SharedMemory\.|MemberGoneTest\.|ZooTest\.|NetworkModel|DesyncTest\.|InStepTest\.EveryRankFinishesWithStatusZero/FULL_SHARD_accumulate_no_sync|KilledAtRandomTest\.EverySurvivorFailsWithinSeconds/[1-4]$|StoppedInStepTest\.|^Startup\.|FrozenParameters\.ParametersFrozen|ParameterGradients\.Autograd|PlannerTrace\.'}
 TSAN_TESTS=${TSAN_TESTS:-'StepInBackward\.|EmbeddingMaxNorm\.|ModuleZeroGrad\.|TransportTest\.|SharedMemory\.|MemberGoneTest\.|OverlapExact\.|^TraceOrder\.|TraceOrder\.ShowsThePromisedOrdering/limit1|DesyncTest\.|DivergedTest\.|InStepTest\.EveryRankFinishesWithStatusZero/FULL_SHARD_accumulate_no_sync|KilledAtRandomTest\.EverySurvivorFailsWithinSeconds/[1-4]$|KilledHoldingConnectionsTest\.|^DeadMembers\.|^Startup\.|FrozenParameters\.ParametersFrozen|ParameterGradients\.Autograd'}
 # Tests that also bound their own wall time (fail-fast within 15 or 30 s of launching the ranks,
 # a shared-memory step faster than a modeled 0.13 s): under a sanitizer, rank start-up alone
@@ -51,7 +51,7 @@ export OMP_NUM_THREADS=1
 
 # The test sources that hold each selection above and the workers its tests launch (OverlapExact runs
 # fully_shard_exact_test.cpp's exact_worker); each build's fsdp_tests is built from these only.
-ASAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp;embedding_max_norm_test.cpp;module_zero_grad_test.cpp;failed_backward_test.cpp;frozen_parameters_test.cpp;parameter_gradients_test.cpp'
+ASAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;comm/network_model_test.cpp;model_zoo_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/stopped_rank_test.cpp;faults/startup_test.cpp;embedding_max_norm_test.cpp;module_zero_grad_test.cpp;failed_backward_test.cpp;frozen_parameters_test.cpp;parameter_gradients_test.cpp;planner_trace_test.cpp'
 TSAN_SOURCES='fully_shard_exact_test.cpp;step_in_backward_test.cpp;runtime/overlap_test.cpp;comm/communicator_test.cpp;faults/desync_test.cpp;faults/dead_rank_test.cpp;faults/fault_in_step.cpp;faults/startup_test.cpp;embedding_max_norm_test.cpp;module_zero_grad_test.cpp;failed_backward_test.cpp;frozen_parameters_test.cpp;parameter_gradients_test.cpp'
 
 # Configures and builds fsdp_tests in $2 with FSDP_SANITIZE=$1, from the test sources $3.
