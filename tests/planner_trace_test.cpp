@@ -180,56 +180,48 @@ struct KeptCase {
   int64_t sequences, seq_len;
 };
 
+// Two sequences of 12 tokens through an AttentionLm over 50 tokens, with its next-token loss.
+KeptCase language_model_case(const std::string& name, bool fused) {
+  const int64_t tokens = 12, vocab = 50;
+  return {name,
+          [=] { return AttentionLm(vocab, 32, 4, fused).ptr(); },
+          [=] {
+            return std::vector<at::Tensor>{torch::zeros({2, tokens}, torch::kLong),
+                                           torch::zeros({2 * tokens}, torch::kLong)};
+          },
+          [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+            at::Tensor logits = dynamic_cast<AttentionLmImpl&>(m).forward(in[0]);
+            return nn::functional::cross_entropy(logits.reshape({-1, vocab}), in[1]);
+          },
+          2,
+          tokens};
+}
+
 std::vector<KeptCase> kept_cases() {
-  const int64_t images = 3, rows = 5, tokens = 12, vocab = 50;
-  return {
-    {"convnet",
-     [=] { return ConvNet().ptr(); },
-     [=] {
-       return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
-     },
-     [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-       return nn::functional::cross_entropy(dynamic_cast<ConvNetImpl&>(m).forward(in[0]), in[1]);
-     },
-     images,
-     1},
-        {"transformer",
-         [=] { return AttentionLm(vocab, 32, 4).ptr(); },
-         [=] {
-           return std::vector<at::Tensor>{torch::zeros({2, tokens}, torch::kLong),
-                                          torch::zeros({2 * tokens}, torch::kLong)};
-         },
-         [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-           at::Tensor logits = dynamic_cast<AttentionLmImpl&>(m).forward(in[0]);
-           return nn::functional::cross_entropy(logits.reshape({-1, vocab}), in[1]);
-         },
-         2,
-         tokens},
+  const int64_t images = 3, rows = 5;
+  std::vector<KeptCase> cases;
+  cases.push_back(
+      {"convnet", [=] { return ConvNet().ptr(); },
+       [=] {
+         return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
+       },
+       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+         return nn::functional::cross_entropy(dynamic_cast<ConvNetImpl&>(m).forward(in[0]), in[1]);
+       },
+       images, 1});
+  cases.push_back(language_model_case("transformer", /*fused=*/false));
 #if TORCH_VERSION_MAJOR >= 2
-        {"transformer, fused attention",
-         [=] { return AttentionLm(vocab, 32, 4, /*fused=*/true).ptr(); },
-         [=] {
-           return std::vector<at::Tensor>{torch::zeros({2, tokens}, torch::kLong),
-                                          torch::zeros({2 * tokens}, torch::kLong)};
-         },
-         [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-           at::Tensor logits = dynamic_cast<AttentionLmImpl&>(m).forward(in[0]);
-           return nn::functional::cross_entropy(logits.reshape({-1, vocab}), in[1]);
-         },
-         2,
-         tokens},
+  cases.push_back(language_model_case("transformer, fused attention", /*fused=*/true));
 #endif
-        {"mlp",
-         [=] { return DropoutMlp().ptr(); },
-         [=] {
-           return std::vector<at::Tensor>{torch::zeros({rows, 32}), torch::zeros({rows, 8})};
-         },
-         [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-           return nn::functional::mse_loss(dynamic_cast<DropoutMlpImpl&>(m).forward(in[0]), in[1]);
-         },
-         rows,
-         1},
-  };
+  cases.push_back({"mlp", [=] { return DropoutMlp().ptr(); },
+                   [=] {
+                     return std::vector<at::Tensor>{torch::zeros({rows, 32}), torch::zeros({rows, 8})};
+                   },
+                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+                     return nn::functional::mse_loss(dynamic_cast<DropoutMlpImpl&>(m).forward(in[0]), in[1]);
+                   },
+                   rows, 1});
+  return cases;
 }
 
 // Per case: the bytes the trace counts, and the bytes a real forward and loss keep alive on the
