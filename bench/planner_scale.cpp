@@ -1,14 +1,17 @@
 // The planner at the FSDP paper's scale (bench/results/planner_scale.md): GPT-175B on 128-512
 // A100s at batch 1 and 2 per GPU, with and without backward prefetch, and the link its reported
 // TFLOP/s would need; T5-11B from 8 to 512 GPUs; FULL_SHARD against NO_SHARD (DDP) on T5 models of
-// 611M, 2.28B and 11B parameters. The GPT is the example trainer's (examples/gpt/model.h), the T5
-// bench/t5_model.h; both are built on the meta device, so nothing is allocated.
+// 611M, 2.28B and 11B parameters; GPT-175B and T5-11B planned from a traced forward against their
+// rules. The GPT is the example trainer's (examples/gpt/model.h), the T5 bench/t5_model.h; both
+// are built on the meta device, so nothing is allocated.
 //
 //   fsdp_bench_planner_scale $(git rev-parse --short HEAD) > bench/results/planner_scale.md
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -104,6 +107,25 @@ void check_t5_runs() {
   auto loss = model->forward(tokens, tokens.flip(1));
   loss.backward();
   FSDP_CHECK(std::isfinite(loss.item<double>()), "the T5 module's loss is not finite");
+}
+
+// The plan's first entry for `model` at `nodes` x 8, batch 1, by `request` with its costs from the
+// rules and `module_cost`, and from a traced forward and loss of one sample instead; both plans' wall times.
+struct TracedAgainstRules {
+  fsdp::PlanEntry rules, traced;
+  double rules_s = 0, traced_s = 0;  // each plan's wall time
+};
+TracedAgainstRules trace_against_rules(torch::nn::Module& model, fsdp::PlanRequest request,
+                                       const std::function<void()>& forward) {
+  const auto cluster = fsdp::Cluster::parse("paper:16x8");
+  TracedAgainstRules r;
+  auto start = std::chrono::steady_clock::now();
+  r.rules = fsdp::plan(model, cluster, request).entries.front();
+  r.rules_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  start = std::chrono::steady_clock::now();
+  r.traced = fsdp::plan(model, cluster, request.module_cost(nullptr).trace_forward(forward)).entries.front();
+  r.traced_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
 }
 
 std::string fixed(double v, int digits) {
@@ -213,6 +235,46 @@ int main(int argc, char** argv) {
                 << (e.candidate.activation_checkpointing ? ", checkpointed" : "") << " | " << gib(e.memory.peak)
                 << " | " << (e.fits ? "yes" : "no") << " | " << fixed(e.time.step_s, 3) << " | "
                 << fixed(e.time.tflops_per_device, 1) << " |\n";
+  }
+
+  std::cout << "\n## The operator trace against the rules at this scale\n\n"
+            << "The same models planned with their costs from one forward and loss of one sample traced on the meta "
+               "device (`PlanRequest::trace_forward`, docs/planner.md) instead of the rules and the models' "
+               "`module_cost`: FULL_SHARD on 128 GPUs, batch 1, bf16, checkpointed blocks and not. *Plan s* is "
+               "each plan's wall time on the machine that made this page (the one candidate's replay, and the "
+               "trace).\n\n"
+            << "| model | checkpointed | TFLOP/s per GPU, traced / rules | activations GiB, rules | traced | traced "
+               "/ rules | plan s, rules / traced |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |\n";
+  auto row = [](const std::string& name, const TracedAgainstRules& r) {
+    std::cout << "| " << name << " | " << (r.rules.candidate.activation_checkpointing ? "yes" : "no") << " | "
+              << fixed(r.traced.time.tflops_per_device / r.rules.time.tflops_per_device, 4) << " | "
+              << fixed(static_cast<double>(r.rules.memory.activations) / (1024.0 * 1024.0 * 1024.0), 2) << " | "
+              << fixed(static_cast<double>(r.traced.memory.activations) / (1024.0 * 1024.0 * 1024.0), 2) << " | "
+              << fixed(
+                     static_cast<double>(r.traced.memory.activations) / static_cast<double>(r.rules.memory.activations),
+                     3)
+              << " | " << fixed(r.rules_s, 1) << " / " << fixed(r.traced_s, 1) << " |\n";
+  };
+  for (const bool checkpointed : {false, true}) {
+    row("GPT-175B",
+        trace_against_rules(
+            *g175,
+            request(128, 1, 2048)
+                .strategies({fsdp::ShardingStrategy::kFullShard})
+                .activation_checkpointing({checkpointed}),
+            [&] {
+              const auto tokens = torch::zeros({1, 2048}, torch::kLong);
+              const auto logits = g175->forward(tokens);
+              torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), tokens.reshape({-1}));
+            }));
+    row("T5-11B", trace_against_rules(*t11,
+                                      t5_request(128, 1, at::kBFloat16)
+                                          .strategies({fsdp::ShardingStrategy::kFullShard})
+                                          .activation_checkpointing({checkpointed}),
+                                      [&] {
+                                        const auto tokens = torch::zeros({1, 512}, torch::kLong);
+                                        t11->forward(tokens, tokens);
+                                      }));
   }
   return 0;
 }

@@ -136,14 +136,9 @@ void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
-// The results of an operator whose stand-in would do its whole work (CPU flash attention), made
-// from its arguments' shapes and laid out as its CPU kernel lays them out; false for any other.
-bool shape_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (op.schema().name() != "aten::_scaled_dot_product_flash_attention_for_cpu") return false;
-  const size_t n = op.schema().arguments().size();
-  const at::Tensor q = (*stack)[stack->size() - n].toTensor();
-  const at::Tensor k = (*stack)[stack->size() - n + 1].toTensor();
-  const at::Tensor v = (*stack)[stack->size() - n + 2].toTensor();
+// CPU flash attention's results (output, log-sum-exp per query row), laid out as its kernel lays them out.
+void flash_attention_results(const torch::jit::Stack& args, torch::jit::Stack* results) {
+  const at::Tensor q = args[0].toTensor(), k = args[1].toTensor(), v = args[2].toTensor();
   TORCH_CHECK(q.dim() == 4 && v.dim() == 4, "libfsdp: flash attention on the meta device takes 4-d inputs");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2);
   const at::TensorOptions meta = q.options().device(c10::kMeta);
@@ -153,8 +148,38 @@ bool shape_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           .transpose(1, 2);
   if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()))
     out.requires_grad_(true);
+  torch::jit::push(*results, out, lse);
+}
+
+// Batch normalization's results (output; the batch's mean and inverse deviation per channel when
+// training, empty otherwise), as its CPU kernel makes them.
+void batch_norm_results(const torch::jit::Stack& args, torch::jit::Stack* results) {
+  const at::Tensor x = args[0].toTensor();
+  const bool training = args[5].toBool();
+  bool grad = x.requires_grad();
+  for (size_t i = 1; i < 3; ++i) grad = grad || (args[i].isTensor() && args[i].toTensor().requires_grad());
+  at::Tensor out = at::empty_like(x, x.options().device(c10::kMeta));
+  const at::ScalarType stat =
+      x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16 ? at::kFloat : x.scalar_type();
+  const at::TensorOptions meta = x.options().dtype(stat).device(c10::kMeta);
+  at::Tensor mean = at::empty({training && x.dim() > 1 ? x.size(1) : 0}, meta);
+  at::Tensor invstd = at::empty({training && x.dim() > 1 ? x.size(1) : 0}, meta);
+  if (at::GradMode::is_enabled() && grad) out.requires_grad_(true);
+  torch::jit::push(*results, out, mean, invstd);
+}
+
+// The results of an operator without a meta kernel whose stand-in would do work in proportion to
+// its activations (Note [Meta shape pass]), from its arguments' shapes; false for any other.
+bool shape_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const std::string& name = op.schema().name();
+  void (*rule)(const torch::jit::Stack&, torch::jit::Stack*) = nullptr;
+  if (name == "aten::_scaled_dot_product_flash_attention_for_cpu") rule = &flash_attention_results;
+  if (name == "aten::native_batch_norm" && op.schema().arguments().size() == 8) rule = &batch_norm_results;
+  if (rule == nullptr) return false;
+  const size_t n = op.schema().arguments().size();
+  const torch::jit::Stack args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   torch::jit::drop(*stack, n);
-  torch::jit::push(*stack, out, lse);
+  rule(args, stack);
   return true;
 }
 
