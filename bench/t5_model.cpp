@@ -98,8 +98,6 @@ fsdp::ModuleCost module_cost(const std::string&, const torch::nn::Module& module
     const auto inner = static_cast<double>(attn->heads * attn->d_kv);
     cost.forward_flops = 4.0 * len * inner;                                         // scores and mixing
     cost.activation_values = 3.0 * inner + static_cast<double>(attn->heads) * len;  // q, k, v; softmax
-  } else if (const auto* ff = dynamic_cast<const FeedForwardImpl*>(&module)) {
-    cost.activation_values = static_cast<double>(ff->wi->options.out_features());  // ReLU's input
   } else if (const auto* model = dynamic_cast<const T5Impl*>(&module)) {
     cost.forward_flops = 2.0 * static_cast<double>(model->config.vocab * model->config.d_model);  // tied logits
     cost.activation_values = static_cast<double>(model->config.vocab);  // log-softmax of the logits

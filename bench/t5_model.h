@@ -69,8 +69,9 @@ TORCH_MODULE(T5);
 
 int64_t count_parameters(const torch::nn::Module& model);
 
-// Per-token costs the planner's rules leave out: attention's products and softmax, the
-// feed-forward's nonlinearity, the loss. Encoder and decoder sequences are both `seq_len` long.
+// Per-token costs the planner's rules leave out: attention's products and softmax, the tied
+// logits, the loss (the feed-forward's ReLU keeps its output, the second Linear's input, which the
+// rules count). Encoder and decoder sequences are both `seq_len` long.
 fsdp::ModuleCost module_cost(const std::string& name, const torch::nn::Module& module, int64_t seq_len);
 
 }  // namespace t5
