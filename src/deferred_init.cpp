@@ -168,32 +168,29 @@ void batch_norm_results(const torch::jit::Stack& args, torch::jit::Stack* result
   torch::jit::push(*results, out, mean, invstd);
 }
 
-// An elementwise operator's result: a tensor like its input (in place, the input itself).
-void elementwise_results(const torch::jit::Stack& args, torch::jit::Stack* results, bool in_place) {
+// An elementwise operator's result: a tensor like its input.
+void elementwise_results(const torch::jit::Stack& args, torch::jit::Stack* results) {
   const at::Tensor x = args[0].toTensor();
-  if (in_place) {
-    torch::jit::push(*results, x);
-    return;
-  }
   at::Tensor out = at::empty_like(x, x.options().device(c10::kMeta));
   if (at::GradMode::is_enabled() && x.requires_grad()) out.requires_grad_(true);
   torch::jit::push(*results, out);
+}
+
+// An in-place operator's result: its input itself.
+void in_place_results(const torch::jit::Stack& args, torch::jit::Stack* results) {
+  torch::jit::push(*results, args[0]);
 }
 
 // The results of an operator without a meta kernel whose stand-in would do work in proportion to
 // its activations (Note [Meta shape pass]), from its arguments' shapes; false for any other.
 bool shape_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const std::string& name = op.schema().name();
-  std::function<void(const torch::jit::Stack&, torch::jit::Stack*)> rule;
+  void (*rule)(const torch::jit::Stack&, torch::jit::Stack*) = nullptr;
   if (name == "aten::_scaled_dot_product_flash_attention_for_cpu") rule = &flash_attention_results;
   if (name == "aten::native_batch_norm" && op.schema().arguments().size() == 8) rule = &batch_norm_results;
-  if (name == "aten::relu" || name == "aten::relu_") {
-    const bool in_place = name.back() == '_';
-    rule = [in_place](const torch::jit::Stack& args, torch::jit::Stack* results) {
-      elementwise_results(args, results, in_place);
-    };
-  }
-  if (!rule) return false;
+  if (name == "aten::relu") rule = &elementwise_results;
+  if (name == "aten::relu_") rule = &in_place_results;
+  if (rule == nullptr) return false;
   const size_t n = op.schema().arguments().size();
   const torch::jit::Stack args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   torch::jit::drop(*stack, n);
