@@ -39,9 +39,14 @@ at::Tensor cpu_stand_in(const at::Tensor& t) {
   return c;
 }
 
+// A meta tensor like CPU tensor `t`, over a storage of as many bytes as `t`'s (which a kernel may
+// have made larger than its view).
 at::Tensor meta_like(const at::Tensor& t) {
   if (!t.defined() || t.is_meta() || t.device().type() != c10::kCPU) return t;
-  return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
+  at::Tensor m = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
+  if (t.has_storage() && t.storage().nbytes() > m.storage().nbytes())
+    m.storage().unsafeGetStorageImpl()->set_nbytes(t.storage().nbytes());
+  return m;
 }
 
 bool tensor_typed(const c10::TypePtr& type) {
@@ -181,6 +186,17 @@ void in_place_results(const torch::jit::Stack& args, torch::jit::Stack* results)
   torch::jit::push(*results, args[0]);
 }
 
+// Whether two tensors are equal, from what a pass on the meta device knows: the same view of the
+// same storage is; tensors of different shapes or dtypes are not; distinct tensors are taken to
+// differ (Note [Meta shape pass]).
+void equal_results(const torch::jit::Stack& args, torch::jit::Stack* results) {
+  const at::Tensor a = args[0].toTensor(), b = args[1].toTensor();
+  const bool same = a.is_same(b) || (a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+                                     a.strides() == b.strides() && a.storage_offset() == b.storage_offset() &&
+                                     a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage()));
+  torch::jit::push(*results, same);
+}
+
 // The results of an operator without a meta kernel whose stand-in would do work in proportion to
 // its activations (Note [Meta shape pass]), from its arguments' shapes; false for any other.
 bool shape_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -190,6 +206,7 @@ bool shape_rule(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (name == "aten::native_batch_norm" && op.schema().arguments().size() == 8) rule = &batch_norm_results;
   if (name == "aten::relu") rule = &elementwise_results;
   if (name == "aten::relu_") rule = &in_place_results;
+  if (name == "aten::equal") rule = &equal_results;
   if (rule == nullptr) return false;
   const size_t n = op.schema().arguments().size();
   const torch::jit::Stack args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());

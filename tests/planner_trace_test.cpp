@@ -170,6 +170,68 @@ struct DropoutMlpImpl : nn::Module {
 };
 TORCH_MODULE(DropoutMlp);
 
+// A recurrent language model: embedding, a two-layer LSTM, a GRU and a head.
+struct RecurrentLmImpl : nn::Module {
+  RecurrentLmImpl() {
+    embed = register_module("embed", nn::Embedding(40, 16));
+    lstm = register_module("lstm", nn::LSTM(nn::LSTMOptions(16, 24).num_layers(2).batch_first(true)));
+    gru = register_module("gru", nn::GRU(nn::GRUOptions(24, 20).batch_first(true)));
+    head = register_module("head", nn::Linear(20, 40));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor x = std::get<0>(lstm->forward(embed->forward(tokens)));
+    return head->forward(std::get<0>(gru->forward(x)));
+  }
+  nn::Embedding embed{nullptr};
+  nn::LSTM lstm{nullptr};
+  nn::GRU gru{nullptr};
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(RecurrentLm);
+
+// One-dimensional convolutions with group and instance norms, PReLU, a transposed convolution,
+// average pooling and a log-softmax with its negative log-likelihood.
+struct SignalNetImpl : nn::Module {
+  SignalNetImpl() {
+    net = register_module(
+        "net", nn::Sequential(nn::Conv1d(nn::Conv1dOptions(4, 12, 5).padding(2)), nn::GroupNorm(3, 12), nn::PReLU(),
+                              nn::ConvTranspose1d(nn::ConvTranspose1dOptions(12, 8, 4).stride(2)),
+                              nn::InstanceNorm1d(nn::InstanceNorm1dOptions(8).affine(true)), nn::LeakyReLU(),
+                              nn::AvgPool1d(2), nn::ELU(), nn::Flatten(), nn::Linear(8 * 33, 6), nn::LogSoftmax(1)));
+  }
+  at::Tensor forward(const at::Tensor& x) { return net->forward(x); }
+  nn::Sequential net{nullptr};
+};
+TORCH_MODULE(SignalNet);
+
+// LibTorch's MultiheadAttention with dropout, Mish, Hardtanh and Softplus, and a binary loss.
+struct MhaNetImpl : nn::Module {
+  MhaNetImpl() {
+    attn = register_module("attn", nn::MultiheadAttention(nn::MultiheadAttentionOptions(16, 4).dropout(0.1)));
+    mlp = register_module("mlp", nn::Sequential(nn::Linear(16, 32), nn::Mish(), nn::Linear(32, 32), nn::Hardtanh(),
+                                                nn::Linear(32, 1), nn::Softplus()));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = std::get<0>(attn->forward(x, x, x));
+    return mlp->forward(y);
+  }
+  nn::MultiheadAttention attn{nullptr};
+  nn::Sequential mlp{nullptr};
+};
+TORCH_MODULE(MhaNet);
+
+// A bag of embeddings (their mean) under a linear classifier.
+struct BagNetImpl : nn::Module {
+  BagNetImpl() {
+    bag = register_module("bag", nn::EmbeddingBag(nn::EmbeddingBagOptions(30, 12).mode(torch::kMean)));
+    head = register_module("head", nn::Linear(12, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head->forward(bag->forward(x)); }
+  nn::EmbeddingBag bag{nullptr};
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(BagNet);
+
 // One model for the comparison: made on the device `build` runs under, its inputs (made before
 // the counting starts), and its forward and loss.
 struct KeptCase {
@@ -221,6 +283,42 @@ std::vector<KeptCase> kept_cases() {
                      return nn::functional::mse_loss(dynamic_cast<DropoutMlpImpl&>(m).forward(in[0]), in[1]);
                    },
                    rows, 1});
+  cases.push_back(
+      {"recurrent", [=] { return RecurrentLm().ptr(); },
+       [=] {
+         return std::vector<at::Tensor>{torch::zeros({3, 7}, torch::kLong), torch::zeros({21}, torch::kLong)};
+       },
+       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+         return nn::functional::cross_entropy(dynamic_cast<RecurrentLmImpl&>(m).forward(in[0]).reshape({-1, 40}),
+                                              in[1]);
+       },
+       3, 7});
+  cases.push_back({"signal", [=] { return SignalNet().ptr(); },
+                   [=] {
+                     return std::vector<at::Tensor>{torch::zeros({3, 4, 32}), torch::zeros({3}, torch::kLong)};
+                   },
+                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+                     return nn::functional::nll_loss(dynamic_cast<SignalNetImpl&>(m).forward(in[0]), in[1]);
+                   },
+                   3, 1});
+  cases.push_back({"mha", [=] { return MhaNet().ptr(); },
+                   [=] {
+                     return std::vector<at::Tensor>{torch::zeros({6, 2, 16}), torch::zeros({6, 2, 1})};
+                   },
+                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+                     return nn::functional::binary_cross_entropy_with_logits(
+                         dynamic_cast<MhaNetImpl&>(m).forward(in[0]), in[1]);
+                   },
+                   2, 6});
+  cases.push_back(
+      {"bag", [=] { return BagNet().ptr(); },
+       [=] {
+         return std::vector<at::Tensor>{torch::zeros({4, 5}, torch::kLong), torch::zeros({4}, torch::kLong)};
+       },
+       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+         return nn::functional::cross_entropy(dynamic_cast<BagNetImpl&>(m).forward(in[0]), in[1]);
+       },
+       4, 1});
   return cases;
 }
 
@@ -265,6 +363,7 @@ FSDP_WORKER(trace_kept_bytes_worker) {
 TEST(PlannerTrace, CountsWhatARealForwardKeepsAlive) {
   auto r = launch("trace_kept_bytes_worker", 1);
   ASSERT_TRUE(r.all_ok()) << r.report();
+  std::cout << r.ranks[0].output;
   EXPECT_TRUE(contains(r.ranks[0].output, "kept bytes ok")) << r.report();
 }
 

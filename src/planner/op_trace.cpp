@@ -2,6 +2,7 @@
 #include "planner/op_trace.h"
 
 #include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <exception>
 #include <string_view>
@@ -24,6 +25,7 @@ enum class KeepArgs {
   kCrosswise,  // a product's factors `argument` and the next: each where the other requires grad
   kDivisor,    // a quotient's: the divisor, and the dividend too where the divisor requires grad
   kOne,        // argument `argument` only (an index, a mask, a target)
+  kAllBut,     // every argument but `argument` (a normalization's bias)
 };
 
 // What autograd keeps for an operator it records (composite operators keep nothing of their own:
@@ -58,6 +60,11 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
                            "_adaptive_avg_pool3d",
                            "upsample_nearest2d",
                            "upsample_bilinear2d",
+                           "prelu",
+                           "_prelu_kernel",
+                           "hardtanh",
+                           "threshold",
+                           "gather",
                            "mse_loss",
                            "l1_loss",
                            "smooth_l1_loss",
@@ -66,22 +73,22 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
                            "binary_cross_entropy_with_logits"})
       r[op] = {KeepArgs::kAll, 0, -1};
     for (const char* op : {"mul", "mm", "bmm"}) r[op] = {KeepArgs::kCrosswise, 0, -1};
-    for (const char* op : {"addmm", "baddbmm", "addbmm"}) r[op] = {KeepArgs::kCrosswise, 1, -1};
+    for (const char* op : {"addmm", "baddbmm", "addbmm", "addcmul"}) r[op] = {KeepArgs::kCrosswise, 1, -1};
     r["div"] = {KeepArgs::kDivisor, 0, -1};
     r["masked_fill"] = {KeepArgs::kOne, 1, -1};
     r["embedding"] = {KeepArgs::kOne, 1, -1};
     r["index_select"] = {KeepArgs::kOne, 2, -1};
-    r["gather"] = {KeepArgs::kOne, 2, -1};
     r["nll_loss_forward"] = {KeepArgs::kOne, 1, 1};  // the target; the total weight
     r["nll_loss2d_forward"] = {KeepArgs::kOne, 1, 1};
-    for (const char* op :
-         {"relu", "threshold", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "_softmax", "_log_softmax", "hardtanh"})
+    for (const char* op : {"relu", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "_softmax", "_log_softmax"})
       r[op] = {KeepArgs::kNone, 0, 0};
     // Their first result is the output; what follows (statistics, indices) is kept.
-    for (const char* op : {"native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
-                           "_batch_norm_with_update", "_batch_norm_no_update", "native_group_norm",
-                           "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices"})
+    for (const char* op : {"native_layer_norm", "_embedding_bag", "max_pool1d_with_indices", "max_pool2d_with_indices",
+                           "max_pool3d_with_indices"})
       r[op] = {KeepArgs::kAll, 0, 1};
+    for (const char* op : {"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
+                           "_batch_norm_no_update", "native_group_norm"})
+      r[op] = {KeepArgs::kAllBut, 2, 1};
     // Fused attention keeps its inputs, its output and the log-sum-exp (and a generator's state).
     for (const char* op : {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
@@ -92,6 +99,7 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
   return rules;
 }
 
+bool is_in_place(std::string_view op) { return !op.empty() && op.back() == '_'; }
 bool is_attention(std::string_view op) { return op.rfind("_scaled_dot_product_", 0) == 0; }
 bool is_convolution(std::string_view op) { return op == "convolution" || op == "_convolution"; }
 bool counts_flops(std::string_view op) {
@@ -130,8 +138,10 @@ struct Frame {
   std::string_view op;
   bool traced = false;             // not inside a stand-in
   bool counted = false;            // its products are counted here (not by an enclosing operator)
+  bool recorded = false;           // autograd records it (not under no_grad, not inside another's kernel)
   std::vector<at::Tensor> inputs;  // by position; undefined where the argument is not a tensor
   bool transposed = false;         // a convolution's flag
+  bool cloned_self = false;        // an in-place operator whose original `self` autograd keeps as a clone
 };
 
 struct Tracer {
@@ -175,6 +185,8 @@ struct Tracer {
             at::isFloatingType(t.scalar_type()))
           segments.back().input_values = static_cast<double>(t.numel());
       });
+    f.recorded =
+        at::GradMode::is_enabled() && !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradFunctionality);
     f.counted = !counting && counts_flops(f.op);
     counting = counting || f.counted;
     if (!f.counted && keep_rule(f.op) == nullptr) return;
@@ -195,6 +207,13 @@ struct Tracer {
       const at::Tensor y = !outputs.empty() && outputs[0].isTensor() ? outputs[0].toTensor() : at::Tensor();
       segments.back().forward_flops += products(f, y);
     }
+    if (!f.recorded) return;
+    // Autograd keeps what an in-place operator overwrites as a clone, made inside that operator.
+    if (f.op == "clone" && !frames.empty() && frames.back().traced && is_in_place(frames.back().op)) {
+      frames.back().cloned_self = true;
+      each_tensor(outputs, 0, [&](const at::Tensor& t) { keep(t); });
+      return;
+    }
     const KeepRule* rule = keep_rule(f.op);
     if (rule == nullptr) return;
     // Only what backward will need: an operator on tensors none of which requires grad keeps nothing.
@@ -205,7 +224,7 @@ struct Tracer {
       return i < f.inputs.size() && f.inputs[i].defined() && f.inputs[i].requires_grad();
     };
     auto keep_input = [&](size_t i) {
-      if (i < f.inputs.size() && f.inputs[i].defined()) keep(f.inputs[i]);
+      if (i < f.inputs.size() && f.inputs[i].defined() && !(i == 0 && f.cloned_self)) keep(f.inputs[i]);
     };
     switch (rule->arguments) {
       case KeepArgs::kNone: break;
@@ -221,6 +240,10 @@ struct Tracer {
         if (grad(1)) keep_input(0);
         break;
       case KeepArgs::kOne: keep_input(rule->argument); break;
+      case KeepArgs::kAllBut:
+        for (size_t i = 0; i < f.inputs.size(); ++i)
+          if (i != rule->argument) keep_input(i);
+        break;
     }
     if (rule->results_from >= 0)
       each_tensor(outputs, static_cast<size_t>(rule->results_from), [&](const at::Tensor& t) { keep(t); });
