@@ -88,6 +88,18 @@ void check_shape_only(const c10::OperatorHandle& op, const torch::jit::Stack& ar
               "does not have; keep it out of the traced forward");
 }
 
+// The argument an operator's result `index` is written into (in-place and out= operators), or -1.
+int written_argument(const c10::FunctionSchema& schema, size_t index) {
+  const c10::AliasInfo* result = schema.returns()[index].alias_info();
+  if (result == nullptr || !result->isWrite()) return -1;
+  const auto& arguments = schema.arguments();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::AliasInfo* a = arguments[i].alias_info();
+    if (a != nullptr && a->isWrite() && a->beforeSets() == result->beforeSets()) return static_cast<int>(i);
+  }
+  return -1;
+}
+
 // Runs `op` on CPU stand-ins of the meta tensors among its arguments and hands back its results
 // as meta tensors (Note [Meta shape pass] in docs/design.md).
 void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -96,6 +108,7 @@ void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     ~StandInScope() { --t_stand_in_depth; }
   } scope;
   const size_t n = op.schema().arguments().size();
+  const torch::jit::Stack originals(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   bool needs_grad = false;  // the results of an operator on a tensor that requires grad do too
   for (size_t i = stack->size() - n; i < stack->size(); ++i) {
     c10::IValue& v = (*stack)[i];
@@ -131,7 +144,16 @@ void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t r = op.schema().returns().size();
   for (size_t i = stack->size() - r; i < stack->size(); ++i) {
     c10::IValue& v = (*stack)[i];
-    if (v.isTensor()) {
+    const int written = written_argument(op.schema(), i - (stack->size() - r));
+    if (written >= 0 && v.isTensor() && originals[static_cast<size_t>(written)].isTensor()) {
+      // An in-place or out= operator returns the argument it wrote: the meta one, at the result's shape.
+      at::Tensor target = originals[static_cast<size_t>(written)].toTensor();
+      if (target.sizes() != v.toTensor().sizes()) {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        target.resize_(v.toTensor().sizes());
+      }
+      v = target;
+    } else if (v.isTensor()) {
       v = to_meta(v.toTensor());
     } else if (v.isTensorList()) {
       std::vector<at::Tensor> list = v.toTensorVector();

@@ -232,6 +232,26 @@ struct BagNetImpl : nn::Module {
 };
 TORCH_MODULE(BagNet);
 
+// Elementwise and reducing operators with their own backward: where, clamp, abs, log1p, maximum,
+// GLU, hardsigmoid, expm1, logsumexp, reciprocal, atan.
+struct ElementwiseNetImpl : nn::Module {
+  ElementwiseNetImpl() {
+    a = register_module("a", nn::Linear(8, 24));
+    b = register_module("b", nn::Linear(8, 24));
+    c = register_module("c", nn::Linear(24, 32));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = a->forward(x);
+    at::Tensor z = torch::clamp(torch::where(y > 0, y, y * 0.1), -2.0, 2.0);
+    at::Tensor w = torch::maximum(z.abs() + torch::log1p(z.abs()), b->forward(x));
+    at::Tensor g = nn::functional::glu(c->forward(w), -1);
+    at::Tensor h = torch::hardsigmoid(g) * torch::expm1(g) + torch::atan(g);
+    return h - torch::logsumexp(h, -1, /*keepdim=*/true) + torch::reciprocal(h.abs() + 1.0);
+  }
+  nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(ElementwiseNet);
+
 // One model for the comparison: made on the device `build` runs under, its inputs (made before
 // the counting starts), and its forward and loss.
 struct KeptCase {
@@ -264,6 +284,21 @@ std::vector<KeptCase> kept_cases() {
   std::vector<KeptCase> cases;
   cases.push_back(
       {"convnet", [=] { return ConvNet().ptr(); },
+       [=] {
+         return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
+       },
+       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+         return nn::functional::cross_entropy(dynamic_cast<ConvNetImpl&>(m).forward(in[0]), in[1]);
+       },
+       images, 1});
+  // The same network with its convolutional features frozen: only the head's work is kept.
+  cases.push_back(
+      {"convnet, features frozen",
+       [=] {
+         ConvNet net;
+         for (at::Tensor& p : net->features->parameters()) p.requires_grad_(false);
+         return net.ptr();
+       },
        [=] {
          return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
        },
@@ -319,11 +354,19 @@ std::vector<KeptCase> kept_cases() {
          return nn::functional::cross_entropy(dynamic_cast<BagNetImpl&>(m).forward(in[0]), in[1]);
        },
        4, 1});
+  cases.push_back({"elementwise", [=] { return ElementwiseNet().ptr(); },
+                   [=] {
+                     return std::vector<at::Tensor>{torch::zeros({rows, 8}), torch::zeros({rows, 16})};
+                   },
+                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+                     return nn::functional::mse_loss(dynamic_cast<ElementwiseNetImpl&>(m).forward(in[0]), in[1]);
+                   },
+                   rows, 1});
   return cases;
 }
 
 // Per case: the bytes the trace counts, and the bytes a real forward and loss keep alive on the
-// CPU (counted by the allocator), plus the inputs, which autograd keeps too.
+// CPU (counted by the allocator), their inputs included where autograd keeps them.
 FSDP_WORKER(trace_kept_bytes_worker) {
   auto* counter = new fsdp_bench::CountingAllocator(c10::GetCPUAllocator());
   c10::SetCPUAllocator(counter, /*priority=*/100);
@@ -346,13 +389,14 @@ FSDP_WORKER(trace_kept_bytes_worker) {
     torch::manual_seed(0);
     std::shared_ptr<nn::Module> model = c.build();
     model->train();
-    const std::vector<at::Tensor> inputs = c.inputs();
-    int64_t input_bytes = 0;
-    for (const at::Tensor& t : inputs) input_bytes += static_cast<int64_t>(t.nbytes());
     const int64_t before = counter->live();
-    at::Tensor loss = c.loss(*model, inputs);
+    at::Tensor loss;
+    {
+      const std::vector<at::Tensor> inputs = c.inputs();  // alive after this scope only where autograd keeps them
+      loss = c.loss(*model, inputs);
+    }
     // The loss itself is not kept for backward (its storage may be larger than its one value).
-    const int64_t measured = counter->live() - before - static_cast<int64_t>(loss.storage().nbytes()) + input_bytes;
+    const int64_t measured = counter->live() - before - static_cast<int64_t>(loss.storage().nbytes());
     std::cout << c.name << ": traced " << traced << " bytes, kept by a real forward " << measured << std::endl;
     WORKER_CHECK(traced == measured, c.name, ": the trace counts ", traced, " bytes, a real forward keeps ", measured);
     loss.backward();

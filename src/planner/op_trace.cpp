@@ -65,6 +65,25 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
                            "hardtanh",
                            "threshold",
                            "gather",
+                           "clamp",
+                           "clamp_min",
+                           "clamp_max",
+                           "abs",
+                           "log1p",
+                           "log2",
+                           "log10",
+                           "atan",
+                           "sinh",
+                           "cosh",
+                           "hardsigmoid",
+                           "hardshrink",
+                           "softshrink",
+                           "glu",
+                           "maximum",
+                           "minimum",
+                           "atan2",
+                           "grid_sampler_2d",
+                           "reflection_pad2d",
                            "mse_loss",
                            "l1_loss",
                            "smooth_l1_loss",
@@ -72,19 +91,22 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
                            "binary_cross_entropy",
                            "binary_cross_entropy_with_logits"})
       r[op] = {KeepArgs::kAll, 0, -1};
-    for (const char* op : {"mul", "mm", "bmm"}) r[op] = {KeepArgs::kCrosswise, 0, -1};
+    for (const char* op : {"mul", "mm", "bmm", "mv", "dot", "vdot"}) r[op] = {KeepArgs::kCrosswise, 0, -1};
     for (const char* op : {"addmm", "baddbmm", "addbmm", "addcmul"}) r[op] = {KeepArgs::kCrosswise, 1, -1};
     r["div"] = {KeepArgs::kDivisor, 0, -1};
     r["masked_fill"] = {KeepArgs::kOne, 1, -1};
+    r["where"] = {KeepArgs::kOne, 0, -1};  // the condition
     r["embedding"] = {KeepArgs::kOne, 1, -1};
     r["index_select"] = {KeepArgs::kOne, 2, -1};
     r["nll_loss_forward"] = {KeepArgs::kOne, 1, 1};  // the target; the total weight
     r["nll_loss2d_forward"] = {KeepArgs::kOne, 1, 1};
-    for (const char* op : {"relu", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "_softmax", "_log_softmax"})
+    for (const char* op :
+         {"relu", "sigmoid", "tanh", "tan", "exp", "expm1", "reciprocal", "sqrt", "rsqrt", "_softmax", "_log_softmax"})
       r[op] = {KeepArgs::kNone, 0, 0};
+    for (const char* op : {"logsumexp", "linalg_vector_norm", "amax"}) r[op] = {KeepArgs::kAll, 0, 0};
     // Their first result is the output; what follows (statistics, indices) is kept.
-    for (const char* op : {"native_layer_norm", "_embedding_bag", "max_pool1d_with_indices", "max_pool2d_with_indices",
-                           "max_pool3d_with_indices"})
+    for (const char* op : {"native_layer_norm", "_embedding_bag", "adaptive_max_pool2d", "max_pool1d_with_indices",
+                           "max_pool2d_with_indices", "max_pool3d_with_indices"})
       r[op] = {KeepArgs::kAll, 0, 1};
     for (const char* op : {"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
                            "_batch_norm_no_update", "native_group_norm"})
