@@ -252,6 +252,38 @@ struct ElementwiseNetImpl : nn::Module {
 };
 TORCH_MODULE(ElementwiseNet);
 
+// A LLaMA-style block written out: RMS normalization and a SwiGLU feed-forward layer.
+struct RmsNormImpl : nn::Module {
+  explicit RmsNormImpl(int64_t d) : weight(register_parameter("weight", torch::ones({d}))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    return x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + 1e-6) * weight;
+  }
+  at::Tensor weight;
+};
+TORCH_MODULE(RmsNorm);
+
+struct SwiGluLmImpl : nn::Module {
+  SwiGluLmImpl() {
+    embed = register_module("embed", nn::Embedding(30, 16));
+    norm = register_module("norm", RmsNorm(16));
+    gate = register_module("gate", nn::Linear(nn::LinearOptions(16, 40).bias(false)));
+    up = register_module("up", nn::Linear(nn::LinearOptions(16, 40).bias(false)));
+    down = register_module("down", nn::Linear(nn::LinearOptions(40, 16).bias(false)));
+    final_norm = register_module("final_norm", RmsNorm(16));
+    head = register_module("head", nn::Linear(16, 30));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor x = embed->forward(tokens);
+    at::Tensor h = norm->forward(x);
+    x = x + down->forward(nn::functional::silu(gate->forward(h)) * up->forward(h));
+    return head->forward(final_norm->forward(x));
+  }
+  nn::Embedding embed{nullptr};
+  RmsNorm norm{nullptr}, final_norm{nullptr};
+  nn::Linear gate{nullptr}, up{nullptr}, down{nullptr}, head{nullptr};
+};
+TORCH_MODULE(SwiGluLm);
+
 // One model for the comparison: made on the device `build` runs under, its inputs (made before
 // the counting starts), and its forward and loss.
 struct KeptCase {
@@ -362,6 +394,15 @@ std::vector<KeptCase> kept_cases() {
                      return nn::functional::mse_loss(dynamic_cast<ElementwiseNetImpl&>(m).forward(in[0]), in[1]);
                    },
                    rows, 1});
+  cases.push_back(
+      {"swiglu", [=] { return SwiGluLm().ptr(); },
+       [=] {
+         return std::vector<at::Tensor>{torch::zeros({2, 9}, torch::kLong), torch::zeros({18}, torch::kLong)};
+       },
+       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+         return nn::functional::cross_entropy(dynamic_cast<SwiGluLmImpl&>(m).forward(in[0]).reshape({-1, 30}), in[1]);
+       },
+       2, 9});
   return cases;
 }
 

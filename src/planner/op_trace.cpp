@@ -3,6 +3,7 @@
 
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/version.h>
 
 #include <exception>
 #include <string_view>
@@ -34,6 +35,7 @@ struct KeepRule {
   KeepArgs arguments = KeepArgs::kNone;
   size_t argument = 0;
   int results_from = -1;
+  size_t min_arguments = 0;  // the overload it applies to: one with at least this many arguments
 };
 
 const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
@@ -116,6 +118,9 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
       r[op] = {KeepArgs::kAll, 0, 0};
     r["native_dropout"] = {KeepArgs::kNone, 0, 1};  // the mask
+#if TORCH_VERSION_MAJOR < 2
+    r["mean"] = {KeepArgs::kOne, 0, -1, 3};  // LibTorch 1.13's mean over dimensions keeps its input
+#endif
     return r;
   }();
   return rules;
@@ -237,7 +242,7 @@ struct Tracer {
       return;
     }
     const KeepRule* rule = keep_rule(f.op);
-    if (rule == nullptr) return;
+    if (rule == nullptr || f.inputs.size() < rule->min_arguments) return;
     // Only what backward will need: an operator on tensors none of which requires grad keeps nothing.
     bool any_grad = false;
     for (const at::Tensor& t : f.inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
