@@ -213,9 +213,10 @@ void in_place_results(const torch::jit::Stack& args, torch::jit::Stack* results)
 // differ (Note [Meta shape pass]).
 void equal_results(const torch::jit::Stack& args, torch::jit::Stack* results) {
   const at::Tensor a = args[0].toTensor(), b = args[1].toTensor();
-  const bool same = a.is_same(b) || (a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
-                                     a.strides() == b.strides() && a.storage_offset() == b.storage_offset() &&
-                                     a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage()));
+  const bool same =
+      a.is_same(b) || (a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+                       a.storage_offset() == b.storage_offset() && a.has_storage() && b.has_storage() &&
+                       a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl());
   torch::jit::push(*results, same);
 }
 

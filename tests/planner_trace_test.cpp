@@ -452,6 +452,24 @@ TEST(PlannerTrace, CountsWhatARealForwardKeepsAlive) {
   EXPECT_TRUE(contains(r.ranks[0].output, "kept bytes ok")) << r.report();
 }
 
+// LibTorch's MultiheadAttention asks torch::equal whether query, key and value are one tensor: the
+// trace answers from identity, so self- and cross-attention both trace.
+TEST(PlannerTrace, AnswersEqualFromIdentity) {
+  fsdp::DeferredInit deferred;
+  nn::MultiheadAttention attention(nn::MultiheadAttentionOptions(16, 4));
+  std::vector<bool> answers;
+  auto request = world_one().seq_len(6).trace_forward([&] {
+    at::Tensor x = torch::zeros({6, 1, 16}), y = torch::zeros({6, 1, 16});
+    answers = {torch::equal(x, x), torch::equal(x, x.view({6, 1, 16})), torch::equal(x, y),
+               torch::equal(x, torch::zeros({6, 16}))};
+    attention->forward(x, x, x);
+    attention->forward(x, y, y);
+  });
+  const fsdp::Plan plan = fsdp::plan(*attention, fsdp::Cluster::parse("cpu:1x1"), request);
+  EXPECT_FALSE(plan.entries.empty());
+  EXPECT_EQ(answers, std::vector<bool>({true, true, false, false}));
+}
+
 TEST(PlannerTrace, RefusesAMaterializedModelValueReadsAndBothWaysOfCounting) {
   LinearStack real(8, 1);
   auto request = world_one().seq_len(4).trace_forward([&] { real->forward(torch::zeros({1, 4, 8})); });
