@@ -284,6 +284,28 @@ struct SwiGluLmImpl : nn::Module {
 };
 TORCH_MODULE(SwiGluLm);
 
+// Reductions, orderings and index updates: std, var, norm, sort, topk, cumprod, scatter_add,
+// index_add, CELU, logit and the soft margin loss.
+struct ReductionNetImpl : nn::Module {
+  ReductionNetImpl() {
+    a = register_module("a", nn::Linear(6, 12));
+    b = register_module("b", nn::Linear(12, 12));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = a->forward(x);
+    at::Tensor z = (y - y.mean(-1, /*keepdim=*/true)) / (y.std({-1}, /*unbiased=*/true, /*keepdim=*/true) + 1e-5);
+    z = z + y.var({-1}, /*unbiased=*/true, /*keepdim=*/true) + y.norm(2, {-1}, /*keepdim=*/true);
+    at::Tensor s = std::get<0>(torch::sort(z, -1)) + std::get<0>(torch::topk(z, 3)).sum(-1, /*keepdim=*/true);
+    at::Tensor c = torch::cumprod(torch::sigmoid(z) + 0.5, -1);
+    const int64_t rows = x.size(0);
+    at::Tensor i = torch::zeros({rows, 12}).scatter_add(1, torch::zeros({rows, 12}, torch::kLong), c);
+    at::Tensor j = torch::zeros({rows, 12}).index_add(1, torch::arange(12), s);
+    return b->forward(nn::functional::celu(i + j) + torch::logit(torch::sigmoid(z) * 0.5 + 0.25));
+  }
+  nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(ReductionNet);
+
 // One model for the comparison: made on the device `build` runs under, its inputs (made before
 // the counting starts), and its forward and loss.
 struct KeptCase {
@@ -403,6 +425,14 @@ std::vector<KeptCase> kept_cases() {
          return nn::functional::cross_entropy(dynamic_cast<SwiGluLmImpl&>(m).forward(in[0]).reshape({-1, 30}), in[1]);
        },
        2, 9});
+  cases.push_back({"reductions", [=] { return ReductionNet().ptr(); },
+                   [=] {
+                     return std::vector<at::Tensor>{torch::zeros({rows, 6}), torch::ones({rows, 12})};
+                   },
+                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
+                     return nn::functional::soft_margin_loss(dynamic_cast<ReductionNetImpl&>(m).forward(in[0]), in[1]);
+                   },
+                   rows, 1});
   return cases;
 }
 

@@ -86,6 +86,14 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
                            "atan2",
                            "grid_sampler_2d",
                            "reflection_pad2d",
+                           "var",
+                           "var_mean",
+                           "celu",
+                           "logit",
+                           "renorm",
+                           "linalg_cross",
+                           "soft_margin_loss",
+                           "multi_margin_loss",
                            "mse_loss",
                            "l1_loss",
                            "smooth_l1_loss",
@@ -105,10 +113,15 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
     for (const char* op :
          {"relu", "sigmoid", "tanh", "tan", "exp", "expm1", "reciprocal", "sqrt", "rsqrt", "_softmax", "_log_softmax"})
       r[op] = {KeepArgs::kNone, 0, 0};
-    for (const char* op : {"logsumexp", "linalg_vector_norm", "amax"}) r[op] = {KeepArgs::kAll, 0, 0};
+    for (const char* op :
+         {"logsumexp", "linalg_vector_norm", "norm", "std", "amax", "cumprod", "prod", "sgn", "logcumsumexp"})
+      r[op] = {KeepArgs::kAll, 0, 0};
+    for (const char* op : {"scatter", "scatter_add", "index_fill"}) r[op] = {KeepArgs::kOne, 2, -1};  // the index
+    for (const char* op : {"index_add", "index_copy", "addcdiv"}) r[op] = {KeepArgs::kAllBut, 0, -1};
+    for (const char* op : {"sort", "topk", "kthvalue"}) r[op] = {KeepArgs::kNone, 0, 1};  // the indices
     // Their first result is the output; what follows (statistics, indices) is kept.
-    for (const char* op : {"native_layer_norm", "_embedding_bag", "adaptive_max_pool2d", "max_pool1d_with_indices",
-                           "max_pool2d_with_indices", "max_pool3d_with_indices"})
+    for (const char* op : {"native_layer_norm", "_embedding_bag", "adaptive_max_pool2d", "cummax",
+                           "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices"})
       r[op] = {KeepArgs::kAll, 0, 1};
     for (const char* op : {"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
                            "_batch_norm_no_update", "native_group_norm"})
