@@ -333,106 +333,78 @@ KeptCase language_model_case(const std::string& name, bool fused) {
           tokens};
 }
 
+// A case whose model `Model` is built by its default constructor and whose loss compares its
+// output on the first input with the second.
+template <class Model, class Loss>
+KeptCase model_case(std::string name, std::function<std::vector<at::Tensor>()> inputs, Loss loss, int64_t sequences,
+                    int64_t seq_len) {
+  return {std::move(name),
+          [] { return Model().ptr(); },
+          std::move(inputs),
+          [loss](nn::Module& m, const std::vector<at::Tensor>& in) {
+            return loss(dynamic_cast<typename Model::ContainedType&>(m).forward(in[0]), in[1]);
+          },
+          sequences,
+          seq_len};
+}
+
+// Two tensors of the given shapes: an input and a target (int64 class indices where `classes`).
+std::function<std::vector<at::Tensor>()> input_and_target(std::vector<int64_t> input, bool tokens,
+                                                          std::vector<int64_t> target, bool classes) {
+  return [=] {
+    return std::vector<at::Tensor>{tokens ? torch::zeros(input, torch::kLong) : torch::zeros(input),
+                                   classes ? torch::zeros(target, torch::kLong) : torch::zeros(target)};
+  };
+}
+
 std::vector<KeptCase> kept_cases() {
+  namespace F = nn::functional;
   const int64_t images = 3, rows = 5;
+  auto cross_entropy = [](const at::Tensor& y, const at::Tensor& t) {
+    return F::cross_entropy(y, t);
+  };
+  auto token_cross_entropy = [](const at::Tensor& y, const at::Tensor& t) {
+    return F::cross_entropy(y.reshape({-1, y.size(-1)}), t);
+  };
+  auto mse = [](const at::Tensor& y, const at::Tensor& t) {
+    return F::mse_loss(y, t);
+  };
   std::vector<KeptCase> cases;
-  cases.push_back(
-      {"convnet", [=] { return ConvNet().ptr(); },
-       [=] {
-         return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
-       },
-       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-         return nn::functional::cross_entropy(dynamic_cast<ConvNetImpl&>(m).forward(in[0]), in[1]);
-       },
-       images, 1});
+  cases.push_back(model_case<ConvNet>("convnet", input_and_target({images, 3, 16, 16}, false, {images}, true),
+                                      cross_entropy, images, 1));
   // The same network with its convolutional features frozen: only the head's work is kept.
-  cases.push_back(
-      {"convnet, features frozen",
-       [=] {
-         ConvNet net;
-         for (at::Tensor& p : net->features->parameters()) p.requires_grad_(false);
-         return net.ptr();
-       },
-       [=] {
-         return std::vector<at::Tensor>{torch::zeros({images, 3, 16, 16}), torch::zeros({images}, torch::kLong)};
-       },
-       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-         return nn::functional::cross_entropy(dynamic_cast<ConvNetImpl&>(m).forward(in[0]), in[1]);
-       },
-       images, 1});
+  KeptCase frozen = cases.back();
+  frozen.name = "convnet, features frozen";
+  frozen.build = [] {
+    ConvNet net;
+    for (at::Tensor& p : net->features->parameters()) p.requires_grad_(false);
+    return net.ptr();
+  };
+  cases.push_back(frozen);
   cases.push_back(language_model_case("transformer", /*fused=*/false));
 #if TORCH_VERSION_MAJOR >= 2
   cases.push_back(language_model_case("transformer, fused attention", /*fused=*/true));
 #endif
-  cases.push_back({"mlp", [=] { return DropoutMlp().ptr(); },
-                   [=] {
-                     return std::vector<at::Tensor>{torch::zeros({rows, 32}), torch::zeros({rows, 8})};
-                   },
-                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-                     return nn::functional::mse_loss(dynamic_cast<DropoutMlpImpl&>(m).forward(in[0]), in[1]);
-                   },
-                   rows, 1});
+  cases.push_back(model_case<DropoutMlp>("mlp", input_and_target({rows, 32}, false, {rows, 8}, false), mse, rows, 1));
   cases.push_back(
-      {"recurrent", [=] { return RecurrentLm().ptr(); },
-       [=] {
-         return std::vector<at::Tensor>{torch::zeros({3, 7}, torch::kLong), torch::zeros({21}, torch::kLong)};
-       },
-       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-         return nn::functional::cross_entropy(dynamic_cast<RecurrentLmImpl&>(m).forward(in[0]).reshape({-1, 40}),
-                                              in[1]);
-       },
-       3, 7});
-  cases.push_back({"signal", [=] { return SignalNet().ptr(); },
-                   [=] {
-                     return std::vector<at::Tensor>{torch::zeros({3, 4, 32}), torch::zeros({3}, torch::kLong)};
-                   },
-                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-                     return nn::functional::nll_loss(dynamic_cast<SignalNetImpl&>(m).forward(in[0]), in[1]);
-                   },
-                   3, 1});
-  cases.push_back({"mha", [=] { return MhaNet().ptr(); },
-                   [=] {
-                     return std::vector<at::Tensor>{torch::zeros({6, 2, 16}), torch::zeros({6, 2, 1})};
-                   },
-                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-                     return nn::functional::binary_cross_entropy_with_logits(
-                         dynamic_cast<MhaNetImpl&>(m).forward(in[0]), in[1]);
-                   },
-                   2, 6});
+      model_case<RecurrentLm>("recurrent", input_and_target({3, 7}, true, {21}, true), token_cross_entropy, 3, 7));
+  cases.push_back(model_case<SignalNet>(
+      "signal", input_and_target({3, 4, 32}, false, {3}, true),
+      [](const at::Tensor& y, const at::Tensor& t) { return F::nll_loss(y, t); }, 3, 1));
+  cases.push_back(model_case<MhaNet>(
+      "mha", input_and_target({6, 2, 16}, false, {6, 2, 1}, false),
+      [](const at::Tensor& y, const at::Tensor& t) { return F::binary_cross_entropy_with_logits(y, t); }, 2, 6));
+  cases.push_back(model_case<BagNet>("bag", input_and_target({4, 5}, true, {4}, true), cross_entropy, 4, 1));
   cases.push_back(
-      {"bag", [=] { return BagNet().ptr(); },
-       [=] {
-         return std::vector<at::Tensor>{torch::zeros({4, 5}, torch::kLong), torch::zeros({4}, torch::kLong)};
-       },
-       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-         return nn::functional::cross_entropy(dynamic_cast<BagNetImpl&>(m).forward(in[0]), in[1]);
-       },
-       4, 1});
-  cases.push_back({"elementwise", [=] { return ElementwiseNet().ptr(); },
-                   [=] {
-                     return std::vector<at::Tensor>{torch::zeros({rows, 8}), torch::zeros({rows, 16})};
-                   },
-                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-                     return nn::functional::mse_loss(dynamic_cast<ElementwiseNetImpl&>(m).forward(in[0]), in[1]);
-                   },
-                   rows, 1});
+      model_case<ElementwiseNet>("elementwise", input_and_target({rows, 8}, false, {rows, 16}, false), mse, rows, 1));
   cases.push_back(
-      {"swiglu", [=] { return SwiGluLm().ptr(); },
-       [=] {
-         return std::vector<at::Tensor>{torch::zeros({2, 9}, torch::kLong), torch::zeros({18}, torch::kLong)};
-       },
-       [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-         return nn::functional::cross_entropy(dynamic_cast<SwiGluLmImpl&>(m).forward(in[0]).reshape({-1, 30}), in[1]);
-       },
-       2, 9});
-  cases.push_back({"reductions", [=] { return ReductionNet().ptr(); },
-                   [=] {
-                     return std::vector<at::Tensor>{torch::zeros({rows, 6}), torch::ones({rows, 12})};
-                   },
-                   [=](nn::Module& m, const std::vector<at::Tensor>& in) {
-                     return nn::functional::soft_margin_loss(dynamic_cast<ReductionNetImpl&>(m).forward(in[0]), in[1]);
-                   },
-                   rows, 1});
+      model_case<SwiGluLm>("swiglu", input_and_target({2, 9}, true, {18}, true), token_cross_entropy, 2, 9));
+  cases.push_back(model_case<ReductionNet>(
+      "reductions",
+      [] {
+        return std::vector<at::Tensor>{torch::zeros({rows, 6}), torch::ones({rows, 12})};
+      },
+      [](const at::Tensor& y, const at::Tensor& t) { return F::soft_margin_loss(y, t); }, rows, 1));
   return cases;
 }
 
