@@ -103,10 +103,7 @@ int written_argument(const c10::FunctionSchema& schema, size_t index) {
 // Runs `op` on CPU stand-ins of the meta tensors among its arguments and hands back its results
 // as meta tensors (Note [Meta shape pass] in docs/design.md).
 void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  struct StandInScope {  // open before the stand-ins are made, so their factories stay on the CPU
-    StandInScope() { ++t_stand_in_depth; }
-    ~StandInScope() { --t_stand_in_depth; }
-  } scope;
+  const detail::StandInScope scope;  // open before the stand-ins are made, so their factories stay on the CPU
   const size_t n = op.schema().arguments().size();
   const torch::jit::Stack originals(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   bool needs_grad = false;  // the results of an operator on a tensor that requires grad do too
@@ -307,6 +304,8 @@ bool deferring() { return c10::impl::tls_is_dispatch_key_included(kDeferredKey);
 MetaShapePass::MetaShapePass() { ++t_shape_passes; }
 MetaShapePass::~MetaShapePass() { --t_shape_passes; }
 bool in_stand_in() { return t_stand_in_depth > 0; }
+StandInScope::StandInScope() { ++t_stand_in_depth; }
+StandInScope::~StandInScope() { --t_stand_in_depth; }
 }  // namespace detail
 #else
 DeferredInit::DeferredInit() : previous_(false) {
@@ -322,6 +321,8 @@ bool deferring() { return false; }
 MetaShapePass::MetaShapePass() = default;
 MetaShapePass::~MetaShapePass() = default;
 bool in_stand_in() { return false; }
+StandInScope::StandInScope() = default;
+StandInScope::~StandInScope() = default;
 }  // namespace detail
 #endif  // FSDP_HAVE_DEFERRED_INIT_KEY
 

@@ -35,6 +35,16 @@ class MetaShapePass {
   MetaShapePass& operator=(const MetaShapePass&) = delete;
 };
 bool in_stand_in();  // an operator runs on CPU stand-ins on this thread now
+
+// While alive: operators on this thread run on the devices of their arguments, as inside a
+// stand-in, and in_stand_in() is true (for work on real tensors inside a shape pass).
+class StandInScope {
+ public:
+  StandInScope();
+  ~StandInScope();
+  StandInScope(const StandInScope&) = delete;
+  StandInScope& operator=(const StandInScope&) = delete;
+};
 void check_not_deferring(const char* what);
 
 }  // namespace fsdp::detail

@@ -8,6 +8,7 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -306,6 +307,30 @@ struct ReductionNetImpl : nn::Module {
 };
 TORCH_MODULE(ReductionNet);
 
+// Operators the keep table has no entry for, whose backward keeps indices, inputs or results:
+// advanced indexing, max over a dimension, min, lerp, hypot, erfinv, acos in place (and flip,
+// cumsum, tril and lerp in place by a number, which keep nothing). The trace learns what each keeps by running it once on stand-ins.
+struct UnlistedNetImpl : nn::Module {
+  UnlistedNetImpl() {
+    a = register_module("a", nn::Linear(6, 10));
+    b = register_module("b", nn::Linear(6, 10));
+    c = register_module("c", nn::Linear(10, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = torch::tanh(a->forward(x)) * 0.5;
+    at::Tensor z = b->forward(x);
+    const int64_t rows = x.size(0);
+    at::Tensor picked = z.index({torch::arange(rows), torch::zeros({rows}, torch::kLong)}).unsqueeze(-1);
+    at::Tensor m = std::get<0>(z.max(-1, /*keepdim=*/true)) + z.min();
+    at::Tensor l = torch::lerp(y, z, torch::sigmoid(z)) + torch::hypot(y, z);
+    at::Tensor e = torch::erfinv(y) + (y * 2.0).acos_() + torch::flip(z, {-1}).cumsum(-1).tril();
+    e = e + (z * 2.0).lerp_(y, 0.25);
+    return c->forward(l * e + picked + m);
+  }
+  nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(UnlistedNet);
+
 // One model for the comparison: made on the device `build` runs under, its inputs (made before
 // the counting starts), and its forward and loss.
 struct KeptCase {
@@ -314,6 +339,7 @@ struct KeptCase {
   std::function<std::vector<at::Tensor>()> inputs;
   std::function<at::Tensor(nn::Module&, const std::vector<at::Tensor>&)> loss;
   int64_t sequences, seq_len;
+  bool listed = true;  // every operator it records is in the trace's keep table
 };
 
 // Two sequences of 12 tokens through an AttentionLm over 50 tokens, with its next-token loss.
@@ -405,30 +431,42 @@ std::vector<KeptCase> kept_cases() {
         return std::vector<at::Tensor>{torch::zeros({rows, 6}), torch::ones({rows, 12})};
       },
       [](const at::Tensor& y, const at::Tensor& t) { return F::soft_margin_loss(y, t); }, rows, 1));
+  cases.push_back(model_case<UnlistedNet>("unlisted operators", input_and_target({rows, 6}, false, {rows, 4}, false),
+                                          mse, rows, 1));
+  cases.back().listed = false;
   return cases;
 }
 
 // Per case: the bytes the trace counts, and the bytes a real forward and loss keep alive on the
 // CPU (counted by the allocator), their inputs included where autograd keeps them.
+// The bytes the trace counts for case `c`, its operators probed on stand-ins up to `probe_bytes`
+// (0: by the keep table only).
+int64_t traced_bytes(const KeptCase& c, int64_t probe_bytes) {
+  fsdp::DeferredInit deferred;
+  std::shared_ptr<nn::Module> model = c.build();
+  auto request = world_one()
+                     .global_batch(static_cast<int>(c.sequences))
+                     .micro_batches({static_cast<int>(c.sequences)})
+                     .activation_checkpointing({false})
+                     .seq_len(c.seq_len)
+                     .trace_sequences(c.sequences)
+                     .trace_probe_bytes(probe_bytes)
+                     .trace_forward([&] { c.loss(*model, c.inputs()); });
+  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+  if (plan.entries.size() != 1U) throw std::runtime_error(c.name + ": not one candidate");
+  return plan.entries[0].memory.activations;
+}
+
+// Per case: the bytes the trace counts, probing operators and by its keep table alone, and the
+// bytes a real forward and loss keep alive on the CPU (counted by the allocator), their inputs
+// included where autograd keeps them.
 FSDP_WORKER(trace_kept_bytes_worker) {
   auto* counter = new fsdp_bench::CountingAllocator(c10::GetCPUAllocator());
   c10::SetCPUAllocator(counter, /*priority=*/100);
   for (const KeptCase& c : kept_cases()) {
-    int64_t traced = 0;
-    {
-      fsdp::DeferredInit deferred;
-      std::shared_ptr<nn::Module> model = c.build();
-      auto request = world_one()
-                         .global_batch(static_cast<int>(c.sequences))
-                         .micro_batches({static_cast<int>(c.sequences)})
-                         .activation_checkpointing({false})
-                         .seq_len(c.seq_len)
-                         .trace_sequences(c.sequences)
-                         .trace_forward([&] { c.loss(*model, c.inputs()); });
-      const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
-      WORKER_CHECK(plan.entries.size() == 1U, c.name, ": ", plan.entries.size(), " candidates");
-      traced = plan.entries[0].memory.activations;
-    }
+    const int64_t probed = traced_bytes(c, fsdp::PlanRequest().trace_probe_bytes());
+    const int64_t by_table = traced_bytes(c, 0);
+    const int64_t mixed = traced_bytes(c, 4096);  // small operators probed, large ones by the table
     torch::manual_seed(0);
     std::shared_ptr<nn::Module> model = c.build();
     model->train();
@@ -440,8 +478,15 @@ FSDP_WORKER(trace_kept_bytes_worker) {
     }
     // The loss itself is not kept for backward (its storage may be larger than its one value).
     const int64_t measured = counter->live() - before - static_cast<int64_t>(loss.storage().nbytes());
-    std::cout << c.name << ": traced " << traced << " bytes, kept by a real forward " << measured << std::endl;
-    WORKER_CHECK(traced == measured, c.name, ": the trace counts ", traced, " bytes, a real forward keeps ", measured);
+    std::cout << c.name << ": traced " << probed << " bytes (keep table alone " << by_table
+              << "), kept by a real forward " << measured << std::endl;
+    WORKER_CHECK(probed == measured, c.name, ": the trace counts ", probed, " bytes, a real forward keeps ", measured);
+    WORKER_CHECK(mixed == measured, c.name, ": probing up to 4096 bytes, the trace counts ", mixed, " bytes");
+    if (c.listed)
+      WORKER_CHECK(by_table == measured, c.name, ": the keep table counts ", by_table, " bytes, a real forward keeps ",
+                   measured);
+    else
+      WORKER_CHECK(by_table < measured, c.name, ": the keep table alone counts ", by_table, " of ", measured, " bytes");
     loss.backward();
   }
   std::cout << "kept bytes ok" << std::endl;

@@ -51,6 +51,8 @@ struct PlanRequest {
   TORCH_ARG(std::function<void()>, trace_forward) = nullptr;
   /// Sequences (samples) of `seq_len` tokens in trace_forward's input.
   TORCH_ARG(int64_t, trace_sequences) = 1;
+  /// Most bytes of CPU tensors one operator's probe (what its backward keeps) may make; 0: the table only.
+  TORCH_ARG(int64_t, trace_probe_bytes) = int64_t{64} << 20;
   // Memory the process holds outside tensors (libraries, threads, data), per rank.
   TORCH_ARG(int64_t, process_bytes) = 0;
   // The allocator's memory beyond the live tensors, as a share of their peak.

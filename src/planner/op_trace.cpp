@@ -6,6 +6,8 @@
 #include <torch/version.h>
 
 #include <exception>
+#include <optional>
+#include <sstream>
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
@@ -15,136 +17,18 @@
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
 #include "fsdp/deferred_init.h"
+#include "planner/keep_probe.h"
+#include "planner/keep_table.h"
 
 namespace fsdp::planner {
 namespace {
-
-// Which of an operator's tensor arguments its backward keeps (parameters and buffers aside).
-enum class KeepArgs {
-  kNone,
-  kAll,
-  kCrosswise,  // a product's factors `argument` and the next: each where the other requires grad
-  kDivisor,    // a quotient's: the divisor, and the dividend too where the divisor requires grad
-  kOne,        // argument `argument` only (an index, a mask, a target)
-  kAllBut,     // every argument but `argument` (a normalization's bias)
-};
-
-// What autograd keeps for an operator it records (composite operators keep nothing of their own:
-// their parts do), by rule: arguments, and its results from `results_from` on (-1: none).
-struct KeepRule {
-  KeepArgs arguments = KeepArgs::kNone;
-  size_t argument = 0;
-  int results_from = -1;
-  size_t min_arguments = 0;  // the overload it applies to: one with at least this many arguments
-};
-
-const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
-  static const std::unordered_map<std::string_view, KeepRule> rules = [] {
-    std::unordered_map<std::string_view, KeepRule> r;
-    for (const char* op : {"convolution",
-                           "_convolution",
-                           "pow",
-                           "gelu",
-                           "silu",
-                           "mish",
-                           "softplus",
-                           "leaky_relu",
-                           "hardswish",
-                           "elu",
-                           "sin",
-                           "cos",
-                           "log",
-                           "erf",
-                           "avg_pool1d",
-                           "avg_pool2d",
-                           "avg_pool3d",
-                           "_adaptive_avg_pool2d",
-                           "_adaptive_avg_pool3d",
-                           "upsample_nearest2d",
-                           "upsample_bilinear2d",
-                           "prelu",
-                           "_prelu_kernel",
-                           "hardtanh",
-                           "threshold",
-                           "gather",
-                           "clamp",
-                           "clamp_min",
-                           "clamp_max",
-                           "abs",
-                           "log1p",
-                           "log2",
-                           "log10",
-                           "atan",
-                           "sinh",
-                           "cosh",
-                           "hardsigmoid",
-                           "hardshrink",
-                           "softshrink",
-                           "glu",
-                           "maximum",
-                           "minimum",
-                           "atan2",
-                           "grid_sampler_2d",
-                           "reflection_pad2d",
-                           "var",
-                           "var_mean",
-                           "celu",
-                           "logit",
-                           "renorm",
-                           "linalg_cross",
-                           "soft_margin_loss",
-                           "multi_margin_loss",
-                           "mse_loss",
-                           "l1_loss",
-                           "smooth_l1_loss",
-                           "huber_loss",
-                           "binary_cross_entropy",
-                           "binary_cross_entropy_with_logits"})
-      r[op] = {KeepArgs::kAll, 0, -1};
-    for (const char* op : {"mul", "mm", "bmm", "mv", "dot", "vdot"}) r[op] = {KeepArgs::kCrosswise, 0, -1};
-    for (const char* op : {"addmm", "baddbmm", "addbmm", "addcmul"}) r[op] = {KeepArgs::kCrosswise, 1, -1};
-    r["div"] = {KeepArgs::kDivisor, 0, -1};
-    r["masked_fill"] = {KeepArgs::kOne, 1, -1};
-    r["where"] = {KeepArgs::kOne, 0, -1};  // the condition
-    r["embedding"] = {KeepArgs::kOne, 1, -1};
-    r["index_select"] = {KeepArgs::kOne, 2, -1};
-    r["nll_loss_forward"] = {KeepArgs::kOne, 1, 1};  // the target; the total weight
-    r["nll_loss2d_forward"] = {KeepArgs::kOne, 1, 1};
-    for (const char* op :
-         {"relu", "sigmoid", "tanh", "tan", "exp", "expm1", "reciprocal", "sqrt", "rsqrt", "_softmax", "_log_softmax"})
-      r[op] = {KeepArgs::kNone, 0, 0};
-    for (const char* op :
-         {"logsumexp", "linalg_vector_norm", "norm", "std", "amax", "cumprod", "prod", "sgn", "logcumsumexp"})
-      r[op] = {KeepArgs::kAll, 0, 0};
-    for (const char* op : {"scatter", "scatter_add", "index_fill"}) r[op] = {KeepArgs::kOne, 2, -1};  // the index
-    for (const char* op : {"index_add", "index_copy", "addcdiv"}) r[op] = {KeepArgs::kAllBut, 0, -1};
-    for (const char* op : {"sort", "topk", "kthvalue"}) r[op] = {KeepArgs::kNone, 0, 1};  // the indices
-    // Their first result is the output; what follows (statistics, indices) is kept.
-    for (const char* op : {"native_layer_norm", "_embedding_bag", "adaptive_max_pool2d", "cummax",
-                           "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices"})
-      r[op] = {KeepArgs::kAll, 0, 1};
-    for (const char* op : {"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
-                           "_batch_norm_no_update", "native_group_norm"})
-      r[op] = {KeepArgs::kAllBut, 2, 1};
-    // Fused attention keeps its inputs, its output and the log-sum-exp (and a generator's state).
-    for (const char* op : {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
-      r[op] = {KeepArgs::kAll, 0, 0};
-    r["native_dropout"] = {KeepArgs::kNone, 0, 1};  // the mask
-#if TORCH_VERSION_MAJOR < 2
-    r["mean"] = {KeepArgs::kOne, 0, -1, 3};  // LibTorch 1.13's mean over dimensions keeps its input
-#endif
-    return r;
-  }();
-  return rules;
-}
 
 bool is_in_place(std::string_view op) { return !op.empty() && op.back() == '_'; }
 bool is_attention(std::string_view op) { return op.rfind("_scaled_dot_product_", 0) == 0; }
 bool is_convolution(std::string_view op) { return op == "convolution" || op == "_convolution"; }
 bool counts_flops(std::string_view op) {
   return op == "mm" || op == "addmm" || op == "bmm" || op == "baddbmm" || op == "addbmm" || is_convolution(op) ||
-         (is_attention(op) && keep_rules().count(op) != 0);
+         (is_attention(op) && keep_rule(op) != nullptr);
 }
 
 std::string_view base_name(const char* name) {
@@ -176,12 +60,14 @@ void each_tensor(const Values& values, size_t from, F&& f) {
 // What an operator's end needs from its start: RecordFunction's inputs may be gone by then.
 struct Frame {
   std::string_view op;
-  bool traced = false;             // not inside a stand-in
-  bool counted = false;            // its products are counted here (not by an enclosing operator)
-  bool recorded = false;           // autograd records it (not under no_grad, not inside another's kernel)
-  std::vector<at::Tensor> inputs;  // by position; undefined where the argument is not a tensor
-  bool transposed = false;         // a convolution's flag
-  bool cloned_self = false;        // an in-place operator whose original `self` autograd keeps as a clone
+  bool traced = false;                      // not inside a stand-in
+  bool counted = false;                     // its products are counted here (not by an enclosing operator)
+  bool recorded = false;                    // autograd records it (not under no_grad, not inside another's kernel)
+  std::vector<at::Tensor> inputs;           // by position; undefined where the argument is not a tensor
+  bool transposed = false;                  // a convolution's flag
+  bool cloned_self = false;                 // an in-place operator whose original `self` autograd keeps as a clone
+  std::optional<c10::OperatorName> probed;  // a recorded operator to probe at its end (not a product)
+  std::vector<c10::IValue> arguments;       // its arguments, for the probe
 };
 
 struct Tracer {
@@ -192,6 +78,8 @@ struct Tracer {
   std::vector<Frame> frames;
   bool counting = false;  // an enclosing operator counts its products
   size_t operators = 0;
+  size_t probe_bytes = 0;                                         // the most stand-in bytes of one probe
+  std::unordered_map<std::string, std::optional<Probed>> probes;  // by operator, arguments' grads and non-tensors
 
   // A tensor autograd keeps: charged once per storage, to the current segment.
   void keep(const at::Tensor& t) {
@@ -229,6 +117,12 @@ struct Tracer {
         at::GradMode::is_enabled() && !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradFunctionality);
     f.counted = !counting && counts_flops(f.op);
     counting = counting || f.counted;
+    if (f.recorded && probe_bytes > 0 && !counts_flops(f.op)) {
+      if (const auto name = fn.operator_name()) {
+        f.probed = *name;
+        f.arguments.assign(inputs.begin(), inputs.end());
+      }
+    }
     if (!f.counted && keep_rule(f.op) == nullptr) return;
     f.inputs.resize(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i)
@@ -254,6 +148,7 @@ struct Tracer {
       each_tensor(outputs, 0, [&](const at::Tensor& t) { keep(t); });
       return;
     }
+    if (f.probed && keep_probed(f, outputs)) return;
     const KeepRule* rule = keep_rule(f.op);
     if (rule == nullptr || f.inputs.size() < rule->min_arguments) return;
     // Only what backward will need: an operator on tensors none of which requires grad keeps nothing.
@@ -289,11 +184,37 @@ struct Tracer {
       each_tensor(outputs, static_cast<size_t>(rule->results_from), [&](const at::Tensor& t) { keep(t); });
   }
 
-  static const KeepRule* keep_rule(std::string_view op) {
-    auto rule = keep_rules().find(op);
-    if (rule == keep_rules().end() && !op.empty() && op.back() == '_')
-      rule = keep_rules().find(op.substr(0, op.size() - 1));
-    return rule == keep_rules().end() ? nullptr : &rule->second;
+  // Keeps what a probe of the operator on stand-ins found its backward keeps (probed once per
+  // operator, pattern of arguments requiring grad and non-tensor arguments); false where it could
+  // not be probed.
+  template <class Values>
+  bool keep_probed(const Frame& f, const Values& outputs) {
+    const std::vector<at::Tensor> in = flat_tensors(f.arguments);
+    std::ostringstream key;
+    key << f.probed->name << '.' << f.probed->overload_name << '|';
+    bool any_grad = false;
+    for (const at::Tensor& t : in) {
+      any_grad = any_grad || (t.defined() && t.requires_grad());
+      key << (!t.defined() ? 'u' : t.requires_grad() ? 'g' : 'n');
+    }
+    if (!any_grad) return true;
+    for (const c10::IValue& v : f.arguments) {
+      bool tensors = v.isTensor() || v.isTensorList();
+      if (v.isList())
+        for (const c10::IValue& e : v.toListRef()) tensors = tensors || e.isTensor();
+      if (!tensors) key << '|' << v;
+    }
+    auto it = probes.find(key.str());
+    if (it == probes.end()) {
+      it = probes.emplace(key.str(), probe_kept(*f.probed, f.arguments, probe_bytes)).first;
+    }
+    if (!it->second) return false;
+    for (size_t i : it->second->arguments)
+      if (i < in.size() && in[i].defined() && !(i == 0 && f.cloned_self)) keep(in[i]);
+    const std::vector<at::Tensor> out = flat_tensors(outputs);
+    for (size_t j : it->second->results)
+      if (j < out.size() && out[j].defined()) keep(out[j]);
+    return true;
   }
 
   static double products(const Frame& f, const at::Tensor& y) {
@@ -356,13 +277,15 @@ class TracerScope {
 
 }  // namespace
 
-std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::function<void()>& forward,
-                                         int64_t tokens) {
+std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::function<void()>& forward, int64_t tokens,
+                                         int64_t probe_bytes) {
   FSDP_CHECK(tokens > 0, "PlanRequest: the trace needs seq_len and trace_sequences >= 1");
+  FSDP_CHECK(probe_bytes >= 0, "PlanRequest::trace_probe_bytes is ", probe_bytes, "; give 0 or more bytes");
   FSDP_CHECK(DeferredInit::supported(),
              "PlanRequest::trace_forward needs LibTorch's DispatchKey::DeferredInit, which this LibTorch does not "
              "have; leave trace_forward unset (the planner's rules and module_cost count the model)");
   Tracer tracer;
+  tracer.probe_bytes = static_cast<size_t>(probe_bytes);
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       FSDP_CHECK(p.value().is_meta(), "PlanRequest::trace_forward runs forward on the meta device, but parameter ",

@@ -19,7 +19,9 @@ struct TracedSegment {
   double input_values = 0;       // the stretch's first input (what a checkpointed unit keeps)
 };
 
-// The segments in forward order; a module appears again where forward returns to it.
-std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::function<void()>& forward, int64_t tokens);
+// The segments in forward order; a module appears again where forward returns to it. An operator
+// whose stand-ins take at most `probe_bytes` is run on them to learn what its backward keeps.
+std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::function<void()>& forward, int64_t tokens,
+                                         int64_t probe_bytes);
 
 }  // namespace fsdp::planner

@@ -57,7 +57,8 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
              "module's own ones included)");
   std::vector<planner::TracedSegment> traced;
   if (request.trace_forward())
-    traced = planner::trace_forward(model, request.trace_forward(), request.trace_sequences() * request.seq_len());
+    traced = planner::trace_forward(model, request.trace_forward(), request.trace_sequences() * request.seq_len(),
+                                    request.trace_probe_bytes());
   std::vector<UnitPlan> unit_plans;
   std::vector<planner::ModelCosts> model_costs;
   unit_plans.reserve(known.size());

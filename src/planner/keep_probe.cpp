@@ -1,0 +1,143 @@
+// The planner trace's probe (keep_probe.h).
+#include "planner/keep_probe.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <exception>
+#include <memory>
+
+#include "deferred_init_impl.h"
+
+namespace fsdp::planner {
+namespace {
+
+// The operator a probe runs for `name`: itself where autograd records it with a backward of its
+// own, the out-of-place form of an in-place operator; none for views (their backward needs shapes
+// only), out= forms and composite operators (autograd records their parts).
+std::optional<c10::OperatorHandle> probe_target(const c10::OperatorName& name) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  auto op = dispatcher.findOp(name);
+  if (!op) return std::nullopt;
+  bool writes = false;
+  for (const c10::Argument& r : op->schema().returns()) {
+    if (r.alias_info() == nullptr) continue;
+    if (!r.alias_info()->isWrite()) return std::nullopt;
+    writes = true;
+  }
+  if (writes) {
+    if (name.name.empty() || name.name.back() != '_') return std::nullopt;
+    const size_t arguments = op->schema().arguments().size();
+    op = dispatcher.findOp({name.name.substr(0, name.name.size() - 1), name.overload_name});
+    if (!op || op->schema().arguments().size() != arguments) return std::nullopt;
+  }
+  if (!op->hasKernelForDispatchKey(c10::DispatchKey::Autograd) ||
+      op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
+    return std::nullopt;
+  return *op;
+}
+
+// A CPU tensor of meta tensor `t`'s layout, dtype and requires-grad: floating values one half,
+// the rest zero (indices stay in range). Wrapped numbers and tensors not on meta stay as they are.
+at::Tensor probe_stand_in(const at::Tensor& t, size_t limit, size_t* bytes) {
+  if (!t.defined() || !t.is_meta()) return t;
+  at::Tensor c = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU));
+  *bytes += c.storage().nbytes();
+  if (*bytes > limit) return c;
+  const bool floating = at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
+  {
+    // Through a tensor over the whole storage: a layout with overlapping elements cannot be filled.
+    at::Tensor whole = at::empty({0}, c.options());
+    whole.set_(c.storage(), 0, {static_cast<int64_t>(c.storage().nbytes() / c.element_size())}, {1});
+    whole.fill_(floating ? 0.5 : 0.0);
+  }
+  if (floating && t.requires_grad()) c.requires_grad_(true);
+  return c;
+}
+
+// Runs `op` on `arguments`' stand-ins with grad and reads what its backward node keeps from
+// reference counts (Note [Planner operator trace]); none where the stand-ins would take more than
+// `limit` bytes or the operator fails on them.
+std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& arguments, size_t limit) {
+  const detail::StandInScope scope;
+  size_t bytes = 0;
+  std::vector<c10::IValue> stand_ins;
+  for (const c10::IValue& v : arguments) {
+    if (v.isTensor()) {
+      stand_ins.emplace_back(probe_stand_in(v.toTensor(), limit, &bytes));
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> list = v.toTensorVector();
+      for (at::Tensor& t : list) t = probe_stand_in(t, limit, &bytes);
+      stand_ins.emplace_back(list);
+    } else if (v.isList()) {
+      c10::impl::GenericList list(v.toList().elementType());
+      for (const c10::IValue& e : v.toListRef())
+        list.push_back(e.isTensor() ? c10::IValue(probe_stand_in(e.toTensor(), limit, &bytes)) : e);
+      stand_ins.emplace_back(list);
+    } else if (v.isDevice() && v.toDevice().is_meta()) {
+      stand_ins.emplace_back(c10::Device(c10::kCPU));
+    } else {
+      stand_ins.push_back(v);
+    }
+  }
+  if (bytes > limit) return std::nullopt;
+  const std::vector<at::Tensor> in = flat_tensors(stand_ins);
+  // A leaf's gradient accumulator holds it: made now, so it is not counted as kept.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  for (const at::Tensor& t : in)
+    if (t.defined() && t.requires_grad()) accumulators.push_back(torch::autograd::impl::grad_accumulator(t));
+  std::vector<size_t> before(in.size(), 0);
+  for (size_t i = 0; i < in.size(); ++i) before[i] = in[i].defined() ? in[i].use_count() : 0;
+  std::vector<at::Tensor> out;
+  {
+    torch::jit::Stack stack(stand_ins.begin(), stand_ins.end());
+    try {
+      op.callBoxed(&stack);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    out = flat_tensors(stack);
+  }
+  auto same_storage = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.defined() && b.defined() && a.has_storage() && b.has_storage() &&
+           a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl();
+  };
+  Probed probed;
+  // An argument is kept as itself: one more reference than the results account for (a result
+  // that is the argument, a view of it).
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (!in[i].defined() || in[i].unsafeGetTensorImpl()->is_wrapped_number()) continue;
+    size_t accounted = before[i];
+    for (const at::Tensor& r : out)
+      if (r.defined() && (r.is_same(in[i]) || (r.is_view() && r._base().is_same(in[i])))) ++accounted;
+    if (in[i].use_count() > accounted) probed.arguments.push_back(i);
+  }
+  // A result is kept as a new tensor over its storage (a differentiable result), or as itself (one
+  // without a backward node): more references than the tensors in hand hold.
+  for (size_t j = 0; j < out.size(); ++j) {
+    const at::Tensor& r = out[j];
+    if (!r.defined() || !r.has_storage() || r.is_view()) continue;
+    size_t holders = 0, same = 0;
+    for (const at::Tensor& t : out) {
+      holders += same_storage(t, r) ? 1 : 0;
+      same += t.is_same(r) ? 1 : 0;
+    }
+    for (const at::Tensor& t : in) {
+      holders += same_storage(t, r) ? 1 : 0;
+      same += t.is_same(r) ? 1 : 0;
+    }
+    if (r.storage().use_count() > holders || r.use_count() > same) probed.results.push_back(j);
+  }
+  return probed;
+}
+
+}  // namespace
+
+std::optional<Probed> probe_kept(const c10::OperatorName& name, const std::vector<c10::IValue>& arguments,
+                                 size_t limit) {
+  const std::optional<c10::OperatorHandle> op = probe_target(name);
+  return op ? probe(*op, arguments, limit) : std::nullopt;
+}
+
+}  // namespace fsdp::planner
