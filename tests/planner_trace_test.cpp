@@ -331,6 +331,61 @@ struct UnlistedNetImpl : nn::Module {
 };
 TORCH_MODULE(UnlistedNet);
 
+// A small U-Net: strided and transposed convolutions, batch norm, channel dropout, a skip joined by
+// cat, bilinear upsampling, reflection padding and pixel shuffle.
+struct UNetImpl : nn::Module {
+  UNetImpl() {
+    down = register_module("down", nn::Conv2d(nn::Conv2dOptions(3, 8, 3).stride(2).padding(1)));
+    norm = register_module("norm", nn::BatchNorm2d(8));
+    drop = register_module("drop", nn::Dropout2d(0.25));
+    up = register_module("up", nn::ConvTranspose2d(nn::ConvTranspose2dOptions(8, 8, 2).stride(2)));
+    mix = register_module("mix", nn::Conv2d(nn::Conv2dOptions(11, 12, 3)));
+    shuffle = register_module("shuffle", nn::PixelShuffle(2));
+    head = register_module("head", nn::Conv2d(nn::Conv2dOptions(3, 2, 1)));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    namespace F = nn::functional;
+    at::Tensor d = drop->forward(torch::leaky_relu(norm->forward(down->forward(x)), 0.2));
+    at::Tensor u = up->forward(d) + F::interpolate(d, F::InterpolateFuncOptions()
+                                                          .scale_factor(std::vector<double>{2.0, 2.0})
+                                                          .mode(torch::kBilinear)
+                                                          .align_corners(false));
+    at::Tensor m = mix->forward(F::pad(torch::cat({u, x}, 1), F::PadFuncOptions({1, 1, 1, 1}).mode(torch::kReflect)));
+    return head->forward(shuffle->forward(torch::silu(m)));
+  }
+  nn::Conv2d down{nullptr}, mix{nullptr}, head{nullptr};
+  nn::BatchNorm2d norm{nullptr};
+  nn::Dropout2d drop{nullptr};
+  nn::ConvTranspose2d up{nullptr};
+  nn::PixelShuffle shuffle{nullptr};
+};
+TORCH_MODULE(UNet);
+
+// LibTorch's TransformerEncoderLayer, a bidirectional LSTM, einsum, a bilinear layer and cosine
+// similarity, with a KL-divergence loss.
+struct EncoderMixImpl : nn::Module {
+  EncoderMixImpl() {
+    encoder = register_module(
+        "encoder",
+        nn::TransformerEncoderLayer(nn::TransformerEncoderLayerOptions(16, 4).dim_feedforward(32).dropout(0.1)));
+    lstm = register_module("lstm", nn::LSTM(nn::LSTMOptions(16, 8).bidirectional(true)));
+    bilinear = register_module("bilinear", nn::Bilinear(16, 16, 6));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = encoder->forward(x);
+    at::Tensor r = std::get<0>(lstm->forward(h));
+    at::Tensor scores = torch::einsum("sbd,tbd->bst", {h, r}).softmax(-1);
+    at::Tensor mixed = torch::einsum("bst,tbd->sbd", {scores, r});
+    at::Tensor b = bilinear->forward(mixed, h);
+    at::Tensor c = nn::functional::cosine_similarity(mixed, h, nn::functional::CosineSimilarityFuncOptions().dim(-1));
+    return torch::log_softmax(b + c.unsqueeze(-1), -1);
+  }
+  nn::TransformerEncoderLayer encoder{nullptr};
+  nn::LSTM lstm{nullptr};
+  nn::Bilinear bilinear{nullptr};
+};
+TORCH_MODULE(EncoderMix);
+
 // One model for the comparison: made on the device `build` runs under, its inputs (made before
 // the counting starts), and its forward and loss.
 struct KeptCase {
@@ -434,6 +489,13 @@ std::vector<KeptCase> kept_cases() {
   cases.push_back(model_case<UnlistedNet>("unlisted operators", input_and_target({rows, 6}, false, {rows, 4}, false),
                                           mse, rows, 1));
   cases.back().listed = false;
+  cases.push_back(model_case<UNet>("unet", input_and_target({2, 3, 8, 8}, false, {2, 2, 16, 16}, false), mse, 2, 1));
+  cases.push_back(model_case<EncoderMix>(
+      "encoder mix", input_and_target({5, 2, 16}, false, {5, 2, 6}, false),
+      [](const at::Tensor& y, const at::Tensor& t) {
+        return F::kl_div(y, t.softmax(-1), F::KLDivFuncOptions().reduction(torch::kBatchMean));
+      },
+      2, 5));
   return cases;
 }
 

@@ -69,7 +69,8 @@ const std::unordered_map<std::string_view, KeepRule>& keep_rules() {
                            "smooth_l1_loss",
                            "huber_loss",
                            "binary_cross_entropy",
-                           "binary_cross_entropy_with_logits"})
+                           "binary_cross_entropy_with_logits",
+                           "_trilinear"})
       r[op] = {KeepArgs::kAll, 0, -1};
     for (const char* op : {"mul", "mm", "bmm", "mv", "dot", "vdot"}) r[op] = {KeepArgs::kCrosswise, 0, -1};
     for (const char* op : {"addmm", "baddbmm", "addbmm", "addcmul"}) r[op] = {KeepArgs::kCrosswise, 1, -1};
