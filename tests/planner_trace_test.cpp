@@ -561,6 +561,24 @@ TEST(PlannerTrace, CountsWhatARealForwardKeepsAlive) {
   EXPECT_TRUE(contains(r.ranks[0].output, "kept bytes ok")) << r.report();
 }
 
+// The trace runs some operators on the CPU (randomized leaky ReLU draws its slopes there): it leaves
+// the CPU generator where it found it.
+TEST(PlannerTrace, LeavesTheRandomNumbersAsItFoundThem) {
+  torch::manual_seed(7);
+  const at::Tensor expected = torch::rand({4});
+  torch::manual_seed(7);
+  {
+    fsdp::DeferredInit deferred;
+    nn::Sequential model(nn::Linear(8, 16), nn::RReLU(), nn::Linear(16, 4));
+    model->train();
+    auto request = world_one().activation_checkpointing({false}).trace_sequences(3).trace_forward([&] {
+      model->forward(torch::zeros({3, 8}));
+    });
+    EXPECT_EQ(fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request).entries.size(), 1U);
+  }
+  EXPECT_TRUE(torch::equal(torch::rand({4}), expected));
+}
+
 // LibTorch's MultiheadAttention asks torch::equal whether query, key and value are one tensor: the
 // trace answers from identity, so self- and cross-attention both trace.
 TEST(PlannerTrace, AnswersEqualFromIdentity) {

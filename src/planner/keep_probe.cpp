@@ -1,6 +1,7 @@
 // The planner trace's probe (keep_probe.h).
 #include "planner/keep_probe.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
@@ -40,11 +41,9 @@ std::optional<c10::OperatorHandle> probe_target(const c10::OperatorName& name) {
 
 // A CPU tensor of meta tensor `t`'s layout, dtype and requires-grad: floating values one half,
 // the rest zero (indices stay in range). Wrapped numbers and tensors not on meta stay as they are.
-at::Tensor probe_stand_in(const at::Tensor& t, size_t limit, size_t* bytes) {
+at::Tensor probe_stand_in(const at::Tensor& t) {
   if (!t.defined() || !t.is_meta()) return t;
   at::Tensor c = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU));
-  *bytes += c.storage().nbytes();
-  if (*bytes > limit) return c;
   const bool floating = at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
   {
     // Through a tensor over the whole storage: a layout with overlapping elements cannot be filled.
@@ -57,23 +56,21 @@ at::Tensor probe_stand_in(const at::Tensor& t, size_t limit, size_t* bytes) {
 }
 
 // Runs `op` on `arguments`' stand-ins with grad and reads what its backward node keeps from
-// reference counts (Note [Planner operator trace]); none where the stand-ins would take more than
-// `limit` bytes or the operator fails on them.
-std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& arguments, size_t limit) {
+// reference counts (Note [Planner operator trace]); none where the operator fails on them.
+std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& arguments) {
   const detail::StandInScope scope;
-  size_t bytes = 0;
   std::vector<c10::IValue> stand_ins;
   for (const c10::IValue& v : arguments) {
     if (v.isTensor()) {
-      stand_ins.emplace_back(probe_stand_in(v.toTensor(), limit, &bytes));
+      stand_ins.emplace_back(probe_stand_in(v.toTensor()));
     } else if (v.isTensorList()) {
       std::vector<at::Tensor> list = v.toTensorVector();
-      for (at::Tensor& t : list) t = probe_stand_in(t, limit, &bytes);
+      for (at::Tensor& t : list) t = probe_stand_in(t);
       stand_ins.emplace_back(list);
     } else if (v.isList()) {
       c10::impl::GenericList list(v.toList().elementType());
       for (const c10::IValue& e : v.toListRef())
-        list.push_back(e.isTensor() ? c10::IValue(probe_stand_in(e.toTensor(), limit, &bytes)) : e);
+        list.push_back(e.isTensor() ? c10::IValue(probe_stand_in(e.toTensor())) : e);
       stand_ins.emplace_back(list);
     } else if (v.isDevice() && v.toDevice().is_meta()) {
       stand_ins.emplace_back(c10::Device(c10::kCPU));
@@ -81,7 +78,6 @@ std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10
       stand_ins.push_back(v);
     }
   }
-  if (bytes > limit) return std::nullopt;
   const std::vector<at::Tensor> in = flat_tensors(stand_ins);
   // A leaf's gradient accumulator holds it: made now, so it is not counted as kept.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
@@ -134,10 +130,17 @@ std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10
 
 }  // namespace
 
-std::optional<Probed> probe_kept(const c10::OperatorName& name, const std::vector<c10::IValue>& arguments,
-                                 size_t limit) {
+size_t stand_in_bytes(const std::vector<c10::IValue>& arguments) {
+  size_t bytes = 0;
+  for (const at::Tensor& t : flat_tensors(arguments))
+    if (t.defined() && t.is_meta())
+      bytes += at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize());
+  return bytes;
+}
+
+std::optional<Probed> probe_kept(const c10::OperatorName& name, const std::vector<c10::IValue>& arguments) {
   const std::optional<c10::OperatorHandle> op = probe_target(name);
-  return op ? probe(*op, arguments, limit) : std::nullopt;
+  return op ? probe(*op, arguments) : std::nullopt;
 }
 
 }  // namespace fsdp::planner

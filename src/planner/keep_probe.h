@@ -35,10 +35,11 @@ struct Probed {
   std::vector<size_t> results;
 };
 
+// The bytes of the CPU stand-ins a probe makes for the meta tensors among `arguments`.
+size_t stand_in_bytes(const std::vector<c10::IValue>& arguments);
+
 // What the backward of operator `name` keeps when run on `arguments` (meta tensors and the rest):
-// none for views, out= forms and composite operators, where the stand-ins would take more than
-// `limit` bytes, or where the operator fails on them.
-std::optional<Probed> probe_kept(const c10::OperatorName& name, const std::vector<c10::IValue>& arguments,
-                                 size_t limit);
+// none for views, out= forms and composite operators, and where the operator fails on them.
+std::optional<Probed> probe_kept(const c10::OperatorName& name, const std::vector<c10::IValue>& arguments);
 
 }  // namespace fsdp::planner

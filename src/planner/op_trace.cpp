@@ -1,11 +1,13 @@
 // The planner's operator trace (op_trace.h).
 #include "planner/op_trace.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/version.h>
 
 #include <exception>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -206,7 +208,13 @@ struct Tracer {
     }
     auto it = probes.find(key.str());
     if (it == probes.end()) {
-      it = probes.emplace(key.str(), probe_kept(*f.probed, f.arguments, probe_bytes)).first;
+      // What the probe makes counts against the limit, its results too (a copy of an expanded
+      // tensor is larger than it); too large here, the operator may be probed where it is smaller.
+      size_t bytes = stand_in_bytes(f.arguments);
+      for (const at::Tensor& t : flat_tensors(outputs))
+        bytes += t.defined() && t.has_storage() ? t.storage().nbytes() : 0;
+      if (bytes > probe_bytes) return false;
+      it = probes.emplace(key.str(), probe_kept(*f.probed, f.arguments)).first;
     }
     if (!it->second) return false;
     for (size_t i : it->second->arguments)
@@ -243,6 +251,26 @@ struct Tracer {
     return 2.0 * n(q) * static_cast<double>(k.size(-2)) +
            2.0 * rows * static_cast<double>(k.size(-2)) * static_cast<double>(v.size(-1));
   }
+};
+
+// While alive: the CPU generator's state as it was when it began, restored at its end.
+class CpuRandomState {
+ public:
+  CpuRandomState() {
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    const std::lock_guard<std::mutex> lock(cpu.mutex());
+    saved_ = cpu.get_state();
+  }
+  ~CpuRandomState() {
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    const std::lock_guard<std::mutex> lock(cpu.mutex());
+    cpu.set_state(saved_);
+  }
+  CpuRandomState(const CpuRandomState&) = delete;
+  CpuRandomState& operator=(const CpuRandomState&) = delete;
+
+ private:
+  at::Tensor saved_;
 };
 
 thread_local Tracer* t_tracer = nullptr;
@@ -308,6 +336,7 @@ std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::fun
   } reenable{checkpointed};
   for (CheckpointedBase* c : checkpointed) c->set_enabled(false);
   {
+    const CpuRandomState random;  // operators run on CPU stand-ins draw from the CPU generator
     DeferredInit meta;
     detail::MetaShapePass pass;
     torch::AutoGradMode grad(true);
