@@ -6,8 +6,10 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <exception>
 #include <memory>
+#include <unordered_set>
 
 #include "deferred_init_impl.h"
 
@@ -95,10 +97,6 @@ std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10
     }
     out = flat_tensors(stack);
   }
-  auto same_storage = [](const at::Tensor& a, const at::Tensor& b) {
-    return a.defined() && b.defined() && a.has_storage() && b.has_storage() &&
-           a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl();
-  };
   Probed probed;
   // An argument is kept as itself: one more reference than the results account for (a result
   // that is the argument, a view of it).
@@ -110,20 +108,23 @@ std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10
     if (in[i].use_count() > accounted) probed.arguments.push_back(i);
   }
   // A result is kept as a new tensor over its storage (a differentiable result), or as itself (one
-  // without a backward node): more references than the tensors in hand hold.
+  // without a backward node): more references to the storage than the tensors in hand over it, or
+  // to the result than the handles in hand. A result that is an argument is kept as one, above.
   for (size_t j = 0; j < out.size(); ++j) {
     const at::Tensor& r = out[j];
     if (!r.defined() || !r.has_storage() || r.is_view()) continue;
-    size_t holders = 0, same = 0;
-    for (const at::Tensor& t : out) {
-      holders += same_storage(t, r) ? 1 : 0;
-      same += t.is_same(r) ? 1 : 0;
-    }
-    for (const at::Tensor& t : in) {
-      holders += same_storage(t, r) ? 1 : 0;
-      same += t.is_same(r) ? 1 : 0;
-    }
-    if (r.storage().use_count() > holders || r.use_count() > same) probed.results.push_back(j);
+    if (std::any_of(in.begin(), in.end(), [&](const at::Tensor& t) { return t.is_same(r); })) continue;
+    std::unordered_set<const c10::TensorImpl*> over_storage;
+    size_t handles = 0;
+    auto add_over_storage = [&](const std::vector<at::Tensor>& tensors) {
+      for (const at::Tensor& t : tensors)
+        if (t.defined() && t.has_storage() && t.storage().unsafeGetStorageImpl() == r.storage().unsafeGetStorageImpl())
+          over_storage.insert(t.unsafeGetTensorImpl());
+    };
+    add_over_storage(out);
+    add_over_storage(in);
+    for (const at::Tensor& t : out) handles += t.is_same(r) ? 1 : 0;
+    if (r.storage().use_count() > over_storage.size() || r.use_count() > handles) probed.results.push_back(j);
   }
   return probed;
 }
