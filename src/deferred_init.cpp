@@ -107,30 +107,12 @@ void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t n = op.schema().arguments().size();
   const torch::jit::Stack originals(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   bool needs_grad = false;  // the results of an operator on a tensor that requires grad do too
-  for (size_t i = stack->size() - n; i < stack->size(); ++i) {
-    c10::IValue& v = (*stack)[i];
-    if (v.isTensor()) {
-      needs_grad = needs_grad || (v.toTensor().defined() && v.toTensor().requires_grad());
-      v = cpu_stand_in(v.toTensor());
-    } else if (v.isTensorList()) {
-      std::vector<at::Tensor> list = v.toTensorVector();
-      for (at::Tensor& t : list) {
-        needs_grad = needs_grad || (t.defined() && t.requires_grad());
-        t = cpu_stand_in(t);
-      }
-      v = c10::IValue(list);
-    } else if (v.isList()) {  // optional tensors (index's indices)
-      c10::impl::GenericList list(v.toList().elementType());
-      for (const c10::IValue& e : v.toListRef()) {
-        const bool tensor = e.isTensor();
-        needs_grad = needs_grad || (tensor && e.toTensor().defined() && e.toTensor().requires_grad());
-        list.push_back(tensor ? c10::IValue(cpu_stand_in(e.toTensor())) : e);
-      }
-      v = c10::IValue(list);
-    } else if (v.isDevice() && v.toDevice().is_meta()) {
-      v = c10::IValue(c10::Device(c10::kCPU));
-    }
-  }
+  auto stand_in = [&needs_grad](const at::Tensor& t) {
+    needs_grad = needs_grad || (t.defined() && t.requires_grad());
+    return cpu_stand_in(t);
+  };
+  for (size_t i = stack->size() - n; i < stack->size(); ++i)
+    (*stack)[i] = detail::with_stand_ins((*stack)[i], stand_in);
   op.callBoxed(stack);
   needs_grad = needs_grad && at::GradMode::is_enabled();
   auto to_meta = [needs_grad](const at::Tensor& t) {

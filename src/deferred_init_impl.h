@@ -36,6 +36,25 @@ class MetaShapePass {
 };
 bool in_stand_in();  // an operator runs on CPU stand-ins on this thread now
 
+// Operator argument `v` with each tensor in it (a tensor, a tensor list, a list of optional
+// tensors) replaced by `stand_in(tensor)`, and the meta device by the CPU.
+template <class F>
+c10::IValue with_stand_ins(const c10::IValue& v, F&& stand_in) {
+  if (v.isTensor()) return c10::IValue(stand_in(v.toTensor()));
+  if (v.isTensorList()) {
+    std::vector<at::Tensor> list = v.toTensorVector();
+    for (at::Tensor& t : list) t = stand_in(t);
+    return c10::IValue(list);
+  }
+  if (v.isList()) {
+    c10::impl::GenericList list(v.toList().elementType());
+    for (const c10::IValue& e : v.toListRef()) list.push_back(e.isTensor() ? c10::IValue(stand_in(e.toTensor())) : e);
+    return c10::IValue(list);
+  }
+  if (v.isDevice() && v.toDevice().is_meta()) return c10::IValue(c10::Device(c10::kCPU));
+  return v;
+}
+
 // While alive: operators on this thread run on the devices of their arguments, as inside a
 // stand-in, and in_stand_in() is true (for work on real tensors inside a shape pass).
 class StandInScope {

@@ -62,24 +62,7 @@ at::Tensor probe_stand_in(const at::Tensor& t) {
 std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& arguments) {
   const detail::StandInScope scope;
   std::vector<c10::IValue> stand_ins;
-  for (const c10::IValue& v : arguments) {
-    if (v.isTensor()) {
-      stand_ins.emplace_back(probe_stand_in(v.toTensor()));
-    } else if (v.isTensorList()) {
-      std::vector<at::Tensor> list = v.toTensorVector();
-      for (at::Tensor& t : list) t = probe_stand_in(t);
-      stand_ins.emplace_back(list);
-    } else if (v.isList()) {
-      c10::impl::GenericList list(v.toList().elementType());
-      for (const c10::IValue& e : v.toListRef())
-        list.push_back(e.isTensor() ? c10::IValue(probe_stand_in(e.toTensor())) : e);
-      stand_ins.emplace_back(list);
-    } else if (v.isDevice() && v.toDevice().is_meta()) {
-      stand_ins.emplace_back(c10::Device(c10::kCPU));
-    } else {
-      stand_ins.push_back(v);
-    }
-  }
+  for (const c10::IValue& v : arguments) stand_ins.push_back(detail::with_stand_ins(v, probe_stand_in));
   const std::vector<at::Tensor> in = flat_tensors(stand_ins);
   // A leaf's gradient accumulator holds it: made now, so it is not counted as kept.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
