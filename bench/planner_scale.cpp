@@ -43,6 +43,7 @@ fsdp::PlanRequest request(int world, int per_gpu, int64_t context) {
       .seq_len(context)
       .module_cost(gpt::module_cost)
       .wrap_policies({{"block", fsdp::wrap::by_type<gpt::BlockImpl>()}})
+      .reshard_after_forward_sizes({0})  // the paper's runs free each unit after forward
       .precisions({at::kBFloat16})
       .cpu_offload({false});
 }
@@ -55,6 +56,7 @@ fsdp::PlanRequest t5_request(int world, int per_gpu, at::ScalarType precision) {
       .seq_len(512)
       .module_cost(t5::module_cost)
       .wrap_policies({{"block", fsdp::wrap::by_type<t5::EncoderBlockImpl, t5::DecoderBlockImpl>()}})
+      .reshard_after_forward_sizes({0})
       .precisions({precision})
       .cpu_offload({false});
 }

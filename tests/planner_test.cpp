@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,7 +49,8 @@ TEST(Planner, ParsesClustersAndSizes) {
 
 // One candidate: every list of the request holds one value.
 fsdp::PlanRequest single(fsdp::ShardingStrategy strategy, at::ScalarType precision, int limit,
-                         fsdp::BackwardPrefetch prefetch, bool forward_prefetch, int in_flight) {
+                         fsdp::BackwardPrefetch prefetch, bool forward_prefetch, int in_flight, int reshard_size = 0,
+                         int micro_batch = 2, bool no_sync = false, bool grads_kept = true) {
   return fsdp::PlanRequest()
       .world(4)
       .global_batch(8)
@@ -56,6 +58,7 @@ fsdp::PlanRequest single(fsdp::ShardingStrategy strategy, at::ScalarType precisi
       .strategies({strategy})
       .hybrid_factors({2})
       .wrap_policies({{"block", fsdp::wrap::by_type<BlockImpl>()}})
+      .reshard_after_forward_sizes({reshard_size})
       .activation_checkpointing({false})
       .cpu_offload({false})
       .precisions({precision})
@@ -63,8 +66,9 @@ fsdp::PlanRequest single(fsdp::ShardingStrategy strategy, at::ScalarType precisi
       .backward_prefetch({prefetch})
       .forward_prefetch({forward_prefetch})
       .reductions_in_flight({in_flight})
-      .micro_batches({2})
-      .grads_kept_between_steps(true);
+      .micro_batches({micro_batch})
+      .no_sync({no_sync})
+      .grads_kept_between_steps(grads_kept);
 }
 
 // The planner's parameter and gradient peaks against memory_stats() after real steps.
@@ -79,6 +83,10 @@ FSDP_WORKER(planner_memory_worker) {
     BackwardPrefetch prefetch;
     bool forward_prefetch;
     int in_flight;
+    int reshard_size = 0;  // hpZ
+    int micro_batch = 2;   // of the 2 sequences per rank
+    bool no_sync = false;
+    bool grads_kept = true;  // false: the pieces' gradients dropped between steps (LibTorch 2's zero_grad)
   };
   const auto pre = BackwardPrefetch::kBackwardPre;
   std::vector<Case> cases;
@@ -90,22 +98,47 @@ FSDP_WORKER(planner_memory_worker) {
   cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 2, BackwardPrefetch::kBackwardPost, false, 1});
   cases.push_back({ShardingStrategy::kFullShard, at::kBFloat16, 2, BackwardPrefetch::kNone, false, 0});
   cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 1, pre, true, 3});
+  for (const auto p : {at::kFloat, at::kBFloat16})
+    cases.push_back({ShardingStrategy::kFullShard, p, 2, pre, true, 2, 2});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 1, BackwardPrefetch::kBackwardPost, false, 1, 2});
+  // Two micro-batches of one sequence, each reducing or (no_sync) only the last.
+  for (const bool no_sync : {false, true})
+    for (const auto p : {at::kFloat, at::kBFloat16})
+      cases.push_back({ShardingStrategy::kFullShard, p, 2, pre, true, 2, 0, 1, no_sync});
+  for (const auto s : {ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard})
+    cases.push_back({s, at::kFloat, 2, pre, true, 1, 0, 1, true});
+  cases.push_back({ShardingStrategy::kNoShard, at::kBFloat16, 2, pre, true, 1, 0, 1, true});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 1, 0, 1, true});
+  cases.push_back({ShardingStrategy::kFullShard, at::kBFloat16, 2, pre, true, 1, 2, 1, true});
+  for (const bool no_sync : {false, true})  // the first micro-batch leaves the pieces holding gradients
+    cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 1, no_sync, false});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 2, false, false});
   const auto cluster = fsdp::Cluster::parse("cpu:1x4");
   int checked = 0;
   for (const Case& c : cases) {
     torch::manual_seed(5);
     TinyTransformer model(50, 16, 2, 3, 8);
-    const fsdp::Plan plan = fsdp::plan(
-        *model, cluster, single(c.strategy, c.precision, c.limit, c.prefetch, c.forward_prefetch, c.in_flight));
+    const fsdp::Plan plan = fsdp::plan(*model, cluster,
+                                       single(c.strategy, c.precision, c.limit, c.prefetch, c.forward_prefetch,
+                                              c.in_flight, c.reshard_size, c.micro_batch, c.no_sync, c.grads_kept));
     WORKER_CHECK(plan.entries.size() == 1, "expected one candidate, got ", plan.entries.size());
     const fsdp::PlanEntry& e = plan.entries.front();
     auto sharded = fsdp::fully_shard(model, pg, e.candidate.options());
     torch::optim::SGD opt(sharded->parameters(), 0.01);
     for (int step = 0; step < 3; ++step) {
       sharded->reset_peak_memory_stats();
-      zero_grad_in_place(opt);
-      auto x = torch::randint(50, {2, 8}, torch::kLong);
-      lm_loss(model->forward(x), x).backward();
+      if (c.grads_kept) {
+        zero_grad_in_place(opt);
+      } else {
+        for (auto& p : sharded->parameters()) p.mutable_grad() = at::Tensor();
+      }
+      const int k = e.candidate.accumulation;
+      for (int m = 0; m < k; ++m) {
+        std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
+        if (e.candidate.no_sync && m + 1 < k) no_sync.emplace(sharded->no_sync());
+        auto x = torch::randint(50, {e.candidate.micro_batch, 8}, torch::kLong);
+        lm_loss(model->forward(x), x).backward();
+      }
       opt.step();
       if (step == 0) continue;  // forward prefetch and the pieces' gradients begin in the first step
       const auto m = sharded->memory_stats();
@@ -186,6 +219,54 @@ TEST(Planner, AModelThatFitsOnlyWithCpuOffload) {
   EXPECT_EQ(tight.best().memory.optimizer, 0);
   EXPECT_EQ(tight.best().memory.host, 4 * params);
   EXPECT_FALSE(tight.entries.back().fits);
+}
+
+// Across nodes the search also keeps each resharded unit's parameters sharded over one node's
+// ranks until backward (hpZ): more parameter memory, backward's gathers on the node's own links.
+TEST(Planner, ReshardsToOneNodesRanksWhereTheJobSpansNodes) {
+  fsdp::DeferredInit deferred;
+  Stack model(512, 4);
+  const auto cluster = fsdp::Cluster::parse("paper:2x8");
+  auto request = one_rank(0)
+                     .world(16)
+                     .global_batch(16)
+                     .seq_len(64)
+                     .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp})
+                     .activation_checkpointing({false})
+                     .cpu_offload({false})
+                     .backward_prefetch({fsdp::BackwardPrefetch::kNone});  // backward's gathers exposed
+  const fsdp::Plan plan = fsdp::plan(*model, cluster, request);
+  const fsdp::PlanEntry *plain = nullptr, *hpz = nullptr;
+  int others = 0;
+  for (const auto& e : plan.entries) {
+    const auto& c = e.candidate;
+    if (c.strategy == fsdp::ShardingStrategy::kFullShard && c.reshard_after_forward_size == 0) plain = &e;
+    if (c.strategy == fsdp::ShardingStrategy::kFullShard && c.reshard_after_forward_size == 8) hpz = &e;
+    if (c.strategy == fsdp::ShardingStrategy::kShardGradOp) {
+      EXPECT_EQ(c.reshard_after_forward_size, 0) << c.describe();  // it keeps the whole unit anyway
+      ++others;
+    }
+  }
+  ASSERT_TRUE(plain != nullptr && hpz != nullptr) << plan.table();
+  EXPECT_EQ(others, 1);
+  EXPECT_EQ(hpz->candidate.options().reshard_after_forward_size(), 8);
+  EXPECT_TRUE(contains(hpz->candidate.describe(), "reshard to groups of 8")) << hpz->candidate.describe();
+  // A block's unsharded values (2,099,712 float32, split evenly over 16 ranks): hpZ holds an eighth
+  // of them for each block resharded after forward, at most the three not kept for backward.
+  const int64_t block = 2099712LL * 4, part = block / 8;
+  EXPECT_GT(hpz->memory.params, plain->memory.params);
+  EXPECT_LE(hpz->memory.params, plain->memory.params + 3 * part);
+  EXPECT_EQ((hpz->memory.params - plain->memory.params) % part, 0);
+  EXPECT_EQ(hpz->memory.grads, plain->memory.grads);
+  // The inter-node link is 25 GB/s per GPU and NVLink's much faster: backward's gathers, which
+  // nothing hides here, take less time.
+  EXPECT_LT(hpz->time.exposed_comm_s, plain->time.exposed_comm_s);
+  EXPECT_LT(hpz->time.step_s, plain->time.step_s);
+  // Sizes that do not apply become 0; a negative one is refused.
+  const fsdp::Plan odd = fsdp::plan(*model, cluster, request.reshard_after_forward_sizes({3, 16}));
+  for (const auto& e : odd.entries) EXPECT_EQ(e.candidate.reshard_after_forward_size, 0);
+  EXPECT_EQ(odd.entries.size(), 2U);
+  EXPECT_THROW(fsdp::plan(*model, cluster, request.reshard_after_forward_sizes({-8})), fsdp::Error);
 }
 
 TEST(Planner, CalibratedTimesReplaceTheNominalRates) {

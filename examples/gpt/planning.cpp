@@ -150,13 +150,15 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
   return request.strategies({strategy})
       .hybrid_factors({config.sharding_factor})
       .wrap_policies(wrap)
+      .reshard_after_forward_sizes({config.reshard_after_forward_size})
       .activation_checkpointing({config.activation_checkpointing})
       .cpu_offload({false})
       .precisions({precision})
       .all_gather_limits({config.all_gather_limit})
       .backward_prefetch({fsdp::parse_backward_prefetch(config.backward_prefetch)})
       .forward_prefetch({config.forward_prefetch})
-      .micro_batches({config.batch.micro});
+      .micro_batches({config.batch.micro})
+      .no_sync({config.grad_accum_mode == "no-sync"});
 }
 
 void write_entries(const std::string& path, const fsdp::Plan& plan) {
@@ -167,6 +169,7 @@ void write_entries(const std::string& path, const fsdp::Plan& plan) {
     out << nlohmann::json{{"configuration", c.describe()},
                           {"strategy", fsdp::to_string(c.strategy)},
                           {"sharding_factor", c.sharding_factor},
+                          {"reshard_after_forward_size", c.reshard_after_forward_size},
                           {"wrap", c.wrap.name},
                           {"activation_checkpointing", c.activation_checkpointing},
                           {"cpu_offload", c.cpu_offload},
@@ -175,6 +178,7 @@ void write_entries(const std::string& path, const fsdp::Plan& plan) {
                                                                        : "fp16"},
                           {"micro_batch", c.micro_batch},
                           {"accumulation", c.accumulation},
+                          {"no_sync", c.no_sync},
                           {"params_bytes", e.memory.params},
                           {"grads_bytes", e.memory.grads},
                           {"optimizer_bytes", e.memory.optimizer},
@@ -231,6 +235,7 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
 void apply_candidate(const fsdp::Candidate& c, TrainConfig& config) {
   config.strategy = fsdp::to_string(c.strategy);
   config.sharding_factor = c.strategy == fsdp::ShardingStrategy::kHybridShard ? c.sharding_factor : 0;
+  config.reshard_after_forward_size = c.reshard_after_forward_size;
   config.wrap = c.wrap.name;
   config.activation_checkpointing = c.activation_checkpointing;
   config.mixed_precision = c.precision == at::kBFloat16 ? "bf16" : c.precision == at::kHalf ? "fp16" : "none";
@@ -238,7 +243,7 @@ void apply_candidate(const fsdp::Candidate& c, TrainConfig& config) {
   config.backward_prefetch = fsdp::to_string(c.backward_prefetch);
   config.forward_prefetch = c.forward_prefetch;
   config.batch_size = c.micro_batch;
-  if (c.accumulation > 1) config.grad_accum_mode = "reduce";  // every micro-batch reduces, as planned
+  if (c.accumulation > 1) config.grad_accum_mode = c.no_sync ? "no-sync" : "reduce";
 }
 
 int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {

@@ -71,6 +71,8 @@ struct PlanRequest {
   TORCH_ARG(std::vector<NamedWrapPolicy>, calibration_wrap_policies) = {};
   // Every non-root unit checkpointed, or none.
   TORCH_ARG(std::vector<bool>, activation_checkpointing) = {false, true};
+  /// hpZ sizes (Options::reshard_after_forward_size) tried where a candidate reshards after forward; empty: 0 and one node's ranks.
+  TORCH_ARG(std::vector<int>, reshard_after_forward_sizes) = {};
   TORCH_ARG(std::vector<bool>, cpu_offload) = {false, true};  // never where the device is the host
   // Parameter dtypes for compute (reductions stay float32): kFloat, kBFloat16, kHalf.
   TORCH_ARG(std::vector<at::ScalarType>, precisions) = {at::kFloat, at::kBFloat16};
@@ -80,6 +82,8 @@ struct PlanRequest {
   TORCH_ARG(std::vector<int>, reductions_in_flight) = {2};
   // Sequences per micro-batch per rank; empty: every divisor of the per-rank batch.
   TORCH_ARG(std::vector<int>, micro_batches) = {};
+  /// With accumulation, whether micro-batches before the last skip their reductions (no_sync) or each reduces.
+  TORCH_ARG(std::vector<bool>, no_sync) = {false, true};
 };
 
 // One configuration.
@@ -94,8 +98,10 @@ struct Candidate {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = true;
   int reductions_in_flight = 2;
-  int micro_batch = 1;   // sequences per micro-batch per rank
-  int accumulation = 1;  // micro-batches per step (each reduces its gradients)
+  int reshard_after_forward_size = 0;  // hpZ: units resharded after forward keep 1/this of their parameters
+  int micro_batch = 1;                 // sequences per micro-batch per rank
+  int accumulation = 1;                // micro-batches per step
+  bool no_sync = false;                // micro-batches before the last keep their unsharded gradients, unreduced
 
   // fully_shard's options for it (activation checkpointing is the model's: apply it to the units).
   Options options() const;

@@ -15,7 +15,8 @@ Options Candidate::options() const {
       .forward_prefetch(forward_prefetch)
       .limit_all_gathers(all_gather_limit > 0)
       .all_gather_limit(std::max(1, all_gather_limit))
-      .reductions_in_flight(reductions_in_flight);
+      .reductions_in_flight(reductions_in_flight)
+      .reshard_after_forward_size(reshard_after_forward_size);
   if (precision != at::kFloat) o.mixed_precision(MixedPrecision().param_dtype(precision).reduce_dtype(at::kFloat));
   if (cpu_offload) o.offload(CpuOffload().params(true));
   return o;
@@ -25,12 +26,13 @@ std::string Candidate::describe() const {
   std::ostringstream o;
   o << to_string(strategy);
   if (strategy == ShardingStrategy::kHybridShard) o << "/" << sharding_factor;
+  if (reshard_after_forward_size > 0) o << ", reshard to groups of " << reshard_after_forward_size;
   o << ", wrap " << wrap.name << (activation_checkpointing ? ", checkpointed" : "") << (cpu_offload ? ", offload" : "")
     << ", "
     << (precision == at::kFloat      ? "fp32"
         : precision == at::kBFloat16 ? "bf16"
                                      : "fp16")
-    << ", micro-batch " << micro_batch << " x " << accumulation;
+    << ", micro-batch " << micro_batch << " x " << accumulation << (no_sync ? " no_sync" : "");
   if (all_gather_limit != 2) o << ", all-gather limit " << all_gather_limit;
   if (backward_prefetch != BackwardPrefetch::kBackwardPre) o << ", " << to_string(backward_prefetch);
   if (!forward_prefetch) o << ", no forward prefetch";

@@ -42,6 +42,28 @@ int shard_factor(const Candidate& c, int world) {
   }
 }
 
+// Whether the candidate's non-root units reshard after forward.
+bool reshards_after_forward(const Candidate& c) {
+  return c.strategy == ShardingStrategy::kFullShard || c.strategy == ShardingStrategy::kHybridShard;
+}
+
+// The replay of one micro-batch, with the waits on peers the runtime calibration measured: they
+// grow with the computation between the ranks' meetings, not with their number, so the
+// candidate's share of them is spread evenly over the collectives it issues.
+SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, bool reduce, bool grads_held) {
+  sim.reduce = reduce;
+  sim.grads_held = grads_held;
+  SimResult r = simulate(sim);
+  if (waits_per_compute_s == 0 || r.collectives == 0) return r;
+  const double wait = waits_per_compute_s * r.compute_s / r.collectives;
+  for (SimUnit& su : sim.units)
+    for (SimFlat& flat : su.flats) {
+      flat.gather_s = std::max(0.0, flat.gather_s + wait);
+      if (flat.requires_grad) flat.reduce_s = std::max(0.0, flat.reduce_s + wait);
+    }
+  return simulate(sim);
+}
+
 struct Resting {
   int64_t shards = 0;       // parameter storage between iterations (device)
   int64_t piece_grads = 0;  // the shard pieces' gradients
@@ -70,6 +92,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const Link& shard_link = measured_link ? measured : cluster.link_for_group(F);
   const Link& world_link = measured_link ? measured : cluster.link_for_group(world);
   const Link& replica_link = measured_link ? measured : cluster.inter;
+  const int k = reshards_after_forward(c) ? c.reshard_after_forward_size : 0;
+  const Link& hpz_link = measured_link ? measured : cluster.link_for_group(std::max(k, 1));
   const double host_bps = cluster.host_device_gbps * 1e9;
 
   SimInput sim;
@@ -78,8 +102,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   for (size_t u = 0; u < plan.units.size(); ++u) {
     SimUnit& su = sim.units[u];
     su.ancestors = plan.units[u].ancestors;
-    su.reshard_after_forward =
-        u != 0 && (c.strategy == ShardingStrategy::kFullShard || c.strategy == ShardingStrategy::kHybridShard);
+    su.reshard_after_forward = u != 0 && reshards_after_forward(c);
     for (const int f : plan.units[u].flat_params) {
       const UnitPlan::FlatParam& fp = plan.flat_params[f];
       int64_t numel = 0;
@@ -103,6 +126,10 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         flat.reduce_output_bytes = flat.separate_shard && F > 1 ? shard * element_size(reduce) : 0;
       }
       flat.gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link);
+      if (k > 1 && u != 0 && flat.separate_shard && F > 1) {  // hpZ: 1/k kept, gathered within k ranks
+        flat.post_forward_bytes = padded / k * element_size(compute);
+        flat.post_forward_gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, k, hpz_link);
+      }
       if (offload) flat.gather_s += static_cast<double>(shard * element_size(dtype)) / host_bps;
       if (requires_grad) {
         const int64_t grad_bytes = padded * element_size(reduce);
@@ -188,18 +215,30 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   sim.no_shard = c.strategy == ShardingStrategy::kNoShard;
   sim.separate_lanes = cluster.separate_comm_lanes;
   sim.comm_on_compute_cores = cluster.device_is_host;
-  SimResult r = simulate(sim);
-  // The waits on peers grow with the computation between the ranks' meetings, not with their
-  // number: the candidate's share of them, spread evenly over the collectives it issues.
-  if (extra.waits_per_compute_s != 0 && r.collectives > 0) {
-    const double wait = extra.waits_per_compute_s * r.compute_s / r.collectives;
-    for (SimUnit& su : sim.units)
-      for (SimFlat& flat : su.flats) {
-        flat.gather_s = std::max(0.0, flat.gather_s + wait);
-        if (flat.requires_grad) flat.reduce_s = std::max(0.0, flat.reduce_s + wait);
-      }
-    r = simulate(sim);
+  // One micro-batch, or with no_sync the first, one of those between and the last (which reduces
+  // the sum); their peaks are the step's, their times add up.
+  const bool no_sync = c.no_sync && c.accumulation > 1;
+  SimResult r = replay_with_waits(sim, extra.waits_per_compute_s, !no_sync, false);
+  double step_passes_s = c.accumulation * r.step_s, step_compute_s = c.accumulation * r.compute_s,
+         step_exposed_s = c.accumulation * r.exposed_s;
+  if (no_sync) {
+    const SimResult last = replay_with_waits(sim, extra.waits_per_compute_s, true, true);
+    const SimResult between = c.accumulation > 2 ? replay_with_waits(sim, extra.waits_per_compute_s, false, true) : r;
+    const double n = c.accumulation - 2;
+    step_passes_s = r.step_s + n * between.step_s + last.step_s;
+    step_compute_s = r.compute_s + n * between.compute_s + last.compute_s;
+    step_exposed_s = r.exposed_s + n * between.exposed_s + last.exposed_s;
+    for (const SimResult* o : {&between, &last}) {
+      r.param_transient_peak = std::max(r.param_transient_peak, o->param_transient_peak);
+      r.grad_transient_peak = std::max(r.grad_transient_peak, o->grad_transient_peak);
+      r.activation_peak = std::max(r.activation_peak, o->activation_peak);
+      r.total_transient_peak = std::max(r.total_transient_peak, o->total_transient_peak);
+      r.pool_bytes = std::max(r.pool_bytes, o->pool_bytes);
+    }
   }
+  // After the first of several micro-batches the pieces hold gradients (its reduced ones, or under
+  // no_sync zeros), which the next backward's accounting counts.
+  if (c.accumulation > 1 && !offload) rest.piece_grads = rest.piece_bytes;
   if (replayed != nullptr) {
     replayed->forward_s = r.forward_s;
     replayed->passes_s = r.step_s;
@@ -242,9 +281,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   if (replayed != nullptr) replayed->optimizer_s = step_s;
   const double optimizer_s = std::max(0.0, step_s + extra.per_step_s);
   TimePrediction& t = e.time;
-  t.step_s = c.accumulation * r.step_s + optimizer_s;
-  t.compute_s = c.accumulation * r.compute_s + optimizer_s;
-  t.exposed_comm_s = c.accumulation * r.exposed_s;
+  t.step_s = step_passes_s + optimizer_s;
+  t.compute_s = step_compute_s + optimizer_s;
+  t.exposed_comm_s = step_exposed_s;
   const double model_flops = 3.0 * costs.forward_flops * tokens * c.accumulation;
   t.tflops_per_device = t.step_s > 0 ? model_flops / t.step_s / 1e12 : 0;
   const double peak = c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16;

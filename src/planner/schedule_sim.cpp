@@ -23,10 +23,15 @@ class Replay {
         pending_(n_, 0),
         gather_end_(n_, 0.0),
         ran_(n_, 0),
-        grads_allocated_(n_, 0) {}
+        grads_allocated_(n_, 0),
+        parts_(n_, 0),
+        gathering_parts_(n_, 0) {}
 
   SimResult run() {
     plan_orders();
+    if (in_.grads_held)
+      for (int u = 0; u < n_; ++u)
+        if (first_segment_[u] >= 0) allocate_grads(u);
     for (const SimSegment& s : in_.segments) {
       if (s.unit == last_used_) {
         if (needs_unshard(s.unit)) unshard(s.unit);
@@ -47,13 +52,7 @@ class Replay {
       } else {
         pre_backward(u);
       }
-      if (!grads_allocated_[u]) {
-        grads_allocated_[u] = 1;
-        for (const SimFlat& f : in_.units[u].flats) {
-          add_grads(f.grad_buffer_bytes);
-          pool(f.grad_buffer_bytes, 1);
-        }
-      }
+      allocate_grads(u);
       const int64_t recomputed = in_.units[u].checkpointed ? share(s, in_.units[u].full_activation_bytes) : 0;
       add_acts(recomputed);
       compute(s.backward_s);
@@ -63,6 +62,7 @@ class Replay {
     finish_reductions(0);
     held_back_ = -1;
     for (int u = 0; u < n_; ++u) reshard(u);
+    for (int u = 0; u < n_; ++u) drop_parts(u);  // a unit without gradients never gathered them
     compute(in_.step_s);
     for (const auto& [bytes, count] : pool_) r_.pool_bytes += bytes * count.most;
     r_.step_s = now_;
@@ -110,6 +110,14 @@ class Replay {
       }
   }
 
+  void allocate_grads(int u) {
+    if (grads_allocated_[u]) return;
+    grads_allocated_[u] = 1;
+    for (const SimFlat& f : in_.units[u].flats) {
+      add_grads(f.grad_buffer_bytes);
+      pool(f.grad_buffer_bytes, 1);
+    }
+  }
   void note_total() { r_.total_transient_peak = std::max(r_.total_transient_peak, params_ + grads_ + acts_); }
   // A buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
   void pool(int64_t bytes, int n) {
@@ -192,14 +200,18 @@ class Replay {
   void unshard(int u) {
     if (!needs_unshard(u)) return;
     double end = now_;
+    const bool from_parts = parts_[u] != 0;  // hpZ: gathered within the group, the parts as input
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.separate_shard) continue;
-      add_params(f.unsharded_bytes + f.gather_input_bytes);
+      const bool part = from_parts && f.post_forward_bytes > 0;
+      add_params(f.unsharded_bytes + (part ? 0 : f.gather_input_bytes));
       pool(f.unsharded_bytes, 1);
-      pool(f.gather_input_bytes, 1);
+      if (!part) pool(f.gather_input_bytes, 1);
       compute(f.issue_work_s);
-      end = std::max(end, issue(f.gather_s, false));
+      end = std::max(end, issue(part ? f.post_forward_gather_s : f.gather_s, false));
     }
+    parts_[u] = 0;
+    gathering_parts_[u] = from_parts ? 1 : 0;
     unsharded_[u] = 1;
     pending_[u] = 1;
     gather_end_[u] = end;
@@ -210,18 +222,37 @@ class Replay {
     wait_until(gather_end_[u]);
     for (const SimFlat& f : in_.units[u].flats)
       if (f.separate_shard) {
-        add_params(-f.gather_input_bytes);
-        pool(f.gather_input_bytes, -1);
+        const int64_t input =
+            gathering_parts_[u] && f.post_forward_bytes > 0 ? f.post_forward_bytes : f.gather_input_bytes;
+        add_params(-input);
+        pool(input, -1);
       }
     pending_[u] = 0;
+    gathering_parts_[u] = 0;
   }
-  // Unit::reshard, then Scheduler::reshard's issue of a held-back prefetch.
+  void drop_parts(int u) {
+    if (!parts_[u]) return;
+    for (const SimFlat& f : in_.units[u].flats)
+      if (f.separate_shard) {
+        add_params(-f.post_forward_bytes);
+        pool(f.post_forward_bytes, -1);
+      }
+    parts_[u] = 0;
+  }
+  // Unit::reshard (keeping hpZ parts for a backward still to come), then Scheduler::reshard's issue
+  // of a held-back prefetch.
   void reshard(int u) {
     if (kept_for_backward_ == u) kept_for_backward_ = -1;
     if (!unsharded_[u]) return;
+    const bool keep_parts = awaits_backward(u);
     wait_unshard(u);
     for (const SimFlat& f : in_.units[u].flats)
       if (f.separate_shard) {
+        if (keep_parts && f.post_forward_bytes > 0) {
+          add_params(f.post_forward_bytes);
+          pool(f.post_forward_bytes, 1);
+          parts_[u] = 1;
+        }
         add_params(-f.unsharded_bytes);
         pool(f.unsharded_bytes, -1);
       }
@@ -334,7 +365,7 @@ class Replay {
     if (!in_.no_shard) reshard(u);
     if (last_used_ == u) last_used_ = -1;
     if (in_.backward_prefetch == BackwardPrefetch::kBackwardPost) prefetch(next_pending_in_backward(u));
-    reduce(u);
+    if (in_.reduce) reduce(u);
   }
 
   // GradientReducer::reduce: wait for the oldest reductions until fewer than k remain, then issue.
@@ -368,6 +399,7 @@ class Replay {
   std::vector<char> unsharded_, pending_;
   std::vector<double> gather_end_;
   std::vector<char> ran_, grads_allocated_;
+  std::vector<char> parts_, gathering_parts_;  // hpZ: parts held; the pending gather reads them
   std::vector<int> first_segment_, previous_forward_order_, backward_order_;
   int first_in_backward_ = -1, kept_for_backward_ = -1, held_back_ = -1, last_used_ = -1;
   bool backward_started_ = false;

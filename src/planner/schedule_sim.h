@@ -18,7 +18,9 @@ struct SimFlat {
   int64_t gather_input_bytes = 0;   // the shard cast to the compute dtype before its gather (0: none)
   int64_t grad_buffer_bytes = 0;    // the unsharded gradient, in the reduce dtype (separate shard)
   int64_t reduce_output_bytes = 0;  // the reduction's output (0: reduced in place)
+  int64_t post_forward_bytes = 0;   // hpZ: the part kept from a reshard before backward (0: none)
   double gather_s = 0;
+  double post_forward_gather_s = 0;  // hpZ: the gather from those parts, within their group
   double reduce_s = 0;
   double issue_work_s = 0;  // the compute thread's own work for each of its collectives (runtime calibration)
 };
@@ -53,6 +55,10 @@ struct SimInput {
   // The transports copy on the cores the ranks compute on (a CPU machine): no overlap.
   bool comm_on_compute_cores = false;
   double step_s = 0;  // the optimizer step after backward
+  // Accumulation without communication: whether this micro-batch reduces its gradients, and whether
+  // it begins with every unit's unsharded gradient held from the micro-batches before it.
+  bool reduce = true;
+  bool grads_held = false;
 };
 
 struct SimResult {

@@ -23,12 +23,103 @@ std::vector<int> hybrid_factors(const PlanRequest& request, const Cluster& clust
   return ok;
 }
 
+// The request's hpZ sizes for a candidate with shard groups of `F` ranks: a size applies where the
+// strategy reshards after forward and it divides F strictly between 1 and F; any other becomes 0.
+std::vector<int> reshard_sizes(const PlanRequest& request, const Cluster& cluster, ShardingStrategy strategy, int F) {
+  std::vector<int> sizes = request.reshard_after_forward_sizes();
+  if (sizes.empty()) sizes = {0, cluster.nodes > 1 ? cluster.ranks_per_node : 0};
+  const bool reshards = strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
+  std::vector<int> out;
+  for (int k : sizes) {
+    if (!(reshards && k > 1 && k < F && F % k == 0)) k = 0;
+    if (std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+  }
+  return out;
+}
+
+// The request's no_sync choices at `accumulation` micro-batches per step: one micro-batch has nothing
+// to accumulate, so only false.
+std::vector<bool> sync_choices(const PlanRequest& request, int accumulation) {
+  std::vector<bool> out;
+  for (const bool no_sync : request.no_sync()) {
+    const bool v = no_sync && accumulation > 1;
+    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+  }
+  if (out.empty()) out.push_back(false);
+  return out;
+}
+
 std::vector<int> micro_batches(const PlanRequest& request, int per_rank) {
   if (!request.micro_batches().empty()) return request.micro_batches();
   std::vector<int> all;
   for (int m = 1; m <= per_rank; ++m)
     if (per_rank % m == 0) all.push_back(m);
   return all;
+}
+
+// Each candidate with one more choice made, `values(c)` giving the choices for candidate c.
+template <typename Values, typename Set>
+std::vector<Candidate> expand(const std::vector<Candidate>& in, Values values, Set set) {
+  std::vector<Candidate> out;
+  for (const Candidate& c : in)
+    for (const auto& v : values(c)) {
+      Candidate d = c;
+      set(d, v);
+      out.push_back(std::move(d));
+    }
+  return out;
+}
+
+// Every combination of the request's lists for one wrap policy of `units` units, in the order the
+// lists give, less those that make no sense (offload where the device is the host, checkpointing
+// with only the root, strategies other than FULL_SHARD at one rank).
+std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& cluster, int world, int per_rank,
+                                  const NamedWrapPolicy& wrap, size_t units) {
+  Candidate base;
+  base.wrap = wrap;
+  auto list = [](const auto& values) {
+    return [&values](const Candidate&) {
+      return values;
+    };
+  };
+  std::vector<ShardingStrategy> strategies;
+  for (const ShardingStrategy s : request.strategies())
+    if (world > 1 || s == ShardingStrategy::kFullShard) strategies.push_back(s);  // all the same at one rank
+  std::vector<bool> checkpointing, offload;
+  for (const bool on : request.activation_checkpointing())
+    if (!on || units >= 2) checkpointing.push_back(on);  // only the root: nothing to checkpoint
+  for (const bool on : request.cpu_offload())
+    if (!on || !cluster.device_is_host) offload.push_back(on);
+  std::vector<int> micros;
+  for (const int m : micro_batches(request, per_rank))
+    if (m >= 1 && per_rank % m == 0) micros.push_back(m);
+  const std::vector<int> no_factor{0}, factors = hybrid_factors(request, cluster, world);
+  std::vector<Candidate> cs{base};
+  cs = expand(cs, list(strategies), [](Candidate& c, ShardingStrategy s) { c.strategy = s; });
+  cs = expand(
+      cs, [&](const Candidate& c) { return c.strategy == ShardingStrategy::kHybridShard ? factors : no_factor; },
+      [](Candidate& c, int f) { c.sharding_factor = f; });
+  cs = expand(
+      cs,
+      [&](const Candidate& c) {
+        return reshard_sizes(request, cluster, c.strategy,
+                             c.strategy == ShardingStrategy::kHybridShard ? c.sharding_factor : world);
+      },
+      [](Candidate& c, int k) { c.reshard_after_forward_size = k; });
+  cs = expand(cs, list(checkpointing), [](Candidate& c, bool on) { c.activation_checkpointing = on; });
+  cs = expand(cs, list(offload), [](Candidate& c, bool on) { c.cpu_offload = on; });
+  cs = expand(cs, list(request.precisions()), [](Candidate& c, at::ScalarType p) { c.precision = p; });
+  cs = expand(cs, list(request.all_gather_limits()), [](Candidate& c, int l) { c.all_gather_limit = l; });
+  cs = expand(cs, list(request.backward_prefetch()), [](Candidate& c, BackwardPrefetch p) { c.backward_prefetch = p; });
+  cs = expand(cs, list(request.forward_prefetch()), [](Candidate& c, bool on) { c.forward_prefetch = on; });
+  cs = expand(cs, list(request.reductions_in_flight()), [](Candidate& c, int n) { c.reductions_in_flight = n; });
+  cs = expand(cs, list(micros), [&](Candidate& c, int m) {
+    c.micro_batch = m;
+    c.accumulation = per_rank / m;
+  });
+  return expand(
+      cs, [&](const Candidate& c) { return sync_choices(request, c.accumulation); },
+      [](Candidate& c, bool on) { c.no_sync = on; });
 }
 
 }  // namespace
@@ -45,6 +136,9 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   FSDP_CHECK(request.memory_margin() >= 0, "PlanRequest::memory_margin must be >= 0 (a share of the peak), got ",
              request.memory_margin());
   result.memory_margin = request.memory_margin();
+  for (const int k : request.reshard_after_forward_sizes())
+    FSDP_CHECK(k >= 0, "PlanRequest::reshard_after_forward_sizes holds ", k,
+               "; a size is 0 (free completely) or a group size that divides the shard group");
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
   // Every wrap policy's units and costs (the searched ones first, then those only runtime timings
@@ -92,47 +186,14 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   for (const auto& [precision, configurations] : timed)
     corrections[precision] = planner::runtime_correction(configurations, cluster, world, request);
   for (size_t w = 0; w < searched; ++w) {
-    const NamedWrapPolicy& wrap = known[w];
     const planner::ModelView view = view_of(w);
-    const UnitPlan& units = *view.units;
-    for (const ShardingStrategy strategy : request.strategies()) {
-      std::vector<int> factors{0};
-      if (strategy == ShardingStrategy::kHybridShard) factors = hybrid_factors(request, cluster, world);
-      if (world == 1 && strategy != ShardingStrategy::kFullShard) continue;  // all the same at one rank
-      for (const int factor : factors)
-        for (const bool checkpointing : request.activation_checkpointing())
-          for (const bool offload : request.cpu_offload()) {
-            if (offload && cluster.device_is_host) continue;
-            if (checkpointing && units.units.size() < 2) continue;  // only the root: nothing to checkpoint
-            for (const at::ScalarType precision : request.precisions())
-              for (const int limit : request.all_gather_limits())
-                for (const BackwardPrefetch prefetch : request.backward_prefetch())
-                  for (const bool forward : request.forward_prefetch())
-                    for (const int in_flight : request.reductions_in_flight())
-                      for (const int micro : micro_batches(request, per_rank)) {
-                        if (micro < 1 || per_rank % micro != 0) continue;
-                        Candidate c;
-                        c.strategy = strategy;
-                        c.sharding_factor = factor;
-                        c.wrap = wrap;
-                        c.activation_checkpointing = checkpointing;
-                        c.cpu_offload = offload;
-                        c.precision = precision;
-                        c.all_gather_limit = limit;
-                        c.backward_prefetch = prefetch;
-                        c.forward_prefetch = forward;
-                        c.reductions_in_flight = in_flight;
-                        c.micro_batch = micro;
-                        c.accumulation = per_rank / micro;
-                        const auto corrected = corrections.find(precision);
-                        PlanEntry e = planner::evaluate(view, c, cluster, world, request,
-                                                        corrected == corrections.end() ? nullptr : &corrected->second);
-                        e.fits =
-                            static_cast<double>(e.memory.peak) * with_margin <= static_cast<double>(result.budget) &&
-                            (e.memory.host == 0 || e.memory.host * cluster.ranks_per_node <= cluster.host_memory_bytes);
-                        result.entries.push_back(std::move(e));
-                      }
-          }
+    for (const Candidate& c : candidates(request, cluster, world, per_rank, known[w], view.units->units.size())) {
+      const auto corrected = corrections.find(c.precision);
+      PlanEntry e = planner::evaluate(view, c, cluster, world, request,
+                                      corrected == corrections.end() ? nullptr : &corrected->second);
+      e.fits = static_cast<double>(e.memory.peak) * with_margin <= static_cast<double>(result.budget) &&
+               (e.memory.host == 0 || e.memory.host * cluster.ranks_per_node <= cluster.host_memory_bytes);
+      result.entries.push_back(std::move(e));
     }
   }
   std::stable_sort(result.entries.begin(), result.entries.end(), [](const PlanEntry& a, const PlanEntry& b) {
