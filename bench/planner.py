@@ -66,6 +66,13 @@ def matrix():
     for world in (1, 2, 4):
         runs.append((world, "XL", ["--strategy", "FULL_SHARD"], False, "none"))
     runs.append((4, "XL", ["--strategy", "FULL_SHARD"], True, "none"))
+    # hpZ, and accumulation over two micro-batches with and without communication.
+    hpz = ["--strategy", "FULL_SHARD", "--reshard-after-forward-size", "2"]
+    for mp in ("none", "bf16"):
+        runs.append((4, "M", hpz, False, mp))
+    for world, mode, mp in ((2, "no-sync", "none"), (4, "no-sync", "bf16"), (4, "reduce", "none")):
+        runs.append((world, "M", ["--strategy", "FULL_SHARD", "--grad-accum", "2", "--grad-accum-mode", mode], False,
+                     mp))
     return runs
 
 

@@ -93,17 +93,18 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   std::vector<int> micros;
   for (const int m : micro_batches(request, per_rank))
     if (m >= 1 && per_rank % m == 0) micros.push_back(m);
-  const std::vector<int> no_factor{0}, factors = hybrid_factors(request, cluster, world);
+  const std::vector<int> zero{0}, factors = hybrid_factors(request, cluster, world);
   std::vector<Candidate> cs{base};
   cs = expand(cs, list(strategies), [](Candidate& c, ShardingStrategy s) { c.strategy = s; });
   cs = expand(
-      cs, [&](const Candidate& c) { return c.strategy == ShardingStrategy::kHybridShard ? factors : no_factor; },
+      cs, [&](const Candidate& c) { return c.strategy == ShardingStrategy::kHybridShard ? factors : zero; },
       [](Candidate& c, int f) { c.sharding_factor = f; });
   cs = expand(
       cs,
-      [&](const Candidate& c) {
-        return reshard_sizes(request, cluster, c.strategy,
-                             c.strategy == ShardingStrategy::kHybridShard ? c.sharding_factor : world);
+      [&](const Candidate& c) {  // only the root: it never reshards after forward
+        return units < 2 ? zero
+                         : reshard_sizes(request, cluster, c.strategy,
+                                         c.strategy == ShardingStrategy::kHybridShard ? c.sharding_factor : world);
       },
       [](Candidate& c, int k) { c.reshard_after_forward_size = k; });
   cs = expand(cs, list(checkpointing), [](Candidate& c, bool on) { c.activation_checkpointing = on; });

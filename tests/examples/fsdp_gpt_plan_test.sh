@@ -22,8 +22,9 @@ test_plan_paper_cluster() {
   expect_text out "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB |"
   expect_regex out "^\| 1 \| [A-Z_]+.*, micro-batch [0-9]+ x [0-9]+ \|.*\| yes \|"
   expect_regex out "^best: "
-  # Every strategy and both precisions are candidates.
-  for what in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD/8 bf16 fp32 checkpointed offload; do
+  # Every strategy and both precisions are candidates, hpZ over one node and no_sync accumulation too.
+  for what in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD/8 bf16 fp32 checkpointed offload \
+    "reshard to groups of 8" "x 2 no_sync"; do
     expect_text out "$what"
   done
 }
