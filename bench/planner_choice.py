@@ -5,8 +5,8 @@
 
 Runs every candidate of a small search space (model XL of bench/planner.py, world 2, 4 sequences per
 rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, and FULL_SHARD's block units with
-2 micro-batches of 2) through the trainer with --plan-file and one calibration made first (as in
-bench/planner.py), then, for budgets from the smallest predicted peak to the largest, compares the
+2 micro-batches of 2, each reducing or only the last, checkpointed or not) through the trainer with
+--plan-file and one calibration made first (as in bench/planner.py), then, for budgets from the smallest predicted peak to the largest, compares the
 planner's choice (the fastest predicted among the candidates predicted to fit with the margin) with the fastest
 measured among those whose measured peak resident set fits: whether the choice's measured peak fits
 the budget (no OOM), and its measured step time over the fastest's. The candidates run in --rounds
@@ -40,9 +40,10 @@ def main():
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             for wrap, checkpointing in (("block", False), ("block", True), ("none", False)):
                 candidates.append((["--strategy", strategy, "--wrap", wrap], checkpointing))
-        for checkpointing in (False, True):
-            candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--batch-size", "2",
-                                "--grad-accum-mode", "reduce"], checkpointing))
+        for mode in ("reduce", "no-sync"):
+            for checkpointing in (False, True):
+                candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--batch-size", "2",
+                                    "--grad-accum-mode", mode], checkpointing))
         cal = calibration(build, 2, "XL", "none", tmp)  # one calibration plans every candidate, as at launch
         measured = [[] for _ in candidates]
         for round_ in range(args.rounds):

@@ -7,6 +7,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <exception>
 #include <functional>
 #include <set>
 #include <vector>
@@ -31,11 +32,15 @@ thread_local int t_shape_passes = 0;
 thread_local int t_stand_in_depth = 0;
 
 // A CPU tensor of `t`'s shape and dtype: integers and booleans zero (indices stay in range), the
-// rest uninitialized (its pages are never touched unless the kernel reads them).
-at::Tensor cpu_stand_in(const at::Tensor& t) {
+// rest uninitialized (its pages are never touched unless the kernel reads them), or, where
+// `positive_definite`, filled as detail::fill_stand_in does.
+at::Tensor cpu_stand_in(const at::Tensor& t, bool positive_definite) {
   if (!t.defined() || !t.is_meta()) return t;
   at::Tensor c = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU));
-  if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) c.zero_();
+  if (positive_definite)
+    fsdp::detail::fill_stand_in(c, true);
+  else if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type()))
+    c.zero_();
   return c;
 }
 
@@ -107,13 +112,28 @@ void run_on_stand_ins(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t n = op.schema().arguments().size();
   const torch::jit::Stack originals(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   bool needs_grad = false;  // the results of an operator on a tensor that requires grad do too
-  auto stand_in = [&needs_grad](const at::Tensor& t) {
-    needs_grad = needs_grad || (t.defined() && t.requires_grad());
-    return cpu_stand_in(t);
+  const size_t base = stack->size() - n;
+  auto call = [&](bool positive_definite) {
+    auto stand_in = [&needs_grad, positive_definite](const at::Tensor& t) {
+      needs_grad = needs_grad || (t.defined() && t.requires_grad());
+      return cpu_stand_in(t, positive_definite);
+    };
+    stack->resize(base);
+    for (const c10::IValue& v : originals) stack->push_back(detail::with_stand_ins(v, stand_in));
+    op.callBoxed(stack);
   };
-  for (size_t i = stack->size() - n; i < stack->size(); ++i)
-    (*stack)[i] = detail::with_stand_ins((*stack)[i], stand_in);
-  op.callBoxed(stack);
+  try {
+    call(false);
+  } catch (const c10::Error&) {
+    // Values a factorization refuses (a singular matrix): once more, positive definite; else the
+    // first failure, as it was.
+    const std::exception_ptr first = std::current_exception();
+    try {
+      call(true);
+    } catch (const c10::Error&) {
+      std::rethrow_exception(first);
+    }
+  }
   needs_grad = needs_grad && at::GradMode::is_enabled();
   auto to_meta = [needs_grad](const at::Tensor& t) {
     at::Tensor m = meta_like(t);
@@ -358,6 +378,18 @@ void materialize(torch::nn::Module& module, const ParamInitFn& init, c10::Device
 }
 
 namespace detail {
+
+void fill_stand_in(const at::Tensor& c, bool positive_definite) {
+  const bool floating = at::isFloatingType(c.scalar_type()) || at::isComplexType(c.scalar_type());
+  {
+    // Through a tensor over the whole storage: a layout with overlapping elements cannot be filled.
+    at::Tensor whole = at::empty({0}, c.options());
+    whole.set_(c.storage(), 0, {static_cast<int64_t>(c.storage().nbytes() / c.element_size())}, {1});
+    whole.fill_(floating ? 0.5 : 0.0);
+  }
+  if (floating && positive_definite && c.dim() >= 2 && c.size(-1) == c.size(-2) && c.size(-1) > 0)
+    c.diagonal(0, -2, -1).add_(static_cast<double>(c.size(-1)));
+}
 
 void check_not_deferring(const char* what) {
   FSDP_CHECK(!deferring(), what,

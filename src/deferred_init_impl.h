@@ -55,6 +55,11 @@ c10::IValue with_stand_ins(const c10::IValue& v, F&& stand_in) {
   return v;
 }
 
+// Fills CPU tensor `c`, over its whole storage, with one half where floating (zero otherwise, so
+// indices stay in range), then, where `positive_definite`, raises the diagonal of each square matrix
+// in its last two dimensions by their size: for an operator that refuses a singular matrix.
+void fill_stand_in(const at::Tensor& c, bool positive_definite);
+
 // While alive: operators on this thread run on the devices of their arguments, as inside a
 // stand-in, and in_stand_in() is true (for work on real tensors inside a shape pass).
 class StandInScope {

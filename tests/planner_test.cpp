@@ -86,7 +86,8 @@ FSDP_WORKER(planner_memory_worker) {
     int reshard_size = 0;  // hpZ
     int micro_batch = 2;   // of the 2 sequences per rank
     bool no_sync = false;
-    bool grads_kept = true;  // false: the pieces' gradients dropped between steps (LibTorch 2's zero_grad)
+    bool grads_kept = true;   // false: the pieces' gradients dropped between steps (LibTorch 2's zero_grad)
+    bool frozen_qkv = false;  // every block's attention input weights frozen (a frozen base, as under LoRA)
   };
   const auto pre = BackwardPrefetch::kBackwardPre;
   std::vector<Case> cases;
@@ -113,11 +114,20 @@ FSDP_WORKER(planner_memory_worker) {
   for (const bool no_sync : {false, true})  // the first micro-batch leaves the pieces holding gradients
     cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 1, no_sync, false});
   cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 2, false, false});
+  for (const auto p : {at::kFloat, at::kBFloat16})
+    cases.push_back({ShardingStrategy::kFullShard, p, 2, pre, true, 2, 0, 2, false, true, true});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 1, pre, true, 1, 0, 2, false, true, true});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 2, BackwardPrefetch::kBackwardPost, false, 1, 0, 2, false,
+                   true, true});
+  cases.push_back({ShardingStrategy::kShardGradOp, at::kFloat, 2, pre, true, 2, 0, 2, false, true, true});
+  cases.push_back({ShardingStrategy::kHybridShard, at::kBFloat16, 2, pre, true, 2, 0, 2, false, true, true});
   const auto cluster = fsdp::Cluster::parse("cpu:1x4");
   int checked = 0;
   for (const Case& c : cases) {
     torch::manual_seed(5);
     TinyTransformer model(50, 16, 2, 3, 8);
+    if (c.frozen_qkv)
+      for (auto& b : *model->blocks) b->as<BlockImpl>()->qkv->weight.requires_grad_(false);
     const fsdp::Plan plan = fsdp::plan(*model, cluster,
                                        single(c.strategy, c.precision, c.limit, c.prefetch, c.forward_prefetch,
                                               c.in_flight, c.reshard_size, c.micro_batch, c.no_sync, c.grads_kept));

@@ -308,8 +308,9 @@ struct ReductionNetImpl : nn::Module {
 TORCH_MODULE(ReductionNet);
 
 // Operators the keep table has no entry for, whose backward keeps indices, inputs or results:
-// advanced indexing, max over a dimension, min, lerp, hypot, erfinv, acos in place (and flip,
-// cumsum, tril and lerp in place by a number, which keep nothing). The trace learns what each keeps by running it once on stand-ins.
+// advanced indexing, max over a dimension, min, lerp, hypot, erfinv, acos in place, a Cholesky
+// factorization, which refuses the stand-ins' first values (and flip, cumsum, tril and lerp in place
+// by a number, which keep nothing). The trace learns what each keeps by running it once on stand-ins.
 struct UnlistedNetImpl : nn::Module {
   UnlistedNetImpl() {
     a = register_module("a", nn::Linear(6, 10));
@@ -325,6 +326,8 @@ struct UnlistedNetImpl : nn::Module {
     at::Tensor l = torch::lerp(y, z, torch::sigmoid(z)) + torch::hypot(y, z);
     at::Tensor e = torch::erfinv(y) + (y * 2.0).acos_() + torch::flip(z, {-1}).cumsum(-1).tril();
     e = e + (z * 2.0).lerp_(y, 0.25);
+    // Positive definite in a real forward: y^T y + I.
+    e = e + torch::cholesky(torch::matmul(y.transpose(0, 1), y) + torch::eye(10)).sum(0);
     return c->forward(l * e + picked + m);
   }
   nn::Linear a{nullptr}, b{nullptr}, c{nullptr};

@@ -41,28 +41,28 @@ std::optional<c10::OperatorHandle> probe_target(const c10::OperatorName& name) {
   return *op;
 }
 
-// A CPU tensor of meta tensor `t`'s layout, dtype and requires-grad: floating values one half,
-// the rest zero (indices stay in range). Wrapped numbers and tensors not on meta stay as they are.
-at::Tensor probe_stand_in(const at::Tensor& t) {
+// The values a probe's stand-ins hold (detail::fill_stand_in): floating ones one half, or that
+// with every square matrix made positive definite, for operators that refuse a singular one.
+enum class Fill { kHalf, kPositiveDefinite };
+
+// A CPU tensor of meta tensor `t`'s layout, dtype and requires-grad, filled as `fill` says.
+// Wrapped numbers and tensors not on meta stay as they are.
+at::Tensor probe_stand_in(const at::Tensor& t, Fill fill) {
   if (!t.defined() || !t.is_meta()) return t;
   at::Tensor c = at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kCPU));
-  const bool floating = at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
-  {
-    // Through a tensor over the whole storage: a layout with overlapping elements cannot be filled.
-    at::Tensor whole = at::empty({0}, c.options());
-    whole.set_(c.storage(), 0, {static_cast<int64_t>(c.storage().nbytes() / c.element_size())}, {1});
-    whole.fill_(floating ? 0.5 : 0.0);
-  }
-  if (floating && t.requires_grad()) c.requires_grad_(true);
+  detail::fill_stand_in(c, fill == Fill::kPositiveDefinite);
+  if ((at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) && t.requires_grad())
+    c.requires_grad_(true);
   return c;
 }
 
 // Runs `op` on `arguments`' stand-ins with grad and reads what its backward node keeps from
 // reference counts (Note [Planner operator trace]); none where the operator fails on them.
-std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& arguments) {
+std::optional<Probed> probe(const c10::OperatorHandle& op, const std::vector<c10::IValue>& arguments, Fill fill) {
   const detail::StandInScope scope;
   std::vector<c10::IValue> stand_ins;
-  for (const c10::IValue& v : arguments) stand_ins.push_back(detail::with_stand_ins(v, probe_stand_in));
+  for (const c10::IValue& v : arguments)
+    stand_ins.push_back(detail::with_stand_ins(v, [fill](const at::Tensor& t) { return probe_stand_in(t, fill); }));
   const std::vector<at::Tensor> in = flat_tensors(stand_ins);
   // A leaf's gradient accumulator holds it: made now, so it is not counted as kept.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
@@ -124,7 +124,9 @@ size_t stand_in_bytes(const std::vector<c10::IValue>& arguments) {
 
 std::optional<Probed> probe_kept(const c10::OperatorName& name, const std::vector<c10::IValue>& arguments) {
   const std::optional<c10::OperatorHandle> op = probe_target(name);
-  return op ? probe(*op, arguments) : std::nullopt;
+  if (!op) return std::nullopt;
+  if (auto probed = probe(*op, arguments, Fill::kHalf)) return probed;
+  return probe(*op, arguments, Fill::kPositiveDefinite);  // e.g. a factorization that refused a singular matrix
 }
 
 }  // namespace fsdp::planner

@@ -61,6 +61,7 @@ class Replay {
     }
     finish_reductions(0);
     held_back_ = -1;
+    lingering_.clear();
     for (int u = 0; u < n_; ++u) reshard(u);
     for (int u = 0; u < n_; ++u) drop_parts(u);  // a unit without gradients never gathered them
     compute(in_.step_s);
@@ -344,6 +345,7 @@ class Replay {
   void pre_backward(int u) {
     backward_started_ = true;
     reshard_units_left(u);
+    reshard_lingering_left(u);
     mark_used(u, true);
     last_used_ = u;
     if (kept_for_backward_ == u) kept_for_backward_ = -1;
@@ -360,9 +362,32 @@ class Replay {
     wait_unshard(u);
   }
 
+  // Frozen parameters get no gradient: a unit with any stays gathered until backward moves to a
+  // unit that is neither it nor one of its ancestors (Note [Frozen parameters in backward]).
+  bool has_frozen(int u) const {
+    for (const SimFlat& f : in_.units[u].flats)
+      if (f.separate_shard && !f.requires_grad) return true;
+    return false;
+  }
+  void reshard_lingering_left(int u) {
+    std::vector<int> keep;
+    for (const int v : lingering_) {
+      if (v == u || is_ancestor(v, u))
+        keep.push_back(v);
+      else
+        reshard(v);
+    }
+    lingering_ = std::move(keep);
+  }
+
   void post_backward(int u) {
     state_[u] = State::kBackwardDone;
-    if (!in_.no_shard) reshard(u);
+    if (!in_.no_shard) {
+      if (has_frozen(u))
+        lingering_.push_back(u);
+      else
+        reshard(u);
+    }
     if (last_used_ == u) last_used_ = -1;
     if (in_.backward_prefetch == BackwardPrefetch::kBackwardPost) prefetch(next_pending_in_backward(u));
     if (in_.reduce) reduce(u);
@@ -400,6 +425,7 @@ class Replay {
   std::vector<double> gather_end_;
   std::vector<char> ran_, grads_allocated_;
   std::vector<char> parts_, gathering_parts_;  // hpZ: parts held; the pending gather reads them
+  std::vector<int> lingering_;                 // done with backward, gathered for their frozen parameters
   std::vector<int> first_segment_, previous_forward_order_, backward_order_;
   int first_in_backward_ = -1, kept_for_backward_ = -1, held_back_ = -1, last_used_ = -1;
   bool backward_started_ = false;
