@@ -423,6 +423,10 @@ TEST(Planner, ShortPassesAreTimedUntilTheMinimumSpan) {
 }
 
 TEST(Planner, CalibratedPassMemoryBecomesTheWorkspace) {
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "AddressSanitizer's allocator keeps freed memory in quarantine: the resident set does not follow "
+                  "the live tensors";
+#endif
   {  // fsdp::calibrate measures the passes' memory without and with the model's checkpointing.
     // Large blocks come straight from the system (no dynamic threshold), so the resident set
     // follows the live tensors and the two passes compare; ctest runs each test in its own process.
