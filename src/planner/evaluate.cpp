@@ -42,11 +42,6 @@ int shard_factor(const Candidate& c, int world) {
   }
 }
 
-// Whether the candidate's non-root units reshard after forward.
-bool reshards_after_forward(const Candidate& c) {
-  return c.strategy == ShardingStrategy::kFullShard || c.strategy == ShardingStrategy::kHybridShard;
-}
-
 // The replay of one micro-batch, with the waits on peers the runtime calibration measured: they
 // grow with the computation between the ranks' meetings, not with their number, so the
 // candidate's share of them is spread evenly over the collectives it issues.
@@ -92,7 +87,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const Link& shard_link = measured_link ? measured : cluster.link_for_group(F);
   const Link& world_link = measured_link ? measured : cluster.link_for_group(world);
   const Link& replica_link = measured_link ? measured : cluster.inter;
-  const int k = reshards_after_forward(c) ? c.reshard_after_forward_size : 0;
+  const int k = reshards_after_forward(c.strategy) ? c.reshard_after_forward_size : 0;
   const Link& hpz_link = measured_link ? measured : cluster.link_for_group(std::max(k, 1));
   const double host_bps = cluster.host_device_gbps * 1e9;
 
@@ -102,7 +97,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   for (size_t u = 0; u < plan.units.size(); ++u) {
     SimUnit& su = sim.units[u];
     su.ancestors = plan.units[u].ancestors;
-    su.reshard_after_forward = u != 0 && reshards_after_forward(c);
+    su.reshard_after_forward = u != 0 && reshards_after_forward(c.strategy);
     for (const int f : plan.units[u].flat_params) {
       const UnitPlan::FlatParam& fp = plan.flat_params[f];
       int64_t numel = 0;

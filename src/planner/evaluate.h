@@ -39,6 +39,11 @@ struct Replayed {
   double checkpointed_forward_s = 0;  // the calibrated forward computation of what checkpointing covers
 };
 
+// Whether a strategy's non-root units reshard after forward (and so may keep hpZ parts).
+inline bool reshards_after_forward(ShardingStrategy s) {
+  return s == ShardingStrategy::kFullShard || s == ShardingStrategy::kHybridShard;
+}
+
 // `world` ranks of `cluster`; every other input comes from `request`. `correction`: added to the
 // replay (none: null); `replayed`: where to put the replay's own figures (null: nowhere).
 PlanEntry evaluate(const ModelView& model, const Candidate& candidate, const Cluster& cluster, int world,
