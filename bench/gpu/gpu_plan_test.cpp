@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <vector>
 
 #include "gpu_plan.h"
@@ -39,9 +40,10 @@ TEST(GpuPlan, PlansTheRunsOwnConfigurationFromACalibrationOnItsDevice) {
 
   // The run itself: the median step within a factor of four of the prediction (a check that the
   // calibration and the plan fit together; bench/results/planner.md measures the planner's
-  // accuracy, which this machine's noise would swamp here). A calibration or run that a burst of
-  // other work on the machine slowed is not the planner's error: up to three calibrations and runs,
-  // of which one must be within the bounds.
+  // accuracy, which this machine's noise would swamp here). Other work on the machine (CI's
+  // background builds) can change every step time many times over within a second, so the run is
+  // timed right before and right after a calibration, and only an attempt whose two medians agree
+  // within half again, a steady machine, is compared.
   auto sharded = fsdp::fully_shard(model, pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<gpt::BlockImpl>()));
   std::vector<at::Tensor> pieces;
   for (const auto& kv : sharded->named_parameters()) pieces.push_back(kv.second);
@@ -63,16 +65,21 @@ TEST(GpuPlan, PlansTheRunsOwnConfigurationFromACalibrationOnItsDevice) {
     std::sort(steps.begin(), steps.end());
     return steps[steps.size() / 2];
   };
-  double predicted = planned.step_s, ratio = median_step() / predicted;
-  for (int attempt = 1; attempt < 3 && !(ratio > 0.25 && ratio < 4.0); ++attempt) {
-    std::cout << "measured / predicted " << ratio << " (attempt " << attempt << "); calibrating again" << std::endl;
-    predicted = gpu_bench::plan_run(run, pg, fsdp::Cluster::preset("cpu", 1, 1)).step_s;
-    ratio = median_step() / predicted;
+  constexpr int kAttempts = 8;
+  for (int attempt = 1; attempt <= kAttempts; ++attempt) {
+    const double before = median_step();
+    const double predicted = gpu_bench::plan_run(run, pg, fsdp::Cluster::preset("cpu", 1, 1)).step_s;
+    const double after = median_step();
+    std::cout << "attempt " << attempt << ": predicted " << predicted * 1e3 << " ms, measured " << before * 1e3
+              << " ms before and " << after * 1e3 << " ms after" << std::endl;
+    if (std::max(before, after) > 1.5 * std::min(before, after)) continue;  // the machine's load changed
+    const double ratio = std::sqrt(before * after) / predicted;
+    EXPECT_LT(ratio, 4.0);
+    EXPECT_GT(ratio, 0.25);
+    return;
   }
-  std::cout << "predicted " << predicted * 1e3 << " ms, measured " << ratio * predicted * 1e3 << " ms per step"
-            << std::endl;
-  EXPECT_LT(ratio, 4.0);
-  EXPECT_GT(ratio, 0.25);
+  GTEST_SKIP() << "the machine's load changed across each of " << kAttempts
+               << " calibrations, so no measured step could be compared with its prediction";
 }
 
 }  // namespace
