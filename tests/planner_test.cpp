@@ -50,7 +50,8 @@ TEST(Planner, ParsesClustersAndSizes) {
 // One candidate: every list of the request holds one value.
 fsdp::PlanRequest single(fsdp::ShardingStrategy strategy, at::ScalarType precision, int limit,
                          fsdp::BackwardPrefetch prefetch, bool forward_prefetch, int in_flight, int reshard_size = 0,
-                         int micro_batch = 2, bool no_sync = false, bool grads_kept = true) {
+                         int micro_batch = 2, bool no_sync = false, bool grads_kept = true,
+                         bool replica_deferred = false) {
   return fsdp::PlanRequest()
       .world(4)
       .global_batch(8)
@@ -68,6 +69,7 @@ fsdp::PlanRequest single(fsdp::ShardingStrategy strategy, at::ScalarType precisi
       .reductions_in_flight({in_flight})
       .micro_batches({micro_batch})
       .no_sync({no_sync})
+      .replica_deferred({replica_deferred})
       .grads_kept_between_steps(grads_kept);
 }
 
@@ -86,8 +88,9 @@ FSDP_WORKER(planner_memory_worker) {
     int reshard_size = 0;  // hpZ
     int micro_batch = 2;   // of the 2 sequences per rank
     bool no_sync = false;
-    bool grads_kept = true;   // false: the pieces' gradients dropped between steps (LibTorch 2's zero_grad)
-    bool frozen_qkv = false;  // every block's attention input weights frozen (a frozen base, as under LoRA)
+    bool grads_kept = true;         // false: the pieces' gradients dropped between steps (LibTorch 2's zero_grad)
+    bool frozen_qkv = false;        // every block's attention input weights frozen (a frozen base, as under LoRA)
+    bool replica_deferred = false;  // HYBRID_SHARD: only the last micro-batch reduces across replicas
   };
   const auto pre = BackwardPrefetch::kBackwardPre;
   std::vector<Case> cases;
@@ -121,6 +124,12 @@ FSDP_WORKER(planner_memory_worker) {
                    true, true});
   cases.push_back({ShardingStrategy::kShardGradOp, at::kFloat, 2, pre, true, 2, 0, 2, false, true, true});
   cases.push_back({ShardingStrategy::kHybridShard, at::kBFloat16, 2, pre, true, 2, 0, 2, false, true, true});
+  // Two micro-batches, the replica all-reduce at the last only, gradients kept or dropped.
+  for (const auto p : {at::kFloat, at::kBFloat16})
+    for (const bool kept : {true, false})
+      cases.push_back({ShardingStrategy::kHybridShard, p, 2, pre, true, 2, 0, 1, false, kept, false, true});
+  cases.push_back({ShardingStrategy::kHybridShard, at::kFloat, 2, BackwardPrefetch::kBackwardPost, false, 1, 0, 1,
+                   false, true, false, true});
   const auto cluster = fsdp::Cluster::parse("cpu:1x4");
   int checked = 0;
   for (const Case& c : cases) {
@@ -128,9 +137,10 @@ FSDP_WORKER(planner_memory_worker) {
     TinyTransformer model(50, 16, 2, 3, 8);
     if (c.frozen_qkv)
       for (auto& b : *model->blocks) b->as<BlockImpl>()->qkv->weight.requires_grad_(false);
-    const fsdp::Plan plan = fsdp::plan(*model, cluster,
-                                       single(c.strategy, c.precision, c.limit, c.prefetch, c.forward_prefetch,
-                                              c.in_flight, c.reshard_size, c.micro_batch, c.no_sync, c.grads_kept));
+    const fsdp::Plan plan =
+        fsdp::plan(*model, cluster,
+                   single(c.strategy, c.precision, c.limit, c.prefetch, c.forward_prefetch, c.in_flight, c.reshard_size,
+                          c.micro_batch, c.no_sync, c.grads_kept, c.replica_deferred));
     WORKER_CHECK(plan.entries.size() == 1, "expected one candidate, got ", plan.entries.size());
     const fsdp::PlanEntry& e = plan.entries.front();
     auto sharded = fsdp::fully_shard(model, pg, e.candidate.options());
@@ -146,6 +156,7 @@ FSDP_WORKER(planner_memory_worker) {
       for (int m = 0; m < k; ++m) {
         std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
         if (e.candidate.no_sync && m + 1 < k) no_sync.emplace(sharded->no_sync());
+        if (e.candidate.replica_deferred) sharded->set_requires_all_reduce(m + 1 == k);
         auto x = torch::randint(50, {e.candidate.micro_batch, 8}, torch::kLong);
         lm_loss(model->forward(x), x).backward();
       }
@@ -277,6 +288,53 @@ TEST(Planner, ReshardsToOneNodesRanksWhereTheJobSpansNodes) {
   for (const auto& e : odd.entries) EXPECT_EQ(e.candidate.reshard_after_forward_size, 0);
   EXPECT_EQ(odd.entries.size(), 2U);
   EXPECT_THROW(fsdp::plan(*model, cluster, request.reshard_after_forward_sizes({-8})), fsdp::Error);
+}
+
+// HYBRID_SHARD with accumulation may reduce across replicas only at the last micro-batch
+// (set_requires_all_reduce): the earlier ones keep their shard group's sums, and the inter-node
+// all-reduce runs once per step.
+TEST(Planner, DefersTheReplicaAllReduceToTheLastMicroBatch) {
+  fsdp::DeferredInit deferred;
+  Stack model(512, 4);
+  const auto cluster = fsdp::Cluster::parse("paper:2x8");
+  auto request = one_rank(0)
+                     .world(16)
+                     .global_batch(32)
+                     .seq_len(64)
+                     .micro_batches({1})
+                     .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kHybridShard})
+                     .hybrid_factors({8})
+                     .reshard_after_forward_sizes({0})
+                     .activation_checkpointing({false})
+                     .cpu_offload({false});
+  const fsdp::Plan plan = fsdp::plan(*model, cluster, request);
+  // FULL_SHARD: reduce, no_sync; HYBRID_SHARD: reduce, replica-deferred, no_sync.
+  ASSERT_EQ(plan.entries.size(), 5U) << plan.table();
+  const fsdp::PlanEntry *every = nullptr, *last = nullptr;
+  for (const auto& e : plan.entries) {
+    const auto& c = e.candidate;
+    if (c.replica_deferred) {
+      EXPECT_EQ(c.strategy, fsdp::ShardingStrategy::kHybridShard) << c.describe();
+      EXPECT_FALSE(c.no_sync) << c.describe();
+      EXPECT_TRUE(contains(c.describe(), "replica-deferred")) << c.describe();
+      last = &e;
+    } else if (c.strategy == fsdp::ShardingStrategy::kHybridShard && !c.no_sync) {
+      every = &e;
+    }
+  }
+  ASSERT_TRUE(every != nullptr && last != nullptr) << plan.table();
+  // The shard group's sums of a block (2,099,712 float32 over 8 ranks) held from the first
+  // micro-batch to the last one's reduction: more gradient memory, at most every block's.
+  const int64_t partial = 2099712LL / 8 * 4;
+  EXPECT_GT(last->memory.grads, every->memory.grads);
+  EXPECT_LE(last->memory.grads, every->memory.grads + 4 * partial);
+  EXPECT_EQ(last->memory.params, every->memory.params);
+  // One all-reduce across the nodes per step instead of one per micro-batch.
+  EXPECT_LT(last->time.step_s, every->time.step_s);
+  EXPECT_LT(last->time.exposed_comm_s, every->time.exposed_comm_s);
+  // Asked for, it applies only where there are replicas and several micro-batches.
+  const fsdp::Plan one = fsdp::plan(*model, cluster, request.micro_batches({2}).replica_deferred({true}));
+  for (const auto& e : one.entries) EXPECT_FALSE(e.candidate.replica_deferred) << e.candidate.describe();
 }
 
 TEST(Planner, CalibratedTimesReplaceTheNominalRates) {

@@ -84,6 +84,8 @@ struct PlanRequest {
   TORCH_ARG(std::vector<int>, micro_batches) = {};
   /// With accumulation, whether micro-batches before the last skip their reductions (no_sync) or each reduces.
   TORCH_ARG(std::vector<bool>, no_sync) = {false, true};
+  /// HYBRID_SHARD with accumulation and without no_sync: whether micro-batches before the last reduce only within their shard group, the last one across replicas too (FullyShardedModule::set_requires_all_reduce).
+  TORCH_ARG(std::vector<bool>, replica_deferred) = {false, true};
 };
 
 // One configuration.
@@ -102,6 +104,7 @@ struct Candidate {
   int micro_batch = 1;                 // sequences per micro-batch per rank
   int accumulation = 1;                // micro-batches per step
   bool no_sync = false;                // micro-batches before the last keep their unsharded gradients, unreduced
+  bool replica_deferred = false;       // HYBRID_SHARD: micro-batches before the last skip the replica all-reduce
 
   // fully_shard's options for it (activation checkpointing is the model's: apply it to the units).
   Options options() const;

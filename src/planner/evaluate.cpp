@@ -45,9 +45,12 @@ int shard_factor(const Candidate& c, int world) {
 // The replay of one micro-batch, with the waits on peers the runtime calibration measured: they
 // grow with the computation between the ranks' meetings, not with their number, so the
 // candidate's share of them is spread evenly over the collectives it issues.
-SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, bool reduce, bool grads_held) {
+SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, bool reduce, bool grads_held,
+                            bool defer_replicas = false, bool partials_held = false) {
   sim.reduce = reduce;
   sim.grads_held = grads_held;
+  sim.defer_replicas = defer_replicas;
+  sim.partials_held = partials_held;
   SimResult r = simulate(sim);
   if (waits_per_compute_s == 0 || r.collectives == 0) return r;
   const double wait = waits_per_compute_s * r.compute_s / r.collectives;
@@ -130,9 +133,11 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         const int64_t grad_bytes = padded * element_size(reduce);
         flat.reduce_s = F == 1 ? modeled_seconds(Collective::kAllReduce, grad_bytes, world, world_link)
                                : modeled_seconds(Collective::kReduceScatter, grad_bytes, F, shard_link);
-        if (c.strategy == ShardingStrategy::kHybridShard && world / F > 1)
-          flat.reduce_s +=
+        if (c.strategy == ShardingStrategy::kHybridShard && world / F > 1) {
+          flat.replica_reduce_s =
               modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, replica_link);
+          flat.reduce_s += flat.replica_reduce_s;
+        }
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
       }
       flat.issue_work_s = extra.per_collective_work_s;
@@ -210,15 +215,20 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   sim.no_shard = c.strategy == ShardingStrategy::kNoShard;
   sim.separate_lanes = cluster.separate_comm_lanes;
   sim.comm_on_compute_cores = cluster.device_is_host;
-  // One micro-batch, or with no_sync the first, one of those between and the last (which reduces
-  // the sum); their peaks are the step's, their times add up.
+  // One micro-batch, or with no_sync or replica-deferred reductions the first, one of those between
+  // and the last (which reduces the sum, or reduces across replicas); their peaks are the step's,
+  // their times add up.
   const bool no_sync = c.no_sync && c.accumulation > 1;
-  SimResult r = replay_with_waits(sim, extra.waits_per_compute_s, !no_sync, false);
+  const bool deferred = c.replica_deferred && !no_sync && c.accumulation > 1 &&
+                        c.strategy == ShardingStrategy::kHybridShard && world / F > 1;
+  const double waits = extra.waits_per_compute_s;
+  SimResult r = replay_with_waits(sim, waits, !no_sync, false, deferred, false);
   double step_passes_s = c.accumulation * r.step_s, step_compute_s = c.accumulation * r.compute_s,
          step_exposed_s = c.accumulation * r.exposed_s;
-  if (no_sync) {
-    const SimResult last = replay_with_waits(sim, extra.waits_per_compute_s, true, true);
-    const SimResult between = c.accumulation > 2 ? replay_with_waits(sim, extra.waits_per_compute_s, false, true) : r;
+  if (no_sync || deferred) {
+    const SimResult last = replay_with_waits(sim, waits, true, no_sync, false, deferred);
+    const SimResult between =
+        c.accumulation > 2 ? replay_with_waits(sim, waits, !no_sync, no_sync, deferred, deferred) : r;
     const double n = c.accumulation - 2;
     step_passes_s = r.step_s + n * between.step_s + last.step_s;
     step_compute_s = r.compute_s + n * between.compute_s + last.compute_s;
@@ -231,8 +241,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       r.pool_bytes = std::max(r.pool_bytes, o->pool_bytes);
     }
   }
-  // After the first of several micro-batches the pieces hold gradients (its reduced ones, or under
-  // no_sync zeros), which the next backward's accounting counts.
+  // After the first of several micro-batches the pieces hold gradients (its reduced ones, or, where
+  // it left them unreduced under no_sync or replica-deferred reductions, zeros), which the next
+  // backward's accounting counts.
   if (c.accumulation > 1 && !offload) rest.piece_grads = rest.piece_bytes;
   if (replayed != nullptr) {
     replayed->forward_s = r.forward_s;

@@ -24,6 +24,7 @@ class Replay {
         gather_end_(n_, 0.0),
         ran_(n_, 0),
         grads_allocated_(n_, 0),
+        partials_(n_, 0),
         parts_(n_, 0),
         gathering_parts_(n_, 0) {}
 
@@ -32,6 +33,9 @@ class Replay {
     if (in_.grads_held)
       for (int u = 0; u < n_; ++u)
         if (first_segment_[u] >= 0) allocate_grads(u);
+    if (in_.partials_held)
+      for (int u = 0; u < n_; ++u)
+        if (first_segment_[u] >= 0) hold_partials(u);
     for (const SimSegment& s : in_.segments) {
       if (s.unit == last_used_) {
         if (needs_unshard(s.unit)) unshard(s.unit);
@@ -77,6 +81,7 @@ class Replay {
     int64_t buffer_bytes;
     int64_t output_bytes;
     double end;
+    bool output_kept = false;  // the output becomes the unit's partial sums
   };
   struct Count {
     int live = 0;
@@ -118,6 +123,15 @@ class Replay {
       add_grads(f.grad_buffer_bytes);
       pool(f.grad_buffer_bytes, 1);
     }
+  }
+  // FlatGrad's partial sums of replica-deferred micro-batches before this one: one output per reduction.
+  void hold_partials(int u) {
+    partials_[u] = 1;
+    for (const SimFlat& f : in_.units[u].flats)
+      if (f.requires_grad) {
+        add_grads(f.reduce_output_bytes);
+        pool(f.reduce_output_bytes, 1);
+      }
   }
   void note_total() { r_.total_transient_peak = std::max(r_.total_transient_peak, params_ + grads_ + acts_); }
   // A buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
@@ -403,17 +417,28 @@ class Replay {
       add_grads(f.reduce_output_bytes);
       pool(f.reduce_output_bytes, 1);
       compute(f.issue_work_s);
-      reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true)});
+      if (in_.defer_replicas) {  // the shard group's sums only: the first become the partial sums
+        const double end = issue(f.reduce_s - f.replica_reduce_s, true);
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u]});
+      } else if (partials_[u]) {  // the reduce-scatter waited for, the partial sums added, then the all-reduce
+        wait_until(issue(f.reduce_s - f.replica_reduce_s, true));
+        add_grads(-f.reduce_output_bytes);
+        pool(f.reduce_output_bytes, -1);
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true)});
+      } else {
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true)});
+      }
     }
+    if (in_.defer_replicas) partials_[u] = 1;
     finish_reductions(k);
   }
   void finish_reductions(size_t keep) {
     while (reductions_.size() > keep) {
       const Pending& p = reductions_.front();
       wait_until(p.end);
-      add_grads(-p.buffer_bytes - p.output_bytes);
+      add_grads(-p.buffer_bytes - (p.output_kept ? 0 : p.output_bytes));
       pool(p.buffer_bytes, -1);
-      pool(p.output_bytes, -1);
+      if (!p.output_kept) pool(p.output_bytes, -1);
       reductions_.pop_front();
     }
   }
@@ -424,6 +449,7 @@ class Replay {
   std::vector<char> unsharded_, pending_;
   std::vector<double> gather_end_;
   std::vector<char> ran_, grads_allocated_;
+  std::vector<char> partials_;                 // replica-deferred: the unit's partial sums held
   std::vector<char> parts_, gathering_parts_;  // hpZ: parts held; the pending gather reads them
   std::vector<int> lingering_;                 // done with backward, gathered for their frozen parameters
   std::vector<int> first_segment_, previous_forward_order_, backward_order_;

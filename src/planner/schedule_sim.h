@@ -22,7 +22,8 @@ struct SimFlat {
   double gather_s = 0;
   double post_forward_gather_s = 0;  // hpZ: the gather from those parts, within their group
   double reduce_s = 0;
-  double issue_work_s = 0;  // the compute thread's own work for each of its collectives (runtime calibration)
+  double replica_reduce_s = 0;  // HYBRID_SHARD: the replica all-reduce's part of reduce_s
+  double issue_work_s = 0;      // the compute thread's own work for each of its collectives (runtime calibration)
 };
 
 struct SimUnit {
@@ -59,6 +60,10 @@ struct SimInput {
   // it begins with every unit's unsharded gradient held from the micro-batches before it.
   bool reduce = true;
   bool grads_held = false;
+  // Replica-deferred accumulation: whether this micro-batch's sums stop at the shard group (kept as
+  // partial sums), and whether it begins with the earlier micro-batches' partial sums held.
+  bool defer_replicas = false;
+  bool partials_held = false;
 };
 
 struct SimResult {

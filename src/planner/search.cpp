@@ -49,6 +49,20 @@ std::vector<bool> sync_choices(const PlanRequest& request, int accumulation) {
   return out;
 }
 
+// The request's replica_deferred choices for candidate `c`: only HYBRID_SHARD with more than one
+// replica group, several micro-batches and reductions in each of them has a reduction to defer.
+std::vector<bool> replica_choices(const PlanRequest& request, const Candidate& c, int world) {
+  const bool applies = c.strategy == ShardingStrategy::kHybridShard && c.sharding_factor > 0 &&
+                       world / c.sharding_factor > 1 && c.accumulation > 1 && !c.no_sync;
+  std::vector<bool> out;
+  for (const bool deferred : request.replica_deferred()) {
+    const bool v = deferred && applies;
+    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+  }
+  if (out.empty()) out.push_back(false);
+  return out;
+}
+
 std::vector<int> micro_batches(const PlanRequest& request, int per_rank) {
   if (!request.micro_batches().empty()) return request.micro_batches();
   std::vector<int> all;
@@ -118,9 +132,12 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
     c.micro_batch = m;
     c.accumulation = per_rank / m;
   });
-  return expand(
+  cs = expand(
       cs, [&](const Candidate& c) { return sync_choices(request, c.accumulation); },
       [](Candidate& c, bool on) { c.no_sync = on; });
+  return expand(
+      cs, [&](const Candidate& c) { return replica_choices(request, c, world); },
+      [](Candidate& c, bool on) { c.replica_deferred = on; });
 }
 
 }  // namespace

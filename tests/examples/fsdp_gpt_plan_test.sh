@@ -22,9 +22,10 @@ test_plan_paper_cluster() {
   expect_text out "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB |"
   expect_regex out "^\| 1 \| [A-Z_]+.*, micro-batch [0-9]+ x [0-9]+ \|.*\| yes \|"
   expect_regex out "^best: "
-  # Every strategy and both precisions are candidates, hpZ over one node and no_sync accumulation too.
+  # Every strategy and both precisions are candidates, hpZ over one node, and accumulation without
+  # communication or with the replica all-reduce at the last micro-batch only.
   for what in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD/8 bf16 fp32 checkpointed offload \
-    "reshard to groups of 8" "x 2 no_sync"; do
+    "reshard to groups of 8" "x 2 no_sync" "x 2 replica-deferred"; do
     expect_text out "$what"
   done
 }
@@ -72,6 +73,17 @@ test_plan_calibrated() {
   run "$TRAINER" "${SMALL[@]}" --plan --calibrate --cluster a100-80g:1x8
   expect_failure
   expect_text err "--cluster a100-80g:1x8 plans for another"
+}
+
+test_plan_file_replica_deferred() {
+  # A HYBRID_SHARD run that reduces across replicas at its last micro-batch only is predicted as such.
+  run "$LAUNCHER" --nproc-per-node 4 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --strategy HYBRID_SHARD \
+    --sharding-factor 2 --grad-accum 2 --grad-accum-mode replica-deferred --plan-file "$TMP/plan.jsonl"
+  expect_rc 0
+  expect_regex out "^\[rank 0\] step +4/4 \| loss "
+  grep -q '"configuration":"HYBRID_SHARD/2, wrap block, fp32, micro-batch 2 x 2 replica-deferred"' "$TMP/plan.jsonl" ||
+    fail "no replica-deferred prediction in the plan file: $(cat "$TMP/plan.jsonl")"
+  grep -q '"replica_deferred":true' "$TMP/plan.jsonl" || fail "the plan file does not say replica_deferred"
 }
 
 # configuration<TAB>activations_bytes<TAB>tflops_per_device, one line per --plan-file entry.
