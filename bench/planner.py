@@ -66,13 +66,16 @@ def matrix():
     for world in (1, 2, 4):
         runs.append((world, "XL", ["--strategy", "FULL_SHARD"], False, "none"))
     runs.append((4, "XL", ["--strategy", "FULL_SHARD"], True, "none"))
-    # hpZ, and accumulation over two micro-batches with and without communication.
+    # hpZ, and accumulation over two micro-batches with and without communication, and with the
+    # replica all-reduce at the last only.
     hpz = ["--strategy", "FULL_SHARD", "--reshard-after-forward-size", "2"]
     for mp in ("none", "bf16"):
         runs.append((4, "M", hpz, False, mp))
     for world, mode, mp in ((2, "no-sync", "none"), (4, "no-sync", "bf16"), (4, "reduce", "none")):
         runs.append((world, "M", ["--strategy", "FULL_SHARD", "--grad-accum", "2", "--grad-accum-mode", mode], False,
                      mp))
+    runs.append((4, "M", ["--strategy", "HYBRID_SHARD", "--sharding-factor", "2", "--grad-accum", "2",
+                          "--grad-accum-mode", "replica-deferred"], False, "none"))
     return runs
 
 
