@@ -125,6 +125,36 @@ TEST(NoSync, ReshardAfterBackwardOffGathersNothingBetweenMicroBatches) {
   ASSERT_TRUE(r.all_ok()) << r.report();
 }
 
+// FULL_SHARD with set_reshard_after_backward(false): the next micro-batch's forward uses the units
+// backward left unsharded, gathering nothing, and reshards each after its forward as usual, so its
+// backward gathers them again; equal to local training.
+FSDP_WORKER(keep_unsharded_full_shard_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto [ref, model] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options("FULL_SHARD").trace(true));
+  accumulate_side_by_side(ref, model, *sharded, ctx, "FULL_SHARD accumulation with units kept unsharded",
+                          [&](int m, bool last, const at::Tensor& mine) {
+                            sharded->set_reshard_after_backward(last);
+                            sharded->set_requires_gradient_sync(last);
+                            loss_of(model, mine).backward();
+                            int forward_gathers = 0, backward_gathers = 0;
+                            for (const auto& e : sharded->last_trace().events) {
+                              if (e.kind != fsdp::TraceEvent::Kind::kUnshardIssued) continue;
+                              ++(e.label.find("backward") != std::string::npos ? backward_gathers : forward_gathers);
+                            }
+                            if (m > 0)
+                              WORKER_CHECK(forward_gathers == 0, "micro-batch ", m, "'s forward gathered ",
+                                           forward_gathers, " times");
+                            WORKER_CHECK(backward_gathers > 0, "micro-batch ", m,
+                                         "'s backward gathered nothing: its forward did not reshard");
+                          });
+}
+
+TEST(NoSync, ReshardAfterBackwardOffLetsTheNextForwardUseTheUnshardedUnits) {
+  auto r = launch("keep_unsharded_full_shard_worker", 3);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
 // args: strategy, mode ("no_sync" or "replica_deferred"). Gradients zeroed in place or set to none
 // between micro-batches whose gradients are held unreduced are gone, with the held ones, as in
 // local training: micro-batch 0 is dropped, 1 and 2 are summed.

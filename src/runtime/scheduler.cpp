@@ -36,7 +36,7 @@ void Scheduler::pre_forward(int u) {
   tracer_.leave_compute();
   // Another forward reached a non-root unit after the kept one: it was not the last after all.
   if (kept_for_backward_ >= 0 && u != kept_for_backward_ && !units_[u].is_root()) reshard(kept_for_backward_);
-  reshard_units_left(u);
+  reshard_units_left(u, /*forward=*/true);
   Unit& unit = units_[u];
   // A Checkpointed forward runs without grad but has a backward (Note [Activation checkpointing]).
   const bool with_grad = detail::forward_with_grad();
@@ -69,7 +69,7 @@ void Scheduler::pre_forward(int u) {
 void Scheduler::pre_backward(int u) {
   begin_backward();
   tracer_.leave_compute();
-  reshard_units_left(u);
+  reshard_units_left(u, /*forward=*/false);
   reshard_lingering_left(u);
   Unit& unit = units_[u];
   unit.mark_used(/*in_backward=*/true, at::GradMode::is_enabled());
@@ -103,13 +103,17 @@ void Scheduler::note_forward_entry(int u) {
   ran_in_forward_[u] = 1;
 }
 
-void Scheduler::reshard_units_left(int u) {
+void Scheduler::reshard_units_left(int u, bool forward) {
   // Units other than u's ancestors (whose forward may still be running), the root (kept until
-  // backward, paper 3.3.1) and units gathered ahead of use.
+  // backward, paper 3.3.1), units gathered ahead of use, in forward units this pass has not
+  // entered yet (left unsharded by a backward with set_reshard_after_backward(false), or by an
+  // explicit unshard, for this forward to use), and in such a backward the units it has finished.
   const auto& anc = units_[u].ancestors();
   for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
     if (v == u || !units_[v].reshard_after_forward() || units_[v].prefetched() || !units_[v].is_unsharded()) continue;
     if (std::find(anc.begin(), anc.end(), v) != anc.end()) continue;
+    if (forward && !(v < static_cast<int>(ran_in_forward_.size()) && ran_in_forward_[v])) continue;
+    if (!forward && !reshard_after_backward_ && units_[v].backward_done()) continue;
     leave_forward(v);
   }
 }

@@ -62,7 +62,8 @@ class Scheduler {
   // The end of a backward, either way: units reset and the next iteration's state and trace begun.
   void start_next_iteration();
   void pre_backward(int u);
-  void reshard_units_left(int u);
+  // Frees the units u's computation has left behind (`forward`: u is entering its forward).
+  void reshard_units_left(int u, bool forward);
   void unshard(int u, const char* why);
   // Gathers v ahead of use unless the rate limiter holds it back; true if v is (being) gathered.
   bool prefetch(int v, const char* why);
