@@ -51,7 +51,7 @@ TEST(Planner, ParsesClustersAndSizes) {
 fsdp::PlanRequest single(fsdp::ShardingStrategy strategy, at::ScalarType precision, int limit,
                          fsdp::BackwardPrefetch prefetch, bool forward_prefetch, int in_flight, int reshard_size = 0,
                          int micro_batch = 2, bool no_sync = false, bool grads_kept = true,
-                         bool replica_deferred = false) {
+                         bool replica_deferred = false, bool keep_unsharded = false) {
   return fsdp::PlanRequest()
       .world(4)
       .global_batch(8)
@@ -70,6 +70,7 @@ fsdp::PlanRequest single(fsdp::ShardingStrategy strategy, at::ScalarType precisi
       .micro_batches({micro_batch})
       .no_sync({no_sync})
       .replica_deferred({replica_deferred})
+      .keep_unsharded({keep_unsharded})
       .grads_kept_between_steps(grads_kept);
 }
 
@@ -91,6 +92,7 @@ FSDP_WORKER(planner_memory_worker) {
     bool grads_kept = true;         // false: the pieces' gradients dropped between steps (LibTorch 2's zero_grad)
     bool frozen_qkv = false;        // every block's attention input weights frozen (a frozen base, as under LoRA)
     bool replica_deferred = false;  // HYBRID_SHARD: only the last micro-batch reduces across replicas
+    bool keep_unsharded = false;    // no_sync: parameters left unsharded from one micro-batch to the next
   };
   const auto pre = BackwardPrefetch::kBackwardPre;
   std::vector<Case> cases;
@@ -130,6 +132,13 @@ FSDP_WORKER(planner_memory_worker) {
       cases.push_back({ShardingStrategy::kHybridShard, p, 2, pre, true, 2, 0, 1, false, kept, false, true});
   cases.push_back({ShardingStrategy::kHybridShard, at::kFloat, 2, BackwardPrefetch::kBackwardPost, false, 1, 0, 1,
                    false, true, false, true});
+  // Two micro-batches under no_sync, the first leaving the parameters unsharded for the second.
+  for (const auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kHybridShard})
+    for (const auto p : {at::kFloat, at::kBFloat16})
+      cases.push_back({s, p, 2, pre, true, 2, 0, 1, true, true, false, false, true});
+  cases.push_back({ShardingStrategy::kFullShard, at::kFloat, 1, BackwardPrefetch::kBackwardPost, false, 1, 0, 1, true,
+                   false, false, false, true});
+  cases.push_back({ShardingStrategy::kFullShard, at::kBFloat16, 2, pre, true, 2, 2, 1, true, true, false, false, true});
   const auto cluster = fsdp::Cluster::parse("cpu:1x4");
   int checked = 0;
   for (const Case& c : cases) {
@@ -140,7 +149,7 @@ FSDP_WORKER(planner_memory_worker) {
     const fsdp::Plan plan =
         fsdp::plan(*model, cluster,
                    single(c.strategy, c.precision, c.limit, c.prefetch, c.forward_prefetch, c.in_flight, c.reshard_size,
-                          c.micro_batch, c.no_sync, c.grads_kept, c.replica_deferred));
+                          c.micro_batch, c.no_sync, c.grads_kept, c.replica_deferred, c.keep_unsharded));
     WORKER_CHECK(plan.entries.size() == 1, "expected one candidate, got ", plan.entries.size());
     const fsdp::PlanEntry& e = plan.entries.front();
     auto sharded = fsdp::fully_shard(model, pg, e.candidate.options());
@@ -157,6 +166,7 @@ FSDP_WORKER(planner_memory_worker) {
         std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
         if (e.candidate.no_sync && m + 1 < k) no_sync.emplace(sharded->no_sync());
         if (e.candidate.replica_deferred) sharded->set_requires_all_reduce(m + 1 == k);
+        if (e.candidate.keep_unsharded) sharded->set_reshard_after_backward(m + 1 == k);
         auto x = torch::randint(50, {e.candidate.micro_batch, 8}, torch::kLong);
         lm_loss(model->forward(x), x).backward();
       }
@@ -306,7 +316,8 @@ TEST(Planner, DefersTheReplicaAllReduceToTheLastMicroBatch) {
                      .hybrid_factors({8})
                      .reshard_after_forward_sizes({0})
                      .activation_checkpointing({false})
-                     .cpu_offload({false});
+                     .cpu_offload({false})
+                     .keep_unsharded({false});
   const fsdp::Plan plan = fsdp::plan(*model, cluster, request);
   // FULL_SHARD: reduce, no_sync; HYBRID_SHARD: reduce, replica-deferred, no_sync.
   ASSERT_EQ(plan.entries.size(), 5U) << plan.table();
@@ -335,6 +346,41 @@ TEST(Planner, DefersTheReplicaAllReduceToTheLastMicroBatch) {
   // Asked for, it applies only where there are replicas and several micro-batches.
   const fsdp::Plan one = fsdp::plan(*model, cluster, request.micro_batches({2}).replica_deferred({true}));
   for (const auto& e : one.entries) EXPECT_FALSE(e.candidate.replica_deferred) << e.candidate.describe();
+}
+
+// no_sync accumulation may also leave the parameters unsharded from one micro-batch's backward to
+// the next one's forward (set_reshard_after_backward(false)): every block's unsharded parameters
+// held at the end of backward, and no gathers in the next forward.
+TEST(Planner, KeepsTheParametersUnshardedBetweenMicroBatches) {
+  fsdp::DeferredInit deferred;
+  Stack model(512, 4);
+  const auto cluster = fsdp::Cluster::parse("paper:2x8");
+  auto request = one_rank(0)
+                     .world(16)
+                     .global_batch(32)
+                     .seq_len(64)
+                     .micro_batches({1})
+                     .strategies({fsdp::ShardingStrategy::kFullShard})
+                     .reshard_after_forward_sizes({0})
+                     .activation_checkpointing({false})
+                     .cpu_offload({false})
+                     .no_sync({true});
+  const fsdp::Plan plan = fsdp::plan(*model, cluster, request);
+  ASSERT_EQ(plan.entries.size(), 2U) << plan.table();
+  const fsdp::PlanEntry *kept = nullptr, *freed = nullptr;
+  for (const auto& e : plan.entries) (e.candidate.keep_unsharded ? kept : freed) = &e;
+  ASSERT_TRUE(kept != nullptr && freed != nullptr) << plan.table();
+  EXPECT_TRUE(contains(kept->candidate.describe(), "no_sync unsharded")) << kept->candidate.describe();
+  // A block's unsharded values, 2,099,712 float32: all four held once backward has finished them.
+  const int64_t block = 2099712LL * 4;
+  EXPECT_GT(kept->memory.params, freed->memory.params);
+  EXPECT_LE(kept->memory.params, freed->memory.params + 4 * block);
+  EXPECT_EQ(kept->memory.grads, freed->memory.grads);
+  // The second micro-batch's forward gathers nothing.
+  EXPECT_LT(kept->time.step_s, freed->time.step_s);
+  // Only no_sync candidates of strategies that gather their units keep them.
+  const fsdp::Plan other = fsdp::plan(*model, cluster, request.no_sync({false}));
+  for (const auto& e : other.entries) EXPECT_FALSE(e.candidate.keep_unsharded) << e.candidate.describe();
 }
 
 TEST(Planner, CalibratedTimesReplaceTheNominalRates) {

@@ -158,7 +158,8 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
       .backward_prefetch({fsdp::parse_backward_prefetch(config.backward_prefetch)})
       .forward_prefetch({config.forward_prefetch})
       .micro_batches({config.batch.micro})
-      .no_sync({config.grad_accum_mode == "no-sync"})
+      .no_sync({config.grad_accum_mode == "no-sync" || config.grad_accum_mode == "no-sync-unsharded"})
+      .keep_unsharded({config.grad_accum_mode == "no-sync-unsharded"})
       .replica_deferred({config.grad_accum_mode == "replica-deferred"});
 }
 
@@ -180,6 +181,7 @@ void write_entries(const std::string& path, const fsdp::Plan& plan) {
                           {"micro_batch", c.micro_batch},
                           {"accumulation", c.accumulation},
                           {"no_sync", c.no_sync},
+                          {"keep_unsharded", c.keep_unsharded},
                           {"replica_deferred", c.replica_deferred},
                           {"params_bytes", e.memory.params},
                           {"grads_bytes", e.memory.grads},
@@ -246,7 +248,9 @@ void apply_candidate(const fsdp::Candidate& c, TrainConfig& config) {
   config.forward_prefetch = c.forward_prefetch;
   config.batch_size = c.micro_batch;
   if (c.accumulation > 1)
-    config.grad_accum_mode = c.no_sync ? "no-sync" : c.replica_deferred ? "replica-deferred" : "reduce";
+    config.grad_accum_mode = c.no_sync            ? (c.keep_unsharded ? "no-sync-unsharded" : "no-sync")
+                             : c.replica_deferred ? "replica-deferred"
+                                                  : "reduce";
 }
 
 int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {

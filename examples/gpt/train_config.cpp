@@ -254,10 +254,6 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
       throw CLI::ValidationError("--memory-budget", e.what());
     }
   }
-  if (!config.plan_file.empty() && !config.plan && config.grad_accum > 1 &&
-      config.grad_accum_mode == "no-sync-unsharded")
-    throw CLI::ValidationError("--plan-file",
-                               "predicts accumulation with --grad-accum-mode reduce, no-sync or replica-deferred only");
   const bool calibrated = config.calibrate || !config.calibration_file.empty();
   const char* calibration_flag = config.calibrate ? "--calibrate" : "--calibration-file";
   if (calibrated && !config.plan && config.memory_budget.empty() && config.plan_file.empty())

@@ -86,6 +86,8 @@ struct PlanRequest {
   TORCH_ARG(std::vector<bool>, no_sync) = {false, true};
   /// HYBRID_SHARD with accumulation and without no_sync: whether micro-batches before the last reduce only within their shard group, the last one across replicas too (FullyShardedModule::set_requires_all_reduce).
   TORCH_ARG(std::vector<bool>, replica_deferred) = {false, true};
+  /// With no_sync, whether micro-batches before the last also keep the parameters unsharded for the next forward (FullyShardedModule::set_reshard_after_backward).
+  TORCH_ARG(std::vector<bool>, keep_unsharded) = {false, true};
 };
 
 // One configuration.
@@ -105,6 +107,7 @@ struct Candidate {
   int accumulation = 1;                // micro-batches per step
   bool no_sync = false;                // micro-batches before the last keep their unsharded gradients, unreduced
   bool replica_deferred = false;       // HYBRID_SHARD: micro-batches before the last skip the replica all-reduce
+  bool keep_unsharded = false;         // no_sync: micro-batches before the last leave the parameters unsharded
 
   // fully_shard's options for it (activation checkpointing is the model's: apply it to the units).
   Options options() const;

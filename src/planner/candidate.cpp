@@ -32,7 +32,8 @@ std::string Candidate::describe() const {
     << (precision == at::kFloat      ? "fp32"
         : precision == at::kBFloat16 ? "bf16"
                                      : "fp16")
-    << ", micro-batch " << micro_batch << " x " << accumulation << (no_sync ? " no_sync" : "")
+    << ", micro-batch " << micro_batch << " x " << accumulation
+    << (no_sync ? (keep_unsharded ? " no_sync unsharded" : " no_sync") : "")
     << (replica_deferred ? " replica-deferred" : "");
   if (all_gather_limit != 2) o << ", all-gather limit " << all_gather_limit;
   if (backward_prefetch != BackwardPrefetch::kBackwardPre) o << ", " << to_string(backward_prefetch);

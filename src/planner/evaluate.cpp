@@ -45,12 +45,23 @@ int shard_factor(const Candidate& c, int world) {
 // The replay of one micro-batch, with the waits on peers the runtime calibration measured: they
 // grow with the computation between the ranks' meetings, not with their number, so the
 // candidate's share of them is spread evenly over the collectives it issues.
-SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, bool reduce, bool grads_held,
-                            bool defer_replicas = false, bool partials_held = false) {
-  sim.reduce = reduce;
-  sim.grads_held = grads_held;
-  sim.defer_replicas = defer_replicas;
-  sim.partials_held = partials_held;
+// What one micro-batch of several begins with and does at its end.
+struct MicroBatch {
+  bool reduce = true;
+  bool grads_held = false;
+  bool defer_replicas = false;
+  bool partials_held = false;
+  bool reshard_after_backward = true;
+  bool params_held = false;
+};
+
+SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, const MicroBatch& m) {
+  sim.reduce = m.reduce;
+  sim.grads_held = m.grads_held;
+  sim.defer_replicas = m.defer_replicas;
+  sim.partials_held = m.partials_held;
+  sim.reshard_after_backward = m.reshard_after_backward;
+  sim.params_held = m.params_held;
   SimResult r = simulate(sim);
   if (waits_per_compute_s == 0 || r.collectives == 0) return r;
   const double wait = waits_per_compute_s * r.compute_s / r.collectives;
@@ -221,14 +232,23 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const bool no_sync = c.no_sync && c.accumulation > 1;
   const bool deferred = c.replica_deferred && !no_sync && c.accumulation > 1 &&
                         c.strategy == ShardingStrategy::kHybridShard && world / F > 1;
+  const bool unsharded = no_sync && c.keep_unsharded && c.strategy != ShardingStrategy::kNoShard;
   const double waits = extra.waits_per_compute_s;
-  SimResult r = replay_with_waits(sim, waits, !no_sync, false, deferred, false);
+  // The first micro-batch begins with nothing held; one between and the last begin with what the
+  // one before left; all but the last end as the mode says.
+  MicroBatch first, between_batch, last_batch;
+  first.reduce = between_batch.reduce = !no_sync;
+  between_batch.grads_held = last_batch.grads_held = no_sync;
+  first.defer_replicas = between_batch.defer_replicas = deferred;
+  between_batch.partials_held = last_batch.partials_held = deferred;
+  first.reshard_after_backward = between_batch.reshard_after_backward = !unsharded;
+  between_batch.params_held = last_batch.params_held = unsharded;
+  SimResult r = replay_with_waits(sim, waits, no_sync || deferred ? first : MicroBatch{});
   double step_passes_s = c.accumulation * r.step_s, step_compute_s = c.accumulation * r.compute_s,
          step_exposed_s = c.accumulation * r.exposed_s;
   if (no_sync || deferred) {
-    const SimResult last = replay_with_waits(sim, waits, true, no_sync, false, deferred);
-    const SimResult between =
-        c.accumulation > 2 ? replay_with_waits(sim, waits, !no_sync, no_sync, deferred, deferred) : r;
+    const SimResult last = replay_with_waits(sim, waits, last_batch);
+    const SimResult between = c.accumulation > 2 ? replay_with_waits(sim, waits, between_batch) : r;
     const double n = c.accumulation - 2;
     step_passes_s = r.step_s + n * between.step_s + last.step_s;
     step_compute_s = r.compute_s + n * between.compute_s + last.compute_s;

@@ -36,6 +36,9 @@ class Replay {
     if (in_.partials_held)
       for (int u = 0; u < n_; ++u)
         if (first_segment_[u] >= 0) hold_partials(u);
+    if (in_.params_held)
+      for (int u = 0; u < n_; ++u)
+        if (first_segment_[u] >= 0) hold_unsharded(u);
     for (const SimSegment& s : in_.segments) {
       if (s.unit == last_used_) {
         if (needs_unshard(s.unit)) unshard(s.unit);
@@ -66,7 +69,8 @@ class Replay {
     finish_reductions(0);
     held_back_ = -1;
     lingering_.clear();
-    for (int u = 0; u < n_; ++u) reshard(u);
+    if (in_.reshard_after_backward)
+      for (int u = 0; u < n_; ++u) reshard(u);
     for (int u = 0; u < n_; ++u) drop_parts(u);  // a unit without gradients never gathered them
     compute(in_.step_s);
     for (const auto& [bytes, count] : pool_) r_.pool_bytes += bytes * count.most;
@@ -123,6 +127,16 @@ class Replay {
       add_grads(f.grad_buffer_bytes);
       pool(f.grad_buffer_bytes, 1);
     }
+  }
+  // A unit the previous micro-batch's backward left unsharded (its gathers landed long ago).
+  void hold_unsharded(int u) {
+    if (!gathers(u)) return;
+    for (const SimFlat& f : in_.units[u].flats)
+      if (f.separate_shard) {
+        add_params(f.unsharded_bytes);
+        pool(f.unsharded_bytes, 1);
+      }
+    unsharded_[u] = 1;
   }
   // FlatGrad's partial sums of replica-deferred micro-batches before this one: one output per reduction.
   void hold_partials(int u) {
@@ -316,10 +330,12 @@ class Replay {
     }
     reshard(u);
   }
-  void reshard_units_left(int u) {
+  void reshard_units_left(int u, bool forward) {
     for (int v = 1; v < n_; ++v) {
       if (v == u || !in_.units[v].reshard_after_forward || prefetched(v) || !unsharded_[v]) continue;
       if (is_ancestor(v, u)) continue;
+      if (forward && !ran_[v]) continue;  // left unsharded for this forward to use
+      if (!forward && !in_.reshard_after_backward && state_[v] == State::kBackwardDone) continue;
       leave_forward(v);
     }
   }
@@ -339,7 +355,7 @@ class Replay {
 
   void pre_forward(int u) {
     if (kept_for_backward_ >= 0 && u != kept_for_backward_ && u != 0) reshard(kept_for_backward_);
-    reshard_units_left(u);
+    reshard_units_left(u, true);
     mark_used(u, false);
     ran_[u] = 1;
     last_used_ = u;
@@ -358,7 +374,7 @@ class Replay {
 
   void pre_backward(int u) {
     backward_started_ = true;
-    reshard_units_left(u);
+    reshard_units_left(u, false);
     reshard_lingering_left(u);
     mark_used(u, true);
     last_used_ = u;
@@ -396,7 +412,7 @@ class Replay {
 
   void post_backward(int u) {
     state_[u] = State::kBackwardDone;
-    if (!in_.no_shard) {
+    if (!in_.no_shard && in_.reshard_after_backward) {
       if (has_frozen(u))
         lingering_.push_back(u);
       else

@@ -64,6 +64,10 @@ struct SimInput {
   // partial sums), and whether it begins with the earlier micro-batches' partial sums held.
   bool defer_replicas = false;
   bool partials_held = false;
+  // Accumulation with the parameters kept unsharded (set_reshard_after_backward(false)): whether
+  // this micro-batch's backward frees them, and whether it begins with every unit left unsharded.
+  bool reshard_after_backward = true;
+  bool params_held = false;
 };
 
 struct SimResult {

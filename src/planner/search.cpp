@@ -63,6 +63,19 @@ std::vector<bool> replica_choices(const PlanRequest& request, const Candidate& c
   return out;
 }
 
+// The request's keep_unsharded choices for candidate `c`: only no_sync accumulation of a strategy
+// that gathers its units has parameters to keep.
+std::vector<bool> unsharded_choices(const PlanRequest& request, const Candidate& c, int world) {
+  const bool applies = c.no_sync && c.strategy != ShardingStrategy::kNoShard && world > 1;
+  std::vector<bool> out;
+  for (const bool keep : request.keep_unsharded()) {
+    const bool v = keep && applies;
+    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+  }
+  if (out.empty()) out.push_back(false);
+  return out;
+}
+
 std::vector<int> micro_batches(const PlanRequest& request, int per_rank) {
   if (!request.micro_batches().empty()) return request.micro_batches();
   std::vector<int> all;
@@ -135,6 +148,9 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   cs = expand(
       cs, [&](const Candidate& c) { return sync_choices(request, c.accumulation); },
       [](Candidate& c, bool on) { c.no_sync = on; });
+  cs = expand(
+      cs, [&](const Candidate& c) { return unsharded_choices(request, c, world); },
+      [](Candidate& c, bool on) { c.keep_unsharded = on; });
   return expand(
       cs, [&](const Candidate& c) { return replica_choices(request, c, world); },
       [](Candidate& c, bool on) { c.replica_deferred = on; });

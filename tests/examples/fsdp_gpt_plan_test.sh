@@ -20,12 +20,13 @@ test_plan_paper_cluster() {
   expect_rc 0
   expect_text out "Plan for A100-80GB: 64 nodes x 8 ranks"
   expect_text out "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB |"
-  expect_regex out "^\| 1 \| [A-Z_]+.*, micro-batch [0-9]+ x [0-9]+ \|.*\| yes \|"
+  expect_regex out "^\| 1 \| [A-Z_]+.*, micro-batch [0-9]+ x [0-9]+[a-z_ -]* \|.*\| yes \|"
   expect_regex out "^best: "
   # Every strategy and both precisions are candidates, hpZ over one node, and accumulation without
-  # communication or with the replica all-reduce at the last micro-batch only.
+  # communication (the parameters kept unsharded or not) or with the replica all-reduce at the last
+  # micro-batch only.
   for what in FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD/8 bf16 fp32 checkpointed offload \
-    "reshard to groups of 8" "x 2 no_sync" "x 2 replica-deferred"; do
+    "reshard to groups of 8" "x 2 no_sync" "x 2 no_sync unsharded" "x 2 replica-deferred"; do
     expect_text out "$what"
   done
 }
@@ -84,6 +85,17 @@ test_plan_file_replica_deferred() {
   grep -q '"configuration":"HYBRID_SHARD/2, wrap block, fp32, micro-batch 2 x 2 replica-deferred"' "$TMP/plan.jsonl" ||
     fail "no replica-deferred prediction in the plan file: $(cat "$TMP/plan.jsonl")"
   grep -q '"replica_deferred":true' "$TMP/plan.jsonl" || fail "the plan file does not say replica_deferred"
+}
+
+test_plan_file_no_sync_unsharded() {
+  # Micro-batches that keep the parameters unsharded between them are predicted as such.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --grad-accum 2 \
+    --grad-accum-mode no-sync-unsharded --plan-file "$TMP/plan.jsonl"
+  expect_rc 0
+  expect_regex out "^\[rank 0\] step +4/4 \| loss "
+  grep -q '"configuration":"FULL_SHARD, wrap block, fp32, micro-batch 2 x 2 no_sync unsharded"' "$TMP/plan.jsonl" ||
+    fail "no no_sync unsharded prediction in the plan file: $(cat "$TMP/plan.jsonl")"
+  grep -q '"keep_unsharded":true' "$TMP/plan.jsonl" || fail "the plan file does not say keep_unsharded"
 }
 
 # configuration<TAB>activations_bytes<TAB>tflops_per_device, one line per --plan-file entry.
