@@ -300,6 +300,19 @@ TEST(Planner, ReshardsToOneNodesRanksWhereTheJobSpansNodes) {
   EXPECT_THROW(fsdp::plan(*model, cluster, request.reshard_after_forward_sizes({-8})), fsdp::Error);
 }
 
+// The paper's cluster, 16 ranks, two micro-batches of one sequence per step, no hpZ, checkpointing
+// or offload.
+fsdp::PlanRequest two_micro_batches_on_two_nodes() {
+  return one_rank(0)
+      .world(16)
+      .global_batch(32)
+      .seq_len(64)
+      .micro_batches({1})
+      .reshard_after_forward_sizes({0})
+      .activation_checkpointing({false})
+      .cpu_offload({false});
+}
+
 // HYBRID_SHARD with accumulation may reduce across replicas only at the last micro-batch
 // (set_requires_all_reduce): the earlier ones keep their shard group's sums, and the inter-node
 // all-reduce runs once per step.
@@ -307,16 +320,9 @@ TEST(Planner, DefersTheReplicaAllReduceToTheLastMicroBatch) {
   fsdp::DeferredInit deferred;
   Stack model(512, 4);
   const auto cluster = fsdp::Cluster::parse("paper:2x8");
-  auto request = one_rank(0)
-                     .world(16)
-                     .global_batch(32)
-                     .seq_len(64)
-                     .micro_batches({1})
+  auto request = two_micro_batches_on_two_nodes()
                      .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kHybridShard})
                      .hybrid_factors({8})
-                     .reshard_after_forward_sizes({0})
-                     .activation_checkpointing({false})
-                     .cpu_offload({false})
                      .keep_unsharded({false});
   const fsdp::Plan plan = fsdp::plan(*model, cluster, request);
   // FULL_SHARD: reduce, no_sync; HYBRID_SHARD: reduce, replica-deferred, no_sync.
@@ -355,16 +361,7 @@ TEST(Planner, KeepsTheParametersUnshardedBetweenMicroBatches) {
   fsdp::DeferredInit deferred;
   Stack model(512, 4);
   const auto cluster = fsdp::Cluster::parse("paper:2x8");
-  auto request = one_rank(0)
-                     .world(16)
-                     .global_batch(32)
-                     .seq_len(64)
-                     .micro_batches({1})
-                     .strategies({fsdp::ShardingStrategy::kFullShard})
-                     .reshard_after_forward_sizes({0})
-                     .activation_checkpointing({false})
-                     .cpu_offload({false})
-                     .no_sync({true});
+  auto request = two_micro_batches_on_two_nodes().strategies({fsdp::ShardingStrategy::kFullShard}).no_sync({true});
   const fsdp::Plan plan = fsdp::plan(*model, cluster, request);
   ASSERT_EQ(plan.entries.size(), 2U) << plan.table();
   const fsdp::PlanEntry *kept = nullptr, *freed = nullptr;

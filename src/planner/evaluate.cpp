@@ -45,23 +45,8 @@ int shard_factor(const Candidate& c, int world) {
 // The replay of one micro-batch, with the waits on peers the runtime calibration measured: they
 // grow with the computation between the ranks' meetings, not with their number, so the
 // candidate's share of them is spread evenly over the collectives it issues.
-// What one micro-batch of several begins with and does at its end.
-struct MicroBatch {
-  bool reduce = true;
-  bool grads_held = false;
-  bool defer_replicas = false;
-  bool partials_held = false;
-  bool reshard_after_backward = true;
-  bool params_held = false;
-};
-
-SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, const MicroBatch& m) {
-  sim.reduce = m.reduce;
-  sim.grads_held = m.grads_held;
-  sim.defer_replicas = m.defer_replicas;
-  sim.partials_held = m.partials_held;
-  sim.reshard_after_backward = m.reshard_after_backward;
-  sim.params_held = m.params_held;
+SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, const SimMicroBatch& m) {
+  sim.micro = m;
   SimResult r = simulate(sim);
   if (waits_per_compute_s == 0 || r.collectives == 0) return r;
   const double wait = waits_per_compute_s * r.compute_s / r.collectives;
@@ -236,14 +221,14 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const double waits = extra.waits_per_compute_s;
   // The first micro-batch begins with nothing held; one between and the last begin with what the
   // one before left; all but the last end as the mode says.
-  MicroBatch first, between_batch, last_batch;
+  SimMicroBatch first, between_batch, last_batch;
   first.reduce = between_batch.reduce = !no_sync;
   between_batch.grads_held = last_batch.grads_held = no_sync;
   first.defer_replicas = between_batch.defer_replicas = deferred;
   between_batch.partials_held = last_batch.partials_held = deferred;
   first.reshard_after_backward = between_batch.reshard_after_backward = !unsharded;
   between_batch.params_held = last_batch.params_held = unsharded;
-  SimResult r = replay_with_waits(sim, waits, no_sync || deferred ? first : MicroBatch{});
+  SimResult r = replay_with_waits(sim, waits, no_sync || deferred ? first : SimMicroBatch{});
   double step_passes_s = c.accumulation * r.step_s, step_compute_s = c.accumulation * r.compute_s,
          step_exposed_s = c.accumulation * r.exposed_s;
   if (no_sync || deferred) {

@@ -30,13 +30,13 @@ class Replay {
 
   SimResult run() {
     plan_orders();
-    if (in_.grads_held)
+    if (in_.micro.grads_held)
       for (int u = 0; u < n_; ++u)
         if (first_segment_[u] >= 0) allocate_grads(u);
-    if (in_.partials_held)
+    if (in_.micro.partials_held)
       for (int u = 0; u < n_; ++u)
         if (first_segment_[u] >= 0) hold_partials(u);
-    if (in_.params_held)
+    if (in_.micro.params_held)
       for (int u = 0; u < n_; ++u)
         if (first_segment_[u] >= 0) hold_unsharded(u);
     for (const SimSegment& s : in_.segments) {
@@ -69,7 +69,7 @@ class Replay {
     finish_reductions(0);
     held_back_ = -1;
     lingering_.clear();
-    if (in_.reshard_after_backward)
+    if (in_.micro.reshard_after_backward)
       for (int u = 0; u < n_; ++u) reshard(u);
     for (int u = 0; u < n_; ++u) drop_parts(u);  // a unit without gradients never gathered them
     compute(in_.step_s);
@@ -335,7 +335,7 @@ class Replay {
       if (v == u || !in_.units[v].reshard_after_forward || prefetched(v) || !unsharded_[v]) continue;
       if (is_ancestor(v, u)) continue;
       if (forward && !ran_[v]) continue;  // left unsharded for this forward to use
-      if (!forward && !in_.reshard_after_backward && state_[v] == State::kBackwardDone) continue;
+      if (!forward && !in_.micro.reshard_after_backward && state_[v] == State::kBackwardDone) continue;
       leave_forward(v);
     }
   }
@@ -412,7 +412,7 @@ class Replay {
 
   void post_backward(int u) {
     state_[u] = State::kBackwardDone;
-    if (!in_.no_shard && in_.reshard_after_backward) {
+    if (!in_.no_shard && in_.micro.reshard_after_backward) {
       if (has_frozen(u))
         lingering_.push_back(u);
       else
@@ -420,7 +420,7 @@ class Replay {
     }
     if (last_used_ == u) last_used_ = -1;
     if (in_.backward_prefetch == BackwardPrefetch::kBackwardPost) prefetch(next_pending_in_backward(u));
-    if (in_.reduce) reduce(u);
+    if (in_.micro.reduce) reduce(u);
   }
 
   // GradientReducer::reduce: wait for the oldest reductions until fewer than k remain, then issue.
@@ -433,7 +433,7 @@ class Replay {
       add_grads(f.reduce_output_bytes);
       pool(f.reduce_output_bytes, 1);
       compute(f.issue_work_s);
-      if (in_.defer_replicas) {  // the shard group's sums only: the first become the partial sums
+      if (in_.micro.defer_replicas) {  // the shard group's sums only: the first become the partial sums
         const double end = issue(f.reduce_s - f.replica_reduce_s, true);
         reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u]});
       } else if (partials_[u]) {  // the reduce-scatter waited for, the partial sums added, then the all-reduce
@@ -445,7 +445,7 @@ class Replay {
         reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true)});
       }
     }
-    if (in_.defer_replicas) partials_[u] = 1;
+    if (in_.micro.defer_replicas) partials_[u] = 1;
     finish_reductions(k);
   }
   void finish_reductions(size_t keep) {

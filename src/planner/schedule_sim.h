@@ -43,19 +43,8 @@ struct SimSegment {
   double activation_share = 0;  // of the unit's activation bytes, kept by this stretch
 };
 
-struct SimInput {
-  std::vector<SimUnit> units;  // unit 0: the root
-  std::vector<SimSegment> segments;
-  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
-  bool forward_prefetch = true;
-  bool limit_all_gathers = true;
-  int all_gather_limit = 2;
-  int reductions_in_flight = 2;
-  bool no_shard = false;
-  bool separate_lanes = false;  // gathers and reductions on separate lanes (else one FIFO)
-  // The transports copy on the cores the ranks compute on (a CPU machine): no overlap.
-  bool comm_on_compute_cores = false;
-  double step_s = 0;  // the optimizer step after backward
+// What one micro-batch of several begins with and does at its end.
+struct SimMicroBatch {
   // Accumulation without communication: whether this micro-batch reduces its gradients, and whether
   // it begins with every unit's unsharded gradient held from the micro-batches before it.
   bool reduce = true;
@@ -68,6 +57,22 @@ struct SimInput {
   // this micro-batch's backward frees them, and whether it begins with every unit left unsharded.
   bool reshard_after_backward = true;
   bool params_held = false;
+};
+
+struct SimInput {
+  std::vector<SimUnit> units;  // unit 0: the root
+  std::vector<SimSegment> segments;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = true;
+  bool limit_all_gathers = true;
+  int all_gather_limit = 2;
+  int reductions_in_flight = 2;
+  bool no_shard = false;
+  bool separate_lanes = false;  // gathers and reductions on separate lanes (else one FIFO)
+  // The transports copy on the cores the ranks compute on (a CPU machine): no overlap.
+  bool comm_on_compute_cores = false;
+  double step_s = 0;    // the optimizer step after backward
+  SimMicroBatch micro;  // the defaults: a step of one micro-batch
 };
 
 struct SimResult {

@@ -37,39 +37,12 @@ std::vector<int> reshard_sizes(const PlanRequest& request, const Cluster& cluste
   return out;
 }
 
-// The request's no_sync choices at `accumulation` micro-batches per step: one micro-batch has nothing
-// to accumulate, so only false.
-std::vector<bool> sync_choices(const PlanRequest& request, int accumulation) {
+// The distinct values of a request's list of on/off choices for a candidate where the choice
+// `applies`; where it does not, only off.
+std::vector<bool> choices(const std::vector<bool>& requested, bool applies) {
   std::vector<bool> out;
-  for (const bool no_sync : request.no_sync()) {
-    const bool v = no_sync && accumulation > 1;
-    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
-  }
-  if (out.empty()) out.push_back(false);
-  return out;
-}
-
-// The request's replica_deferred choices for candidate `c`: only HYBRID_SHARD with more than one
-// replica group, several micro-batches and reductions in each of them has a reduction to defer.
-std::vector<bool> replica_choices(const PlanRequest& request, const Candidate& c, int world) {
-  const bool applies = c.strategy == ShardingStrategy::kHybridShard && c.sharding_factor > 0 &&
-                       world / c.sharding_factor > 1 && c.accumulation > 1 && !c.no_sync;
-  std::vector<bool> out;
-  for (const bool deferred : request.replica_deferred()) {
-    const bool v = deferred && applies;
-    if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
-  }
-  if (out.empty()) out.push_back(false);
-  return out;
-}
-
-// The request's keep_unsharded choices for candidate `c`: only no_sync accumulation of a strategy
-// that gathers its units has parameters to keep.
-std::vector<bool> unsharded_choices(const PlanRequest& request, const Candidate& c, int world) {
-  const bool applies = c.no_sync && c.strategy != ShardingStrategy::kNoShard && world > 1;
-  std::vector<bool> out;
-  for (const bool keep : request.keep_unsharded()) {
-    const bool v = keep && applies;
+  for (const bool on : requested) {
+    const bool v = on && applies;
     if (std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
   }
   if (out.empty()) out.push_back(false);
@@ -145,14 +118,25 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
     c.micro_batch = m;
     c.accumulation = per_rank / m;
   });
+  // no_sync where a step has several micro-batches; with it, the parameters kept unsharded where
+  // the strategy gathers its units; without it, under HYBRID_SHARD with several replica groups, the
+  // replica all-reduce deferred to the last micro-batch.
   cs = expand(
-      cs, [&](const Candidate& c) { return sync_choices(request, c.accumulation); },
+      cs, [&](const Candidate& c) { return choices(request.no_sync(), c.accumulation > 1); },
       [](Candidate& c, bool on) { c.no_sync = on; });
   cs = expand(
-      cs, [&](const Candidate& c) { return unsharded_choices(request, c, world); },
+      cs,
+      [&](const Candidate& c) {
+        return choices(request.keep_unsharded(), c.no_sync && c.strategy != ShardingStrategy::kNoShard && world > 1);
+      },
       [](Candidate& c, bool on) { c.keep_unsharded = on; });
   return expand(
-      cs, [&](const Candidate& c) { return replica_choices(request, c, world); },
+      cs,
+      [&](const Candidate& c) {
+        return choices(request.replica_deferred(), c.strategy == ShardingStrategy::kHybridShard &&
+                                                       c.sharding_factor > 0 && world / c.sharding_factor > 1 &&
+                                                       c.accumulation > 1 && !c.no_sync);
+      },
       [](Candidate& c, bool on) { c.replica_deferred = on; });
 }
 
