@@ -528,6 +528,10 @@ int64_t traced_bytes(const KeptCase& c, int64_t probe_bytes) {
 FSDP_WORKER(trace_kept_bytes_worker) {
   auto* counter = new fsdp_bench::CountingAllocator(c10::GetCPUAllocator());
   c10::SetCPUAllocator(counter, /*priority=*/100);
+  // The trace follows LibTorch's own kernels, which the meta device runs; where oneDNN is on, the
+  // CPU runs some operators through it instead (LibTorch 2's LSTM), which keep other tensors
+  // (docs/planner.md, What it does not model).
+  at::globalContext().setUserEnabledMkldnn(false);
   for (const KeptCase& c : kept_cases()) {
     const int64_t probed = traced_bytes(c, fsdp::PlanRequest().trace_probe_bytes());
     const int64_t by_table = traced_bytes(c, 0);
