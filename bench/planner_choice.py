@@ -40,7 +40,7 @@ def main():
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             for wrap, checkpointing in (("block", False), ("block", True), ("none", False)):
                 candidates.append((["--strategy", strategy, "--wrap", wrap], checkpointing))
-        for mode in ("reduce", "no-sync"):
+        for mode in ("reduce", "no-sync", "no-sync-unsharded"):
             for checkpointing in (False, True):
                 candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--batch-size", "2",
                                     "--grad-accum-mode", mode], checkpointing))
