@@ -244,7 +244,8 @@ int main(int argc, char** argv) {
                "per step) when it may also keep each block's parameters sharded over one node's 8 GPUs from forward "
                "to backward (hpZ, `reshard_after_forward_sizes({0, 8})`) and split the step into micro-batches of 4 "
                "or 2 sequences, each reducing its gradients or only the last (`no_sync`, with or without the "
-               "parameters kept unsharded between them: `keep_unsharded`); fitting first, fastest first. The first row of each size is the planner's choice.\n\n"
+               "parameters kept unsharded between them: `keep_unsharded`); fitting first, fastest first. The first row "
+               "of each size is the planner's choice.\n\n"
             << "| GPUs | configuration | peak GiB per GPU | fits 80 GiB | step s | exposed comm % | TFLOP/s per GPU | "
                "speed-up over the paper's configuration |\n| ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |\n";
   for (const int nodes : {8, 64}) {
@@ -284,7 +285,9 @@ int main(int argc, char** argv) {
               << fixed(no_sync.time.step_s, 3) << " s at " << gib(no_sync.memory.peak)
               << " GiB; hpZ then helps, since the gathers are what bounds the step (" << fixed(both.time.step_s, 3)
               << " s). Keeping the parameters unsharded from the first micro-batch's backward to the second one's "
-                 "forward saves that forward's gathers for every block's parameters held at the end of backward: "
+                 "forward saves that forward's gathers, at the price of every block's parameters held unsharded at the "
+                 "end of "
+                 "backward: "
               << fixed(kept.time.step_s, 3) << " s at " << gib(kept.memory.peak) << " GiB, with hpZ "
               << fixed(kept_hpz.time.step_s, 3) << " s at " << gib(kept_hpz.memory.peak) << " GiB.\n";
   }
