@@ -215,9 +215,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   // and the last (which reduces the sum, or reduces across replicas); their peaks are the step's,
   // their times add up.
   const bool no_sync = c.no_sync && c.accumulation > 1;
-  const bool deferred = c.replica_deferred && !no_sync && c.accumulation > 1 &&
-                        c.strategy == ShardingStrategy::kHybridShard && world / F > 1;
-  const bool unsharded = no_sync && c.keep_unsharded && c.strategy != ShardingStrategy::kNoShard;
+  const bool deferred = c.replica_deferred && can_defer_replicas(c, world);
+  const bool unsharded = c.keep_unsharded && can_keep_unsharded(c, world);
   const double waits = extra.waits_per_compute_s;
   // The first micro-batch begins with nothing held; one between and the last begin with what the
   // one before left; all but the last end as the mode says.

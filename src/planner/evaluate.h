@@ -44,6 +44,19 @@ inline bool reshards_after_forward(ShardingStrategy s) {
   return s == ShardingStrategy::kFullShard || s == ShardingStrategy::kHybridShard;
 }
 
+// Whether candidate `c` at `world` ranks has micro-batches whose parameters no_sync may keep
+// unsharded: several of them under no_sync, and units that gather.
+inline bool can_keep_unsharded(const Candidate& c, int world) {
+  return c.no_sync && c.accumulation > 1 && c.strategy != ShardingStrategy::kNoShard && world > 1;
+}
+
+// Whether candidate `c` at `world` ranks has a replica all-reduce to defer to its last micro-batch:
+// HYBRID_SHARD with more than one replica group, several micro-batches, each reducing.
+inline bool can_defer_replicas(const Candidate& c, int world) {
+  return c.strategy == ShardingStrategy::kHybridShard && c.sharding_factor > 0 && world / c.sharding_factor > 1 &&
+         c.accumulation > 1 && !c.no_sync;
+}
+
 // `world` ranks of `cluster`; every other input comes from `request`. `correction`: added to the
 // replay (none: null); `replayed`: where to put the replay's own figures (null: nowhere).
 PlanEntry evaluate(const ModelView& model, const Candidate& candidate, const Cluster& cluster, int world,

@@ -125,18 +125,11 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
       cs, [&](const Candidate& c) { return choices(request.no_sync(), c.accumulation > 1); },
       [](Candidate& c, bool on) { c.no_sync = on; });
   cs = expand(
-      cs,
-      [&](const Candidate& c) {
-        return choices(request.keep_unsharded(), c.no_sync && c.strategy != ShardingStrategy::kNoShard && world > 1);
-      },
+      cs, [&](const Candidate& c) { return choices(request.keep_unsharded(), planner::can_keep_unsharded(c, world)); },
       [](Candidate& c, bool on) { c.keep_unsharded = on; });
   return expand(
       cs,
-      [&](const Candidate& c) {
-        return choices(request.replica_deferred(), c.strategy == ShardingStrategy::kHybridShard &&
-                                                       c.sharding_factor > 0 && world / c.sharding_factor > 1 &&
-                                                       c.accumulation > 1 && !c.no_sync);
-      },
+      [&](const Candidate& c) { return choices(request.replica_deferred(), planner::can_defer_replicas(c, world)); },
       [](Candidate& c, bool on) { c.replica_deferred = on; });
 }
 
