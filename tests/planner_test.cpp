@@ -171,8 +171,13 @@ FSDP_WORKER(planner_memory_worker) {
         lm_loss(model->forward(x), x).backward();
       }
       opt.step();
-      if (step == 0) continue;  // forward prefetch and the pieces' gradients begin in the first step
       const auto m = sharded->memory_stats();
+      if (step == 0) {  // forward prefetch and the pieces' gradients begin here: below the steady peaks
+        WORKER_CHECK(m.param_peak_bytes <= e.memory.params && m.grad_peak_bytes <= e.memory.grads,
+                     e.candidate.describe(), ": the first step's peaks ", m.param_peak_bytes, " and ",
+                     m.grad_peak_bytes, " exceed the predicted ", e.memory.params, " and ", e.memory.grads);
+        continue;
+      }
       WORKER_CHECK(m.param_peak_bytes == e.memory.params, e.candidate.describe(), ": parameter peak measured ",
                    m.param_peak_bytes, ", predicted ", e.memory.params);
       WORKER_CHECK(m.grad_peak_bytes == e.memory.grads, e.candidate.describe(), ": gradient peak measured ",

@@ -41,7 +41,7 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
              " ranks but the timing describes a hybrid factor of ", timed.sharding_factor);
   timed.world = pg.size();
   sharded.set_trace(true);
-  std::vector<double> forward, backward, exposed, steps;
+  std::vector<double> forward, backward, wait_shares, steps;
   if (pg.size() > 1) pg.world()->barrier();
   int timed_repetitions = repetitions;  // every rank the same count: the iterations are collective
   for (int i = 0; i <= timed_repetitions; ++i) {
@@ -66,13 +66,14 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
     }
     forward.push_back(f);
     backward.push_back(b);
-    exposed.push_back(sharded.last_trace().exposed_comm_us * 1e-6);
+    wait_shares.push_back(std::min(1.0, sharded.last_trace().exposed_comm_us * 1e-6 / std::max(f + b, 1e-12)));
     steps.push_back(s);
   }
   drop_grads(sharded);
   timed.forward_s = mean_across_ranks(pg, median(forward));
   timed.backward_s = mean_across_ranks(pg, median(backward));
-  timed.exposed_s = mean_across_ranks(pg, median(exposed));
+  // Medians do not add: the waits are the median share of an iteration's passes (Note [Planner runtime calibration]).
+  timed.exposed_s = mean_across_ranks(pg, median(wait_shares) * (median(forward) + median(backward)));
   timed.step_s = step ? mean_across_ranks(pg, median(steps)) : -1;
   auto& runtime = calibration.runtime;
   runtime.erase(std::remove_if(runtime.begin(), runtime.end(),
