@@ -47,6 +47,27 @@ std::vector<at::ScalarType> plan_precisions(const TrainConfig& config, bool flag
   return fsdp::PlanRequest().precisions();
 }
 
+// The flags whose effects the planner does not model (docs/planner.md): named beside its predictions.
+std::vector<std::string> unmodeled_flags(const TrainConfig& config) {
+  std::vector<std::string> flags;
+  if (config.optimizer != "adamw") flags.push_back("--optimizer " + config.optimizer);
+  if (config.quantize_all_gather != "none") flags.push_back("--quantize-all-gather " + config.quantize_all_gather);
+  if (config.quantize_reduce != "none") flags.push_back("--quantize-reduce " + config.quantize_reduce);
+  if (config.step_in_backward) flags.push_back("--step-in-backward");
+  if (config.deterministic) flags.push_back("--deterministic");
+  return flags;
+}
+
+// Rank 0's line before a prediction that leaves flags out; nothing when it leaves none out.
+void say_what_is_left_out(const TrainConfig& config) {
+  const auto flags = unmodeled_flags(config);
+  if (flags.empty()) return;
+  std::cout << "the plan leaves out";
+  for (size_t i = 0; i < flags.size(); ++i) std::cout << (i == 0 ? " " : ", ") << flags[i];
+  std::cout << ": the planner does not model " << (flags.size() == 1 ? "it" : "them")
+            << " and predicts the run without (docs/planner.md)\n";
+}
+
 }  // namespace
 
 fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
@@ -163,7 +184,8 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
       .replica_deferred({config.grad_accum_mode == "replica-deferred"});
 }
 
-void write_entries(const std::string& path, const fsdp::Plan& plan) {
+void write_entries(const std::string& path, const fsdp::Plan& plan, const TrainConfig& config) {
+  const auto not_modeled = unmodeled_flags(config);
   std::ofstream out(path);
   FSDP_CHECK(out.good(), "cannot write the plan file ", path);
   for (const auto& e : plan.entries) {
@@ -197,7 +219,8 @@ void write_entries(const std::string& path, const fsdp::Plan& plan) {
                           {"exposed_comm_s", e.time.exposed_comm_s},
                           {"tflops_per_device", e.time.tflops_per_device},
                           {"mfu", e.time.mfu},
-                          {"fits", e.fits}}
+                          {"fits", e.fits},
+                          {"not_modeled", not_modeled}}
                .dump()
         << "\n";
   }
@@ -264,7 +287,8 @@ int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
   }
   const fsdp::Plan plan = plan_gpt(config, cluster, resident_bytes(), false, calibration);
   if (env.rank != 0) return 0;
-  if (!config.plan_file.empty()) write_entries(config.plan_file, plan);
+  if (!config.plan_file.empty()) write_entries(config.plan_file, plan, config);
+  say_what_is_left_out(config);
   std::cout << plan.table();
   if (plan.any_fits())
     std::cout << "best: " << plan.best().candidate.describe() << "\n";
@@ -302,7 +326,10 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
     calibration = fsdp::Calibration::from_file(config.calibration_file);
   }
   if (flags_only) {
-    if (pg.rank() == 0) write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration));
+    if (pg.rank() == 0) {
+      write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration), config);
+      say_what_is_left_out(config);
+    }
     return;
   }
   const fsdp::Plan plan = plan_gpt(config, cluster, process_bytes, false, calibration);
@@ -310,7 +337,8 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
   apply_candidate(best.candidate, config);
   resolve_batch(config, pg.size());
   if (pg.rank() == 0 && !config.plan_file.empty())
-    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration));
+    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration), config);
+  if (pg.rank() == 0) say_what_is_left_out(config);
   if (pg.rank() == 0)
     std::cout << "planned for " << fsdp::format_bytes(plan.budget) << " per rank: " << best.candidate.describe()
               << "; predicted peak " << fsdp::format_bytes(best.memory.peak) << " (FSDP parameters "

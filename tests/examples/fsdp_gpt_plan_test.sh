@@ -96,6 +96,21 @@ test_plan_file_no_sync_unsharded() {
   grep -q '"configuration":"FULL_SHARD, wrap block, fp32, micro-batch 2 x 2 no_sync unsharded"' "$TMP/plan.jsonl" ||
     fail "no no_sync unsharded prediction in the plan file: $(cat "$TMP/plan.jsonl")"
   grep -q '"keep_unsharded":true' "$TMP/plan.jsonl" || fail "the plan file does not say keep_unsharded"
+  grep -q '"not_modeled":\[\]' "$TMP/plan.jsonl" || fail "the plan file names flags it leaves out"
+  if grep -qF "the plan leaves out" "$TMP/out"; then fail "the run names flags its plan leaves out"; fi
+}
+
+test_plan_names_what_it_leaves_out() {
+  # Flags the planner does not model are named beside the table and in every prediction.
+  run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:1x8 --quantize-all-gather int8 --step-in-backward \
+    --plan-file "$TMP/plan.jsonl"
+  expect_rc 0
+  expect_text out "the plan leaves out --quantize-all-gather int8, --step-in-backward: the planner does not model them"
+  expect_regex out "^best: "
+  local entries named
+  entries=$(wc -l <"$TMP/plan.jsonl")
+  named=$(grep -c '"not_modeled":\["--quantize-all-gather int8","--step-in-backward"\]' "$TMP/plan.jsonl")
+  [ "$entries" -gt 0 ] && [ "$named" = "$entries" ] || fail "$named of $entries predictions name the flags left out"
 }
 
 # configuration<TAB>activations_bytes<TAB>tflops_per_device, one line per --plan-file entry.
