@@ -43,6 +43,11 @@ BuiltModel build_model(const TrainConfig& config) {
   return built;
 }
 
+fsdp::Quantization quantization_flags(const TrainConfig& config, const std::string& dtype) {
+  if (dtype == "none") return fsdp::Quantization();
+  return fsdp::Quantization().enabled(true).dtype(fsdp::parse_quantized_dtype(dtype)).block_size(config.quantize_block);
+}
+
 std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const TrainConfig& config,
                                                       fsdp::ProcessGroupPtr pg) {
   const gpt::GPTConfig model_config = built.config;
@@ -71,15 +76,8 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
     });
   }
   options.reshard_after_forward_size(config.reshard_after_forward_size);
-  auto quantization = [&](const std::string& dtype) {
-    if (dtype == "none") return fsdp::Quantization();
-    return fsdp::Quantization()
-        .enabled(true)
-        .dtype(fsdp::parse_quantized_dtype(dtype))
-        .block_size(config.quantize_block);
-  };
-  options.all_gather_quantization(quantization(config.quantize_all_gather));
-  options.reduce_quantization(quantization(config.quantize_reduce)
+  options.all_gather_quantization(quantization_flags(config, config.quantize_all_gather));
+  options.reduce_quantization(quantization_flags(config, config.quantize_reduce)
                                   .error_feedback(config.quantize_reduce != "none" && config.quantize_error_feedback));
   return fsdp::fully_shard(built.model, std::move(pg), options);
 }

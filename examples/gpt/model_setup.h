@@ -27,6 +27,9 @@ struct BuiltModel {
 // The model as it would be built without FSDP, seeded with --seed (deferred: no parameter memory).
 BuiltModel build_model(const TrainConfig& config);
 
+// --quantize-block's quantization in `dtype` ("none": off), without error feedback.
+fsdp::Quantization quantization_flags(const TrainConfig& config, const std::string& dtype);
+
 // fully_shard with the flags' strategy, prefetching and wrapping; initializes deferred units.
 std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const TrainConfig& config,
                                                       fsdp::ProcessGroupPtr pg);

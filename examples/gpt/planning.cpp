@@ -51,8 +51,9 @@ std::vector<at::ScalarType> plan_precisions(const TrainConfig& config, bool flag
 std::vector<std::string> unmodeled_flags(const TrainConfig& config) {
   std::vector<std::string> flags;
   if (config.optimizer != "adamw") flags.push_back("--optimizer " + config.optimizer);
-  if (config.quantize_all_gather != "none") flags.push_back("--quantize-all-gather " + config.quantize_all_gather);
-  if (config.quantize_reduce != "none") flags.push_back("--quantize-reduce " + config.quantize_reduce);
+  if (config.quantize_reduce != "none" && config.quantize_error_feedback) flags.push_back("--quantize-error-feedback");
+  if (config.reshard_after_forward != "strategy")
+    flags.push_back("--reshard-after-forward " + config.reshard_after_forward);
   if (config.step_in_backward) flags.push_back("--step-in-backward");
   if (config.deterministic) flags.push_back("--deterministic");
   return flags;
@@ -254,7 +255,9 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
   else
     request.module_cost(gpt::module_cost);
   if (!config.memory_budget.empty()) request.memory_budget(fsdp::parse_bytes(config.memory_budget));
-  request.memory_margin(config.memory_margin);
+  request.memory_margin(config.memory_margin)
+      .all_gather_quantization(quantization_flags(config, config.quantize_all_gather))
+      .reduce_quantization(quantization_flags(config, config.quantize_reduce));
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);
 }

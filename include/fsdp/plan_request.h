@@ -88,6 +88,10 @@ struct PlanRequest {
   TORCH_ARG(std::vector<bool>, replica_deferred) = {false, true};
   /// With no_sync, whether micro-batches before the last also keep the parameters unsharded for the next forward (FullyShardedModule::set_reshard_after_backward).
   TORCH_ARG(std::vector<bool>, keep_unsharded) = {false, true};
+  /// Quantized all-gathers (Options::all_gather_quantization) in every candidate; not searched.
+  TORCH_ARG(Quantization, all_gather_quantization) = {};
+  /// Quantized gradient reductions (Options::reduce_quantization, without error feedback) in every candidate; not searched.
+  TORCH_ARG(Quantization, reduce_quantization) = {};
 };
 
 // One configuration.
@@ -102,12 +106,14 @@ struct Candidate {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = true;
   int reductions_in_flight = 2;
-  int reshard_after_forward_size = 0;  // hpZ: units resharded after forward keep 1/this of their parameters
-  int micro_batch = 1;                 // sequences per micro-batch per rank
-  int accumulation = 1;                // micro-batches per step
-  bool no_sync = false;                // micro-batches before the last keep their unsharded gradients, unreduced
-  bool replica_deferred = false;       // HYBRID_SHARD: micro-batches before the last skip the replica all-reduce
-  bool keep_unsharded = false;         // no_sync: micro-batches before the last leave the parameters unsharded
+  int reshard_after_forward_size = 0;    // hpZ: units resharded after forward keep 1/this of their parameters
+  int micro_batch = 1;                   // sequences per micro-batch per rank
+  int accumulation = 1;                  // micro-batches per step
+  bool no_sync = false;                  // micro-batches before the last keep their unsharded gradients, unreduced
+  bool replica_deferred = false;         // HYBRID_SHARD: micro-batches before the last skip the replica all-reduce
+  bool keep_unsharded = false;           // no_sync: micro-batches before the last leave the parameters unsharded
+  Quantization all_gather_quantization;  // PlanRequest's
+  Quantization reduce_quantization;      // PlanRequest's
 
   // fully_shard's options for it (activation checkpointing is the model's: apply it to the units).
   Options options() const;

@@ -16,7 +16,9 @@ Options Candidate::options() const {
       .limit_all_gathers(all_gather_limit > 0)
       .all_gather_limit(std::max(1, all_gather_limit))
       .reductions_in_flight(reductions_in_flight)
-      .reshard_after_forward_size(reshard_after_forward_size);
+      .reshard_after_forward_size(reshard_after_forward_size)
+      .all_gather_quantization(all_gather_quantization)
+      .reduce_quantization(reduce_quantization);
   if (precision != at::kFloat) o.mixed_precision(MixedPrecision().param_dtype(precision).reduce_dtype(at::kFloat));
   if (cpu_offload) o.offload(CpuOffload().params(true));
   return o;
@@ -35,6 +37,13 @@ std::string Candidate::describe() const {
     << ", micro-batch " << micro_batch << " x " << accumulation
     << (no_sync ? (keep_unsharded ? " no_sync unsharded" : " no_sync") : "")
     << (replica_deferred ? " replica-deferred" : "");
+  auto quantized = [&o](const Quantization& q, const char* what) {
+    if (!q.enabled()) return;
+    o << ", " << to_string(q.dtype()) << " " << what;
+    if (q.block_size() != Quantization().block_size()) o << " in blocks of " << q.block_size();
+  };
+  quantized(all_gather_quantization, "gathers");
+  quantized(reduce_quantization, "reductions");
   if (all_gather_limit != 2) o << ", all-gather limit " << all_gather_limit;
   if (backward_prefetch != BackwardPrefetch::kBackwardPre) o << ", " << to_string(backward_prefetch);
   if (!forward_prefetch) o << ", no forward prefetch";

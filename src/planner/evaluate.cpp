@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <vector>
 
+#include "block_quantization.h"
 #include "planner/schedule_sim.h"
 
 namespace fsdp::planner {
@@ -32,6 +34,35 @@ CalibratedPasses calibrated_passes(const Calibration& calibration, const Precisi
 constexpr double kOptimizerValuesPerElement = 7.0;
 
 int64_t element_size(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+
+// The block format the runtime gives one FlatParameter's quantized collectives (fsdp_state.cpp):
+// blocks end where each original parameter, and the padding, start.
+BlockFormat block_format(const Quantization& q, const UnitPlan& plan, const UnitPlan::FlatParam& fp, int64_t padded) {
+  std::vector<int64_t> starts;
+  int64_t offset = 0;
+  for (const int p : fp.params) {
+    starts.push_back(offset);
+    offset += plan.params[p].param.numel();
+  }
+  starts.push_back(offset);
+  return BlockFormat{q.dtype(), q.block_size(), parameter_cuts(std::move(starts), padded)};
+}
+
+// The slot of one part in a quantized collective of `parts` parts of `numel` values (packed_slot_bytes).
+int64_t packed_slot(const BlockFormat& format, int parts, int64_t numel, int64_t origin = 0) {
+  int64_t most = 0;
+  for (int q = 0; q < parts; ++q) most = std::max(most, format.packed_bytes(numel, origin + q * numel));
+  return most;
+}
+
+// quantized_all_reduce's slot for `numel` values from `origin` over `n` members: parts of ceil(numel / n), the last shorter.
+int64_t all_reduce_slot(const BlockFormat& format, int64_t numel, int n, int64_t origin) {
+  const int64_t p = (numel + n - 1) / n;
+  int64_t most = 0;
+  for (int q = 0; q < n; ++q)
+    most = std::max(most, format.packed_bytes(std::max<int64_t>(0, std::min(p, numel - q * p)), origin + q * p));
+  return most;
+}
 
 // Ranks each FlatParameter is split over.
 int shard_factor(const Candidate& c, int world) {
@@ -133,6 +164,42 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
           flat.replica_reduce_s =
               modeled_seconds(Collective::kAllReduce, shard * element_size(reduce), world / F, replica_link);
           flat.reduce_s += flat.replica_reduce_s;
+        }
+        if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
+      }
+      const UnitPlan::Unit& pu = plan.units[u];
+      const Quantization& gq = c.all_gather_quantization;
+      if (gq.applies_to(pu.name, *pu.module) && F > 1 && floating && !offload) {
+        // quantized_all_gather: each rank's shard packed in a slot; the slots gathered, then unpacked.
+        const int64_t slot = packed_slot(block_format(gq, plan, fp, padded), F, shard);
+        flat.gather_input_bytes = 0;
+        flat.packed_shard_bytes = slot;
+        flat.packed_gathered_bytes = F * slot;
+        flat.gather_s = modeled_seconds(Collective::kAllGather, F * slot, F, shard_link);
+      }
+      const Quantization& rq = c.reduce_quantization;
+      if (requires_grad && rq.applies_to(pu.name, *pu.module) && world > 1 && floating) {
+        const BlockFormat format = block_format(rq, plan, fp, padded);
+        // quantized_all_reduce: the parts to their owners, the owners' sums to everyone.
+        // The largest rank's: a replica all-reduce's values start at its shard (F origins), NO_SHARD's at 0.
+        auto all_reduce = [&](int64_t numel, int n, const Link& link, std::vector<int64_t>& packed) {
+          int64_t slot = 0;
+          for (int r = 0; r < (numel == padded ? 1 : F); ++r)
+            slot = std::max(slot, all_reduce_slot(format, numel, n, r * numel));
+          packed = {n * slot, n * slot, slot, n * slot};
+          return modeled_seconds(Collective::kAllToAll, n * slot, n, link) +
+                 modeled_seconds(Collective::kAllGather, n * slot, n, link);
+        };
+        if (F == 1) {
+          flat.reduce_s = all_reduce(padded, world, world_link, flat.reduce_packed);
+        } else {  // quantized_reduce_scatter: each part packed to its owner, who sums them
+          const int64_t slot = packed_slot(format, F, shard);
+          flat.reduce_packed = {F * slot, F * slot};
+          flat.reduce_s = modeled_seconds(Collective::kAllToAll, F * slot, F, shard_link);
+          if (c.strategy == ShardingStrategy::kHybridShard && world / F > 1) {  // of each rank's shard
+            flat.replica_reduce_s = all_reduce(shard, world / F, replica_link, flat.replica_packed);
+            flat.reduce_s += flat.replica_reduce_s;
+          }
         }
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
       }

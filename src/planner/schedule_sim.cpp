@@ -85,7 +85,8 @@ class Replay {
     int64_t buffer_bytes;
     int64_t output_bytes;
     double end;
-    bool output_kept = false;  // the output becomes the unit's partial sums
+    bool output_kept = false;     // the output becomes the unit's partial sums
+    std::vector<int64_t> packed;  // quantized: the collective's packed buffers
   };
   struct Count {
     int live = 0;
@@ -123,29 +124,20 @@ class Replay {
   void allocate_grads(int u) {
     if (grads_allocated_[u]) return;
     grads_allocated_[u] = 1;
-    for (const SimFlat& f : in_.units[u].flats) {
-      add_grads(f.grad_buffer_bytes);
-      pool(f.grad_buffer_bytes, 1);
-    }
+    for (const SimFlat& f : in_.units[u].flats) grad_buffer(f.grad_buffer_bytes, 1);
   }
   // A unit the previous micro-batch's backward left unsharded (its gathers landed long ago).
   void hold_unsharded(int u) {
     if (!gathers(u)) return;
     for (const SimFlat& f : in_.units[u].flats)
-      if (f.separate_shard) {
-        add_params(f.unsharded_bytes);
-        pool(f.unsharded_bytes, 1);
-      }
+      if (f.separate_shard) param_buffer(f.unsharded_bytes, 1);
     unsharded_[u] = 1;
   }
   // FlatGrad's partial sums of replica-deferred micro-batches before this one: one output per reduction.
   void hold_partials(int u) {
     partials_[u] = 1;
     for (const SimFlat& f : in_.units[u].flats)
-      if (f.requires_grad) {
-        add_grads(f.reduce_output_bytes);
-        pool(f.reduce_output_bytes, 1);
-      }
+      if (f.requires_grad) grad_buffer(f.reduce_output_bytes, 1);
   }
   void note_total() { r_.total_transient_peak = std::max(r_.total_transient_peak, params_ + grads_ + acts_); }
   // A buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
@@ -155,10 +147,24 @@ class Replay {
     c.live += n;
     c.most = std::max(c.most, c.live);
   }
+  // A parameter buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
+  void param_buffer(int64_t bytes, int n) {
+    add_params(n * bytes);
+    pool(bytes, n);
+  }
+  // The inputs of f's gather from its shard: the shard cast, or the packed shard and the gathered slots.
+  void gather_inputs(const SimFlat& f, int n) {
+    for (const int64_t b : {f.gather_input_bytes, f.packed_shard_bytes, f.packed_gathered_bytes}) param_buffer(b, n);
+  }
   void add_params(int64_t b) {
     params_ += b;
     r_.param_transient_peak = std::max(r_.param_transient_peak, params_);
     note_total();
+  }
+  // A gradient buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
+  void grad_buffer(int64_t bytes, int n) {
+    add_grads(n * bytes);
+    pool(bytes, n);
   }
   void add_grads(int64_t b) {
     grads_ += b;
@@ -233,9 +239,8 @@ class Replay {
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.separate_shard) continue;
       const bool part = from_parts && f.post_forward_bytes > 0;
-      add_params(f.unsharded_bytes + (part ? 0 : f.gather_input_bytes));
-      pool(f.unsharded_bytes, 1);
-      if (!part) pool(f.gather_input_bytes, 1);
+      param_buffer(f.unsharded_bytes, 1);
+      if (!part) gather_inputs(f, 1);
       compute(f.issue_work_s);
       end = std::max(end, issue(part ? f.post_forward_gather_s : f.gather_s, false));
     }
@@ -249,23 +254,20 @@ class Replay {
   void wait_unshard(int u) {
     if (!pending_[u]) return;
     wait_until(gather_end_[u]);
-    for (const SimFlat& f : in_.units[u].flats)
-      if (f.separate_shard) {
-        const int64_t input =
-            gathering_parts_[u] && f.post_forward_bytes > 0 ? f.post_forward_bytes : f.gather_input_bytes;
-        add_params(-input);
-        pool(input, -1);
-      }
+    for (const SimFlat& f : in_.units[u].flats) {
+      if (!f.separate_shard) continue;
+      if (gathering_parts_[u] && f.post_forward_bytes > 0)
+        param_buffer(f.post_forward_bytes, -1);
+      else
+        gather_inputs(f, -1);
+    }
     pending_[u] = 0;
     gathering_parts_[u] = 0;
   }
   void drop_parts(int u) {
     if (!parts_[u]) return;
     for (const SimFlat& f : in_.units[u].flats)
-      if (f.separate_shard) {
-        add_params(-f.post_forward_bytes);
-        pool(f.post_forward_bytes, -1);
-      }
+      if (f.separate_shard) param_buffer(f.post_forward_bytes, -1);
     parts_[u] = 0;
   }
   // Unit::reshard (keeping hpZ parts for a backward still to come), then Scheduler::reshard's issue
@@ -278,12 +280,10 @@ class Replay {
     for (const SimFlat& f : in_.units[u].flats)
       if (f.separate_shard) {
         if (keep_parts && f.post_forward_bytes > 0) {
-          add_params(f.post_forward_bytes);
-          pool(f.post_forward_bytes, 1);
+          param_buffer(f.post_forward_bytes, 1);
           parts_[u] = 1;
         }
-        add_params(-f.unsharded_bytes);
-        pool(f.unsharded_bytes, -1);
+        param_buffer(f.unsharded_bytes, -1);
       }
     unsharded_[u] = 0;
     if (state_[u] == State::kForwardPrefetched)
@@ -430,31 +430,41 @@ class Replay {
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.requires_grad) continue;
       finish_reductions(k > 0 ? k - 1 : 0);
-      add_grads(f.reduce_output_bytes);
-      pool(f.reduce_output_bytes, 1);
+      grad_buffer(f.reduce_output_bytes, 1);
       compute(f.issue_work_s);
+      take_packed(f.reduce_packed, 1);
       if (in_.micro.defer_replicas) {  // the shard group's sums only: the first become the partial sums
         const double end = issue(f.reduce_s - f.replica_reduce_s, true);
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u]});
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], f.reduce_packed});
       } else if (partials_[u]) {  // the reduce-scatter waited for, the partial sums added, then the all-reduce
         wait_until(issue(f.reduce_s - f.replica_reduce_s, true));
-        add_grads(-f.reduce_output_bytes);
-        pool(f.reduce_output_bytes, -1);
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true)});
-      } else {
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true)});
+        take_packed(f.reduce_packed, -1);
+        grad_buffer(f.reduce_output_bytes, -1);
+        take_packed(f.replica_packed, 1);
+        reductions_.push_back(
+            {f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true), false, f.replica_packed});
+      } else {  // a chained replica all-reduce frees the reduce-scatter's packed buffers by the time it lands
+        take_packed(f.replica_packed, 1);
+        std::vector<int64_t> packed = f.reduce_packed;
+        packed.insert(packed.end(), f.replica_packed.begin(), f.replica_packed.end());
+        reductions_.push_back(
+            {f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true), false, std::move(packed)});
       }
     }
     if (in_.micro.defer_replicas) partials_[u] = 1;
     finish_reductions(k);
   }
+  // A quantized reduction's packed buffers, taken from (n = 1) or given back to (n = -1) the pool.
+  void take_packed(const std::vector<int64_t>& buffers, int n) {
+    for (const int64_t b : buffers) grad_buffer(b, n);
+  }
   void finish_reductions(size_t keep) {
     while (reductions_.size() > keep) {
       const Pending& p = reductions_.front();
       wait_until(p.end);
-      add_grads(-p.buffer_bytes - (p.output_kept ? 0 : p.output_bytes));
-      pool(p.buffer_bytes, -1);
-      if (!p.output_kept) pool(p.output_bytes, -1);
+      take_packed(p.packed, -1);
+      grad_buffer(p.buffer_bytes, -1);
+      if (!p.output_kept) grad_buffer(p.output_bytes, -1);
       reductions_.pop_front();
     }
   }

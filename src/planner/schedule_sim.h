@@ -24,6 +24,13 @@ struct SimFlat {
   double reduce_s = 0;
   double replica_reduce_s = 0;  // HYBRID_SHARD: the replica all-reduce's part of reduce_s
   double issue_work_s = 0;      // the compute thread's own work for each of its collectives (runtime calibration)
+  // Quantized all-gather: the packed shard and the gathered packed shards, from issue to wait (0: none).
+  int64_t packed_shard_bytes = 0;
+  int64_t packed_gathered_bytes = 0;
+  // Quantized reductions' packed buffers, from issue until the reduction lands: the shard group's
+  // (NO_SHARD: the all-reduce's), and HYBRID_SHARD's replica all-reduce's.
+  std::vector<int64_t> reduce_packed;
+  std::vector<int64_t> replica_packed;
 };
 
 struct SimUnit {

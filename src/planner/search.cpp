@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <sstream>
+#include <utility>
 
 #include "fsdp/check.h"
 #include "fsdp/planner.h"
@@ -77,6 +78,8 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
                                   const NamedWrapPolicy& wrap, size_t units) {
   Candidate base;
   base.wrap = wrap;
+  base.all_gather_quantization = request.all_gather_quantization();
+  base.reduce_quantization = request.reduce_quantization();
   auto list = [](const auto& values) {
     return [&values](const Candidate&) {
       return values;
@@ -150,6 +153,13 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   for (const int k : request.reshard_after_forward_sizes())
     FSDP_CHECK(k >= 0, "PlanRequest::reshard_after_forward_sizes holds ", k,
                "; a size is 0 (free completely) or a group size that divides the shard group");
+  for (const auto& [q, what] : {std::pair{&request.all_gather_quantization(), "all_gather_quantization"},
+                                std::pair{&request.reduce_quantization(), "reduce_quantization"}})
+    FSDP_CHECK(!q->enabled() || q->block_size() >= 1, "PlanRequest::", what, ": block_size must be at least 1, got ",
+               q->block_size());
+  FSDP_CHECK(!request.reduce_quantization().error_feedback(),
+             "PlanRequest::reduce_quantization: error feedback's residuals are not modeled; plan without "
+             "error_feedback (its residuals add a float32 copy of each quantized gradient)");
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
   // Every wrap policy's units and costs (the searched ones first, then those only runtime timings

@@ -101,15 +101,16 @@ test_plan_file_no_sync_unsharded() {
 }
 
 test_plan_names_what_it_leaves_out() {
-  # Flags the planner does not model are named beside the table and in every prediction.
-  run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:1x8 --quantize-all-gather int8 --step-in-backward \
-    --plan-file "$TMP/plan.jsonl"
+  # Quantized collectives are planned for; flags the planner does not model are named beside the
+  # table and in every prediction.
+  run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:1x8 --quantize-all-gather int8 --quantize-reduce int8 \
+    --quantize-error-feedback --step-in-backward --plan-file "$TMP/plan.jsonl"
   expect_rc 0
-  expect_text out "the plan leaves out --quantize-all-gather int8, --step-in-backward: the planner does not model them"
-  expect_regex out "^best: "
+  expect_text out "the plan leaves out --quantize-error-feedback, --step-in-backward: the planner does not model them"
+  expect_regex out "^best: .*, int8 gathers, int8 reductions"
   local entries named
   entries=$(wc -l <"$TMP/plan.jsonl")
-  named=$(grep -c '"not_modeled":\["--quantize-all-gather int8","--step-in-backward"\]' "$TMP/plan.jsonl")
+  named=$(grep -c '"not_modeled":\["--quantize-error-feedback","--step-in-backward"\]' "$TMP/plan.jsonl")
   [ "$entries" -gt 0 ] && [ "$named" = "$entries" ] || fail "$named of $entries predictions name the flags left out"
 }
 
