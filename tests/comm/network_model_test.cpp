@@ -210,8 +210,9 @@ FSDP_WORKER(modeled_timing_worker) {
     WORKER_CHECK(work->completed(), "completed() is false after wait()");
     WORKER_CHECK(t >= d, "all-gather finished after ", t, " s, before its modeled ", d, " s");
     WORKER_CHECK(t <= d + slack, "all-gather took ", t, " s, far above its modeled ", d, " s");
-    // A busy wait would burn ~wall seconds of CPU; sleeping burns almost none.
-    WORKER_CHECK(cpu < 0.25 * wall, "waiting for the model used ", cpu, " s of CPU in ", wall, " s");
+    // A busy wait would burn ~wall seconds of CPU; sleeping burns only what the real transfer and
+    // the process's other threads use, well under half the wait even on a loaded machine.
+    WORKER_CHECK(cpu < 0.5 * wall, "waiting for the model used ", cpu, " s of CPU in ", wall, " s");
     for (int r = 0; r < W; ++r)
       WORKER_CHECK(out.narrow(0, r * n, n).eq(float(r)).all().item<bool>(), "wrong all-gather result");
     std::cout << "single: modeled " << d << " s, measured " << t << " s, cpu " << cpu << " s" << std::endl;
