@@ -23,6 +23,8 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<std::pair<std:
   return std::make_unique<torch::optim::AdamW>(std::move(groups), *options(weight_decay));
 }
 
+bool muon_steps(const std::string& name) { return name.rfind("blocks.", 0) == 0; }
+
 std::unique_ptr<torch::optim::Optimizer> make_whole_param_optimizer(const std::string& kind,
                                                                     fsdp::FullyShardedModule& sharded,
                                                                     const std::map<std::string, int64_t>& dims,
@@ -32,7 +34,7 @@ std::unique_ptr<torch::optim::Optimizer> make_whole_param_optimizer(const std::s
   std::vector<torch::Tensor> blocks, decayed, not_decayed;
   for (const auto& p : sharded.shard_pieces()) {
     if (!p.piece.requires_grad()) continue;
-    if (kind == "muon" && p.name.rfind("blocks.", 0) == 0)
+    if (kind == "muon" && muon_steps(p.name))
       blocks.push_back(p.piece);
     else
       (dims.at(p.name) >= 2 ? decayed : not_decayed).push_back(p.piece);

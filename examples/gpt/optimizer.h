@@ -22,6 +22,9 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<std::pair<std:
 // Muon's learning rate for the blocks' matrices, as a multiple of the AdamW learning rate.
 constexpr double kMuonLrScale = 20;
 
+// Whether muon's groups give the parameter `name` to Muon (where it is a matrix): the blocks'.
+bool muon_steps(const std::string& name);
+
 // `kind` (lamb, adafactor, muon) over the pieces of `sharded`, grouped by `dims` as make_adamw does:
 // lamb with AdamW's betas; adafactor with a fixed (scheduled) lr and no parameter scaling; muon for
 // the blocks' matrices at kMuonLrScale x lr, AdamW for the embeddings and vectors.

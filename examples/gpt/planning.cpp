@@ -48,9 +48,11 @@ std::vector<at::ScalarType> plan_precisions(const TrainConfig& config, bool flag
 }
 
 // The flags whose effects the planner does not model (docs/planner.md): named beside its predictions.
-std::vector<std::string> unmodeled_flags(const TrainConfig& config) {
+// Another optimizer's state is modeled, its step's time only by a runtime calibration.
+std::vector<std::string> unmodeled_flags(const TrainConfig& config, const fsdp::Calibration& calibration) {
   std::vector<std::string> flags;
-  if (config.optimizer != "adamw") flags.push_back("--optimizer " + config.optimizer);
+  if (config.optimizer != "adamw" && calibration.runtime.empty())
+    flags.push_back("--optimizer " + config.optimizer + "'s step time");
   if (config.quantize_reduce != "none" && config.quantize_error_feedback) flags.push_back("--quantize-error-feedback");
   if (config.reshard_after_forward != "strategy")
     flags.push_back("--reshard-after-forward " + config.reshard_after_forward);
@@ -60,8 +62,8 @@ std::vector<std::string> unmodeled_flags(const TrainConfig& config) {
 }
 
 // Rank 0's line before a prediction that leaves flags out; nothing when it leaves none out.
-void say_what_is_left_out(const TrainConfig& config) {
-  const auto flags = unmodeled_flags(config);
+void say_what_is_left_out(const TrainConfig& config, const fsdp::Calibration& calibration) {
+  const auto flags = unmodeled_flags(config, calibration);
   if (flags.empty()) return;
   std::cout << "the plan leaves out";
   for (size_t i = 0; i < flags.size(); ++i) std::cout << (i == 0 ? " " : ", ") << flags[i];
@@ -185,8 +187,9 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
       .replica_deferred({config.grad_accum_mode == "replica-deferred"});
 }
 
-void write_entries(const std::string& path, const fsdp::Plan& plan, const TrainConfig& config) {
-  const auto not_modeled = unmodeled_flags(config);
+void write_entries(const std::string& path, const fsdp::Plan& plan, const TrainConfig& config,
+                   const fsdp::Calibration& calibration) {
+  const auto not_modeled = unmodeled_flags(config, calibration);
   std::ofstream out(path);
   FSDP_CHECK(out.good(), "cannot write the plan file ", path);
   for (const auto& e : plan.entries) {
@@ -227,6 +230,13 @@ void write_entries(const std::string& path, const fsdp::Plan& plan, const TrainC
   }
 }
 
+// The state of the optimizer build_optimizer makes for `config`.
+fsdp::OptimizerStateFn optimizer_state(const TrainConfig& config) {
+  if (config.optimizer == "adafactor") return fsdp::adafactor_state(false);
+  if (config.optimizer == "muon") return fsdp::muon_state(gpt::muon_steps);
+  return fsdp::per_element_state(2);  // AdamW, LAMB
+}
+
 fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int64_t process_bytes, bool flags_only,
                     const fsdp::Calibration& calibration) {
   gpt::GPTConfig model_config;
@@ -255,7 +265,8 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
   else
     request.module_cost(gpt::module_cost);
   if (!config.memory_budget.empty()) request.memory_budget(fsdp::parse_bytes(config.memory_budget));
-  request.memory_margin(config.memory_margin)
+  request.optimizer_state(optimizer_state(config))
+      .memory_margin(config.memory_margin)
       .all_gather_quantization(quantization_flags(config, config.quantize_all_gather))
       .reduce_quantization(quantization_flags(config, config.quantize_reduce));
   if (flags_only) request = only_the_flags(request, config);
@@ -290,8 +301,8 @@ int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
   }
   const fsdp::Plan plan = plan_gpt(config, cluster, resident_bytes(), false, calibration);
   if (env.rank != 0) return 0;
-  if (!config.plan_file.empty()) write_entries(config.plan_file, plan, config);
-  say_what_is_left_out(config);
+  if (!config.plan_file.empty()) write_entries(config.plan_file, plan, config, calibration);
+  say_what_is_left_out(config, calibration);
   std::cout << plan.table();
   if (plan.any_fits())
     std::cout << "best: " << plan.best().candidate.describe() << "\n";
@@ -330,8 +341,8 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
   }
   if (flags_only) {
     if (pg.rank() == 0) {
-      write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration), config);
-      say_what_is_left_out(config);
+      write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration), config, calibration);
+      say_what_is_left_out(config, calibration);
     }
     return;
   }
@@ -340,8 +351,8 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
   apply_candidate(best.candidate, config);
   resolve_batch(config, pg.size());
   if (pg.rank() == 0 && !config.plan_file.empty())
-    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration), config);
-  if (pg.rank() == 0) say_what_is_left_out(config);
+    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration), config, calibration);
+  if (pg.rank() == 0) say_what_is_left_out(config, calibration);
   if (pg.rank() == 0)
     std::cout << "planned for " << fsdp::format_bytes(plan.budget) << " per rank: " << best.candidate.describe()
               << "; predicted peak " << fsdp::format_bytes(best.memory.peak) << " (FSDP parameters "

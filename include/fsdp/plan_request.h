@@ -26,6 +26,18 @@ struct ModuleCost {
 using ModuleCostFn =
     std::function<ModuleCost(const std::string& name, const torch::nn::Module& module, int64_t seq_len)>;
 
+// Optimizer state, in elements of the parameters' dtype, that a rank holding `piece_numel` (> 0)
+// elements of the original parameter `name` (of whole shape `shape`) keeps.
+using OptimizerStateFn = std::function<int64_t(const std::string& name, at::IntArrayRef shape, int64_t piece_numel)>;
+// `states` values per element of the piece: AdamW and LAMB 2, SGD with momentum 1.
+OptimizerStateFn per_element_state(int states);
+// fsdp::Adafactor's: a matrix's row and column vectors (R + C) on every rank holding a piece of it,
+// other shapes one value per element; with `first_moment` (beta1 > 0) one more per element.
+OptimizerStateFn adafactor_state(bool first_moment = false);
+// fsdp::Muon's: momentum (one per element) for the matrices `muon` names, AdamW's two per element
+// for the rest.
+OptimizerStateFn muon_state(std::function<bool(const std::string& name)> muon);
+
 // A wrap policy the search may try, with the name tables show.
 struct NamedWrapPolicy {
   std::string name;
@@ -45,6 +57,8 @@ struct PlanRequest {
   TORCH_ARG(int, world) = 0;
   // Optimizer state per parameter element, in the parameters' dtype (AdamW 2, SGD with momentum 1).
   TORCH_ARG(int, optimizer_states) = 2;
+  /// Optimizer state per original parameter; replaces optimizer_states where set.
+  TORCH_ARG(OptimizerStateFn, optimizer_state) = nullptr;
   TORCH_ARG(ModuleCostFn, module_cost) = nullptr;
   /// Runs one forward of `trace_sequences` sequences on the model (built on the meta device), for
   /// the planner to count its operators instead of its rules (docs/planner.md, The operator trace).

@@ -94,7 +94,25 @@ struct Resting {
   int64_t piece_grads = 0;  // the shard pieces' gradients
   int64_t piece_numel = 0;  // this rank's real elements (optimizer state)
   int64_t piece_bytes = 0;
+  int64_t optimizer_bytes = 0;  // the optimizer's state over this rank's pieces
 };
+
+// The optimizer state over rank 0's pieces of `fp`'s parameters, which hold [0, limit) of the flat.
+int64_t optimizer_state_bytes(const PlanRequest& request, const UnitPlan& plan, const UnitPlan::FlatParam& fp,
+                              const int64_t limit) {
+  int64_t states = 0;
+  int64_t offset = 0;
+  for (const int p : fp.params) {
+    const UnitPlan::Param& param = plan.params[p];
+    const int64_t numel = param.param.numel();
+    const int64_t piece = std::max<int64_t>(0, std::min(offset + numel, limit) - offset);
+    offset += numel;
+    if (piece == 0) continue;
+    states += request.optimizer_state() ? request.optimizer_state()(param.name, param.param.sizes(), piece)
+                                        : request.optimizer_states() * piece;
+  }
+  return states * element_size(plan.params[fp.params.front()].param.scalar_type());
+}
 
 }  // namespace
 
@@ -208,6 +226,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       if (requires_grad) {
         rest.piece_numel += flat.separate_shard ? piece : numel;
         rest.piece_bytes += (flat.separate_shard ? piece : numel) * element_size(dtype);
+        rest.optimizer_bytes += optimizer_state_bytes(request, plan, fp, flat.separate_shard ? piece : numel);
       }
       su.flats.push_back(flat);
     }
@@ -330,8 +349,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   MemoryPrediction& m = e.memory;
   m.params = rest.shards + r.param_transient_peak;
   m.grads = rest.piece_grads + r.grad_transient_peak;
-  const int64_t optimizer = static_cast<int64_t>(request.optimizer_states()) * rest.piece_bytes;
-  m.optimizer = offload ? 0 : optimizer;
+  m.optimizer = offload ? 0 : rest.optimizer_bytes;
   m.activations = r.activation_peak;
   // What the calibrated passes held beyond the activations the replay keeps, per token.
   const int64_t passes_peak = timing == nullptr            ? 0
@@ -348,7 +366,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   m.headroom = pool_idle + static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());
   m.process = request.process_bytes();
   m.peak = tensors + m.headroom + m.process;
-  if (offload) m.host = rest.piece_bytes * (2 + request.optimizer_states());
+  if (offload) m.host = 2 * rest.piece_bytes + rest.optimizer_bytes;
 
   // Each micro-batch reduces its gradients; the optimizer steps once, bound by memory bandwidth.
   const double bandwidth = (offload ? cluster.host_device_gbps * 4 : cluster.device.memory_gbps) * 1e9;

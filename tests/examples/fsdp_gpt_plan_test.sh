@@ -114,6 +114,25 @@ test_plan_names_what_it_leaves_out() {
   [ "$entries" -gt 0 ] && [ "$named" = "$entries" ] || fail "$named of $entries predictions name the flags left out"
 }
 
+test_plan_holds_the_optimizers_state() {
+  # --optimizer's state goes into every prediction: Adafactor's factored moments below Muon's one
+  # momentum for the blocks' matrices, below AdamW's two moments (or equal, where rank 0's shard
+  # holds only the embedding); a step time never timed is named.
+  local kind
+  for kind in adamw adafactor muon; do
+    run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:1x8 --optimizer "$kind" --plan-file "$TMP/$kind.jsonl"
+    expect_rc 0
+    sed -E 's/.*"configuration":"([^"]*)".*"optimizer_bytes":([0-9]+).*/\1\t\2/' "$TMP/$kind.jsonl" | sort >"$TMP/$kind.tsv"
+  done
+  expect_text out "the plan leaves out --optimizer muon's step time: the planner does not model it"
+  join -t $'\t' "$TMP/adafactor.tsv" "$TMP/muon.tsv" | join -t $'\t' - "$TMP/adamw.tsv" >"$TMP/all.tsv"
+  [ "$(wc -l <"$TMP/all.tsv")" -eq "$(wc -l <"$TMP/adamw.tsv")" ] || fail "the optimizers' plans have other configurations"
+  # Strictly where rank 0 holds every parameter (NO_SHARD); a shard may hold only the embedding.
+  awk -F '\t' '$1 !~ /offload/ && !($2 > 0 && $2 <= $3 && $3 <= $4) ||
+      $1 ~ /^NO_SHARD/ && $1 !~ /offload/ && !($2 < $3 && $3 < $4) { print "optimizer bytes " $2 ", " $3 ", " $4 ": " $1; bad = 1 }
+    END { exit bad }' "$TMP/all.tsv" || fail "the optimizers' states are not ordered adafactor < muon < adamw"
+}
+
 # configuration<TAB>activations_bytes<TAB>tflops_per_device, one line per --plan-file entry.
 plan_figures() {
   sed -E 's/.*"activations_bytes":([0-9]+).*"configuration":"([^"]*)".*"tflops_per_device":([0-9.e+-]+).*/\2\t\1\t\3/' "$1" | sort
