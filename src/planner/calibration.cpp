@@ -86,42 +86,62 @@ struct PassTimes {
   double forward_s = 0, backward_s = 0;
 };
 
-// Forward-and-loss and backward seconds, median over `repetitions` (or more: keep_timing) after one
-// untimed.
-PassTimes time_loop(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions,
-                    double min_timed_s) {
-  std::vector<double> forward, backward;
+// One kind of pass a calibration times: a loss, with the model's checkpointing wrappers on or off.
+struct TimedPass {
+  std::function<at::Tensor()> loss;
+  bool checkpointed = false;
+};
+
+// Each pass's forward-and-loss and backward seconds, median over `repetitions` (or more while the
+// first pass has not filled min_timed_s: keep_timing) after one untimed round. The passes take
+// turns, so a passing disturbance of the machine meets each alike (Note [Planner calibration]).
+std::vector<PassTimes> time_loop(torch::nn::Module& model, const std::vector<TimedPass>& passes,
+                                 const std::vector<std::pair<CheckpointedBase*, bool>>& wrappers, int repetitions,
+                                 double min_timed_s) {
+  std::vector<std::vector<double>> forward(passes.size()), backward(passes.size());
   double timed_s = 0;
-  for (int i = 0; i == 0 || keep_timing(forward.size(), timed_s, repetitions, min_timed_s); ++i) {
-    zero_grads(model);
-    const auto start = Clock::now();
-    at::Tensor value = loss();
-    FSDP_CHECK(value.numel() == 1, "fsdp::calibrate: loss() must return a scalar, got ", value.numel(), " values");
-    const double f = seconds_since(start);
-    const auto middle = Clock::now();
-    value.backward();
-    const double b = seconds_since(middle);
-    if (i > 0) forward.push_back(f), backward.push_back(b), timed_s += f + b;
-  }
-  return {median(forward), median(backward)};
+  for (int i = 0; i == 0 || keep_timing(forward[0].size(), timed_s, repetitions, min_timed_s); ++i)
+    for (size_t k = 0; k < passes.size(); ++k) {
+      for (const auto& w : wrappers) w.first->set_enabled(passes[k].checkpointed);
+      zero_grads(model);
+      const auto start = Clock::now();
+      at::Tensor value = passes[k].loss();
+      FSDP_CHECK(value.numel() == 1, "fsdp::calibrate: loss() must return a scalar, got ", value.numel(), " values");
+      const double f = seconds_since(start);
+      const auto middle = Clock::now();
+      value.backward();
+      const double b = seconds_since(middle);
+      if (i == 0) continue;
+      forward[k].push_back(f), backward[k].push_back(b);
+      if (k == 0) timed_s += f + b;
+    }
+  std::vector<PassTimes> times;
+  for (size_t k = 0; k < passes.size(); ++k) times.push_back({median(forward[k]), median(backward[k])});
+  return times;
 }
 
-// The passes' times without checkpointing; with `full`, their memory too, and both again with the
-// model's checkpointing wrappers enabled.
-PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int repetitions,
-                            double min_timed_s, bool full = true) {
+// The passes' times and memory without checkpointing, both again with the model's checkpointing
+// wrappers enabled where it has any, and with `smaller` the times of that loss's passes.
+PrecisionTiming time_passes(torch::nn::Module& model, const std::function<at::Tensor()>& loss,
+                            const std::function<at::Tensor()>& smaller, int repetitions, double min_timed_s) {
   const auto wrappers = checkpointed_modules(model);
-  for (const auto& w : wrappers) w.first->set_enabled(false);
-  const PassTimes plain = time_loop(model, loss, repetitions, min_timed_s);
+  std::vector<TimedPass> passes{{loss, false}};
+  if (smaller) passes.push_back({smaller, false});
+  if (!wrappers.empty()) passes.push_back({loss, true});
+  const std::vector<PassTimes> times = time_loop(model, passes, wrappers, repetitions, min_timed_s);
   PrecisionTiming t;
-  t.forward_s = plain.forward_s;
-  t.backward_s = plain.backward_s;
-  if (full) t.peak_bytes = pass_peak(model, loss);
-  if (full && !wrappers.empty()) {
+  t.forward_s = times[0].forward_s;
+  t.backward_s = times[0].backward_s;
+  if (smaller) {
+    t.small_forward_s = times[1].forward_s;
+    t.small_backward_s = times[1].backward_s;
+  }
+  for (const auto& w : wrappers) w.first->set_enabled(false);
+  t.peak_bytes = pass_peak(model, loss);
+  if (!wrappers.empty()) {
+    t.checkpointed_forward_s = times.back().forward_s;
+    t.checkpointed_backward_s = times.back().backward_s;
     for (const auto& w : wrappers) w.first->set_enabled(true);
-    const PassTimes checkpointed = time_loop(model, loss, repetitions, min_timed_s);
-    t.checkpointed_forward_s = checkpointed.forward_s;
-    t.checkpointed_backward_s = checkpointed.backward_s;
     t.checkpointed_peak_bytes = pass_peak(model, loss);
   }
   for (const auto& w : wrappers) w.first->set_enabled(w.second);
@@ -317,14 +337,9 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
     FSDP_CHECK(at::isFloatingType(precision), "fsdp::calibrate: precision ", c10::toString(precision),
                " is not a floating type");
     model.to(precision);
-    PrecisionTiming t = time_passes(model, loss, options.repetitions(), options.min_timed_s());
+    PrecisionTiming t = time_passes(model, loss, smaller ? options.smaller_loss() : nullptr, options.repetitions(),
+                                    options.min_timed_s());
     t.precision = precision;
-    if (smaller) {
-      const PrecisionTiming s =
-          time_passes(model, options.smaller_loss(), options.repetitions(), options.min_timed_s(), false);
-      t.small_forward_s = s.forward_s;
-      t.small_backward_s = s.backward_s;
-    }
     c.timings.push_back(t);
   }
   return c;
