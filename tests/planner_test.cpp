@@ -95,6 +95,7 @@ FSDP_WORKER(planner_memory_worker) {
     bool keep_unsharded = false;    // no_sync: parameters left unsharded from one micro-batch to the next
     int64_t int8_gathers = 0;       // values per scale of int8 all-gathers (0: unquantized)
     int64_t int8_reductions = 0;    // values per scale of int8 gradient reductions (0: unquantized)
+    std::string reshard_policy{};   // "true", "false" or "except-last" for every block; empty: none
   };
   const auto pre = BackwardPrefetch::kBackwardPre;
   std::vector<Case> cases;
@@ -157,6 +158,24 @@ FSDP_WORKER(planner_memory_worker) {
   quantized({ShardingStrategy::kFullShard, at::kBFloat16, 1, BackwardPrefetch::kBackwardPost, false, 1, 2}, 256, 256);
   quantized({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 1, true}, 256, 256);
   quantized({ShardingStrategy::kHybridShard, at::kFloat, 2, pre, true, 2, 0, 1, false, true, false, true}, 256, 256);
+  // A reshard-after-forward policy for every block: no unit kept for backward by the strategy.
+  auto by_policy = [&](Case c, const std::string& policy) {
+    c.reshard_policy = policy;
+    cases.push_back(c);
+  };
+  for (const auto p : {at::kFloat, at::kBFloat16}) {
+    by_policy({ShardingStrategy::kFullShard, p, 2, pre, true, 2}, "true");
+    by_policy({ShardingStrategy::kFullShard, p, 2, pre, true, 2}, "except-last");
+  }
+  by_policy({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2}, "false");
+  by_policy({ShardingStrategy::kShardGradOp, at::kFloat, 2, pre, true, 2}, "except-last");
+  by_policy({ShardingStrategy::kHybridShard, at::kBFloat16, 2, pre, true, 2}, "except-last");
+  by_policy({ShardingStrategy::kFullShard, at::kFloat, 1, BackwardPrefetch::kBackwardPost, false, 1}, "true");
+  by_policy({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 2}, "except-last");
+  by_policy({ShardingStrategy::kFullShard, at::kBFloat16, 2, pre, true, 2, 2}, "true");
+  by_policy({ShardingStrategy::kShardGradOp, at::kFloat, 2, pre, true, 2, 2}, "true");
+  by_policy({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 1, 0, 1, true}, "except-last");
+  by_policy({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 1, true, true, false, false, true}, "true");
   const auto cluster = fsdp::Cluster::parse("cpu:1x4");
   int checked = 0;
   for (const Case& c : cases) {
@@ -168,6 +187,11 @@ FSDP_WORKER(planner_memory_worker) {
                           c.micro_batch, c.no_sync, c.grads_kept, c.replica_deferred, c.keep_unsharded);
     if (c.int8_gathers > 0) request.all_gather_quantization(fsdp::Quantization::int8(c.int8_gathers));
     if (c.int8_reductions > 0) request.reduce_quantization(fsdp::Quantization::int8(c.int8_reductions));
+    if (!c.reshard_policy.empty())
+      request.reshard_after_forward_policy(
+          [policy = c.reshard_policy](const std::string& name, const torch::nn::Module&) {
+            return c10::optional<bool>(policy == "true" || (policy == "except-last" && name != "blocks.2"));
+          });
     const fsdp::Plan plan = fsdp::plan(*model, cluster, request);
     WORKER_CHECK(plan.entries.size() == 1, "expected one candidate, got ", plan.entries.size());
     const fsdp::PlanEntry& e = plan.entries.front();

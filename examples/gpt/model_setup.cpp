@@ -48,6 +48,15 @@ fsdp::Quantization quantization_flags(const TrainConfig& config, const std::stri
   return fsdp::Quantization().enabled(true).dtype(fsdp::parse_quantized_dtype(dtype)).block_size(config.quantize_block);
 }
 
+fsdp::ReshardPolicy reshard_policy(const TrainConfig& config) {
+  if (config.reshard_after_forward == "strategy") return nullptr;
+  const std::string choice = config.reshard_after_forward;
+  const std::string last = "blocks." + std::to_string(config.layers - 1);
+  return [choice, last](const std::string& name, const torch::nn::Module&) {
+    return c10::optional<bool>(choice == "true" || (choice == "except-last" && name != last));
+  };
+}
+
 std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const TrainConfig& config,
                                                       fsdp::ProcessGroupPtr pg) {
   const gpt::GPTConfig model_config = built.config;
@@ -68,13 +77,7 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
     options.mixed_precision(fsdp::MixedPrecision()
                                 .param_dtype(config.mixed_precision == "bf16" ? torch::kBFloat16 : torch::kFloat16)
                                 .reduce_dtype(torch::kFloat32));
-  if (config.reshard_after_forward != "strategy") {
-    const std::string choice = config.reshard_after_forward;
-    const std::string last = "blocks." + std::to_string(config.layers - 1);
-    options.reshard_after_forward_policy([choice, last](const std::string& name, const torch::nn::Module&) {
-      return c10::optional<bool>(choice == "true" || (choice == "except-last" && name != last));
-    });
-  }
+  options.reshard_after_forward_policy(reshard_policy(config));
   options.reshard_after_forward_size(config.reshard_after_forward_size);
   options.all_gather_quantization(quantization_flags(config, config.quantize_all_gather));
   options.reduce_quantization(quantization_flags(config, config.quantize_reduce)

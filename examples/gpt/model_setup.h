@@ -30,6 +30,9 @@ BuiltModel build_model(const TrainConfig& config);
 // --quantize-block's quantization in `dtype` ("none": off), without error feedback.
 fsdp::Quantization quantization_flags(const TrainConfig& config, const std::string& dtype);
 
+// --reshard-after-forward's per-block choice; null for "strategy" (each strategy's own).
+fsdp::ReshardPolicy reshard_policy(const TrainConfig& config);
+
 // fully_shard with the flags' strategy, prefetching and wrapping; initializes deferred units.
 std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const TrainConfig& config,
                                                       fsdp::ProcessGroupPtr pg);

@@ -54,8 +54,6 @@ std::vector<std::string> unmodeled_flags(const TrainConfig& config, const fsdp::
   if (config.optimizer != "adamw" && calibration.runtime.empty())
     flags.push_back("--optimizer " + config.optimizer + "'s step time");
   if (config.quantize_reduce != "none" && config.quantize_error_feedback) flags.push_back("--quantize-error-feedback");
-  if (config.reshard_after_forward != "strategy")
-    flags.push_back("--reshard-after-forward " + config.reshard_after_forward);
   if (config.step_in_backward) flags.push_back("--step-in-backward");
   if (config.deterministic) flags.push_back("--deterministic");
   return flags;
@@ -268,7 +266,8 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
   request.optimizer_state(optimizer_state(config))
       .memory_margin(config.memory_margin)
       .all_gather_quantization(quantization_flags(config, config.quantize_all_gather))
-      .reduce_quantization(quantization_flags(config, config.quantize_reduce));
+      .reduce_quantization(quantization_flags(config, config.quantize_reduce))
+      .reshard_after_forward_policy(reshard_policy(config));
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);
 }

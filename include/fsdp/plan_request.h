@@ -87,6 +87,8 @@ struct PlanRequest {
   TORCH_ARG(std::vector<bool>, activation_checkpointing) = {false, true};
   /// hpZ sizes (Options::reshard_after_forward_size) tried where a candidate reshards after forward; empty: 0 and one node's ranks.
   TORCH_ARG(std::vector<int>, reshard_after_forward_sizes) = {};
+  /// Per-unit reshard after forward (Options::reshard_after_forward_policy) in every candidate; null: each strategy's own; not searched.
+  TORCH_ARG(ReshardPolicy, reshard_after_forward_policy) = nullptr;
   TORCH_ARG(std::vector<bool>, cpu_offload) = {false, true};  // never where the device is the host
   // Parameter dtypes for compute (reductions stay float32): kFloat, kBFloat16, kHalf.
   TORCH_ARG(std::vector<at::ScalarType>, precisions) = {at::kFloat, at::kBFloat16};
@@ -120,9 +122,10 @@ struct Candidate {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = true;
   int reductions_in_flight = 2;
-  int reshard_after_forward_size = 0;    // hpZ: units resharded after forward keep 1/this of their parameters
-  int micro_batch = 1;                   // sequences per micro-batch per rank
-  int accumulation = 1;                  // micro-batches per step
+  int reshard_after_forward_size = 0;          // hpZ: units resharded after forward keep 1/this of their parameters
+  ReshardPolicy reshard_after_forward_policy;  // PlanRequest's
+  int micro_batch = 1;                         // sequences per micro-batch per rank
+  int accumulation = 1;                        // micro-batches per step
   bool no_sync = false;                  // micro-batches before the last keep their unsharded gradients, unreduced
   bool replica_deferred = false;         // HYBRID_SHARD: micro-batches before the last skip the replica all-reduce
   bool keep_unsharded = false;           // no_sync: micro-batches before the last leave the parameters unsharded

@@ -17,6 +17,7 @@ Options Candidate::options() const {
       .all_gather_limit(std::max(1, all_gather_limit))
       .reductions_in_flight(reductions_in_flight)
       .reshard_after_forward_size(reshard_after_forward_size)
+      .reshard_after_forward_policy(reshard_after_forward_policy)
       .all_gather_quantization(all_gather_quantization)
       .reduce_quantization(reduce_quantization);
   if (precision != at::kFloat) o.mixed_precision(MixedPrecision().param_dtype(precision).reduce_dtype(at::kFloat));
@@ -28,6 +29,7 @@ std::string Candidate::describe() const {
   std::ostringstream o;
   o << to_string(strategy);
   if (strategy == ShardingStrategy::kHybridShard) o << "/" << sharding_factor;
+  if (reshard_after_forward_policy) o << ", reshard after forward by policy";
   if (reshard_after_forward_size > 0) o << ", reshard to groups of " << reshard_after_forward_size;
   o << ", wrap " << wrap.name << (activation_checkpointing ? ", checkpointed" : "") << (cpu_offload ? ", offload" : "")
     << ", "

@@ -135,7 +135,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const Link& shard_link = measured_link ? measured : cluster.link_for_group(F);
   const Link& world_link = measured_link ? measured : cluster.link_for_group(world);
   const Link& replica_link = measured_link ? measured : cluster.inter;
-  const int k = reshards_after_forward(c.strategy) ? c.reshard_after_forward_size : 0;
+  const int k = c.reshard_after_forward_size;
   const Link& hpz_link = measured_link ? measured : cluster.link_for_group(std::max(k, 1));
   const double host_bps = cluster.host_device_gbps * 1e9;
 
@@ -145,7 +145,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   for (size_t u = 0; u < plan.units.size(); ++u) {
     SimUnit& su = sim.units[u];
     su.ancestors = plan.units[u].ancestors;
-    su.reshard_after_forward = u != 0 && reshards_after_forward(c.strategy);
+    const UnitPlan::Unit& pu = plan.units[u];
+    su.reshard_after_forward = u != 0 && reshards_after_forward(c, pu);
     for (const int f : plan.units[u].flat_params) {
       const UnitPlan::FlatParam& fp = plan.flat_params[f];
       int64_t numel = 0;
@@ -169,7 +170,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         flat.reduce_output_bytes = flat.separate_shard && F > 1 ? shard * element_size(reduce) : 0;
       }
       flat.gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link);
-      if (k > 1 && u != 0 && flat.separate_shard && F > 1) {  // hpZ: 1/k kept, gathered within k ranks
+      if (k > 1 && su.reshard_after_forward && flat.separate_shard && F > 1) {  // hpZ: 1/k kept, gathered in k
         flat.post_forward_bytes = padded / k * element_size(compute);
         flat.post_forward_gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, k, hpz_link);
       }
@@ -185,7 +186,6 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         }
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
       }
-      const UnitPlan::Unit& pu = plan.units[u];
       const Quantization& gq = c.all_gather_quantization;
       if (gq.applies_to(pu.name, *pu.module) && F > 1 && floating && !offload) {
         // quantized_all_gather: each rank's shard packed in a slot; the slots gathered, then unpacked.
@@ -291,6 +291,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   }
   sim.backward_prefetch = c.backward_prefetch;
   sim.forward_prefetch = c.forward_prefetch;
+  sim.keep_first_in_backward = !c.reshard_after_forward_policy;
   sim.limit_all_gathers = c.all_gather_limit > 0;
   sim.all_gather_limit = std::max(1, c.all_gather_limit);
   sim.reductions_in_flight = c.reductions_in_flight;

@@ -114,11 +114,12 @@ class Replay {
       if (last_segment[u] >= 0) backward_order_.push_back(u);
     std::sort(backward_order_.begin(), backward_order_.end(),
               [&](int a, int b) { return last_segment[a] > last_segment[b]; });
-    for (int v : backward_order_)
-      if (v != 0) {
-        if (in_.units[v].reshard_after_forward) first_in_backward_ = v;
-        break;
-      }
+    if (in_.keep_first_in_backward)
+      for (int v : backward_order_)
+        if (v != 0) {
+          if (in_.units[v].reshard_after_forward) first_in_backward_ = v;
+          break;
+        }
   }
 
   void allocate_grads(int u) {

@@ -71,6 +71,8 @@ struct SimInput {
   std::vector<SimSegment> segments;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = true;
+  // Forward keeps the unit backward needs first (no ReshardPolicy: Note [Kept for backward]).
+  bool keep_first_in_backward = true;
   bool limit_all_gathers = true;
   int all_gather_limit = 2;
   int reductions_in_flight = 2;

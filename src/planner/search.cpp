@@ -80,6 +80,7 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   base.wrap = wrap;
   base.all_gather_quantization = request.all_gather_quantization();
   base.reduce_quantization = request.reduce_quantization();
+  base.reshard_after_forward_policy = request.reshard_after_forward_policy();
   auto list = [](const auto& values) {
     return [&values](const Candidate&) {
       return values;

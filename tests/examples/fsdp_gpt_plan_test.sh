@@ -100,6 +100,18 @@ test_plan_file_no_sync_unsharded() {
   if grep -qF "the plan leaves out" "$TMP/out"; then fail "the run names flags its plan leaves out"; fi
 }
 
+test_plan_file_reshard_policy() {
+  # A run whose blocks reshard after forward by --reshard-after-forward is predicted with that policy.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --reshard-after-forward except-last \
+    --plan-file "$TMP/plan.jsonl"
+  expect_rc 0
+  expect_regex out "^\[rank 0\] step +4/4 \| loss "
+  grep -q '"configuration":"FULL_SHARD, reshard after forward by policy, wrap block, fp32, micro-batch 4 x 1"' \
+    "$TMP/plan.jsonl" || fail "no prediction with the policy in the plan file: $(cat "$TMP/plan.jsonl")"
+  grep -q '"not_modeled":\[\]' "$TMP/plan.jsonl" || fail "the plan file names flags it leaves out"
+  if grep -qF "the plan leaves out" "$TMP/out"; then fail "the run names flags its plan leaves out"; fi
+}
+
 test_plan_names_what_it_leaves_out() {
   # Quantized collectives are planned for; flags the planner does not model are named beside the
   # table and in every prediction.
