@@ -4,10 +4,6 @@
 
 namespace fsdp {
 
-bool ShardingGroups::reshards_after_forward(ShardingStrategy strategy) {
-  return strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
-}
-
 int ShardingGroups::check(const ProcessGroup& pg, const Options& options) {
   const int W = pg.size();
   const auto strategy = options.sharding_strategy();

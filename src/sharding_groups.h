@@ -27,8 +27,6 @@ struct ShardingGroups {
   // Creates post_forward_comm (collective over it), validated by create(). Separate, so that it
   // runs after the cross-rank model check, which names a size that differs between ranks.
   void create_post_forward_group(ProcessGroup& pg, const Options& options);
-  // Whether parameters are freed after forward (FULL_SHARD, HYBRID_SHARD).
-  static bool reshards_after_forward(ShardingStrategy strategy);
 };
 
 }  // namespace fsdp

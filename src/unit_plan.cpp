@@ -285,4 +285,15 @@ std::string UnitPlan::describe() const {
   return d.str();
 }
 
+bool reshards_after_forward(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
+}
+
+bool reshards_after_forward(const UnitPlan::Unit& unit, const Options& options) {
+  if (unit.parent < 0) return false;
+  c10::optional<bool> choice;
+  if (options.reshard_after_forward_policy()) choice = options.reshard_after_forward_policy()(unit.name, *unit.module);
+  return choice.value_or(reshards_after_forward(options.sharding_strategy()));
+}
+
 }  // namespace fsdp

@@ -51,4 +51,11 @@ struct UnitPlan {
 // several units goes to their lowest common ancestor unit, or is refused (Options::shared_parameters).
 UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device device);
 
+// Whether a strategy frees its non-root units' parameters after forward (FULL_SHARD, HYBRID_SHARD).
+bool reshards_after_forward(ShardingStrategy strategy);
+
+// Whether `unit` frees its parameters after forward: never the root; else the
+// reshard_after_forward_policy's choice where it gives one, else the strategy's.
+bool reshards_after_forward(const UnitPlan::Unit& unit, const Options& options);
+
 }  // namespace fsdp

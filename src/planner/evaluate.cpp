@@ -124,7 +124,6 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const ModelCosts& costs = *model.costs;
   const int F = shard_factor(c, world);
   const bool offload = c.cpu_offload && !cluster.device_is_host;
-  const at::ScalarType reduce_dtype = at::kFloat;
   const double peak_flops =
       (c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16) *
       cluster.device.matmul_efficiency;
@@ -138,16 +137,17 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const int k = c.reshard_after_forward_size;
   const Link& hpz_link = measured_link ? measured : cluster.link_for_group(std::max(k, 1));
   const double host_bps = cluster.host_device_gbps * 1e9;
+  const Options options = c.options();
 
   SimInput sim;
   sim.units.resize(plan.units.size());
   Resting rest;
   for (size_t u = 0; u < plan.units.size(); ++u) {
     SimUnit& su = sim.units[u];
-    su.ancestors = plan.units[u].ancestors;
     const UnitPlan::Unit& pu = plan.units[u];
-    su.reshard_after_forward = u != 0 && reshards_after_forward(c, pu);
-    for (const int f : plan.units[u].flat_params) {
+    su.ancestors = pu.ancestors;
+    su.reshard_after_forward = reshards_after_forward(pu, options);  // as FsdpState decides it
+    for (const int f : pu.flat_params) {
       const UnitPlan::FlatParam& fp = plan.flat_params[f];
       int64_t numel = 0;
       const at::Tensor& first = plan.params[fp.params.front()].param;
@@ -155,7 +155,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       const at::ScalarType dtype = first.scalar_type();
       const bool floating = at::isFloatingType(dtype);
       const at::ScalarType compute = floating && !fp.full_precision ? c.precision : dtype;
-      const at::ScalarType reduce = floating && !fp.full_precision && c.precision != at::kFloat ? reduce_dtype : dtype;
+      const at::ScalarType reduce = floating && !fp.full_precision && c.precision != at::kFloat ? at::kFloat : dtype;
       const bool requires_grad = first.requires_grad();
       const int64_t padded = (numel + F - 1) / F * F;
       const int64_t shard = padded / F;

@@ -39,19 +39,6 @@ struct Replayed {
   double checkpointed_forward_s = 0;  // the calibrated forward computation of what checkpointing covers
 };
 
-// Whether a strategy's non-root units reshard after forward (and so may keep hpZ parts).
-inline bool reshards_after_forward(ShardingStrategy s) {
-  return s == ShardingStrategy::kFullShard || s == ShardingStrategy::kHybridShard;
-}
-
-// Whether unit `pu` (not the root) reshards after forward under `c`, as FsdpState decides: the
-// candidate's ReshardPolicy where it chooses, else the strategy.
-inline bool reshards_after_forward(const Candidate& c, const UnitPlan::Unit& pu) {
-  const auto choice =
-      c.reshard_after_forward_policy ? c.reshard_after_forward_policy(pu.name, *pu.module) : c10::optional<bool>();
-  return choice.value_or(reshards_after_forward(c.strategy));
-}
-
 // Whether candidate `c` at `world` ranks has micro-batches whose parameters no_sync may keep
 // unsharded: several of them under no_sync, and units that gather.
 inline bool can_keep_unsharded(const Candidate& c, int world) {

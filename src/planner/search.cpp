@@ -29,7 +29,7 @@ std::vector<int> hybrid_factors(const PlanRequest& request, const Cluster& clust
 std::vector<int> reshard_sizes(const PlanRequest& request, const Cluster& cluster, ShardingStrategy strategy, int F) {
   std::vector<int> sizes = request.reshard_after_forward_sizes();
   if (sizes.empty()) sizes = {0, cluster.nodes > 1 ? cluster.ranks_per_node : 0};
-  const bool reshards = planner::reshards_after_forward(strategy);
+  const bool reshards = fsdp::reshards_after_forward(strategy);
   std::vector<int> out;
   for (int k : sizes) {
     if (!(reshards && k > 1 && k < F && F % k == 0)) k = 0;

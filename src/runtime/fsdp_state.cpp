@@ -47,13 +47,7 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> module, ProcessGroupPtr 
     for (const auto& kv : module_->named_buffers(/*recurse=*/true))
       if (!ignored.count(kv.value().unsafeGetTensorImpl())) buffers_.emplace_back(kv.key(), kv.value());
   }
-  const bool by_strategy = ShardingGroups::reshards_after_forward(options_.sharding_strategy());
-  for (const auto& pu : plan.units) {
-    c10::optional<bool> choice;
-    if (options_.reshard_after_forward_policy() && pu.parent >= 0)
-      choice = options_.reshard_after_forward_policy()(pu.name, *pu.module);
-    reshard_after_forward_.push_back(pu.parent >= 0 && choice.value_or(by_strategy));
-  }
+  for (const auto& pu : plan.units) reshard_after_forward_.push_back(reshards_after_forward(pu, options_));
   check_same_model_on_all_ranks(plan);
   groups_.create_post_forward_group(*pg_, options_);
   if (options_.offload().enabled())
