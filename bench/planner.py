@@ -29,9 +29,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WINDOWS = 3  # logged windows per run that are measured, after the warm-up
-# Steps before the measured windows: glibc raises its mmap threshold over the first steps of a
-# run, and until it has, each step of the larger models faults in tens of MiB afresh (Note [glibc
-# malloc]); the planner predicts the steps after that.
+# Steps before the measured windows: the heap grows to its peak over the first steps of a run,
+# which fault their memory in (Note [glibc malloc]); the planner predicts the steps after that.
 WARMUP_STEPS = 12
 WINDOW_S = 0.3  # a window spans at least this many predicted seconds, and at least 3 steps
 
@@ -248,8 +247,8 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         "Each run: `fsdp-run --nproc-per-node WORLD /usr/bin/time fsdp_gpt MODEL --batch-per-rank 4 --steps "
         f"(N+{WINDOWS})K --log-interval K --plan-file ...` (one thread per rank), K the steps the calibration job "
         f"predicts in {WINDOW_S} s, at least 3 (K = 3 to {max(r['interval'] for r in rows)} here), N K the "
-        f"first multiple of K from {WARMUP_STEPS} steps on: a warm-up, over which glibc's mmap threshold settles "
-        "(until it has, each step of the larger models faults in tens of MiB afresh: Note [glibc malloc]). Models: S = 2 layers x width 64, M = 4 x 128, "
+        f"first multiple of K from {WARMUP_STEPS} steps on: a warm-up, over which the heap grows to its peak "
+        "(the trainer's `--malloc keep`, its default: Note [glibc malloc]). Models: S = 2 layers x width 64, M = 4 x 128, "
         "L = 2 x 256, context 64; XL = 4 x 512, context 128; vocabulary 256. Measured, from rank 0's "
         "`--metrics-file` with `--measure-exposed-comm`: its `memory_stats()` peaks over the last logged window "
         "(the last K steps), its resident set's peak during training (`rss_peak_bytes`: VmHWM restarted when "

@@ -43,8 +43,9 @@ int run(int argc, char** argv) {
   const fsdp::RankEnv env = read_rank_env();
   TrainConfig config;
   if (const int code = parse_flags(argc, argv, env, config); code >= 0) return code;
-  if (config.plan) return print_plan(config, env);
   JobFigures job;
+  job.malloc = set_malloc(config.malloc);
+  if (config.plan) return print_plan(config, env);
   job.threads_per_rank = set_threads_per_rank(env, config.deterministic);
 
   auto pg = fsdp::ProcessGroup::from_env();

@@ -1,6 +1,7 @@
 #include "measurements.h"
 
 #include <fsdp/fsdp.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -57,6 +58,11 @@ int64_t peak_resident_bytes() { return status_bytes("VmHWM"); }
 void restart_resident_peak() {
   std::ofstream reset("/proc/self/clear_refs");
   reset << "5" << std::flush;  // where Linux refuses, the peak keeps counting from the start
+}
+
+int64_t minor_page_faults() {
+  rusage usage{};
+  return getrusage(RUSAGE_SELF, &usage) == 0 ? static_cast<int64_t>(usage.ru_minflt) : 0;
 }
 
 double training_flops_per_token(int64_t parameters, const TrainConfig& c) {

@@ -4,6 +4,7 @@
 #include <fsdp/fsdp.h>
 
 #include <cstdint>
+#include <string>
 
 #include "train_config.h"
 
@@ -14,6 +15,8 @@ int64_t resident_bytes();
 // The resident set's peak since the process began, or since restart_resident_peak().
 int64_t peak_resident_bytes();
 void restart_resident_peak();
+// Minor page faults of this process so far (memory the kernel mapped in, zero-filled or shared).
+int64_t minor_page_faults();
 
 // Model FLOPs per trained token (forward + backward, PaLM's estimate): 6 per parameter (a
 // multiply-add forward, two backward) plus the attention score and mixing matmuls,
@@ -33,6 +36,7 @@ MatmulPeak measure_peak(fsdp::ProcessGroup& pg);
 struct JobFigures {
   int world = 1;
   int threads_per_rank = 1;
+  std::string malloc;  // the allocator settings in effect (set_malloc)
   int64_t tokens_per_step = 0;
   double flops_per_token = 0.0;
   MatmulPeak peak;

@@ -2,6 +2,9 @@
 
 #include <dlfcn.h>
 #include <fsdp/fsdp.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <sched.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -61,6 +64,21 @@ int set_threads_per_rank(const fsdp::RankEnv& env, bool deterministic) {
     set_openblas_threads(threads);
   }
   return torch::get_num_threads();
+}
+
+std::string set_malloc(const std::string& mode) {
+#if defined(__GLIBC__)
+  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"})
+    if (std::getenv(name)) return std::string("glibc's, as the environment sets them (") + name + ")";
+  if (mode != "keep") return "glibc's defaults (--malloc default)";
+  // The largest mmap threshold glibc accepts; -1 turns trimming off (mallopt(3)).
+  constexpr int kMmapThreshold = 32 << 20;
+  if (mallopt(M_MMAP_THRESHOLD, kMmapThreshold) != 1 || mallopt(M_TRIM_THRESHOLD, -1) != 1)
+    return "glibc's defaults (it refused --malloc keep)";
+  return "heap kept between steps (--malloc keep: blocks under 32 MiB from the heap, never trimmed)";
+#else
+  return mode == "keep" ? "the C library's (--malloc keep applies to glibc only)" : "the C library's";
+#endif
 }
 
 }  // namespace fsdp_gpt

@@ -87,6 +87,7 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
       {"world size", std::to_string(world) + " (" + std::to_string(env.local_world_size) + " on this host, " +
                          std::to_string(threads_per_rank) + " thread" + (threads_per_rank == 1 ? "" : "s") +
                          " per rank; " + launcher_variables(env) + ")"},
+      {"malloc", job.malloc},
       {"strategy", fsdp::to_string(sharded.sharding_strategy())},
       {"sharding factor", std::to_string(sharded.sharding_factor())},
       {"wrap", config.wrap == "block" ? "block (every BlockImpl is a unit, plus the root)"

@@ -78,6 +78,9 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
                                      {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
                                      {"rss_bytes", rss},
                                      {"rss_peak_bytes", peak_resident_bytes()},
+                                     {"page_faults_per_step",
+                                      static_cast<double>(minor_page_faults() - window.faults_at_start) /
+                                          window.timed_steps},
                                      {"exposed_comm_share", config.measure_exposed_comm
                                                                 ? nlohmann::json(window.exposed_comm_s / window.seconds)
                                                                 : nlohmann::json()},

@@ -1,9 +1,11 @@
 #pragma once
 // The step log: one line per logged step on rank 0 (loss, learning rate, speed, MFU, memory), and
 // the same as JSON in --metrics-file.
+#include <cstdint>
 #include <fstream>
 #include <vector>
 
+#include "measurements.h"
 #include "progress_bar.h"
 #include "train_config.h"
 #include "training.h"
@@ -17,9 +19,10 @@ std::ofstream open_metrics(const TrainConfig& config, bool is_main);
 // process ran (a resumed window's earlier steps count for the loss only).
 struct LogWindow {
   double seconds = 0.0, loss = 0.0;
-  int steps = 0;              // for the loss: every step of the window
-  int timed_steps = 0;        // for the speed: the steps `seconds` measured
-  double exposed_comm_s = 0;  // --measure-exposed-comm: the timed steps' waits on collectives
+  int steps = 0;                                  // for the loss: every step of the window
+  int timed_steps = 0;                            // for the speed: the steps `seconds` measured
+  double exposed_comm_s = 0;                      // --measure-exposed-comm: the timed steps' waits on collectives
+  int64_t faults_at_start = minor_page_faults();  // this process's minor page faults when the window began
   // --deterministic: this rank's micro-batch losses of the steps not yet in `loss` (settle_losses()).
   std::vector<std::vector<double>> pending_losses;
 };

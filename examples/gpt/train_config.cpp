@@ -176,6 +176,11 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                  "backward's), backward, or own (a host thread beside backward)")
       ->transform(CLI::IsMember({"auto", "backward", "own"}, CLI::ignore_case))
       ->capture_default_str();
+  app.add_option("--malloc", config.malloc,
+                 "keep: glibc keeps its heap between steps instead of returning freed memory and faulting it in "
+                 "again (docs/usage.md); default: glibc's settings. MALLOC_*_ or GLIBC_TUNABLES override either")
+      ->transform(CLI::IsMember({"keep", "default"}, CLI::ignore_case))
+      ->capture_default_str();
   app.add_option("--reshard-after-forward", config.reshard_after_forward,
                  "strategy (its own choice; FULL_SHARD keeps the block backward needs first from the second step "
                  "on), true or false for every block, or except-last (every block but the last, from the first step)")

@@ -69,6 +69,7 @@ struct TrainConfig {
   bool deterministic = false;        // bit-identical parameters at any world size (docs/usage.md)
   bool step_in_backward = false;     // FullyShardedModule::set_step_in_backward
   std::string step_thread = "auto";  // its fsdp::StepThread
+  std::string malloc = "keep";       // keep (glibc keeps its heap between steps), default
   // Checkpoints (docs/checkpoints.md).
   std::string save_dir;
   int save_every = 0;  // 0: only at the end (and at --stop-after / SIGTERM)

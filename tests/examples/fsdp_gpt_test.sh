@@ -304,6 +304,28 @@ test_missing_data() {
   expect_text err "Use a longer text or a shorter context"
 }
 
+# --malloc keep (the default) keeps glibc's heap between steps: after the first few steps none
+# faults its memory in again. The control trims the heap after every free (MALLOC_TRIM_THRESHOLD_=0,
+# which takes precedence over the flag): the same model then faults thousands of pages per step.
+test_malloc_keeps_the_heap() {
+  local model=(--layers 4 --width 512 --heads 8 --context 128 --batch-per-rank 4 --steps 12 --log-interval 4
+               --eval-batches 1 --sample-bytes 0)
+  run "$TRAINER" "${model[@]}" --metrics-file "$TMP/keep.jsonl"
+  expect_rc 0
+  expect_regex out "^  malloc +heap kept between steps \(--malloc keep"
+  local keep trim
+  mapfile -t keep < <(grep -oE '"page_faults_per_step":[0-9.e+-]+' "$TMP/keep.jsonl" | cut -d: -f2)
+  run env MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=0 "$TRAINER" "${model[@]}" --metrics-file "$TMP/trim.jsonl"
+  expect_rc 0
+  expect_regex out "^  malloc +glibc's, as the environment sets them \(MALLOC_MMAP_THRESHOLD_\)$"
+  mapfile -t trim < <(grep -oE '"page_faults_per_step":[0-9.e+-]+' "$TMP/trim.jsonl" | cut -d: -f2)
+  echo "minor page faults per step by window: kept ${keep[*]}; trimmed ${trim[*]}"
+  # Windows: step 1, steps 2-4 (the heap still growing), 5-8 and 9-12.
+  [ "${#keep[@]}" -eq 4 ] && [ "${#trim[@]}" -eq 4 ] || fail "expected 4 windows of page faults per step"
+  less_than 1000 "${trim[3]}" || fail "the trimmed heap faulted ${trim[3]} pages per step; the case needs a model that trims"
+  less_than "${keep[2]}" 100 && less_than "${keep[3]}" 100 || fail "the kept heap faulted ${keep[2]} and ${keep[3]} pages per step"
+}
+
 # A text file as --data: the trainer reads it instead of the fortunes.
 test_data_file_single_process() {
   for i in $(seq 3000); do echo "Line $i: the quick brown fox jumps over the lazy dog."; done >"$TMP/text.txt"
