@@ -96,6 +96,7 @@ FSDP_WORKER(planner_memory_worker) {
     int64_t int8_gathers = 0;       // values per scale of int8 all-gathers (0: unquantized)
     int64_t int8_reductions = 0;    // values per scale of int8 gradient reductions (0: unquantized)
     std::string reshard_policy{};   // "true", "false" or "except-last" for every block; empty: none
+    bool feedback = false;          // quantized reductions with error feedback
   };
   const auto pre = BackwardPrefetch::kBackwardPre;
   std::vector<Case> cases;
@@ -158,6 +159,13 @@ FSDP_WORKER(planner_memory_worker) {
   quantized({ShardingStrategy::kFullShard, at::kBFloat16, 1, BackwardPrefetch::kBackwardPost, false, 1, 2}, 256, 256);
   quantized({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 1, true}, 256, 256);
   quantized({ShardingStrategy::kHybridShard, at::kFloat, 2, pre, true, 2, 0, 1, false, true, false, true}, 256, 256);
+  // Error feedback: its residuals, by collective (reduce-scatter, NO_SHARD's and the replicas' all-reduces).
+  for (const auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+    Case c{s, at::kBFloat16, 2, pre, true, 2};
+    c.int8_reductions = 64;
+    c.feedback = true;
+    cases.push_back(c);
+  }
   // A reshard-after-forward policy for every block: no unit kept for backward by the strategy.
   auto by_policy = [&](Case c, const std::string& policy) {
     c.reshard_policy = policy;
@@ -186,7 +194,8 @@ FSDP_WORKER(planner_memory_worker) {
     auto request = single(c.strategy, c.precision, c.limit, c.prefetch, c.forward_prefetch, c.in_flight, c.reshard_size,
                           c.micro_batch, c.no_sync, c.grads_kept, c.replica_deferred, c.keep_unsharded);
     if (c.int8_gathers > 0) request.all_gather_quantization(fsdp::Quantization::int8(c.int8_gathers));
-    if (c.int8_reductions > 0) request.reduce_quantization(fsdp::Quantization::int8(c.int8_reductions));
+    if (c.int8_reductions > 0)
+      request.reduce_quantization(fsdp::Quantization::int8(c.int8_reductions).error_feedback(c.feedback));
     if (!c.reshard_policy.empty())
       request.reshard_after_forward_policy(
           [policy = c.reshard_policy](const std::string& name, const torch::nn::Module&) {
@@ -232,6 +241,12 @@ FSDP_WORKER(planner_memory_worker) {
       }
       WORKER_CHECK(m.param_peak_bytes == e.memory.params, e.candidate.describe(), ": parameter peak measured ",
                    m.param_peak_bytes, ", predicted ", e.memory.params);
+      // Residuals: rank 0 sums the first part of each all-reduce, a full one; the last ranks' may be shorter.
+      WORKER_CHECK(ctx.rank == 0 ? m.feedback_bytes == e.memory.feedback : m.feedback_bytes <= e.memory.feedback,
+                   e.candidate.describe(), ": error feedback's residuals measured ", m.feedback_bytes, ", predicted ",
+                   e.memory.feedback);
+      WORKER_CHECK(c.feedback == (e.memory.feedback > 0), e.candidate.describe(), ": residuals predicted ",
+                   e.memory.feedback);
       if (c.int8_reductions == 0) {
         WORKER_CHECK(m.grad_peak_bytes == e.memory.grads, e.candidate.describe(), ": gradient peak measured ",
                      m.grad_peak_bytes, ", predicted ", e.memory.grads);
@@ -486,13 +501,17 @@ TEST(Planner, QuantizedCollectivesShortenACommunicationBoundStep) {
   // A float32 shard is its own gather input; the packed shard and the gathered slots are extra.
   EXPECT_GT(q.memory.params, p.memory.params);
   EXPECT_GT(q.memory.grads, p.memory.grads);
-  // Error feedback's residuals are not modeled: refused, naming them.
-  try {
-    fsdp::plan(*model, cluster, request.reduce_quantization(fsdp::Quantization::int8().error_feedback(true)));
-    ADD_FAILURE() << "error feedback was planned for";
-  } catch (const fsdp::Error& e) {
-    EXPECT_TRUE(contains(e.what(), "error feedback")) << e.what();
-  }
+  // Error feedback keeps float32 residuals of every quantized reduction's values: more memory, the
+  // same bytes on the wire.
+  const fsdp::Plan feedback =
+      fsdp::plan(*model, cluster, request.reduce_quantization(fsdp::Quantization::int8().error_feedback(true)));
+  ASSERT_EQ(feedback.entries.size(), 1U) << feedback.table();
+  const auto& f = feedback.entries.front();
+  EXPECT_TRUE(contains(f.candidate.describe(), "int8 reductions with error feedback")) << f.candidate.describe();
+  EXPECT_EQ(q.memory.feedback, 0);
+  EXPECT_GT(f.memory.feedback, 0);
+  EXPECT_GE(f.memory.peak, q.memory.peak + f.memory.feedback);
+  EXPECT_EQ(f.time.step_s, q.time.step_s);
 }
 
 TEST(Planner, CalibratedTimesReplaceTheNominalRates) {

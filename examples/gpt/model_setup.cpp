@@ -48,6 +48,11 @@ fsdp::Quantization quantization_flags(const TrainConfig& config, const std::stri
   return fsdp::Quantization().enabled(true).dtype(fsdp::parse_quantized_dtype(dtype)).block_size(config.quantize_block);
 }
 
+fsdp::Quantization reduce_quantization_flags(const TrainConfig& config) {
+  return quantization_flags(config, config.quantize_reduce)
+      .error_feedback(config.quantize_reduce != "none" && config.quantize_error_feedback);
+}
+
 fsdp::ReshardPolicy reshard_policy(const TrainConfig& config) {
   if (config.reshard_after_forward == "strategy") return nullptr;
   const std::string choice = config.reshard_after_forward;
@@ -80,8 +85,7 @@ std::shared_ptr<fsdp::FullyShardedModule> shard_model(BuiltModel& built, const T
   options.reshard_after_forward_policy(reshard_policy(config));
   options.reshard_after_forward_size(config.reshard_after_forward_size);
   options.all_gather_quantization(quantization_flags(config, config.quantize_all_gather));
-  options.reduce_quantization(quantization_flags(config, config.quantize_reduce)
-                                  .error_feedback(config.quantize_reduce != "none" && config.quantize_error_feedback));
+  options.reduce_quantization(reduce_quantization_flags(config));
   return fsdp::fully_shard(built.model, std::move(pg), options);
 }
 

@@ -29,6 +29,8 @@ BuiltModel build_model(const TrainConfig& config);
 
 // --quantize-block's quantization in `dtype` ("none": off), without error feedback.
 fsdp::Quantization quantization_flags(const TrainConfig& config, const std::string& dtype);
+// --quantize-reduce's, with --quantize-error-feedback.
+fsdp::Quantization reduce_quantization_flags(const TrainConfig& config);
 
 // --reshard-after-forward's per-block choice; null for "strategy" (each strategy's own).
 fsdp::ReshardPolicy reshard_policy(const TrainConfig& config);

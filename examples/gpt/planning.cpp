@@ -53,7 +53,6 @@ std::vector<std::string> unmodeled_flags(const TrainConfig& config, const fsdp::
   std::vector<std::string> flags;
   if (config.optimizer != "adamw" && calibration.runtime.empty())
     flags.push_back("--optimizer " + config.optimizer + "'s step time");
-  if (config.quantize_reduce != "none" && config.quantize_error_feedback) flags.push_back("--quantize-error-feedback");
   if (config.step_in_backward) flags.push_back("--step-in-backward");
   if (config.deterministic) flags.push_back("--deterministic");
   return flags;
@@ -212,6 +211,7 @@ void write_entries(const std::string& path, const fsdp::Plan& plan, const TrainC
                           {"optimizer_bytes", e.memory.optimizer},
                           {"activations_bytes", e.memory.activations},
                           {"workspace_bytes", e.memory.workspace},
+                          {"feedback_bytes", e.memory.feedback},
                           {"process_bytes", e.memory.process},
                           {"peak_bytes", e.memory.peak},
                           {"memory_margin", plan.memory_margin},
@@ -266,7 +266,7 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
   request.optimizer_state(optimizer_state(config))
       .memory_margin(config.memory_margin)
       .all_gather_quantization(quantization_flags(config, config.quantize_all_gather))
-      .reduce_quantization(quantization_flags(config, config.quantize_reduce))
+      .reduce_quantization(reduce_quantization_flags(config))
       .reshard_after_forward_policy(reshard_policy(config));
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);

@@ -76,6 +76,7 @@ void log_window(const TrainingLoop& loop, int step, double lr, double local_loss
                                      {"mfu", mfu_possible ? nlohmann::json(mfu) : nlohmann::json()},
                                      {"fsdp_param_peak_bytes", memory.param_peak_bytes},
                                      {"fsdp_grad_peak_bytes", memory.grad_peak_bytes},
+                                     {"fsdp_feedback_bytes", memory.feedback_bytes},
                                      {"rss_bytes", rss},
                                      {"rss_peak_bytes", peak_resident_bytes()},
                                      {"page_faults_per_step",

@@ -21,6 +21,8 @@ struct MemoryStats {
   int64_t comm_scratch_bytes = 0;
   // Shared memory the communicators map (counts in every member's RSS); not in the figures above.
   int64_t comm_shared_bytes = 0;
+  // Error feedback's residuals of quantized reductions (Quantization::error_feedback); not in the figures above.
+  int64_t feedback_bytes = 0;
 };
 
 // What PyTorch's CUDA caching allocator reports for one device (all tensors, not only FSDP's).

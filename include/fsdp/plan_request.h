@@ -145,6 +145,7 @@ struct MemoryPrediction {
   int64_t optimizer = 0;    // optimizer state over this rank's shard pieces
   int64_t activations = 0;  // kept for backward at their peak (recomputation included)
   int64_t workspace = 0;    // the passes' other temporaries (calibrated: PrecisionTiming::peak_bytes)
+  int64_t feedback = 0;     // error feedback's residuals (MemoryStats::feedback_bytes)
   int64_t headroom = 0;     // idle buffers FSDP's buffer pool keeps, and the allocator's share
   int64_t process = 0;      // outside tensors (PlanRequest::process_bytes)
   int64_t peak = 0;         // device total at its peak moment, headroom and process included

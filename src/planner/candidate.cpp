@@ -43,6 +43,7 @@ std::string Candidate::describe() const {
     if (!q.enabled()) return;
     o << ", " << to_string(q.dtype()) << " " << what;
     if (q.block_size() != Quantization().block_size()) o << " in blocks of " << q.block_size();
+    if (q.error_feedback()) o << " with error feedback";
   };
   quantized(all_gather_quantization, "gathers");
   quantized(reduce_quantization, "reductions");

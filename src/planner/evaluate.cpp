@@ -6,7 +6,7 @@
 #include <cmath>
 #include <vector>
 
-#include "block_quantization.h"
+#include "planner/quantized_sizes.h"
 #include "planner/schedule_sim.h"
 
 namespace fsdp::planner {
@@ -34,35 +34,6 @@ CalibratedPasses calibrated_passes(const Calibration& calibration, const Precisi
 constexpr double kOptimizerValuesPerElement = 7.0;
 
 int64_t element_size(at::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
-
-// The block format the runtime gives one FlatParameter's quantized collectives (fsdp_state.cpp):
-// blocks end where each original parameter, and the padding, start.
-BlockFormat block_format(const Quantization& q, const UnitPlan& plan, const UnitPlan::FlatParam& fp, int64_t padded) {
-  std::vector<int64_t> starts;
-  int64_t offset = 0;
-  for (const int p : fp.params) {
-    starts.push_back(offset);
-    offset += plan.params[p].param.numel();
-  }
-  starts.push_back(offset);
-  return BlockFormat{q.dtype(), q.block_size(), parameter_cuts(std::move(starts), padded)};
-}
-
-// The slot of one part in a quantized collective of `parts` parts of `numel` values (packed_slot_bytes).
-int64_t packed_slot(const BlockFormat& format, int parts, int64_t numel, int64_t origin = 0) {
-  int64_t most = 0;
-  for (int q = 0; q < parts; ++q) most = std::max(most, format.packed_bytes(numel, origin + q * numel));
-  return most;
-}
-
-// quantized_all_reduce's slot for `numel` values from `origin` over `n` members: parts of ceil(numel / n), the last shorter.
-int64_t all_reduce_slot(const BlockFormat& format, int64_t numel, int n, int64_t origin) {
-  const int64_t p = (numel + n - 1) / n;
-  int64_t most = 0;
-  for (int q = 0; q < n; ++q)
-    most = std::max(most, format.packed_bytes(std::max<int64_t>(0, std::min(p, numel - q * p)), origin + q * p));
-  return most;
-}
 
 // Ranks each FlatParameter is split over.
 int shard_factor(const Candidate& c, int world) {
@@ -95,6 +66,7 @@ struct Resting {
   int64_t piece_numel = 0;  // this rank's real elements (optimizer state)
   int64_t piece_bytes = 0;
   int64_t optimizer_bytes = 0;  // the optimizer's state over this rank's pieces
+  int64_t feedback_bytes = 0;   // error feedback's float32 residuals (held from the first reduction on)
 };
 
 // The optimizer state over rank 0's pieces of `fp`'s parameters, which hold [0, limit) of the flat.
@@ -220,6 +192,12 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
           }
         }
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
+        // Residuals: a reduce-scatter's of the whole unsharded gradient, and its all-reduces'.
+        if (rq.error_feedback())
+          rest.feedback_bytes += 4 * (F == 1 ? all_reduce_residuals(padded, world)
+                                             : padded + (c.strategy == ShardingStrategy::kHybridShard && world / F > 1
+                                                             ? all_reduce_residuals(shard, world / F)
+                                                             : 0));
       }
       flat.issue_work_s = extra.per_collective_work_s;
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
@@ -352,6 +330,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   m.grads = rest.piece_grads + r.grad_transient_peak;
   m.optimizer = offload ? 0 : rest.optimizer_bytes;
   m.activations = r.activation_peak;
+  m.feedback = rest.feedback_bytes;
   // What the calibrated passes held beyond the activations the replay keeps, per token.
   const int64_t passes_peak = timing == nullptr            ? 0
                               : c.activation_checkpointing ? timing->checkpointed_peak_bytes
@@ -361,7 +340,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                           static_cast<double>(r.activation_peak) / tokens;
     m.workspace = std::llround(std::max(0.0, beyond) * tokens);
   }
-  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + r.total_transient_peak + m.workspace;
+  const int64_t tensors =
+      rest.shards + rest.piece_grads + m.optimizer + m.feedback + r.total_transient_peak + m.workspace;
   // The pool's idle buffers at the joint peak: once warm it holds its most of every size throughout.
   const int64_t pool_idle = std::max<int64_t>(0, r.pool_bytes + r.activation_peak - r.total_transient_peak);
   m.headroom = pool_idle + static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());

@@ -158,9 +158,6 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                                 std::pair{&request.reduce_quantization(), "reduce_quantization"}})
     FSDP_CHECK(!q->enabled() || q->block_size() >= 1, "PlanRequest::", what, ": block_size must be at least 1, got ",
                q->block_size());
-  FSDP_CHECK(!request.reduce_quantization().error_feedback(),
-             "PlanRequest::reduce_quantization: error feedback's residuals are not modeled; plan without "
-             "error_feedback (its residuals add a float32 copy of each quantized gradient)");
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
   // Every wrap policy's units and costs (the searched ones first, then those only runtime timings

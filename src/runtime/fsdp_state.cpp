@@ -332,6 +332,9 @@ MemoryStats FsdpState::memory_stats() {
     stats.comm_scratch_bytes += comm->scratch_bytes();
     stats.comm_shared_bytes += comm->shared_memory_bytes();
   }
+  for (const auto& fp : flat_params_)
+    for (const at::Tensor* t : {&fp->residuals().scatter, &fp->residuals().sent, &fp->residuals().summed})
+      if (t->defined()) stats.feedback_bytes += static_cast<int64_t>(t->nbytes());
   return stats;
 }
 

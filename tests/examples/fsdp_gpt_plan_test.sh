@@ -113,17 +113,30 @@ test_plan_file_reshard_policy() {
 }
 
 test_plan_names_what_it_leaves_out() {
-  # Quantized collectives are planned for; flags the planner does not model are named beside the
-  # table and in every prediction.
+  # Quantized collectives and error feedback's residuals are planned for; flags the planner does
+  # not model are named beside the table and in every prediction.
   run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:1x8 --quantize-all-gather int8 --quantize-reduce int8 \
     --quantize-error-feedback --step-in-backward --plan-file "$TMP/plan.jsonl"
   expect_rc 0
-  expect_text out "the plan leaves out --quantize-error-feedback, --step-in-backward: the planner does not model them"
-  expect_regex out "^best: .*, int8 gathers, int8 reductions"
+  expect_text out "the plan leaves out --step-in-backward: the planner does not model it"
+  expect_regex out "^best: .*, int8 gathers, int8 reductions with error feedback"
   local entries named
   entries=$(wc -l <"$TMP/plan.jsonl")
-  named=$(grep -c '"not_modeled":\["--quantize-error-feedback","--step-in-backward"\]' "$TMP/plan.jsonl")
-  [ "$entries" -gt 0 ] && [ "$named" = "$entries" ] || fail "$named of $entries predictions name the flags left out"
+  named=$(grep -c '"not_modeled":\["--step-in-backward"\]' "$TMP/plan.jsonl")
+  [ "$entries" -gt 0 ] && [ "$named" = "$entries" ] || fail "$named of $entries predictions name the flag left out"
+}
+
+test_plan_file_error_feedback() {
+  # Error feedback's residuals: predicted to the byte as the run holds them.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --quantize-reduce int8 \
+    --quantize-error-feedback --plan-file "$TMP/plan.jsonl" --metrics-file "$TMP/metrics.jsonl"
+  expect_rc 0
+  local predicted measured
+  predicted=$(grep -oE '"feedback_bytes":[0-9]+' "$TMP/plan.jsonl" | cut -d: -f2)
+  measured=$(tail -1 "$TMP/metrics.jsonl" | grep -oE '"fsdp_feedback_bytes":[0-9]+' | cut -d: -f2)
+  [ -n "$predicted" ] && [ "$predicted" -gt 0 ] && [ "$predicted" = "$measured" ] ||
+    fail "error feedback's residuals predicted '$predicted' bytes, measured '$measured'"
+  grep -q '"not_modeled":\[\]' "$TMP/plan.jsonl" || fail "the plan file names flags it leaves out"
 }
 
 test_plan_holds_the_optimizers_state() {
