@@ -97,6 +97,7 @@ FSDP_WORKER(planner_memory_worker) {
     int64_t int8_reductions = 0;    // values per scale of int8 gradient reductions (0: unquantized)
     std::string reshard_policy{};   // "true", "false" or "except-last" for every block; empty: none
     bool feedback = false;          // quantized reductions with error feedback
+    bool step_in_backward = false;  // the optimizer steps each unit in backward (set_step_in_backward)
   };
   const auto pre = BackwardPrefetch::kBackwardPre;
   std::vector<Case> cases;
@@ -166,6 +167,17 @@ FSDP_WORKER(planner_memory_worker) {
     c.feedback = true;
     cases.push_back(c);
   }
+  // The optimizer's step in backward: no piece gradients between steps.
+  auto stepping = [&](Case c) {
+    c.step_in_backward = true;
+    cases.push_back(c);
+  };
+  for (const auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+                       ShardingStrategy::kHybridShard})
+    stepping({s, at::kBFloat16, 2, pre, true, 2});
+  stepping({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 2, false, false});
+  stepping({ShardingStrategy::kFullShard, at::kFloat, 1, BackwardPrefetch::kBackwardPost, false, 1, 2});
+  stepping({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 2, false, true, false, false, false, 0, 256});
   // A reshard-after-forward policy for every block: no unit kept for backward by the strategy.
   auto by_policy = [&](Case c, const std::string& policy) {
     c.reshard_policy = policy;
@@ -196,6 +208,7 @@ FSDP_WORKER(planner_memory_worker) {
     if (c.int8_gathers > 0) request.all_gather_quantization(fsdp::Quantization::int8(c.int8_gathers));
     if (c.int8_reductions > 0)
       request.reduce_quantization(fsdp::Quantization::int8(c.int8_reductions).error_feedback(c.feedback));
+    if (c.step_in_backward) request.step_in_backward({true});
     if (!c.reshard_policy.empty())
       request.reshard_after_forward_policy(
           [policy = c.reshard_policy](const std::string& name, const torch::nn::Module&) {
@@ -206,6 +219,8 @@ FSDP_WORKER(planner_memory_worker) {
     const fsdp::PlanEntry& e = plan.entries.front();
     auto sharded = fsdp::fully_shard(model, pg, e.candidate.options());
     torch::optim::SGD opt(sharded->parameters(), 0.01);
+    WORKER_CHECK(e.candidate.step_in_backward == c.step_in_backward, e.candidate.describe());
+    if (c.step_in_backward) sharded->set_step_in_backward(&opt);
     for (int step = 0; step < 3; ++step) {
       sharded->reset_peak_memory_stats();
       if (c.grads_kept) {
@@ -512,6 +527,45 @@ TEST(Planner, QuantizedCollectivesShortenACommunicationBoundStep) {
   EXPECT_GT(f.memory.feedback, 0);
   EXPECT_GE(f.memory.peak, q.memory.peak + f.memory.feedback);
   EXPECT_EQ(f.time.step_s, q.time.step_s);
+}
+
+// The optimizer's step in backward (PlanRequest::step_in_backward): no gradients held between
+// steps, and each unit's step runs while later reductions are in flight.
+TEST(Planner, StepInBackwardDropsTheGradientsAndOverlapsTheStep) {
+  fsdp::DeferredInit deferred;
+  Stack model(2048, 4);
+  const auto cluster = fsdp::Cluster::parse("paper:2x8");
+  auto request = one_rank(0)
+                     .world(16)
+                     .global_batch(16)
+                     .seq_len(64)
+                     .micro_batches({1})
+                     .strategies({fsdp::ShardingStrategy::kFullShard})
+                     .reshard_after_forward_sizes({0})
+                     .activation_checkpointing({false})
+                     .cpu_offload({false});
+  const fsdp::Plan plain = fsdp::plan(*model, cluster, request);
+  const fsdp::Plan both = fsdp::plan(*model, cluster, request.step_in_backward({false, true}));
+  ASSERT_EQ(plain.entries.size(), 1U) << plain.table();
+  ASSERT_EQ(both.entries.size(), 2U) << both.table();
+  const fsdp::PlanEntry& p = plain.entries.front();
+  const fsdp::PlanEntry* stepped = nullptr;
+  for (const auto& e : both.entries)
+    if (e.candidate.step_in_backward) stepped = &e;
+  ASSERT_NE(stepped, nullptr) << both.table();
+  EXPECT_TRUE(contains(stepped->candidate.describe(), ", step in backward")) << stepped->candidate.describe();
+  // The pieces' gradients (float32, a 16th of the parameters) are gone; nothing else changes.
+  const int64_t pieces = 4 * (2 * 4 * 2048 * 2048 + 4 * 2048 + 2048) * 4 / 16;
+  EXPECT_NEAR(static_cast<double>(p.memory.grads - stepped->memory.grads), static_cast<double>(pieces), 64.0)
+      << both.table();
+  EXPECT_EQ(stepped->memory.params, p.memory.params);
+  EXPECT_EQ(p.memory.peak - stepped->memory.peak, p.memory.grads - stepped->memory.grads);
+  // The same work; the units' steps but the last ones run while the network carries reductions.
+  EXPECT_NEAR(stepped->time.compute_s, p.time.compute_s, 1e-9 * p.time.compute_s);
+  EXPECT_LT(stepped->time.step_s, p.time.step_s) << both.table();
+  // Where the step cannot be modeled in backward (several micro-batches), it is not tried.
+  const fsdp::Plan accumulating = fsdp::plan(*model, cluster, request.global_batch(32).micro_batches({1}));
+  for (const auto& e : accumulating.entries) EXPECT_FALSE(e.candidate.step_in_backward) << e.candidate.describe();
 }
 
 TEST(Planner, CalibratedTimesReplaceTheNominalRates) {

@@ -53,7 +53,9 @@ std::vector<std::string> unmodeled_flags(const TrainConfig& config, const fsdp::
   std::vector<std::string> flags;
   if (config.optimizer != "adamw" && calibration.runtime.empty())
     flags.push_back("--optimizer " + config.optimizer + "'s step time");
-  if (config.step_in_backward) flags.push_back("--step-in-backward");
+  if (config.step_in_backward && (config.batch.accum > 1 || config.step_thread == "own"))
+    flags.push_back("--step-in-backward with " +
+                    std::string(config.step_thread == "own" ? "its own thread" : "micro-batches"));
   if (config.deterministic) flags.push_back("--deterministic");
   return flags;
 }
@@ -181,7 +183,8 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
       .micro_batches({config.batch.micro})
       .no_sync({config.grad_accum_mode == "no-sync" || config.grad_accum_mode == "no-sync-unsharded"})
       .keep_unsharded({config.grad_accum_mode == "no-sync-unsharded"})
-      .replica_deferred({config.grad_accum_mode == "replica-deferred"});
+      .replica_deferred({config.grad_accum_mode == "replica-deferred"})
+      .step_in_backward({config.step_in_backward});
 }
 
 void write_entries(const std::string& path, const fsdp::Plan& plan, const TrainConfig& config,
@@ -268,6 +271,11 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
       .all_gather_quantization(quantization_flags(config, config.quantize_all_gather))
       .reduce_quantization(reduce_quantization_flags(config))
       .reshard_after_forward_policy(reshard_policy(config));
+  // The step in backward where the flags allow it (train_config.cpp): --step-in-backward keeps it.
+  if (config.step_in_backward)  // with micro-batches only under no_sync, as train_config.cpp requires
+    request.step_in_backward({true}).no_sync({true}).replica_deferred({false});
+  else if (config.optimizer == "adamw" && config.clip_grad_norm == 0)
+    request.step_in_backward({false, true});
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);
 }
@@ -283,6 +291,7 @@ void apply_candidate(const fsdp::Candidate& c, TrainConfig& config) {
   config.backward_prefetch = fsdp::to_string(c.backward_prefetch);
   config.forward_prefetch = c.forward_prefetch;
   config.batch_size = c.micro_batch;
+  config.step_in_backward = config.step_in_backward || c.step_in_backward;  // a flag the search could not model stays
   if (c.accumulation > 1)
     config.grad_accum_mode = c.no_sync            ? (c.keep_unsharded ? "no-sync-unsharded" : "no-sync")
                              : c.replica_deferred ? "replica-deferred"

@@ -106,8 +106,10 @@ struct PlanRequest {
   TORCH_ARG(std::vector<bool>, keep_unsharded) = {false, true};
   /// Quantized all-gathers (Options::all_gather_quantization) in every candidate; not searched.
   TORCH_ARG(Quantization, all_gather_quantization) = {};
-  /// Quantized gradient reductions (Options::reduce_quantization, without error feedback) in every candidate; not searched.
+  /// Quantized gradient reductions (Options::reduce_quantization) in every candidate; not searched.
   TORCH_ARG(Quantization, reduce_quantization) = {};
+  /// Whether the optimizer steps each unit in backward (FullyShardedModule::set_step_in_backward on backward's thread); tried with one micro-batch per step, without offload or fp16.
+  TORCH_ARG(std::vector<bool>, step_in_backward) = {false};
 };
 
 // One configuration.
@@ -131,6 +133,7 @@ struct Candidate {
   bool keep_unsharded = false;           // no_sync: micro-batches before the last leave the parameters unsharded
   Quantization all_gather_quantization;  // PlanRequest's
   Quantization reduce_quantization;      // PlanRequest's
+  bool step_in_backward = false;         // the optimizer steps in backward: call set_step_in_backward
 
   // fully_shard's options for it (activation checkpointing is the model's: apply it to the units).
   Options options() const;

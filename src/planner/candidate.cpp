@@ -38,7 +38,7 @@ std::string Candidate::describe() const {
                                      : "fp16")
     << ", micro-batch " << micro_batch << " x " << accumulation
     << (no_sync ? (keep_unsharded ? " no_sync unsharded" : " no_sync") : "")
-    << (replica_deferred ? " replica-deferred" : "");
+    << (replica_deferred ? " replica-deferred" : "") << (step_in_backward ? ", step in backward" : "");
   auto quantized = [&o](const Quantization& q, const char* what) {
     if (!q.enabled()) return;
     o << ", " << to_string(q.dtype()) << " " << what;

@@ -203,6 +203,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
       if (requires_grad) {
         rest.piece_numel += flat.separate_shard ? piece : numel;
+        flat.step_s = static_cast<double>(flat.separate_shard ? piece : numel);  // elements; seconds below
         rest.piece_bytes += (flat.separate_shard ? piece : numel) * element_size(dtype);
         rest.optimizer_bytes += optimizer_state_bytes(request, plan, fp, flat.separate_shard ? piece : numel);
       }
@@ -210,6 +211,17 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     }
   }
   if (request.grads_kept_between_steps() && !offload) rest.piece_grads = rest.piece_bytes;
+  // The optimizer's step, bound by memory bandwidth; in backward, each FlatParameter's share right
+  // after its reduction lands, whose gradients it then drops (Note [Step in backward]).
+  const double bandwidth = (offload ? cluster.host_device_gbps * 4 : cluster.device.memory_gbps) * 1e9;
+  const double step_s = calibration.step_s_per_element > 0 && !offload
+                            ? static_cast<double>(rest.piece_numel) * calibration.step_s_per_element
+                            : static_cast<double>(rest.piece_numel) * kOptimizerValuesPerElement * 4.0 / bandwidth;
+  const double optimizer_s = std::max(0.0, step_s + extra.per_step_s);
+  for (SimUnit& su : sim.units)
+    for (SimFlat& flat : su.flats)
+      flat.step_s = c.step_in_backward && rest.piece_numel > 0 ? optimizer_s * flat.step_s / rest.piece_numel : 0;
+  if (c.step_in_backward) rest.piece_grads = 0;
 
   // Activations and computation, per micro-batch.
   const double tokens = static_cast<double>(c.micro_batch) * static_cast<double>(request.seq_len());
@@ -349,16 +361,11 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   m.peak = tensors + m.headroom + m.process;
   if (offload) m.host = 2 * rest.piece_bytes + rest.optimizer_bytes;
 
-  // Each micro-batch reduces its gradients; the optimizer steps once, bound by memory bandwidth.
-  const double bandwidth = (offload ? cluster.host_device_gbps * 4 : cluster.device.memory_gbps) * 1e9;
-  const double step_s = calibration.step_s_per_element > 0 && !offload
-                            ? static_cast<double>(rest.piece_numel) * calibration.step_s_per_element
-                            : static_cast<double>(rest.piece_numel) * kOptimizerValuesPerElement * 4.0 / bandwidth;
+  // Each micro-batch reduces its gradients; the optimizer steps once after them, or within the last.
   if (replayed != nullptr) replayed->optimizer_s = step_s;
-  const double optimizer_s = std::max(0.0, step_s + extra.per_step_s);
   TimePrediction& t = e.time;
-  t.step_s = step_passes_s + optimizer_s;
-  t.compute_s = step_compute_s + optimizer_s;
+  t.step_s = step_passes_s + (c.step_in_backward ? 0 : optimizer_s);
+  t.compute_s = step_compute_s + (c.step_in_backward ? 0 : optimizer_s);
   t.exposed_comm_s = step_exposed_s;
   const double model_flops = 3.0 * costs.forward_flops * tokens * c.accumulation;
   t.tflops_per_device = t.step_s > 0 ? model_flops / t.step_s / 1e12 : 0;

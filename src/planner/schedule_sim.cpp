@@ -87,6 +87,7 @@ class Replay {
     double end;
     bool output_kept = false;     // the output becomes the unit's partial sums
     std::vector<int64_t> packed;  // quantized: the collective's packed buffers
+    double step_s = 0;            // step in backward, on the compute thread once it lands
   };
   struct Count {
     int live = 0;
@@ -436,20 +437,20 @@ class Replay {
       take_packed(f.reduce_packed, 1);
       if (in_.micro.defer_replicas) {  // the shard group's sums only: the first become the partial sums
         const double end = issue(f.reduce_s - f.replica_reduce_s, true);
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], f.reduce_packed});
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], f.reduce_packed, 0});
       } else if (partials_[u]) {  // the reduce-scatter waited for, the partial sums added, then the all-reduce
         wait_until(issue(f.reduce_s - f.replica_reduce_s, true));
         take_packed(f.reduce_packed, -1);
         grad_buffer(f.reduce_output_bytes, -1);
         take_packed(f.replica_packed, 1);
-        reductions_.push_back(
-            {f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true), false, f.replica_packed});
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true), false,
+                               f.replica_packed, f.step_s});
       } else {  // a chained replica all-reduce frees the reduce-scatter's packed buffers by the time it lands
         take_packed(f.replica_packed, 1);
         std::vector<int64_t> packed = f.reduce_packed;
         packed.insert(packed.end(), f.replica_packed.begin(), f.replica_packed.end());
         reductions_.push_back(
-            {f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true), false, std::move(packed)});
+            {f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true), false, std::move(packed), f.step_s});
       }
     }
     if (in_.micro.defer_replicas) partials_[u] = 1;
@@ -466,7 +467,9 @@ class Replay {
       take_packed(p.packed, -1);
       grad_buffer(p.buffer_bytes, -1);
       if (!p.output_kept) grad_buffer(p.output_bytes, -1);
+      const double step_s = p.step_s;
       reductions_.pop_front();
+      compute(step_s);
     }
   }
 

@@ -24,6 +24,7 @@ struct SimFlat {
   double reduce_s = 0;
   double replica_reduce_s = 0;  // HYBRID_SHARD: the replica all-reduce's part of reduce_s
   double issue_work_s = 0;      // the compute thread's own work for each of its collectives (runtime calibration)
+  double step_s = 0;            // step in backward: the optimizer's step of its pieces once its reduction lands
   // Quantized all-gather: the packed shard and the gathered packed shards, from issue to wait (0: none).
   int64_t packed_shard_bytes = 0;
   int64_t packed_gathered_bytes = 0;

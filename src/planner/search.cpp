@@ -131,10 +131,17 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   cs = expand(
       cs, [&](const Candidate& c) { return choices(request.keep_unsharded(), planner::can_keep_unsharded(c, world)); },
       [](Candidate& c, bool on) { c.keep_unsharded = on; });
-  return expand(
+  cs = expand(
       cs,
       [&](const Candidate& c) { return choices(request.replica_deferred(), planner::can_defer_replicas(c, world)); },
       [](Candidate& c, bool on) { c.replica_deferred = on; });
+  // The step in backward where its figures are modeled: one micro-batch, the step on backward's thread.
+  return expand(
+      cs,
+      [&](const Candidate& c) {
+        return choices(request.step_in_backward(), c.accumulation == 1 && !c.cpu_offload && c.precision != at::kHalf);
+      },
+      [](Candidate& c, bool on) { c.step_in_backward = on; });
 }
 
 }  // namespace

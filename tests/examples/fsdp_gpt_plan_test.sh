@@ -113,17 +113,37 @@ test_plan_file_reshard_policy() {
 }
 
 test_plan_names_what_it_leaves_out() {
-  # Quantized collectives and error feedback's residuals are planned for; flags the planner does
-  # not model are named beside the table and in every prediction.
+  # Quantized collectives, error feedback's residuals and the step in backward are planned for; flags
+  # the planner does not model are named beside the table and in every prediction.
   run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:1x8 --quantize-all-gather int8 --quantize-reduce int8 \
     --quantize-error-feedback --step-in-backward --plan-file "$TMP/plan.jsonl"
   expect_rc 0
-  expect_text out "the plan leaves out --step-in-backward: the planner does not model it"
+  if grep -qF "the plan leaves out" "$TMP/out"; then fail "the plan names flags it models"; fi
   expect_regex out "^best: .*, int8 gathers, int8 reductions with error feedback"
+  grep -q '"configuration":"[^"]*, step in backward' "$TMP/plan.jsonl" || fail "no step in backward in the plan"
+  grep -q '"not_modeled":\[\]' "$TMP/plan.jsonl" || fail "the plan file names flags it models"
+  run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:1x8 --step-in-backward --step-thread own \
+    --plan-file "$TMP/plan.jsonl"
+  expect_rc 0
+  expect_text out "the plan leaves out --step-in-backward with its own thread: the planner does not model it"
   local entries named
   entries=$(wc -l <"$TMP/plan.jsonl")
-  named=$(grep -c '"not_modeled":\["--step-in-backward"\]' "$TMP/plan.jsonl")
+  named=$(grep -c '"not_modeled":\["--step-in-backward with its own thread"\]' "$TMP/plan.jsonl")
   [ "$entries" -gt 0 ] && [ "$named" = "$entries" ] || fail "$named of $entries predictions name the flag left out"
+}
+
+test_plan_file_step_in_backward() {
+  # The step in backward drops the pieces' gradients: predicted to the byte as the run holds them.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --step-in-backward \
+    --plan-file "$TMP/plan.jsonl" --metrics-file "$TMP/metrics.jsonl"
+  expect_rc 0
+  grep -q '"configuration":"FULL_SHARD, wrap block, fp32, micro-batch 4 x 1, step in backward"' "$TMP/plan.jsonl" ||
+    fail "no step in backward in the plan file: $(cat "$TMP/plan.jsonl")"
+  local predicted measured
+  predicted=$(grep -oE '"grads_bytes":[0-9]+' "$TMP/plan.jsonl" | cut -d: -f2)
+  measured=$(tail -1 "$TMP/metrics.jsonl" | grep -oE '"fsdp_grad_peak_bytes":[0-9]+' | cut -d: -f2)
+  [ -n "$predicted" ] && [ "$predicted" = "$measured" ] ||
+    fail "gradient peak predicted '$predicted' bytes, measured '$measured'"
 }
 
 test_plan_file_error_feedback() {
@@ -150,8 +170,12 @@ test_plan_holds_the_optimizers_state() {
     sed -E 's/.*"configuration":"([^"]*)".*"optimizer_bytes":([0-9]+).*/\1\t\2/' "$TMP/$kind.jsonl" | sort >"$TMP/$kind.tsv"
   done
   expect_text out "the plan leaves out --optimizer muon's step time: the planner does not model it"
-  join -t $'\t' "$TMP/adafactor.tsv" "$TMP/muon.tsv" | join -t $'\t' - "$TMP/adamw.tsv" >"$TMP/all.tsv"
-  [ "$(wc -l <"$TMP/all.tsv")" -eq "$(wc -l <"$TMP/adamw.tsv")" ] || fail "the optimizers' plans have other configurations"
+  # AdamW's plan also tries the step in backward, which the trainer allows AdamW only.
+  grep -q ', step in backward' "$TMP/adamw.tsv" || fail "AdamW's plan tries no step in backward"
+  if grep -q ', step in backward' "$TMP/adafactor.tsv" "$TMP/muon.tsv"; then fail "a step in backward planned for another optimizer"; fi
+  grep -v ', step in backward' "$TMP/adamw.tsv" >"$TMP/adamw-after.tsv"
+  join -t $'\t' "$TMP/adafactor.tsv" "$TMP/muon.tsv" | join -t $'\t' - "$TMP/adamw-after.tsv" >"$TMP/all.tsv"
+  [ "$(wc -l <"$TMP/all.tsv")" -eq "$(wc -l <"$TMP/adamw-after.tsv")" ] || fail "the optimizers' plans have other configurations"
   # Strictly where rank 0 holds every parameter (NO_SHARD); a shard may hold only the embedding.
   awk -F '\t' '$1 !~ /offload/ && !($2 > 0 && $2 <= $3 && $3 <= $4) ||
       $1 ~ /^NO_SHARD/ && $1 !~ /offload/ && !($2 < $3 && $3 < $4) { print "optimizer bytes " $2 ", " $3 ", " $4 ": " $1; bad = 1 }
