@@ -4,7 +4,8 @@
     bench/planner_choice.py BUILD_DIR [--out bench/results/planner_choice.md] [--rounds 3]
 
 Runs every candidate of a small search space (model XL of bench/planner.py, world 2, 4 sequences per
-rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, and FULL_SHARD's block units with
+rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, the 3 strategies' block units and
+FULL_SHARD's checkpointed ones with the optimizer's step in backward, and FULL_SHARD's block units with
 2 micro-batches of 2, each reducing or only the last, checkpointed or not) through the trainer with
 --plan-file and one calibration made first (as in bench/planner.py), then, for budgets from the smallest predicted peak to the largest, compares the
 planner's choice (the fastest predicted among the candidates predicted to fit with the margin) with the fastest
@@ -40,6 +41,9 @@ def main():
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             for wrap, checkpointing in (("block", False), ("block", True), ("none", False)):
                 candidates.append((["--strategy", strategy, "--wrap", wrap], checkpointing))
+        for strategy, checkpointing in (("FULL_SHARD", False), ("SHARD_GRAD_OP", False), ("NO_SHARD", False),
+                                        ("FULL_SHARD", True)):
+            candidates.append((["--strategy", strategy, "--wrap", "block", "--step-in-backward"], checkpointing))
         for mode in ("reduce", "no-sync", "no-sync-unsharded"):
             for checkpointing in (False, True):
                 candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--batch-size", "2",
