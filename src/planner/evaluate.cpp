@@ -67,6 +67,7 @@ struct Resting {
   int64_t piece_bytes = 0;
   int64_t optimizer_bytes = 0;  // the optimizer's state over this rank's pieces
   int64_t feedback_bytes = 0;   // error feedback's float32 residuals (held from the first reduction on)
+  int64_t largest_piece = 0;    // one FlatParameter's separate pieces' gradients (the step in backward's, landed)
 };
 
 // The optimizer state over rank 0's pieces of `fp`'s parameters, which hold [0, limit) of the flat.
@@ -138,7 +139,11 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       flat.unsharded_bytes = padded * element_size(compute);
       flat.gather_input_bytes = F > 1 && (compute != dtype || offload) ? shard * element_size(compute) : 0;
       if (requires_grad) {
-        flat.grad_buffer_bytes = flat.separate_shard ? padded * element_size(reduce) : 0;
+        // Without a separate shard the pieces' gradients are the flat's own: with the step in backward
+        // they live from the unit's backward until its reduction lands and steps.
+        flat.grad_buffer_bytes = flat.separate_shard  ? padded * element_size(reduce)
+                                 : c.step_in_backward ? padded * element_size(dtype)
+                                                      : 0;
         flat.reduce_output_bytes = flat.separate_shard && F > 1 ? shard * element_size(reduce) : 0;
       }
       flat.gather_s = modeled_seconds(Collective::kAllGather, flat.unsharded_bytes, F, shard_link);
@@ -205,6 +210,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         rest.piece_numel += flat.separate_shard ? piece : numel;
         flat.step_s = static_cast<double>(flat.separate_shard ? piece : numel);  // elements; seconds below
         rest.piece_bytes += (flat.separate_shard ? piece : numel) * element_size(dtype);
+        if (flat.separate_shard) rest.largest_piece = std::max(rest.largest_piece, piece * element_size(dtype));
         rest.optimizer_bytes += optimizer_state_bytes(request, plan, fp, flat.separate_shard ? piece : numel);
       }
       su.flats.push_back(flat);
@@ -352,8 +358,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                           static_cast<double>(r.activation_peak) / tokens;
     m.workspace = std::llround(std::max(0.0, beyond) * tokens);
   }
-  const int64_t tensors =
-      rest.shards + rest.piece_grads + m.optimizer + m.feedback + r.total_transient_peak + m.workspace;
+  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + m.feedback + r.total_transient_peak +
+                          m.workspace + (c.step_in_backward ? rest.largest_piece : 0);
   // The pool's idle buffers at the joint peak: once warm it holds its most of every size throughout.
   const int64_t pool_idle = std::max<int64_t>(0, r.pool_bytes + r.activation_peak - r.total_transient_peak);
   m.headroom = pool_idle + static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());
