@@ -314,6 +314,20 @@ fsdp::PlanRequest one_rank(int64_t budget) {
       .grads_kept_between_steps(true);
 }
 
+// One FULL_SHARD candidate at 16 ranks of the paper's cluster, one sequence of 64 tokens each: for
+// Stack(2048, 4), a step the network bounds.
+fsdp::PlanRequest network_bound() {
+  return one_rank(0)
+      .world(16)
+      .global_batch(16)
+      .seq_len(64)
+      .micro_batches({1})
+      .strategies({fsdp::ShardingStrategy::kFullShard})
+      .reshard_after_forward_sizes({0})
+      .activation_checkpointing({false})
+      .cpu_offload({false});
+}
+
 TEST(Planner, AModelThatFitsOnlyWithActivationCheckpointing) {
   fsdp::DeferredInit deferred;
   Stack model(256, 4);
@@ -491,15 +505,7 @@ TEST(Planner, QuantizedCollectivesShortenACommunicationBoundStep) {
   fsdp::DeferredInit deferred;
   Stack model(2048, 4);  // large enough for the links' bandwidth, not their latency, to decide
   const auto cluster = fsdp::Cluster::parse("paper:2x8");
-  auto request = one_rank(0)
-                     .world(16)
-                     .global_batch(16)
-                     .seq_len(64)
-                     .micro_batches({1})
-                     .strategies({fsdp::ShardingStrategy::kFullShard})
-                     .reshard_after_forward_sizes({0})
-                     .activation_checkpointing({false})
-                     .cpu_offload({false});
+  auto request = network_bound();
   const fsdp::Plan plain = fsdp::plan(*model, cluster, request);
   const fsdp::Plan int8 = fsdp::plan(
       *model, cluster,
@@ -537,15 +543,7 @@ TEST(Planner, StepInBackwardDropsTheGradientsAndOverlapsTheStep) {
   fsdp::DeferredInit deferred;
   Stack model(2048, 4);
   const auto cluster = fsdp::Cluster::parse("paper:2x8");
-  auto request = one_rank(0)
-                     .world(16)
-                     .global_batch(16)
-                     .seq_len(64)
-                     .micro_batches({1})
-                     .strategies({fsdp::ShardingStrategy::kFullShard})
-                     .reshard_after_forward_sizes({0})
-                     .activation_checkpointing({false})
-                     .cpu_offload({false});
+  auto request = network_bound();
   const fsdp::Plan plain = fsdp::plan(*model, cluster, request);
   const fsdp::Plan both = fsdp::plan(*model, cluster, request.step_in_backward({false, true}));
   ASSERT_EQ(plain.entries.size(), 1U) << plain.table();
