@@ -208,7 +208,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
       if (requires_grad) {
         rest.piece_numel += flat.separate_shard ? piece : numel;
-        flat.step_s = static_cast<double>(flat.separate_shard ? piece : numel);  // elements; seconds below
+        flat.step_elements = flat.separate_shard ? piece : numel;
         rest.piece_bytes += (flat.separate_shard ? piece : numel) * element_size(dtype);
         if (flat.separate_shard) rest.largest_piece = std::max(rest.largest_piece, piece * element_size(dtype));
         rest.optimizer_bytes += optimizer_state_bytes(request, plan, fp, flat.separate_shard ? piece : numel);
@@ -224,10 +224,10 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                             ? static_cast<double>(rest.piece_numel) * calibration.step_s_per_element
                             : static_cast<double>(rest.piece_numel) * kOptimizerValuesPerElement * 4.0 / bandwidth;
   const double optimizer_s = std::max(0.0, step_s + extra.per_step_s);
-  for (SimUnit& su : sim.units)
-    for (SimFlat& flat : su.flats)
-      flat.step_s = c.step_in_backward && rest.piece_numel > 0 ? optimizer_s * flat.step_s / rest.piece_numel : 0;
-  if (c.step_in_backward) rest.piece_grads = 0;
+  if (c.step_in_backward && rest.piece_numel > 0) {
+    sim.step_s_per_element = optimizer_s / static_cast<double>(rest.piece_numel);
+    rest.piece_grads = 0;
+  }
 
   // Activations and computation, per micro-batch.
   const double tokens = static_cast<double>(c.micro_batch) * static_cast<double>(request.seq_len());

@@ -444,13 +444,13 @@ class Replay {
         grad_buffer(f.reduce_output_bytes, -1);
         take_packed(f.replica_packed, 1);
         reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true), false,
-                               f.replica_packed, f.step_s});
+                               f.replica_packed, f.step_elements * in_.step_s_per_element});
       } else {  // a chained replica all-reduce frees the reduce-scatter's packed buffers by the time it lands
         take_packed(f.replica_packed, 1);
         std::vector<int64_t> packed = f.reduce_packed;
         packed.insert(packed.end(), f.replica_packed.begin(), f.replica_packed.end());
-        reductions_.push_back(
-            {f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true), false, std::move(packed), f.step_s});
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true), false,
+                               std::move(packed), f.step_elements * in_.step_s_per_element});
       }
     }
     if (in_.micro.defer_replicas) partials_[u] = 1;

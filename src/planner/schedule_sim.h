@@ -24,7 +24,7 @@ struct SimFlat {
   double reduce_s = 0;
   double replica_reduce_s = 0;  // HYBRID_SHARD: the replica all-reduce's part of reduce_s
   double issue_work_s = 0;      // the compute thread's own work for each of its collectives (runtime calibration)
-  double step_s = 0;            // step in backward: the optimizer's step of its pieces once its reduction lands
+  int64_t step_elements = 0;    // its pieces' elements the optimizer steps
   // Quantized all-gather: the packed shard and the gathered packed shards, from issue to wait (0: none).
   int64_t packed_shard_bytes = 0;
   int64_t packed_gathered_bytes = 0;
@@ -81,7 +81,9 @@ struct SimInput {
   bool separate_lanes = false;  // gathers and reductions on separate lanes (else one FIFO)
   // The transports copy on the cores the ranks compute on (a CPU machine): no overlap.
   bool comm_on_compute_cores = false;
-  double step_s = 0;    // the optimizer step after backward
+  double step_s = 0;  // the optimizer step after backward
+  // The step in backward: each FlatParameter's pieces stepped as its reduction lands (0: off).
+  double step_s_per_element = 0;
   SimMicroBatch micro;  // the defaults: a step of one micro-batch
 };
 
