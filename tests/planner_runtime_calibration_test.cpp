@@ -301,6 +301,12 @@ FSDP_WORKER(calibration_agreement_worker) {
     t.checkpointed_peak_bytes = 500 - r;        // the largest on rank 0
     c.timings.push_back(t);
   }
+  fsdp::QuantizationTiming q;
+  q.pack_s = 4e-9 * (r + 1);
+  q.pack_feedback_s = 9e-9 * (r + 1);
+  q.unpack_s = 2e-9 * (r + 1);
+  q.sum_s = 1e-9 * (r + 1);
+  c.quantization.push_back(q);
   fsdp::agree_across_ranks(c, *pg->world());
   const double mean = (n + 1) / 2.0;  // the mean of r + 1 over the ranks
   auto near = [](double a, double b) {
@@ -316,12 +322,28 @@ FSDP_WORKER(calibration_agreement_worker) {
     WORKER_CHECK(t.peak_bytes == 1000 + 100 * (n - 1) && t.checkpointed_peak_bytes == 500,
                  "not the largest peaks: ", t.peak_bytes, " ", t.checkpointed_peak_bytes);
   }
+  const auto& agreed = c.quantization.front();
+  WORKER_CHECK(near(agreed.pack_s, 4e-9 * mean) && near(agreed.pack_feedback_s, 9e-9 * mean) &&
+                   near(agreed.unpack_s, 2e-9 * mean) && near(agreed.sum_s, 1e-9 * mean),
+               "not the mean quantization rates: ", agreed.pack_s, " ", agreed.pack_feedback_s, " ", agreed.unpack_s,
+               " ", agreed.sum_s);
   // The same bits on every rank.
   for (const double v : {c.timings[0].forward_s, c.timings[1].checkpointed_backward_s, c.step_s_per_element})
     WORKER_CHECK(fsdp::mean_across_ranks(*pg, v) == v, "ranks disagree on ", v);
 
-  if (r == n - 1) c.timings.pop_back();
+  if (r == 0) c.quantization.clear();
   bool refused = false;
+  try {
+    fsdp::agree_across_ranks(c, *pg->world());
+  } catch (const fsdp::Error& e) {
+    refused = contains(e.what(), "quantization timing") && contains(e.what(), "CalibrateOptions::quantizations");
+    if (!refused) std::cerr << e.what() << std::endl;
+  }
+  WORKER_CHECK(refused, "ranks with different numbers of quantization timings were not refused");
+  c.quantization.clear();
+
+  if (r == n - 1) c.timings.pop_back();
+  refused = false;
   try {
     fsdp::agree_across_ranks(c, *pg->world());
   } catch (const fsdp::Error& e) {

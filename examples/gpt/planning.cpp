@@ -103,6 +103,12 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
                        }
                        return gpt::make_adamw(named, dims, config.lr, config.weight_decay);
                      });
+  // The flags' quantization formats, for the packing work of quantized candidates.
+  std::vector<fsdp::Quantization> formats;
+  for (const fsdp::Quantization& q :
+       {quantization_flags(config, config.quantize_all_gather), reduce_quantization_flags(config)})
+    if (q.enabled()) formats.push_back(q);
+  options.quantizations(formats);
   if (half >= 1)
     options.smaller_loss([&] { return next_token_loss(model, small); }).smaller_tokens(half * config.context);
   return fsdp::calibrate(

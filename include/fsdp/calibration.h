@@ -58,6 +58,17 @@ struct RuntimeTiming {
   double step_s = -1;     // the optimizer's step over the copy's shard pieces; < 0: not timed
 };
 
+// The library's own work of quantized communication per value, in one format, on this device
+// (CalibrateOptions::quantizations): packing, unpacking and summing codes (memory-bound loops).
+struct QuantizationTiming {
+  QuantizedDtype dtype = QuantizedDtype::kInt8;
+  int64_t block_size = 256;
+  double pack_s = 0;           // per float32 value quantized into a packed slot
+  double pack_feedback_s = 0;  // the same with error feedback's residual added and updated
+  double unpack_s = 0;         // per value dequantized into float32
+  double sum_s = 0;            // per packed value summed into a float32 total
+};
+
 struct Calibration {
   int64_t tokens = 0;        // tokens in each timed forward
   int64_t small_tokens = 0;  // tokens in the smaller batch's forward (fewer than `tokens`); 0: none
@@ -66,11 +77,14 @@ struct Calibration {
   double link_gbps = 0;                // between the job's ranks (calibrate_link); 0: the cluster's links
   double link_latency_us = 0;          // per ring step, with link_gbps
   std::vector<RuntimeTiming> runtime;  // calibrate_runtime's
+  std::vector<QuantizationTiming> quantization;
 
   // The timing for `precision`, or null.
   const PrecisionTiming* find(at::ScalarType precision) const;
   // The first runtime timing for `precision`, or null.
   const RuntimeTiming* find_runtime(at::ScalarType precision) const;
+  // The quantization timing of `dtype` at `block_size`, else of `dtype` at another block size, or null.
+  const QuantizationTiming* find_quantization(QuantizedDtype dtype, int64_t block_size) const;
   bool empty() const { return timings.empty(); }
 
   // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings":
@@ -80,7 +94,9 @@ struct Calibration {
   // "runtime": [{"wrap": W, "strategy": S, "sharding_factor": K, "precision": P, "activation_checkpointing": A,
   // "micro_batch": M, "world": N,
   // "all_gather_limit": A, "backward_prefetch": B, "forward_prefetch": F, "reductions_in_flight": R,
-  // "forward_s": f, "backward_s": b, "exposed_s": e, "step_s": s}, ...]}
+  // "forward_s": f, "backward_s": b, "exposed_s": e, "step_s": s}, ...],
+  // "quantization": [{"dtype": "int8"|"fp8", "block_size": B, "pack_s": p, "pack_feedback_s": q,
+  // "unpack_s": u, "sum_s": s}, ...]}
   std::string to_json() const;
   // Throws fsdp::Error naming the bad field and `source`.
   static Calibration from_json(const std::string& text, const std::string& source = "calibration JSON");
@@ -103,12 +119,15 @@ struct CalibrateOptions {
   TORCH_ARG(std::function<at::Tensor()>, smaller_loss) = nullptr;
   /// The tokens in `smaller_loss`'s forward: at least 1, fewer than calibrate()'s `tokens`.
   TORCH_ARG(int64_t, smaller_tokens) = 0;
+  /// Quantized communication formats whose packing, unpacking and summing per value to time (QuantizationTiming); empty: none.
+  TORCH_ARG(std::vector<Quantization>, quantizations) = {};
 };
 
 // Times `loss()` (one forward of `tokens` tokens through `model`, returning a scalar) and its
 // backward in every precision of `options`, with `model`'s fsdp::Checkpointed modules disabled and
 // (where it has any) enabled, measures their memory both ways (PrecisionTiming), and times the
-// optimizer's step over `model`'s parameters.
+// optimizer's step over `model`'s parameters, and the quantization formats of `options` over as
+// many values as `model` has parameters (at least 2^16, at most 2^24).
 // `model` is a throwaway copy on the device the job computes on; it is left in the last precision.
 // Collective-free: every rank of a job may calibrate at once (then the times include the ranks'
 // sharing of the machine). Throws fsdp::Error on bad arguments.

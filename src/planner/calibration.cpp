@@ -14,6 +14,7 @@
 #include "fsdp/check.h"
 #include "fsdp/memory.h"
 #include "fsdp/network_model.h"
+#include "planner/quantization_timing.h"
 #include "planner/timing_stats.h"
 
 namespace fsdp {
@@ -222,6 +223,14 @@ std::string Calibration::to_json() const {
                             {"backward_s", r.backward_s},
                             {"exposed_s", r.exposed_s},
                             {"step_s", r.step_s}});
+  j["quantization"] = nlohmann::json::array();
+  for (const auto& q : quantization)
+    j["quantization"].push_back({{"dtype", to_string(q.dtype)},
+                                 {"block_size", q.block_size},
+                                 {"pack_s", q.pack_s},
+                                 {"pack_feedback_s", q.pack_feedback_s},
+                                 {"unpack_s", q.unpack_s},
+                                 {"sum_s", q.sum_s}});
   return j.dump(1);
 }
 
@@ -280,6 +289,19 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
                  " runtime timing must have positive forward_s and backward_s");
       c.runtime.push_back(timing);
     }
+    for (const auto& q : j.value("quantization", nlohmann::json::array())) {
+      QuantizationTiming timing;
+      timing.dtype = parse_quantized_dtype(q.at("dtype").get<std::string>());
+      timing.block_size = q.at("block_size").get<int64_t>();
+      timing.pack_s = q.at("pack_s").get<double>();
+      timing.pack_feedback_s = q.value("pack_feedback_s", timing.pack_s);
+      timing.unpack_s = q.at("unpack_s").get<double>();
+      timing.sum_s = q.at("sum_s").get<double>();
+      FSDP_CHECK(timing.block_size >= 1, source, ": a quantization timing's block_size must be at least 1");
+      FSDP_CHECK(timing.pack_s >= 0 && timing.pack_feedback_s >= 0 && timing.unpack_s >= 0 && timing.sum_s >= 0, source,
+                 ": a quantization timing's seconds per value must not be negative");
+      c.quantization.push_back(timing);
+    }
   } catch (const nlohmann::json::exception& e) {
     throw Error(source + ": not a calibration (" + e.what() + "); fsdp::Calibration::save writes one");
   }
@@ -315,6 +337,16 @@ const RuntimeTiming* Calibration::find_runtime(at::ScalarType precision) const {
   return nullptr;
 }
 
+const QuantizationTiming* Calibration::find_quantization(QuantizedDtype dtype, int64_t block_size) const {
+  const QuantizationTiming* same_dtype = nullptr;
+  for (const auto& q : quantization) {
+    if (q.dtype != dtype) continue;
+    if (q.block_size == block_size) return &q;
+    if (same_dtype == nullptr) same_dtype = &q;
+  }
+  return same_dtype;
+}
+
 Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int64_t tokens,
                       const CalibrateOptions& options) {
   FSDP_CHECK(loss != nullptr, "fsdp::calibrate: loss is null; pass a function that runs one forward");
@@ -341,6 +373,18 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
                                     options.min_timed_s());
     t.precision = precision;
     c.timings.push_back(t);
+  }
+  if (!options.quantizations().empty()) {
+    int64_t values = 0;
+    at::Device device = at::kCPU;
+    for (const auto& p : model.parameters()) {
+      values += p.numel();
+      device = p.device();
+    }
+    values = std::min<int64_t>(std::max<int64_t>(values, int64_t(1) << 16), int64_t(1) << 24);
+    for (const Quantization& q : options.quantizations())
+      c.quantization.push_back(
+          planner::time_quantization(q, values, device, options.repetitions(), options.min_timed_s()));
   }
   return c;
 }
@@ -377,17 +421,23 @@ void agree_across_ranks(Calibration& calibration, Communicator& comm) {
   if (n < 2) return;
   auto& timings = calibration.timings;
   const auto count = static_cast<int64_t>(timings.size());
+  const auto formats = static_cast<int64_t>(calibration.quantization.size());
   // The counts first (every rank sees every count, so all fail alike), then every rank's precisions
   // and peaks: the precision and the two peaks per timing.
-  auto counts = torch::empty({n}, torch::kLong);
-  comm.all_gather_into(counts, torch::tensor({count}, torch::kLong))->wait();
-  auto names = [](int64_t k) {
-    return std::to_string(k) + " timing" + (k == 1 ? "" : "s");
+  auto counts = torch::empty({n, 2}, torch::kLong);
+  comm.all_gather_into(counts.view({-1}), torch::tensor({count, formats}, torch::kLong))->wait();
+  auto names = [](int64_t k, const char* what) {
+    return std::to_string(k) + " " + what + (k == 1 ? "" : "s");
   };
-  for (int r = 0; r < n; ++r)
-    FSDP_CHECK(counts[r].item<int64_t>() == count, "fsdp::agree_across_ranks: this rank has ", names(count),
-               " but rank ", r, " has ", names(counts[r].item<int64_t>()),
+  for (int r = 0; r < n; ++r) {
+    FSDP_CHECK(counts[r][0].item<int64_t>() == count, "fsdp::agree_across_ranks: this rank has ",
+               names(count, "timing"), " but rank ", r, " has ", names(counts[r][0].item<int64_t>(), "timing"),
                "; calibrate every rank in the same precisions");
+    FSDP_CHECK(counts[r][1].item<int64_t>() == formats, "fsdp::agree_across_ranks: this rank has ",
+               names(formats, "quantization timing"), " but rank ", r, " has ",
+               names(counts[r][1].item<int64_t>(), "quantization timing"),
+               "; calibrate every rank with the same CalibrateOptions::quantizations");
+  }
   auto mine = torch::empty({3 * count}, torch::kLong);
   for (int64_t i = 0; i < count; ++i) {
     mine[3 * i] = static_cast<int64_t>(timings[i].precision);
@@ -413,6 +463,8 @@ void agree_across_ranks(Calibration& calibration, Communicator& comm) {
     for (double* f : {&t.forward_s, &t.backward_s, &t.checkpointed_forward_s, &t.checkpointed_backward_s,
                       &t.small_forward_s, &t.small_backward_s})
       figures.push_back(f);
+  for (auto& q : calibration.quantization)
+    for (double* f : {&q.pack_s, &q.pack_feedback_s, &q.unpack_s, &q.sum_s}) figures.push_back(f);
   std::vector<double> values;
   for (const double* f : figures) values.push_back(*f);
   auto sums = torch::tensor(values, torch::kDouble);

@@ -6,7 +6,9 @@
 #include <cmath>
 #include <vector>
 
+#include "planner/optimizer_state.h"
 #include "planner/quantized_sizes.h"
+#include "planner/quantized_work.h"
 #include "planner/schedule_sim.h"
 
 namespace fsdp::planner {
@@ -69,23 +71,6 @@ struct Resting {
   int64_t feedback_bytes = 0;   // error feedback's float32 residuals (held from the first reduction on)
   int64_t largest_piece = 0;    // one FlatParameter's separate pieces' gradients (the step in backward's, landed)
 };
-
-// The optimizer state over rank 0's pieces of `fp`'s parameters, which hold [0, limit) of the flat.
-int64_t optimizer_state_bytes(const PlanRequest& request, const UnitPlan& plan, const UnitPlan::FlatParam& fp,
-                              const int64_t limit) {
-  int64_t states = 0;
-  int64_t offset = 0;
-  for (const int p : fp.params) {
-    const UnitPlan::Param& param = plan.params[p];
-    const int64_t numel = param.param.numel();
-    const int64_t piece = std::max<int64_t>(0, std::min(offset + numel, limit) - offset);
-    offset += numel;
-    if (piece == 0) continue;
-    states += request.optimizer_state() ? request.optimizer_state()(param.name, param.param.sizes(), piece)
-                                        : request.optimizer_states() * piece;
-  }
-  return states * element_size(plan.params[fp.params.front()].param.scalar_type());
-}
 
 }  // namespace
 
@@ -171,10 +156,14 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         flat.packed_shard_bytes = slot;
         flat.packed_gathered_bytes = F * slot;
         flat.gather_s = modeled_seconds(Collective::kAllGather, F * slot, F, shard_link);
+        const QuantizedRates rates = quantized_rates(gq, calibration, cluster);
+        flat.gather_pack_s = static_cast<double>(shard) * rates.pack_s;
+        flat.gather_unpack_s = static_cast<double>(padded) * rates.unpack_s;
       }
       const Quantization& rq = c.reduce_quantization;
       if (requires_grad && rq.applies_to(pu.name, *pu.module) && world > 1 && floating) {
         const BlockFormat format = block_format(rq, plan, fp, padded);
+        const QuantizedRates rates = quantized_rates(rq, calibration, cluster);
         // quantized_all_reduce: the parts to their owners, the owners' sums to everyone.
         // The largest rank's: a replica all-reduce's values start at its shard (F origins), NO_SHARD's at 0.
         auto all_reduce = [&](int64_t numel, int n, const Link& link, std::vector<int64_t>& packed) {
@@ -182,27 +171,31 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
           for (int r = 0; r < (numel == padded ? 1 : F); ++r)
             slot = std::max(slot, all_reduce_slot(format, numel, n, r * numel));
           packed = {n * slot, n * slot, slot, n * slot};
-          return modeled_seconds(Collective::kAllToAll, n * slot, n, link) +
+          return modeled_seconds(Collective::kAllToAll, n * slot, n, link) + rates.owner_s(numel, n) +
                  modeled_seconds(Collective::kAllGather, n * slot, n, link);
         };
+        // Every value packed as the reduction is issued; the landing sums the parts or unpacks the sums.
+        const double values = static_cast<double>(padded);
+        flat.reduce_pack_s = values * rates.pack_s;
         if (F == 1) {
           flat.reduce_s = all_reduce(padded, world, world_link, flat.reduce_packed);
+          flat.reduce_land_s = values * rates.unpack_s;
         } else {  // quantized_reduce_scatter: each part packed to its owner, who sums them
           const int64_t slot = packed_slot(format, F, shard);
           flat.reduce_packed = {F * slot, F * slot};
           flat.reduce_s = modeled_seconds(Collective::kAllToAll, F * slot, F, shard_link);
+          flat.reduce_land_s = values * rates.sum_s;
           if (c.strategy == ShardingStrategy::kHybridShard && world / F > 1) {  // of each rank's shard
             flat.replica_reduce_s = all_reduce(shard, world / F, replica_link, flat.replica_packed);
             flat.reduce_s += flat.replica_reduce_s;
+            flat.replica_pack_s = static_cast<double>(shard) * rates.pack_s;
+            flat.replica_land_s = static_cast<double>(shard) * rates.unpack_s;
           }
         }
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
         // Residuals: a reduce-scatter's of the whole unsharded gradient, and its all-reduces'.
         if (rq.error_feedback())
-          rest.feedback_bytes += 4 * (F == 1 ? all_reduce_residuals(padded, world)
-                                             : padded + (c.strategy == ShardingStrategy::kHybridShard && world / F > 1
-                                                             ? all_reduce_residuals(shard, world / F)
-                                                             : 0));
+          rest.feedback_bytes += 4 * feedback_residuals(padded, F, world, c.strategy == ShardingStrategy::kHybridShard);
       }
       flat.issue_work_s = extra.per_collective_work_s;
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);

@@ -33,4 +33,9 @@ int64_t all_reduce_slot(const BlockFormat& format, int64_t numel, int n, int64_t
 
 int64_t all_reduce_residuals(int64_t numel, int n) { return numel + std::min(numel, (numel + n - 1) / n); }
 
+int64_t feedback_residuals(int64_t padded, int F, int world, bool hybrid) {
+  if (F == 1) return all_reduce_residuals(padded, world);
+  return padded + (hybrid && world / F > 1 ? all_reduce_residuals(padded / F, world / F) : 0);
+}
+
 }  // namespace fsdp::planner

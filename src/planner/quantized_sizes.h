@@ -23,4 +23,9 @@ int64_t all_reduce_slot(const BlockFormat& format, int64_t numel, int n, int64_t
 // first member sends and the part it sums (the first, a full one).
 int64_t all_reduce_residuals(int64_t numel, int n);
 
+// Error feedback's float32 values for one FlatParameter of `padded` values over shard groups of `F`
+// among `world` ranks: NO_SHARD's all-reduce's, else the reduce-scatter's whole gradient and, under
+// HYBRID_SHARD with replicas, their all-reduce's of the shard.
+int64_t feedback_residuals(int64_t padded, int F, int world, bool hybrid);
+
 }  // namespace fsdp::planner

@@ -87,6 +87,7 @@ class Replay {
     double end;
     bool output_kept = false;     // the output becomes the unit's partial sums
     std::vector<int64_t> packed;  // quantized: the collective's packed buffers
+    double land_s = 0;            // quantized: the work on the compute thread once it lands
     double step_s = 0;            // step in backward, on the compute thread once it lands
   };
   struct Count {
@@ -243,7 +244,7 @@ class Replay {
       const bool part = from_parts && f.post_forward_bytes > 0;
       param_buffer(f.unsharded_bytes, 1);
       if (!part) gather_inputs(f, 1);
-      compute(f.issue_work_s);
+      compute(f.issue_work_s + (part ? 0.0 : f.gather_pack_s));
       end = std::max(end, issue(part ? f.post_forward_gather_s : f.gather_s, false));
     }
     parts_[u] = 0;
@@ -258,10 +259,12 @@ class Replay {
     wait_until(gather_end_[u]);
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.separate_shard) continue;
-      if (gathering_parts_[u] && f.post_forward_bytes > 0)
+      if (gathering_parts_[u] && f.post_forward_bytes > 0) {
         param_buffer(f.post_forward_bytes, -1);
-      else
+      } else {
+        compute(f.gather_unpack_s);
         gather_inputs(f, -1);
+      }
     }
     pending_[u] = 0;
     gathering_parts_[u] = 0;
@@ -433,24 +436,30 @@ class Replay {
       if (!f.requires_grad) continue;
       finish_reductions(k > 0 ? k - 1 : 0);
       grad_buffer(f.reduce_output_bytes, 1);
-      compute(f.issue_work_s);
+      compute(f.issue_work_s + f.reduce_pack_s);
       take_packed(f.reduce_packed, 1);
+      const double step_s = f.step_elements * in_.step_s_per_element;
+      const bool replicas = f.replica_reduce_s > 0 || f.replica_land_s > 0;
       if (in_.micro.defer_replicas) {  // the shard group's sums only: the first become the partial sums
         const double end = issue(f.reduce_s - f.replica_reduce_s, true);
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], f.reduce_packed, 0});
+        reductions_.push_back(
+            {f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], f.reduce_packed, f.reduce_land_s, 0});
       } else if (partials_[u]) {  // the reduce-scatter waited for, the partial sums added, then the all-reduce
         wait_until(issue(f.reduce_s - f.replica_reduce_s, true));
+        compute(f.reduce_land_s + f.replica_pack_s);
         take_packed(f.reduce_packed, -1);
         grad_buffer(f.reduce_output_bytes, -1);
         take_packed(f.replica_packed, 1);
         reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true), false,
-                               f.replica_packed, f.step_elements * in_.step_s_per_element});
+                               f.replica_packed, f.replica_land_s, step_s});
       } else {  // a chained replica all-reduce frees the reduce-scatter's packed buffers by the time it lands
         take_packed(f.replica_packed, 1);
         std::vector<int64_t> packed = f.reduce_packed;
         packed.insert(packed.end(), f.replica_packed.begin(), f.replica_packed.end());
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s, true), false,
-                               std::move(packed), f.step_elements * in_.step_s_per_element});
+        // Chained: the reduce-scatter lands and the replicas' values are packed on the replica thread.
+        const double lane_work = replicas ? f.reduce_land_s + f.replica_pack_s : 0.0;
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s + lane_work, true), false,
+                               std::move(packed), replicas ? f.replica_land_s : f.reduce_land_s, step_s});
       }
     }
     if (in_.micro.defer_replicas) partials_[u] = 1;
@@ -467,9 +476,9 @@ class Replay {
       take_packed(p.packed, -1);
       grad_buffer(p.buffer_bytes, -1);
       if (!p.output_kept) grad_buffer(p.output_bytes, -1);
-      const double step_s = p.step_s;
+      const double after_s = p.land_s + p.step_s;
       reductions_.pop_front();
-      compute(step_s);
+      compute(after_s);
     }
   }
 

@@ -32,6 +32,18 @@ struct SimFlat {
   // (NO_SHARD: the all-reduce's), and HYBRID_SHARD's replica all-reduce's.
   std::vector<int64_t> reduce_packed;
   std::vector<int64_t> replica_packed;
+  // Quantized communication's own work (0: none), on the compute thread: packing the shard as its
+  // gather is issued, unpacking the gathered parts when it is waited for; packing the gradient as
+  // its reduction is issued, and the work once it lands (summing the received parts, or unpacking an
+  // all-reduce's sums). HYBRID_SHARD's replica all-reduce packs its values and unpacks its sums;
+  // chained to the reduce-scatter, the packing and that reduce-scatter's landing run on the
+  // replica communicator's thread. An all-reduce's owner sums and packs on its worker (in reduce_s).
+  double gather_pack_s = 0;
+  double gather_unpack_s = 0;
+  double reduce_pack_s = 0;
+  double reduce_land_s = 0;
+  double replica_pack_s = 0;
+  double replica_land_s = 0;
 };
 
 struct SimUnit {
