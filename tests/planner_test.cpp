@@ -525,7 +525,7 @@ TEST(Planner, QuantizedCollectivesShortenACommunicationBoundStep) {
   EXPECT_GT(q.memory.params, p.memory.params);
   EXPECT_GT(q.memory.grads, p.memory.grads);
   // Error feedback keeps float32 residuals of every quantized reduction's values: more memory, the
-  // same bytes on the wire.
+  // same bytes on the wire, and a few more passes over each packed gradient.
   const fsdp::Plan feedback =
       fsdp::plan(*model, cluster, request.reduce_quantization(fsdp::Quantization::int8().error_feedback(true)));
   ASSERT_EQ(feedback.entries.size(), 1U) << feedback.table();
@@ -534,7 +534,8 @@ TEST(Planner, QuantizedCollectivesShortenACommunicationBoundStep) {
   EXPECT_EQ(q.memory.feedback, 0);
   EXPECT_GT(f.memory.feedback, 0);
   EXPECT_GE(f.memory.peak, q.memory.peak + f.memory.feedback);
-  EXPECT_EQ(f.time.step_s, q.time.step_s);
+  EXPECT_GT(f.time.step_s, q.time.step_s);
+  EXPECT_LT(f.time.step_s, 1.1 * q.time.step_s);
 }
 
 // The optimizer's step in backward (PlanRequest::step_in_backward): no gradients held between

@@ -107,7 +107,9 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
   std::vector<fsdp::Quantization> formats;
   for (const fsdp::Quantization& q :
        {quantization_flags(config, config.quantize_all_gather), reduce_quantization_flags(config)})
-    if (q.enabled()) formats.push_back(q);
+    if (q.enabled() &&
+        (formats.empty() || formats[0].dtype() != q.dtype() || formats[0].block_size() != q.block_size()))
+      formats.push_back(q);
   options.quantizations(formats);
   if (half >= 1)
     options.smaller_loss([&] { return next_token_loss(model, small); }).smaller_tokens(half * config.context);

@@ -159,6 +159,26 @@ test_plan_file_error_feedback() {
   grep -q '"not_modeled":\[\]' "$TMP/plan.jsonl" || fail "the plan file names flags it leaves out"
 }
 
+test_plan_calibrated_quantization() {
+  # --calibrate times the flags' quantization format once; a plan from that file charges its loops:
+  # packing at a microsecond per value makes the run's predicted step a tenth of a second longer.
+  local q=(--quantize-all-gather int8 --quantize-reduce int8 --quantize-error-feedback)
+  run "$TRAINER" "${SMALL[@]}" "${q[@]}" --plan --calibrate --calibration-file "$TMP/calibration.json"
+  expect_rc 0
+  [ "$(grep -c '"pack_feedback_s"' "$TMP/calibration.json")" = 1 ] || fail "not one quantization timing"
+  grep -qE '"sum_s": [0-9.]*[1-9]' "$TMP/calibration.json" || fail "no time per summed value"
+  sed -E 's/"(pack_s|pack_feedback_s)": [0-9.e+-]+/"\1": 1e-06/' "$TMP/calibration.json" >"$TMP/slow.json"
+  local file predicted=()
+  for file in calibration slow; do
+    run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" "${q[@]}" \
+      --plan-file "$TMP/$file.jsonl" --calibration-file "$TMP/$file.json"
+    expect_rc 0
+    predicted+=("$(grep -oE '"step_s":[0-9.e+-]+' "$TMP/$file.jsonl" | cut -d: -f2)")
+  done
+  awk -v a="${predicted[0]}" -v b="${predicted[1]}" 'BEGIN { exit !(a > 0 && b > a + 0.1) }' ||
+    fail "predicted steps ${predicted[*]}: the slow packing is not charged"
+}
+
 test_plan_holds_the_optimizers_state() {
   # --optimizer's state goes into every prediction: Adafactor's factored moments below Muon's one
   # momentum for the blocks' matrices, below AdamW's two moments (or equal, where rank 0's shard
