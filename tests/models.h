@@ -26,6 +26,22 @@ struct MLPImpl : torch::nn::Module {
 };
 TORCH_MODULE(MLP);
 
+// `depth` blocks of two linear layers, d -> 4d -> d, each a torch::nn::Sequential: 8 d^2 + 5 d
+// parameters a block, no others.
+struct LinearBlocksImpl : torch::nn::Module {
+  LinearBlocksImpl(int d, int depth) {
+    for (int i = 0; i < depth; ++i)
+      blocks->push_back(torch::nn::Sequential(torch::nn::Linear(d, 4 * d), torch::nn::Linear(4 * d, d)));
+    register_module("blocks", blocks);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& b : *blocks) x = b->as<torch::nn::Sequential>()->forward(x);
+    return x;
+  }
+  torch::nn::ModuleList blocks;
+};
+TORCH_MODULE(LinearBlocks);
+
 // A transformer block; with `dropout` > 0, dropout on the attention weights and on the MLP's
 // hidden layer (a submodule "drop").
 struct BlockImpl : torch::nn::Module {

@@ -9,24 +9,10 @@
 #include "fsdp/fsdp.h"
 #include "fsdp/planner.h"
 #include "harness.h"
+#include "models.h"
 
 namespace fsdp_test {
 namespace {
-
-// `depth` blocks of two linear layers, d -> 4d -> d: 8 d^2 + 5 d parameters each, no others.
-struct MlpStackImpl : torch::nn::Module {
-  MlpStackImpl(int d, int depth) {
-    for (int i = 0; i < depth; ++i)
-      blocks->push_back(torch::nn::Sequential(torch::nn::Linear(d, 4 * d), torch::nn::Linear(4 * d, d)));
-    register_module("blocks", blocks);
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (auto& b : *blocks) x = b->as<torch::nn::Sequential>()->forward(x);
-    return x;
-  }
-  torch::nn::ModuleList blocks;
-};
-TORCH_MODULE(MlpStack);
 
 constexpr int kWidth = 30;  // 7,350 parameters per block: padded at 4 ranks
 constexpr int kDepth = 3;
@@ -63,7 +49,7 @@ fsdp::Calibration with_rates(double pack_s, double unpack_s, double sum_s) {
 
 fsdp::TimePrediction predicted(fsdp::ShardingStrategy strategy, const fsdp::Calibration& calibration) {
   fsdp::DeferredInit deferred;
-  MlpStack model(kWidth, kDepth);
+  LinearBlocks model(kWidth, kDepth);
   const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x4"), quantized_request(strategy, calibration));
   EXPECT_EQ(plan.entries.size(), 1U) << plan.table();
   return plan.entries.empty() ? fsdp::TimePrediction() : plan.entries.front().time;
@@ -122,7 +108,7 @@ TEST(PlannerQuantizedWork, EachLoopIsChargedPerValueWhereTheRuntimeRunsIt) {
 TEST(PlannerQuantizedWork, UncalibratedLoopsMoveTheirBytesAtTheMemoryBandwidth) {
   auto step = [](const std::string& gbps) {
     fsdp::DeferredInit deferred;
-    MlpStack model(kWidth, kDepth);
+    LinearBlocks model(kWidth, kDepth);
     const auto cluster =
         fsdp::Cluster::from_json(R"({"preset": "cpu", "ranks_per_node": 4, "device": {"memory_gbps": )" + gbps + "}}");
     const auto request = quantized_request(fsdp::ShardingStrategy::kShardGradOp, fsdp::Calibration());
@@ -141,7 +127,7 @@ TEST(PlannerQuantizedWork, UncalibratedLoopsMoveTheirBytesAtTheMemoryBandwidth) 
 
 TEST(PlannerQuantizedWork, CalibrateTimesTheLoopsOfEachFormat) {
   torch::manual_seed(0);
-  MlpStack model(64, 2);
+  LinearBlocks model(64, 2);
   auto x = torch::randn({8, 64});
   const auto calibration = fsdp::calibrate(
       *model, [&] { return model->forward(x).square().mean(); }, 8,

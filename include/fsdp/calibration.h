@@ -73,9 +73,12 @@ struct Calibration {
   int64_t tokens = 0;        // tokens in each timed forward
   int64_t small_tokens = 0;  // tokens in the smaller batch's forward (fewer than `tokens`); 0: none
   std::vector<PrecisionTiming> timings;
-  double step_s_per_element = 0;       // the optimizer's step per parameter element; 0: not measured
-  double link_gbps = 0;                // between the job's ranks (calibrate_link); 0: the cluster's links
-  double link_latency_us = 0;          // per ring step, with link_gbps
+  double step_s_per_element = 0;  // the optimizer's step per parameter element; 0: not measured
+  double link_gbps = 0;           // between the job's ranks (calibrate_link); 0: the cluster's links
+  double link_latency_us = 0;     // per ring step, with link_gbps
+  // The transport's own rate beneath a modeled link (calibrate_link on a with_network_model
+  // communicator); 0: none known. On a CPU cluster the ranks' cores do that part of each collective.
+  double link_copy_gbps = 0;
   std::vector<RuntimeTiming> runtime;  // calibrate_runtime's
   std::vector<QuantizationTiming> quantization;
 
@@ -87,7 +90,8 @@ struct Calibration {
   const QuantizationTiming* find_quantization(QuantizedDtype dtype, int64_t block_size) const;
   bool empty() const { return timings.empty(); }
 
-  // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L, "timings":
+  // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L,
+  // "link_copy_gbps": C, "timings":
   // [{"precision": "fp32"|"bf16"|"fp16", "forward_s": F, "backward_s": B, "peak_bytes": P,
   // "checkpointed_peak_bytes": C, "checkpointed_forward_s": cf, "checkpointed_backward_s": cb,
   // "small_forward_s": f, "small_backward_s": b}, ...],
@@ -136,7 +140,8 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
 
 // Times all-gathers among `comm`'s ranks and sets `calibration`'s link: the latency per ring step from
 // a gather of one value per rank, the bandwidth from one of `bytes_per_rank`; the mean over ranks, so
-// every rank gets the same figures. Collective: every rank calls it at once.
+// every rank gets the same figures. Under a modeled network (FSDP_NETWORK_MODEL) it also times the
+// real transport beneath it (link_copy_gbps). Collective: every rank calls it at once.
 void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank = int64_t(1) << 20);
 
 // Makes `calibration`'s timings (calibrate()'s, per rank) the same on every rank of `comm`: each

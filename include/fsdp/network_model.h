@@ -63,6 +63,8 @@ CommunicatorPtr with_network_model(CommunicatorPtr inner, const std::vector<int>
 // The modeled link and statistics of a communicator made by with_network_model; nullopt for an
 // unmodeled communicator.
 std::optional<ModeledLinkStats> modeled_link_stats(const Communicator& comm);
+// The real communicator beneath a communicator made by with_network_model; null for an unmodeled one.
+CommunicatorPtr modeled_inner(const Communicator& comm);
 
 enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier, kAllToAll };
 // Bytes each rank sends in one collective of `bytes` total bytes over `n` ranks.

@@ -170,4 +170,9 @@ std::optional<ModeledLinkStats> modeled_link_stats(const Communicator& comm) {
   return std::nullopt;
 }
 
+CommunicatorPtr modeled_inner(const Communicator& comm) {
+  if (auto* m = dynamic_cast<const ModeledCommunicator*>(&comm)) return m->inner();
+  return nullptr;
+}
+
 }  // namespace fsdp

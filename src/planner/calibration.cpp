@@ -9,6 +9,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
@@ -193,9 +195,13 @@ at::ScalarType precision_named(const std::string& name, const std::string& sourc
 }  // namespace
 
 std::string Calibration::to_json() const {
-  nlohmann::json j{
-      {"tokens", tokens},       {"small_tokens", small_tokens},       {"step_s_per_element", step_s_per_element},
-      {"link_gbps", link_gbps}, {"link_latency_us", link_latency_us}, {"timings", nlohmann::json::array()}};
+  nlohmann::json j{{"tokens", tokens},
+                   {"small_tokens", small_tokens},
+                   {"step_s_per_element", step_s_per_element},
+                   {"link_gbps", link_gbps},
+                   {"link_latency_us", link_latency_us},
+                   {"link_copy_gbps", link_copy_gbps},
+                   {"timings", nlohmann::json::array()}};
   for (const auto& t : timings)
     j["timings"].push_back({{"precision", precision_name(t.precision)},
                             {"forward_s", t.forward_s},
@@ -243,6 +249,8 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
     c.step_s_per_element = j.value("step_s_per_element", 0.0);
     c.link_gbps = j.value("link_gbps", 0.0);
     c.link_latency_us = j.value("link_latency_us", 0.0);
+    c.link_copy_gbps = j.value("link_copy_gbps", 0.0);
+    FSDP_CHECK(c.link_copy_gbps >= 0, source, ": link_copy_gbps must not be negative");
     for (const auto& t : j.at("timings")) {
       PrecisionTiming timing;
       timing.precision = precision_named(t.at("precision").get<std::string>(), source);
@@ -389,12 +397,14 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
   return c;
 }
 
-void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank) {
+namespace {
+
+// The mean over `comm`'s ranks of their link's latency per ring step (us) and bandwidth (GB/s), from
+// all-gathers of one value and of `values` values per rank.
+std::pair<double, double> time_link(Communicator& comm, int64_t values) {
   const int n = comm.size();
-  FSDP_CHECK(bytes_per_rank >= 4, "fsdp::calibrate_link: bytes_per_rank must be at least 4, got ", bytes_per_rank);
-  if (n < 2) return;  // one rank: nothing crosses a link
-  auto gather_s = [&](int64_t values, int repetitions) {
-    auto in = torch::ones({values}), out = torch::empty({values * n});
+  auto gather_s = [&](int64_t count, int repetitions) {
+    auto in = torch::ones({count}), out = torch::empty({count * n});
     std::vector<double> times;
     for (int i = 0; i <= repetitions; ++i) {
       comm.barrier();
@@ -404,7 +414,6 @@ void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_
     }
     return median(times);
   };
-  const int64_t values = bytes_per_rank / 4;
   const double small = gather_s(1, 15), large = gather_s(values, 5);
   auto both = torch::tensor({small, large}, torch::kDouble);
   comm.all_reduce(both)->wait();
@@ -412,8 +421,17 @@ void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_
   // Inverts modeled_seconds' ring model: (n - 1) steps of latency plus the wire bytes at the bandwidth.
   const double per_latency_us = modeled_seconds(Collective::kAllGather, 0, n, Link().latency_us(1));
   const double per_gbps = modeled_seconds(Collective::kAllGather, values * 4 * n, n, Link().bandwidth_gbps(1));
-  calibration.link_latency_us = mean_small / per_latency_us;
-  calibration.link_gbps = per_gbps / std::max(mean_large - mean_small, 1e-9);
+  return {mean_small / per_latency_us, per_gbps / std::max(mean_large - mean_small, 1e-9)};
+}
+
+}  // namespace
+
+void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank) {
+  FSDP_CHECK(bytes_per_rank >= 4, "fsdp::calibrate_link: bytes_per_rank must be at least 4, got ", bytes_per_rank);
+  if (comm.size() < 2) return;  // one rank: nothing crosses a link
+  std::tie(calibration.link_latency_us, calibration.link_gbps) = time_link(comm, bytes_per_rank / 4);
+  const CommunicatorPtr real = modeled_inner(comm);
+  calibration.link_copy_gbps = real ? time_link(*real, bytes_per_rank / 4).second : 0;
 }
 
 void agree_across_ranks(Calibration& calibration, Communicator& comm) {

@@ -54,6 +54,10 @@ SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, const SimM
   SimResult r = simulate(sim);
   if (waits_per_compute_s == 0 || r.collectives == 0) return r;
   const double wait = waits_per_compute_s * r.compute_s / r.collectives;
+  if (sim.comm_cpu_share > 0) {  // the compute thread's: exposed, not hidden behind it on a link
+    sim.wait_per_collective_s = wait;
+    return simulate(sim);
+  }
   for (SimUnit& su : sim.units)
     for (SimFlat& flat : su.flats) {
       flat.gather_s = std::max(0.0, flat.gather_s + wait);
@@ -286,7 +290,12 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   sim.reductions_in_flight = c.reductions_in_flight;
   sim.no_shard = c.strategy == ShardingStrategy::kNoShard;
   sim.separate_lanes = cluster.separate_comm_lanes;
-  sim.comm_on_compute_cores = cluster.device_is_host;
+  // On a CPU cluster the transport copies on the compute cores; beneath a slower modeled link, the
+  // links' time beyond the copies overlaps the computation.
+  if (cluster.device_is_host)
+    sim.comm_cpu_share = measured_link && calibration.link_copy_gbps > calibration.link_gbps
+                             ? calibration.link_gbps / calibration.link_copy_gbps
+                             : 1.0;
   // One micro-batch, or with no_sync or replica-deferred reductions the first, one of those between
   // and the last (which reduces the sum, or reduces across replicas); their peaks are the step's,
   // their times add up.

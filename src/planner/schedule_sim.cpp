@@ -182,14 +182,15 @@ class Replay {
 
   double issue(double duration, bool reduction) {
     ++r_.collectives;
-    if (in_.comm_on_compute_cores) {  // the collective takes the compute thread's time: all exposed
-      exposed_ += duration;
-      now_ += duration;
-      return now_;
-    }
+    // The transport's copies take the compute thread's time (all exposed); the rest is on the links.
+    const double copying = std::min(1.0, in_.comm_cpu_share) * duration;
+    const double waited = std::max(0.0, copying + in_.wait_per_collective_s);  // negative waits: at most the copy
+    exposed_ += waited;
+    now_ += waited;
+    if (copying >= duration) return now_;
     const int lane = in_.separate_lanes && reduction ? 1 : 0;
     const double start = std::max(now_, lane_free_[lane]);
-    lane_free_[lane] = start + duration;
+    lane_free_[lane] = start + duration - copying;
     return lane_free_[lane];
   }
   void wait_until(double t) {

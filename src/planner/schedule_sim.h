@@ -91,8 +91,12 @@ struct SimInput {
   int reductions_in_flight = 2;
   bool no_shard = false;
   bool separate_lanes = false;  // gathers and reductions on separate lanes (else one FIFO)
-  // The transports copy on the cores the ranks compute on (a CPU machine): no overlap.
-  bool comm_on_compute_cores = false;
+  // The share of each collective's time the transports spend copying on the cores the ranks compute
+  // on (a CPU machine): the compute thread's, the rest on the links (1: all of it, no overlap).
+  double comm_cpu_share = 0;
+  // Waits on peers beyond the modeled collectives, on the compute thread at each collective issued
+  // (a CPU cluster's; elsewhere the waits lengthen the collectives instead).
+  double wait_per_collective_s = 0;
   double step_s = 0;  // the optimizer step after backward
   // The step in backward: each FlatParameter's pieces stepped as its reduction lands (0: off).
   double step_s_per_element = 0;

@@ -1,0 +1,96 @@
+// The planner's links on a CPU cluster (fsdp::calibrate_link, Calibration::link_copy_gbps): the
+// transports copy on the ranks' cores, and beneath a modeled network the links' time beyond those
+// copies overlaps the computation. See Note [Planner calibration] in docs/design.md.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "fsdp/cluster.h"
+#include "fsdp/fsdp.h"
+#include "fsdp/network_model.h"
+#include "fsdp/planner.h"
+#include "harness.h"
+#include "models.h"
+
+namespace fsdp_test {
+namespace {
+
+// calibrate_link times the modeled link and the transport beneath it; an unmodeled one has no copy rate.
+FSDP_WORKER(link_calibration_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int n = pg->size();
+  std::vector<int> ranks(n);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  const double gbps = 0.05;  // far below what shared memory copies
+  auto modeled = fsdp::with_network_model(pg->world(), ranks,
+                                          fsdp::NetworkModel()
+                                              .intra(fsdp::Link().bandwidth_gbps(gbps))
+                                              .inter(fsdp::Link().bandwidth_gbps(gbps))
+                                              .ranks_per_host(1));
+  fsdp::Calibration c;
+  fsdp::calibrate_link(c, *modeled);
+  WORKER_CHECK(c.link_gbps > 0.7 * gbps && c.link_gbps < 1.3 * gbps, "modeled link measured at ", c.link_gbps,
+               " GB/s, not about ", gbps);
+  WORKER_CHECK(c.link_copy_gbps > 4 * c.link_gbps, "the transport beneath it measured at ", c.link_copy_gbps, " GB/s");
+  fsdp::Calibration plain;
+  fsdp::calibrate_link(plain, *pg->world());
+  WORKER_CHECK(plain.link_gbps > 4 * gbps && plain.link_copy_gbps == 0, "an unmodeled link: ", plain.link_gbps,
+               " GB/s, copy rate ", plain.link_copy_gbps);
+  const auto back = fsdp::Calibration::from_json(R"({"tokens": 1, "timings": []})");
+  WORKER_CHECK(back.link_copy_gbps == 0, "a file without a copy rate reads as ", back.link_copy_gbps);
+  c.tokens = 1;  // a file needs its tokens
+  WORKER_CHECK(fsdp::Calibration::from_json(c.to_json()).link_copy_gbps == c.link_copy_gbps,
+               "the copy rate does not survive a file");
+  if (pg->rank() == 0) std::cout << "links calibrated" << std::endl;
+}
+
+TEST(PlannerLink, CalibrateLinkTimesTheTransportBeneathAModeledNetwork) {
+  auto r = launch("link_calibration_worker", 3);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "links calibrated")) << r.report();
+}
+
+fsdp::TimePrediction predicted(double link_gbps, double link_copy_gbps) {
+  fsdp::DeferredInit deferred;
+  LinearBlocks model(256, 4);
+  fsdp::Calibration c;
+  c.link_gbps = link_gbps;
+  c.link_copy_gbps = link_copy_gbps;
+  const auto request = fsdp::PlanRequest()
+                           .world(4)
+                           .global_batch(4)
+                           .seq_len(8)
+                           .micro_batches({1})
+                           .strategies({fsdp::ShardingStrategy::kFullShard})
+                           .reshard_after_forward_sizes({0})
+                           .wrap_policies({{"block", fsdp::wrap::by_type<torch::nn::SequentialImpl>()}})
+                           .activation_checkpointing({false})
+                           .cpu_offload({false})
+                           .precisions({at::kFloat})
+                           .calibration(c);
+  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x4"), request);
+  EXPECT_EQ(plan.entries.size(), 1U) << plan.table();
+  return plan.entries.empty() ? fsdp::TimePrediction() : plan.entries.front().time;
+}
+
+TEST(PlannerLink, BeneathASlowerModeledLinkOnlyTheCopiesTakeTheComputeCores) {
+  // Without a copy rate, every collective runs on the compute thread: all of it exposed.
+  const auto all = predicted(0.5, 0);
+  EXPECT_GT(all.exposed_comm_s, 0);
+  EXPECT_NEAR(all.step_s, all.compute_s + all.exposed_comm_s, 1e-12);
+  // A link at a quarter of the copy rate: a quarter of each collective is copying on the compute
+  // thread; the rest is on the link, and what of it the computation covers is not exposed.
+  const auto overlapped = predicted(0.5, 2);
+  EXPECT_EQ(overlapped.compute_s, all.compute_s);
+  EXPECT_GE(overlapped.exposed_comm_s, 0.25 * all.exposed_comm_s - 1e-12);
+  EXPECT_LT(overlapped.exposed_comm_s, all.exposed_comm_s);
+  EXPECT_LT(overlapped.step_s, all.step_s);
+  // A copy rate no faster than the link: nothing overlaps.
+  const auto slower = predicted(0.5, 0.4);
+  EXPECT_EQ(slower.exposed_comm_s, all.exposed_comm_s);
+}
+
+}  // namespace
+}  // namespace fsdp_test
