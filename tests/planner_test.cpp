@@ -98,6 +98,7 @@ FSDP_WORKER(planner_memory_worker) {
     std::string reshard_policy{};   // "true", "false" or "except-last" for every block; empty: none
     bool feedback = false;          // quantized reductions with error feedback
     bool step_in_backward = false;  // the optimizer steps each unit in backward (set_step_in_backward)
+    bool deterministic = false;     // exact reductions (Options::deterministic)
   };
   const auto pre = BackwardPrefetch::kBackwardPre;
   std::vector<Case> cases;
@@ -180,6 +181,17 @@ FSDP_WORKER(planner_memory_worker) {
   stepping({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 2, false, false});
   stepping({ShardingStrategy::kFullShard, at::kFloat, 1, BackwardPrefetch::kBackwardPost, false, 1, 2});
   stepping({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 2, false, true, false, false, false, 0, 256});
+  // Deterministic training: each FlatParameter's exact sums, its exact collective's buffers.
+  auto exact = [&](Case c) {
+    c.deterministic = true;
+    cases.push_back(c);
+  };
+  for (const auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+                       ShardingStrategy::kHybridShard})
+    for (const auto p : {at::kFloat, at::kBFloat16}) exact({s, p, 2, pre, true, 2});
+  exact({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 1, true});
+  exact({ShardingStrategy::kNoShard, at::kBFloat16, 2, pre, true, 1, 0, 1, true});
+  exact({ShardingStrategy::kFullShard, at::kFloat, 1, BackwardPrefetch::kBackwardPost, false, 1, 2});
   // A reshard-after-forward policy for every block: no unit kept for backward by the strategy.
   auto by_policy = [&](Case c, const std::string& policy) {
     c.reshard_policy = policy;
@@ -211,6 +223,7 @@ FSDP_WORKER(planner_memory_worker) {
     if (c.int8_reductions > 0)
       request.reduce_quantization(fsdp::Quantization::int8(c.int8_reductions).error_feedback(c.feedback));
     if (c.step_in_backward) request.step_in_backward({true});
+    request.deterministic(c.deterministic);
     if (!c.reshard_policy.empty())
       request.reshard_after_forward_policy(
           [policy = c.reshard_policy](const std::string& name, const torch::nn::Module&) {
@@ -222,6 +235,7 @@ FSDP_WORKER(planner_memory_worker) {
     auto sharded = fsdp::fully_shard(model, pg, e.candidate.options());
     torch::optim::SGD opt(sharded->parameters(), 0.01);
     WORKER_CHECK(e.candidate.step_in_backward == c.step_in_backward, e.candidate.describe());
+    WORKER_CHECK(e.candidate.options().deterministic() == c.deterministic, e.candidate.describe());
     if (c.step_in_backward) sharded->set_step_in_backward(&opt);
     for (int step = 0; step < 3; ++step) {
       sharded->reset_peak_memory_stats();

@@ -56,7 +56,7 @@ std::vector<std::string> unmodeled_flags(const TrainConfig& config, const fsdp::
   if (config.step_in_backward && (config.batch.accum > 1 || config.step_thread == "own"))
     flags.push_back("--step-in-backward with " +
                     std::string(config.step_thread == "own" ? "its own thread" : "micro-batches"));
-  if (config.deterministic) flags.push_back("--deterministic");
+  if (config.deterministic && config.step_in_backward) flags.push_back("--step-in-backward with --deterministic");
   return flags;
 }
 
@@ -256,7 +256,10 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
   fsdp::DeferredInit deferred;  // shapes only: nothing is allocated
   gpt::GPT model(model_config);
   const int world = cluster.world();
-  const int global = config.global_batch > 0 ? config.global_batch : world * config.batch_per_rank;
+  int global = config.global_batch > 0 ? config.global_batch : world * config.batch_per_rank;
+  const int micro = config.batch.micro;
+  if (config.deterministic && micro > 0 && global % micro == 0)  // with the padding passes that even out the ranks
+    global = (global / micro + world - 1) / world * world * micro;
   auto request = fsdp::PlanRequest()
                      .world(world)
                      .global_batch(global)
@@ -278,11 +281,12 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
       .memory_margin(config.memory_margin)
       .all_gather_quantization(quantization_flags(config, config.quantize_all_gather))
       .reduce_quantization(reduce_quantization_flags(config))
+      .deterministic(config.deterministic)
       .reshard_after_forward_policy(reshard_policy(config));
   // The step in backward where the flags allow it (train_config.cpp): --step-in-backward keeps it.
   if (config.step_in_backward)  // with micro-batches only under no_sync, as train_config.cpp requires
     request.step_in_backward({true}).no_sync({true}).replica_deferred({false});
-  else if (config.optimizer == "adamw" && config.clip_grad_norm == 0)
+  else if (config.optimizer == "adamw" && config.clip_grad_norm == 0 && !config.deterministic)
     request.step_in_backward({false, true});
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);

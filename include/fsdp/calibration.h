@@ -150,6 +150,13 @@ void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_
 // precisions (else fsdp::Error naming both lists).
 void agree_across_ranks(Calibration& calibration, Communicator& comm);
 
+// Times the library's quantized-communication loops in `format` over `values` values on `device`:
+// packing (with and without error feedback's residual), unpacking and summing, each the median per
+// value of `repetitions` runs or more (up to ten times as many, until `min_timed_s` is timed).
+// Throws fsdp::Error when `values` or the block size is below 1.
+QuantizationTiming calibrate_quantization(const Quantization& format, int64_t values, const at::Device& device,
+                                          int repetitions = 3, double min_timed_s = 0.25);
+
 class FullyShardedModule;
 class ProcessGroup;
 

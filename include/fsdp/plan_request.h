@@ -110,6 +110,8 @@ struct PlanRequest {
   TORCH_ARG(Quantization, reduce_quantization) = {};
   /// Whether the optimizer steps each unit in backward (FullyShardedModule::set_step_in_backward on backward's thread); tried with one micro-batch per step, without offload or fp16.
   TORCH_ARG(std::vector<bool>, step_in_backward) = {false};
+  /// Deterministic training (Options::deterministic) in every candidate: exact integer sums reduced, micro-batches accumulated under no_sync; not with quantization.
+  TORCH_ARG(bool, deterministic) = false;
 };
 
 // One configuration.
@@ -134,6 +136,7 @@ struct Candidate {
   Quantization all_gather_quantization;  // PlanRequest's
   Quantization reduce_quantization;      // PlanRequest's
   bool step_in_backward = false;         // the optimizer steps in backward: call set_step_in_backward
+  bool deterministic = false;            // PlanRequest's
 
   // fully_shard's options for it (activation checkpointing is the model's: apply it to the units).
   Options options() const;

@@ -16,7 +16,6 @@
 #include "fsdp/check.h"
 #include "fsdp/memory.h"
 #include "fsdp/network_model.h"
-#include "planner/quantization_timing.h"
 #include "planner/timing_stats.h"
 
 namespace fsdp {
@@ -391,8 +390,7 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
     }
     values = std::min<int64_t>(std::max<int64_t>(values, int64_t(1) << 16), int64_t(1) << 24);
     for (const Quantization& q : options.quantizations())
-      c.quantization.push_back(
-          planner::time_quantization(q, values, device, options.repetitions(), options.min_timed_s()));
+      c.quantization.push_back(calibrate_quantization(q, values, device, options.repetitions(), options.min_timed_s()));
   }
   return c;
 }

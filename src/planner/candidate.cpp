@@ -19,7 +19,8 @@ Options Candidate::options() const {
       .reshard_after_forward_size(reshard_after_forward_size)
       .reshard_after_forward_policy(reshard_after_forward_policy)
       .all_gather_quantization(all_gather_quantization)
-      .reduce_quantization(reduce_quantization);
+      .reduce_quantization(reduce_quantization)
+      .deterministic(deterministic);
   if (precision != at::kFloat) o.mixed_precision(MixedPrecision().param_dtype(precision).reduce_dtype(at::kFloat));
   if (cpu_offload) o.offload(CpuOffload().params(true));
   return o;
@@ -47,6 +48,7 @@ std::string Candidate::describe() const {
   };
   quantized(all_gather_quantization, "gathers");
   quantized(reduce_quantization, "reductions");
+  if (deterministic) o << ", deterministic";
   if (all_gather_limit != 2) o << ", all-gather limit " << all_gather_limit;
   if (backward_prefetch != BackwardPrefetch::kBackwardPre) o << ", " << to_string(backward_prefetch);
   if (!forward_prefetch) o << ", no forward prefetch";

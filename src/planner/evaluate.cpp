@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "planner/exact_reduction.h"
 #include "planner/optimizer_state.h"
 #include "planner/quantized_sizes.h"
 #include "planner/quantized_work.h"
@@ -123,7 +124,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       const int64_t shard = padded / F;
       const int64_t piece = std::max<int64_t>(0, std::min(shard, numel));  // rank 0's real elements
       SimFlat flat;
-      flat.separate_shard = offload || F > 1 || compute != dtype || reduce != dtype;
+      flat.separate_shard = offload || F > 1 || compute != dtype || reduce != dtype || c.deterministic;
       flat.requires_grad = requires_grad;
       flat.unsharded_bytes = padded * element_size(compute);
       flat.gather_input_bytes = F > 1 && (compute != dtype || offload) ? shard * element_size(compute) : 0;
@@ -201,6 +202,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         if (rq.error_feedback())
           rest.feedback_bytes += 4 * feedback_residuals(padded, F, world, c.strategy == ShardingStrategy::kHybridShard);
       }
+      if (requires_grad && c.deterministic)
+        set_exact_reduction(flat, padded, F, world, c.strategy == ShardingStrategy::kHybridShard && world / F > 1,
+                            {shard_link, world_link, replica_link}, cluster.device.memory_gbps * 1e9);
       flat.issue_work_s = extra.per_collective_work_s;
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
       if (requires_grad) {

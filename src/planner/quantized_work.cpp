@@ -16,8 +16,8 @@ constexpr double kSumBytes = 2;
 }  // namespace
 
 double QuantizedRates::owner_s(int64_t numel, int n) const {
-  const double part = static_cast<double>((numel + n - 1) / n);
-  return part * (static_cast<double>(n) * sum_s + pack_s);
+  const int64_t part = (numel + n - 1) / n;
+  return static_cast<double>(part) * (static_cast<double>(n) * sum_s + pack_s);
 }
 
 QuantizedRates quantized_rates(const Quantization& q, const Calibration& calibration, const Cluster& cluster) {

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
-#include <map>
+#include <vector>
+
+#include "planner/sim_memory.h"
 
 namespace fsdp::planner {
 namespace {
@@ -26,7 +28,8 @@ class Replay {
         grads_allocated_(n_, 0),
         partials_(n_, 0),
         parts_(n_, 0),
-        gathering_parts_(n_, 0) {}
+        gathering_parts_(n_, 0),
+        exact_held_(n_, 0) {}
 
   SimResult run() {
     plan_orders();
@@ -47,7 +50,7 @@ class Replay {
         pre_forward(s.unit);
       }
       compute(s.forward_s);
-      add_acts(kept(s));
+      mem_.add_acts(kept(s));
     }
     r_.forward_s = now_;
     for (int i = static_cast<int>(in_.segments.size()) - 1; i >= 0; --i) {
@@ -61,19 +64,31 @@ class Replay {
       }
       allocate_grads(u);
       const int64_t recomputed = in_.units[u].checkpointed ? share(s, in_.units[u].full_activation_bytes) : 0;
-      add_acts(recomputed);
+      mem_.add_acts(recomputed);
       compute(s.backward_s);
-      add_acts(-recomputed - kept(s));
+      mem_.add_acts(-recomputed - kept(s));
       if (i == first_segment_[u]) post_backward(u);
     }
     finish_reductions(0);
+    if (!in_.micro.reduce)  // GradientReducer::end_backward without sync: every gradient folded
+      for (int u = 0; u < n_; ++u)
+        if (grads_allocated_[u]) {
+          hold_exact(u);
+          for (const SimFlat& f : in_.units[u].flats)
+            if (f.exact_bytes > 0) compute(f.reduce_pack_s);
+        }
     held_back_ = -1;
     lingering_.clear();
     if (in_.micro.reshard_after_backward)
       for (int u = 0; u < n_; ++u) reshard(u);
     for (int u = 0; u < n_; ++u) drop_parts(u);  // a unit without gradients never gathered them
     compute(in_.step_s);
-    for (const auto& [bytes, count] : pool_) r_.pool_bytes += bytes * count.most;
+    const SimMemory::Peaks peaks = mem_.peaks();
+    r_.param_transient_peak = peaks.param;
+    r_.grad_transient_peak = peaks.grad;
+    r_.activation_peak = peaks.activation;
+    r_.total_transient_peak = peaks.total;
+    r_.pool_bytes = peaks.pool;
     r_.step_s = now_;
     r_.exposed_s = exposed_;
     r_.compute_s = compute_;
@@ -82,17 +97,12 @@ class Replay {
 
  private:
   struct Pending {
-    int64_t buffer_bytes;
-    int64_t output_bytes;
+    int64_t buffer_bytes, output_bytes;
     double end;
     bool output_kept = false;     // the output becomes the unit's partial sums
     std::vector<int64_t> packed;  // quantized: the collective's packed buffers
     double land_s = 0;            // quantized: the work on the compute thread once it lands
     double step_s = 0;            // step in backward, on the compute thread once it lands
-  };
-  struct Count {
-    int live = 0;
-    int most = 0;
   };
 
   static int64_t share(const SimSegment& s, int64_t bytes) {
@@ -124,62 +134,37 @@ class Replay {
         }
   }
 
+  // Deterministic training's exact sums of u's FlatParameters, allocated by a fold.
+  void hold_exact(int u) {
+    if (exact_held_[u]) return;
+    exact_held_[u] = 1;
+    for (const SimFlat& f : in_.units[u].flats) mem_.grad_buffer(f.exact_bytes, 1);
+  }
+  // u's gradient buffers; with gradients held from earlier micro-batches, its exact sums too.
   void allocate_grads(int u) {
+    if (in_.micro.grads_held) hold_exact(u);
     if (grads_allocated_[u]) return;
     grads_allocated_[u] = 1;
-    for (const SimFlat& f : in_.units[u].flats) grad_buffer(f.grad_buffer_bytes, 1);
+    for (const SimFlat& f : in_.units[u].flats) mem_.grad_buffer(f.grad_buffer_bytes, 1);
   }
   // A unit the previous micro-batch's backward left unsharded (its gathers landed long ago).
   void hold_unsharded(int u) {
     if (!gathers(u)) return;
     for (const SimFlat& f : in_.units[u].flats)
-      if (f.separate_shard) param_buffer(f.unsharded_bytes, 1);
+      if (f.separate_shard) mem_.param_buffer(f.unsharded_bytes, 1);
     unsharded_[u] = 1;
   }
   // FlatGrad's partial sums of replica-deferred micro-batches before this one: one output per reduction.
   void hold_partials(int u) {
     partials_[u] = 1;
     for (const SimFlat& f : in_.units[u].flats)
-      if (f.requires_grad) grad_buffer(f.reduce_output_bytes, 1);
-  }
-  void note_total() { r_.total_transient_peak = std::max(r_.total_transient_peak, params_ + grads_ + acts_); }
-  // A buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
-  void pool(int64_t bytes, int n) {
-    if (bytes <= 0) return;
-    Count& c = pool_[bytes];
-    c.live += n;
-    c.most = std::max(c.most, c.live);
-  }
-  // A parameter buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
-  void param_buffer(int64_t bytes, int n) {
-    add_params(n * bytes);
-    pool(bytes, n);
+      if (f.requires_grad) mem_.grad_buffer(f.reduce_output_bytes, 1);
   }
   // The inputs of f's gather from its shard: the shard cast, or the packed shard and the gathered slots.
   void gather_inputs(const SimFlat& f, int n) {
-    for (const int64_t b : {f.gather_input_bytes, f.packed_shard_bytes, f.packed_gathered_bytes}) param_buffer(b, n);
+    for (const int64_t b : {f.gather_input_bytes, f.packed_shard_bytes, f.packed_gathered_bytes})
+      mem_.param_buffer(b, n);
   }
-  void add_params(int64_t b) {
-    params_ += b;
-    r_.param_transient_peak = std::max(r_.param_transient_peak, params_);
-    note_total();
-  }
-  // A gradient buffer of `bytes` taken from (n = 1) or given back to (n = -1) the pool.
-  void grad_buffer(int64_t bytes, int n) {
-    add_grads(n * bytes);
-    pool(bytes, n);
-  }
-  void add_grads(int64_t b) {
-    grads_ += b;
-    r_.grad_transient_peak = std::max(r_.grad_transient_peak, grads_);
-    note_total();
-  }
-  void add_acts(int64_t b) {
-    acts_ += b;
-    r_.activation_peak = std::max(r_.activation_peak, acts_);
-    note_total();
-  }
-
   double issue(double duration, bool reduction) {
     ++r_.collectives;
     // The transport's copies take the compute thread's time (all exposed); the rest is on the links.
@@ -202,7 +187,6 @@ class Replay {
     now_ += s;
     compute_ += s;
   }
-
   bool gathers(int u) const {
     for (const SimFlat& f : in_.units[u].flats)
       if (f.separate_shard) return true;
@@ -243,7 +227,7 @@ class Replay {
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.separate_shard) continue;
       const bool part = from_parts && f.post_forward_bytes > 0;
-      param_buffer(f.unsharded_bytes, 1);
+      mem_.param_buffer(f.unsharded_bytes, 1);
       if (!part) gather_inputs(f, 1);
       compute(f.issue_work_s + (part ? 0.0 : f.gather_pack_s));
       end = std::max(end, issue(part ? f.post_forward_gather_s : f.gather_s, false));
@@ -261,7 +245,7 @@ class Replay {
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.separate_shard) continue;
       if (gathering_parts_[u] && f.post_forward_bytes > 0) {
-        param_buffer(f.post_forward_bytes, -1);
+        mem_.param_buffer(f.post_forward_bytes, -1);
       } else {
         compute(f.gather_unpack_s);
         gather_inputs(f, -1);
@@ -273,7 +257,7 @@ class Replay {
   void drop_parts(int u) {
     if (!parts_[u]) return;
     for (const SimFlat& f : in_.units[u].flats)
-      if (f.separate_shard) param_buffer(f.post_forward_bytes, -1);
+      if (f.separate_shard) mem_.param_buffer(f.post_forward_bytes, -1);
     parts_[u] = 0;
   }
   // Unit::reshard (keeping hpZ parts for a backward still to come), then Scheduler::reshard's issue
@@ -286,10 +270,10 @@ class Replay {
     for (const SimFlat& f : in_.units[u].flats)
       if (f.separate_shard) {
         if (keep_parts && f.post_forward_bytes > 0) {
-          param_buffer(f.post_forward_bytes, 1);
+          mem_.param_buffer(f.post_forward_bytes, 1);
           parts_[u] = 1;
         }
-        param_buffer(f.unsharded_bytes, -1);
+        mem_.param_buffer(f.unsharded_bytes, -1);
       }
     unsharded_[u] = 0;
     if (state_[u] == State::kForwardPrefetched)
@@ -436,26 +420,31 @@ class Replay {
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.requires_grad) continue;
       finish_reductions(k > 0 ? k - 1 : 0);
-      grad_buffer(f.reduce_output_bytes, 1);
+      mem_.grad_buffer(f.reduce_output_bytes, 1);
       compute(f.issue_work_s + f.reduce_pack_s);
       take_packed(f.reduce_packed, 1);
+      std::vector<int64_t> held = f.reduce_packed;  // freed as the reduction lands
+      if (f.exact_bytes > 0) {                      // the exact sums the reduction sends, folded now unless held
+        if (!exact_held_[u]) mem_.grad_buffer(f.exact_bytes, 1);
+        held.push_back(f.exact_bytes);
+      }
       const double step_s = f.step_elements * in_.step_s_per_element;
       const bool replicas = f.replica_reduce_s > 0 || f.replica_land_s > 0;
       if (in_.micro.defer_replicas) {  // the shard group's sums only: the first become the partial sums
         const double end = issue(f.reduce_s - f.replica_reduce_s, true);
         reductions_.push_back(
-            {f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], f.reduce_packed, f.reduce_land_s, 0});
+            {f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], held, f.reduce_land_s, 0});
       } else if (partials_[u]) {  // the reduce-scatter waited for, the partial sums added, then the all-reduce
         wait_until(issue(f.reduce_s - f.replica_reduce_s, true));
         compute(f.reduce_land_s + f.replica_pack_s);
-        take_packed(f.reduce_packed, -1);
-        grad_buffer(f.reduce_output_bytes, -1);
+        take_packed(held, -1);
+        mem_.grad_buffer(f.reduce_output_bytes, -1);
         take_packed(f.replica_packed, 1);
         reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true), false,
                                f.replica_packed, f.replica_land_s, step_s});
       } else {  // a chained replica all-reduce frees the reduce-scatter's packed buffers by the time it lands
         take_packed(f.replica_packed, 1);
-        std::vector<int64_t> packed = f.reduce_packed;
+        std::vector<int64_t> packed = held;
         packed.insert(packed.end(), f.replica_packed.begin(), f.replica_packed.end());
         // Chained: the reduce-scatter lands and the replicas' values are packed on the replica thread.
         const double lane_work = replicas ? f.reduce_land_s + f.replica_pack_s : 0.0;
@@ -464,19 +453,20 @@ class Replay {
       }
     }
     if (in_.micro.defer_replicas) partials_[u] = 1;
+    exact_held_[u] = 0;
     finish_reductions(k);
   }
   // A quantized reduction's packed buffers, taken from (n = 1) or given back to (n = -1) the pool.
   void take_packed(const std::vector<int64_t>& buffers, int n) {
-    for (const int64_t b : buffers) grad_buffer(b, n);
+    for (const int64_t b : buffers) mem_.grad_buffer(b, n);
   }
   void finish_reductions(size_t keep) {
     while (reductions_.size() > keep) {
       const Pending& p = reductions_.front();
       wait_until(p.end);
       take_packed(p.packed, -1);
-      grad_buffer(p.buffer_bytes, -1);
-      if (!p.output_kept) grad_buffer(p.output_bytes, -1);
+      mem_.grad_buffer(p.buffer_bytes, -1);
+      if (!p.output_kept) mem_.grad_buffer(p.output_bytes, -1);
       const double after_s = p.land_s + p.step_s;
       reductions_.pop_front();
       compute(after_s);
@@ -486,18 +476,17 @@ class Replay {
   const SimInput& in_;
   int n_;
   std::vector<State> state_;
-  std::vector<char> unsharded_, pending_;
+  std::vector<char> unsharded_, pending_, ran_, grads_allocated_;
   std::vector<double> gather_end_;
-  std::vector<char> ran_, grads_allocated_;
   std::vector<char> partials_;                 // replica-deferred: the unit's partial sums held
   std::vector<char> parts_, gathering_parts_;  // hpZ: parts held; the pending gather reads them
   std::vector<int> lingering_;                 // done with backward, gathered for their frozen parameters
+  std::vector<char> exact_held_;               // deterministic: the unit's exact sums held from a fold
   std::vector<int> first_segment_, previous_forward_order_, backward_order_;
   int first_in_backward_ = -1, kept_for_backward_ = -1, held_back_ = -1, last_used_ = -1;
   bool backward_started_ = false;
   std::deque<Pending> reductions_;
-  std::map<int64_t, Count> pool_;
-  int64_t params_ = 0, grads_ = 0, acts_ = 0;
+  SimMemory mem_;
   double now_ = 0, compute_ = 0, exposed_ = 0;
   double lane_free_[2] = {0, 0};
   SimResult r_;

@@ -32,7 +32,7 @@ struct SimFlat {
   // (NO_SHARD: the all-reduce's), and HYBRID_SHARD's replica all-reduce's.
   std::vector<int64_t> reduce_packed;
   std::vector<int64_t> replica_packed;
-  // Quantized communication's own work (0: none), on the compute thread: packing the shard as its
+  // Quantized communication's own work (0: none; deterministic training's, below), on the compute thread: packing the shard as its
   // gather is issued, unpacking the gathered parts when it is waited for; packing the gradient as
   // its reduction is issued, and the work once it lands (summing the received parts, or unpacking an
   // all-reduce's sums). HYBRID_SHARD's replica all-reduce packs its values and unpacks its sums;
@@ -44,6 +44,10 @@ struct SimFlat {
   double reduce_land_s = 0;
   double replica_pack_s = 0;
   double replica_land_s = 0;
+  // Deterministic training: the exact sums, from the first fold of a step's gradients (at its
+  // reduction, or at the end of a backward that does not reduce) until the reduction lands; each
+  // fold is reduce_pack_s of work, the conversion of the reduced sums reduce_land_s.
+  int64_t exact_bytes = 0;
 };
 
 struct SimUnit {

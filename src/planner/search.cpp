@@ -80,6 +80,7 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   base.wrap = wrap;
   base.all_gather_quantization = request.all_gather_quantization();
   base.reduce_quantization = request.reduce_quantization();
+  base.deterministic = request.deterministic();
   base.reshard_after_forward_policy = request.reshard_after_forward_policy();
   auto list = [](const auto& values) {
     return [&values](const Candidate&) {
@@ -125,8 +126,12 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   // no_sync where a step has several micro-batches; with it, the parameters kept unsharded where
   // the strategy gathers its units; without it, under HYBRID_SHARD with several replica groups, the
   // replica all-reduce deferred to the last micro-batch.
-  cs = expand(
-      cs, [&](const Candidate& c) { return choices(request.no_sync(), c.accumulation > 1); },
+  cs = expand(  // deterministic training accumulates a rank's micro-batches locally: no_sync only
+      cs,
+      [&](const Candidate& c) {
+        return c.deterministic && c.accumulation > 1 ? std::vector<bool>{true}
+                                                     : choices(request.no_sync(), c.accumulation > 1);
+      },
       [](Candidate& c, bool on) { c.no_sync = on; });
   cs = expand(
       cs, [&](const Candidate& c) { return choices(request.keep_unsharded(), planner::can_keep_unsharded(c, world)); },
@@ -139,7 +144,8 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   return expand(
       cs,
       [&](const Candidate& c) {
-        return choices(request.step_in_backward(), c.accumulation == 1 && !c.cpu_offload && c.precision != at::kHalf);
+        return choices(request.step_in_backward(),
+                       c.accumulation == 1 && !c.cpu_offload && c.precision != at::kHalf && !c.deterministic);
       },
       [](Candidate& c, bool on) { c.step_in_backward = on; });
 }
@@ -165,6 +171,10 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                                 std::pair{&request.reduce_quantization(), "reduce_quantization"}})
     FSDP_CHECK(!q->enabled() || q->block_size() >= 1, "PlanRequest::", what, ": block_size must be at least 1, got ",
                q->block_size());
+  FSDP_CHECK(!request.deterministic() ||
+                 (!request.all_gather_quantization().enabled() && !request.reduce_quantization().enabled()),
+             "PlanRequest::deterministic sums gradients exactly and keeps every value the same at any world size, "
+             "which quantized communication does not; drop the quantization or deterministic");
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
   // Every wrap policy's units and costs (the searched ones first, then those only runtime timings

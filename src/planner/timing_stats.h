@@ -1,5 +1,6 @@
 #pragma once
-// Wall-clock seconds and medians for the calibration timers (calibration.cpp, runtime_calibration.cpp).
+// Wall-clock seconds and medians for the calibration timers (calibration.cpp, runtime_calibration.cpp,
+// quantization_calibration.cpp).
 #include <algorithm>
 #include <chrono>
 #include <vector>

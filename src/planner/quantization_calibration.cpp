@@ -1,15 +1,20 @@
-// Timings of the quantized-communication loops (quantization_timing.h).
-#include "planner/quantization_timing.h"
-
+// fsdp::calibrate_quantization (include/fsdp/calibration.h): the library's quantized-communication
+// loops timed per value.
 #include <functional>
 #include <vector>
 
 #include "block_quantization.h"
+#include "fsdp/calibration.h"
 #include "fsdp/check.h"
 #include "planner/timing_stats.h"
 
-namespace fsdp::planner {
+namespace fsdp {
 namespace {
+
+using planner::Clock;
+using planner::keep_timing;
+using planner::median;
+using planner::seconds_since;
 
 // The parts summed per total in the timed sum: a reduction among this many ranks.
 constexpr int64_t kSummedParts = 4;
@@ -33,8 +38,8 @@ double time_runs(const std::function<void()>& run, const std::function<void()>& 
 
 }  // namespace
 
-QuantizationTiming time_quantization(const Quantization& format, int64_t values, const at::Device& device,
-                                     int repetitions, double min_timed_s) {
+QuantizationTiming calibrate_quantization(const Quantization& format, const int64_t values, const at::Device& device,
+                                          const int repetitions, const double min_timed_s) {
   FSDP_CHECK(values >= 1, "fsdp::calibrate: quantization timings need at least one value, got ", values);
   FSDP_CHECK(format.block_size() >= 1, "fsdp::calibrate: a quantization's block_size must be at least 1, got ",
              format.block_size());
@@ -65,4 +70,4 @@ QuantizationTiming time_quantization(const Quantization& format, int64_t values,
   return t;
 }
 
-}  // namespace fsdp::planner
+}  // namespace fsdp
