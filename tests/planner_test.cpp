@@ -192,6 +192,11 @@ FSDP_WORKER(planner_memory_worker) {
   exact({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 1, true});
   exact({ShardingStrategy::kNoShard, at::kBFloat16, 2, pre, true, 1, 0, 1, true});
   exact({ShardingStrategy::kFullShard, at::kFloat, 1, BackwardPrefetch::kBackwardPost, false, 1, 2});
+  for (const auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+    Case c{s, at::kBFloat16, 2, pre, true, 2};  // with the optimizer's step in backward
+    c.step_in_backward = true;
+    exact(c);
+  }
   // A reshard-after-forward policy for every block: no unit kept for backward by the strategy.
   auto by_policy = [&](Case c, const std::string& policy) {
     c.reshard_policy = policy;

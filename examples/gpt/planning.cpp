@@ -56,7 +56,6 @@ std::vector<std::string> unmodeled_flags(const TrainConfig& config, const fsdp::
   if (config.step_in_backward && (config.batch.accum > 1 || config.step_thread == "own"))
     flags.push_back("--step-in-backward with " +
                     std::string(config.step_thread == "own" ? "its own thread" : "micro-batches"));
-  if (config.deterministic && config.step_in_backward) flags.push_back("--step-in-backward with --deterministic");
   return flags;
 }
 
@@ -286,7 +285,7 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
   // The step in backward where the flags allow it (train_config.cpp): --step-in-backward keeps it.
   if (config.step_in_backward)  // with micro-batches only under no_sync, as train_config.cpp requires
     request.step_in_backward({true}).no_sync({true}).replica_deferred({false});
-  else if (config.optimizer == "adamw" && config.clip_grad_norm == 0 && !config.deterministic)
+  else if (config.optimizer == "adamw" && config.clip_grad_norm == 0)
     request.step_in_backward({false, true});
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);
