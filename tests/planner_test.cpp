@@ -181,6 +181,11 @@ FSDP_WORKER(planner_memory_worker) {
   stepping({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 2, false, false});
   stepping({ShardingStrategy::kFullShard, at::kFloat, 1, BackwardPrefetch::kBackwardPost, false, 1, 2});
   stepping({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 2, false, true, false, false, false, 0, 256});
+  // Stepping in the last of two micro-batches under no_sync; NO_SHARD in float32 accumulates in its own storage.
+  for (const auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard})
+    for (const auto p : {at::kFloat, at::kBFloat16}) stepping({s, p, 2, pre, true, 2, 0, 1, true});
+  stepping({ShardingStrategy::kHybridShard, at::kFloat, 2, pre, true, 2, 0, 1, true, false});
+  stepping({ShardingStrategy::kFullShard, at::kFloat, 2, pre, true, 2, 0, 1, true, true, false, false, true});
   // Deterministic training: each FlatParameter's exact sums, its exact collective's buffers.
   auto exact = [&](Case c) {
     c.deterministic = true;
@@ -584,9 +589,15 @@ TEST(Planner, StepInBackwardDropsTheGradientsAndOverlapsTheStep) {
   // The same work; the units' steps but the last ones run while the network carries reductions.
   EXPECT_NEAR(stepped->time.compute_s, p.time.compute_s, 1e-9 * p.time.compute_s);
   EXPECT_LT(stepped->time.step_s, p.time.step_s) << both.table();
-  // Where the step cannot be modeled in backward (several micro-batches), it is not tried.
-  const fsdp::Plan accumulating = fsdp::plan(*model, cluster, request.global_batch(32).micro_batches({1}));
-  for (const auto& e : accumulating.entries) EXPECT_FALSE(e.candidate.step_in_backward) << e.candidate.describe();
+  // With several micro-batches it steps in the last one's backward, so only under no_sync.
+  const fsdp::Plan accumulating =
+      fsdp::plan(*model, cluster, request.global_batch(32).micro_batches({1}).no_sync({false, true}));
+  bool stepped_accumulating = false;
+  for (const auto& e : accumulating.entries) {
+    EXPECT_TRUE(!e.candidate.step_in_backward || e.candidate.no_sync) << e.candidate.describe();
+    stepped_accumulating = stepped_accumulating || e.candidate.step_in_backward;
+  }
+  EXPECT_TRUE(stepped_accumulating) << accumulating.table();
 }
 
 TEST(Planner, CalibratedTimesReplaceTheNominalRates) {

@@ -53,9 +53,7 @@ std::vector<std::string> unmodeled_flags(const TrainConfig& config, const fsdp::
   std::vector<std::string> flags;
   if (config.optimizer != "adamw" && calibration.runtime.empty())
     flags.push_back("--optimizer " + config.optimizer + "'s step time");
-  if (config.step_in_backward && (config.batch.accum > 1 || config.step_thread == "own"))
-    flags.push_back("--step-in-backward with " +
-                    std::string(config.step_thread == "own" ? "its own thread" : "micro-batches"));
+  if (config.step_in_backward && config.step_thread == "own") flags.push_back("--step-in-backward with its own thread");
   return flags;
 }
 

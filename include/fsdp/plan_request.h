@@ -108,7 +108,7 @@ struct PlanRequest {
   TORCH_ARG(Quantization, all_gather_quantization) = {};
   /// Quantized gradient reductions (Options::reduce_quantization) in every candidate; not searched.
   TORCH_ARG(Quantization, reduce_quantization) = {};
-  /// Whether the optimizer steps each unit in backward (FullyShardedModule::set_step_in_backward on backward's thread); tried with one micro-batch per step, without offload or fp16.
+  /// Whether the optimizer steps each unit in backward (FullyShardedModule::set_step_in_backward on backward's thread); tried with one micro-batch per step or under no_sync, without offload or fp16.
   TORCH_ARG(std::vector<bool>, step_in_backward) = {false};
   /// Deterministic training (Options::deterministic) in every candidate: exact integer sums reduced, micro-batches accumulated under no_sync; not with quantization.
   TORCH_ARG(bool, deterministic) = false;

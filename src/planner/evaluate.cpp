@@ -2,7 +2,6 @@
 #include "planner/evaluate.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <vector>
 
@@ -75,6 +74,7 @@ struct Resting {
   int64_t optimizer_bytes = 0;  // the optimizer's state over this rank's pieces
   int64_t feedback_bytes = 0;   // error feedback's float32 residuals (held from the first reduction on)
   int64_t largest_piece = 0;    // one FlatParameter's separate pieces' gradients (the step in backward's, landed)
+  int64_t separate_pieces = 0;  // the pieces' bytes of FlatParameters whose shard is separate from the storage
 };
 
 }  // namespace
@@ -211,7 +211,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         rest.piece_numel += flat.separate_shard ? piece : numel;
         flat.step_elements = flat.separate_shard ? piece : numel;
         rest.piece_bytes += (flat.separate_shard ? piece : numel) * element_size(dtype);
-        if (flat.separate_shard) rest.largest_piece = std::max(rest.largest_piece, piece * element_size(dtype));
+        if (flat.separate_shard)
+          rest.largest_piece = std::max(rest.largest_piece, piece * element_size(dtype)),
+          rest.separate_pieces += piece * element_size(dtype);
         rest.optimizer_bytes += optimizer_state_bytes(request, plan, fp, flat.separate_shard ? piece : numel);
       }
       su.flats.push_back(flat);
@@ -337,7 +339,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   // After the first of several micro-batches the pieces hold gradients (its reduced ones, or, where
   // it left them unreduced under no_sync or replica-deferred reductions, zeros), which the next
   // backward's accounting counts.
-  if (c.accumulation > 1 && !offload) rest.piece_grads = rest.piece_bytes;
+  // (Stepping in backward, a FlatParameter without a separate shard holds them in its own storage.)
+  if (c.accumulation > 1 && !offload) rest.piece_grads = c.step_in_backward ? rest.separate_pieces : rest.piece_bytes;
   if (replayed != nullptr) {
     replayed->forward_s = r.forward_s;
     replayed->passes_s = r.step_s;
@@ -384,116 +387,6 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const double peak = c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16;
   t.mfu = peak > 0 ? t.tflops_per_device * 1e12 / peak : 0;
   return e;
-}
-
-namespace {
-
-// The configuration a runtime timing describes, as a candidate.
-Candidate timed_candidate(const TimedConfiguration& t) {
-  const RuntimeTiming& timing = *t.timing;
-  Candidate c;
-  c.strategy = timing.strategy;
-  c.sharding_factor = timing.sharding_factor;
-  c.wrap = t.wrap;
-  c.precision = timing.precision;
-  c.activation_checkpointing = timing.activation_checkpointing;
-  c.all_gather_limit = timing.all_gather_limit;
-  c.backward_prefetch = timing.backward_prefetch;
-  c.forward_prefetch = timing.forward_prefetch;
-  c.reductions_in_flight = timing.reductions_in_flight;
-  c.micro_batch = timing.micro_batch;
-  return c;
-}
-
-}  // namespace
-
-RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& timed, const Cluster& cluster, int world,
-                                     const PlanRequest& request) {
-  RuntimeCorrection out;
-  // Per timing: the replay of its configuration, the waits beyond the replay's exposed collectives,
-  // and the rest of the difference (FSDP's work), with the units and collectives it spreads over.
-  double waits = 0, computation = 0, steps = 0, forward_share = -1;
-  int stepped = 0;
-  std::vector<std::array<double, 3>> rows;  // units, collectives, work
-  std::vector<const TimedConfiguration*> checkpointed;
-  for (const TimedConfiguration& t : timed) {
-    const RuntimeTiming& timing = *t.timing;
-    if (timing.activation_checkpointing) {  // not FSDP's work: what checkpointing changes, below
-      checkpointed.push_back(&t);
-      continue;
-    }
-    Replayed replay;
-    evaluate(t.model, timed_candidate(t), cluster, world, request, nullptr, &replay);
-    if (replay.units == 0) continue;
-    if (timing.step_s >= 0) steps += timing.step_s - replay.optimizer_s, ++stepped;
-    const bool waits_measured = timing.exposed_s >= 0 && replay.collectives > 0;
-    const double wait = waits_measured ? timing.exposed_s - replay.exposed_s : 0;
-    if (waits_measured) {
-      waits += wait;
-      computation += timing.forward_s + timing.backward_s - timing.exposed_s;
-    }
-    const double replay_backward = replay.passes_s - replay.forward_s;
-    rows.push_back({static_cast<double>(replay.units), static_cast<double>(replay.collectives),
-                    timing.forward_s + timing.backward_s - replay.passes_s - wait});
-    if (forward_share < 0) {  // the first timing's passes apportion the per-unit work
-      const double forward_gap = timing.forward_s - replay.forward_s,
-                   backward_gap = timing.backward_s - replay_backward;
-      forward_share = forward_gap > 0 && backward_gap > 0 ? forward_gap / (forward_gap + backward_gap)
-                      : forward_gap > 0                   ? 1.0
-                      : backward_gap > 0                  ? 0.0
-                                                          : timing.forward_s / (timing.forward_s + timing.backward_s);
-    }
-  }
-  if (rows.empty()) return out;
-  if (stepped > 0) out.per_step_s = steps / stepped;
-  // work = per_unit * units + per_collective * collectives, by least squares over the timings;
-  // with one timing, or a fit that gives collectives negative work, all of it per unit.
-  double uu = 0, uc = 0, cc = 0, uw = 0, cw = 0, units = 0, work = 0;
-  for (const auto& [u, c, w] : rows) {
-    uu += u * u, uc += u * c, cc += c * c, uw += u * w, cw += c * w;
-    units += u, work += w;
-  }
-  const double det = uu * cc - uc * uc;
-  double per_unit = work / units, per_collective_work = 0;
-  if (rows.size() > 1 && std::abs(det) > 1e-9 * uu * cc) {
-    const double a = (uw * cc - cw * uc) / det, b = (uu * cw - uc * uw) / det;
-    if (b >= 0) per_unit = a, per_collective_work = b;
-  }
-  // Checkpointing's change: a checkpointed timing against the plain one of the same configuration,
-  // the waits on peers left out, per second of the forward computation checkpointing covered.
-  auto busy = [](const RuntimeTiming& r) {
-    return r.forward_s + r.backward_s - std::max(0.0, r.exposed_s);
-  };
-  double forward_change = 0, backward_change = 0;
-  int paired = 0;
-  for (const TimedConfiguration* t : checkpointed) {
-    const RuntimeTiming& with = *t->timing;
-    for (const TimedConfiguration& plain : timed) {
-      const RuntimeTiming& without = *plain.timing;
-      if (without.activation_checkpointing || without.strategy != with.strategy ||
-          without.sharding_factor != with.sharding_factor || without.wrap != with.wrap ||
-          without.micro_batch != with.micro_batch)
-        continue;
-      Replayed replay;
-      evaluate(t->model, timed_candidate(*t), cluster, world, request, nullptr, &replay);
-      if (replay.checkpointed_forward_s <= 0) break;
-      const double forward = with.forward_s - without.forward_s;
-      forward_change += forward / replay.checkpointed_forward_s;
-      backward_change += (busy(with) - busy(without) - forward) / replay.checkpointed_forward_s;
-      ++paired;
-      break;
-    }
-  }
-  if (paired > 0) {
-    out.checkpointing_measured = true;
-    out.checkpointed_forward_change = forward_change / paired;
-    out.checkpointed_backward_change = backward_change / paired;
-  }
-  out.waits_per_compute_s = computation > 0 ? waits / computation : 0;
-  out.per_collective_work_s = per_collective_work;
-  out.forward_per_unit_s = per_unit * forward_share;
-  out.backward_per_unit_s = per_unit * (1 - forward_share);
-  return out;
 }
 
 }  // namespace fsdp::planner

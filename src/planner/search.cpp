@@ -144,7 +144,8 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   return expand(
       cs,
       [&](const Candidate& c) {
-        return choices(request.step_in_backward(), c.accumulation == 1 && !c.cpu_offload && c.precision != at::kHalf);
+        return choices(request.step_in_backward(),
+                       (c.accumulation == 1 || c.no_sync) && !c.cpu_offload && c.precision != at::kHalf);
       },
       [](Candidate& c, bool on) { c.step_in_backward = on; });
 }

@@ -133,17 +133,26 @@ test_plan_names_what_it_leaves_out() {
 }
 
 test_plan_file_step_in_backward() {
-  # The step in backward drops the pieces' gradients: predicted to the byte as the run holds them.
-  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --step-in-backward \
-    --plan-file "$TMP/plan.jsonl" --metrics-file "$TMP/metrics.jsonl"
-  expect_rc 0
-  grep -q '"configuration":"FULL_SHARD, wrap block, fp32, micro-batch 4 x 1, step in backward"' "$TMP/plan.jsonl" ||
-    fail "no step in backward in the plan file: $(cat "$TMP/plan.jsonl")"
-  local predicted measured
-  predicted=$(grep -oE '"grads_bytes":[0-9]+' "$TMP/plan.jsonl" | cut -d: -f2)
-  measured=$(tail -1 "$TMP/metrics.jsonl" | grep -oE '"fsdp_grad_peak_bytes":[0-9]+' | cut -d: -f2)
-  [ -n "$predicted" ] && [ "$predicted" = "$measured" ] ||
-    fail "gradient peak predicted '$predicted' bytes, measured '$measured'"
+  # The step in backward drops the pieces' gradients, and with micro-batches steps in the last one
+  # (NO_SHARD in float32: accumulating in the FlatParameter's own storage): predicted to the byte
+  # as the run holds them.
+  local flags configuration predicted measured
+  for flags in "" "--strategy NO_SHARD --grad-accum 2"; do
+    configuration="FULL_SHARD, wrap block, fp32, micro-batch 4 x 1, step in backward"
+    [ -n "$flags" ] && configuration="NO_SHARD, wrap block, fp32, micro-batch 2 x 2 no_sync, step in backward"
+    rm -f "$TMP/plan.jsonl" "$TMP/metrics.jsonl"
+    # shellcheck disable=SC2086  # $flags holds several arguments
+    run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --step-in-backward $flags \
+      --plan-file "$TMP/plan.jsonl" --metrics-file "$TMP/metrics.jsonl"
+    expect_rc 0
+    grep -qF "\"configuration\":\"$configuration\"" "$TMP/plan.jsonl" ||
+      fail "no '$configuration' in the plan file: $(cat "$TMP/plan.jsonl")"
+    grep -q '"not_modeled":\[\]' "$TMP/plan.jsonl" || fail "the plan file names flags it leaves out"
+    predicted=$(grep -oE '"grads_bytes":[0-9]+' "$TMP/plan.jsonl" | cut -d: -f2)
+    measured=$(tail -1 "$TMP/metrics.jsonl" | grep -oE '"fsdp_grad_peak_bytes":[0-9]+' | cut -d: -f2)
+    [ -n "$predicted" ] && [ "$predicted" = "$measured" ] ||
+      fail "$configuration: gradient peak predicted '$predicted' bytes, measured '$measured'"
+  done
 }
 
 test_plan_file_deterministic() {
