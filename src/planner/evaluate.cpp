@@ -211,9 +211,11 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         rest.piece_numel += flat.separate_shard ? piece : numel;
         flat.step_elements = flat.separate_shard ? piece : numel;
         rest.piece_bytes += (flat.separate_shard ? piece : numel) * element_size(dtype);
-        if (flat.separate_shard)
-          rest.largest_piece = std::max(rest.largest_piece, piece * element_size(dtype)),
-          rest.separate_pieces += piece * element_size(dtype);
+        if (flat.separate_shard) {
+          const int64_t piece_bytes = piece * element_size(dtype);
+          rest.largest_piece = std::max(rest.largest_piece, piece_bytes);
+          rest.separate_pieces += piece_bytes;
+        }
         rest.optimizer_bytes += optimizer_state_bytes(request, plan, fp, flat.separate_shard ? piece : numel);
       }
       su.flats.push_back(flat);
