@@ -20,8 +20,24 @@ KEEP_GOING=""; [ -n "$GEN" ] && KEEP_GOING="-- -k 0"  # every compile error in o
 time cmake --build build-gpu -j 16 --target fsdp_gpu_tests gpu_gpt_bench fsdp_bench_cpu_adamw $KEEP_GOING > "$OUT/build.log" 2>&1 \
   || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
 echo "build ok"
-./build-gpu/tests/fsdp_gpu_tests --gtest_color=no 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED) |Failure|error|Expected|Which is|actual" | head -60
-TEST_RC=${PIPESTATUS[0]}
+# Each suite runs as its own process under its own limit, GPU_TEST_JOBS at a time (the multi-rank
+# tests draw their own ports): the suites never run on a device (GPU_FIRST) start first, and a
+# hang costs one suite, not the rest.
+export TESTS=./build-gpu/tests/fsdp_gpu_tests OUT GPU_SUITE_S=${GPU_SUITE_S:-300}
+run_suite() {  # one suite under its limit, its log appended whole to $OUT/gpu_tests.log when it ends
+  local log start; log=$(mktemp); start=$(date +%s)
+  timeout "$GPU_SUITE_S" "$TESTS" --gtest_color=no --gtest_filter="$1.*" > "$log" 2>&1
+  echo "suite $1: exit $? after $(($(date +%s) - start)) s" | tee -a "$log"
+  cat "$log" >> "$OUT/gpu_tests.log"; rm -f "$log"
+}
+export -f run_suite
+SUITES=$({ for s in ${GPU_FIRST:-}; do echo "$s"; done
+           "$TESTS" --gtest_list_tests | grep -v '^ ' | sed 's/\.$//'; } | awk '!seen[$0]++')
+: > "$OUT/gpu_tests.log"
+echo "$SUITES" | xargs -P "${GPU_TEST_JOBS:-3}" -I{} bash -c 'run_suite "$1"' _ {}
+TEST_RC=0
+[ "$(grep -c ': exit 0 after' "$OUT/gpu_tests.log")" = "$(echo "$SUITES" | wc -l)" ] || TEST_RC=1
+grep -E "^\[( +OK|  FAILED|  PASSED|  SKIPPED) |^suite |Failure|error|Expected|Which is|actual" "$OUT/gpu_tests.log" | head -80
 echo "gpu tests exit $TEST_RC"
 [ "$SKIP_BENCH" = 1 ] && exit $TEST_RC
 PYTHONUNBUFFERED=1 python3 bench/gpu/run.py --build-dir build-gpu --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
