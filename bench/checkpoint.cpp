@@ -9,6 +9,7 @@
 // Page cache: without root (drop_caches) the files are evicted with posix_fadvise(DONTNEED) after
 // their fsync, and mincore() reports how much stayed resident (printed as "resident before read").
 #include <c10/core/CPUAllocator.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
@@ -23,20 +24,20 @@
 #include "counting_allocator.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "model.h"
 
-namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -70,9 +71,65 @@ double evict(const std::string& path) {
   return resident;
 }
 
+std::system_error system_error(const std::string& what, const std::string& path) {
+  return std::system_error(errno, std::generic_category(), what + " " + path);
+}
+
+// The paths of the entries of `dir` except "." and "..".
+std::vector<std::string> list_dir(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) throw system_error("cannot open directory", dir);
+  std::vector<std::string> paths;
+  for (;;) {
+    errno = 0;
+    const dirent* e = ::readdir(d);
+    if (e == nullptr) break;
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") paths.push_back(dir + "/" + name);
+  }
+  const int error = errno;
+  ::closedir(d);
+  errno = error;
+  if (error != 0) throw system_error("cannot read directory", dir);
+  return paths;
+}
+
+// Creates `dir` and its missing parents (mkdir -p).
+void make_dirs(const std::string& dir) {
+  for (size_t end = 1; end <= dir.size(); ++end) {
+    if ((end < dir.size() && dir[end] != '/') || dir[end - 1] == '/') continue;
+    const std::string prefix = dir.substr(0, end);
+    struct stat st {};
+    if (::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;
+    if (::mkdir(prefix.c_str(), 0777) == 0) continue;
+    if (errno == EEXIST && ::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;  // made meanwhile
+    if (errno == EEXIST) errno = ENOTDIR;
+    throw system_error("cannot create directory", dir);
+  }
+}
+
+// Removes `path` and everything under it, not following symlinks (rm -rf); a missing path is no error.
+void remove_all(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return;
+    throw system_error("cannot stat", path);
+  }
+  if (S_ISDIR(st.st_mode)) {
+    for (const auto& p : list_dir(path)) remove_all(p);
+    if (::rmdir(path.c_str()) != 0) throw system_error("cannot remove", path);
+  } else if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    throw system_error("cannot remove", path);
+  }
+}
+
 int64_t dir_bytes(const std::string& dir) {
   int64_t n = 0;
-  for (const auto& e : fs::directory_iterator(dir)) n += static_cast<int64_t>(fs::file_size(e.path()));
+  for (const auto& p : list_dir(dir)) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) throw system_error("cannot stat", p);
+    n += static_cast<int64_t>(st.st_size);
+  }
   return n;
 }
 
@@ -153,7 +210,7 @@ int main(int argc, char** argv) {
   int64_t ckpt_bytes = 0, dd_mib = 0;
   int overlap_steps = 0;
   auto start = Clock::now();
-  if (rank == 0) fs::create_directories(dir);
+  if (rank == 0) make_dirs(dir);
   barrier();
   if (!export_only) {
     train_step(0);
@@ -166,7 +223,7 @@ int main(int argc, char** argv) {
     // Saves.
     for (int r = 0; r < reps; ++r) {
       const std::string d = dir + "/save" + std::to_string(r);
-      if (rank == 0) fs::remove_all(d);
+      if (rank == 0) remove_all(d);
       barrier();
       start = Clock::now();
       fsdp::checkpoint::save(d, *sharded, optimizer, {{"step", std::to_string(r)}});
@@ -186,7 +243,7 @@ int main(int argc, char** argv) {
     }
     for (int r = 0; r < reps; ++r) {
       const std::string d = dir + "/async" + std::to_string(r);
-      if (rank == 0) fs::remove_all(d);
+      if (rank == 0) remove_all(d);
       barrier();
       start = Clock::now();  // the same steps without a save, just before: the baseline
       for (int s = 0; s < overlap_steps; ++s) train_step(1 + s);
@@ -199,14 +256,13 @@ int main(int argc, char** argv) {
       handle.wait();
       barrier();
       async_lost_s.push_back(seconds_since(start) - baseline_s);
-      if (rank == 0) fs::remove_all(d);
+      if (rank == 0) remove_all(d);
     }
     // Loads, each after the checkpoint's files were evicted from the page cache.
     for (int r = 0; r < reps; ++r) {
       const std::string d = dir + "/save" + std::to_string(r);
       if (rank == 0)
-        for (const auto& e : fs::directory_iterator(d))
-          resident_before_load = std::max(resident_before_load, evict(e.path()));
+        for (const auto& p : list_dir(d)) resident_before_load = std::max(resident_before_load, evict(p));
       barrier();
       start = Clock::now();
       fsdp::checkpoint::load(d, *sharded, optimizer);
@@ -223,7 +279,7 @@ int main(int argc, char** argv) {
           timed_shell("dd if=/dev/zero of=" + f + " bs=1M count=" + std::to_string(dd_mib) + " conv=fsync status=none");
       dd_resident = evict(f);
       dd_read_s = timed_shell("dd if=" + f + " of=/dev/null bs=1M status=none");
-      fs::remove(f);
+      if (::unlink(f.c_str()) != 0 && errno != ENOENT) throw system_error("cannot remove", f);
     }
     barrier();
   }
@@ -275,7 +331,7 @@ int main(int argc, char** argv) {
                      {"export_rss_growth_bytes", hwm - rss_before},
                      {"export_one_unit_one_tensor_bytes", largest_unit + largest_tensor}};
     std::cout << "json: " << j.dump() << "\n";
-    fs::remove_all(dir);
+    remove_all(dir);
   }
   if (rank == 0 && !export_only) {
     auto mean = [](const std::vector<double>& v) {
@@ -328,7 +384,7 @@ int main(int argc, char** argv) {
                      {"export_rss_growth_bytes", hwm - rss_before},
                      {"export_live_growth_bytes", live_growth}};
     std::cout << "json: " << j.dump() << "\n";
-    fs::remove_all(dir);
+    remove_all(dir);
   }
   barrier();
   return within ? 0 : 3;

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -16,7 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <mutex>
@@ -135,6 +135,30 @@ std::string self_exe() {
   buf[n > 0 ? n : 0] = 0;
   return buf;
 }
+
+std::string current_dir() {
+  std::string buf(256, '\0');
+  while (getcwd(buf.data(), buf.size()) == nullptr) {
+    WORKER_CHECK(errno == ERANGE, "getcwd: ", std::strerror(errno));
+    buf.resize(buf.size() * 2);
+  }
+  return buf.c_str();
+}
+
+// The first of $TMPDIR, $TMP, $TEMP, $TEMPDIR that is set and not empty, else "/tmp".
+std::string temp_dir() {
+  for (const char* name : {"TMPDIR", "TMP", "TEMP", "TEMPDIR"})
+    if (const char* dir = std::getenv(name); dir != nullptr && *dir != '\0') return dir;
+  return "/tmp";
+}
+
+int remove_entry(const char* path, const struct stat*, int, FTW*) {
+  std::remove(path);  // unlink, or rmdir once its entries are gone (FTW_DEPTH)
+  return 0;
+}
+
+// Removes `path` and everything under it, not following symlinks; failures are ignored.
+void remove_tree(const std::string& path) { nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
 
 }  // namespace
 
@@ -377,7 +401,7 @@ RunningRanks start(const std::string& name, int world, const std::vector<std::st
   running.master_port = std::make_shared<LoopbackPort>();
   const int port = running.master_port->port();
   const std::string exe = self_exe();
-  const std::string cwd = std::filesystem::current_path().string();
+  const std::string cwd = current_dir();
   running.pids.resize(world);
   running.logs.resize(world);
   std::vector<std::string> base_env = current_environment();
@@ -470,15 +494,14 @@ LaunchResult launch(const std::string& name, int world, const std::vector<std::s
 }
 
 TempDir::TempDir() {
-  std::string tmpl = (std::filesystem::temp_directory_path() / "fsdp_test.XXXXXX").string();
+  std::string tmpl = temp_dir();
+  if (tmpl.back() != '/') tmpl += '/';
+  tmpl += "fsdp_test.XXXXXX";
   WORKER_CHECK(mkdtemp(tmpl.data()) != nullptr, "mkdtemp(", tmpl, "): ", std::strerror(errno));
   path = tmpl;
 }
 
-TempDir::~TempDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(path, ec);
-}
+TempDir::~TempDir() { remove_tree(path); }
 
 std::string lines_starting_with(const std::string& prefix, const std::string& output) {
   std::istringstream in(output);

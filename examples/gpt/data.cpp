@@ -1,9 +1,14 @@
 #include "data.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <dirent.h>
+#include <sys/stat.h>
 
 #include <algorithm>
-#include <filesystem>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -11,13 +16,12 @@
 #include <vector>
 
 namespace gpt {
-namespace fs = std::filesystem;
 
 namespace {
 
-std::string read_file(const fs::path& path) {
+std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + path.string());
+  if (!in) throw std::runtime_error("cannot read " + path);
   std::ostringstream contents;
   contents << in.rdbuf();
   return contents.str();
@@ -37,22 +41,71 @@ std::string strip_separator_lines(const std::string& text) {
   return out;
 }
 
+std::runtime_error system_error(const std::string& what, const std::string& path) {
+  return std::runtime_error(what + " " + path + ": " + std::strerror(errno));
+}
+
+// The names in `dir` except "." and "..", in directory order.
+std::vector<std::string> list_dir(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) throw system_error("cannot open directory", dir);
+  std::vector<std::string> names;
+  for (;;) {
+    errno = 0;
+    const dirent* entry = readdir(d);
+    if (entry == nullptr) break;
+    const std::string name = entry->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  const int error = errno;
+  closedir(d);
+  errno = error;
+  if (error != 0) throw system_error("cannot read directory", dir);
+  return names;
+}
+
+// Whether `path` is a regular file, symlinks followed (a dangling one is none).
+bool is_regular_file(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0) return S_ISREG(st.st_mode);
+  if (errno == ENOENT || errno == ENOTDIR) return false;
+  throw system_error("cannot stat", path);
+}
+
+std::string canonical(const std::string& path) {
+  char resolved[PATH_MAX];
+  if (realpath(path.c_str(), resolved) == nullptr) throw system_error("cannot resolve", path);
+  return resolved;
+}
+
+int path_byte_rank(char c) { return c == '/' ? 0 : static_cast<unsigned char>(c) + 1; }
+
+// Orders paths component by component: '/' sorts before any other byte.
+bool path_less(const std::string& a, const std::string& b) {
+  return std::lexicographical_compare(a.begin(), a.end(), b.begin(), b.end(),
+                                      [](char x, char y) { return path_byte_rank(x) < path_byte_rank(y); });
+}
+
 }  // namespace
 
 Corpus load_fortunes(const std::string& dir) {
-  std::error_code error;
-  if (!fs::is_directory(dir, error))
+  struct stat st {};
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
     throw std::runtime_error("the default corpus directory " + dir +
                              " does not exist; install Debian's fortune files (apt-get install fortunes) or "
                              "pass --data PATH to train on your own text file");
-  std::vector<fs::path> files;
-  std::set<fs::path> seen;  // canonical paths: "art.u8" is a symlink to "art"
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    if (!entry.is_regular_file()) continue;            // skips off/ and other directories (symlinks are followed)
-    if (entry.path().extension() == ".dat") continue;  // strfile's binary index
-    if (seen.insert(fs::canonical(entry.path())).second) files.push_back(fs::canonical(entry.path()));
+  std::vector<std::string> files;
+  std::set<std::string> seen;  // canonical paths: "art.u8" is a symlink to "art"
+  for (const auto& name : list_dir(dir)) {
+    const std::string path = dir + "/" + name;
+    if (!is_regular_file(path)) continue;  // skips off/ and other directories (symlinks are followed)
+    const auto dot = name.rfind('.');
+    if (dot != std::string::npos && dot > 0 && name.compare(dot, std::string::npos, ".dat") == 0)
+      continue;  // strfile's binary index
+    const std::string resolved = canonical(path);
+    if (seen.insert(resolved).second) files.push_back(resolved);
   }
-  std::sort(files.begin(), files.end());  // directory order is arbitrary; ranks must agree
+  std::sort(files.begin(), files.end(), path_less);  // directory order is arbitrary; ranks must agree
   if (files.empty())
     throw std::runtime_error("no fortune files in " + dir + "; pass --data PATH to train on your own text file");
 

@@ -1,5 +1,6 @@
 #include "checkpoint/file_io.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -7,18 +8,31 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <utility>
+#include <vector>
 
 #include "checkpoint/hash.h"
 #include "fsdp/check.h"
 
 namespace fsdp::checkpoint::detail {
 
-namespace fs = std::filesystem;
-
 namespace {
 std::string reason() { return std::strerror(errno); }
+
+// Removes `path` and, for a directory, everything under it (symlinks themselves, never their
+// targets); a missing path is no error. 0, or the errno of the first failure.
+int remove_tree(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return errno == ENOENT ? 0 : errno;
+  if (S_ISDIR(st.st_mode)) {
+    std::vector<std::string> names;
+    if (const int err = list_dir(path, &names)) return err;
+    for (const auto& name : names)
+      if (const int err = remove_tree(join_path(path, name))) return err;
+    return ::rmdir(path.c_str()) == 0 || errno == ENOENT ? 0 : errno;
+  }
+  return ::unlink(path.c_str()) == 0 || errno == ENOENT ? 0 : errno;
+}
 }  // namespace
 
 File File::create(const std::string& path) {
@@ -89,9 +103,18 @@ void File::close() {
 }
 
 void make_dirs(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  FSDP_CHECK(!ec, "cannot create directory '", dir, "': ", ec.message());
+  FSDP_CHECK(!dir.empty(), "cannot create directory '", dir, "': ", std::strerror(EINVAL));
+  // Each prefix that ends before a '/' (repeated slashes skipped), then the whole path.
+  for (size_t end = 1; end <= dir.size(); ++end) {
+    if ((end < dir.size() && dir[end] != '/') || dir[end - 1] == '/') continue;
+    const std::string prefix = dir.substr(0, end);
+    struct stat st {};
+    if (::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;
+    if (::mkdir(prefix.c_str(), 0777) == 0) continue;
+    int err = errno;  // EEXIST: another process made it meanwhile, or it is no directory
+    if (err == EEXIST) err = ::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
+    FSDP_CHECK(err == 0, "cannot create directory '", dir, "': ", std::strerror(err));
+  }
 }
 
 void sync_dir(const std::string& dir) {
@@ -108,14 +131,31 @@ void rename_path(const std::string& from, const std::string& to) {
 }
 
 void remove_all(const std::string& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  FSDP_CHECK(!ec, "cannot remove '", path, "': ", ec.message());
+  const int err = remove_tree(path);
+  FSDP_CHECK(err == 0, "cannot remove '", path, "': ", std::strerror(err));
 }
 
 bool path_exists(const std::string& path) {
-  std::error_code ec;
-  return fs::exists(fs::symlink_status(path, ec));
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+int list_dir(const std::string& dir, std::vector<std::string>* names) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return errno;
+  int err = 0;
+  for (;;) {
+    errno = 0;
+    const dirent* entry = ::readdir(d);
+    if (entry == nullptr) {
+      err = errno;
+      break;
+    }
+    const std::string name = entry->d_name;
+    if (name != "." && name != "..") names->push_back(name);
+  }
+  ::closedir(d);
+  return err;
 }
 
 std::string read_file(const std::string& path, uint64_t max_bytes) {
@@ -137,8 +177,11 @@ std::string temporary_name(const std::string& path, uint64_t random) {
 std::string parent_dir(const std::string& path) {
   std::string p = path;
   while (p.size() > 1 && p.back() == '/') p.pop_back();
-  const fs::path parent = fs::path(p).parent_path();
-  return parent.empty() ? std::string(".") : parent.string();
+  const auto slash = p.rfind('/');
+  if (slash == std::string::npos) return ".";
+  p.resize(slash);
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  return p.empty() ? std::string("/") : p;
 }
 
 std::string join_path(const std::string& dir, const std::string& name) { return dir + "/" + name; }

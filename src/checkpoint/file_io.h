@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fsdp::checkpoint::detail {
 
@@ -32,11 +33,16 @@ class File {
   std::string path_;
 };
 
+// Creates `dir` and its missing parents; an existing directory is no error.
 void make_dirs(const std::string& dir);
 void sync_dir(const std::string& dir);
 void rename_path(const std::string& from, const std::string& to);
+// Removes a file or a directory tree (symlinks are removed, not followed); a missing path is no error.
 void remove_all(const std::string& path);
+// Whether something, a dangling symlink included, is at `path`.
 bool path_exists(const std::string& path);
+// Appends the names in `dir` except "." and ".." (any order); 0, or the errno that stopped the listing.
+int list_dir(const std::string& dir, std::vector<std::string>* names);
 // The whole file, refused beyond max_bytes.
 std::string read_file(const std::string& path, uint64_t max_bytes);
 // "<path>.tmp-<16 hex digits>" with the given random value.

@@ -1,8 +1,9 @@
 // The full model as one safetensors file, without the memory spike: export_full gathers one unit
 // at a time and rank 0 writes it straight from the unsharded storage; load_full has rank 0 read
 // one FlatParameter at a time and broadcast it for every rank to copy its shard.
+#include <unistd.h>
+
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <optional>
 #include <set>
@@ -132,10 +133,7 @@ void export_full(const std::string& file, FullyShardedModule& model) {
   try {
     run_agreed(world, what, [&] { error.rethrow(); });
   } catch (...) {
-    if (writer) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-    }
+    if (writer) ::unlink(tmp.c_str());  // best effort: the error above is the one to report
     throw;
   }
 }

@@ -2,6 +2,7 @@
 // publishes the manifest last: save_plan.h), load at any layout (sharded_load.h), latest(),
 // load_latest().
 // See Note [Checkpoint format] in docs/design.md.
+#include <sys/stat.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -9,7 +10,6 @@
 #include <chrono>
 #include <cstdio>
 #include <exception>
-#include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -19,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "checkpoint/collective.h"
 #include "checkpoint/file_io.h"
@@ -113,8 +114,11 @@ namespace {
 
 void remove_temporary(int rank, const std::string& tmp) {
   if (rank != 0) return;
-  std::error_code ec;
-  std::filesystem::remove_all(tmp, ec);  // best effort: a partial save is never loaded anyway
+  try {
+    detail::remove_all(tmp);
+  } catch (const Error&) {
+    // best effort: a partial save is never loaded anyway
+  }
 }
 
 // Collective over `world`: validates, makes the temporary directory and plans this rank's file.
@@ -290,17 +294,17 @@ std::string load_latest(const std::string& root, FullyShardedModule& model, torc
 bool is_complete(const std::string& dir) { return complete_manifest(dir, nullptr); }
 
 std::string latest(const std::string& root) {
-  std::error_code ec;
-  std::filesystem::directory_iterator it(root, ec), end;
+  std::vector<std::string> names;
+  detail::list_dir(root, &names);  // an unreadable root has no checkpoints: ""
   std::string best;
   int64_t best_time = -1;
-  for (; !ec && it != end; it.increment(ec)) {
-    if (!it->is_directory(ec)) continue;
-    const std::string name = it->path().filename().string();
+  for (const auto& name : names) {
     if (name.find(".tmp-") != std::string::npos) continue;
+    const std::string path = root.empty() || root.back() == '/' ? root + name : detail::join_path(root, name);
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;  // symlinks are followed
     Manifest m;
-    if (!complete_manifest(it->path().string(), &m)) continue;
-    const std::string path = it->path().string();
+    if (!complete_manifest(path, &m)) continue;
     if (m.created_unix_ns > best_time || (m.created_unix_ns == best_time && path > best)) {
       best_time = m.created_unix_ns;
       best = path;

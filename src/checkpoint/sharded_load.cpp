@@ -1,9 +1,9 @@
 #include "checkpoint/sharded_load.h"
 
+#include <sys/stat.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <set>
@@ -243,9 +243,9 @@ bool complete_manifest(const std::string& dir, Manifest* out) {
   try {
     Manifest m = read_manifest(dir);
     for (const auto& f : m.files) {
-      std::error_code ec;
-      const auto size = std::filesystem::file_size(join_path(dir, f.name), ec);
-      if (ec || size != f.bytes) return false;
+      struct stat st {};  // symlinks are followed; only a regular file has a size
+      if (::stat(join_path(dir, f.name).c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+      if (static_cast<uint64_t>(st.st_size) != f.bytes) return false;
     }
     if (out) *out = std::move(m);
     return true;

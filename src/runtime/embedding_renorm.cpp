@@ -1,5 +1,6 @@
 #include "runtime/embedding_renorm.h"
 
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -18,6 +19,19 @@ bool has_max_norm_embedding(const torch::nn::Module& module) {
   }
   return false;
 }
+
+namespace {
+
+// A row's norm as the operator's kernel on the row's device takes it: the CPU kernel's row.norm(p);
+// CUDA's sums x^p without the absolute value for p other than 1 and 2, in its accumulation type.
+double kernel_row_norm(const at::Tensor& row, double p) {
+  if (row.is_cpu() || p == 1 || p == 2) return row.norm(p).item<double>();
+  const bool in_double = row.scalar_type() == at::kDouble;
+  const double sum = row.to(in_double ? at::kDouble : at::kFloat).pow(p).sum().item<double>();
+  return in_double ? std::pow(sum, 1.0 / p) : double(std::pow(float(sum), float(1.0 / p)));
+}
+
+}  // namespace
 
 void renorm_rows_of_every_rank(const at::RecordFunction& fn, FlatParam& fp, const ParamSlot& slot) {
   const auto inputs = fn.inputs();
@@ -50,7 +64,7 @@ void renorm_rows_of_every_rank(const at::RecordFunction& fn, FlatParam& fp, cons
   for (int64_t i = 0; i < any.numel(); ++i) {
     const int64_t r = row_ids[i];
     at::Tensor row = weight.select(0, r);
-    const double norm = row.norm(norm_type).item<double>();
+    const double norm = kernel_row_norm(row, norm_type);
     if (!(norm > max_norm)) continue;
     const double scale = max_norm / (norm + 1e-7);
     if (own_rows[r] == 0) row.mul_(scale);
