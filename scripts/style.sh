@@ -4,14 +4,15 @@
 #   layers    library layers only look down, no cycles (scripts/layering.py)
 #   notes     every "Note [...]" cited in code, scripts and docs is a heading of docs/design.md
 #   size      no file of src/, include/, tools/, examples/ over 500 lines
+#   stdfs     no C++ file uses std::filesystem (PyTorch's pip LibTorch exports its own copies of it)
 #   tidy      clang-tidy finds nothing in src/ and include/ (scripts/tidy.sh; needs a configured
 #             build: BUILD_DIR, default build)
-# Usage: scripts/style.sh [CHECK...]   (default: format layers notes size; tidy only when named)
+# Usage: scripts/style.sh [CHECK...]   (default: format layers notes size stdfs; tidy only when named)
 # Installs clang-format, clang-tidy and universal-ctags from Debian's packages when missing (root).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 checks=("$@")
-[ ${#checks[@]} -gt 0 ] || checks=(format layers notes size)
+[ ${#checks[@]} -gt 0 ] || checks=(format layers notes size stdfs)
 
 need=()
 for c in "${checks[@]}"; do
@@ -48,6 +49,13 @@ size() {
   echo "size: no file of src/, include/, tools/, examples/ over 500 lines"
 }
 
+stdfs() {
+  local users
+  users=$(git grep -lE 'std::filesystem|#[[:space:]]*include[[:space:]]*<filesystem>' -- '*.cpp' '*.h' '*.hpp' '*.cu')
+  [ -z "$users" ] || { echo "stdfs: std::filesystem or <filesystem> (use POSIX calls, docs/building.md) in: $users" >&2; return 1; }
+  echo "stdfs: no C++ file uses std::filesystem"
+}
+
 status=0
 for c in "${checks[@]}"; do
   case $c in
@@ -55,8 +63,9 @@ for c in "${checks[@]}"; do
     layers) /usr/bin/python3 scripts/layering.py ;;
     notes) notes ;;
     size) size ;;
+    stdfs) stdfs ;;
     tidy) scripts/tidy.sh ;;
-    *) echo "style: unknown check '$c' (format, layers, notes, size, tidy)" >&2; false ;;
+    *) echo "style: unknown check '$c' (format, layers, notes, size, stdfs, tidy)" >&2; false ;;
   esac || status=1
 done
 exit "$status"

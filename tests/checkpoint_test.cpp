@@ -11,9 +11,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -21,20 +21,19 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/data_file.h"
+#include "checkpoint/file_io.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/optimizer_state.h"
 #include "fsdp/checkpoint.h"
 #include "harness.h"
 #include "models.h"
 
-namespace fs = std::filesystem;
-
 namespace fsdp_test {
 namespace {
 
 namespace ckpt = fsdp::checkpoint;
 
-// A fresh directory under the system's temporary directory, removed by the destructor.
+// "key=value" arguments by key (a bare "key" maps to "").
 std::map<std::string, std::string> parse_args(const std::vector<std::string>& args) {
   std::map<std::string, std::string> out;
   for (const auto& a : args) {
@@ -341,10 +340,26 @@ TEST(CheckpointReshard, SavedAtWorld4LoadsAtWorlds3And2And1WithOtherStrategiesAn
 
 // --- Bad input ----------------------------------------------------------------------------------
 
+// The size of file `path` in bytes.
+uint64_t file_size(const std::string& path) { return ckpt::detail::File::open_read(path).size(); }
+
+// Cuts file `path` to `bytes` (or extends it with zeros).
+void resize_file(const std::string& path, uint64_t bytes) {
+  WORKER_CHECK(truncate(path.c_str(), static_cast<off_t>(bytes)) == 0, "truncate(", path, "): ", std::strerror(errno));
+}
+
+// A new file `to` (fails if it exists) with the bytes of file `from`.
+void copy_file(const std::string& from, const std::string& to) {
+  const std::string bytes = ckpt::detail::read_file(from, std::numeric_limits<uint64_t>::max());
+  auto file = ckpt::detail::File::create(to);
+  file.write_all(bytes.data(), bytes.size());
+  file.close();
+}
+
 void copy_dir(const std::string& from, const std::string& to, const std::string& skip = "") {
-  fs::create_directories(to);
-  for (const auto& e : fs::directory_iterator(from))
-    if (e.path().filename() != skip) fs::copy_file(e.path(), fs::path(to) / e.path().filename());
+  ckpt::detail::make_dirs(to);
+  for (const auto& name : list_dir(from))
+    if (name != skip) copy_file(from + "/" + name, to + "/" + name);
 }
 
 void flip_byte(const std::string& path, uint64_t at) {
@@ -380,16 +395,16 @@ FSDP_WORKER(ckpt_bad_inputs) {
     copy_dir(good, dir + "/no_manifest", "manifest.json");
     copy_dir(good, dir + "/unfinished.tmp-0123456789abcdef");
     copy_dir(good, dir + "/truncated");
-    fs::resize_file(dir + "/truncated/rank-00001.bin", fs::file_size(dir + "/truncated/rank-00001.bin") - 8);
+    resize_file(dir + "/truncated/rank-00001.bin", file_size(dir + "/truncated/rank-00001.bin") - 8);
     copy_dir(good, dir + "/corrupted");
-    flip_byte(dir + "/corrupted/rank-00001.bin", fs::file_size(dir + "/corrupted/rank-00001.bin") / 2);
+    flip_byte(dir + "/corrupted/rank-00001.bin", file_size(dir + "/corrupted/rank-00001.bin") / 2);
     copy_dir(good, dir + "/bad_manifest");
-    flip_byte(dir + "/bad_manifest/manifest.json", fs::file_size(dir + "/bad_manifest/manifest.json") / 2);
+    flip_byte(dir + "/bad_manifest/manifest.json", file_size(dir + "/bad_manifest/manifest.json") / 2);
     copy_dir(good, dir + "/cut_manifest");
-    fs::resize_file(dir + "/cut_manifest/manifest.json", fs::file_size(dir + "/cut_manifest/manifest.json") / 2);
-    fs::create_directories(dir + "/empty_root/unfinished.tmp-0123456789abcdef");
+    resize_file(dir + "/cut_manifest/manifest.json", file_size(dir + "/cut_manifest/manifest.json") / 2);
+    ckpt::detail::make_dirs(dir + "/empty_root/unfinished.tmp-0123456789abcdef");
     copy_dir(good, dir + "/split0/good");  // rank 0's root holds a checkpoint, rank 1's (split1) none
-    fs::create_directories(dir + "/split1");
+    ckpt::detail::make_dirs(dir + "/split1");
   }
   barrier();
   // latest() finds nothing: load("") says what that means, load_latest names the root.
@@ -422,7 +437,7 @@ FSDP_WORKER(ckpt_bad_inputs) {
                "other optimizer kind");
   UnknownOptimizer unknown(sharded->parameters());
   expect_error([&] { ckpt::save(dir + "/unknown", *sharded, unknown); }, "AdamW", "unsupported optimizer");
-  WORKER_CHECK(!fs::exists(dir + "/unknown"), "a failed save left its directory");
+  WORKER_CHECK(!path_exists(dir + "/unknown"), "a failed save left its directory");
   {
     auto other = checkpoint_model("gpt_wide", at::kFloat);
     auto other_sharded = fsdp::fully_shard(other, pg, make_options("FULL_SHARD", "block"));
@@ -441,8 +456,8 @@ FSDP_WORKER(ckpt_bad_inputs) {
   }
   ckpt::export_full(dir + "/good.safetensors", *sharded);
   if (ctx.rank == 0) {
-    fs::copy_file(dir + "/good.safetensors", dir + "/cut.safetensors");
-    fs::resize_file(dir + "/cut.safetensors", 100);
+    copy_file(dir + "/good.safetensors", dir + "/cut.safetensors");
+    resize_file(dir + "/cut.safetensors", 100);
   }
   barrier();
   expect_error([&] { ckpt::load_full(dir + "/none.safetensors", *sharded); }, "cannot open", "missing safetensors");
@@ -594,9 +609,9 @@ TEST(CheckpointAsync, ABackgroundWriteFailingOnOneRankFailsEveryRanksWait) {
         << out;
     EXPECT_NE(out.find("rank-00001.bin"), std::string::npos) << out;
   }
-  EXPECT_FALSE(fs::exists(tmp / "failed"));
-  for (const auto& e : fs::directory_iterator(tmp.path))
-    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path() << " was left behind";
+  EXPECT_FALSE(path_exists(tmp / "failed"));
+  for (const auto& name : list_dir(tmp.path))
+    EXPECT_EQ(name.find(".tmp-"), std::string::npos) << std::quoted(tmp / name) << " was left behind";
   EXPECT_TRUE(ckpt::is_complete(tmp / "after"));
 }
 
@@ -637,7 +652,7 @@ FSDP_WORKER(ckpt_load_dirs) {
   for (const auto& dir : ctx.args) {
     ckpt::Extra extra;
     ckpt::load(dir, *sharded, *opt, &extra);
-    const std::string name = fs::path(dir).filename().string();
+    const std::string name = ckpt::detail::last_component(dir);
     WORKER_CHECK(std::stoi(name.substr(5)) == std::stoi(extra.at("step")), dir, ": extra step ", extra.at("step"));
   }
   if (ctx.rank == 0) std::cout << "loaded " << ctx.args.size() << std::endl;
@@ -653,7 +668,7 @@ TEST(CheckpointKill, KilledSavesNeverLookCompleteAndThePreviousCheckpointLoads) 
   for (int t = 0; t < trials; ++t) {
     const bool kill_all = t % 2 == 1, async = t % 4 >= 2;
     const std::string root = tmp / ("trial" + std::to_string(t));
-    fs::create_directories(root);
+    ckpt::detail::make_dirs(root);
     RunningRanks running = start("ckpt_save_forever", 2, {root, "400", async ? "async" : "sync"});
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (ckpt::latest(root).empty() && std::chrono::steady_clock::now() < deadline)
@@ -670,15 +685,15 @@ TEST(CheckpointKill, KilledSavesNeverLookCompleteAndThePreviousCheckpointLoads) 
 
     // Every directory is either an unfinished save (*.tmp-*) or a complete, intact checkpoint.
     std::string newest;
-    for (const auto& e : fs::directory_iterator(root)) {
-      const std::string name = e.path().filename().string();
+    for (const auto& name : list_dir(root)) {
       if (name.find(".tmp-") != std::string::npos) {
         ++killed_during_save;
         continue;
       }
-      ASSERT_TRUE(ckpt::is_complete(e.path().string())) << name << " looks like a checkpoint but is incomplete";
-      EXPECT_NO_THROW(logical_contents(e.path().string())) << name;  // every chunk checksum
-      newest = std::max(newest, e.path().string());
+      const std::string path = root + "/" + name;
+      ASSERT_TRUE(ckpt::is_complete(path)) << name << " looks like a checkpoint but is incomplete";
+      EXPECT_NO_THROW(logical_contents(path)) << name;  // every chunk checksum
+      newest = std::max(newest, path);
     }
     EXPECT_EQ(ckpt::latest(root), newest);
     latest_dirs.push_back(ckpt::latest(root));

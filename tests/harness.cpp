@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -129,12 +130,7 @@ fsdp::Options block_unit_options(const std::string& strategy) {
 
 namespace {
 
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  buf[n > 0 ? n : 0] = 0;
-  return buf;
-}
+std::string self_exe() { return read_link("/proc/self/exe"); }
 
 std::string current_dir() {
   std::string buf(256, '\0');
@@ -502,6 +498,28 @@ TempDir::TempDir() {
 }
 
 TempDir::~TempDir() { remove_tree(path); }
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  WORKER_CHECK(d != nullptr, "opendir(", dir, "): ", std::strerror(errno));
+  std::vector<std::string> names;
+  while (const dirent* e = readdir(d))
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) names.emplace_back(e->d_name);
+  closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+bool path_exists(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0;
+}
+
+std::string read_link(const std::string& path) {
+  char buf[4096];
+  const ssize_t n = readlink(path.c_str(), buf, sizeof(buf));
+  return n > 0 && static_cast<size_t>(n) < sizeof(buf) ? std::string(buf, static_cast<size_t>(n)) : "";
+}
 
 std::string lines_starting_with(const std::string& prefix, const std::string& output) {
   std::istringstream in(output);

@@ -86,6 +86,15 @@ struct TempDir {
   std::string path;
 };
 
+// Files through POSIX calls: PyTorch's pip LibTorch exports copies of C++'s filesystem library.
+
+// The names in `dir` except "." and "..", sorted; throws std::runtime_error if it cannot be listed.
+std::vector<std::string> list_dir(const std::string& dir);
+// Whether `path` exists (symlinks followed, as stat() does).
+bool path_exists(const std::string& path);
+// The target of symlink `path`, or "" when it is no symlink or cannot be read.
+std::string read_link(const std::string& path);
+
 // Inside a worker: throws std::runtime_error (exit code 1) with the message.
 #define WORKER_CHECK(cond, ...)                                                                              \
   do {                                                                                                       \

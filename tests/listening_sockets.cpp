@@ -3,20 +3,26 @@
 #include <arpa/inet.h>
 
 #include <cstdint>
-#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <stdexcept>
+
+#include "harness.h"
 
 namespace fsdp_test {
 
 std::vector<ListeningSocket> listening_sockets(int pid) {
   std::set<std::string> inodes;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
-    std::error_code link_ec;
-    const std::string target = std::filesystem::read_symlink(e.path(), link_ec).string();
-    if (!link_ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  const std::string fd_dir = "/proc/" + std::to_string(pid) + "/fd";
+  std::vector<std::string> fds;
+  try {
+    fds = list_dir(fd_dir);
+  } catch (const std::runtime_error&) {  // the process is gone
+  }
+  for (const auto& fd : fds) {
+    const std::string target = read_link(fd_dir + "/" + fd);
+    if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
   }
   std::vector<ListeningSocket> found;
   for (const bool v6 : {false, true}) {

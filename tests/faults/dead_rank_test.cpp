@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -59,7 +58,7 @@ void expect_survivors_fail_fast(const KillCase& c) {
   EXPECT_TRUE(leftover_segments(pids).empty()) << leftover_segments(pids).front();
   // Step 0's checkpoint was saved before the fault; a save the fault cut short left no checkpoint.
   EXPECT_TRUE(fsdp::checkpoint::is_complete(dir / "step-0"));
-  if (std::filesystem::exists(dir / "step-2")) {
+  if (path_exists(dir / "step-2")) {
     EXPECT_TRUE(fsdp::checkpoint::is_complete(dir / "step-2"));
   }
   auto loaded = launch("fault_checkpoint_loader", 2, {dir.path}, 120);
@@ -154,8 +153,7 @@ FSDP_WORKER(unreadable_live_member_worker) {
   if (ctx.rank == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
   if (ctx.rank == 0) {
     int highest = 2;
-    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd"))
-      highest = std::max(highest, std::stoi(e.path().filename().string()));
+    for (const auto& fd : list_dir("/proc/self/fd")) highest = std::max(highest, std::stoi(fd));
     rlimit full = old;
     full.rlim_cur = static_cast<rlim_t>(highest) + 1;
     WORKER_CHECK(setrlimit(RLIMIT_NOFILE, &full) == 0, "setrlimit failed");
