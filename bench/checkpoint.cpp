@@ -9,7 +9,6 @@
 // Page cache: without root (drop_caches) the files are evicted with posix_fadvise(DONTNEED) after
 // their fsync, and mincore() reports how much stayed resident (printed as "resident before read").
 #include <c10/core/CPUAllocator.h>
-#include <dirent.h>
 #include <fcntl.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
@@ -22,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 #include "counting_allocator.h"
+#include "posix_files.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -41,6 +41,11 @@
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+using bench_files::list_dir;
+using bench_files::make_dirs;
+using bench_files::remove_all;
+using bench_files::system_error;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -69,58 +74,6 @@ double evict(const std::string& path) {
   }
   ::close(fd);
   return resident;
-}
-
-std::system_error system_error(const std::string& what, const std::string& path) {
-  return std::system_error(errno, std::generic_category(), what + " " + path);
-}
-
-// The paths of the entries of `dir` except "." and "..".
-std::vector<std::string> list_dir(const std::string& dir) {
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) throw system_error("cannot open directory", dir);
-  std::vector<std::string> paths;
-  for (;;) {
-    errno = 0;
-    const dirent* e = ::readdir(d);
-    if (e == nullptr) break;
-    const std::string name = e->d_name;
-    if (name != "." && name != "..") paths.push_back(dir + "/" + name);
-  }
-  const int error = errno;
-  ::closedir(d);
-  errno = error;
-  if (error != 0) throw system_error("cannot read directory", dir);
-  return paths;
-}
-
-// Creates `dir` and its missing parents (mkdir -p).
-void make_dirs(const std::string& dir) {
-  for (size_t end = 1; end <= dir.size(); ++end) {
-    if ((end < dir.size() && dir[end] != '/') || dir[end - 1] == '/') continue;
-    const std::string prefix = dir.substr(0, end);
-    struct stat st {};
-    if (::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;
-    if (::mkdir(prefix.c_str(), 0777) == 0) continue;
-    if (errno == EEXIST && ::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;  // made meanwhile
-    if (errno == EEXIST) errno = ENOTDIR;
-    throw system_error("cannot create directory", dir);
-  }
-}
-
-// Removes `path` and everything under it, not following symlinks (rm -rf); a missing path is no error.
-void remove_all(const std::string& path) {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return;
-    throw system_error("cannot stat", path);
-  }
-  if (S_ISDIR(st.st_mode)) {
-    for (const auto& p : list_dir(path)) remove_all(p);
-    if (::rmdir(path.c_str()) != 0) throw system_error("cannot remove", path);
-  } else if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-    throw system_error("cannot remove", path);
-  }
 }
 
 int64_t dir_bytes(const std::string& dir) {

@@ -12,12 +12,10 @@
 // iteration / (comm_ratio x compute time). With --recalibrate (default) each configuration then gets
 // the bandwidth that its own computation, measured in its previous run, and its own bytes on the
 // wire set, so its communication is comm_ratio x its computation. --gbps fixes it instead.
-#include <sys/stat.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <iomanip>
@@ -25,25 +23,11 @@
 #include <map>
 #include <sstream>
 #include <string>
-#include <system_error>
 
 #include "fsdp/fsdp.h"
+#include "posix_files.h"
 
 namespace {
-
-// Creates `dir` and its missing parents (mkdir -p); ranks may race to make the same ones.
-void make_dirs(const std::string& dir) {
-  for (size_t end = 1; end <= dir.size(); ++end) {
-    if ((end < dir.size() && dir[end] != '/') || dir[end - 1] == '/') continue;
-    const std::string prefix = dir.substr(0, end);
-    struct stat st {};
-    if (::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;
-    if (::mkdir(prefix.c_str(), 0777) == 0) continue;
-    if (errno == EEXIST && ::stat(prefix.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) continue;  // made meanwhile
-    if (errno == EEXIST) errno = ENOTDIR;
-    throw std::system_error(errno, std::generic_category(), "cannot create directory " + dir);
-  }
-}
 
 // A residual MLP stack with an input and an output projection in the root unit.
 struct BlockImpl : torch::nn::Module {
@@ -211,7 +195,7 @@ int main(int argc, char** argv) {
   app.add_option("--latency-us", a.latency_us, "modeled latency per ring step")->check(CLI::NonNegativeNumber);
   app.add_option("--trace-dir", a.trace_dir, "write rank 0's last iteration of each configuration as Chrome JSON here");
   CLI11_PARSE(app, argc, argv);
-  if (!a.trace_dir.empty()) make_dirs(a.trace_dir);  // every rank: same path
+  if (!a.trace_dir.empty()) bench_files::make_dirs(a.trace_dir);  // every rank: same path
   at::set_num_threads(1);
 
   try {
