@@ -1,5 +1,5 @@
 // Files and directories through POSIX calls for the benchmarks (PyTorch's pip LibTorch exports its
-// own copies of std::filesystem; docs/building.md). Errors throw std::system_error naming the path.
+// own copies of the C++17 filesystem library; docs/building.md). Errors throw std::system_error naming the path.
 #pragma once
 
 #include <dirent.h>
