@@ -34,15 +34,17 @@ FSDP_WORKER(link_calibration_worker) {
   WORKER_CHECK(c.link_gbps > 0.7 * gbps && c.link_gbps < 1.3 * gbps, "modeled link measured at ", c.link_gbps,
                " GB/s, not about ", gbps);
   WORKER_CHECK(c.link_copy_gbps > 4 * c.link_gbps, "the transport beneath it measured at ", c.link_copy_gbps, " GB/s");
+  WORKER_CHECK(c.link_copy_latency_us > 0, "the transport beneath it has no latency: ", c.link_copy_latency_us);
   fsdp::Calibration plain;
   fsdp::calibrate_link(plain, *pg->world());
-  WORKER_CHECK(plain.link_gbps > 4 * gbps && plain.link_copy_gbps == 0, "an unmodeled link: ", plain.link_gbps,
-               " GB/s, copy rate ", plain.link_copy_gbps);
+  WORKER_CHECK(plain.link_gbps > 4 * gbps && plain.link_copy_gbps == 0 && plain.link_copy_latency_us == 0,
+               "an unmodeled link: ", plain.link_gbps, " GB/s, copy rate ", plain.link_copy_gbps);
   const auto back = fsdp::Calibration::from_json(R"({"tokens": 1, "timings": []})");
   WORKER_CHECK(back.link_copy_gbps == 0, "a file without a copy rate reads as ", back.link_copy_gbps);
   c.tokens = 1;  // a file needs its tokens
-  WORKER_CHECK(fsdp::Calibration::from_json(c.to_json()).link_copy_gbps == c.link_copy_gbps,
-               "the copy rate does not survive a file");
+  const auto saved = fsdp::Calibration::from_json(c.to_json());
+  WORKER_CHECK(saved.link_copy_gbps == c.link_copy_gbps && saved.link_copy_latency_us == c.link_copy_latency_us,
+               "the copy rate and latency do not survive a file");
   if (pg->rank() == 0) std::cout << "links calibrated" << std::endl;
 }
 
@@ -90,6 +92,57 @@ TEST(PlannerLink, BeneathASlowerModeledLinkOnlyTheCopiesTakeTheComputeCores) {
   // A copy rate no faster than the link: nothing overlaps.
   const auto slower = predicted(0.5, 0.4);
   EXPECT_EQ(slower.exposed_comm_s, all.exposed_comm_s);
+}
+
+// A FULL_SHARD by block plan at world 4 of the tiny transformer under a modeled link of `link_gbps`
+// over a transport copying at 2 GB/s, with `runtime`'s timings.
+fsdp::TimePrediction predicted_with(double link_gbps, const std::vector<fsdp::RuntimeTiming>& runtime) {
+  fsdp::DeferredInit deferred;
+  TinyTransformer model(50, 16, 2, 3, 8);
+  fsdp::Calibration c;
+  c.link_gbps = link_gbps;
+  c.link_latency_us = 10;
+  c.link_copy_gbps = 2;
+  c.link_copy_latency_us = 5;
+  c.runtime = runtime;
+  c.tokens = 16;  // a file needs its tokens
+  const auto request = fsdp::PlanRequest()
+                           .world(4)
+                           .global_batch(8)
+                           .seq_len(8)
+                           .micro_batches({2})
+                           .strategies({fsdp::ShardingStrategy::kFullShard})
+                           .reshard_after_forward_sizes({0})
+                           .wrap_policies({{"block", fsdp::wrap::by_type<BlockImpl>()}})
+                           .activation_checkpointing({false})
+                           .cpu_offload({false})
+                           .precisions({at::kFloat})
+                           .calibration(fsdp::Calibration::from_json(c.to_json()));  // through a file
+  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x4"), request);
+  EXPECT_EQ(plan.entries.size(), 1U) << plan.table();
+  return plan.entries.empty() ? fsdp::TimePrediction() : plan.entries.front().time;
+}
+
+TEST(PlannerLink, WaitsTimedBeneathAModeledLinkStandBesideItsTime) {
+  fsdp::RuntimeTiming beneath;  // the flags' configuration on the transport beneath the model
+  beneath.wrap = "block";
+  beneath.world = 4;
+  beneath.micro_batch = 2;
+  beneath.forward_s = 0.050;
+  beneath.backward_s = 0.100;
+  beneath.exposed_s = 0.030;
+  beneath.beneath_network_model = true;
+  // A modeled link almost as fast as the copies: the replay exposes what the timing beneath it measured.
+  const auto near_copy = predicted_with(1.999, {beneath});
+  EXPECT_NEAR(near_copy.exposed_comm_s, beneath.exposed_s, 0.01 * beneath.exposed_s);
+  // A link far slower than the waits per collective: they pass while the link works, and change nothing.
+  const auto slow_plain = predicted_with(0.00005, {}), slow = predicted_with(0.00005, {beneath});
+  EXPECT_GT(slow_plain.exposed_comm_s, 10 * beneath.exposed_s);
+  EXPECT_NEAR(slow.step_s, slow_plain.step_s, 1e-12 * slow_plain.step_s);
+  // Between the two, the waits show where the link would have been faster.
+  const auto middle_plain = predicted_with(0.05, {}), middle = predicted_with(0.05, {beneath});
+  EXPECT_GT(middle.exposed_comm_s, middle_plain.exposed_comm_s + 1e-6);
+  EXPECT_LT(middle.exposed_comm_s, middle_plain.exposed_comm_s + beneath.exposed_s);
 }
 
 }  // namespace

@@ -9,7 +9,9 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -131,12 +133,17 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
   batch.targets = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
   // The flags' strategy and, at more than one rank, another with other collectives, so that the plan
   // tells FSDP's work per unit from its work per collective; and where the plan considers
-  // checkpointing, the flags' strategy with its blocks checkpointed, for what checkpointing changes.
-  std::vector<std::pair<std::string, bool>> timings{{config.strategy, false}};
-  if (pg->size() > 1) timings.emplace_back(config.strategy == "NO_SHARD" ? "FULL_SHARD" : "NO_SHARD", false);
-  if (!flags_only || config.activation_checkpointing) timings.emplace_back(config.strategy, true);
+  // checkpointing, the flags' strategy with its blocks checkpointed, for what checkpointing changes;
+  // under a modeled network, the flags' strategy on the transport beneath it, for the waits on peers
+  // the ranks have without the modeled link.
+  const std::optional<fsdp::NetworkModel> network = pg->options().network_model;
+  std::vector<std::tuple<std::string, bool, bool>> timings{{config.strategy, false, false}};
+  if (pg->size() > 1) timings.emplace_back(config.strategy == "NO_SHARD" ? "FULL_SHARD" : "NO_SHARD", false, false);
+  if (!flags_only || config.activation_checkpointing) timings.emplace_back(config.strategy, true, false);
+  if (pg->size() > 1 && network) timings.emplace_back(config.strategy, false, true);
   for (const at::ScalarType precision : plan_precisions(config, flags_only))
-    for (const auto& [strategy, checkpointing] : timings) {
+    for (const auto& [strategy, checkpointing, beneath] : timings) {
+      if (beneath) pg->set_network_model(std::nullopt);  // communicators handed out from here on are unmodeled
       copy.mixed_precision = precision == at::kBFloat16 ? "bf16" : precision == at::kHalf ? "fp16" : "none";
       copy.strategy = strategy;
       copy.activation_checkpointing = checkpointing;
@@ -153,10 +160,12 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
       timed.all_gather_limit = copy.all_gather_limit;
       timed.backward_prefetch = fsdp::parse_backward_prefetch(copy.backward_prefetch);
       timed.forward_prefetch = copy.forward_prefetch;
+      timed.beneath_network_model = beneath;
       auto optimizer = build_optimizer(*sharded, copy);
       fsdp::calibrate_runtime(
           calibration, *sharded, *pg, [&] { return next_token_loss(built.model, batch); }, timed, 5,
           [&] { optimizer->step(); });
+      if (beneath) pg->set_network_model(network);
     }
 }
 

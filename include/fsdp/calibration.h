@@ -56,6 +56,9 @@ struct RuntimeTiming {
   double backward_s = 0;  // its backward, the gradients reduced
   double exposed_s = -1;  // the compute thread's waits on collectives per iteration; < 0: not measured
   double step_s = -1;     // the optimizer's step over the copy's shard pieces; < 0: not timed
+  // Timed on the transport beneath the job's modeled network (ProcessGroup::set_network_model with
+  // nullopt): its waits on peers are those of the ranks without the modeled link.
+  bool beneath_network_model = false;
 };
 
 // The library's own work of quantized communication per value, in one format, on this device
@@ -79,6 +82,7 @@ struct Calibration {
   // The transport's own rate beneath a modeled link (calibrate_link on a with_network_model
   // communicator); 0: none known. On a CPU cluster the ranks' cores do that part of each collective.
   double link_copy_gbps = 0;
+  double link_copy_latency_us = 0;  // per ring step, with link_copy_gbps
   std::vector<RuntimeTiming> runtime;  // calibrate_runtime's
   std::vector<QuantizationTiming> quantization;
 
@@ -91,14 +95,14 @@ struct Calibration {
   bool empty() const { return timings.empty(); }
 
   // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L,
-  // "link_copy_gbps": C, "timings":
+  // "link_copy_gbps": C, "link_copy_latency_us": l, "timings":
   // [{"precision": "fp32"|"bf16"|"fp16", "forward_s": F, "backward_s": B, "peak_bytes": P,
   // "checkpointed_peak_bytes": C, "checkpointed_forward_s": cf, "checkpointed_backward_s": cb,
   // "small_forward_s": f, "small_backward_s": b}, ...],
   // "runtime": [{"wrap": W, "strategy": S, "sharding_factor": K, "precision": P, "activation_checkpointing": A,
   // "micro_batch": M, "world": N,
   // "all_gather_limit": A, "backward_prefetch": B, "forward_prefetch": F, "reductions_in_flight": R,
-  // "forward_s": f, "backward_s": b, "exposed_s": e, "step_s": s}, ...],
+  // "forward_s": f, "backward_s": b, "exposed_s": e, "step_s": s, "beneath_network_model": U}, ...],
   // "quantization": [{"dtype": "int8"|"fp8", "block_size": B, "pack_s": p, "pack_feedback_s": q,
   // "unpack_s": u, "sum_s": s}, ...]}
   std::string to_json() const;
@@ -141,7 +145,7 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
 // Times all-gathers among `comm`'s ranks and sets `calibration`'s link: the latency per ring step from
 // a gather of one value per rank, the bandwidth from one of `bytes_per_rank`; the mean over ranks, so
 // every rank gets the same figures. Under a modeled network (FSDP_NETWORK_MODEL) it also times the
-// real transport beneath it (link_copy_gbps). Collective: every rank calls it at once.
+// real transport beneath it (link_copy_gbps, link_copy_latency_us). Collective: every rank calls it at once.
 void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank = int64_t(1) << 20);
 
 // Makes `calibration`'s timings (calibrate()'s, per rank) the same on every rank of `comm`: each
@@ -166,7 +170,7 @@ class ProcessGroup;
 // shard pieces; null: none), and records them (the mean over ranks, the median of `repetitions`
 // after one untimed, or of more, up to ten times as many, where the untimed iteration's time over
 // the ranks says they take less than `min_timed_s`) as a runtime timing of `calibration` at `pg`'s world, replacing one of the
-// same precision, strategy, sharding factor, wrap policy and checkpointing. Two strategies timed in a precision
+// same precision, strategy, sharding factor, wrap policy, checkpointing and network model. Two strategies timed in a precision
 // (FULL_SHARD and NO_SHARD, say) let the plan tell FSDP's work per unit from its work per
 // collective; one configuration timed with and without its units checkpointed gives what
 // checkpointing changes in the passes.

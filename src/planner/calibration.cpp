@@ -200,6 +200,7 @@ std::string Calibration::to_json() const {
                    {"link_gbps", link_gbps},
                    {"link_latency_us", link_latency_us},
                    {"link_copy_gbps", link_copy_gbps},
+                   {"link_copy_latency_us", link_copy_latency_us},
                    {"timings", nlohmann::json::array()}};
   for (const auto& t : timings)
     j["timings"].push_back({{"precision", precision_name(t.precision)},
@@ -227,7 +228,8 @@ std::string Calibration::to_json() const {
                             {"forward_s", r.forward_s},
                             {"backward_s", r.backward_s},
                             {"exposed_s", r.exposed_s},
-                            {"step_s", r.step_s}});
+                            {"step_s", r.step_s},
+                            {"beneath_network_model", r.beneath_network_model}});
   j["quantization"] = nlohmann::json::array();
   for (const auto& q : quantization)
     j["quantization"].push_back({{"dtype", to_string(q.dtype)},
@@ -249,7 +251,9 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
     c.link_gbps = j.value("link_gbps", 0.0);
     c.link_latency_us = j.value("link_latency_us", 0.0);
     c.link_copy_gbps = j.value("link_copy_gbps", 0.0);
-    FSDP_CHECK(c.link_copy_gbps >= 0, source, ": link_copy_gbps must not be negative");
+    c.link_copy_latency_us = j.value("link_copy_latency_us", 0.0);
+    FSDP_CHECK(c.link_copy_gbps >= 0 && c.link_copy_latency_us >= 0, source,
+               ": link_copy_gbps and link_copy_latency_us must not be negative");
     for (const auto& t : j.at("timings")) {
       PrecisionTiming timing;
       timing.precision = precision_named(t.at("precision").get<std::string>(), source);
@@ -290,6 +294,7 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
       timing.backward_s = r.at("backward_s").get<double>();
       timing.exposed_s = r.value("exposed_s", -1.0);
       timing.step_s = r.value("step_s", -1.0);
+      timing.beneath_network_model = r.value("beneath_network_model", false);
       FSDP_CHECK(timing.micro_batch >= 1 && timing.world >= 1, source,
                  ": a runtime timing's micro_batch and world must be at least 1");
       FSDP_CHECK(timing.forward_s > 0 && timing.backward_s > 0, source, ": the ", precision_name(timing.precision),
@@ -429,7 +434,8 @@ void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_
   if (comm.size() < 2) return;  // one rank: nothing crosses a link
   std::tie(calibration.link_latency_us, calibration.link_gbps) = time_link(comm, bytes_per_rank / 4);
   const CommunicatorPtr real = modeled_inner(comm);
-  calibration.link_copy_gbps = real ? time_link(*real, bytes_per_rank / 4).second : 0;
+  std::tie(calibration.link_copy_latency_us, calibration.link_copy_gbps) =
+      real ? time_link(*real, bytes_per_rank / 4) : std::pair<double, double>(0, 0);
 }
 
 void agree_across_ranks(Calibration& calibration, Communicator& comm) {

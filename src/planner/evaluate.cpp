@@ -49,13 +49,15 @@ int shard_factor(const Candidate& c, int world) {
 // The replay of one micro-batch, with the waits on peers the runtime calibration measured: they
 // grow with the computation between the ranks' meetings, not with their number, so the
 // candidate's share of them is spread evenly over the collectives it issues.
-SimResult replay_with_waits(SimInput sim, double waits_per_compute_s, const SimMicroBatch& m) {
+SimResult replay_with_waits(SimInput sim, const RuntimeCorrection& extra, const SimMicroBatch& m) {
   sim.micro = m;
   SimResult r = simulate(sim);
-  if (waits_per_compute_s == 0 || r.collectives == 0) return r;
-  const double wait = waits_per_compute_s * r.compute_s / r.collectives;
+  const double waits = extra.waits_per_compute_s, beside = extra.beside_waits_per_compute_s;
+  if ((waits == 0 && beside == 0) || r.collectives == 0) return r;
+  const double wait = waits * r.compute_s / r.collectives;
   if (sim.comm_cpu_share > 0) {  // the compute thread's: exposed, not hidden behind it on a link
     sim.wait_per_collective_s = wait;
+    sim.beside_wait_per_collective_s = beside * r.compute_s / r.collectives;
     return simulate(sim);
   }
   for (SimUnit& su : sim.units)
@@ -310,7 +312,6 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const bool no_sync = c.no_sync && c.accumulation > 1;
   const bool deferred = c.replica_deferred && can_defer_replicas(c, world);
   const bool unsharded = c.keep_unsharded && can_keep_unsharded(c, world);
-  const double waits = extra.waits_per_compute_s;
   // The first micro-batch begins with nothing held; one between and the last begin with what the
   // one before left; all but the last end as the mode says.
   SimMicroBatch first, between_batch, last_batch;
@@ -320,12 +321,12 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   between_batch.partials_held = last_batch.partials_held = deferred;
   first.reshard_after_backward = between_batch.reshard_after_backward = !unsharded;
   between_batch.params_held = last_batch.params_held = unsharded;
-  SimResult r = replay_with_waits(sim, waits, no_sync || deferred ? first : SimMicroBatch{});
+  SimResult r = replay_with_waits(sim, extra, no_sync || deferred ? first : SimMicroBatch{});
   double step_passes_s = c.accumulation * r.step_s, step_compute_s = c.accumulation * r.compute_s,
          step_exposed_s = c.accumulation * r.exposed_s;
   if (no_sync || deferred) {
-    const SimResult last = replay_with_waits(sim, waits, last_batch);
-    const SimResult between = c.accumulation > 2 ? replay_with_waits(sim, waits, between_batch) : r;
+    const SimResult last = replay_with_waits(sim, extra, last_batch);
+    const SimResult between = c.accumulation > 2 ? replay_with_waits(sim, extra, between_batch) : r;
     const double n = c.accumulation - 2;
     step_passes_s = r.step_s + n * between.step_s + last.step_s;
     step_compute_s = r.compute_s + n * between.compute_s + last.compute_s;

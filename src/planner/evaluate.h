@@ -19,6 +19,9 @@ struct RuntimeCorrection {
   double forward_per_unit_s = 0;
   double backward_per_unit_s = 0;
   double waits_per_compute_s = 0;    // waits on peers per second of computation, spread over the collectives
+  // Waits on peers beside the modeled links' time (timed beneath the job's modeled network), per
+  // second of computation, spread over the collectives (a CPU cluster's).
+  double beside_waits_per_compute_s = 0;
   double per_collective_work_s = 0;  // FSDP's work on the compute thread for each collective it issues
   double per_step_s = 0;             // beyond the optimizer step's own prediction
   // What checkpointing changes in each pass per second of the checkpointed forward, measured

@@ -80,7 +80,8 @@ void calibrate_runtime(Calibration& calibration, FullyShardedModule& sharded, co
                                [&](const RuntimeTiming& r) {
                                  return r.precision == timed.precision && r.strategy == timed.strategy &&
                                         r.sharding_factor == timed.sharding_factor && r.wrap == timed.wrap &&
-                                        r.activation_checkpointing == timed.activation_checkpointing;
+                                        r.activation_checkpointing == timed.activation_checkpointing &&
+                                        r.beneath_network_model == timed.beneath_network_model;
                                }),
                 runtime.end());
   runtime.push_back(timed);

@@ -27,6 +27,46 @@ Candidate timed_candidate(const TimedConfiguration& t) {
   return c;
 }
 
+// The request with the calibrated link replaced by the transport beneath the modeled network.
+PlanRequest beneath_the_model(PlanRequest request) {
+  Calibration calibration = request.calibration();
+  calibration.link_gbps = calibration.link_copy_gbps;
+  calibration.link_latency_us = calibration.link_copy_latency_us;
+  calibration.link_copy_gbps = calibration.link_copy_latency_us = 0;
+  return request.calibration(calibration);
+}
+
+// The rate of waits beside the links' time whose replays of the timings taken beneath the modeled
+// network expose, in sum, what those timings measured (bisection: exposure grows with the rate).
+double beside_waits(const std::vector<const TimedConfiguration*>& beneath, const Cluster& cluster, int world,
+                    const PlanRequest& request) {
+  const PlanRequest copy_link = beneath_the_model(request);
+  double measured = 0, computation = 0;
+  for (const TimedConfiguration* t : beneath) {
+    measured += t->timing->exposed_s;
+    computation += t->timing->forward_s + t->timing->backward_s - t->timing->exposed_s;
+  }
+  auto exposed = [&](double rate) {
+    RuntimeCorrection with;
+    with.beside_waits_per_compute_s = rate;
+    double sum = 0;
+    for (const TimedConfiguration* t : beneath) {
+      Replayed replay;
+      evaluate(t->model, timed_candidate(*t), cluster, world, copy_link, &with, &replay);
+      sum += replay.exposed_s;
+    }
+    return sum;
+  };
+  if (computation <= 0 || exposed(0) >= measured) return 0;
+  double low = 0, high = measured / computation;
+  for (int i = 0; i < 30 && exposed(high) < measured; ++i) low = high, high *= 2;
+  for (int i = 0; i < 40; ++i) {
+    const double middle = (low + high) / 2;
+    (exposed(middle) < measured ? low : high) = middle;
+  }
+  return (low + high) / 2;
+}
+
 }  // namespace
 
 RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& timed, const Cluster& cluster, int world,
@@ -37,15 +77,27 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   double waits = 0, computation = 0, steps = 0, forward_share = -1;
   int stepped = 0;
   std::vector<std::array<double, 3>> rows;  // units, collectives, work
-  std::vector<const TimedConfiguration*> checkpointed;
+  std::vector<const TimedConfiguration*> checkpointed, beneath;
+  // Beneath a modeled link on a CPU cluster, the waits the ranks have without the link (timed
+  // beneath it) stand beside the link's time; the modeled timings' waits beyond those are added.
+  const Calibration& calibration = request.calibration();
+  for (const TimedConfiguration& t : timed)
+    if (t.timing->beneath_network_model && !t.timing->activation_checkpointing && t.timing->exposed_s >= 0)
+      beneath.push_back(&t);
+  if (cluster.device_is_host && calibration.link_gbps > 0 && calibration.link_copy_gbps > calibration.link_gbps &&
+      !beneath.empty())
+    out.beside_waits_per_compute_s = beside_waits(beneath, cluster, world, request);
+  RuntimeCorrection beside;
+  beside.beside_waits_per_compute_s = out.beside_waits_per_compute_s;
   for (const TimedConfiguration& t : timed) {
     const RuntimeTiming& timing = *t.timing;
-    if (timing.activation_checkpointing) {  // not FSDP's work: what checkpointing changes, below
+    if (timing.beneath_network_model) continue;  // another link than the job's: its waits only, above
+    if (timing.activation_checkpointing) {       // not FSDP's work: what checkpointing changes, below
       checkpointed.push_back(&t);
       continue;
     }
     Replayed replay;
-    evaluate(t.model, timed_candidate(t), cluster, world, request, nullptr, &replay);
+    evaluate(t.model, timed_candidate(t), cluster, world, request, &beside, &replay);
     if (replay.units == 0) continue;
     if (timing.step_s >= 0) steps += timing.step_s - replay.optimizer_s, ++stepped;
     const bool waits_measured = timing.exposed_s >= 0 && replay.collectives > 0;
@@ -92,7 +144,7 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
     const RuntimeTiming& with = *t->timing;
     for (const TimedConfiguration& plain : timed) {
       const RuntimeTiming& without = *plain.timing;
-      if (without.activation_checkpointing || without.strategy != with.strategy ||
+      if (without.activation_checkpointing || without.beneath_network_model || without.strategy != with.strategy ||
           without.sharding_factor != with.sharding_factor || without.wrap != with.wrap ||
           without.micro_batch != with.micro_batch)
         continue;

@@ -172,11 +172,10 @@ class Replay {
     const double waited = std::max(0.0, copying + in_.wait_per_collective_s);  // negative waits: at most the copy
     exposed_ += waited;
     now_ += waited;
-    if (copying >= duration) return now_;
+    const double peers = now_ + in_.beside_wait_per_collective_s;  // the peers' arrival, beside the link
+    if (copying >= duration) return peers;
     const int lane = in_.separate_lanes && reduction ? 1 : 0;
-    const double start = std::max(now_, lane_free_[lane]);
-    lane_free_[lane] = start + duration - copying;
-    return lane_free_[lane];
+    return lane_free_[lane] = std::max(std::max(now_, lane_free_[lane]) + duration - copying, peers);
   }
   void wait_until(double t) {
     if (t <= now_) return;

@@ -101,6 +101,9 @@ struct SimInput {
   // Waits on peers beyond the modeled collectives, on the compute thread at each collective issued
   // (a CPU cluster's; elsewhere the waits lengthen the collectives instead).
   double wait_per_collective_s = 0;
+  // Waits on peers beside the links' time (a CPU cluster's, beneath a modeled link): a collective
+  // lands no earlier than this long after its issue, however fast its link.
+  double beside_wait_per_collective_s = 0;
   double step_s = 0;  // the optimizer step after backward
   // The step in backward: each FlatParameter's pieces stepped as its reduction lands (0: off).
   double step_s_per_element = 0;
