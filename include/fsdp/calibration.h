@@ -82,7 +82,7 @@ struct Calibration {
   // The transport's own rate beneath a modeled link (calibrate_link on a with_network_model
   // communicator); 0: none known. On a CPU cluster the ranks' cores do that part of each collective.
   double link_copy_gbps = 0;
-  double link_copy_latency_us = 0;  // per ring step, with link_copy_gbps
+  double link_copy_latency_us = 0;     // per ring step, with link_copy_gbps
   std::vector<RuntimeTiming> runtime;  // calibrate_runtime's
   std::vector<QuantizationTiming> quantization;
 

@@ -18,7 +18,7 @@ struct ModelView {
 struct RuntimeCorrection {
   double forward_per_unit_s = 0;
   double backward_per_unit_s = 0;
-  double waits_per_compute_s = 0;    // waits on peers per second of computation, spread over the collectives
+  double waits_per_compute_s = 0;  // waits on peers per second of computation, spread over the collectives
   // Waits on peers beside the modeled links' time (timed beneath the job's modeled network), per
   // second of computation, spread over the collectives (a CPU cluster's).
   double beside_waits_per_compute_s = 0;
