@@ -40,10 +40,17 @@ MODELS = {
     "L": ["--layers", "2", "--width", "256", "--heads", "8", "--context", "64"],
     "XL": ["--layers", "4", "--width", "512", "--heads", "8", "--context", "128"],
 }
+# The ranks' transport: shared memory, or the modeled network over it with one rank per host.
+NETWORKS = {
+    "shm": {},
+    "10 Gbit/s": {"FSDP_NETWORK_MODEL": "gbps=1.25,ranks_per_host=1"},
+    "1 Gbit/s": {"FSDP_NETWORK_MODEL": "gbps=0.125,ranks_per_host=1"},
+    "1 Gbit/s, 2 per host": {"FSDP_NETWORK_MODEL": "intra_gbps=12.5,inter_gbps=0.125,ranks_per_host=2"},
+}
 
 
 def matrix():
-    """(world, model, strategy flags, checkpointing, precision) for every run."""
+    """(world, model, strategy flags, checkpointing, precision, network) for every run."""
     runs = []
     for model in "SML":
         for mp in ("none", "bf16"):
@@ -78,6 +85,15 @@ def matrix():
     # Deterministic training: exact integer sums reduced, micro-batches accumulated under no_sync.
     runs.append((2, "M", ["--strategy", "FULL_SHARD", "--deterministic"], False, "none"))
     runs.append((4, "M", ["--strategy", "FULL_SHARD", "--deterministic", "--grad-accum", "2"], False, "bf16"))
+    runs = [r + ("shm",) for r in runs]
+    # Over the modeled network between hosts: the link's time, and the waits beside it.
+    for world in (2, 4):
+        runs.append((world, "M", ["--strategy", "FULL_SHARD"], False, "none", "1 Gbit/s"))
+        runs.append((world, "M", ["--strategy", "FULL_SHARD"], False, "bf16", "10 Gbit/s"))
+        runs.append((world, "M", ["--strategy", "SHARD_GRAD_OP"], False, "none", "10 Gbit/s"))
+        runs.append((world, "M", ["--strategy", "NO_SHARD"], False, "none", "1 Gbit/s"))
+    runs.append((4, "L", ["--strategy", "FULL_SHARD"], True, "none", "10 Gbit/s"))
+    runs.append((4, "M", ["--strategy", "HYBRID_SHARD", "--sharding-factor", "2"], False, "none", "1 Gbit/s, 2 per host"))
     return runs
 
 
@@ -88,27 +104,28 @@ def free_port():
         return s.getsockname()[1]
 
 
-def calibration(build, world, model, mp, tmp):
+def calibration(build, world, model, mp, network, tmp):
     """A calibration for (world, model, precision), made by a short job just before the run it serves
     (the machine's speed drifts), whose ranks all time the model at once (--calibrate) and copies of it
     sharded FULL_SHARD and NO_SHARD by block through the runtime; a separate job, so the measured
     run's resident set does not include it."""
-    path = os.path.join(tmp, f"calibration-{world}-{model}-{mp}.json")
+    path = os.path.join(tmp, f"calibration-{world}-{model}-{mp}-{network.replace(' ', '').replace('/', '')}.json")
     cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
            str(free_port()), os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + [
                "--batch-per-rank", "4", "--steps", "1", "--warmup", "0", "--eval-batches", "1", "--sample-bytes",
                "0", "--mixed-precision", mp, "--plan-file", os.path.join(tmp, "calibration-plan.jsonl"),
                "--calibrate", "--calibration-file", path,
                "--activation-checkpointing"]  # the copy's blocks checkpointed: both memory figures
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **NETWORKS[network])
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
     if out.returncode != 0:
         sys.exit("failed: " + " ".join(cmd) + "\n" + out.stdout[-3000:] + out.stderr[-3000:])
     return path
 
 
-def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
+def run_one(build, world, model, strategy, checkpointing, mp, network, tmp, cal=None):
     """One measured run, predicted with the calibration file `cal` (None: one made just before)."""
-    cal = cal or calibration(build, world, model, mp, tmp)
+    cal = cal or calibration(build, world, model, mp, network, tmp)
     # Windows long enough that a passing disturbance of the machine does not fill one: from the
     # calibration job's own plan (the model's step, give or take its configuration).
     with open(os.path.join(tmp, "calibration-plan.jsonl")) as f:
@@ -128,7 +145,7 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
                "--metrics-file", metrics, "--measure-exposed-comm"]
     if checkpointing:
         cmd.append("--activation-checkpointing")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **NETWORKS[network])
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
     if out.returncode != 0:
         sys.exit("failed: " + " ".join(cmd) + "\n" + out.stdout[-3000:] + out.stderr[-3000:])
@@ -143,11 +160,12 @@ def run_one(build, world, model, strategy, checkpointing, mp, tmp, cal=None):
     return {"cmd": cmd, "rss": rss, "measured": measured, "plan": plan, "interval": interval}
 
 
-def row(i, world, model, r):
+def row(i, world, model, network, r):
     """The table row of run i + 1 from run_one's result r."""
     p, m = r["plan"], r["measured"]
     return {
-        "run": i + 1, "world": world, "model": model, "config": p["configuration"], "interval": r["interval"],
+        "run": i + 1, "world": world, "model": model, "network": network, "config": p["configuration"],
+        "interval": r["interval"],
         "params": (m["fsdp_param_peak_bytes"], p["params_bytes"]),
         "grads": (m["fsdp_grad_peak_bytes"], p["grads_bytes"]),
         "fsdp": (m["fsdp_param_peak_bytes"] + m["fsdp_grad_peak_bytes"], p["params_bytes"] + p["grads_bytes"]),
@@ -184,10 +202,11 @@ def main():
     rows = {i: [] for i, _ in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         for t in range(rounds):
-            for i, (world, model, strategy, checkpointing, mp) in chosen:
-                r = row(i, world, model, run_one(build, world, model, strategy, checkpointing, mp, tmp))
+            for i, (world, model, strategy, checkpointing, mp, network) in chosen:
+                r = row(i, world, model, network, run_one(build, world, model, strategy, checkpointing, mp, network,
+                                                          tmp))
                 rows[i].append(r)
-                print(f"{'' if rounds == 1 else f'round {t + 1}/{rounds} '}run {i + 1} world {world} {model} "
+                print(f"{'' if rounds == 1 else f'round {t + 1}/{rounds} '}run {i + 1} world {world} {model} {network} "
                       f"{r['config']}: fsdp {r['fsdp'][0] / r['fsdp'][1]:.4f} rss {r['rss'][0] / r['rss'][1]:.3f} "
                       f"step {r['step'][0] / r['step'][1]:.2f} exposed {r['exposed'][0] * 100:.1f} / "
                       f"{r['exposed'][1] * 100:.1f}", flush=True)
@@ -237,6 +256,9 @@ def write(args, rows, started, finished, commit, load_start, load_end):
     others = [r for r in rows if not timed(r)]
     others_step_ok = sum(1 for r in others if abs(ratio(r["step"]) - 1) <= 0.15)
     others_exposed_ok = sum(1 for r in others if abs(r["exposed"][0] - r["exposed"][1]) <= 0.05)
+    modeled = [r for r in rows if r["network"] != "shm"]
+    modeled_step_ok = sum(1 for r in modeled if abs(ratio(r["step"]) - 1) <= 0.15)
+    modeled_exposed_ok = sum(1 for r in modeled if abs(r["exposed"][0] - r["exposed"][1]) <= 0.05)
     cmd = "bench/planner.py " + os.path.relpath(os.path.abspath(args.build), ROOT) + (
         f" --only {args.only}" if args.only else "")
     lines = [
@@ -253,7 +275,9 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         f"(N+{WINDOWS})K --log-interval K --plan-file ...` (one thread per rank), K the steps the calibration job "
         f"predicts in {WINDOW_S} s, at least 3 (K = 3 to {max(r['interval'] for r in rows)} here), N K the "
         f"first multiple of K from {WARMUP_STEPS} steps on: a warm-up, over which the heap grows to its peak "
-        "(the trainer's `--malloc keep`, its default: Note [glibc malloc]). Models: S = 2 layers x width 64, M = 4 x 128, "
+        "(the trainer's `--malloc keep`, its default: Note [glibc malloc]). Network: shared memory (`shm`), or the "
+        "modeled network over it between hosts of one rank each (`FSDP_NETWORK_MODEL=gbps=1.25,ranks_per_host=1` for "
+        "10 Gbit/s, `gbps=0.125` for 1 Gbit/s), for the calibration job and the run alike. Models: S = 2 layers x width 64, M = 4 x 128, "
         "L = 2 x 256, context 64; XL = 4 x 512, context 128; vocabulary 256. Measured, from rank 0's "
         "`--metrics-file` with `--measure-exposed-comm`: its `memory_stats()` peaks over the last logged window "
         "(the last K steps), its resident set's peak during training (`rss_peak_bytes`: VmHWM restarted when "
@@ -285,16 +309,18 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         f"- The runs in another configuration than the one the runtime calibration times: step time within 15% in "
         f"**{others_step_ok} of {len(others)}**, exposed share within 5 points in **{others_exposed_ok} of "
         f"{len(others)}**.",
+        f"- The runs over the modeled network: step time within 15% in **{modeled_step_ok} of {len(modeled)}**, "
+        f"exposed share within 5 points in **{modeled_exposed_ok} of {len(modeled)}**.",
         "",
-        "| # | world | model | configuration | params MiB meas. / pred. | grads MiB meas. / pred. | FSDP meas. / pred. "
+        "| # | world | network | model | configuration | params MiB meas. / pred. | grads MiB meas. / pred. | FSDP meas. / pred. "
         "| activations MiB pred. | workspace MiB pred. | process MiB | training peak RSS MiB meas. / pred. | RSS meas. / "
         "pred. | beyond process meas. / pred. | whole run peak RSS MiB | step ms meas. / pred. | exposed % meas. / "
         "pred. |",
-        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['run']} | {r['world']} | {r['model']} | {r['config']} | {mib(r['params'][0])} / {mib(r['params'][1])} "
+            f"| {r['run']} | {r['world']} | {r['network']} | {r['model']} | {r['config']} | {mib(r['params'][0])} / {mib(r['params'][1])} "
             f"| {mib(r['grads'][0])} / {mib(r['grads'][1])} | {ratio(r['fsdp']):.4f} | {mib(r['activations'])} "
             f"| {mib(r['workspace'])} | {mib(r['process'])} | {mib(r['rss'][0])} / {mib(r['rss'][1])} "
             f"| {ratio(r['rss']):.3f} | {tensors(r):.3f} | {mib(r['run_rss'])} "
@@ -358,15 +384,15 @@ def write_repeat(args, rows, started, finished, commit, load_start, load_end):
         f"configuration spans {min(predicted_span) * 100:.1f} to {max(predicted_span) * 100:.1f} points (median "
         f"{statistics.median(predicted_span) * 100:.1f}): each run's calibration is measured anew.",
         "",
-        "| # | world | model | configuration | step ms measured | step ms predicted | step within 15% | best one "
+        "| # | world | network | model | configuration | step ms measured | step ms predicted | step within 15% | best one "
         "figure | exposed % measured | exposed % predicted | exposed within 5 points | best one figure | measured "
         "exposed span (points) |",
-        "| ---: | ---: | --- | --- | --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+        "| ---: | ---: | --- | --- | --- | --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
     ]
     for k, rs in enumerate(runs):
         r0 = rs[0]
         lines.append(
-            f"| {r0['run']} | {r0['world']} | {r0['model']} | {r0['config']} "
+            f"| {r0['run']} | {r0['world']} | {r0['network']} | {r0['model']} | {r0['config']} "
             f"| {spread([r['step'][0] for r in rs], 1e3)} | {spread([r['step'][1] for r in rs], 1e3)} "
             f"| {step_ok[k]} of {len(rs)} | {step_best[k]} of {len(rs)} "
             f"| {spread([r['exposed'][0] for r in rs], 100)} | {spread([r['exposed'][1] for r in rs], 100)} "

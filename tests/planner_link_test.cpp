@@ -54,6 +54,45 @@ TEST(PlannerLink, CalibrateLinkTimesTheTransportBeneathAModeledNetwork) {
   EXPECT_TRUE(contains(r.ranks[0].output, "links calibrated")) << r.report();
 }
 
+// Under a modeled network of two hosts of two ranks, calibrate_link over the process group times
+// the link between hosts and each host's own.
+FSDP_WORKER(host_link_calibration_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const double intra = 0.2, inter = 0.05;  // both far below what shared memory copies
+  pg->set_network_model(fsdp::NetworkModel()
+                            .intra(fsdp::Link().bandwidth_gbps(intra))
+                            .inter(fsdp::Link().bandwidth_gbps(inter))
+                            .ranks_per_host(2));
+  fsdp::Calibration c;
+  fsdp::calibrate_link(c, *pg);
+  WORKER_CHECK(c.link_ranks_per_host == 2, "ranks per host ", c.link_ranks_per_host, ", not 2");
+  WORKER_CHECK(c.link_gbps > 0.7 * inter && c.link_gbps < 1.3 * inter, "between hosts: ", c.link_gbps,
+               " GB/s, not about ", inter);
+  WORKER_CHECK(c.intra_link_gbps > 0.7 * intra && c.intra_link_gbps < 1.3 * intra, "within a host: ", c.intra_link_gbps,
+               " GB/s, not about ", intra);
+  WORKER_CHECK(c.link_copy_gbps > 4 * c.intra_link_gbps, "the transport beneath: ", c.link_copy_gbps, " GB/s");
+  c.tokens = 1;  // a file needs its tokens
+  const auto saved = fsdp::Calibration::from_json(c.to_json());
+  WORKER_CHECK(saved.link_ranks_per_host == 2 && saved.intra_link_gbps == c.intra_link_gbps &&
+                   saved.intra_link_latency_us == c.intra_link_latency_us,
+               "the link within a host does not survive a file");
+  pg->set_network_model(fsdp::NetworkModel()
+                            .intra(fsdp::Link().bandwidth_gbps(intra))
+                            .inter(fsdp::Link().bandwidth_gbps(inter))
+                            .ranks_per_host(1));
+  fsdp::Calibration one;
+  fsdp::calibrate_link(one, *pg);  // one rank per host: one link
+  WORKER_CHECK(one.link_ranks_per_host == 0 && one.intra_link_gbps == 0,
+               "one rank per host timed a host link: ", one.intra_link_gbps, " GB/s");
+  if (pg->rank() == 0) std::cout << "host links calibrated" << std::endl;
+}
+
+TEST(PlannerLink, CalibrateLinkOverAProcessGroupTimesTheLinkWithinAHost) {
+  auto r = launch("host_link_calibration_worker", 4);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "host links calibrated")) << r.report();
+}
+
 fsdp::TimePrediction predicted(double link_gbps, double link_copy_gbps) {
   fsdp::DeferredInit deferred;
   LinearBlocks model(256, 4);
@@ -143,6 +182,49 @@ TEST(PlannerLink, WaitsTimedBeneathAModeledLinkStandBesideItsTime) {
   const auto middle_plain = predicted_with(0.05, {}), middle = predicted_with(0.05, {beneath});
   EXPECT_GT(middle.exposed_comm_s, middle_plain.exposed_comm_s + 1e-6);
   EXPECT_LT(middle.exposed_comm_s, middle_plain.exposed_comm_s + beneath.exposed_s);
+}
+
+// World 4 as two hosts of two ranks, linked at 0.05 GB/s, over a transport copying at 2 GB/s; each
+// host's own link at `intra_gbps` (0: not calibrated).
+fsdp::TimePrediction predicted_on_hosts(fsdp::ShardingStrategy strategy, double intra_gbps) {
+  fsdp::DeferredInit deferred;
+  LinearBlocks model(256, 4);
+  fsdp::Calibration c;
+  c.link_gbps = 0.05;
+  c.link_copy_gbps = 2;
+  c.link_ranks_per_host = intra_gbps > 0 ? 2 : 0;
+  c.intra_link_gbps = intra_gbps;
+  const auto request = fsdp::PlanRequest()
+                           .world(4)
+                           .global_batch(4)
+                           .seq_len(8)
+                           .micro_batches({1})
+                           .strategies({strategy})
+                           .hybrid_factors({2})
+                           .reshard_after_forward_sizes({0})
+                           .wrap_policies({{"block", fsdp::wrap::by_type<torch::nn::SequentialImpl>()}})
+                           .activation_checkpointing({false})
+                           .cpu_offload({false})
+                           .precisions({at::kFloat})
+                           .calibration(c);
+  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x4"), request);
+  EXPECT_EQ(plan.entries.size(), 1U) << plan.table();
+  return plan.entries.empty() ? fsdp::TimePrediction() : plan.entries.front().time;
+}
+
+TEST(PlannerLink, GroupsWithinAHostUseTheHostsCalibratedLink) {
+  // HYBRID_SHARD's shard groups are each host's two ranks: their gathers and reduce-scatters move
+  // at the host's link, and only the replica all-reduce crosses hosts.
+  const auto one_link = predicted_on_hosts(fsdp::ShardingStrategy::kHybridShard, 0);
+  const auto hosts = predicted_on_hosts(fsdp::ShardingStrategy::kHybridShard, 1.0);
+  EXPECT_EQ(hosts.compute_s, one_link.compute_s);
+  EXPECT_LT(hosts.exposed_comm_s, 0.5 * one_link.exposed_comm_s);
+  EXPECT_GT(hosts.exposed_comm_s, 0);
+  // FULL_SHARD's groups span the hosts: the host's link changes nothing.
+  const auto full = predicted_on_hosts(fsdp::ShardingStrategy::kFullShard, 0);
+  const auto full_hosts = predicted_on_hosts(fsdp::ShardingStrategy::kFullShard, 1.0);
+  EXPECT_EQ(full_hosts.step_s, full.step_s);
+  EXPECT_EQ(full_hosts.exposed_comm_s, full.exposed_comm_s);
 }
 
 }  // namespace

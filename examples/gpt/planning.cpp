@@ -359,7 +359,7 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
     if (pg.size() > 1) pg.world()->barrier();
     calibration = calibrate_gpt(config, flags_only);
     fsdp::agree_across_ranks(calibration, *pg.world());  // the same figures on every rank: the same plan
-    fsdp::calibrate_link(calibration, *pg.world());
+    fsdp::calibrate_link(calibration, pg);
     calibrate_gpt_runtime(config, pg_ptr, flags_only, calibration);
     if (pg.rank() == 0 && !config.calibration_file.empty()) calibration.save(config.calibration_file);
   } else if (!config.calibration_file.empty()) {

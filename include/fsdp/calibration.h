@@ -82,7 +82,12 @@ struct Calibration {
   // The transport's own rate beneath a modeled link (calibrate_link on a with_network_model
   // communicator); 0: none known. On a CPU cluster the ranks' cores do that part of each collective.
   double link_copy_gbps = 0;
-  double link_copy_latency_us = 0;     // per ring step, with link_copy_gbps
+  double link_copy_latency_us = 0;  // per ring step, with link_copy_gbps
+  // Within one host of `link_ranks_per_host` consecutive ranks, where the job spans several
+  // (calibrate_link over a ProcessGroup); link_gbps is then the link between hosts. 0: one link.
+  int link_ranks_per_host = 0;
+  double intra_link_gbps = 0;
+  double intra_link_latency_us = 0;    // per ring step, with intra_link_gbps
   std::vector<RuntimeTiming> runtime;  // calibrate_runtime's
   std::vector<QuantizationTiming> quantization;
 
@@ -95,7 +100,8 @@ struct Calibration {
   bool empty() const { return timings.empty(); }
 
   // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L,
-  // "link_copy_gbps": C, "link_copy_latency_us": l, "timings":
+  // "link_copy_gbps": C, "link_copy_latency_us": l, "link_ranks_per_host": H, "intra_link_gbps": I,
+  // "intra_link_latency_us": i, "timings":
   // [{"precision": "fp32"|"bf16"|"fp16", "forward_s": F, "backward_s": B, "peak_bytes": P,
   // "checkpointed_peak_bytes": C, "checkpointed_forward_s": cf, "checkpointed_backward_s": cb,
   // "small_forward_s": f, "small_backward_s": b}, ...],
@@ -142,11 +148,17 @@ struct CalibrateOptions {
 Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int64_t tokens,
                       const CalibrateOptions& options = {});
 
+class ProcessGroup;
+
 // Times all-gathers among `comm`'s ranks and sets `calibration`'s link: the latency per ring step from
 // a gather of one value per rank, the bandwidth from one of `bytes_per_rank`; the mean over ranks, so
 // every rank gets the same figures. Under a modeled network (FSDP_NETWORK_MODEL) it also times the
 // real transport beneath it (link_copy_gbps, link_copy_latency_us). Collective: every rank calls it at once.
 void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank = int64_t(1) << 20);
+// The same over `pg`'s world, and where its ranks span hosts of several ranks each (the modeled
+// network's ranks_per_host, else LOCAL_WORLD_SIZE), over each host's ranks too: intra_link_gbps,
+// intra_link_latency_us and link_ranks_per_host, the mean over hosts. Collective over `pg`.
+void calibrate_link(Calibration& calibration, ProcessGroup& pg, int64_t bytes_per_rank = int64_t(1) << 20);
 
 // Makes `calibration`'s timings (calibrate()'s, per rank) the same on every rank of `comm`: each
 // time the mean over ranks, each memory peak the largest (a plan must fit on every rank), so that
@@ -162,7 +174,6 @@ QuantizationTiming calibrate_quantization(const Quantization& format, int64_t va
                                           int repetitions = 3, double min_timed_s = 0.25);
 
 class FullyShardedModule;
-class ProcessGroup;
 
 // Times training iterations of `sharded` (a throwaway copy of the model wrapped as `timed`
 // describes): `loss()` (one forward of `timed.micro_batch` sequences), its backward through the FSDP

@@ -201,6 +201,9 @@ std::string Calibration::to_json() const {
                    {"link_latency_us", link_latency_us},
                    {"link_copy_gbps", link_copy_gbps},
                    {"link_copy_latency_us", link_copy_latency_us},
+                   {"link_ranks_per_host", link_ranks_per_host},
+                   {"intra_link_gbps", intra_link_gbps},
+                   {"intra_link_latency_us", intra_link_latency_us},
                    {"timings", nlohmann::json::array()}};
   for (const auto& t : timings)
     j["timings"].push_back({{"precision", precision_name(t.precision)},
@@ -254,6 +257,11 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
     c.link_copy_latency_us = j.value("link_copy_latency_us", 0.0);
     FSDP_CHECK(c.link_copy_gbps >= 0 && c.link_copy_latency_us >= 0, source,
                ": link_copy_gbps and link_copy_latency_us must not be negative");
+    c.link_ranks_per_host = j.value("link_ranks_per_host", 0);
+    c.intra_link_gbps = j.value("intra_link_gbps", 0.0);
+    c.intra_link_latency_us = j.value("intra_link_latency_us", 0.0);
+    FSDP_CHECK(c.link_ranks_per_host >= 0 && c.intra_link_gbps >= 0 && c.intra_link_latency_us >= 0, source,
+               ": link_ranks_per_host, intra_link_gbps and intra_link_latency_us must not be negative");
     for (const auto& t : j.at("timings")) {
       PrecisionTiming timing;
       timing.precision = precision_named(t.at("precision").get<std::string>(), source);
@@ -398,44 +406,6 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
       c.quantization.push_back(calibrate_quantization(q, values, device, options.repetitions(), options.min_timed_s()));
   }
   return c;
-}
-
-namespace {
-
-// The mean over `comm`'s ranks of their link's latency per ring step (us) and bandwidth (GB/s), from
-// all-gathers of one value and of `values` values per rank.
-std::pair<double, double> time_link(Communicator& comm, int64_t values) {
-  const int n = comm.size();
-  auto gather_s = [&](int64_t count, int repetitions) {
-    auto in = torch::ones({count}), out = torch::empty({count * n});
-    std::vector<double> times;
-    for (int i = 0; i <= repetitions; ++i) {
-      comm.barrier();
-      const auto start = Clock::now();
-      comm.all_gather_into(out, in)->wait();
-      if (i > 0) times.push_back(seconds_since(start));
-    }
-    return median(times);
-  };
-  const double small = gather_s(1, 15), large = gather_s(values, 5);
-  auto both = torch::tensor({small, large}, torch::kDouble);
-  comm.all_reduce(both)->wait();
-  const double mean_small = both[0].item<double>() / n, mean_large = both[1].item<double>() / n;
-  // Inverts modeled_seconds' ring model: (n - 1) steps of latency plus the wire bytes at the bandwidth.
-  const double per_latency_us = modeled_seconds(Collective::kAllGather, 0, n, Link().latency_us(1));
-  const double per_gbps = modeled_seconds(Collective::kAllGather, values * 4 * n, n, Link().bandwidth_gbps(1));
-  return {mean_small / per_latency_us, per_gbps / std::max(mean_large - mean_small, 1e-9)};
-}
-
-}  // namespace
-
-void calibrate_link(Calibration& calibration, Communicator& comm, int64_t bytes_per_rank) {
-  FSDP_CHECK(bytes_per_rank >= 4, "fsdp::calibrate_link: bytes_per_rank must be at least 4, got ", bytes_per_rank);
-  if (comm.size() < 2) return;  // one rank: nothing crosses a link
-  std::tie(calibration.link_latency_us, calibration.link_gbps) = time_link(comm, bytes_per_rank / 4);
-  const CommunicatorPtr real = modeled_inner(comm);
-  std::tie(calibration.link_copy_latency_us, calibration.link_copy_gbps) =
-      real ? time_link(*real, bytes_per_rank / 4) : std::pair<double, double>(0, 0);
 }
 
 void agree_across_ranks(Calibration& calibration, Communicator& comm) {

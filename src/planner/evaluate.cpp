@@ -92,15 +92,23 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const double peak_flops =
       (c.precision == at::kFloat ? cluster.device.peak_flops_fp32 : cluster.device.peak_flops_16) *
       cluster.device.matmul_efficiency;
-  // A calibrated link (the job's own ranks, measured) replaces both of the cluster's.
+  // A calibrated link (the job's own ranks, measured) replaces both of the cluster's; where the
+  // calibration also timed each host's ranks, groups of consecutive ranks within a host use that.
   const Calibration& calibration = request.calibration();
   const bool measured_link = calibration.link_gbps > 0;
   const Link measured = Link().bandwidth_gbps(calibration.link_gbps).latency_us(calibration.link_latency_us);
-  const Link& shard_link = measured_link ? measured : cluster.link_for_group(F);
-  const Link& world_link = measured_link ? measured : cluster.link_for_group(world);
+  const Link measured_intra =
+      Link().bandwidth_gbps(calibration.intra_link_gbps).latency_us(calibration.intra_link_latency_us);
+  const int per_host = calibration.intra_link_gbps > 0 ? calibration.link_ranks_per_host : 0;
+  auto link_for = [&](int n) -> const Link& {
+    if (!measured_link) return cluster.link_for_group(n);
+    return per_host > 0 && per_host % n == 0 ? measured_intra : measured;
+  };
+  const Link& shard_link = link_for(F);
+  const Link& world_link = link_for(world);
   const Link& replica_link = measured_link ? measured : cluster.inter;
   const int k = c.reshard_after_forward_size;
-  const Link& hpz_link = measured_link ? measured : cluster.link_for_group(std::max(k, 1));
+  const Link& hpz_link = link_for(std::max(k, 1));
   const double host_bps = cluster.host_device_gbps * 1e9;
   const Options options = c.options();
 
@@ -302,10 +310,16 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   sim.separate_lanes = cluster.separate_comm_lanes;
   // On a CPU cluster the transport copies on the compute cores; beneath a slower modeled link, the
   // links' time beyond the copies overlaps the computation.
-  if (cluster.device_is_host)
-    sim.comm_cpu_share = measured_link && calibration.link_copy_gbps > calibration.link_gbps
-                             ? calibration.link_gbps / calibration.link_copy_gbps
-                             : 1.0;
+  if (cluster.device_is_host) {
+    auto cpu_share = [&](const Link& link) {
+      return measured_link && calibration.link_copy_gbps > link.bandwidth_gbps()
+                 ? link.bandwidth_gbps() / calibration.link_copy_gbps
+                 : 1.0;
+    };
+    sim.comm_cpu_share = cpu_share(world_link);
+    sim.shard_cpu_share = cpu_share(F == 1 ? world_link : shard_link);
+    sim.hpz_cpu_share = cpu_share(hpz_link);
+  }
   // One micro-batch, or with no_sync or replica-deferred reductions the first, one of those between
   // and the last (which reduces the sum, or reduces across replicas); their peaks are the step's,
   // their times add up.

@@ -33,6 +33,7 @@ PlanRequest beneath_the_model(PlanRequest request) {
   calibration.link_gbps = calibration.link_copy_gbps;
   calibration.link_latency_us = calibration.link_copy_latency_us;
   calibration.link_copy_gbps = calibration.link_copy_latency_us = 0;
+  calibration.link_ranks_per_host = 0;  // one transport within and between the modeled hosts
   return request.calibration(calibration);
 }
 

@@ -165,22 +165,20 @@ class Replay {
     for (const int64_t b : {f.gather_input_bytes, f.packed_shard_bytes, f.packed_gathered_bytes})
       mem_.param_buffer(b, n);
   }
-  double issue(double duration, bool reduction) {
+  double issue(double duration, double share, bool reduction) {
     ++r_.collectives;
     // The transport's copies take the compute thread's time (all exposed); the rest is on the links.
-    const double copying = std::min(1.0, in_.comm_cpu_share) * duration;
+    const double copying = std::min(1.0, share) * duration;
     const double waited = std::max(0.0, copying + in_.wait_per_collective_s);  // negative waits: at most the copy
-    exposed_ += waited;
-    now_ += waited;
+    wait_until(now_ + waited);
     const double peers = now_ + in_.beside_wait_per_collective_s;  // the peers' arrival, beside the link
     if (copying >= duration) return peers;
     const int lane = in_.separate_lanes && reduction ? 1 : 0;
     return lane_free_[lane] = std::max(std::max(now_, lane_free_[lane]) + duration - copying, peers);
   }
   void wait_until(double t) {
-    if (t <= now_) return;
-    exposed_ += t - now_;
-    now_ = t;
+    exposed_ += std::max(0.0, t - now_);
+    now_ = std::max(now_, t);
   }
   void compute(double s) {
     now_ += s;
@@ -229,7 +227,8 @@ class Replay {
       mem_.param_buffer(f.unsharded_bytes, 1);
       if (!part) gather_inputs(f, 1);
       compute(f.issue_work_s + (part ? 0.0 : f.gather_pack_s));
-      end = std::max(end, issue(part ? f.post_forward_gather_s : f.gather_s, false));
+      end = std::max(end, part ? issue(f.post_forward_gather_s, in_.hpz_cpu_share, false)
+                               : issue(f.gather_s, in_.shard_cpu_share, false));
     }
     parts_[u] = 0;
     gathering_parts_[u] = from_parts ? 1 : 0;
@@ -430,24 +429,27 @@ class Replay {
       const double step_s = f.step_elements * in_.step_s_per_element;
       const bool replicas = f.replica_reduce_s > 0 || f.replica_land_s > 0;
       if (in_.micro.defer_replicas) {  // the shard group's sums only: the first become the partial sums
-        const double end = issue(f.reduce_s - f.replica_reduce_s, true);
+        const double end = issue(f.reduce_s - f.replica_reduce_s, in_.shard_cpu_share, true);
         reductions_.push_back(
             {f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], held, f.reduce_land_s, 0});
       } else if (partials_[u]) {  // the reduce-scatter waited for, the partial sums added, then the all-reduce
-        wait_until(issue(f.reduce_s - f.replica_reduce_s, true));
+        wait_until(issue(f.reduce_s - f.replica_reduce_s, in_.shard_cpu_share, true));
         compute(f.reduce_land_s + f.replica_pack_s);
         take_packed(held, -1);
         mem_.grad_buffer(f.reduce_output_bytes, -1);
         take_packed(f.replica_packed, 1);
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.replica_reduce_s, true), false,
-                               f.replica_packed, f.replica_land_s, step_s});
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes,
+                               issue(f.replica_reduce_s, in_.comm_cpu_share, true), false, f.replica_packed,
+                               f.replica_land_s, step_s});
       } else {  // a chained replica all-reduce frees the reduce-scatter's packed buffers by the time it lands
         take_packed(f.replica_packed, 1);
         std::vector<int64_t> packed = held;
         packed.insert(packed.end(), f.replica_packed.begin(), f.replica_packed.end());
         // Chained: the reduce-scatter lands and the replicas' values are packed on the replica thread.
         const double lane_work = replicas ? f.reduce_land_s + f.replica_pack_s : 0.0;
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(f.reduce_s + lane_work, true), false,
+        const double shard_part = f.reduce_s - f.replica_reduce_s, total = f.reduce_s + lane_work;
+        const double copying = in_.shard_cpu_share * shard_part + in_.comm_cpu_share * (total - shard_part);
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(total, copying / total, true), false,
                                std::move(packed), replicas ? f.replica_land_s : f.reduce_land_s, step_s});
       }
     }

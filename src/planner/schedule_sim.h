@@ -98,6 +98,10 @@ struct SimInput {
   // The share of each collective's time the transports spend copying on the cores the ranks compute
   // on (a CPU machine): the compute thread's, the rest on the links (1: all of it, no overlap).
   double comm_cpu_share = 0;
+  // The same for the collectives within the shard group (NO_SHARD: the world) and within hpZ's
+  // groups, whose link may be a host's own.
+  double shard_cpu_share = 0;
+  double hpz_cpu_share = 0;
   // Waits on peers beyond the modeled collectives, on the compute thread at each collective issued
   // (a CPU cluster's; elsewhere the waits lengthen the collectives instead).
   double wait_per_collective_s = 0;
