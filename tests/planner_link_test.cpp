@@ -93,18 +93,19 @@ TEST(PlannerLink, CalibrateLinkOverAProcessGroupTimesTheLinkWithinAHost) {
   EXPECT_TRUE(contains(r.ranks[0].output, "host links calibrated")) << r.report();
 }
 
-fsdp::TimePrediction predicted(double link_gbps, double link_copy_gbps) {
+// The one candidate of `strategy` (HYBRID_SHARD: groups of 2) by block at world 4 of LinearBlocks
+// under calibration `c`.
+fsdp::TimePrediction predicted(const fsdp::Calibration& c,
+                               fsdp::ShardingStrategy strategy = fsdp::ShardingStrategy::kFullShard) {
   fsdp::DeferredInit deferred;
   LinearBlocks model(256, 4);
-  fsdp::Calibration c;
-  c.link_gbps = link_gbps;
-  c.link_copy_gbps = link_copy_gbps;
   const auto request = fsdp::PlanRequest()
                            .world(4)
                            .global_batch(4)
                            .seq_len(8)
                            .micro_batches({1})
-                           .strategies({fsdp::ShardingStrategy::kFullShard})
+                           .strategies({strategy})
+                           .hybrid_factors({2})
                            .reshard_after_forward_sizes({0})
                            .wrap_policies({{"block", fsdp::wrap::by_type<torch::nn::SequentialImpl>()}})
                            .activation_checkpointing({false})
@@ -114,6 +115,13 @@ fsdp::TimePrediction predicted(double link_gbps, double link_copy_gbps) {
   const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x4"), request);
   EXPECT_EQ(plan.entries.size(), 1U) << plan.table();
   return plan.entries.empty() ? fsdp::TimePrediction() : plan.entries.front().time;
+}
+
+fsdp::TimePrediction predicted(double link_gbps, double link_copy_gbps) {
+  fsdp::Calibration c;
+  c.link_gbps = link_gbps;
+  c.link_copy_gbps = link_copy_gbps;
+  return predicted(c);
 }
 
 TEST(PlannerLink, BeneathASlowerModeledLinkOnlyTheCopiesTakeTheComputeCores) {
@@ -187,29 +195,12 @@ TEST(PlannerLink, WaitsTimedBeneathAModeledLinkStandBesideItsTime) {
 // World 4 as two hosts of two ranks, linked at 0.05 GB/s, over a transport copying at 2 GB/s; each
 // host's own link at `intra_gbps` (0: not calibrated).
 fsdp::TimePrediction predicted_on_hosts(fsdp::ShardingStrategy strategy, double intra_gbps) {
-  fsdp::DeferredInit deferred;
-  LinearBlocks model(256, 4);
   fsdp::Calibration c;
   c.link_gbps = 0.05;
   c.link_copy_gbps = 2;
   c.link_ranks_per_host = intra_gbps > 0 ? 2 : 0;
   c.intra_link_gbps = intra_gbps;
-  const auto request = fsdp::PlanRequest()
-                           .world(4)
-                           .global_batch(4)
-                           .seq_len(8)
-                           .micro_batches({1})
-                           .strategies({strategy})
-                           .hybrid_factors({2})
-                           .reshard_after_forward_sizes({0})
-                           .wrap_policies({{"block", fsdp::wrap::by_type<torch::nn::SequentialImpl>()}})
-                           .activation_checkpointing({false})
-                           .cpu_offload({false})
-                           .precisions({at::kFloat})
-                           .calibration(c);
-  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x4"), request);
-  EXPECT_EQ(plan.entries.size(), 1U) << plan.table();
-  return plan.entries.empty() ? fsdp::TimePrediction() : plan.entries.front().time;
+  return predicted(c, strategy);
 }
 
 TEST(PlannerLink, GroupsWithinAHostUseTheHostsCalibratedLink) {

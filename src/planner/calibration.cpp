@@ -9,13 +9,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <tuple>
 #include <utility>
 
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
 #include "fsdp/memory.h"
-#include "fsdp/network_model.h"
 #include "planner/timing_stats.h"
 
 namespace fsdp {
