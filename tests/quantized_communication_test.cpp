@@ -101,12 +101,22 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
         }
 }
 
+// `v` (|v| <= 448) rounded to the nearest float8 e4m3fn value (ties to even): 3 bits below the
+// leading one, exponents from -6, values below 2^-6 on the subnormal grid of 2^-9.
+float reference_e4m3(float v) {
+  if (v == 0) return v;
+  int e = 0;
+  std::frexp(v, &e);  // |v| = m 2^e, m in [0.5, 1)
+  const float step = std::ldexp(1.0f, std::max(e - 1, -6) - 3);
+  return std::copysign(std::min(448.0f, std::nearbyint(std::fabs(v) / step) * step), v);
+}
+
 // The reference's own quantization of one part of a unit's flat buffer (from `origin`; the unit's
-// parameters start at `starts`): int8 codes on max|block| / 127 per block of `block` values,
-// blocks restarting where a parameter (or the padding) starts, rounded to nearest (ties to even),
-// scale and product in float32.
-at::Tensor reference_int8_round_trip(const at::Tensor& part, int64_t block, const std::vector<int64_t>& starts,
-                                     int64_t origin) {
+// parameters start at `starts`): int8 codes on max|block| / 127 per block of `block` values (fp8:
+// e4m3 codes on max|block| / 448), blocks restarting where a parameter (or the padding) starts,
+// rounded to nearest (ties to even), scale and product in float32.
+at::Tensor reference_round_trip(const at::Tensor& part, int64_t block, const std::vector<int64_t>& starts,
+                                int64_t origin, bool fp8 = false) {
   auto x = part.contiguous();
   at::Tensor y = at::empty_like(x);
   const float* src = x.data_ptr<float>();
@@ -118,8 +128,12 @@ at::Tensor reference_int8_round_trip(const at::Tensor& part, int64_t block, cons
       if (s - origin > start && s - origin < end) end = s - origin;
     float amax = 0;
     for (int64_t i = start; i < end; ++i) amax = std::max(amax, std::fabs(src[i]));
-    const float scale = amax / 127.0f;
+    const float scale = amax / (fp8 ? 448.0f : 127.0f);
     for (int64_t i = start; i < end; ++i) {
+      if (fp8) {
+        dst[i] = scale > 0 ? reference_e4m3(src[i] / scale) * scale : 0.0f;
+        continue;
+      }
       const float q = scale > 0 ? std::nearbyint(src[i] / scale) : 0.0f;
       dst[i] = std::min(127.0f, std::max(-127.0f, q)) * scale;
     }
@@ -145,7 +159,7 @@ std::vector<int64_t> parameter_starts(torch::nn::Module& model, const fsdp::Unit
 // Overwrites `model`'s parameters unit by unit with what a quantized gather delivers: each unit's
 // flat parameter padded to a multiple of `shards` and each shard quantized on its own.
 void quantize_like_the_gather(torch::nn::Module& model, const std::vector<fsdp::UnitInfo>& units, int shards,
-                              int64_t block) {
+                              int64_t block, bool fp8) {
   const auto params = model.named_parameters();
   torch::NoGradGuard no_grad;
   for (const auto& u : units) {
@@ -158,7 +172,7 @@ void quantize_like_the_gather(torch::nn::Module& model, const std::vector<fsdp::
     std::vector<at::Tensor> parts;
     const std::vector<int64_t> starts = parameter_starts(model, u);
     for (int s = 0; s < shards; ++s)
-      parts.push_back(reference_int8_round_trip(all.narrow(0, s * per, per), block, starts, s * per));
+      parts.push_back(reference_round_trip(all.narrow(0, s * per, per), block, starts, s * per, fp8));
     at::Tensor back = torch::cat(parts);
     int64_t offset = 0;
     for (const auto& name : u.parameters) {
@@ -173,14 +187,15 @@ void quantize_like_the_gather(torch::nn::Module& model, const std::vector<fsdp::
 // rounding dropped (float32), added to the next values sent there; none when off.
 struct ReferenceFeedback {
   bool on = false;
+  bool fp8 = false;  // the codes' format: float8 e4m3, else int8
   std::map<std::string, at::Tensor> residuals;
   // What travels of `x` (a unit's flat values from `origin`) from quantization point `key`: its
-  // int8 round trip, after feedback.
+  // round trip, after feedback.
   at::Tensor send(const at::Tensor& x, const std::string& key, int64_t block, const std::vector<int64_t>& starts,
                   int64_t origin) {
-    if (!on) return reference_int8_round_trip(x, block, starts, origin);
+    if (!on) return reference_round_trip(x, block, starts, origin, fp8);
     auto it = residuals.emplace(key, at::zeros_like(x)).first;
-    const at::Tensor v = x + it->second, y = reference_int8_round_trip(v, block, starts, origin);
+    const at::Tensor v = x + it->second, y = reference_round_trip(v, block, starts, origin, fp8);
     it->second = v - y;
     return y;
   }
@@ -274,8 +289,8 @@ void quantized_mean_gradient(MLP& ref, const std::vector<fsdp::UnitInfo>& units,
   }
 }
 
-// args: strategy, what ("gather", "reduce" or "both"), "feedback" or "plain". An MLP whose Linear
-// layers are units, every unit's collectives quantized (int8, block 16); SGD. The reference trains
+// args: strategy, what ("gather", "reduce" or "both"), "feedback" or "plain", and optionally "fp8".
+// An MLP whose Linear layers are units, every unit's collectives quantized (int8 or fp8, block 16); SGD. The reference trains
 // a local copy on the whole batch: each step computes with the quantized values of its parameters
 // and steps the full-precision ones, with the gradients quantized as they travel (and, with
 // feedback, the same residuals kept and added). A second reference without feedback shows the
@@ -284,6 +299,7 @@ FSDP_WORKER(quantized_training_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   const std::string strategy = ctx.args.at(0), what = ctx.args.at(1);
   const bool gathers = what != "reduce", reductions = what != "gather", with_feedback = ctx.args.at(2) == "feedback";
+  const bool fp8 = ctx.args.size() > 3 && ctx.args.at(3) == "fp8";
   const int64_t block = 16;
   torch::manual_seed(11);
   MLP ref(6, 24, 5, 2);
@@ -293,8 +309,8 @@ FSDP_WORKER(quantized_training_worker) {
   MLP plain(6, 24, 5, 2);  // trained without any quantization
   torch::manual_seed(11);
   MLP other(6, 24, 5, 2);  // the reference with the other feedback setting
-  const auto every_unit =
-      fsdp::Quantization::int8(block).units([](const std::string&, const torch::nn::Module&) { return true; });
+  const auto every_unit = (fp8 ? fsdp::Quantization::float8(block) : fsdp::Quantization::int8(block))
+                              .units([](const std::string&, const torch::nn::Module&) { return true; });
   auto options = fsdp::Options()
                      .sharding_strategy(fsdp::parse_sharding_strategy(strategy))
                      .auto_wrap_policy(fsdp::wrap::by_type<torch::nn::LinearImpl>());
@@ -311,13 +327,14 @@ FSDP_WORKER(quantized_training_worker) {
   ReferenceFeedback fb, other_fb;
   fb.on = with_feedback;
   other_fb.on = !with_feedback;
+  fb.fp8 = other_fb.fp8 = fp8;
   torch::optim::SGD ref_opt(ref->parameters(), 0.2), opt(sharded->parameters(), 0.2),
       plain_opt(plain->parameters(), 0.2), other_opt(other->parameters(), 0.2);
   // One step of a reference (`r`, its optimizer, its feedback).
   auto reference_step = [&](MLP& r, torch::optim::SGD& r_opt, ReferenceFeedback& r_fb, const at::Tensor& x) {
     std::vector<at::Tensor> master;
     for (const auto& p : r->parameters()) master.push_back(p.detach().clone());
-    if (shards > 1 && gathers) quantize_like_the_gather(*r, units, shards, block);
+    if (shards > 1 && gathers) quantize_like_the_gather(*r, units, shards, block, fp8);
     r_opt.zero_grad();
     if (quantized_reductions)
       quantized_mean_gradient(r, units, x, ctx.world, shards, block, r_fb);
@@ -379,6 +396,30 @@ TEST(QuantizedCommunication, ErrorFeedbackTrainsLikeTheLocalReferenceWithFeedbac
       ASSERT_TRUE(r.all_ok()) << strategy << " world " << world << "\n" << r.report();
       std::cout << lines_starting_with(strategy, r.ranks[0].output);
     }
+}
+
+// fp8 (LibTorch 2.1 and later): the same training against the reference's own e4m3 rounding, whose
+// values first equal LibTorch's float8 conversion over every binade, the subnormals and the ties.
+TEST(QuantizedCommunication, Fp8CollectivesTrainLikeTheLocalReference) {
+#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 1 || TORCH_VERSION_MAJOR >= 3
+  at::Tensor v = at::cat({at::linspace(-448, 448, 200001), at::linspace(-0.02, 0.02, 100001),
+                          at::randn({100000}, at::detail::createCPUGenerator(5)) * 30});
+  v = at::cat({v, (at::arange(0, 256).to(at::kFloat) + 0.5) * std::ldexp(1.0f, -9)});  // ties on the finest grid
+  const at::Tensor theirs = v.to(at::kFloat8_e4m3fn).to(at::kFloat);
+  at::Tensor ours = at::empty_like(v);
+  const float* in = v.data_ptr<float>();
+  float* out = ours.data_ptr<float>();
+  for (int64_t i = 0; i < v.numel(); ++i) out[i] = reference_e4m3(in[i]);
+  ASSERT_TRUE(torch::equal(ours, theirs)) << (ours - theirs).abs().max().item<float>();
+#endif
+  if (!fsdp::has_float8()) GTEST_SKIP() << "this LibTorch has no float8 type";
+  for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"})
+    for (int world = 1; world <= 4; ++world)
+      for (const std::string feedback : {"plain", "feedback"}) {
+        auto r = launch("quantized_training_worker", world, {strategy, "both", feedback, "fp8"});
+        ASSERT_TRUE(r.all_ok()) << strategy << " " << feedback << " world " << world << "\n" << r.report();
+        std::cout << lines_starting_with(strategy, r.ranks[0].output);
+      }
 }
 
 // Combinations that cannot work are refused at fully_shard(), naming the options: error feedback
