@@ -14,6 +14,8 @@
 # end and the training-loss curves (bench/results/quantized.png, with gnuplot); after the
 # unquantized run, its --quantization-report at block sizes 32 to 4096 (each parameter's error
 # through int8 gathers and reductions at the trained weights). Prints the markdown tables.
+# With a LibTorch that has float8 (LibTorch 2.6 through scripts/trixie.sh run): FORMAT=fp8 times
+# fp8 instead of int8, FP8=1 adds 500-step runs with fp8 all-gathers and reductions.
 # REPEATS 0: the loss comparison only; LOSS=0: the step times only; ONLY=NETWORK (shm, tcp, 1gbit,
 # 10gbit): the step-time rows of that network only. MASTER_PORT: fsdp-run's port (29500).
 set -euo pipefail
@@ -24,6 +26,9 @@ declare -A SHAPES=([narrow]="--width 384 --heads 6" [wide]="--width 1024 --heads
 read -ra narrow <<<"${SHAPES[narrow]}"
 MODEL=("${COMMON[@]}" "${narrow[@]}" "${EXTRA[@]}")
 QUANT=(--quantize-all-gather int8 --quantize-reduce int8)
+# The step times' quantized format (FORMAT=fp8: float8 e4m3, a LibTorch with float8).
+FORMAT=${FORMAT:-int8}
+STEP_QUANT=(--quantize-all-gather "$FORMAT" --quantize-reduce "$FORMAT")
 declare -A NETS=([shm]="FSDP_TRANSPORT=shm" [tcp]="FSDP_TRANSPORT=tcp"
                  [1gbit]="FSDP_NETWORK_MODEL=gbps=0.125,ranks_per_host=1"
                  [10gbit]="FSDP_NETWORK_MODEL=gbps=1.25,ranks_per_host=1")
@@ -45,7 +50,7 @@ for ((r = 0; r < REPEATS; r++)); do
     read -ra shape_flags <<<"${SHAPES[$shape]}"
     for q in plain int8; do
       flags=(--strategy "$strategy")
-      [ "$q" = int8 ] && flags+=("${QUANT[@]}")
+      [ "$q" = int8 ] && flags+=("${STEP_QUANT[@]}")
       out=$(env ${NETS[$net]} "$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${COMMON[@]}" "${shape_flags[@]}" "${EXTRA[@]}" --eval-batches 1 --steps 24 --log-interval 8 \
             "${flags[@]}" 2>&1)
       ms=$(ms_per_step <<<"$out")
@@ -56,7 +61,7 @@ for ((r = 0; r < REPEATS; r++)); do
   done
 done
 if ((REPEATS > 0)); then
-echo "| model | strategy | network | ms/step unquantized | ms/step int8 | speed-up | runs (unquantized; int8) | modeled MB per step, rank 0, unquantized | int8 |"
+echo "| model | strategy | network | ms/step unquantized | ms/step $FORMAT | speed-up | runs (unquantized; $FORMAT) | modeled MB per step, rank 0, unquantized | $FORMAT |"
 echo "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |"
 for row in "${ROWS[@]}"; do
   read -r shape strategy net <<<"$row"
@@ -72,16 +77,30 @@ DIR=$(mktemp -d)
 VAL=()
 trap 'rm -rf "$DIR"' EXIT
 REPORT_BLOCKS=32,64,128,256,512,1024,4096
-for q in plain int8 feedback int8_64 int8_1024; do
-  flags=()
-  [ "$q" = plain ] && flags=(--quantization-report "$REPORT_BLOCKS")
-  [ "$q" = int8 ] && flags=("${QUANT[@]}")
-  [ "$q" = feedback ] && flags=("${QUANT[@]}" --quantize-error-feedback)
-  [ "$q" = int8_64 ] && flags=("${QUANT[@]}" --quantize-block 64)
-  [ "$q" = int8_1024 ] && flags=("${QUANT[@]}" --quantize-block 1024)
+# Loss runs: name, then the table's label. FP8=1 (a LibTorch with float8, 2.1 or later) adds the fp8 runs.
+RUNS=(plain int8 feedback int8_64 int8_1024)
+declare -A LABEL=([plain]="unquantized" [int8]="int8 all-gathers and reduce-scatters, blocks of 256"
+                  [feedback]="int8, reductions with error feedback" [int8_64]="int8, blocks of 64"
+                  [int8_1024]="int8, blocks of 1024" [fp8]="fp8 (e4m3) all-gathers and reduce-scatters, blocks of 256"
+                  [fp8_int8]="fp8 all-gathers, int8 reduce-scatters"
+                  [fp8_feedback]="fp8, reductions with error feedback")
+[ "${FP8:-0}" = 1 ] && RUNS+=(fp8 fp8_int8 fp8_feedback)
+FP8_QUANT=(--quantize-all-gather fp8 --quantize-reduce fp8)
+for q in "${RUNS[@]}"; do
+  case $q in
+    plain) flags=(--quantization-report "$REPORT_BLOCKS") ;;
+    int8) flags=("${QUANT[@]}") ;;
+    feedback) flags=("${QUANT[@]}" --quantize-error-feedback) ;;
+    int8_64) flags=("${QUANT[@]}" --quantize-block 64) ;;
+    int8_1024) flags=("${QUANT[@]}" --quantize-block 1024) ;;
+    fp8) flags=("${FP8_QUANT[@]}") ;;
+    fp8_int8) flags=(--quantize-all-gather fp8 --quantize-reduce int8) ;;
+    fp8_feedback) flags=("${FP8_QUANT[@]}" --quantize-error-feedback) ;;
+  esac
   out=$("$RUN" --master-port "${MASTER_PORT:-29500}" --nproc-per-node 4 "$TRAINER" "${MODEL[@]}" --eval-batches 8 --steps 500 --log-interval 10 \
         --metrics-file "$DIR/$q.jsonl" "${flags[@]}" 2>&1)
   VAL[${#VAL[@]}]=$(grep -oE "validation loss after training: [0-9.]+" <<<"$out" | grep -oE "[0-9.]+$")
+  echo "loss $q: ${VAL[-1]}" >&2
   [ "$q" = plain ] && REPORT=$(sed -n 's/^\[rank 0\] //p' <<<"$out" | sed -n '/^quantization error, /,$p')
   /usr/bin/python3 -c 'import json, sys
 for line in open(sys.argv[1]):
@@ -91,11 +110,9 @@ done
 echo
 echo "| run | validation loss after 500 steps | relative to unquantized |"
 echo "| --- | ---: | ---: |"
-echo "| unquantized | ${VAL[0]} | 1.0000 |"
-echo "| int8 all-gathers and reduce-scatters, blocks of 256 | ${VAL[1]} | $(awk -v a="${VAL[1]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
-echo "| int8, reductions with error feedback | ${VAL[2]} | $(awk -v a="${VAL[2]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
-echo "| int8, blocks of 64 | ${VAL[3]} | $(awk -v a="${VAL[3]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
-echo "| int8, blocks of 1024 | ${VAL[4]} | $(awk -v a="${VAL[4]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
+for i in "${!RUNS[@]}"; do
+  echo "| ${LABEL[${RUNS[$i]}]} | ${VAL[$i]} | $(awk -v a="${VAL[$i]}" -v b="${VAL[0]}" 'BEGIN { printf "%.4f", a / b }') |"
+done
 echo
 echo "$REPORT"
 if command -v gnuplot >/dev/null; then
