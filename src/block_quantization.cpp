@@ -3,8 +3,11 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -123,65 +126,118 @@ void block_codes(int8_t* codes, const float* x, int64_t len, float divisor) {
     codes[i] = static_cast<int8_t>((std::min(127.0f, std::max(-127.0f, x[i] / divisor)) + kRound) - kRound);
 }
 
-// One pass over each block for the common case (float32 values, int8 codes, on the CPU); the
-// same arithmetic as the tensor operations below, so both give the same bits.
-bool quantize_int8_on_cpu(const at::Tensor& packed, const at::Tensor& values, const BlockFormat& format,
-                          int64_t origin) {
-  if (format.dtype != QuantizedDtype::kInt8 || !values.device().is_cpu() || values.scalar_type() != at::kFloat ||
-      !values.is_contiguous() || !packed.is_contiguous())
+// float8 e4m3fn's code of `f`, as LibTorch's conversion gives it: rounded to nearest, ties to even,
+// onto 3 bits below the leading one (exponents from -6, subnormals on a grid of 2^-9); from 480 up,
+// infinities and NaNs: the NaN code. Bit operations only, so any LibTorch can run it.
+uint8_t e4m3_code(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const auto sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  bits &= 0x7fffffff;
+  if (bits >= 0x43f00000) return sign | 0x7f;  // 480 and beyond
+  if (bits < 0x3c800000) {                     // below 2^-6: multiples of 2^-9
+    float magnitude;
+    std::memcpy(&magnitude, &bits, sizeof magnitude);
+    return sign | static_cast<uint8_t>(std::nearbyint(magnitude * 512.0f));
+  }
+  bits += 0x7ffff + ((bits >> 20) & 1);                             // round the 23-bit mantissa to 3 bits, ties to even
+  return sign | static_cast<uint8_t>((bits - (120u << 23)) >> 20);  // exponent bias 127 to 7
+}
+
+// The value of every e4m3fn code.
+const std::array<float, 256>& e4m3_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) {
+      const int exponent = (c >> 3) & 0xf, mantissa = c & 7;
+      const float magnitude = (c & 0x7f) == 0x7f ? std::numeric_limits<float>::quiet_NaN()
+                              : exponent == 0    ? std::ldexp(static_cast<float>(mantissa), -9)
+                                                 : std::ldexp(1.0f + static_cast<float>(mantissa) / 8, exponent - 7);
+      t[c] = (c & 0x80) != 0 ? -magnitude : magnitude;
+    }
+    return t;
+  }();
+  return table;
+}
+
+// One pass over each block for the common case (float32 values on the CPU); the same arithmetic
+// as the tensor operations below, so both give the same bits.
+bool quantize_on_cpu(const at::Tensor& packed, const at::Tensor& values, const BlockFormat& format, int64_t origin) {
+  if (!values.device().is_cpu() || values.scalar_type() != at::kFloat || !values.is_contiguous() ||
+      !packed.is_contiguous())
     return false;
+  const bool int8 = format.dtype == QuantizedDtype::kInt8;
   const int64_t n = values.numel();
   const float* x = values.data_ptr<float>();
   uint8_t* base = packed.data_ptr<uint8_t>();
-  auto* codes = reinterpret_cast<int8_t*>(base + 4 * format.blocks(n, origin));
+  uint8_t* codes = base + 4 * format.blocks(n, origin);
+  const auto code_max_f = static_cast<float>(code_max(format.dtype));
   int64_t b = 0;
   format.for_each_block(origin, n, [&](int64_t start, int64_t len) {
-    const float scale = block_amax(x + start, len) / 127.0f;
+    const float scale = block_amax(x + start, len) / code_max_f, divisor = scale > 0 ? scale : 1.0f;
     std::memcpy(base + 4 * b++, &scale, sizeof(float));
-    block_codes(codes + start, x + start, len, scale > 0 ? scale : 1.0f);
+    if (int8) {
+      block_codes(reinterpret_cast<int8_t*>(codes + start), x + start, len, divisor);
+      return;
+    }
+    for (int64_t i = start; i < start + len; ++i) codes[i] = e4m3_code(x[i] / divisor);
   });
   return true;
 }
 
-template <typename Out>
-void dequantize_int8(Out* out, const uint8_t* part, int64_t numel, const BlockFormat& format, int64_t origin) {
-  const auto* codes = reinterpret_cast<const int8_t*>(part + 4 * format.blocks(numel, origin));
+// A code's value: int8's integer, or e4m3fn's from the table.
+struct Int8Codes {
+  float operator()(uint8_t c) const { return static_cast<float>(static_cast<int8_t>(c)); }
+};
+struct E4m3Codes {
+  const std::array<float, 256>& values = e4m3_values();
+  float operator()(uint8_t c) const { return values[c]; }
+};
+
+template <typename Out, typename Decode>
+void dequantize_blocks(Out* out, const uint8_t* part, int64_t numel, const BlockFormat& format, int64_t origin,
+                       Decode decode) {
+  const uint8_t* codes = part + 4 * format.blocks(numel, origin);
   int64_t b = 0;
   format.for_each_block(origin, numel, [&](int64_t start, int64_t len) {
     float scale;
     std::memcpy(&scale, part + 4 * b++, sizeof(float));
-    for (int64_t i = start; i < start + len; ++i) out[i] = static_cast<Out>(static_cast<float>(codes[i]) * scale);
+    for (int64_t i = start; i < start + len; ++i) out[i] = static_cast<Out>(decode(codes[i]) * scale);
   });
 }
 
-bool dequantize_int8_on_cpu(const at::Tensor& out, const at::Tensor& packed, const BlockFormat& format,
-                            int64_t origin) {
-  if (format.dtype != QuantizedDtype::kInt8 || !out.device().is_cpu() || !out.is_contiguous() ||
-      !packed.is_contiguous())
-    return false;
+template <typename Out>
+void dequantize_part(Out* out, const uint8_t* part, int64_t numel, const BlockFormat& format, int64_t origin) {
+  if (format.dtype == QuantizedDtype::kInt8) return dequantize_blocks(out, part, numel, format, origin, Int8Codes{});
+  dequantize_blocks(out, part, numel, format, origin, E4m3Codes{});
+}
+
+bool dequantize_on_cpu(const at::Tensor& out, const at::Tensor& packed, const BlockFormat& format, int64_t origin) {
+  if (!out.device().is_cpu() || !out.is_contiguous() || !packed.is_contiguous()) return false;
   const uint8_t* part = packed.data_ptr<uint8_t>();
   switch (out.scalar_type()) {
-    case at::kFloat: dequantize_int8(out.data_ptr<float>(), part, out.numel(), format, origin); return true;
-    case at::kBFloat16: dequantize_int8(out.data_ptr<at::BFloat16>(), part, out.numel(), format, origin); return true;
+    case at::kFloat: dequantize_part(out.data_ptr<float>(), part, out.numel(), format, origin); return true;
+    case at::kBFloat16: dequantize_part(out.data_ptr<at::BFloat16>(), part, out.numel(), format, origin); return true;
     default: return false;
   }
 }
 
-// out = the sum of `count` int8 packed forms `stride` bytes apart, in order, in float32.
-void sum_int8(float* out, const uint8_t* base, int64_t count, int64_t numel, int64_t stride, const BlockFormat& format,
-              int64_t origin) {
+// out = the sum of `count` packed forms `stride` bytes apart, in order, in float32.
+template <typename Decode>
+void sum_parts(float* out, const uint8_t* base, int64_t count, int64_t numel, int64_t stride, const BlockFormat& format,
+               int64_t origin, Decode decode) {
   const int64_t nb = format.blocks(numel, origin);
   for (int64_t r = 0; r < count; ++r) {
     const uint8_t* part = base + r * stride;
-    const auto* codes = reinterpret_cast<const int8_t*>(part + 4 * nb);
+    const uint8_t* codes = part + 4 * nb;
     int64_t b = 0;
     format.for_each_block(origin, numel, [&](int64_t start, int64_t len) {
       float scale;
       std::memcpy(&scale, part + 4 * b++, sizeof(float));
       if (r == 0)
-        for (int64_t i = start; i < start + len; ++i) out[i] = static_cast<float>(codes[i]) * scale;
+        for (int64_t i = start; i < start + len; ++i) out[i] = decode(codes[i]) * scale;
       else
-        for (int64_t i = start; i < start + len; ++i) out[i] += static_cast<float>(codes[i]) * scale;
+        for (int64_t i = start; i < start + len; ++i) out[i] += decode(codes[i]) * scale;
     });
   }
 }
@@ -202,7 +258,7 @@ void quantize_into(const at::Tensor& packed, const at::Tensor& values, const Blo
   const int64_t n = values.numel(), nb = format.blocks(n, origin), B = format.block;
   FSDP_CHECK(packed.scalar_type() == at::kByte && packed.numel() == 4 * nb + n,
              "quantize_into: the packed buffer holds ", packed.numel(), " bytes, not ", 4 * nb + n);
-  if (n == 0 || quantize_int8_on_cpu(packed, values, format, origin)) return;
+  if (n == 0 || quantize_on_cpu(packed, values, format, origin)) return;
   const at::Tensor all = values.to(at::kFloat).reshape({-1});
   int64_t b0 = 0;
   format.for_each_segment(origin, n, [&](int64_t start, int64_t len) {
@@ -226,7 +282,7 @@ void quantize_into(const at::Tensor& packed, const at::Tensor& values, const Blo
 void dequantize_into(const at::Tensor& out, const at::Tensor& packed, const BlockFormat& format, int64_t origin) {
   const int64_t n = out.numel(), nb = format.blocks(n, origin), B = format.block;
   FSDP_CHECK(packed.numel() == 4 * nb + n, "dequantize_into: sizes do not match the format");
-  if (n == 0 || dequantize_int8_on_cpu(out, packed, format, origin)) return;
+  if (n == 0 || dequantize_on_cpu(out, packed, format, origin)) return;
   const at::Tensor flat = out.view({-1});
   int64_t b0 = 0;
   format.for_each_segment(origin, n, [&](int64_t start, int64_t len) {
@@ -247,8 +303,13 @@ void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64
                  packed.numel() >= (count - 1) * stride + per,
              "sum_dequantized_into: sizes do not match the format");
   if (numel == 0) return;
-  if (format.dtype == QuantizedDtype::kInt8 && out.device().is_cpu() && packed.is_contiguous()) {
-    sum_int8(out.data_ptr<float>(), packed.data_ptr<uint8_t>(), count, numel, stride, format, origin);
+  if (out.device().is_cpu() && packed.is_contiguous()) {
+    float* o = out.data_ptr<float>();
+    const uint8_t* base = packed.data_ptr<uint8_t>();
+    if (format.dtype == QuantizedDtype::kInt8)
+      sum_parts(o, base, count, numel, stride, format, origin, Int8Codes{});
+    else
+      sum_parts(o, base, count, numel, stride, format, origin, E4m3Codes{});
     return;
   }
   dequantize_into(out, packed.narrow(0, 0, per), format, origin);
