@@ -116,6 +116,52 @@ TEST(PlannerRuntimeCalibration, TwoTimedStrategiesSplitWorkPerUnitAndPerCollecti
   EXPECT_LT(grad_op, full - 0.01);
 }
 
+// Waits on peers follow the group a collective spans: a rank waits for the latest of its peers, so
+// HYBRID_SHARD's collectives within two of four ranks block for less of the waits per second of
+// computation than FULL_SHARD's among all four (the rest parked, ranks sharing the cores), and a
+// timed HYBRID_SHARD configuration is still predicted as measured.
+TEST(PlannerRuntimeCalibration, WaitsOnPeersShrinkWithTheGroupsCollectivesSpan) {
+  fsdp::DeferredInit deferred;
+  TinyTransformer model(50, 16, 2, 3, 8);
+  const auto cluster = instant_step_cluster(4);
+  const auto request = strategies_request(4)
+                           .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kHybridShard})
+                           .hybrid_factors({2})
+                           .activation_checkpointing({false})
+                           .precisions({at::kFloat});
+  fsdp::Calibration calibration;
+  calibration.runtime.push_back(timed_full_shard(0.050, 0.110, 0.040));
+  const auto waited =
+      times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(calibration)));
+  const auto plain = times_by_candidate(fsdp::plan(*model, cluster, request));
+  const std::string full = "FULL_SHARD, wrap block, fp32, micro-batch 2 x 1";
+  const std::string hybrid = "HYBRID_SHARD/2, wrap block, fp32, micro-batch 2 x 1";
+  ASSERT_EQ(waited.count(full) + waited.count(hybrid), 2U);
+  auto blocked_per_compute_s = [&](const std::string& name) {
+    return (waited.at(name).exposed_comm_s - plain.at(name).exposed_comm_s) / waited.at(name).compute_s;
+  };
+  // A gather within two of four ranks blocks (H(2) - 1) / (H(4) - 1) as long as one among all four,
+  // a reduce-scatter and its replica all-reduce twice that.
+  const double pair = 0.5 / (1.0 / 2 + 1.0 / 3 + 1.0 / 4);
+  const double ratio = blocked_per_compute_s(hybrid) / blocked_per_compute_s(full);
+  EXPECT_GT(ratio, pair + 0.01);
+  EXPECT_LT(ratio, 2 * pair - 0.01);
+  // Parked or blocked, the waits take the step's time alike.
+  EXPECT_NEAR(
+      waited.at(hybrid).step_s - plain.at(hybrid).step_s - (waited.at(hybrid).compute_s - plain.at(hybrid).compute_s),
+      (waited.at(full).step_s - plain.at(full).step_s - (waited.at(full).compute_s - plain.at(full).compute_s)) *
+          waited.at(hybrid).compute_s / waited.at(full).compute_s,
+      1e-9);
+  fsdp::Calibration timed_hybrid;
+  timed_hybrid.runtime.push_back(timed_full_shard(0.050, 0.110, 0.030));
+  timed_hybrid.runtime.back().strategy = fsdp::ShardingStrategy::kHybridShard;
+  timed_hybrid.runtime.back().sharding_factor = 2;
+  const auto as_timed =
+      times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(timed_hybrid)));
+  EXPECT_NEAR(as_timed.at(hybrid).step_s, 0.160, 1e-9);
+  EXPECT_NEAR(as_timed.at(hybrid).exposed_comm_s, 0.030, 1e-9);
+}
+
 // A configuration timed with its units checkpointed beside the same one without: the plan charges
 // what checkpointing changed in each pass, per second of the forward it covered, so the timed
 // checkpointed configuration is predicted as measured, and the copy's own checkpointed timings

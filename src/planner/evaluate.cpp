@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "planner/exact_reduction.h"
@@ -46,6 +47,17 @@ int shard_factor(const Candidate& c, int world) {
   }
 }
 
+// A collective among n of the world's ranks against one among all of them: each rank waits for the
+// latest of its peers (Note [Planner waits by group]).
+double wait_weight(int n, int world) {
+  auto latest = [](int m) {  // the expected latest of m exponential arrivals beyond one's own: H(m) - 1
+    double h = 0;
+    for (int i = 2; i <= m; ++i) h += 1.0 / i;
+    return h;
+  };
+  return latest(world) > 0 ? latest(n) / latest(world) : 1.0;
+}
+
 // The replay of one micro-batch, with the waits on peers the runtime calibration measured: they
 // grow with the computation between the ranks' meetings, not with their number, so the
 // candidate's share of them is spread evenly over the collectives it issues.
@@ -62,8 +74,9 @@ SimResult replay_with_waits(SimInput sim, const RuntimeCorrection& extra, const 
   }
   for (SimUnit& su : sim.units)
     for (SimFlat& flat : su.flats) {
-      flat.gather_s = std::max(0.0, flat.gather_s + wait);
-      if (flat.requires_grad) flat.reduce_s = std::max(0.0, flat.reduce_s + wait);
+      flat.gather_s = std::max(0.0, flat.gather_s + sim.shard_wait_weight * wait);
+      const double replicas = flat.replica_reduce_s > 0 ? sim.replica_wait_weight : 0.0;
+      if (flat.requires_grad) flat.reduce_s = std::max(0.0, flat.reduce_s + (sim.shard_wait_weight + replicas) * wait);
     }
   return simulate(sim);
 }
@@ -308,6 +321,10 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   sim.reductions_in_flight = c.reductions_in_flight;
   sim.no_shard = c.strategy == ShardingStrategy::kNoShard;
   sim.separate_lanes = cluster.separate_comm_lanes;
+  sim.shard_wait_weight = wait_weight(F == 1 ? world : F, world);
+  sim.hpz_wait_weight = wait_weight(std::max(k, 1), world);
+  sim.replica_wait_weight = wait_weight(world / F, world);
+  sim.waits_preempt = cluster.device_is_host;
   // On a CPU cluster the transport copies on the compute cores; beneath a slower modeled link, the
   // links' time beyond the copies overlaps the computation.
   if (cluster.device_is_host) {
@@ -363,6 +380,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     replayed->passes_s = r.step_s;
     replayed->exposed_s = r.exposed_s;
     replayed->collectives = r.collectives;
+    replayed->wait_weight = r.wait_weight;
     replayed->units = static_cast<int>(plan.units.size());
     replayed->checkpointed_forward_s = covered_forward_s;
   }

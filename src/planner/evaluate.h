@@ -37,6 +37,7 @@ struct Replayed {
   double passes_s = 0;   // forward and backward, the reductions waited for
   double exposed_s = 0;
   int collectives = 0;
+  double wait_weight = 0;  // the collectives' waits on peers blocked, counted in world-wide collectives'
   int units = 0;
   double optimizer_s = 0;             // the predicted optimizer step
   double checkpointed_forward_s = 0;  // the calibrated forward computation of what checkpointing covers

@@ -101,15 +101,18 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
     evaluate(t.model, timed_candidate(t), cluster, world, request, &beside, &replay);
     if (replay.units == 0) continue;
     if (timing.step_s >= 0) steps += timing.step_s - replay.optimizer_s, ++stepped;
-    const bool waits_measured = timing.exposed_s >= 0 && replay.collectives > 0;
+    const bool waits_measured = timing.exposed_s >= 0 && replay.collectives > 0 && replay.wait_weight > 0;
     const double wait = waits_measured ? timing.exposed_s - replay.exposed_s : 0;
-    if (waits_measured) {
+    // The waits' time: those blocked are their collectives' mean weight of it (Note [Planner waits by group]).
+    const double blocked_share = waits_measured ? replay.wait_weight / replay.collectives : 1.0;
+    const double wait_s = cluster.device_is_host ? wait / blocked_share : wait;
+    if (waits_measured) {  // a candidate's waits: the rate times its computation and its blocked share
       waits += wait;
-      computation += timing.forward_s + timing.backward_s - timing.exposed_s;
+      computation += (timing.forward_s + timing.backward_s - replay.exposed_s - wait_s) * blocked_share;
     }
     const double replay_backward = replay.passes_s - replay.forward_s;
     rows.push_back({static_cast<double>(replay.units), static_cast<double>(replay.collectives),
-                    timing.forward_s + timing.backward_s - replay.passes_s - wait});
+                    timing.forward_s + timing.backward_s - replay.passes_s - wait_s});
     if (forward_share < 0) {  // the first timing's passes apportion the per-unit work
       const double forward_gap = timing.forward_s - replay.forward_s,
                    backward_gap = timing.backward_s - replay_backward;

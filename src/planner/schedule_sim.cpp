@@ -165,12 +165,15 @@ class Replay {
     for (const int64_t b : {f.gather_input_bytes, f.packed_shard_bytes, f.packed_gathered_bytes})
       mem_.param_buffer(b, n);
   }
-  double issue(double duration, double share, bool reduction) {
+  double issue(double duration, double share, bool reduction, double weight) {
     ++r_.collectives;
     // The transport's copies take the compute thread's time (all exposed); the rest is on the links.
-    const double copying = std::min(1.0, share) * duration;
-    const double waited = std::max(0.0, copying + in_.wait_per_collective_s);  // negative waits: at most the copy
-    wait_until(now_ + waited);
+    // Waits on peers: the weight's share blocked; where ranks share cores, the rest parked.
+    const double copying = std::min(1.0, share) * duration, wait = in_.wait_per_collective_s;
+    const double blocked_weight = in_.waits_preempt ? std::min(1.0, weight) : weight, blocked = blocked_weight * wait;
+    r_.wait_weight += blocked_weight;
+    wait_until(now_ + std::max(0.0, copying + blocked));  // negative waits: at most the copy
+    if (in_.waits_preempt && wait > blocked) now_ += wait - blocked;
     const double peers = now_ + in_.beside_wait_per_collective_s;  // the peers' arrival, beside the link
     if (copying >= duration) return peers;
     const int lane = in_.separate_lanes && reduction ? 1 : 0;
@@ -227,8 +230,8 @@ class Replay {
       mem_.param_buffer(f.unsharded_bytes, 1);
       if (!part) gather_inputs(f, 1);
       compute(f.issue_work_s + (part ? 0.0 : f.gather_pack_s));
-      end = std::max(end, part ? issue(f.post_forward_gather_s, in_.hpz_cpu_share, false)
-                               : issue(f.gather_s, in_.shard_cpu_share, false));
+      end = std::max(end, part ? issue(f.post_forward_gather_s, in_.hpz_cpu_share, false, in_.hpz_wait_weight)
+                               : issue(f.gather_s, in_.shard_cpu_share, false, in_.shard_wait_weight));
     }
     parts_[u] = 0;
     gathering_parts_[u] = from_parts ? 1 : 0;
@@ -284,14 +287,10 @@ class Replay {
       prefetch(v);
     }
   }
-
   int unsharded_count() const {
     int count = 0;
-    for (int v = 1; v < n_; ++v) {
-      if (!unsharded_[v]) continue;
-      if (!in_.units[v].reshard_after_forward && forward_seen(v) && !prefetched(v)) continue;
-      ++count;
-    }
+    for (int v = 1; v < n_; ++v)
+      count += unsharded_[v] && (in_.units[v].reshard_after_forward || !forward_seen(v) || prefetched(v)) ? 1 : 0;
     return count;
   }
   int depth() const { return in_.limit_all_gathers ? in_.all_gather_limit : 1; }
@@ -429,18 +428,18 @@ class Replay {
       const double step_s = f.step_elements * in_.step_s_per_element;
       const bool replicas = f.replica_reduce_s > 0 || f.replica_land_s > 0;
       if (in_.micro.defer_replicas) {  // the shard group's sums only: the first become the partial sums
-        const double end = issue(f.reduce_s - f.replica_reduce_s, in_.shard_cpu_share, true);
+        const double end = issue(f.reduce_s - f.replica_reduce_s, in_.shard_cpu_share, true, in_.shard_wait_weight);
         reductions_.push_back(
             {f.grad_buffer_bytes, f.reduce_output_bytes, end, !partials_[u], held, f.reduce_land_s, 0});
       } else if (partials_[u]) {  // the reduce-scatter waited for, the partial sums added, then the all-reduce
-        wait_until(issue(f.reduce_s - f.replica_reduce_s, in_.shard_cpu_share, true));
+        wait_until(issue(f.reduce_s - f.replica_reduce_s, in_.shard_cpu_share, true, in_.shard_wait_weight));
         compute(f.reduce_land_s + f.replica_pack_s);
         take_packed(held, -1);
         mem_.grad_buffer(f.reduce_output_bytes, -1);
         take_packed(f.replica_packed, 1);
         reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes,
-                               issue(f.replica_reduce_s, in_.comm_cpu_share, true), false, f.replica_packed,
-                               f.replica_land_s, step_s});
+                               issue(f.replica_reduce_s, in_.comm_cpu_share, true, in_.replica_wait_weight), false,
+                               f.replica_packed, f.replica_land_s, step_s});
       } else {  // a chained replica all-reduce frees the reduce-scatter's packed buffers by the time it lands
         take_packed(f.replica_packed, 1);
         std::vector<int64_t> packed = held;
@@ -449,8 +448,9 @@ class Replay {
         const double lane_work = replicas ? f.reduce_land_s + f.replica_pack_s : 0.0;
         const double shard_part = f.reduce_s - f.replica_reduce_s, total = f.reduce_s + lane_work;
         const double copying = in_.shard_cpu_share * shard_part + in_.comm_cpu_share * (total - shard_part);
-        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(total, copying / total, true), false,
-                               std::move(packed), replicas ? f.replica_land_s : f.reduce_land_s, step_s});
+        const double weight = in_.shard_wait_weight + (replicas ? in_.replica_wait_weight : 0.0);
+        reductions_.push_back({f.grad_buffer_bytes, f.reduce_output_bytes, issue(total, copying / total, true, weight),
+                               false, std::move(packed), replicas ? f.replica_land_s : f.reduce_land_s, step_s});
       }
     }
     if (in_.micro.defer_replicas) partials_[u] = 1;

@@ -108,6 +108,10 @@ struct SimInput {
   // Waits on peers beside the links' time (a CPU cluster's, beneath a modeled link): a collective
   // lands no earlier than this long after its issue, however fast its link.
   double beside_wait_per_collective_s = 0;
+  // Each group's share of a world-wide collective's waits on peers (Note [Planner waits by group]);
+  // with waits_preempt (ranks sharing cores), the share blocked, the rest parked on the compute thread.
+  double shard_wait_weight = 1, hpz_wait_weight = 1, replica_wait_weight = 1;
+  bool waits_preempt = false;
   double step_s = 0;  // the optimizer step after backward
   // The step in backward: each FlatParameter's pieces stepped as its reduction lands (0: off).
   double step_s_per_element = 0;
@@ -126,7 +130,8 @@ struct SimResult {
   double forward_s = 0;  // when the forward's last stretch ends
   double compute_s = 0;
   double exposed_s = 0;
-  int collectives = 0;  // gathers and reductions issued
+  int collectives = 0;     // gathers and reductions issued
+  double wait_weight = 0;  // their waits on peers blocked, counted in world-wide collectives'
   int max_unsharded_units = 0;
 };
 
