@@ -116,11 +116,18 @@ done
 echo
 echo "$REPORT"
 if command -v gnuplot >/dev/null; then
+  if [ "${FP8:-0}" = 1 ]; then  # another LibTorch's runs: a plot of their own
+    png=quantized_fp8.png
+    curves="\"$DIR/int8.dat\" using 1:2 with lines title \"int8 all-gathers and reduce-scatters\", \"$DIR/fp8.dat\" using 1:2 with lines title \"fp8 all-gathers and reduce-scatters\""
+  else
+    png=quantized.png
+    curves="\"$DIR/int8.dat\" using 1:2 with lines title \"int8 all-gathers and reduce-scatters\", \"$DIR/feedback.dat\" using 1:2 with lines title \"int8, error feedback\""
+  fi
   gnuplot <<EOF
 set terminal pngcairo size 800,450 noenhanced
-set output "$(dirname "$0")/results/quantized.png"
+set output "$(dirname "$0")/results/$png"
 set xlabel "step"; set ylabel "training loss (rank mean)"
-set title "Example GPT, world 4, FULL_SHARD: unquantized and int8 communication"
-plot "$DIR/plain.dat" using 1:2 with lines title "unquantized", "$DIR/int8.dat" using 1:2 with lines title "int8 all-gathers and reduce-scatters", "$DIR/feedback.dat" using 1:2 with lines title "int8, error feedback"
+set title "Example GPT, world 4, FULL_SHARD: unquantized and quantized communication"
+plot "$DIR/plain.dat" using 1:2 with lines title "unquantized", $curves
 EOF
 fi
