@@ -194,6 +194,13 @@ struct E4m3Codes {
   float operator()(uint8_t c) const { return values[c]; }
 };
 
+// f(decode) with the format's decoder.
+template <typename F>
+void with_codes(QuantizedDtype dtype, F f) {
+  if (dtype == QuantizedDtype::kInt8) return f(Int8Codes{});
+  f(E4m3Codes{});
+}
+
 template <typename Out, typename Decode>
 void dequantize_blocks(Out* out, const uint8_t* part, int64_t numel, const BlockFormat& format, int64_t origin,
                        Decode decode) {
@@ -208,8 +215,7 @@ void dequantize_blocks(Out* out, const uint8_t* part, int64_t numel, const Block
 
 template <typename Out>
 void dequantize_part(Out* out, const uint8_t* part, int64_t numel, const BlockFormat& format, int64_t origin) {
-  if (format.dtype == QuantizedDtype::kInt8) return dequantize_blocks(out, part, numel, format, origin, Int8Codes{});
-  dequantize_blocks(out, part, numel, format, origin, E4m3Codes{});
+  with_codes(format.dtype, [&](auto decode) { dequantize_blocks(out, part, numel, format, origin, decode); });
 }
 
 bool dequantize_on_cpu(const at::Tensor& out, const at::Tensor& packed, const BlockFormat& format, int64_t origin) {
@@ -306,10 +312,7 @@ void sum_dequantized_into(const at::Tensor& out, const at::Tensor& packed, int64
   if (out.device().is_cpu() && packed.is_contiguous()) {
     float* o = out.data_ptr<float>();
     const uint8_t* base = packed.data_ptr<uint8_t>();
-    if (format.dtype == QuantizedDtype::kInt8)
-      sum_parts(o, base, count, numel, stride, format, origin, Int8Codes{});
-    else
-      sum_parts(o, base, count, numel, stride, format, origin, E4m3Codes{});
+    with_codes(format.dtype, [&](auto decode) { sum_parts(o, base, count, numel, stride, format, origin, decode); });
     return;
   }
   dequantize_into(out, packed.narrow(0, 0, per), format, origin);
