@@ -101,6 +101,32 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
         }
 }
 
+// The one-pass float8 codes (vectorized where the CPU allows) equal LibTorch's float8 conversion on
+// float bit patterns spread over every binade up to 448, both signs, the subnormals and ties included: in
+// blocks of 256 that each start with 448, so every other value is coded on a scale of exactly 1.
+TEST(QuantizedCommunication, Fp8CodesEqualLibTorchsConversion) {
+  if (!fsdp::has_float8()) GTEST_SKIP() << "this LibTorch has no float8 type";
+  constexpr int64_t kBlock = 256;
+  // A sweep with an odd stride, and every pattern on the grid of half a float8 step (the ties).
+  const at::Tensor patterns =
+      at::cat({at::arange(0, 0x43e00001, 997, at::kLong), at::arange(0, 0x43e00001, 1 << 19, at::kLong)}).to(at::kInt);
+  at::Tensor v = at::cat({patterns.view(at::kFloat), patterns.view(at::kFloat).neg()});
+  const int64_t per = kBlock - 1, blocks = (v.numel() + per - 1) / per;
+  v = at::constant_pad_nd(v, {0, blocks * per - v.numel()}).view({blocks, per});
+  const at::Tensor x = at::cat({at::full({blocks, 1}, 448.0f), v}, 1).reshape({-1});
+  const fsdp::BlockFormat f{fsdp::QuantizedDtype::kFloat8E4M3, kBlock, nullptr};
+  at::Tensor ours = at::empty({f.packed_bytes(x.numel(), 0)}, at::kByte), theirs = at::empty_like(ours);
+  fsdp::quantize_into(ours, x, f, 0);                    // float32: the one-pass codes
+  fsdp::quantize_into(theirs, x.to(at::kDouble), f, 0);  // any other dtype: LibTorch's conversion
+  const at::Tensor differ = ours.ne(theirs);
+  ASSERT_FALSE(differ.any().item<bool>()) << differ.sum().item<int64_t>() << " of " << ours.numel() << " bytes differ";
+  // Decoding: the one-pass values equal the tensor operations' (float8 to float32, times the scale).
+  at::Tensor one_pass = at::empty({x.numel()}), generic = at::empty({x.numel()}, at::kDouble);
+  fsdp::dequantize_into(one_pass, ours, f, 0);
+  fsdp::dequantize_into(generic, ours, f, 0);
+  ASSERT_TRUE(torch::equal(one_pass, generic.to(at::kFloat)));
+}
+
 // `v` (|v| <= 448) rounded to the nearest float8 e4m3fn value (ties to even): 3 bits below the
 // leading one, exponents from -6, values below 2^-6 on the subnormal grid of 2^-9.
 float reference_e4m3(float v) {
