@@ -48,11 +48,11 @@ def main():
             for checkpointing in (False, True):
                 candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--batch-size", "2",
                                     "--grad-accum-mode", mode], checkpointing))
-        cal = calibration(build, 2, "XL", "none", tmp)  # one calibration plans every candidate, as at launch
+        cal = calibration(build, 2, "XL", "none", "shm", tmp)  # one calibration plans every candidate, as at launch
         measured = [[] for _ in candidates]
         for round_ in range(args.rounds):
             for i, (flags, checkpointing) in enumerate(candidates):
-                r = run_one(build, 2, "XL", flags, checkpointing, "none", tmp, cal)
+                r = run_one(build, 2, "XL", flags, checkpointing, "none", "shm", tmp, cal)
                 p, m = r["plan"], r["measured"]
                 measured[i].append(m)
                 if round_ == 0:
