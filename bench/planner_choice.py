@@ -74,7 +74,7 @@ def main():
     lines = [
         "# The planner's choice against the fastest run",
         "",
-        f"Produced by `bench/planner_choice.py {os.path.relpath(build, ROOT)}{'' if args.rounds == 3 else f' --rounds {args.rounds}'}` from the repository root, "
+        f"Produced by `bench/planner_choice.py {os.path.relpath(build, ROOT)} --rounds {args.rounds}` from the repository root, "
         f"{started:%Y-%m-%d %H:%M} to {finished:%H:%M} UTC, commit {commit}. This 2-core CPU machine, shared "
         f"with other jobs (load average {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end).",
         "",
