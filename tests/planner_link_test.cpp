@@ -29,8 +29,13 @@ FSDP_WORKER(link_calibration_worker) {
                                               .intra(fsdp::Link().bandwidth_gbps(gbps))
                                               .inter(fsdp::Link().bandwidth_gbps(gbps))
                                               .ranks_per_host(1));
+  // A timing on shared cores: a try that other processes slowed is timed again (every rank sees the
+  // same reduced figures, so all of them try again together).
   fsdp::Calibration c;
-  fsdp::calibrate_link(c, *modeled);
+  for (int tries = 0; tries < 3 && !(c.link_gbps > 0.7 * gbps && c.link_gbps < 1.3 * gbps); ++tries) {
+    c = fsdp::Calibration();
+    fsdp::calibrate_link(c, *modeled);
+  }
   WORKER_CHECK(c.link_gbps > 0.7 * gbps && c.link_gbps < 1.3 * gbps, "modeled link measured at ", c.link_gbps,
                " GB/s, not about ", gbps);
   WORKER_CHECK(c.link_copy_gbps > 4 * c.link_gbps, "the transport beneath it measured at ", c.link_copy_gbps, " GB/s");
@@ -63,8 +68,12 @@ FSDP_WORKER(host_link_calibration_worker) {
                             .intra(fsdp::Link().bandwidth_gbps(intra))
                             .inter(fsdp::Link().bandwidth_gbps(inter))
                             .ranks_per_host(2));
+  auto about = [](double measured, double modeled) { return measured > 0.7 * modeled && measured < 1.3 * modeled; };
   fsdp::Calibration c;
-  fsdp::calibrate_link(c, *pg);
+  for (int tries = 0; tries < 3 && !(about(c.link_gbps, inter) && about(c.intra_link_gbps, intra)); ++tries) {
+    c = fsdp::Calibration();  // a try that other processes slowed is timed again, on every rank alike
+    fsdp::calibrate_link(c, *pg);
+  }
   WORKER_CHECK(c.link_ranks_per_host == 2, "ranks per host ", c.link_ranks_per_host, ", not 2");
   WORKER_CHECK(c.link_gbps > 0.7 * inter && c.link_gbps < 1.3 * inter, "between hosts: ", c.link_gbps,
                " GB/s, not about ", inter);
