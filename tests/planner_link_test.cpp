@@ -68,7 +68,9 @@ FSDP_WORKER(host_link_calibration_worker) {
                             .intra(fsdp::Link().bandwidth_gbps(intra))
                             .inter(fsdp::Link().bandwidth_gbps(inter))
                             .ranks_per_host(2));
-  auto about = [](double measured, double modeled) { return measured > 0.7 * modeled && measured < 1.3 * modeled; };
+  auto about = [](double measured, double modeled) {
+    return measured > 0.7 * modeled && measured < 1.3 * modeled;
+  };
   fsdp::Calibration c;
   for (int tries = 0; tries < 3 && !(about(c.link_gbps, inter) && about(c.intra_link_gbps, intra)); ++tries) {
     c = fsdp::Calibration();  // a try that other processes slowed is timed again, on every rank alike
