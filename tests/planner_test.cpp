@@ -600,6 +600,39 @@ TEST(Planner, StepInBackwardDropsTheGradientsAndOverlapsTheStep) {
   EXPECT_TRUE(stepped_accumulating) << accumulating.table();
 }
 
+// On a host heap a checkpointed backward's recomputed activations take the space its steps free, so
+// the whole process peaks no lower than stepping after backward (Note [Step in backward on a host
+// heap]); FSDP's own gradient memory still drops, and a device's allocator keeps the saving.
+TEST(Planner, StepInBackwardWithCheckpointingOnAHostHeapPeaksAsStepsAfterBackward) {
+  fsdp::DeferredInit deferred;
+  Stack model(512, 4);
+  auto request = network_bound().world(4).global_batch(4).step_in_backward({false, true});
+  auto pair = [&](const char* cluster, bool checkpointed) {
+    const fsdp::Plan plan =
+        fsdp::plan(*model, fsdp::Cluster::parse(cluster), request.activation_checkpointing({checkpointed}));
+    EXPECT_EQ(plan.entries.size(), 2U) << plan.table();
+    std::pair<fsdp::MemoryPrediction, fsdp::MemoryPrediction> after_and_in;
+    for (const auto& e : plan.entries)
+      (e.candidate.step_in_backward ? after_and_in.second : after_and_in.first) = e.memory;
+    return after_and_in;
+  };
+  for (const char* cluster : {"cpu:1x4", "h100:1x4"}) {
+    for (bool checkpointed : {false, true}) {
+      const auto [after, in] = pair(cluster, checkpointed);
+      const bool host = std::string(cluster) == "cpu:1x4";
+      SCOPED_TRACE(std::string(cluster) + (checkpointed ? ", checkpointed" : ""));
+      EXPECT_LT(in.grads, after.grads);
+      EXPECT_EQ(in.params, after.params);
+      if (host && checkpointed) {
+        EXPECT_EQ(in.peak, after.peak);
+        EXPECT_GT(in.headroom, after.headroom);  // what the heap keeps counts as the allocator's
+      } else {
+        EXPECT_LT(in.peak, after.peak);
+      }
+    }
+  }
+}
+
 TEST(Planner, CalibratedTimesReplaceTheNominalRates) {
   {  // fsdp::calibrate times a real model and its step; the result survives a file round trip
     Stack real(32, 2);

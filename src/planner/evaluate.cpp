@@ -408,6 +408,17 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   m.headroom = pool_idle + static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());
   m.process = request.process_bytes();
   m.peak = tensors + m.headroom + m.process;
+  // A host heap keeps what a checkpointed backward's steps free among its recomputed activations:
+  // no lower than stepping after backward (Note [Step in backward on a host heap]).
+  if (c.step_in_backward && c.activation_checkpointing && cluster.device_is_host) {
+    Candidate after = c;
+    after.step_in_backward = false;
+    const int64_t kept = evaluate(model, after, cluster, world, request, correction, nullptr).memory.peak - m.peak;
+    if (kept > 0) {
+      m.headroom += kept;
+      m.peak += kept;
+    }
+  }
   if (offload) m.host = 2 * rest.piece_bytes + rest.optimizer_bytes;
 
   // Each micro-batch reduces its gradients; the optimizer steps once after them, or within the last.
