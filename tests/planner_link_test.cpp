@@ -17,6 +17,9 @@
 namespace fsdp_test {
 namespace {
 
+// Whether a measured rate is about the modeled one (within 30%).
+bool about(double measured, double modeled) { return measured > 0.7 * modeled && measured < 1.3 * modeled; }
+
 // calibrate_link times the modeled link and the transport beneath it; an unmodeled one has no copy rate.
 FSDP_WORKER(link_calibration_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
@@ -32,12 +35,11 @@ FSDP_WORKER(link_calibration_worker) {
   // A timing on shared cores: a try that other processes slowed is timed again (every rank sees the
   // same reduced figures, so all of them try again together).
   fsdp::Calibration c;
-  for (int tries = 0; tries < 3 && !(c.link_gbps > 0.7 * gbps && c.link_gbps < 1.3 * gbps); ++tries) {
+  for (int tries = 0; tries < 3 && !about(c.link_gbps, gbps); ++tries) {
     c = fsdp::Calibration();
     fsdp::calibrate_link(c, *modeled);
   }
-  WORKER_CHECK(c.link_gbps > 0.7 * gbps && c.link_gbps < 1.3 * gbps, "modeled link measured at ", c.link_gbps,
-               " GB/s, not about ", gbps);
+  WORKER_CHECK(about(c.link_gbps, gbps), "modeled link measured at ", c.link_gbps, " GB/s, not about ", gbps);
   WORKER_CHECK(c.link_copy_gbps > 4 * c.link_gbps, "the transport beneath it measured at ", c.link_copy_gbps, " GB/s");
   WORKER_CHECK(c.link_copy_latency_us > 0, "the transport beneath it has no latency: ", c.link_copy_latency_us);
   fsdp::Calibration plain;
@@ -68,19 +70,14 @@ FSDP_WORKER(host_link_calibration_worker) {
                             .intra(fsdp::Link().bandwidth_gbps(intra))
                             .inter(fsdp::Link().bandwidth_gbps(inter))
                             .ranks_per_host(2));
-  auto about = [](double measured, double modeled) {
-    return measured > 0.7 * modeled && measured < 1.3 * modeled;
-  };
   fsdp::Calibration c;
   for (int tries = 0; tries < 3 && !(about(c.link_gbps, inter) && about(c.intra_link_gbps, intra)); ++tries) {
     c = fsdp::Calibration();  // a try that other processes slowed is timed again, on every rank alike
     fsdp::calibrate_link(c, *pg);
   }
   WORKER_CHECK(c.link_ranks_per_host == 2, "ranks per host ", c.link_ranks_per_host, ", not 2");
-  WORKER_CHECK(c.link_gbps > 0.7 * inter && c.link_gbps < 1.3 * inter, "between hosts: ", c.link_gbps,
-               " GB/s, not about ", inter);
-  WORKER_CHECK(c.intra_link_gbps > 0.7 * intra && c.intra_link_gbps < 1.3 * intra, "within a host: ", c.intra_link_gbps,
-               " GB/s, not about ", intra);
+  WORKER_CHECK(about(c.link_gbps, inter), "between hosts: ", c.link_gbps, " GB/s, not about ", inter);
+  WORKER_CHECK(about(c.intra_link_gbps, intra), "within a host: ", c.intra_link_gbps, " GB/s, not about ", intra);
   WORKER_CHECK(c.link_copy_gbps > 4 * c.intra_link_gbps, "the transport beneath: ", c.link_copy_gbps, " GB/s");
   c.tokens = 1;  // a file needs its tokens
   const auto saved = fsdp::Calibration::from_json(c.to_json());
