@@ -5,6 +5,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+
+#include <deque>
+#include <mutex>
 #endif
 
 #include "fsdp/check.h"
@@ -66,31 +69,64 @@ void pinned_free(void* p, size_t) { cudaFreeHost(p); }
 
 }  // namespace
 
+// Host casts whose copies may still read their staging tensors (at most this many, oldest first).
+constexpr size_t kStagedInFlight = 3;
+
 struct CpuOffloader::Streams {
+  explicit Streams(c10::DeviceIndex index)
+      : to_device(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index)),
+        to_host(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index)) {}
   c10::cuda::CUDAStream to_device, to_host;
   at::cuda::CUDAEvent ready;  // re-recorded on the caller's stream before each copy
+  std::mutex staged_mutex;
+  std::deque<WorkPtr> staged;  // copies from host-cast staging tensors, in issue order
 };
 
 CpuOffloader::CpuOffloader(c10::Device device, bool pin_memory)
     : device_(device),
       host_pool_(true, pin_memory ? BufferPool::HostMemory{pinned_alloc, pinned_free} : BufferPool::HostMemory{}) {
   FSDP_CHECK(device.is_cuda() && device.has_index(), "internal: CpuOffloader needs a CUDA device with an index");
-  streams_.reset(new Streams{c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()),
-                             c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()),
-                             at::cuda::CUDAEvent()});
+  streams_ = std::make_unique<Streams>(device.index());
 }
 
-CpuOffloader::~CpuOffloader() = default;
+CpuOffloader::~CpuOffloader() {
+  // The staging tensors go back to the pool only once no copy reads them.
+  if (streams_) {
+    for (const WorkPtr& w : streams_->staged) static_cast<CopyWork*>(w.get())->done().synchronize();
+  }
+}
 
 at::Tensor CpuOffloader::host_empty(int64_t numel, at::ScalarType dtype) const {
   return host_pool_.empty(numel, at::TensorOptions().dtype(dtype));
 }
 
-WorkPtr CpuOffloader::to_device(at::Tensor dst, at::Tensor src) {
+WorkPtr CpuOffloader::to_device(at::Tensor dst, at::Tensor src, bool cast_on_host) {
   FSDP_CHECK(dst.device() == device_ && src.is_cpu() && dst.numel() == src.numel() && dst.is_contiguous() &&
                  src.is_contiguous(),
              "internal: CpuOffloader::to_device arguments");
-  return copy(/*to_host=*/false, std::move(dst), std::move(src));
+  if (!cast_on_host || dst.scalar_type() == src.scalar_type()) return copy(/*to_host=*/false, std::move(dst), std::move(src));
+  // Note [Cast on the host]: the host casts into page-locked staging, the copy moves dst's bytes.
+  at::Tensor staged = staging(src.numel(), dst.scalar_type());
+  {
+    InternalOpGuard internal;
+    staged.copy_(src.view({-1}));
+  }
+  WorkPtr work = copy(/*to_host=*/false, std::move(dst), staged);
+  std::lock_guard<std::mutex> lock(streams_->staged_mutex);
+  streams_->staged.push_back(work);  // holds the staging tensor until its copy is done
+  return work;
+}
+
+at::Tensor CpuOffloader::staging(int64_t numel, at::ScalarType dtype) {
+  {
+    std::lock_guard<std::mutex> lock(streams_->staged_mutex);
+    auto& staged = streams_->staged;
+    while (!staged.empty() && (staged.front()->completed() || staged.size() >= kStagedInFlight)) {
+      static_cast<CopyWork*>(staged.front().get())->done().synchronize();  // at once when completed
+      staged.pop_front();
+    }
+  }
+  return host_empty(numel, dtype);
 }
 
 void CpuOffloader::on_copy_stream(const std::function<void()>& fn) {
@@ -143,7 +179,8 @@ CpuOffloader::CpuOffloader(c10::Device device, bool) : device_(device) {
 }
 CpuOffloader::~CpuOffloader() = default;
 at::Tensor CpuOffloader::host_empty(int64_t, at::ScalarType) const { FSDP_FAIL("internal: no CUDA"); }
-WorkPtr CpuOffloader::to_device(at::Tensor, at::Tensor) { FSDP_FAIL("internal: no CUDA"); }
+WorkPtr CpuOffloader::to_device(at::Tensor, at::Tensor, bool) { FSDP_FAIL("internal: no CUDA"); }
+at::Tensor CpuOffloader::staging(int64_t, at::ScalarType) { FSDP_FAIL("internal: no CUDA"); }
 void CpuOffloader::on_copy_stream(const std::function<void()>&) { FSDP_FAIL("internal: no CUDA"); }
 WorkPtr CpuOffloader::to_host(at::Tensor, at::Tensor) { FSDP_FAIL("internal: no CUDA"); }
 WorkPtr CpuOffloader::copy(bool, at::Tensor, at::Tensor) { FSDP_FAIL("internal: no CUDA"); }

@@ -26,10 +26,11 @@ class CpuOffloader {
   c10::Device device() const { return device_; }
   // An uninitialized 1-D host tensor (page-locked if pin_memory), its block reused by size.
   at::Tensor host_empty(int64_t numel, at::ScalarType dtype) const;
-  // Queues dst (device) = src (host; same numel; the dtype may differ, cast on the device) on the
-  // copy stream, after the work queued so far on the caller's current stream. wait() orders the
-  // caller's current stream after the copy. Both stay alive in the work until then.
-  WorkPtr to_device(at::Tensor dst, at::Tensor src);
+  // Queues dst (device) = src (host; same numel) on the copy stream, after the work queued so far on
+  // the caller's current stream; wait() orders the caller's current stream after the copy. Where the
+  // dtypes differ, the cast runs on the host first when cast_on_host (the copy moves dst's bytes),
+  // else on the device. What the copy reads stays alive until it is done.
+  WorkPtr to_device(at::Tensor dst, at::Tensor src, bool cast_on_host = false);
   // Runs fn with the copy stream current: a collective issued in it reads after the copies queued
   // so far (its communicator orders itself after the current stream).
   void on_copy_stream(const std::function<void()>& fn);
@@ -44,6 +45,8 @@ class CpuOffloader {
   // dst = src on the copy stream (to the device) or the copy-back stream (to the host), after the
   // caller's current stream.
   WorkPtr copy(bool to_host, at::Tensor dst, at::Tensor src);
+  // A page-locked host tensor for a host cast, once fewer than kStagedInFlight are still being copied.
+  at::Tensor staging(int64_t numel, at::ScalarType dtype);
   c10::Device device_;
   // Host blocks by exact size (page-locked when pin_memory): PyTorch's pinned allocator rounds
   // each block up to a power of two (Note [CPU offload]).

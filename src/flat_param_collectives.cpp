@@ -78,7 +78,7 @@ WorkPtr all_reduce(FlatParam& fp, Communicator& comm, const at::Tensor& t, int64
 
 }  // namespace
 
-WorkPtr start_all_gather(FlatParam& fp) {
+WorkPtr start_all_gather(FlatParam& fp, bool cast_on_host) {
   if (fp.keep_unsharded()) return nullptr;
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
@@ -88,7 +88,7 @@ WorkPtr start_all_gather(FlatParam& fp) {
   CpuOffloader* offload = fp.offload();
   if (!fp.sharded_over_peers() && offload) {
     // F == 1 offloaded: the "gather" is the shard's copy to the device (cast on the way).
-    WorkPtr copy = offload->to_device(fp.unsharded_alias(), fp.shard());
+    WorkPtr copy = offload->to_device(fp.unsharded_alias(), fp.shard(), cast_on_host);
     fp.set_pending_gather(copy, at::Tensor(), false);
     return copy;
   }
@@ -107,10 +107,10 @@ WorkPtr start_all_gather(FlatParam& fp) {
   }
   at::Tensor input = fp.shard();
   if (offload) {
-    // The host shard to the device (cast there) on the copy stream; the gather, issued from that
-    // stream, follows it, so compute goes on meanwhile.
+    // The host shard to the device (cast on the host or there) on the copy stream; the gather,
+    // issued from that stream, follows it, so compute goes on meanwhile.
     input = fp.buffers().empty(fp.shard_numel(), fp.unsharded().options());
-    offload->to_device(input, fp.shard());
+    offload->to_device(input, fp.shard(), cast_on_host);
     fp.memory().add_param(fp.shard_numel() * fp.compute_element_size());
     WorkPtr work;
     offload->on_copy_stream([&] {

@@ -16,7 +16,8 @@ namespace fsdp {
 // Unshard: gives the flat storage memory and issues the all-gather of the shards into it (a cast
 // or a copy to the device at F == 1); returns the work, or null if nothing is in flight (kept
 // unsharded, or done at once). The storage must not be read before FlatParam::wait_unshard().
-WorkPtr start_all_gather(FlatParam& fp);
+// Offloaded under mixed precision, `cast_on_host` casts the host shard before its copy to the device.
+WorkPtr start_all_gather(FlatParam& fp, bool cast_on_host = false);
 inline void unshard(FlatParam& fp) {
   start_all_gather(fp);
   fp.wait_unshard();

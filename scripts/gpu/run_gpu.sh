@@ -3,6 +3,7 @@
 # PyTorch's bundled LibTorch, build the CUDA targets, run the GPU tests, then the GPU benchmark.
 # Everything it produces goes to $OUT (default ./out-gpu): build and test logs, gpu.md, raw-gpu.jsonl.
 #   scripts/gpu/run_gpu.sh [--skip-bench] [benchmark flags for bench/gpu/run.py...]
+#   (env: GPU_FIRST suites run first, GPU_ONLY only these suites, GPU_TEST_JOBS, GPU_SUITE_S)
 set -uo pipefail
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
 SKIP_BENCH=0
@@ -33,6 +34,8 @@ run_suite() {  # one suite under its limit, its log appended whole to $OUT/gpu_t
 export -f run_suite
 SUITES=$({ for s in ${GPU_FIRST:-}; do echo "$s"; done
            "$TESTS" --gtest_list_tests | grep -v '^ ' | sed 's/\.$//'; } | awk '!seen[$0]++')
+# GPU_ONLY: run just these suites (the rest can follow in a later call of the test binary).
+if [ -n "${GPU_ONLY:-}" ]; then SUITES=$(for s in $GPU_ONLY; do echo "$s"; done); fi
 : > "$OUT/gpu_tests.log"
 echo "$SUITES" | xargs -P "${GPU_TEST_JOBS:-3}" -I{} bash -c 'run_suite "$1"' _ {}
 TEST_RC=0

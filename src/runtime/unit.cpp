@@ -70,11 +70,11 @@ bool Unit::needs_unshard() const {
   return false;
 }
 
-bool Unit::unshard() {
+bool Unit::unshard(bool cast_on_host) {
   bool issued = false;
   for (FlatParam* fp : flat_params_) {
     if (fp->keep_unsharded() || (fp->is_unsharded() && !fp->unsharded_is_stale())) continue;
-    WorkPtr work = start_all_gather(*fp);
+    WorkPtr work = start_all_gather(*fp, cast_on_host);
     tracer_->collective(TraceEvent::Kind::kUnshard, index_, "all-gather", fp->gather_track(), work);
     issued = true;
   }

@@ -56,8 +56,9 @@ class Unit {
   bool is_unsharded() const;
   // Some sharded FlatParameter must be gathered before use (absent, or older than its shard).
   bool needs_unshard() const;
-  // Issues the all-gathers that needs_unshard() asks for; true if any was issued.
-  bool unshard();
+  // Issues the all-gathers that needs_unshard() asks for; true if any was issued. `cast_on_host`:
+  // offloaded shards are cast to the compute dtype on the host (Note [Cast on the host]).
+  bool unshard(bool cast_on_host);
   // Waits for the unit's all-gathers in flight (the time waited is exposed communication).
   void wait_for_unshard(const char* what = "all-gather");
   // Frees the unsharded storage (after any gather into it landed); true if something was freed.
