@@ -104,7 +104,8 @@ WorkPtr CpuOffloader::to_device(at::Tensor dst, at::Tensor src, bool cast_on_hos
   FSDP_CHECK(dst.device() == device_ && src.is_cpu() && dst.numel() == src.numel() && dst.is_contiguous() &&
                  src.is_contiguous(),
              "internal: CpuOffloader::to_device arguments");
-  if (!cast_on_host || dst.scalar_type() == src.scalar_type()) return copy(/*to_host=*/false, std::move(dst), std::move(src));
+  if (!cast_on_host || dst.scalar_type() == src.scalar_type())
+    return copy(/*to_host=*/false, std::move(dst), std::move(src));
   // Note [Cast on the host]: the host casts into page-locked staging, the copy moves dst's bytes.
   at::Tensor staged = staging(src.numel(), dst.scalar_type());
   {

@@ -166,8 +166,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       // Offloaded shards cross in the compute dtype, cast on the host, unless the step in backward
       // holds the host (Note [Cast on the host]); then in their own dtype, counted for both passes.
       if (offload)
-        flat.gather_s +=
-            static_cast<double>(shard * element_size(c.step_in_backward ? dtype : compute)) / host_bps;
+        flat.gather_s += static_cast<double>(shard * element_size(c.step_in_backward ? dtype : compute)) / host_bps;
       if (requires_grad) {
         const int64_t grad_bytes = padded * element_size(reduce);
         flat.reduce_s = F == 1 ? modeled_seconds(Collective::kAllReduce, grad_bytes, world, world_link)

@@ -17,9 +17,19 @@ using fsdp_test::kGpu;
 // Float32 values that stress a cast to bfloat16: ties, subnormals, overflow to infinity, NaN.
 at::Tensor awkward_values(int64_t n) {
   at::Tensor t = torch::randn({n}) * 1e3;
-  const float specials[] = {0.0f, -0.0f, 1.00390625f, 1.01171875f, -1.00390625f, 3.4e38f, -3.4e38f,
-                            1e-39f, -1e-39f, 1e-45f, std::numeric_limits<float>::infinity(),
-                            -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::min()};
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1.00390625f,
+                            1.01171875f,
+                            -1.00390625f,
+                            3.4e38f,
+                            -3.4e38f,
+                            1e-39f,
+                            -1e-39f,
+                            1e-45f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::min()};
   int64_t i = 0;
   for (float v : specials) t[i++] = v;
   return t;
