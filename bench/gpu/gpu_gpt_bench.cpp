@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   int layers = 24, width = 2048, heads = 16, context = 1024, batch = 8, warmup = 3, steps = 10, seed = 1;
   int peak_n = 8192;
   double peak_tflops = 0;
-  bool mixed_precision = false, offload = false, step_in_backward = false, plan = false;
+  bool mixed_precision = false, offload = false, step_in_backward = false, plan = false, device_cast = false;
   app.add_option("--mode", mode, "local | fsdp | peak")->check(CLI::IsMember({"local", "fsdp", "peak"}));
   app.add_option("--strategy", strategy, "fsdp mode: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");
   app.add_option("--dtype", dtype_name, "bf16 | f32: the model's parameters, gradients and AdamW state")
@@ -102,6 +102,9 @@ int main(int argc, char** argv) {
   app.add_flag("--mixed-precision", mixed_precision,
                "fsdp mode: MixedPrecision(param bf16, reduce f32) over the --dtype masters (use --dtype f32)");
   app.add_flag("--offload", offload, "fsdp mode: CpuOffload: shards, gradients and the optimizer step in host memory");
+  app.add_flag("--device-cast", device_cast,
+               "fsdp mode, --offload with --mixed-precision: copy shards in float32 and cast on the device "
+               "(CpuOffload().cast_on_host(false))");
   app.add_flag("--step-in-backward", step_in_backward,
                "fsdp mode: the optimizer steps each unit in backward (set_step_in_backward; under --offload on a "
                "host thread of its own, beside the device's backward)");
@@ -180,7 +183,7 @@ int main(int argc, char** argv) {
                          .param_init_fn(init);
       if (mixed_precision)
         options.mixed_precision(fsdp::MixedPrecision().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat));
-      if (offload) options.offload(fsdp::CpuOffload().params(true));
+      if (offload) options.offload(fsdp::CpuOffload().params(true).cast_on_host(!device_cast));
       sharded = fsdp::fully_shard(model, pg, options);
       for (const auto& kv : sharded->named_parameters()) trained.push_back(kv.second);
       if (pg->rank() == 0) std::cerr << sharded->describe();
@@ -267,6 +270,7 @@ int main(int argc, char** argv) {
                 {"optimizer_wall_ms", median(optimizer_wall_ms)},
                 {"mixed_precision", mixed_precision},
                 {"offload", offload},
+                {"cast_on_host", offload && !device_cast},
                 {"step_in_backward", step_in_backward},
                 {"host_peak_rss_bytes", host_peak_rss_bytes()},
                 {"tokens_per_s", tokens_per_s},

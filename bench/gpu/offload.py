@@ -9,7 +9,8 @@ float32 master weights and a bf16 compute policy (param bf16, reduce f32) for ev
            CPUOffloadPolicy, with each framework's CPU AdamW (LibTorch's / PyTorch's default) and
            with its fastest (fsdp::FusedAdamW's CPU kernel / torch AdamW(fused=True) on the CPU); and
            libfsdp with FusedAdamW stepping each unit in backward, on a host thread beside the
-           device's backward (set_step_in_backward).
+           device's backward (set_step_in_backward), with shards cast to bf16 on the host (the
+           default) and on the device.
 Appends to raw-offload.jsonl and offload.md (medians, ratios, host memory, optimizer wall time, the
 bytes each step moves between host and device).
 
@@ -53,6 +54,8 @@ def main():
                     "libfsdp offload, FusedAdamW": ours + ["--offload", "--optimizer", "fused"],
                     "libfsdp offload, FusedAdamW, step in backward": ours + ["--offload", "--optimizer", "fused",
                                                                               "--step-in-backward"],
+                    "libfsdp offload, FusedAdamW, step in backward, cast on the device":
+                        ours + ["--offload", "--optimizer", "fused", "--step-in-backward", "--device-cast"],
                     "PyTorch FSDP2 offload, AdamW": fsdp2 + ["--offload", "--optimizer", "adamw"],
                     "PyTorch FSDP2 offload, AdamW(fused)": fsdp2 + ["--offload", "--optimizer", "fused"]},
     }
@@ -106,10 +109,14 @@ def main():
                 f"{med(name, 'reserved_peak_bytes') / 2**30:.2f} | {med(name, 'host_peak_rss_bytes') / 2**30:.1f} | "
                 f"{r0['losses'][0]:.4f} -> {r0['losses'][-1]:.4f} |")
         if sec == "offload":
-            # FULL_SHARD at world 1 with offload: each unit's f32 shard goes to the device for forward
-            # and again for backward; each f32 gradient shard comes back once.
-            lines += ["", f"Host-device bytes per step (both frameworks, by construction): {2 * 4 * n / 2**30:.2f} GiB "
-                          f"to the device (f32 parameters twice), {4 * n / 2**30:.2f} GiB back (f32 gradients)."]
+            # FULL_SHARD at world 1 with offload: each unit's shard goes to the device for forward and
+            # again for backward, in bf16 where libfsdp casts on the host (Note [Cast on the host]), in
+            # f32 otherwise; each f32 gradient shard comes back once.
+            lines += ["", "Host-device bytes per step, by construction: to the device "
+                          f"{2 * 4 * n / 2**30:.2f} GiB for FSDP2 and libfsdp casting on the device (f32 parameters "
+                          f"twice), {2 * 2 * n / 2**30:.2f} GiB for libfsdp stepping after backward (bf16 twice), "
+                          f"{(2 + 4) * n / 2**30:.2f} GiB for libfsdp stepping in backward on its own thread (bf16 "
+                          f"for forward, f32 for backward); back {4 * n / 2**30:.2f} GiB (f32 gradients) for all."]
         lines.append("")
     with open(os.path.join(args.out, "offload.md"), "a") as fh:
         fh.write("\n".join(lines) + "\n")

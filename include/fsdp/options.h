@@ -124,6 +124,9 @@ struct CpuOffload {
   TORCH_ARG(bool, params) = false;
   // Page-locked host memory, so copies to and from the device run asynchronously.
   TORCH_ARG(bool, pin_memory) = true;
+  // Under mixed precision, cast each shard to the compute dtype on the host before its copy to the
+  // device (fewer bytes over the link); false: copy it in its own dtype and cast on the device.
+  TORCH_ARG(bool, cast_on_host) = true;
 };
 
 // Per-unit exception to the strategy's reshard-after-forward: asked with each non-root unit's

@@ -234,7 +234,7 @@ void Scheduler::unshard_now(int u) {
 void Scheduler::unshard(int u, const char* why) {
   // The host casts offloaded shards unless it is stepping on a thread of its own (Note [Cast on the host]).
   const bool host_steps = in_backward() && reducer_.stepper().on() && reducer_.stepper().own_thread();
-  if (units_[u].unshard(/*cast_on_host=*/!host_steps) && tracer_.enabled()) {
+  if (units_[u].unshard(/*cast_on_host=*/options_.offload().cast_on_host() && !host_steps) && tracer_.enabled()) {
     tracer_.instant(TraceEvent::Kind::kUnshardIssued, u, why);
     tracer_.note_unsharded_units(unsharded_unit_count());
   }
