@@ -638,5 +638,33 @@ TEST(PlannerTrace, RefusesAMaterializedModelValueReadsAndBothWaysOfCounting) {
   EXPECT_THROW(fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request), fsdp::Error);
 }
 
+TEST(PlannerTrace, RefusesWithoutTheTraceModulesItsRulesMiscount) {
+  ConvNet model;
+  auto request = world_one().global_batch(2).micro_batches({2}).activation_checkpointing({false});
+  try {
+    fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+    FAIL() << "a convolutional model was planned by rules that cannot count it";
+  } catch (const fsdp::Error& e) {
+    EXPECT_TRUE(contains(e.what(), "Conv2d")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "trace_forward")) << e.what();
+  }
+  // A module_cost that gives nothing: the plan says what its predictions leave out.
+  request.module_cost([](const std::string&, const nn::Module&, int64_t) { return fsdp::ModuleCost{}; });
+  const fsdp::Plan silent = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+  bool noted = false;
+  for (const auto& note : silent.notes) noted = noted || contains(note, "missing from every prediction");
+  EXPECT_TRUE(noted);
+  // A module_cost that counts the convolutions replaces the rules' figures for them.
+  request.module_cost([](const std::string&, const nn::Module& m, int64_t) {
+    fsdp::ModuleCost c;
+    if (dynamic_cast<const nn::Conv2dImpl*>(&m) != nullptr) c.forward_flops = 1e9;
+    return c;
+  });
+  const fsdp::Plan counted = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+  ASSERT_EQ(counted.entries.size(), 1U);
+  ASSERT_EQ(silent.entries.size(), 1U);
+  EXPECT_GT(counted.entries[0].time.step_s, silent.entries[0].time.step_s);
+}
+
 }  // namespace
 }  // namespace fsdp_test

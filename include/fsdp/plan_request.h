@@ -17,7 +17,8 @@ namespace fsdp {
 
 // What one module adds per token (sequence position) beyond the planner's own rules for Linear,
 // Embedding, LayerNorm and matrices (docs/planner.md): its functional operators (attention, a
-// nonlinearity, a loss).
+// nonlinearity, a loss). For a module the rules miscount (convolutions, recurrent layers,
+// attention, batch/instance/group norms, parameters of 3+ dimensions) a nonzero cost replaces them.
 struct ModuleCost {
   double forward_flops = 0;      // per token
   double activation_values = 0;  // values kept for backward per token, in the compute dtype

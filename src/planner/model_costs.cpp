@@ -46,6 +46,30 @@ OwnCost own_cost(const torch::nn::Module& m) {
   return c;
 }
 
+// Whether the rules above miscount `m`: a LibTorch module whose products run over more than one
+// position per token (convolutions), over time steps (recurrent layers) or between tokens
+// (attention), or that keeps values without a matrix (batch, instance and group normalization); or
+// any module with a parameter of more than two dimensions, which no plain matrix product uses.
+bool rules_miscount(const torch::nn::Module& m) {
+  namespace nn = torch::nn;
+  const bool known = dynamic_cast<const nn::Conv1dImpl*>(&m) || dynamic_cast<const nn::Conv2dImpl*>(&m) ||
+                     dynamic_cast<const nn::Conv3dImpl*>(&m) || dynamic_cast<const nn::ConvTranspose1dImpl*>(&m) ||
+                     dynamic_cast<const nn::ConvTranspose2dImpl*>(&m) ||
+                     dynamic_cast<const nn::ConvTranspose3dImpl*>(&m) || dynamic_cast<const nn::RNNImpl*>(&m) ||
+                     dynamic_cast<const nn::LSTMImpl*>(&m) || dynamic_cast<const nn::GRUImpl*>(&m) ||
+                     dynamic_cast<const nn::RNNCellImpl*>(&m) || dynamic_cast<const nn::LSTMCellImpl*>(&m) ||
+                     dynamic_cast<const nn::GRUCellImpl*>(&m) || dynamic_cast<const nn::MultiheadAttentionImpl*>(&m) ||
+                     dynamic_cast<const nn::BatchNorm1dImpl*>(&m) || dynamic_cast<const nn::BatchNorm2dImpl*>(&m) ||
+                     dynamic_cast<const nn::BatchNorm3dImpl*>(&m) || dynamic_cast<const nn::InstanceNorm1dImpl*>(&m) ||
+                     dynamic_cast<const nn::InstanceNorm2dImpl*>(&m) ||
+                     dynamic_cast<const nn::InstanceNorm3dImpl*>(&m) || dynamic_cast<const nn::GroupNormImpl*>(&m) ||
+                     dynamic_cast<const nn::BilinearImpl*>(&m);
+  if (known) return true;
+  for (const auto& p : m.named_parameters(/*recurse=*/false))
+    if (p.value().dim() > 2) return true;
+  return false;
+}
+
 // The unit a module's own tensors belong to: the nearest enclosing unit by qualified name.
 int unit_of(const std::string& name, const std::map<std::string, int>& unit_by_name) {
   std::string n = name;
@@ -110,6 +134,9 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
     OwnCost c = own_cost(m);
     if (extra) {
       const ModuleCost more = extra(item.key(), m, seq_len);
+      if ((more.forward_flops != 0 || more.activation_values != 0) && rules_miscount(m)) {
+        c.flops = c.values = 0;  // module_cost counts what the rules would miscount
+      }
       c.flops += more.forward_flops;
       c.values += more.activation_values;
     }
@@ -118,6 +145,20 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
     builder.add(item.key(), c.flops, c.values, c.input);
   }
   return builder.take();
+}
+
+std::vector<std::string> miscounted_modules(torch::nn::Module& root, const ModuleCostFn& extra, int64_t seq_len) {
+  std::vector<std::string> out;
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const torch::nn::Module& m = *item.value();
+    if (!rules_miscount(m)) continue;
+    if (extra) {
+      const ModuleCost more = extra(item.key(), m, seq_len);
+      if (more.forward_flops != 0 || more.activation_values != 0) continue;
+    }
+    out.push_back((item.key().empty() ? std::string("the root") : item.key()) + " (" + m.name() + ")");
+  }
+  return out;
 }
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std::vector<TracedSegment>& traced) {

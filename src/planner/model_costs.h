@@ -5,6 +5,7 @@
 // the units. See Note [Planner cost pass] in docs/design.md.
 #include <torch/torch.h>
 
+#include <string>
 #include <vector>
 
 #include "fsdp/plan_request.h"
@@ -29,6 +30,8 @@ struct ModelCosts {
 };
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len);
+// The modules (name and type) whose costs the rules miscount and `extra` gives nothing for.
+std::vector<std::string> miscounted_modules(torch::nn::Module& root, const ModuleCostFn& extra, int64_t seq_len);
 // The same from an operator trace (op_trace.h) instead of the rules, in the trace's order.
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std::vector<TracedSegment>& traced);
 

@@ -186,9 +186,21 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
              "PlanRequest: set trace_forward or module_cost, not both (the trace counts every operator, the "
              "module's own ones included)");
   std::vector<planner::TracedSegment> traced;
-  if (request.trace_forward())
+  if (request.trace_forward()) {
     traced = planner::trace_forward(model, request.trace_forward(), request.trace_sequences() * request.seq_len(),
                                     request.trace_probe_bytes());
+  } else if (const auto miscounted = planner::miscounted_modules(model, request.module_cost(), request.seq_len());
+             !miscounted.empty()) {
+    std::ostringstream names;
+    for (size_t i = 0; i < miscounted.size() && i < 3; ++i) names << (i ? ", " : "") << miscounted[i];
+    if (miscounted.size() > 3) names << " and " << miscounted.size() - 3 << " more";
+    const std::string what = "the planner's rules cannot count the FLOPs and kept activations of " + names.str();
+    // Without either, every time and activation figure would be silently wrong.
+    FSDP_CHECK(request.module_cost(), what,
+               "; give PlanRequest::trace_forward one forward of the model on meta tensors (docs/planner.md, The "
+               "operator trace), or a module_cost that counts them");
+    result.notes.push_back(what + ", and module_cost gives nothing for them: they are missing from every prediction");
+  }
   std::vector<UnitPlan> unit_plans;
   std::vector<planner::ModelCosts> model_costs;
   unit_plans.reserve(known.size());
