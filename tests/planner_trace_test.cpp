@@ -666,5 +666,22 @@ TEST(PlannerTrace, RefusesWithoutTheTraceModulesItsRulesMiscount) {
   EXPECT_GT(counted.entries[0].time.step_s, silent.entries[0].time.step_s);
 }
 
+TEST(PlannerTrace, NotesTheRepeatedBlockWhenEveryWrapPolicyPlansTheRootOnly) {
+  LinearStack model(8, 3);
+  auto request = world_one().seq_len(4);
+  auto notes = [&] {
+    std::string all;
+    for (const auto& note : fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request).notes) all += note;
+    return all;
+  };
+  const std::string root_only = notes();
+  EXPECT_TRUE(contains(root_only, "torch::nn::SequentialImpl repeats 3 times and holds 100% of the parameters: "
+                                  "PlanRequest::wrap_policies({{\"block\", "
+                                  "fsdp::wrap::by_type<torch::nn::SequentialImpl>()}})"))
+      << root_only;
+  request.wrap_policies({{"block", fsdp::wrap::by_type<nn::SequentialImpl>()}});
+  EXPECT_FALSE(contains(notes(), "repeats")) << notes();
+}
+
 }  // namespace
 }  // namespace fsdp_test

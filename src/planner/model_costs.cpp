@@ -161,6 +161,31 @@ std::vector<std::string> miscounted_modules(torch::nn::Module& root, const Modul
   return out;
 }
 
+RepeatedBlock repeated_block(torch::nn::Module& root) {
+  auto numel = [](const torch::nn::Module& m) {
+    double n = 0;
+    for (const auto& p : m.parameters(/*recurse=*/true)) n += static_cast<double>(p.numel());
+    return n;
+  };
+  const double total = numel(root);
+  std::map<std::string, RepeatedBlock> by_type;
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    std::string type = item.value()->name();  // LibTorch's own modules name their holder, not the class
+    if (type.rfind("torch::nn::", 0) == 0 && (type.size() < 4 || type.compare(type.size() - 4, 4, "Impl") != 0))
+      type += "Impl";
+    RepeatedBlock& b = by_type[type];
+    b.type = type;
+    ++b.count;
+    b.share += total > 0 ? numel(*item.value()) / total : 0;
+  }
+  RepeatedBlock best;
+  for (const auto& [type, b] : by_type) {
+    if (b.count < 2 || b.share < 0.5) continue;
+    if (best.count == 0 || b.count < best.count || (b.count == best.count && b.share > best.share)) best = b;
+  }
+  return best;
+}
+
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std::vector<TracedSegment>& traced) {
   CostBuilder builder(root, units);
   for (const TracedSegment& s : traced) builder.add(s.module, s.forward_flops, s.activation_values, s.input_values);

@@ -32,6 +32,14 @@ struct ModelCosts {
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len);
 // The modules (name and type) whose costs the rules miscount and `extra` gives nothing for.
 std::vector<std::string> miscounted_modules(torch::nn::Module& root, const ModuleCostFn& extra, int64_t seq_len);
+// The coarsest module type that repeats and whose instances hold at least half the parameters
+// (a model's blocks): its C++ class, instances and share of the parameters; count 0 where none does.
+struct RepeatedBlock {
+  std::string type;
+  int count = 0;
+  double share = 0;
+};
+RepeatedBlock repeated_block(torch::nn::Module& root);
 // The same from an operator trace (op_trace.h) instead of the rules, in the trace's order.
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std::vector<TracedSegment>& traced);
 

@@ -1,6 +1,7 @@
 // fsdp::plan (include/fsdp/planner.h): every candidate of the request's search space, each
 // predicted by evaluate(); fitting ones first, fastest first.
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <sstream>
 #include <utility>
@@ -185,6 +186,16 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   FSDP_CHECK(!request.trace_forward() || !request.module_cost(),
              "PlanRequest: set trace_forward or module_cost, not both (the trace counts every operator, the "
              "module's own ones included)");
+  bool root_only = true;
+  for (const NamedWrapPolicy& w : request.wrap_policies()) root_only = root_only && !w.policy;
+  if (const planner::RepeatedBlock block = planner::repeated_block(model); root_only && block.count > 0) {
+    std::ostringstream o;
+    o << "every wrap policy plans the whole model as one unit, gathered at once; " << block.type << " repeats "
+      << block.count << " times and holds " << std::lround(100 * block.share)
+      << "% of the parameters: PlanRequest::wrap_policies({{\"block\", fsdp::wrap::by_type<" << block.type
+      << ">()}}) plans a unit per instance";
+    result.notes.push_back(o.str());
+  }
   std::vector<planner::TracedSegment> traced;
   if (request.trace_forward()) {
     traced = planner::trace_forward(model, request.trace_forward(), request.trace_sequences() * request.seq_len(),
