@@ -188,7 +188,8 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
              "module's own ones included)");
   bool root_only = true;
   for (const NamedWrapPolicy& w : request.wrap_policies()) root_only = root_only && !w.policy;
-  if (const planner::RepeatedBlock block = planner::repeated_block(model); root_only && block.count > 0) {
+  if (const planner::RepeatedBlock block = root_only ? planner::repeated_block(model) : planner::RepeatedBlock{};
+      block.count > 0) {
     std::ostringstream o;
     o << "every wrap policy plans the whole model as one unit, gathered at once; " << block.type << " repeats "
       << block.count << " times and holds " << std::lround(100 * block.share)
