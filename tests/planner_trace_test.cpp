@@ -18,6 +18,7 @@
 #include "fsdp/fsdp.h"
 #include "fsdp/planner.h"
 #include "harness.h"
+#include "models.h"
 
 namespace fsdp_test {
 namespace {
@@ -681,6 +682,117 @@ TEST(PlannerTrace, NotesTheRepeatedBlockWhenEveryWrapPolicyPlansTheRootOnly) {
       << root_only;
   request.wrap_policies({{"block", fsdp::wrap::by_type<nn::SequentialImpl>()}});
   EXPECT_FALSE(contains(notes(), "repeats")) << notes();
+}
+
+// A CNN whose root holds only the classifier, read last in forward: the trace's first stretch reads
+// no parameter, so the runtime gathers the root at the classifier and reduces its gradient as
+// backward begins; under mixed precision its batch norms keep FlatParameters of their own.
+struct ConvClassifierImpl : nn::Module {
+  ConvClassifierImpl() {
+    for (int i = 0; i < 2; ++i)
+      blocks->push_back(nn::Sequential(nn::Conv2d(nn::Conv2dOptions(i == 0 ? 3 : 8, 8, 3).padding(1).bias(false)),
+                                       nn::BatchNorm2d(8), nn::ReLU()));
+    register_module("blocks", blocks);
+    fc = register_module("fc", nn::Linear(8 * 4 * 4, 10));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (const auto& block : *blocks) x = torch::max_pool2d(block->as<nn::Sequential>()->forward(x), 2);
+    return fc(x.flatten(1));
+  }
+  nn::ModuleList blocks;
+  nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ConvClassifier);
+
+// A language model whose root's only trainable parameter is its embedding, tied to the head: its
+// gradient arrives once, at the end of backward, though the root runs first in backward.
+struct TiedLMImpl : nn::Module {
+  TiedLMImpl() {
+    emb = register_module("emb", nn::Embedding(50, 16));
+    for (int i = 0; i < 2; ++i) blocks->push_back(nn::Sequential(nn::Linear(16, 32), nn::Linear(32, 16)));
+    register_module("blocks", blocks);
+    frozen = register_module("frozen", nn::Linear(16, 16));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    head = register_module("head", TiedHead(emb->weight));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor x = emb(tokens);
+    for (const auto& block : *blocks) x = block->as<nn::Sequential>()->forward(x);
+    return head(frozen(x));
+  }
+  nn::Embedding emb{nullptr};
+  nn::ModuleList blocks;
+  nn::Linear frozen{nullptr};
+  TiedHead head{nullptr};
+};
+TORCH_MODULE(TiedLM);
+
+// Every candidate's predicted parameter and gradient peaks against memory_stats() after real steps.
+FSDP_WORKER(root_read_last_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int per_rank = 2;
+  auto request = fsdp::PlanRequest()
+                     .global_batch(per_rank * pg->size())
+                     .micro_batches({per_rank})
+                     .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp})
+                     .precisions({at::kFloat, at::kBFloat16})
+                     .wrap_policies({{"block", fsdp::wrap::by_type<nn::SequentialImpl>()}})
+                     .activation_checkpointing({false})
+                     .cpu_offload({false});
+  const auto cluster = fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size()));
+  int checked = 0;
+  auto check = [&](const fsdp::Plan& plan, const std::function<std::shared_ptr<nn::Module>()>& build,
+                   const std::function<at::Tensor(nn::Module&, fsdp::FullyShardedModule&)>& loss) {
+    WORKER_CHECK(plan.entries.size() == 4, "expected 4 candidates, got ", plan.entries.size());
+    for (const fsdp::PlanEntry& e : plan.entries) {
+      torch::manual_seed(0);
+      std::shared_ptr<nn::Module> model = build();
+      auto sharded = fsdp::fully_shard(model, pg, e.candidate.options());
+      torch::optim::SGD opt(sharded->parameters(), 0.01);
+      for (int step = 0; step < 3; ++step) {  // the first step's peaks stay below the steady ones
+        opt.zero_grad();
+        sharded->reset_peak_memory_stats();
+        loss(*model, *sharded).backward();
+        opt.step();
+      }
+      const auto m = sharded->memory_stats();
+      WORKER_CHECK(m.param_peak_bytes == e.memory.params && m.grad_peak_bytes == e.memory.grads, e.candidate.describe(),
+                   ": peaks measured ", m.param_peak_bytes, " and ", m.grad_peak_bytes, ", predicted ", e.memory.params,
+                   " and ", e.memory.grads);
+      ++checked;
+    }
+  };
+  ConvClassifier convnet{nullptr};
+  TiedLM lm{nullptr};
+  {
+    fsdp::DeferredInit deferred;
+    convnet = ConvClassifier();
+    lm = TiedLM();
+  }
+  auto traced = request;
+  traced.trace_sequences(per_rank).trace_forward([&] { convnet->forward(torch::zeros({per_rank, 3, 16, 16})); });
+  check(
+      fsdp::plan(*convnet, cluster, traced), [] { return ConvClassifier().ptr(); },
+      [&](nn::Module& model, fsdp::FullyShardedModule& sharded) {
+        const at::Tensor x = sharded.cast_forward_input(torch::randn({per_rank, 3, 16, 16}));
+        const at::Tensor out = dynamic_cast<ConvClassifierImpl&>(model).forward(x).to(at::kFloat);
+        return torch::nn::functional::cross_entropy(out, torch::randint(10, {per_rank}));
+      });
+  auto rules = request;  // the rules: the head's matrix is a product, the embedding a lookup
+  check(
+      fsdp::plan(*lm, cluster, rules.seq_len(8)), [] { return TiedLM().ptr(); },
+      [&](nn::Module& model, fsdp::FullyShardedModule&) {
+        const at::Tensor tokens = torch::randint(50, {per_rank, 8});
+        const at::Tensor logits = dynamic_cast<TiedLMImpl&>(model).forward(tokens).to(at::kFloat);
+        return torch::nn::functional::cross_entropy(logits.reshape({-1, 50}), tokens.reshape({-1}));
+      });
+  std::cout << "root read last: " << checked << " configurations exact" << std::endl;
+}
+
+TEST(PlannerTrace, PredictsPeaksExactlyWhereTheRootIsReadLastOrTiedOnly) {
+  auto r = launch("root_read_last_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "root read last: 8 configurations exact")) << r.report();
 }
 
 }  // namespace

@@ -313,6 +313,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                      (recompute && !measured ? seg.forward_s : 0.0);
     const double unit_values = costs.unit_activation_values[s.unit];
     seg.activation_share = unit_values > 0 ? s.activation_values / unit_values : 0;
+    seg.reads_params = s.reads_params;
+    seg.grads_arrive = s.grads_arrive;
     sim.segments.push_back(seg);
   }
   sim.backward_prefetch = c.backward_prefetch;

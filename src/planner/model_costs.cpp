@@ -2,6 +2,7 @@
 #include "planner/model_costs.h"
 
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -99,7 +100,7 @@ class CostBuilder {
       if (dynamic_cast<const CheckpointedBase*>(item.value().get()) != nullptr) checkpointed_.push_back(item.key());
   }
 
-  void add(const std::string& module, double flops, double values, double input) {
+  void add(const std::string& module, double flops, double values, double input, bool reads_params, bool grads_arrive) {
     int u = unit_of(module, unit_by_name_);
     // A unit without parameters is never entered by the runtime: its work runs in the enclosing one.
     while (u != 0 && units_.units[u].flat_params.empty()) u = units_.units[u].parent;
@@ -114,6 +115,8 @@ class CostBuilder {
     if (costs_.segments.empty() || costs_.segments.back().unit != u) costs_.segments.push_back({u, 0, 0});
     costs_.segments.back().forward_flops += flops;
     costs_.segments.back().activation_values += values;
+    costs_.segments.back().reads_params = costs_.segments.back().reads_params || reads_params;
+    costs_.segments.back().grads_arrive = costs_.segments.back().grads_arrive || grads_arrive;
   }
 
   ModelCosts take() { return std::move(costs_); }
@@ -129,6 +132,7 @@ class CostBuilder {
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len) {
   CostBuilder builder(root, units);
+  std::set<const void*> seen;
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const torch::nn::Module& m = *item.value();
     OwnCost c = own_cost(m);
@@ -142,7 +146,10 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
     }
     // A module with parameters marks where its unit runs even when it costs nothing by the rules.
     if (c.flops == 0 && c.values == 0 && m.named_parameters(/*recurse=*/false).is_empty()) continue;
-    builder.add(item.key(), c.flops, c.values, c.input);
+    bool arrive = false;  // a parameter requiring grad that no earlier module holds (a tied one's first use)
+    for (const auto& p : m.named_parameters(/*recurse=*/false))
+      arrive = (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second) || arrive;
+    builder.add(item.key(), c.flops, c.values, c.input, !m.named_parameters(/*recurse=*/false).is_empty(), arrive);
   }
   return builder.take();
 }
@@ -188,7 +195,8 @@ RepeatedBlock repeated_block(torch::nn::Module& root) {
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std::vector<TracedSegment>& traced) {
   CostBuilder builder(root, units);
-  for (const TracedSegment& s : traced) builder.add(s.module, s.forward_flops, s.activation_values, s.input_values);
+  for (const TracedSegment& s : traced)
+    builder.add(s.module, s.forward_flops, s.activation_values, s.input_values, s.reads_params, s.grads_arrive);
   return builder.take();
 }
 

@@ -19,6 +19,9 @@ struct SegmentCost {
   int unit = 0;
   double forward_flops = 0;
   double activation_values = 0;
+  bool reads_params = false;  // reads a parameter of its unit (the runtime enters the unit)
+  bool grads_arrive =
+      false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
 };
 
 struct ModelCosts {

@@ -74,6 +74,8 @@ struct Frame {
 
 struct Tracer {
   std::unordered_map<const void*, std::string> owner;  // parameter and buffer storage -> module
+  std::unordered_set<const void*> params, trainable;   // the storage of parameters, and of those requiring grad
+  std::unordered_set<const void*> trainable_read;      // those of the trainable ones read so far
   std::unordered_set<const void*> kept;
   std::vector<at::Tensor> held;  // the kept tensors, alive so their storage's address is not reused
   std::vector<TracedSegment> segments{TracedSegment{}};
@@ -104,10 +106,15 @@ struct Tracer {
     const auto& inputs = fn.inputs();
     each_tensor(inputs, 0, [&](const at::Tensor& t) {
       auto it = owner.find(storage_key(t));
-      if (it == owner.end() || it->second == segments.back().module) return;
-      TracedSegment next;
-      next.module = it->second;
-      segments.push_back(std::move(next));
+      if (it == owner.end()) return;
+      if (it->second != segments.back().module) {
+        TracedSegment next;
+        next.module = it->second;
+        segments.push_back(std::move(next));
+      }
+      if (params.count(it->first) != 0) segments.back().reads_params = true;
+      if (trainable.count(it->first) != 0 && trainable_read.insert(it->first).second)
+        segments.back().grads_arrive = true;
     });
     if (segments.back().input_values == 0)
       each_tensor(inputs, 0, [&](const at::Tensor& t) {
@@ -320,6 +327,8 @@ std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::fun
                  item.key().empty() ? p.key() : item.key() + "." + p.key(), " is on ", p.value().device(),
                  "; build the model inside fsdp::DeferredInit (or leave trace_forward unset)");
       tracer.owner.emplace(storage_key(p.value()), item.key());
+      tracer.params.insert(storage_key(p.value()));
+      if (p.value().requires_grad()) tracer.trainable.insert(storage_key(p.value()));
     }
     for (const auto& b : item.value()->named_buffers(/*recurse=*/false))
       if (b.value().defined()) tracer.owner.emplace(storage_key(b.value()), item.key());
@@ -353,7 +362,8 @@ std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::fun
   std::vector<TracedSegment> out;
   const auto per = static_cast<double>(tokens);
   for (TracedSegment& s : tracer.segments) {
-    if (s.forward_flops == 0 && s.activation_values == 0 && s.input_values == 0 && s.module.empty()) continue;
+    if (s.forward_flops == 0 && s.activation_values == 0 && s.input_values == 0 && s.module.empty() && !s.reads_params)
+      continue;
     s.forward_flops /= per;
     s.activation_values /= per;
     s.input_values /= per;

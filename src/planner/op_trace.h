@@ -17,6 +17,9 @@ struct TracedSegment {
   double forward_flops = 0;      // matrix products and convolutions
   double activation_values = 0;  // kept for backward (first kept here), in values of their dtype's width
   double input_values = 0;       // the stretch's first input (what a checkpointed unit keeps)
+  bool reads_params = false;     // reads a parameter of its module (where the runtime enters its unit)
+  bool grads_arrive =
+      false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
 };
 
 // The segments in forward order; a module appears again where forward returns to it. An operator

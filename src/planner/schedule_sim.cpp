@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <utility>
 #include <vector>
 
 #include "planner/sim_memory.h"
+#include "planner/sim_orders.h"
 
 namespace fsdp::planner {
 namespace {
@@ -42,11 +44,12 @@ class Replay {
     if (in_.micro.params_held)
       for (int u = 0; u < n_; ++u)
         if (first_segment_[u] >= 0) hold_unsharded(u);
-    for (const SimSegment& s : in_.segments) {
-      if (s.unit == last_used_) {
+    for (size_t i = 0; i < in_.segments.size(); ++i) {
+      const SimSegment& s = in_.segments[i];
+      if (enters_[i] && s.unit == last_used_) {
         if (needs_unshard(s.unit)) unshard(s.unit);
         wait_unshard(s.unit);
-      } else {
+      } else if (enters_[i]) {
         pre_forward(s.unit);
       }
       compute(s.forward_s);
@@ -56,18 +59,20 @@ class Replay {
     for (int i = static_cast<int>(in_.segments.size()) - 1; i >= 0; --i) {
       const SimSegment& s = in_.segments[i];
       const int u = s.unit;
-      if (u == last_used_ && backward_started_) {
-        if (needs_unshard(u)) unshard(u);
-        wait_unshard(u);
-      } else {
-        pre_backward(u);
+      if (enters_[i]) {
+        if (u == last_used_ && backward_started_) {
+          if (needs_unshard(u)) unshard(u);
+          wait_unshard(u);
+        } else {
+          pre_backward(u);
+        }
       }
-      allocate_grads(u);
+      if (i == grads_alloc_segment_[u]) allocate_grads(u);
       const int64_t recomputed = in_.units[u].checkpointed ? share(s, in_.units[u].full_activation_bytes) : 0;
       mem_.add_acts(recomputed);
       compute(s.backward_s);
       mem_.add_acts(-recomputed - kept(s));
-      if (i == first_segment_[u]) post_backward(u);
+      if (i == grads_in_segment_[u]) post_backward(u);
     }
     finish_reductions(0);
     if (!in_.micro.reduce)  // GradientReducer::end_backward without sync: every gradient folded
@@ -112,26 +117,14 @@ class Replay {
 
   // The units' first-use and last-use orders in forward: prefetch and backward follow them.
   void plan_orders() {
-    first_segment_.assign(n_, -1);
-    std::vector<int> last_segment(n_, -1);
-    for (int i = 0; i < static_cast<int>(in_.segments.size()); ++i) {
-      const int u = in_.segments[i].unit;
-      if (first_segment_[u] < 0) {
-        first_segment_[u] = i;
-        previous_forward_order_.push_back(u);
-      }
-      last_segment[u] = i;
-    }
-    for (int u = 0; u < n_; ++u)
-      if (last_segment[u] >= 0) backward_order_.push_back(u);
-    std::sort(backward_order_.begin(), backward_order_.end(),
-              [&](int a, int b) { return last_segment[a] > last_segment[b]; });
-    if (in_.keep_first_in_backward)
-      for (int v : backward_order_)
-        if (v != 0) {
-          if (in_.units[v].reshard_after_forward) first_in_backward_ = v;
-          break;
-        }
+    SimOrders o = sim_orders(in_);
+    enters_ = std::move(o.enters);
+    first_segment_ = std::move(o.first_segment);
+    grads_in_segment_ = std::move(o.grads_in_segment);
+    grads_alloc_segment_ = std::move(o.grads_alloc_segment);
+    previous_forward_order_ = std::move(o.forward_order);
+    backward_order_ = std::move(o.backward_order);
+    first_in_backward_ = o.first_in_backward;
   }
 
   // Deterministic training's exact sums of u's FlatParameters, allocated by a fold.
@@ -483,7 +476,8 @@ class Replay {
   std::vector<char> parts_, gathering_parts_;  // hpZ: parts held; the pending gather reads them
   std::vector<int> lingering_;                 // done with backward, gathered for their frozen parameters
   std::vector<char> exact_held_;               // deterministic: the unit's exact sums held from a fold
-  std::vector<int> first_segment_, previous_forward_order_, backward_order_;
+  std::vector<int> first_segment_, grads_in_segment_, grads_alloc_segment_, previous_forward_order_, backward_order_;
+  std::vector<char> enters_;  // per stretch: it enters its unit
   int first_in_backward_ = -1, kept_for_backward_ = -1, held_back_ = -1, last_used_ = -1;
   bool backward_started_ = false;
   std::deque<Pending> reductions_;

@@ -213,19 +213,26 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                "operator trace), or a module_cost that counts them");
     result.notes.push_back(what + ", and module_cost gives nothing for them: they are missing from every prediction");
   }
-  std::vector<UnitPlan> unit_plans;
-  std::vector<planner::ModelCosts> model_costs;
-  unit_plans.reserve(known.size());
-  model_costs.reserve(known.size());
-  auto view_of = [&](size_t w) {
-    while (unit_plans.size() <= w) {
-      const size_t next = unit_plans.size();
-      unit_plans.push_back(plan_units(model, Options().auto_wrap_policy(known[next].policy), c10::Device(c10::kCPU)));
-      model_costs.push_back(request.trace_forward() ? planner::model_costs(model, unit_plans.back(), traced)
-                                                    : planner::model_costs(model, unit_plans.back(),
-                                                                           request.module_cost(), request.seq_len()));
+  // Per wrap policy, its units with mixed precision off and on (modules that keep full precision,
+  // BatchNorm by default, have FlatParameters of their own under mixed precision only).
+  struct Planned {
+    UnitPlan units;
+    planner::ModelCosts costs;
+  };
+  std::map<std::pair<size_t, bool>, Planned> planned;
+  auto view_of = [&](size_t w, at::ScalarType precision) {
+    const bool mixed = precision != at::kFloat;
+    auto it = planned.find({w, mixed});
+    if (it == planned.end()) {
+      Options options = Options().auto_wrap_policy(known[w].policy);
+      if (mixed) options.mixed_precision(MixedPrecision().param_dtype(precision));
+      Planned p{plan_units(model, options, c10::Device(c10::kCPU)), {}};
+      p.costs = request.trace_forward()
+                    ? planner::model_costs(model, p.units, traced)
+                    : planner::model_costs(model, p.units, request.module_cost(), request.seq_len());
+      it = planned.emplace(std::pair{w, mixed}, std::move(p)).first;
     }
-    return planner::ModelView{&unit_plans[w], &model_costs[w]};
+    return planner::ModelView{&it->second.units, &it->second.costs};
   };
   std::map<at::ScalarType, std::vector<planner::TimedConfiguration>> timed;
   for (const RuntimeTiming& timing : request.calibration().runtime) {
@@ -240,16 +247,16 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     FSDP_CHECK(w < known.size(), "the calibration's runtime timing was made with the wrap policy \"", timing.wrap,
                "\", which neither PlanRequest::wrap_policies nor calibration_wrap_policies names; add it under that "
                "name, or calibrate again");
-    timed[timing.precision].push_back({&timing, view_of(w), known[w]});
+    timed[timing.precision].push_back({&timing, view_of(w, timing.precision), known[w]});
   }
   std::map<at::ScalarType, planner::RuntimeCorrection> corrections;
   for (const auto& [precision, configurations] : timed)
     corrections[precision] = planner::runtime_correction(configurations, cluster, world, request);
   for (size_t w = 0; w < searched; ++w) {
-    const planner::ModelView view = view_of(w);
-    for (const Candidate& c : candidates(request, cluster, world, per_rank, known[w], view.units->units.size())) {
+    const size_t units = view_of(w, at::kFloat).units->units.size();
+    for (const Candidate& c : candidates(request, cluster, world, per_rank, known[w], units)) {
       const auto corrected = corrections.find(c.precision);
-      PlanEntry e = planner::evaluate(view, c, cluster, world, request,
+      PlanEntry e = planner::evaluate(view_of(w, c.precision), c, cluster, world, request,
                                       corrected == corrections.end() ? nullptr : &corrected->second);
       e.fits = static_cast<double>(e.memory.peak) * with_margin <= static_cast<double>(result.budget) &&
                (e.memory.host == 0 || e.memory.host * cluster.ranks_per_node <= cluster.host_memory_bytes);

@@ -1,0 +1,50 @@
+// The replay's entries and orders (sim_orders.h).
+#include "planner/sim_orders.h"
+
+#include <algorithm>
+
+namespace fsdp::planner {
+
+SimOrders sim_orders(const SimInput& input) {
+  const int units = static_cast<int>(input.units.size());
+  const int segments = static_cast<int>(input.segments.size());
+  SimOrders o;
+  // The stretches that read a parameter of their unit enter it; a unit none of whose stretches
+  // says so is entered by all of them.
+  std::vector<char> reads(units, 0);
+  for (const SimSegment& s : input.segments) reads[s.unit] = reads[s.unit] || s.reads_params;
+  o.enters.assign(segments, 0);
+  for (int i = 0; i < segments; ++i) o.enters[i] = input.segments[i].reads_params || !reads[input.segments[i].unit];
+  o.first_segment.assign(units, -1);
+  std::vector<int> last_segment(units, -1);
+  for (int i = 0; i < segments; ++i) {
+    if (!o.enters[i]) continue;
+    const int u = input.segments[i].unit;
+    if (o.first_segment[u] < 0) {
+      o.first_segment[u] = i;
+      o.forward_order.push_back(u);
+    }
+    last_segment[u] = i;
+  }
+  // A unit's gradient buffers come with the first gradient backward brings it, and its gradients
+  // are all in after the last; where none arrives, with its stretches.
+  o.grads_in_segment = o.first_segment;
+  o.grads_alloc_segment = last_segment;
+  for (int i = segments - 1; i >= 0; --i)
+    if (o.enters[i] && input.segments[i].grads_arrive) o.grads_in_segment[input.segments[i].unit] = i;
+  for (int i = 0; i < segments; ++i)
+    if (o.enters[i] && input.segments[i].grads_arrive) o.grads_alloc_segment[input.segments[i].unit] = i;
+  for (int u = 0; u < units; ++u)
+    if (last_segment[u] >= 0) o.backward_order.push_back(u);
+  std::sort(o.backward_order.begin(), o.backward_order.end(),
+            [&](int a, int b) { return last_segment[a] > last_segment[b]; });
+  if (input.keep_first_in_backward)
+    for (const int v : o.backward_order)
+      if (v != 0) {
+        if (input.units[v].reshard_after_forward) o.first_in_backward = v;
+        break;
+      }
+  return o;
+}
+
+}  // namespace fsdp::planner
