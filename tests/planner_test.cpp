@@ -352,6 +352,62 @@ fsdp::PlanRequest network_bound() {
       .cpu_offload({false});
 }
 
+// Values no run can have are refused with the setting named, not planned into absurd figures.
+TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
+  expect_error([] { fsdp::Cluster::parse("a100-80g:65536x65536"); }, "at most 2^24", "a world past int");
+  for (const char* size : {"99999999TiB", "inf", "nan", "-1GiB"})
+    expect_error([&] { fsdp::parse_bytes(size); }, "from 0 to 8 EiB", size);
+  auto json = [](const std::string& text) {
+    return [text] {
+      fsdp::Cluster::from_json(text);
+    };
+  };
+  expect_error(json(R"({"nodez": 4})"), "unknown key \"nodez\"", "a misspelled key");
+  expect_error(json(R"({"device": {"memory_gb": 40}})"), "unknown key \"memory_gb\"", "a misspelled device key");
+  expect_error(json(R"({"nodes": 2.5})"), "\"nodes\" must be a whole number", "a fractional node count");
+  expect_error(json(R"({"device": {"memory_gib": 0}})"), "\"memory_gib\" must be a positive number", "no memory");
+  expect_error(json(R"({"device": {"memory_gib": 1e30}})"), "\"memory_gib\" must be a positive number of at most",
+               "memory past int64");
+  expect_error(json(R"({"device": {"matmul_efficiency": 5}})"),
+               "\"matmul_efficiency\" must be a positive number of at most 1", "an efficiency above 1");
+  expect_error(json(R"({"preset": 3})"), "\"preset\" must be a preset's name", "a numeric preset");
+
+  fsdp::DeferredInit deferred;
+  Stack model(16, 2);
+  const auto cluster = fsdp::Cluster::parse("cpu:1x2");
+  auto plan_with = [&](std::function<void(fsdp::PlanRequest&)> change) {
+    return [&model, &cluster, change] {
+      auto request = one_rank(0).global_batch(4);
+      change(request);
+      fsdp::plan(*model, cluster, request);
+    };
+  };
+  using R = fsdp::PlanRequest;
+  expect_error(plan_with([](R& r) { r.precisions({at::kDouble}); }), "the compute precisions are",
+               "a double precision");
+  expect_error(plan_with([](R& r) { r.optimizer_states(-2); }), "optimizer_states is -2", "negative states");
+  expect_error(plan_with([](R& r) { r.process_bytes(-1); }), "process_bytes is -1", "negative process bytes");
+  expect_error(plan_with([](R& r) { r.allocator_headroom(-0.9); }), "allocator_headroom is -0.9", "negative headroom");
+  expect_error(plan_with([](R& r) { r.global_batch(-4); }), "global_batch is -4", "a negative batch");
+  expect_error(plan_with([](R& r) { r.memory_budget(-5); }), "memory_budget is -5", "a negative budget");
+  expect_error(plan_with([](R& r) { r.world(3); }), "the cluster (1x2) has 2 ranks", "more ranks than the cluster");
+  expect_error(plan_with([](R& r) { r.world(-2); }), "PlanRequest::world is -2", "a negative world");
+  expect_error(plan_with([](R& r) {
+                 r.micro_batches({3, 0});
+               }),
+               "no size in PlanRequest::micro_batches divides the 2", "micro-batches that divide nothing");
+  expect_error(plan_with([](R& r) { r.strategies({}); }), "PlanRequest::strategies is empty", "no strategy");
+  expect_error(plan_with([](R& r) { r.all_gather_limits({-1}); }), "all_gather_limits holds -1", "a negative limit");
+  expect_error(plan_with([](R& r) { r.strategies({fsdp::ShardingStrategy::kHybridShard}).hybrid_factors({3}); }),
+               "nothing to plan: HYBRID_SHARD needs a sharding factor", "no hybrid factor");
+  expect_error(plan_with([](R& r) {
+                 r.activation_checkpointing({true}).wrap_policies({{"none", nullptr}});
+               }),
+               "nothing to plan: PlanRequest::activation_checkpointing holds only true", "nothing to checkpoint");
+  expect_error(plan_with([](R& r) { r.cpu_offload({true}); }), "nothing to plan: PlanRequest::cpu_offload",
+               "offload where the device is the host");
+}
+
 TEST(Planner, AModelThatFitsOnlyWithActivationCheckpointing) {
   fsdp::DeferredInit deferred;
   Stack model(256, 4);

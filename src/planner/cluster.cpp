@@ -102,11 +102,35 @@ std::string short_number(double v, int precision = 3) {
 
 using nlohmann::json;
 
-double json_number(const json& obj, const char* key, double fallback, const std::string& where) {
+// Refuses a key of `obj` that `known` does not list (a misspelling would otherwise be ignored).
+void json_keys(const json& obj, std::initializer_list<const char*> known, const std::string& where) {
+  for (const auto& item : obj.items()) {
+    bool ok = false;
+    std::string names;
+    for (const char* k : known) {
+      ok = ok || item.key() == k;
+      names += (names.empty() ? "" : ", ") + std::string(k);
+    }
+    FSDP_CHECK(ok, where, ": unknown key \"", item.key(), "\"; known: ", names);
+  }
+}
+
+// obj[key] (fallback where absent): a finite number >= 0, or > 0 where `positive`, at most `most`.
+double json_number(const json& obj, const char* key, double fallback, const std::string& where, bool positive = false,
+                   double most = 1e15) {
   if (!obj.contains(key)) return fallback;
   const json& v = obj.at(key);
-  FSDP_CHECK(v.is_number() && v.get<double>() >= 0, where, ": \"", key, "\" must be a non-negative number");
-  return v.get<double>();
+  const double x = v.is_number() ? v.get<double>() : -1;
+  FSDP_CHECK(v.is_number() && std::isfinite(x) && (positive ? x > 0 : x >= 0) && x <= most, where, ": \"", key,
+             "\" must be a ", positive ? "positive" : "non-negative", " number of at most ", most, ", got ", v.dump());
+  return x;
+}
+
+// obj[key] (fallback where absent): a whole number from 1 to 2^20.
+int json_count(const json& obj, const char* key, int fallback, const std::string& where) {
+  const double x = json_number(obj, key, fallback, where, true, double(1 << 20));
+  FSDP_CHECK(x == std::floor(x), where, ": \"", key, "\" must be a whole number, got ", obj.at(key).dump());
+  return static_cast<int>(x);
 }
 
 Link json_link(const json& obj, const char* key, Link link, const std::string& where) {
@@ -114,9 +138,9 @@ Link json_link(const json& obj, const char* key, Link link, const std::string& w
   const json& v = obj.at(key);
   const std::string at = where + "." + key;
   FSDP_CHECK(v.is_object(), at, " must be an object {\"bandwidth_gbps\": ..., \"latency_us\": ...}");
-  link.bandwidth_gbps(json_number(v, "bandwidth_gbps", link.bandwidth_gbps(), at));
+  json_keys(v, {"bandwidth_gbps", "latency_us"}, at);
+  link.bandwidth_gbps(json_number(v, "bandwidth_gbps", link.bandwidth_gbps(), at, true));
   link.latency_us(json_number(v, "latency_us", link.latency_us(), at));
-  FSDP_CHECK(link.bandwidth_gbps() > 0, at, ".bandwidth_gbps must be positive");
   return link;
 }
 
@@ -131,6 +155,8 @@ std::vector<std::string> Cluster::preset_names() {
 Cluster Cluster::preset(const std::string& name, int nodes, int ranks_per_node) {
   FSDP_CHECK(nodes >= 1 && ranks_per_node >= 1, "cluster ", name, ": nodes and ranks per node must be >= 1, got ",
              nodes, "x", ranks_per_node);
+  FSDP_CHECK(int64_t{nodes} * ranks_per_node <= (int64_t{1} << 24), "cluster ", name, ": ", nodes, "x",
+             ranks_per_node, " is ", int64_t{nodes} * ranks_per_node, " ranks; at most 2^24 are planned");
   for (const auto& p : presets()) {
     if (lower_case(name) != p.name) continue;
     Cluster c;
@@ -189,31 +215,31 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
     FSDP_FAIL(source, ": not JSON: ", e.what());
   }
   FSDP_CHECK(j.is_object(), source, ": expected a JSON object");
-  const std::string name =
-      j.contains("preset") && j.at("preset").is_string() ? j.at("preset").get<std::string>() : "cpu";
+  json_keys(j,
+            {"preset", "nodes", "ranks_per_node", "device", "intra", "inter", "host_memory_gib", "host_device_gbps"},
+            source);
+  FSDP_CHECK(!j.contains("preset") || j.at("preset").is_string(), source, ": \"preset\" must be a preset's name");
+  const std::string name = j.contains("preset") ? j.at("preset").get<std::string>() : "cpu";
   const Cluster base = preset(name, 1, 1);
-  const int nodes = static_cast<int>(json_number(j, "nodes", 1, source));
-  const int ranks = static_cast<int>(json_number(j, "ranks_per_node", base.ranks_per_node, source));
-  Cluster c = preset(name, nodes, ranks);
+  Cluster c = preset(name, json_count(j, "nodes", 1, source), json_count(j, "ranks_per_node", base.ranks_per_node, source));
   if (j.contains("device")) {
     const json& d = j.at("device");
     const std::string at = source + ".device";
     FSDP_CHECK(d.is_object(), at, " must be an object");
-    if (d.contains("name") && d.at("name").is_string()) c.device.name = d.at("name").get<std::string>();
-    c.device.memory_bytes =
-        int64_t(json_number(d, "memory_gib", double(c.device.memory_bytes) / kBytesPerGiB, at) * kBytesPerGiB);
-    c.device.peak_flops_fp32 = json_number(d, "peak_tflops_fp32", c.device.peak_flops_fp32 / 1e12, at) * 1e12;
-    c.device.peak_flops_16 = json_number(d, "peak_tflops_16", c.device.peak_flops_16 / 1e12, at) * 1e12;
-    c.device.memory_gbps = json_number(d, "memory_gbps", c.device.memory_gbps, at);
-    c.device.matmul_efficiency = json_number(d, "matmul_efficiency", c.device.matmul_efficiency, at);
-    FSDP_CHECK(c.device.memory_bytes > 0 && c.device.peak_flops_fp32 > 0 && c.device.peak_flops_16 > 0 &&
-                   c.device.matmul_efficiency > 0 && c.device.matmul_efficiency <= 1,
-               at, ": memory and peaks must be positive, matmul_efficiency in (0, 1]");
+    json_keys(d, {"name", "memory_gib", "peak_tflops_fp32", "peak_tflops_16", "memory_gbps", "matmul_efficiency"}, at);
+    FSDP_CHECK(!d.contains("name") || d.at("name").is_string(), at, ": \"name\" must be a string");
+    if (d.contains("name")) c.device.name = d.at("name").get<std::string>();
+    c.device.memory_bytes = int64_t(
+        json_number(d, "memory_gib", double(c.device.memory_bytes) / kBytesPerGiB, at, true, 1e9) * kBytesPerGiB);
+    c.device.peak_flops_fp32 = json_number(d, "peak_tflops_fp32", c.device.peak_flops_fp32 / 1e12, at, true) * 1e12;
+    c.device.peak_flops_16 = json_number(d, "peak_tflops_16", c.device.peak_flops_16 / 1e12, at, true) * 1e12;
+    c.device.memory_gbps = json_number(d, "memory_gbps", c.device.memory_gbps, at, true);
+    c.device.matmul_efficiency = json_number(d, "matmul_efficiency", c.device.matmul_efficiency, at, true, 1.0);
   }
   c.intra = json_link(j, "intra", c.intra, source);
   c.inter = json_link(j, "inter", c.inter, source);
-  c.host_memory_bytes =
-      int64_t(json_number(j, "host_memory_gib", double(c.host_memory_bytes) / kBytesPerGiB, source) * kBytesPerGiB);
+  c.host_memory_bytes = int64_t(
+      json_number(j, "host_memory_gib", double(c.host_memory_bytes) / kBytesPerGiB, source, true, 1e9) * kBytesPerGiB);
   c.host_device_gbps = json_number(j, "host_device_gbps", c.host_device_gbps, source);
   return c;
 }
@@ -249,7 +275,9 @@ int64_t parse_bytes(const std::string& text) {
   if (unit == "mb") scale = 1e6;
   if (unit == "gb") scale = 1e9;
   if (unit == "tb") scale = 1e12;
-  FSDP_CHECK(scale > 0 && value >= 0, "'", text, "' is not a size; units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB");
+  FSDP_CHECK(scale > 0, "'", text, "' is not a size; units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB");
+  FSDP_CHECK(std::isfinite(value) && value >= 0 && value * scale < 9e18, "'", text,
+             "' is not a size: it must be a number of bytes from 0 to 8 EiB");
   return static_cast<int64_t>(std::llround(value * scale));
 }
 

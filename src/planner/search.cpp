@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <sstream>
+#include <string>
 #include <utility>
 
 #include "fsdp/check.h"
@@ -151,14 +152,78 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
       [](Candidate& c, bool on) { c.step_in_backward = on; });
 }
 
+// Refuses values no run can have, and lists that leave nothing to search, naming the setting.
+void check_request(const PlanRequest& r, const Cluster& cluster) {
+  FSDP_CHECK(r.world() >= 0 && r.world() <= cluster.world(), "PlanRequest::world is ", r.world(), "; the cluster (",
+             cluster.nodes, "x", cluster.ranks_per_node, ") has ", cluster.world(),
+             " ranks: give 0 (all of them) or fewer, or a cluster of that shape (NAME:NODESxRANKS_PER_NODE)");
+  for (const auto& [value, what] : {std::pair<double, const char*>{double(r.memory_budget()), "memory_budget"},
+                                    {double(r.global_batch()), "global_batch"},
+                                    {double(r.optimizer_states()), "optimizer_states"},
+                                    {double(r.process_bytes()), "process_bytes"},
+                                    {r.allocator_headroom(), "allocator_headroom"}})
+    FSDP_CHECK(value >= 0, "PlanRequest::", what, " is ", value, "; it must be >= 0");
+  FSDP_CHECK(r.trace_sequences() >= 1, "PlanRequest::trace_sequences must be >= 1, got ", r.trace_sequences());
+  auto nonempty = [](size_t n, const char* what) {
+    FSDP_CHECK(n > 0, "PlanRequest::", what, " is empty: nothing to plan; give it at least one value");
+  };
+  nonempty(r.strategies().size(), "strategies");
+  nonempty(r.wrap_policies().size(), "wrap_policies");
+  nonempty(r.activation_checkpointing().size(), "activation_checkpointing");
+  nonempty(r.cpu_offload().size(), "cpu_offload");
+  nonempty(r.precisions().size(), "precisions");
+  nonempty(r.all_gather_limits().size(), "all_gather_limits");
+  nonempty(r.backward_prefetch().size(), "backward_prefetch");
+  nonempty(r.forward_prefetch().size(), "forward_prefetch");
+  nonempty(r.reductions_in_flight().size(), "reductions_in_flight");
+  for (const at::ScalarType p : r.precisions())
+    FSDP_CHECK(p == at::kFloat || p == at::kBFloat16 || p == at::kHalf, "PlanRequest::precisions holds ",
+               c10::toString(p), "; the compute precisions are kFloat, kBFloat16 and kHalf");
+  for (const int l : r.all_gather_limits())
+    FSDP_CHECK(l >= 0, "PlanRequest::all_gather_limits holds ", l, "; a limit is 0 (none) or more gathers");
+  for (const int n : r.reductions_in_flight())
+    FSDP_CHECK(n >= 0, "PlanRequest::reductions_in_flight holds ", n, "; give 0 or more");
+}
+
+// Why the request's lists leave no candidate: the filters candidates() applies, where one empties a list.
+std::string why_empty(const PlanRequest& r, const Cluster& cluster, int world, size_t most_units) {
+  auto only = [](const std::vector<bool>& values, bool v) {
+    return std::all_of(values.begin(), values.end(), [v](bool x) { return x == v; });
+  };
+  std::vector<ShardingStrategy> planned;
+  for (const ShardingStrategy s : r.strategies())
+    if ((world > 1 || s == ShardingStrategy::kFullShard) &&
+        (s != ShardingStrategy::kHybridShard || !hybrid_factors(r, cluster, world).empty()))
+      planned.push_back(s);
+  if (planned.empty())
+    return world == 1 ? "at one rank only FULL_SHARD is planned (every strategy is the same there); add it to "
+                        "PlanRequest::strategies"
+                      : "HYBRID_SHARD needs a sharding factor in PlanRequest::hybrid_factors that divides the " +
+                            std::to_string(world) + " ranks and lies strictly between 1 and " + std::to_string(world);
+  if (only(r.activation_checkpointing(), true) && most_units < 2)
+    return "PlanRequest::activation_checkpointing holds only true, but every wrap policy plans the root alone "
+           "(nothing to checkpoint); add a wrap policy with units, or false";
+  if (only(r.cpu_offload(), true) && cluster.device_is_host)
+    return "PlanRequest::cpu_offload holds only true, but this cluster's device is the host; add false";
+  return "the request's lists leave no combination";
+}
+
 }  // namespace
 
 Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& request) {
+  check_request(request, cluster);
   const int world = request.world() > 0 ? request.world() : cluster.world();
   FSDP_CHECK(request.seq_len() >= 1, "PlanRequest::seq_len must be >= 1");
   const int global = request.global_batch() > 0 ? request.global_batch() : world;
   FSDP_CHECK(global % world == 0, "the global batch ", global, " does not divide over ", world, " ranks");
   const int per_rank = global / world;
+  if (!request.micro_batches().empty()) {
+    bool any = false;
+    for (const int m : request.micro_batches()) any = any || (m >= 1 && per_rank % m == 0);
+    FSDP_CHECK(any, "no size in PlanRequest::micro_batches divides the ", per_rank,
+               " sequences each rank takes per step (the global batch ", global, " over ", world,
+               " ranks); give divisors of ", per_rank, ", or leave it empty for all of them");
+  }
 
   Plan result;
   result.budget = request.memory_budget() > 0 ? request.memory_budget() : cluster.device.memory_bytes;
@@ -176,6 +241,11 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                  (!request.all_gather_quantization().enabled() && !request.reduce_quantization().enabled()),
              "PlanRequest::deterministic sums gradients exactly and keeps every value the same at any world size, "
              "which quantized communication does not; drop the quantization or deterministic");
+  const auto& strategies = request.strategies();
+  if (world > 1 && !request.hybrid_factors().empty() && hybrid_factors(request, cluster, world).empty() &&
+      std::find(strategies.begin(), strategies.end(), ShardingStrategy::kHybridShard) != strategies.end())
+    result.notes.push_back("HYBRID_SHARD is not planned: no factor in PlanRequest::hybrid_factors divides the " +
+                           std::to_string(world) + " ranks strictly between 1 and " + std::to_string(world));
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
   // Every wrap policy's units and costs (the searched ones first, then those only runtime timings
@@ -262,6 +332,11 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                (e.memory.host == 0 || e.memory.host * cluster.ranks_per_node <= cluster.host_memory_bytes);
       result.entries.push_back(std::move(e));
     }
+  }
+  if (result.entries.empty()) {
+    size_t most_units = 0;
+    for (size_t w = 0; w < searched; ++w) most_units = std::max(most_units, view_of(w, at::kFloat).units->units.size());
+    FSDP_FAIL("nothing to plan: ", why_empty(request, cluster, world, most_units));
   }
   std::stable_sort(result.entries.begin(), result.entries.end(), [](const PlanEntry& a, const PlanEntry& b) {
     if (a.fits != b.fits) return a.fits;
