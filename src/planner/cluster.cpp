@@ -155,8 +155,8 @@ std::vector<std::string> Cluster::preset_names() {
 Cluster Cluster::preset(const std::string& name, int nodes, int ranks_per_node) {
   FSDP_CHECK(nodes >= 1 && ranks_per_node >= 1, "cluster ", name, ": nodes and ranks per node must be >= 1, got ",
              nodes, "x", ranks_per_node);
-  FSDP_CHECK(int64_t{nodes} * ranks_per_node <= (int64_t{1} << 24), "cluster ", name, ": ", nodes, "x",
-             ranks_per_node, " is ", int64_t{nodes} * ranks_per_node, " ranks; at most 2^24 are planned");
+  FSDP_CHECK(int64_t{nodes} * ranks_per_node <= (int64_t{1} << 24), "cluster ", name, ": ", nodes, "x", ranks_per_node,
+             " is ", int64_t{nodes} * ranks_per_node, " ranks; at most 2^24 are planned");
   for (const auto& p : presets()) {
     if (lower_case(name) != p.name) continue;
     Cluster c;
@@ -215,13 +215,13 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
     FSDP_FAIL(source, ": not JSON: ", e.what());
   }
   FSDP_CHECK(j.is_object(), source, ": expected a JSON object");
-  json_keys(j,
-            {"preset", "nodes", "ranks_per_node", "device", "intra", "inter", "host_memory_gib", "host_device_gbps"},
+  json_keys(j, {"preset", "nodes", "ranks_per_node", "device", "intra", "inter", "host_memory_gib", "host_device_gbps"},
             source);
   FSDP_CHECK(!j.contains("preset") || j.at("preset").is_string(), source, ": \"preset\" must be a preset's name");
   const std::string name = j.contains("preset") ? j.at("preset").get<std::string>() : "cpu";
   const Cluster base = preset(name, 1, 1);
-  Cluster c = preset(name, json_count(j, "nodes", 1, source), json_count(j, "ranks_per_node", base.ranks_per_node, source));
+  Cluster c =
+      preset(name, json_count(j, "nodes", 1, source), json_count(j, "ranks_per_node", base.ranks_per_node, source));
   if (j.contains("device")) {
     const json& d = j.at("device");
     const std::string at = source + ".device";
