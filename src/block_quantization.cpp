@@ -348,10 +348,10 @@ void quantize_into(const at::Tensor& packed, const at::Tensor& values, const Blo
   const at::Tensor all = values.to(at::kFloat).reshape({-1});
   int64_t b0 = 0;
   format.for_each_segment(origin, n, [&](int64_t start, int64_t len) {
-    const int64_t nb_s = (len + B - 1) / B;
+    const int64_t Bs = std::min(B, len), nb_s = 1 + (len - 1) / Bs;  // the same blocks, padded to len at most
     at::Tensor x = all.narrow(0, start, len);
-    if (nb_s * B != len) x = at::constant_pad_nd(x, {0, nb_s * B - len});
-    x = x.view({nb_s, B});
+    if (nb_s * Bs != len) x = at::constant_pad_nd(x, {0, nb_s * Bs - len});
+    x = x.view({nb_s, Bs});
     // The scales are computed apart and copied in as bytes: they need not start 4-byte aligned.
     const at::Tensor scales = at::amax(x.abs(), {1}).div_(code_max(format.dtype));
     packed.narrow(0, 4 * b0, 4 * nb_s).copy_(scales.view(at::kByte));
@@ -372,12 +372,12 @@ void dequantize_into(const at::Tensor& out, const at::Tensor& packed, const Bloc
   const at::Tensor flat = out.view({-1});
   int64_t b0 = 0;
   format.for_each_segment(origin, n, [&](int64_t start, int64_t len) {
-    const int64_t nb_s = (len + B - 1) / B;
+    const int64_t Bs = std::min(B, len), nb_s = 1 + (len - 1) / Bs;
     // A copy of the scales (a part need not start 4-byte aligned).
     const at::Tensor scales = packed.narrow(0, 4 * b0, 4 * nb_s).clone().view(at::kFloat).unsqueeze(1);
     at::Tensor codes = packed.narrow(0, 4 * nb + start, len).view(code_type(format.dtype)).to(at::kFloat);
-    if (nb_s * B != len) codes = at::constant_pad_nd(codes, {0, nb_s * B - len});
-    flat.narrow(0, start, len).copy_((codes.view({nb_s, B}) * scales).view({-1}).narrow(0, 0, len));
+    if (nb_s * Bs != len) codes = at::constant_pad_nd(codes, {0, nb_s * Bs - len});
+    flat.narrow(0, start, len).copy_((codes.view({nb_s, Bs}) * scales).view({-1}).narrow(0, 0, len));
     b0 += nb_s;
   });
 }

@@ -18,7 +18,7 @@ namespace fsdp {
 
 struct BlockFormat {
   QuantizedDtype dtype = QuantizedDtype::kInt8;
-  int64_t block = 256;
+  int64_t block = 256;  // >= 1; any size up to INT64_MAX (a block longer than a segment is the segment)
   // Offsets in the flat buffer, ascending, at which a block must end; none: blocks of `block`
   // from each part's start.
   std::shared_ptr<const std::vector<int64_t>> cuts;
@@ -41,13 +41,13 @@ struct BlockFormat {
   template <typename Visit>
   void for_each_block(int64_t origin, int64_t numel, Visit&& visit) const {
     for_each_segment(origin, numel, [&](int64_t start, int64_t length) {
-      for (int64_t i = 0; i < length; i += block) visit(start + i, std::min(block, length - i));
+      for (int64_t i = 0; i < length; i += std::min(block, length - i)) visit(start + i, std::min(block, length - i));
     });
   }
   // Blocks of the part [origin, origin + numel).
   int64_t blocks(int64_t numel, int64_t origin = 0) const {
     int64_t count = 0;
-    for_each_segment(origin, numel, [&](int64_t, int64_t length) { count += (length + block - 1) / block; });
+    for_each_segment(origin, numel, [&](int64_t, int64_t length) { count += 1 + (length - 1) / block; });
     return count;
   }
   // Bytes of the packed form of the part [origin, origin + numel).

@@ -32,7 +32,8 @@ class DequantizingWork : public Work {
 };
 
 // One FlatParameter's error feedback (Options::reduce_quantization's error_feedback): per
-// quantization point, float32 residuals, allocated at first use. Not saved in checkpoints.
+// quantization point, float32 residuals, allocated at first use. Not saved in checkpoints; a load
+// drops them (FsdpState::drop_feedback_residuals).
 struct QuantizationResiduals {
   bool enabled = false;
   at::Tensor scatter;  // the shard group's reduce-scatter: this rank's whole padded gradient

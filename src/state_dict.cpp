@@ -109,6 +109,7 @@ void load_full_state_dict(FsdpState& state, const std::unordered_map<std::string
     FSDP_CHECK(it != values.end(), "load_full_state_dict: ", w.kind, " '", w.name, "' is missing from the state");
     w.tensor.detach().copy_(it->second);
   }
+  state.drop_feedback_residuals();
 }
 
 }  // namespace fsdp

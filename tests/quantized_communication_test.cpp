@@ -8,11 +8,14 @@
 
 #include <array>
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "block_quantization.h"
+#include "fsdp/checkpoint.h"
 #include "harness.h"
 #include "models.h"
 
@@ -23,7 +26,8 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
   std::vector<fsdp::QuantizedDtype> dtypes = {fsdp::QuantizedDtype::kInt8};
   if (fsdp::has_float8()) dtypes.push_back(fsdp::QuantizedDtype::kFloat8E4M3);
   for (const auto dtype : dtypes)
-    for (const int64_t block : {1, 7, 64, 256})
+    for (const int64_t block : {int64_t{1}, int64_t{7}, int64_t{64}, int64_t{256},
+                                std::numeric_limits<int64_t>::max()})  // the last: one block per segment
       for (const int64_t n : {0, 1, 63, 64, 1000, 4099})
         for (const bool with_cuts : {false, true}) {
           // With cuts: a part of a flat buffer from offset 37 whose parameters start at 30, 40, 41,
@@ -36,7 +40,7 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
           auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(n * 31 + block));
           // Magnitudes over several orders, one block of zeros, one of a single huge value.
           at::Tensor x = at::randn({n}, gen) * at::pow(10.0, at::randint(-3, 3, {n}, gen).to(at::kFloat));
-          if (n > 2 * block) {
+          if (n / 2 > block) {
             x.narrow(0, 0, block).zero_();
             x[block] = 1e30;
           }
@@ -66,7 +70,7 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
             const double err = (xs.to(at::kDouble) - ys.to(at::kDouble)).abs().max().item<double>();
             ASSERT_LE(err, bound) << what << " block at " << start;
           }
-          if (n > 2 * block && !with_cuts) {
+          if (n / 2 > block && !with_cuts) {
             EXPECT_TRUE(back.narrow(0, 0, block).eq(0).all().item<bool>());
           }
           // The one-pass CPU path (float32 in, int8 codes; float32 or bf16 out) and the tensor
@@ -461,6 +465,12 @@ FSDP_WORKER(refused_combinations_worker) {
        "Options::reduce_quantization and deterministic(true) exclude each other"},
       {fsdp::Options().all_gather_quantization(int8).deterministic(true),
        "Options::all_gather_quantization and deterministic(true) exclude each other"},
+      {fsdp::Options().reduce_quantization(
+           fsdp::Quantization().units([](const std::string&, const torch::nn::Module&) { return true; })),
+       "Options::reduce_quantization sets error_feedback, units or block_size but is not enabled"},
+      {fsdp::Options().all_gather_quantization(fsdp::Quantization().block_size(64)), "start from Quantization::int8()"},
+      {fsdp::Options().reduce_quantization(fsdp::Quantization::int8().error_feedback(pg->rank() == 0)),
+       "passed different Options to fully_shard()"},
   };
   for (const auto& [options, expected] : cases) {
     MLP model(6, 24, 5, 2);
@@ -477,6 +487,73 @@ FSDP_WORKER(refused_combinations_worker) {
 TEST(QuantizedCommunication, CombinationsThatCannotWorkAreRefused) {
   auto r = launch("refused_combinations_worker", 2, {});
   ASSERT_TRUE(r.all_ok()) << r.report();
+}
+
+// A load drops error feedback's residuals: after loading a sharded checkpoint, a full checkpoint or
+// a full state dict into a model that already trained, the next steps equal those of a fresh model
+// that loads the same, bit for bit.
+FSDP_WORKER(feedback_after_load_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string& dir = ctx.args.at(0);
+  auto make = [&] {
+    torch::manual_seed(0);
+    TinyTransformer model(50, 16, 2, 2, 8);
+    auto sharded = fsdp::fully_shard(model.ptr(), pg,
+                                     fsdp::Options()
+                                         .auto_wrap_policy(fsdp::wrap::by_type<BlockImpl>())
+                                         .reduce_quantization(fsdp::Quantization::int8(64).error_feedback(true)));
+    return std::make_pair(model, sharded);
+  };
+  auto steps = [&](TinyTransformer& model, fsdp::FullyShardedModule& sharded, int first, int count) {
+    torch::optim::SGD opt(sharded.parameters(), 0.1);
+    std::vector<double> losses;
+    for (int step = first; step < first + count; ++step) {
+      torch::manual_seed(100 + step * pg->size() + pg->rank());
+      const at::Tensor x = torch::randint(50, {2, 8});
+      opt.zero_grad();
+      const at::Tensor loss = loss_of(model, x);
+      loss.backward();
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    return losses;
+  };
+  auto [trained, trained_sharded] = make();
+  steps(trained, *trained_sharded, 0, 3);
+  fsdp::checkpoint::save(dir + "/sharded", *trained_sharded, nullptr);
+  fsdp::checkpoint::export_full(dir + "/full.safetensors", *trained_sharded);
+  const auto state = trained_sharded->full_state_dict();
+  const std::vector<std::pair<std::string, std::function<void(fsdp::FullyShardedModule&)>>> loads{
+      {"checkpoint::load",
+       [&](fsdp::FullyShardedModule& m) {
+         fsdp::checkpoint::load(dir + "/sharded", m, nullptr);
+       }},
+      {"checkpoint::load_full",
+       [&](fsdp::FullyShardedModule& m) {
+         fsdp::checkpoint::load_full(dir + "/full.safetensors", m);
+       }},
+      {"load_full_state_dict", [&](fsdp::FullyShardedModule& m) {
+         m.load_full_state_dict(state);
+       }}};
+  for (const auto& [what, load] : loads) {
+    steps(trained, *trained_sharded, 3, 2);  // residuals from these steps are held when the load comes
+    WORKER_CHECK(trained_sharded->memory_stats().feedback_bytes > 0, what, ": no residuals before the load");
+    load(*trained_sharded);
+    WORKER_CHECK(trained_sharded->memory_stats().feedback_bytes == 0, what, ": residuals kept through the load");
+    auto [fresh, fresh_sharded] = make();
+    load(*fresh_sharded);
+    const std::vector<double> again = steps(trained, *trained_sharded, 3, 3),
+                              expected = steps(fresh, *fresh_sharded, 3, 3);
+    WORKER_CHECK(again == expected, what, ": the steps after loading into the trained model differ from a fresh one's");
+  }
+  std::cout << "feedback after load ok" << std::endl;
+}
+
+TEST(QuantizedCommunication, ALoadDropsErrorFeedbackResiduals) {
+  TempDir tmp;
+  auto r = launch("feedback_after_load_worker", 2, {tmp.path});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "feedback after load ok")) << r.report();
 }
 
 }  // namespace

@@ -226,6 +226,7 @@ void load_full(const std::string& file, FullyShardedModule& model) {
           ->wait();
     w.tensor.detach().copy_(value);
   }
+  state.drop_feedback_residuals();
   run_agreed(world, what, [&] { error.rethrow(); });
 }
 

@@ -256,6 +256,7 @@ void load_agreed(FsdpState& state, const std::string& dir, torch::optim::Optimiz
   run_agreed(*state.groups().world_comm, "checkpoint::load('" + dir + "')", [&] {
     check_optimizer_holds_pieces(state, optimizer, "checkpoint::load");
     load_local(dir, state, optimizer, m);
+    state.drop_feedback_residuals();
   });
   // Collective: whole-parameter optimizers plan again from the options just restored.
   if (auto* w = dynamic_cast<WholeParamOptimizer*>(optimizer)) w->after_load();

@@ -33,7 +33,7 @@ std::string describe_options(const Options& o) {
   for (const Quantization* q : {&o.all_gather_quantization(), &o.reduce_quantization()})
     d << "\nquantization "
       << (q->enabled() ? to_string(q->dtype()) + " block " + std::to_string(q->block_size()) : "off") << " units "
-      << (q->units() ? "set" : "unset");
+      << (q->units() ? "set" : "unset") << " error feedback " << q->error_feedback();
   return d.str();
 }
 

@@ -128,7 +128,12 @@ void FsdpState::check_quantization(const Options& options) {
   for (const auto& [what, q] :
        {std::pair<const char*, const Quantization&>{"all_gather_quantization", options.all_gather_quantization()},
         {"reduce_quantization", options.reduce_quantization()}}) {
-    if (!q.enabled()) continue;
+    if (!q.enabled()) {
+      FSDP_CHECK(!q.error_feedback() && !q.units() && q.block_size() == Quantization().block_size(), "Options::", what,
+                 " sets error_feedback, units or block_size but is not enabled, so nothing would be quantized; start "
+                 "from Quantization::int8() (or float8(), or enabled(true)), or drop the settings");
+      continue;
+    }
     FSDP_CHECK(q.block_size() >= 1, "Options::", what, ": block_size must be at least 1, got ", q.block_size());
     FSDP_CHECK(q.dtype() != QuantizedDtype::kFloat8E4M3 || has_float8(), "Options::", what,
                ": fp8 needs LibTorch 2.1 or later (this is ", TORCH_VERSION, "); use int8");
@@ -150,7 +155,8 @@ void FsdpState::check_same_model_on_all_ranks(const UnitPlan& plan) const {
   check_same_on_all_ranks(*pg_, describe_model(options_, groups_.sharding_factor, reshard_after_forward_, plan),
                           "built different models",
                           "Every rank must construct the same model (same sizes, dtypes, frozen parameters) and pass "
-                          "the same Options");
+                          "the same Options, whose predicates (wrap and reshard policies, Quantization::units) choose "
+                          "alike for each module");
 }
 
 void FsdpState::check_same_options_on_all_ranks() const {
@@ -336,6 +342,10 @@ MemoryStats FsdpState::memory_stats() {
     for (const at::Tensor* t : {&fp->residuals().scatter, &fp->residuals().sent, &fp->residuals().summed})
       if (t->defined()) stats.feedback_bytes += static_cast<int64_t>(t->nbytes());
   return stats;
+}
+
+void FsdpState::drop_feedback_residuals() {
+  for (auto& fp : flat_params_) fp->residuals().clear();
 }
 
 void FsdpState::reset_peak_memory_stats() {

@@ -92,6 +92,8 @@ class FsdpState {
   void rethrow_pending_error();
 
   MemoryStats memory_stats();
+  // Drops error feedback's residuals: loaded values start without them, as a new run does.
+  void drop_feedback_residuals();
   void reset_peak_memory_stats();
   void release_cached_memory() { pool_.release_cached(); }
   // One line per distinct communicator: its role, name and transport.
