@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/version.h>
 
+#include <map>
 #include <mutex>
 #include <unordered_set>
 
@@ -12,6 +13,7 @@
 #include "internal_op_guard.h"
 #include "runtime/checkpointed_forward.h"
 #include "runtime/hooks.h"
+#include "unit_plan.h"
 
 namespace fsdp {
 namespace detail {
@@ -243,15 +245,15 @@ at::Tensor checkpoint(std::shared_ptr<torch::nn::Module> module, CheckpointRun r
 int apply_activation_checkpointing(torch::nn::Module& root, const WrapPolicy& policy) {
   FSDP_CHECK(static_cast<bool>(policy), "apply_activation_checkpointing: the policy is empty");
   int enabled = 0;
+  const std::map<const torch::nn::Module*, int64_t> counts = unwrapped_counts(root, policy);
   auto visit = [&](const std::string& name, torch::nn::Module& module) {
+    const auto count = counts.find(&module);
     // A wrapper is not in the module tree when another one stands in for it (fsdp::Sharded<
     // fsdp::Checkpointed<M>>): follow the chain of wrapped modules.
     for (torch::nn::Module* m = &module; m != nullptr;) {
       if (auto* wrapper = dynamic_cast<CheckpointedBase*>(m)) {
-        int64_t numel = 0;
-        std::unordered_set<const c10::TensorImpl*> seen;
-        for (const auto& p : m->parameters())
-          if (seen.insert(p.unsafeGetTensorImpl()).second) numel += p.numel();
+        // The count fully_shard's wrap policy is given for the module: what no nested unit takes.
+        const int64_t numel = count != counts.end() ? count->second : 0;
         const bool on = policy(name, *m, numel) || policy(name, wrapper->wrapped(), numel);
         wrapper->set_enabled(on);
         enabled += on;

@@ -41,9 +41,10 @@ std::vector<Node> module_tree(torch::nn::Module& root) {
 }
 
 // Bottom-up: a module becomes a unit if annotated, an explicit unit, or the policy says so given
-// the parameter elements of its subtree that no nested unit took. The root always is one.
+// the parameter elements of its subtree that no nested unit took (`counts`, where given, per node).
+// The root always is one.
 std::vector<char> choose_units(const std::vector<Node>& nodes, const std::vector<char>& ignored,
-                               const Options& options) {
+                               const Options& options, std::vector<int64_t>* counts = nullptr) {
   std::set<torch::nn::Module*> annotated;
   for (const auto& m : options.wrap_modules()) {
     const bool in_model =
@@ -59,6 +60,7 @@ std::vector<char> choose_units(const std::vector<Node>& nodes, const std::vector
     for (int c : nodes[i].children) unwrapped += decide(c);
     for (const auto& kv : nodes[i].module->named_parameters(/*recurse=*/false))
       if (counted.insert(kv.value().unsafeGetTensorImpl()).second) unwrapped += kv.value().numel();
+    if (counts) (*counts)[i] = unwrapped;
     if (i == 0) {
       is_unit[i] = 1;
       return 0;
@@ -75,6 +77,19 @@ std::vector<char> choose_units(const std::vector<Node>& nodes, const std::vector
   decide(0);
   return is_unit;
 }
+
+}  // namespace
+
+std::map<const torch::nn::Module*, int64_t> unwrapped_counts(torch::nn::Module& root, const WrapPolicy& policy) {
+  const std::vector<Node> nodes = module_tree(root);
+  std::vector<int64_t> counts(nodes.size(), 0);
+  choose_units(nodes, std::vector<char>(nodes.size(), 0), Options().auto_wrap_policy(policy), &counts);
+  std::map<const torch::nn::Module*, int64_t> out;
+  for (size_t i = 0; i < nodes.size(); ++i) out[nodes[i].module] = counts[i];
+  return out;
+}
+
+namespace {
 
 std::string quoted(const std::string& name) { return name.empty() ? "the root module" : "'" + name + "'"; }
 

@@ -4,6 +4,7 @@
 // function of one rank's model, with no communication.
 #include <torch/torch.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,10 @@ struct UnitPlan {
 // initialization), and floating point if they require grad; a parameter shared by modules of
 // several units goes to their lowest common ancestor unit, or is refused (Options::shared_parameters).
 UnitPlan plan_units(torch::nn::Module& root, const Options& options, c10::Device device);
+
+// Per module of `root`'s tree, the parameter elements of its subtree that no nested unit takes when
+// `policy` (and the model's explicit units) choose the units: what the policy is given for it.
+std::map<const torch::nn::Module*, int64_t> unwrapped_counts(torch::nn::Module& root, const WrapPolicy& policy);
 
 // Whether a strategy frees its non-root units' parameters after forward (FULL_SHARD, HYBRID_SHARD).
 bool reshards_after_forward(ShardingStrategy strategy);

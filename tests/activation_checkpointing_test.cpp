@@ -302,6 +302,35 @@ TEST(ActivationCheckpointing, ApplyByPolicyEnablesTheSelectedWrappersOnly) {
   EXPECT_FALSE(fsdp::wrap::by_type<torch::nn::LinearImpl>()("blocks.0", *net->blocks[0], 0));
 }
 
+// A size policy counts for each wrapper what fully_shard's auto-wrap counts: the parameters no
+// nested unit takes, so the wrappers it enables are those of the units it makes.
+struct SizedBlockImpl : torch::nn::Module {
+  SizedBlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 64));  // 1088 parameters
+    fc2 = register_module("fc2", torch::nn::Linear(64, 16));  // 1040
+    inner = register_module("inner", fsdp::Checkpointed<torch::nn::Linear>(torch::nn::Linear(16, 16)));  // 272
+  }
+  at::Tensor forward(const at::Tensor& x) { return inner(fc2(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  fsdp::Checkpointed<torch::nn::Linear> inner{nullptr};
+};
+TORCH_MODULE(SizedBlock);
+
+TEST(ActivationCheckpointing, ApplyBySizeCountsWhatNoNestedUnitTakes) {
+  torch::nn::Sequential net{fsdp::Checkpointed<SizedBlock>(SizedBlock{})};
+  auto& outer = *net->ptr<fsdp::CheckpointedImpl<SizedBlock>>(0);
+  auto& inner = *outer.inner()->inner;
+  // 1000: both products become units, the block keeps the inner layer's 272: no wrapper is a unit.
+  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_size(1000)), 0);
+  // 2000: no product is one; the block's 2400 are.
+  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_size(2000)), 1);
+  EXPECT_TRUE(outer.enabled() && !inner.enabled());
+  // 200: every Linear is a unit, the inner one as its wrapper (which holds its parameters); the
+  // block keeps none.
+  EXPECT_EQ(fsdp::apply_activation_checkpointing(*net, fsdp::wrap::by_size(200)), 1);
+  EXPECT_TRUE(!outer.enabled() && inner.enabled());
+}
+
 // Deferred initialization initializes a wrapper's tensors as those of the module it wraps.
 struct WrappedLinearsImpl : torch::nn::Module {
   WrappedLinearsImpl() : a(torch::nn::Linear(4, 5)), b(fsdp::Checkpointed<torch::nn::Linear>(torch::nn::Linear(5, 3))) {

@@ -165,8 +165,9 @@ template <typename M, typename Forward = detail::default_forward_t<M>>
 using Checkpointed = torch::nn::ModuleHolder<CheckpointedImpl<M, Forward>>;
 
 // Enables every Checkpointed wrapper in `root`'s tree (root included) that `policy` selects, given
-// the wrapper or its wrapped module, the wrapper's qualified name and its parameter count, and
-// disables the others. Returns how many are enabled.
+// the wrapper or its wrapped module, the wrapper's qualified name and the parameter count an
+// auto_wrap_policy is given for it (those no nested unit takes), and disables the others: with
+// fully_shard's wrap policy, the units' wrappers. Returns how many are enabled.
 int apply_activation_checkpointing(torch::nn::Module& root, const WrapPolicy& policy);
 
 }  // namespace fsdp
