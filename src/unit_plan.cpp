@@ -43,8 +43,8 @@ std::vector<Node> module_tree(torch::nn::Module& root) {
 // Bottom-up: a module becomes a unit if annotated, an explicit unit, or the policy says so given
 // the parameter elements of its subtree that no nested unit took (`counts`, where given, per node).
 // The root always is one.
-std::vector<char> choose_units(const std::vector<Node>& nodes, const std::vector<char>& ignored,
-                               const Options& options, std::vector<int64_t>* counts = nullptr) {
+std::vector<char> choose_units(const std::vector<Node>& nodes, const std::vector<char>& ignored, const Options& options,
+                               std::vector<int64_t>* counts = nullptr) {
   std::set<torch::nn::Module*> annotated;
   for (const auto& m : options.wrap_modules()) {
     const bool in_model =
