@@ -45,7 +45,6 @@ int run(int argc, char** argv) {
   if (const int code = parse_flags(argc, argv, env, config); code >= 0) return code;
   JobFigures job;
   job.malloc = set_malloc(config.malloc);
-  if (config.plan) return print_plan(config, env);
   job.threads_per_rank = set_threads_per_rank(env, config.deterministic);
 
   auto pg = fsdp::ProcessGroup::from_env();
@@ -56,6 +55,7 @@ int run(int argc, char** argv) {
   const std::optional<TrainingData> data = load_data(config, is_main);
   if (!data) return 1;
   job.peak = measure_peak(*pg);
+  if (config.plan) return print_plan(config, pg, job.peak.job_flops);
   if (!config.memory_budget.empty() || !config.plan_file.empty()) adopt_plan(config, pg, job.peak.job_flops);
 
   resolve_init(config, rank);

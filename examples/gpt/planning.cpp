@@ -26,13 +26,16 @@ namespace fsdp_gpt {
 
 namespace {
 
-// FLOP/s of the fastest of a few n x n matrix products in `dtype`.
+// FLOP/s of the fastest of n x n matrix products in `dtype`, repeated for at least 20 ms after
+// warm-ups (a first product may compile its kernel).
 double matmul_rate(at::ScalarType dtype) {
   const int64_t n = 256;
   auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
-  auto c = torch::mm(a, b);  // warm-up
+  auto c = torch::mm(a, b);
+  c = torch::mm(a, b);
   double fastest = 1e30;
-  for (int i = 0; i < 4; ++i) {
+  const auto begin = std::chrono::steady_clock::now();
+  for (int i = 0; i < 8 || std::chrono::steady_clock::now() - begin < std::chrono::milliseconds(20); ++i) {
     const auto start = std::chrono::steady_clock::now();
     c = torch::mm(a, b);
     fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -252,6 +255,19 @@ fsdp::OptimizerStateFn optimizer_state(const TrainConfig& config) {
   return fsdp::per_element_state(2);  // AdamW, LAMB
 }
 
+namespace {
+
+// Under --resume, the newest checkpoint's global batch, which the run keeps (main.cpp), and its
+// directory; 0 and "" otherwise.
+std::pair<int, std::string> resumed_batch(const TrainConfig& config) {
+  const std::string dir = config.resume ? fsdp::checkpoint::latest(config.save_dir) : "";
+  if (dir.empty()) return {0, ""};
+  const fsdp::checkpoint::Extra extra = fsdp::checkpoint::read_extra(dir);
+  return {extra.count("global_batch") != 0 ? std::stoi(extra.at("global_batch")) : 0, dir};
+}
+
+}  // namespace
+
 fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int64_t process_bytes, bool flags_only,
                     const fsdp::Calibration& calibration) {
   gpt::GPTConfig model_config;
@@ -263,6 +279,7 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
   gpt::GPT model(model_config);
   const int world = cluster.world();
   int global = config.global_batch > 0 ? config.global_batch : world * config.batch_per_rank;
+  if (const auto [resumed, dir] = resumed_batch(config); resumed > 0) global = resumed;
   const int micro = config.batch.micro;
   if (config.deterministic && micro > 0 && global % micro == 0)  // with the padding passes that even out the ranks
     global = (global / micro + world - 1) / world * world * micro;
@@ -316,19 +333,57 @@ void apply_candidate(const fsdp::Candidate& c, TrainConfig& config) {
                                                   : "reduce";
 }
 
-int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
-  const fsdp::Cluster cluster = plan_cluster(config, env.world_size);
+namespace {
+
+// What a plan for this job is made from, alike on every rank: the cluster (with the matmul rates
+// the ranks measured where it is this machine), the process's own memory and the calibration.
+struct PlanInputs {
+  fsdp::Cluster cluster;
+  int64_t process_bytes = 0;
   fsdp::Calibration calibration;
-  if (config.calibrate) {
-    calibration = calibrate_gpt(config, false);
-    if (env.rank == 0 && !config.calibration_file.empty()) calibration.save(config.calibration_file);
-  } else if (!config.calibration_file.empty()) {
-    calibration = fsdp::Calibration::from_file(config.calibration_file);
+};
+
+PlanInputs plan_inputs(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double job_matmul_flops,
+                       bool flags_only) {
+  fsdp::ProcessGroup& pg = *pg_ptr;
+  PlanInputs in;
+  in.cluster = plan_cluster(config, pg.size());
+  if (config.cluster.empty() && job_matmul_flops > 0) {
+    // This machine: the matmul rate every rank measured at once is each rank's peak; 16-bit
+    // products run at the rate ratio of a smaller product measured here (all ranks at once).
+    if (pg.size() > 1) pg.world()->barrier();
+    double fp32 = 0, bf16 = 0;  // the fastest of three interleaved tries: a busy core only slows one
+    for (int i = 0; i < 3; ++i) {
+      fp32 = std::max(fp32, matmul_rate(at::kFloat));
+      bf16 = std::max(bf16, matmul_rate(at::kBFloat16));
+    }
+    const double ratio = bf16 / fp32;
+    in.cluster.device.peak_flops_fp32 = job_matmul_flops / pg.size();
+    in.cluster.device.peak_flops_16 = in.cluster.device.peak_flops_fp32 * fsdp::mean_across_ranks(pg, ratio);
+    in.cluster.device.matmul_efficiency = 1.0;
   }
-  const fsdp::Plan plan = plan_gpt(config, cluster, resident_bytes(), false, calibration);
-  if (env.rank != 0) return 0;
-  if (!config.plan_file.empty()) write_entries(config.plan_file, plan, config, calibration);
-  say_what_is_left_out(config, calibration);
+  in.process_bytes = static_cast<int64_t>(fsdp::mean_across_ranks(pg, static_cast<double>(resident_bytes())));
+  if (config.calibrate) {  // every rank at once, so the times include their sharing of the machine
+    if (pg.size() > 1) pg.world()->barrier();
+    in.calibration = calibrate_gpt(config, flags_only);
+    fsdp::agree_across_ranks(in.calibration, *pg.world());  // the same figures on every rank: the same plan
+    fsdp::calibrate_link(in.calibration, pg);
+    calibrate_gpt_runtime(config, pg_ptr, flags_only, in.calibration);
+    if (pg.rank() == 0 && !config.calibration_file.empty()) in.calibration.save(config.calibration_file);
+  } else if (!config.calibration_file.empty()) {
+    in.calibration = fsdp::Calibration::from_file(config.calibration_file);
+  }
+  return in;
+}
+
+}  // namespace
+
+int print_plan(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg, double job_matmul_flops) {
+  const PlanInputs in = plan_inputs(config, pg, job_matmul_flops, false);
+  const fsdp::Plan plan = plan_gpt(config, in.cluster, in.process_bytes, false, in.calibration);
+  if (pg->rank() != 0) return 0;
+  if (!config.plan_file.empty()) write_entries(config.plan_file, plan, config, in.calibration);
+  say_what_is_left_out(config, in.calibration);
   std::cout << plan.table();
   if (plan.any_fits())
     std::cout << "best: " << plan.best().candidate.describe() << "\n";
@@ -340,45 +395,28 @@ int print_plan(const TrainConfig& config, const fsdp::RankEnv& env) {
 
 void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double job_matmul_flops) {
   fsdp::ProcessGroup& pg = *pg_ptr;
-  fsdp::Cluster cluster = plan_cluster(config, pg.size());
-  if (config.cluster.empty() && job_matmul_flops > 0) {
-    // This machine: the matmul rate every rank measured at once is each rank's peak; 16-bit
-    // products run at the rate ratio of a smaller product measured here (all ranks at once).
-    if (pg.size() > 1) pg.world()->barrier();
-    const double ratio = matmul_rate(at::kBFloat16) / matmul_rate(at::kFloat);
-    cluster.device.peak_flops_fp32 = job_matmul_flops / pg.size();
-    cluster.device.peak_flops_16 = cluster.device.peak_flops_fp32 * fsdp::mean_across_ranks(pg, ratio);
-    cluster.device.matmul_efficiency = 1.0;
-  }
-  FSDP_CHECK(cluster.world() == pg.size(), "--cluster ", config.cluster, " has ", cluster.world(),
-             " ranks but the job has ", pg.size(), "; training plans for the job's own ranks");
-  const auto process_bytes = static_cast<int64_t>(fsdp::mean_across_ranks(pg, static_cast<double>(resident_bytes())));
+  FSDP_CHECK(plan_cluster(config, pg.size()).world() == pg.size(), "--cluster ", config.cluster, " has ",
+             plan_cluster(config, pg.size()).world(), " ranks but the job has ", pg.size(),
+             "; training plans for the job's own ranks");
   const bool flags_only = config.memory_budget.empty();  // --plan-file alone: this run's prediction
-  fsdp::Calibration calibration;
-  if (config.calibrate) {  // every rank at once, so the times include their sharing of the machine
-    if (pg.size() > 1) pg.world()->barrier();
-    calibration = calibrate_gpt(config, flags_only);
-    fsdp::agree_across_ranks(calibration, *pg.world());  // the same figures on every rank: the same plan
-    fsdp::calibrate_link(calibration, pg);
-    calibrate_gpt_runtime(config, pg_ptr, flags_only, calibration);
-    if (pg.rank() == 0 && !config.calibration_file.empty()) calibration.save(config.calibration_file);
-  } else if (!config.calibration_file.empty()) {
-    calibration = fsdp::Calibration::from_file(config.calibration_file);
-  }
+  const PlanInputs in = plan_inputs(config, pg_ptr, job_matmul_flops, flags_only);
   if (flags_only) {
     if (pg.rank() == 0) {
-      write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration), config, calibration);
-      say_what_is_left_out(config, calibration);
+      write_entries(config.plan_file, plan_gpt(config, in.cluster, in.process_bytes, true, in.calibration), config,
+                    in.calibration);
+      say_what_is_left_out(config, in.calibration);
     }
     return;
   }
-  const fsdp::Plan plan = plan_gpt(config, cluster, process_bytes, false, calibration);
+  const fsdp::Plan plan = plan_gpt(config, in.cluster, in.process_bytes, false, in.calibration);
   const fsdp::PlanEntry& best = plan.best();
   apply_candidate(best.candidate, config);
-  resolve_batch(config, pg.size());
+  const auto [resumed, dir] = resumed_batch(config);
+  resolve_batch(config, pg.size(), resumed, dir);
   if (pg.rank() == 0 && !config.plan_file.empty())
-    write_entries(config.plan_file, plan_gpt(config, cluster, process_bytes, true, calibration), config, calibration);
-  if (pg.rank() == 0) say_what_is_left_out(config, calibration);
+    write_entries(config.plan_file, plan_gpt(config, in.cluster, in.process_bytes, true, in.calibration), config,
+                  in.calibration);
+  if (pg.rank() == 0) say_what_is_left_out(config, in.calibration);
   if (pg.rank() == 0)
     std::cout << "planned for " << fsdp::format_bytes(plan.budget) << " per rank: " << best.candidate.describe()
               << "; predicted peak " << fsdp::format_bytes(best.memory.peak) << " (FSDP parameters "

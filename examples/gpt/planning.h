@@ -32,8 +32,9 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
 // The flags that run `candidate` (strategy, wrapping, checkpointing, precision, micro-batch).
 void apply_candidate(const fsdp::Candidate& candidate, TrainConfig& config);
 
-// --plan: rank 0 prints the table (fitting configurations first, fastest first); the exit code.
-int print_plan(const TrainConfig& config, const fsdp::RankEnv& env);
+// --plan: rank 0 prints the table (fitting configurations first, fastest first), planned from
+// what a --memory-budget run of the same flags plans from; the exit code.
+int print_plan(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg, double job_matmul_flops);
 
 // --memory-budget: every rank plans alike (the resident set's mean over ranks as the process's own
 // memory) and takes the fastest configuration that fits; rank 0 says which. Throws fsdp::Error

@@ -94,6 +94,9 @@ inline std::string load_latest(const std::string& root, FullyShardedModule& mode
 
 // True if `dir` holds a complete checkpoint (a readable manifest, every file of the size it names).
 bool is_complete(const std::string& dir);
+// The extra entries save() was given for the checkpoint `dir`, read from its manifest alone (no
+// model, not collective): what a program needs to know before it builds the model it loads into.
+Extra read_extra(const std::string& dir);
 // The newest complete checkpoint directly under `root` (by the time its manifest was written), or
 // "" if there is none (load("") is refused: test for it, or use load_latest). Directories of
 // unfinished saves (*.tmp-*) are never picked.

@@ -294,6 +294,12 @@ std::string load_latest(const std::string& root, FullyShardedModule& model, torc
 
 bool is_complete(const std::string& dir) { return complete_manifest(dir, nullptr); }
 
+Extra read_extra(const std::string& dir) {
+  Manifest m;
+  FSDP_CHECK(complete_manifest(dir, &m), "checkpoint::read_extra: '", dir, "' holds no complete checkpoint");
+  return m.extra;
+}
+
 std::string latest(const std::string& root) {
   std::vector<std::string> names;
   detail::list_dir(root, &names);  // an unreadable root has no checkpoints: ""

@@ -338,9 +338,15 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     for (size_t w = 0; w < searched; ++w) most_units = std::max(most_units, view_of(w, at::kFloat).units->units.size());
     FSDP_FAIL("nothing to plan: ", why_empty(request, cluster, world, most_units));
   }
+  // Steps equal to float precision (uncalibrated rules charge micro-batches nothing per pass):
+  // fewer micro-batches first, then the lower peak.
   std::stable_sort(result.entries.begin(), result.entries.end(), [](const PlanEntry& a, const PlanEntry& b) {
     if (a.fits != b.fits) return a.fits;
-    return a.time.step_s < b.time.step_s;
+    const auto ta = static_cast<float>(a.time.step_s), tb = static_cast<float>(b.time.step_s);
+    if (ta != tb) return ta < tb;
+    if (a.candidate.accumulation != b.candidate.accumulation)
+      return a.candidate.accumulation < b.candidate.accumulation;
+    return a.memory.peak < b.memory.peak;
   });
   return result;
 }

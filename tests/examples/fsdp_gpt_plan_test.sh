@@ -15,6 +15,25 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpt_test_common.sh"
 SMALL=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 4 --log-interval 2
        --eval-batches 1 --sample-bytes 0)
 
+test_memory_budget_resume_plans_the_checkpoints_batch() {
+  # A resumed run keeps its checkpoint's global batch (6 here, 3 sequences per rank): the plan is
+  # for that batch, not for --batch-per-rank's 8.
+  local base=(--layers 2 --width 64 --heads 4 --context 32 --steps 4 --log-interval 2 --eval-batches 1
+    --sample-bytes 0)
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${base[@]}" --global-batch 6 \
+    --stop-after 2 --save-dir "$TMP/ckpt"
+  expect_rc 0
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${base[@]}" --batch-per-rank 4 \
+    --save-dir "$TMP/ckpt" --resume --memory-budget 1GiB --plan-file "$TMP/plan.jsonl"
+  expect_rc 0
+  expect_regex out "^\[rank 0\] step +4/4 \| loss "
+  local micro accumulation
+  micro=$(grep -oE '"micro_batch":[0-9]+' "$TMP/plan.jsonl" | cut -d: -f2)
+  accumulation=$(grep -oE '"accumulation":[0-9]+' "$TMP/plan.jsonl" | cut -d: -f2)
+  [ -n "$micro" ] && [ $((micro * accumulation)) = 3 ] ||
+    fail "the resumed run's plan takes ${micro:-?} x ${accumulation:-?} sequences per rank, not the checkpoint's 3"
+}
+
 test_plan_paper_cluster() {
   run "$TRAINER" "${SMALL[@]}" --plan --cluster a100-80g:64x8 --memory-budget 70GiB
   expect_rc 0
