@@ -741,6 +741,34 @@ TEST(Planner, CalibratedTimesReplaceTheNominalRates) {
     EXPECT_NEAR(bf16.entries[i].time.compute_s - numel * 1e-9, nominal.entries[i].time.compute_s - nominal_step, 1e-9);
 }
 
+// A calibration records the model it timed: a plan for another model, or for a precision it did
+// not time, says so in its notes.
+TEST(Planner, NotesACalibrationOfAnotherModelOrPrecision) {
+  Stack real(16, 2);
+  const auto input = torch::randn({8, 16});
+  auto loss = [&] {
+    at::Tensor x = input;
+    for (const auto& block : *real->blocks) x = block->as<torch::nn::Sequential>()->forward(x);
+    return x.square().mean();
+  };
+  const fsdp::Calibration c = fsdp::Calibration::from_json(fsdp::calibrate(*real, loss, 8).to_json());
+  EXPECT_EQ(c.parameters, 2 * (2 * 4 * 16 * 16 + 4 * 16 + 16));
+  auto notes = [&](int d, std::vector<at::ScalarType> precisions) {
+    fsdp::DeferredInit deferred;
+    Stack model(d, 2);
+    std::string all;
+    auto request = one_rank(0).seq_len(8).calibration(c).precisions(std::move(precisions));
+    for (const auto& note : fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request).notes) all += note + "\n";
+    return all;
+  };
+  EXPECT_EQ(notes(16, {at::kFloat}), "");
+  EXPECT_TRUE(contains(notes(32, {at::kFloat}), "the calibration timed a model of 4256 parameters, this one has 16704"))
+      << notes(32, {at::kFloat});
+  EXPECT_TRUE(contains(notes(16, {at::kFloat, at::kBFloat16}),
+                       "bf16 candidates are predicted from the cluster's nominal rates, not measured ones"))
+      << notes(16, {at::kFloat, at::kBFloat16});
+}
+
 // A smaller batch timed too: the passes at another micro-batch size lie on the line through the two
 // timed sizes (a fixed cost plus a cost per token), not in proportion to the tokens; without a
 // usable line (no cost per token, or a negative fixed cost), in proportion again.

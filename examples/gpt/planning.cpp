@@ -409,6 +409,8 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
     return;
   }
   const fsdp::Plan plan = plan_gpt(config, in.cluster, in.process_bytes, false, in.calibration);
+  if (pg.rank() == 0)
+    for (const std::string& note : plan.notes) std::cout << "note: " << note << "\n";
   const fsdp::PlanEntry& best = plan.best();
   apply_candidate(best.candidate, config);
   const auto [resumed, dir] = resumed_batch(config);

@@ -75,6 +75,7 @@ struct QuantizationTiming {
 struct Calibration {
   int64_t tokens = 0;        // tokens in each timed forward
   int64_t small_tokens = 0;  // tokens in the smaller batch's forward (fewer than `tokens`); 0: none
+  int64_t parameters = 0;    // the calibrated model's parameter elements; 0: not recorded
   std::vector<PrecisionTiming> timings;
   double step_s_per_element = 0;  // the optimizer's step per parameter element; 0: not measured
   double link_gbps = 0;           // between the job's ranks (calibrate_link); 0: the cluster's links
@@ -99,7 +100,7 @@ struct Calibration {
   const QuantizationTiming* find_quantization(QuantizedDtype dtype, int64_t block_size) const;
   bool empty() const { return timings.empty(); }
 
-  // {"tokens": N, "small_tokens": n, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L,
+  // {"tokens": N, "small_tokens": n, "parameters": M, "step_s_per_element": S, "link_gbps": G, "link_latency_us": L,
   // "link_copy_gbps": C, "link_copy_latency_us": l, "link_ranks_per_host": H, "intra_link_gbps": I,
   // "intra_link_latency_us": i, "timings":
   // [{"precision": "fp32"|"bf16"|"fp16", "forward_s": F, "backward_s": B, "peak_bytes": P,

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <utility>
 
@@ -194,6 +195,7 @@ at::ScalarType precision_named(const std::string& name, const std::string& sourc
 std::string Calibration::to_json() const {
   nlohmann::json j{{"tokens", tokens},
                    {"small_tokens", small_tokens},
+                   {"parameters", parameters},
                    {"step_s_per_element", step_s_per_element},
                    {"link_gbps", link_gbps},
                    {"link_latency_us", link_latency_us},
@@ -248,6 +250,7 @@ Calibration Calibration::from_json(const std::string& text, const std::string& s
     const auto j = nlohmann::json::parse(text);
     c.tokens = j.at("tokens").get<int64_t>();
     c.small_tokens = j.value("small_tokens", int64_t(0));
+    c.parameters = j.value("parameters", int64_t(0));
     c.step_s_per_element = j.value("step_s_per_element", 0.0);
     c.link_gbps = j.value("link_gbps", 0.0);
     c.link_latency_us = j.value("link_latency_us", 0.0);
@@ -379,6 +382,9 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
   Calibration c;
   c.tokens = tokens;
   c.small_tokens = smaller ? options.smaller_tokens() : 0;
+  std::set<const c10::TensorImpl*> seen;  // a tied parameter once
+  for (const auto& p : model.parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) c.parameters += p.numel();
   if (options.optimizer()) {
     model.to(at::kFloat);
     c.step_s_per_element = time_step(model, loss, options.optimizer(), options.repetitions(), options.min_timed_s());

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -185,6 +186,29 @@ void check_request(const PlanRequest& r, const Cluster& cluster) {
     FSDP_CHECK(n >= 0, "PlanRequest::reductions_in_flight holds ", n, "; give 0 or more");
 }
 
+// Notes where a calibration does not describe the candidates: another model's, or a precision it
+// did not time (predicted from the cluster's nominal rates, which a measured one is not comparable to).
+void note_calibration_gaps(torch::nn::Module& model, const PlanRequest& request, std::vector<std::string>& notes) {
+  const Calibration& calibration = request.calibration();
+  if (calibration.empty()) return;
+  int64_t numel = 0;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& p : model.parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) numel += p.numel();
+  if (calibration.parameters > 0 && calibration.parameters != numel)
+    notes.push_back("the calibration timed a model of " + std::to_string(calibration.parameters) +
+                    " parameters, this one has " + std::to_string(numel) +
+                    ": its times are another model's; calibrate this model");
+  for (const at::ScalarType p : request.precisions())
+    if (calibration.find(p) == nullptr)
+      notes.push_back(std::string(p == at::kFloat      ? "fp32"
+                                  : p == at::kBFloat16 ? "bf16"
+                                                       : "fp16") +
+                      " candidates are predicted from the cluster's nominal rates, not measured ones: the "
+                      "calibration did not time that precision; time it too, or leave it out of "
+                      "PlanRequest::precisions");
+}
+
 // Why the request's lists leave no candidate: the filters candidates() applies, where one empties a list.
 std::string why_empty(const PlanRequest& r, const Cluster& cluster, int world, size_t most_units) {
   auto only = [](const std::vector<bool>& values, bool v) {
@@ -267,6 +291,7 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
       << ">()}}) plans a unit per instance";
     result.notes.push_back(o.str());
   }
+  note_calibration_gaps(model, request, result.notes);
   std::vector<planner::TracedSegment> traced;
   if (request.trace_forward()) {
     traced = planner::trace_forward(model, request.trace_forward(), request.trace_sequences() * request.seq_len(),
