@@ -254,6 +254,10 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   FSDP_CHECK(request.memory_margin() >= 0, "PlanRequest::memory_margin must be >= 0 (a share of the peak), got ",
              request.memory_margin());
   result.memory_margin = request.memory_margin();
+  if (result.budget > cluster.device.memory_bytes)
+    result.notes.push_back("the budget " + format_bytes(result.budget) + " exceeds the device's memory (" +
+                           format_bytes(cluster.device.memory_bytes) +
+                           " per rank): a candidate that fits it may not fit the device");
   for (const int k : request.reshard_after_forward_sizes())
     FSDP_CHECK(k >= 0, "PlanRequest::reshard_after_forward_sizes holds ", k,
                "; a size is 0 (free completely) or a group size that divides the shard group");
