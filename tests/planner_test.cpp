@@ -355,7 +355,7 @@ fsdp::PlanRequest network_bound() {
 // Values no run can have are refused with the setting named, not planned into absurd figures.
 TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
   expect_error([] { fsdp::Cluster::parse("a100-80g:65536x65536"); }, "at most 2^24", "a world past int");
-  for (const char* size : {"99999999TiB", "inf", "nan", "-1GiB"})
+  for (const char* size : {"99999999TiB", "inf", "nan", "-1GiB", "0x10"})
     expect_error([&] { fsdp::parse_bytes(size); }, "from 0 to 8 EiB", size);
   auto json = [](const std::string& text) {
     return [text] {

@@ -269,6 +269,13 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
                                                      " plans for another; drop one of them");
   if (!config.cluster.empty() && !config.plan && config.memory_budget.empty())
     throw CLI::ValidationError("--cluster", "is what --plan or --memory-budget plan for; add one of them");
+  const bool planning = config.plan || !config.memory_budget.empty() || !config.plan_file.empty();
+  if (config.plan_trace && !planning)
+    throw CLI::ValidationError("--plan-trace", "changes how the planner counts the model; add --plan, "
+                                               "--memory-budget or --plan-file");
+  if (config.memory_margin != TrainConfig().memory_margin && !config.plan && config.memory_budget.empty())
+    throw CLI::ValidationError("--memory-margin", "is kept free when planning for a budget; add --memory-budget "
+                                                  "(or --plan with one)");
   if (config.mixed_precision == "fp16") {
     try {  // LibTorch 1.13 has no float16 matrix product on the CPU; 2.x and GPUs have
       torch::mm(torch::ones({2, 2}, torch::kHalf), torch::ones({2, 2}, torch::kHalf));

@@ -262,6 +262,13 @@ int64_t parse_bytes(const std::string& text) {
   } catch (const std::exception&) {
     FSDP_FAIL("'", text, "' is not a size; expected e.g. 40GiB, 70GB, 512MiB");
   }
+  // A decimal number only: stod also reads hexadecimal, inf and nan.
+  const size_t first = text.find_first_not_of(" \t");
+  const bool decimal = text.find_first_not_of("0123456789.eE+-", first) >= i && text[first] != '+' &&
+                       text[first] != '-' &&
+                       text.substr(first, i - first).find_first_of("0123456789") != std::string::npos;
+  FSDP_CHECK(decimal, "'", text,
+             "' is not a size: it must be a number of bytes from 0 to 8 EiB, e.g. 40GiB, 70GB, 512MiB");
   std::string unit;
   for (; i < text.size(); ++i)
     if (!std::isspace(static_cast<unsigned char>(text[i]))) unit += static_cast<char>(std::tolower(text[i]));

@@ -183,6 +183,9 @@ test_bad_flags() {
     "--quantize-all-gather int8 --quantize-error-feedback|--quantize-error-feedback"
     "--measure-exposed-comm|--metrics-file"
     "--deterministic --quantize-all-gather int8|drop --quantize-all-gather and --quantize-reduce, or --deterministic"
+    "--plan-trace|--plan-trace"
+    "--memory-margin 0.2|--memory-margin"
+    "--plan --memory-budget 0x10|--memory-budget"
   )
   for c in "${cases[@]}"; do
     local flags=${c%|*} name=${c#*|}
