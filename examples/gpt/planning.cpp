@@ -311,6 +311,9 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
     request.step_in_backward({true}).no_sync({true}).replica_deferred({false});
   else if (config.optimizer == "adamw" && config.clip_grad_norm == 0)
     request.step_in_backward({false, true});
+  // Deterministic training gives the same values at any world size for one micro-batch size: the
+  // plan keeps the flags' (a world-dependent choice would change the values with the world).
+  if (config.deterministic && micro > 0 && (global / world) % micro == 0) request.micro_batches({micro});
   if (flags_only) request = only_the_flags(request, config);
   return fsdp::plan(*model, cluster, request);
 }
