@@ -398,9 +398,12 @@ int print_plan(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg, doubl
 
 void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double job_matmul_flops) {
   fsdp::ProcessGroup& pg = *pg_ptr;
-  FSDP_CHECK(plan_cluster(config, pg.size()).world() == pg.size(), "--cluster ", config.cluster, " has ",
-             plan_cluster(config, pg.size()).world(), " ranks but the job has ", pg.size(),
-             "; training plans for the job's own ranks");
+  const fsdp::Cluster cluster = plan_cluster(config, pg.size());
+  FSDP_CHECK(cluster.world() == pg.size(), "--cluster ", config.cluster, " has ", cluster.world(),
+             " ranks but the job has ", pg.size(), "; training plans for the job's own ranks");
+  FSDP_CHECK(cluster.device_is_host == pg.world()->device().is_cpu(), "--cluster ", config.cluster, " plans for ",
+             cluster.device.name, " devices, but this job trains on ", pg.world()->device().str(),
+             "; training plans for its own devices (drop --cluster, or describe them in a cluster file)");
   const bool flags_only = config.memory_budget.empty();  // --plan-file alone: this run's prediction
   const PlanInputs in = plan_inputs(config, pg_ptr, job_matmul_flops, flags_only);
   if (flags_only) {
