@@ -63,6 +63,13 @@ test_memory_budget_trains() {
   expect_regex out "^\[rank 0\] step +4/4 \| loss "
 }
 
+test_memory_budget_refuses_another_devices_cluster() {
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --cluster h100:1x2 \
+    --memory-budget 1GiB
+  expect_failure
+  expect_text err "--cluster h100:1x2 plans for H100-80GB devices, but this job trains on cpu"
+}
+
 test_memory_budget_too_small() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --memory-budget 1MiB
   expect_failure
