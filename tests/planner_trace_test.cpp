@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -793,6 +795,126 @@ TEST(PlannerTrace, PredictsPeaksExactlyWhereTheRootIsReadLastOrTiedOnly) {
   auto r = launch("root_read_last_worker", 2);
   ASSERT_TRUE(r.all_ok()) << r.report();
   EXPECT_TRUE(contains(r.ranks[0].output, "root read last: 8 configurations exact")) << r.report();
+}
+
+// A block holding a unit of its own (its MLP), both checkpointed: the block's recompute in backward
+// enters the MLP's unit before backward reaches the MLP's own stretch.
+struct InnerMlpImpl : nn::Module {
+  InnerMlpImpl() {
+    fc1 = register_module("fc1", nn::Linear(32, 96));
+    fc2 = register_module("fc2", nn::Linear(96, 32));
+  }
+  at::Tensor forward(at::Tensor x) { return fc2(torch::gelu(fc1(x))); }
+  nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(InnerMlp);
+
+struct NestedBlockImpl : nn::Module {
+  NestedBlockImpl() {
+    ln = register_module("ln", nn::LayerNorm(nn::LayerNormOptions({32})));
+    proj = register_module("proj", nn::Linear(32, 32));
+    mlp = register_module("mlp", fsdp::Checkpointed<InnerMlp>(InnerMlp()));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = x + torch::relu(proj(ln(x)));
+    return x + mlp(x);
+  }
+  nn::LayerNorm ln{nullptr};
+  nn::Linear proj{nullptr};
+  fsdp::Checkpointed<InnerMlp> mlp{nullptr};
+};
+TORCH_MODULE(NestedBlock);
+
+struct NestedLmImpl : nn::Module {
+  NestedLmImpl() {
+    emb = register_module("emb", nn::Embedding(64, 32));
+    for (int i = 0; i < 2; ++i)
+      blocks.push_back(register_module("b" + std::to_string(i), fsdp::Checkpointed<NestedBlock>(NestedBlock())));
+    lnf = register_module("lnf", nn::LayerNorm(nn::LayerNormOptions({32})));
+    head = register_module("head", nn::Linear(32, 64));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor x = emb(tokens);
+    for (auto& block : blocks) x = block(x);
+    return head(lnf(x));
+  }
+  nn::Embedding emb{nullptr};
+  std::vector<fsdp::Checkpointed<NestedBlock>> blocks;
+  nn::LayerNorm lnf{nullptr};
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(NestedLm);
+
+// Every candidate's predicted peaks against memory_stats() after real steps, each applied as planned.
+FSDP_WORKER(nested_checkpointed_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int per_rank = 2;
+  NestedLm meta{nullptr};
+  {
+    fsdp::DeferredInit deferred;
+    meta = NestedLm();
+  }
+  const fsdp::Plan plan =
+      fsdp::plan(*meta, fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size())),
+                 fsdp::PlanRequest()
+                     .global_batch(per_rank * pg->size())
+                     .seq_len(8)
+                     .micro_batches({1, 2})
+                     .no_sync({false, true})
+                     .keep_unsharded({false, true})
+                     .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp})
+                     .precisions({at::kFloat, at::kBFloat16})
+                     .wrap_policies({{"nested", fsdp::wrap::by_type<NestedBlockImpl, InnerMlpImpl>()}})
+                     .activation_checkpointing({true})
+                     .cpu_offload({false}));
+  WORKER_CHECK(plan.entries.size() == 16, "expected 16 candidates, got ", plan.entries.size());
+  int checked = 0;
+  for (const fsdp::PlanEntry& e : plan.entries) {
+    const fsdp::Candidate& c = e.candidate;
+    torch::manual_seed(0);
+    NestedLm model;
+    WORKER_CHECK(c.activation_checkpointing && fsdp::apply_activation_checkpointing(*model, c.wrap.policy) == 4,
+                 c.describe(), ": every block and MLP checkpointed");
+    auto sharded = fsdp::fully_shard(model.ptr(), pg, c.options());
+    torch::optim::SGD opt(sharded->parameters(), 0.01);
+    // The first step's backward keeps no unit from forward: the outer recompute's prefetch of the
+    // next unit is not held back, and the inner unit is then gathered on demand beside it.
+    int64_t one_more = 0;
+    for (const auto& unit : sharded->units())
+      if (unit.parent >= 0)
+        one_more =
+            std::max(one_more, unit.padded_bytes + (c.precision == at::kFloat ? 0 : unit.padded_bytes / pg->size()));
+    for (int step = 0; step < 3; ++step) {
+      sharded->reset_peak_memory_stats();
+      zero_grad_in_place(opt);
+      for (int m = 0; m < c.accumulation; ++m) {
+        std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
+        if (c.no_sync && m + 1 < c.accumulation) no_sync.emplace(sharded->no_sync());
+        if (c.keep_unsharded) sharded->set_reshard_after_backward(m + 1 == c.accumulation);
+        const at::Tensor tokens = torch::randint(64, {c.micro_batch, 8});
+        lm_loss(model->forward(tokens).to(at::kFloat), tokens).backward();
+      }
+      opt.step();
+      const auto mem = sharded->memory_stats();
+      if (step == 0) {
+        WORKER_CHECK(mem.param_peak_bytes <= e.memory.params + one_more && mem.grad_peak_bytes <= e.memory.grads,
+                     c.describe(), ": the first step's peaks ", mem.param_peak_bytes, " and ", mem.grad_peak_bytes,
+                     " exceed the predicted ", e.memory.params, " (and one unit more) and ", e.memory.grads);
+        continue;
+      }
+      WORKER_CHECK(mem.param_peak_bytes == e.memory.params && mem.grad_peak_bytes == e.memory.grads, c.describe(),
+                   ": peaks measured ", mem.param_peak_bytes, " and ", mem.grad_peak_bytes, ", predicted ",
+                   e.memory.params, " and ", e.memory.grads);
+    }
+    ++checked;
+  }
+  std::cout << "nested checkpointed: " << checked << " configurations exact" << std::endl;
+}
+
+TEST(PlannerTrace, PredictsPeaksExactlyWhereACheckpointedUnitHoldsAnother) {
+  auto r = launch("nested_checkpointed_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "nested checkpointed: 16 configurations exact")) << r.report();
 }
 
 }  // namespace

@@ -59,14 +59,10 @@ class Replay {
     for (int i = static_cast<int>(in_.segments.size()) - 1; i >= 0; --i) {
       const SimSegment& s = in_.segments[i];
       const int u = s.unit;
-      if (enters_[i]) {
-        if (u == last_used_ && backward_started_) {
-          if (needs_unshard(u)) unshard(u);
-          wait_unshard(u);
-        } else {
-          pre_backward(u);
-        }
-      }
+      for (const int from : recomputes_[i])  // a checkpointed forward around inner units, run again first
+        for (int j = from; j <= i; ++j)
+          if (enters_[j]) use_in_backward(in_.segments[j].unit);
+      if (enters_[i]) use_in_backward(u);
       if (i == grads_alloc_segment_[u]) allocate_grads(u);
       const int64_t recomputed = in_.units[u].checkpointed ? share(s, in_.units[u].full_activation_bytes) : 0;
       mem_.add_acts(recomputed);
@@ -119,6 +115,7 @@ class Replay {
   void plan_orders() {
     SimOrders o = sim_orders(in_);
     enters_ = std::move(o.enters);
+    recomputes_ = std::move(o.recomputes);
     first_segment_ = std::move(o.first_segment);
     grads_in_segment_ = std::move(o.grads_in_segment);
     grads_alloc_segment_ = std::move(o.grads_alloc_segment);
@@ -352,6 +349,12 @@ class Replay {
     wait_unshard(u);
   }
 
+  // Scheduler::use in backward: another operator of the unit backward is in, else pre_backward.
+  void use_in_backward(int u) {
+    if (u != last_used_ || !backward_started_) return pre_backward(u);
+    if (needs_unshard(u)) unshard(u);
+    wait_unshard(u);
+  }
   void pre_backward(int u) {
     backward_started_ = true;
     reshard_units_left(u, false);
@@ -477,7 +480,8 @@ class Replay {
   std::vector<int> lingering_;                 // done with backward, gathered for their frozen parameters
   std::vector<char> exact_held_;               // deterministic: the unit's exact sums held from a fold
   std::vector<int> first_segment_, grads_in_segment_, grads_alloc_segment_, previous_forward_order_, backward_order_;
-  std::vector<char> enters_;  // per stretch: it enters its unit
+  std::vector<char> enters_;                  // per stretch: it enters its unit
+  std::vector<std::vector<int>> recomputes_;  // per stretch: where the forwards its backward recomputes begin
   int first_in_backward_ = -1, kept_for_backward_ = -1, held_back_ = -1, last_used_ = -1;
   bool backward_started_ = false;
   std::deque<Pending> reductions_;

@@ -38,6 +38,27 @@ SimOrders sim_orders(const SimInput& input) {
     if (last_segment[u] >= 0) o.backward_order.push_back(u);
   std::sort(o.backward_order.begin(), o.backward_order.end(),
             [&](int a, int b) { return last_segment[a] > last_segment[b]; });
+  // A checkpointed unit's run of stretches (one call of its forward) that enters an inner unit is recomputed whole.
+  o.recomputes.assign(segments, {});
+  std::vector<int> by_depth(units);  // outer units first
+  for (int u = 0; u < units; ++u) by_depth[u] = u;
+  std::stable_sort(by_depth.begin(), by_depth.end(),
+                   [&](int a, int b) { return input.units[a].ancestors.size() < input.units[b].ancestors.size(); });
+  for (const int c : by_depth) {
+    if (!input.units[c].checkpointed) continue;
+    auto within = [&](int i) {
+      const int u = input.segments[i].unit;
+      const auto& a = input.units[u].ancestors;
+      return u == c || std::find(a.begin(), a.end(), c) != a.end();
+    };
+    for (int i = 0; i < segments;) {
+      int end = i;
+      bool inner = false;
+      for (; end < segments && within(end); ++end) inner = inner || (o.enters[end] && input.segments[end].unit != c);
+      if (inner) o.recomputes[end - 1].push_back(i);
+      i = std::max(end, i + 1);
+    }
+  }
   if (input.keep_first_in_backward)
     for (const int v : o.backward_order)
       if (v != 0) {
