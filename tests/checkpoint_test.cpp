@@ -389,6 +389,8 @@ FSDP_WORKER(ckpt_bad_inputs) {
   ckpt::save(good, *sharded, *opt, {{"step", "1"}});
   ckpt::save(dir + "/model_only", *sharded, nullptr);
 
+  WORKER_CHECK(ckpt::read_extra(good) == (ckpt::Extra{{"step", "1"}}), "read_extra: not what save was given");
+  expect_error([&] { ckpt::read_extra(dir + "/nothing"); }, "holds no complete checkpoint", "read_extra of nothing");
   expect_error([&] { ckpt::load(dir + "/nothing", *sharded, *opt); }, "does not exist", "missing directory");
   expect_error([&] { ckpt::save(good, *sharded, *opt); }, "exists", "saving over a checkpoint");
   if (ctx.rank == 0) {
