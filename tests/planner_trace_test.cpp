@@ -866,7 +866,8 @@ FSDP_WORKER(nested_checkpointed_worker) {
                      .precisions({at::kFloat, at::kBFloat16})
                      .wrap_policies({{"nested", fsdp::wrap::by_type<NestedBlockImpl, InnerMlpImpl>()}})
                      .activation_checkpointing({true})
-                     .cpu_offload({false}));
+                     .cpu_offload({false})
+                     .grads_kept_between_steps(true));  // zeroed in place below, on every LibTorch
   WORKER_CHECK(plan.entries.size() == 16, "expected 16 candidates, got ", plan.entries.size());
   int checked = 0;
   for (const fsdp::PlanEntry& e : plan.entries) {
