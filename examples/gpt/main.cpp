@@ -127,6 +127,8 @@ int run(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     return fsdp_gpt::run(argc, argv);
+  } catch (const fsdp_gpt::ReportedByRankZero&) {
+    return 1;
   } catch (const std::exception& e) {
     // Errors after start-up can differ between ranks (a lost peer, a bad file on one host), so
     // every rank reports its own.

@@ -417,6 +417,8 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
   const fsdp::Plan plan = plan_gpt(config, in.cluster, in.process_bytes, false, in.calibration);
   if (pg.rank() == 0)
     for (const std::string& note : plan.notes) std::cout << "note: " << note << "\n";
+  // Every rank planned alike: when nothing fits, rank 0 names the smallest budget, once.
+  if (!plan.any_fits() && pg.rank() != 0) throw ReportedByRankZero("nothing fits the budget");
   const fsdp::PlanEntry& best = plan.best();
   apply_candidate(best.candidate, config);
   const auto [resumed, dir] = resumed_batch(config);

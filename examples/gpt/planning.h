@@ -4,6 +4,7 @@
 #include <fsdp/fsdp.h>
 
 #include <cstdint>
+#include <stdexcept>
 
 #include "train_config.h"
 
@@ -35,6 +36,11 @@ void apply_candidate(const fsdp::Candidate& candidate, TrainConfig& config);
 // --plan: rank 0 prints the table (fitting configurations first, fastest first), planned from
 // what a --memory-budget run of the same flags plans from; the exit code.
 int print_plan(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg, double job_matmul_flops);
+
+// An error every rank met alike, which rank 0 reports: the others exit with it quietly.
+struct ReportedByRankZero : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // --memory-budget: every rank plans alike (the resident set's mean over ranks as the process's own
 // memory) and takes the fastest configuration that fits; rank 0 says which. Throws fsdp::Error

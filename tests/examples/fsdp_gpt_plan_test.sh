@@ -74,6 +74,7 @@ test_memory_budget_too_small() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --memory-budget 1MiB
   expect_failure
   expect_regex err "no configuration fits in 1.00 MiB per rank on .*; the smallest needs [0-9.]+ MiB"
+  [ "$(grep -c "no configuration fits" "$TMP/err")" -eq 1 ] || fail "nothing fitting is not reported exactly once"
 }
 
 test_plan_calibrated() {
