@@ -21,6 +21,7 @@
 #include "model_cost.h"
 #include "model_setup.h"
 #include "optimizer.h"
+#include "rank_setup.h"
 
 namespace fsdp_gpt {
 
@@ -417,8 +418,17 @@ void adopt_plan(TrainConfig& config, const fsdp::ProcessGroupPtr& pg_ptr, double
   const fsdp::Plan plan = plan_gpt(config, in.cluster, in.process_bytes, false, in.calibration);
   if (pg.rank() == 0)
     for (const std::string& note : plan.notes) std::cout << "note: " << note << "\n";
-  // Every rank planned alike: when nothing fits, rank 0 names the smallest budget, once.
-  if (!plan.any_fits() && pg.rank() != 0) throw ReportedByRankZero("nothing fits the budget");
+  // Every rank planned alike: when nothing fits, rank 0 names the smallest budget, once, before
+  // any rank exits (the launcher stops the others when one does).
+  if (!plan.any_fits()) {
+    if (pg.rank() == 0) try {
+        (void)plan.best();
+      } catch (const std::exception& e) {
+        std::cerr << "fsdp_gpt" << g_rank_label << ": error: " << e.what() << "\n" << std::flush;
+      }
+    if (pg.size() > 1) pg.world()->barrier();
+    throw ReportedByRankZero("nothing fits the budget");
+  }
   const fsdp::PlanEntry& best = plan.best();
   apply_candidate(best.candidate, config);
   const auto [resumed, dir] = resumed_batch(config);
