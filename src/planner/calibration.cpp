@@ -8,13 +8,13 @@
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 #include <utility>
 
 #include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
 #include "fsdp/memory.h"
+#include "planner/parameter_elements.h"
 #include "planner/timing_stats.h"
 
 namespace fsdp {
@@ -382,9 +382,7 @@ Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()
   Calibration c;
   c.tokens = tokens;
   c.small_tokens = smaller ? options.smaller_tokens() : 0;
-  std::set<const c10::TensorImpl*> seen;  // a tied parameter once
-  for (const auto& p : model.parameters())
-    if (seen.insert(p.unsafeGetTensorImpl()).second) c.parameters += p.numel();
+  c.parameters = planner::parameter_elements(model);
   if (options.optimizer()) {
     model.to(at::kFloat);
     c.step_s_per_element = time_step(model, loss, options.optimizer(), options.repetitions(), options.min_timed_s());

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -12,6 +11,7 @@
 #include "fsdp/planner.h"
 #include "planner/evaluate.h"
 #include "planner/model_costs.h"
+#include "planner/parameter_elements.h"
 #include "unit_plan.h"
 
 namespace fsdp {
@@ -191,10 +191,7 @@ void check_request(const PlanRequest& r, const Cluster& cluster) {
 void note_calibration_gaps(torch::nn::Module& model, const PlanRequest& request, std::vector<std::string>& notes) {
   const Calibration& calibration = request.calibration();
   if (calibration.empty()) return;
-  int64_t numel = 0;
-  std::set<const c10::TensorImpl*> seen;
-  for (const auto& p : model.parameters())
-    if (seen.insert(p.unsafeGetTensorImpl()).second) numel += p.numel();
+  const int64_t numel = planner::parameter_elements(model);
   if (calibration.parameters > 0 && calibration.parameters != numel)
     notes.push_back("the calibration timed a model of " + std::to_string(calibration.parameters) +
                     " parameters, this one has " + std::to_string(numel) +
