@@ -918,5 +918,92 @@ TEST(PlannerTrace, PredictsPeaksExactlyWhereACheckpointedUnitHoldsAnother) {
   EXPECT_TRUE(contains(r.ranks[0].output, "nested checkpointed: 16 configurations exact")) << r.report();
 }
 
+
+// A language model whose forward skips one of its blocks (layer drop at a fixed place): the runtime
+// never gathers that unit, and its parameters get no gradient and no optimizer state.
+struct SkippingLmImpl : nn::Module {
+  SkippingLmImpl() {
+    emb = register_module("emb", nn::Embedding(64, 32));
+    for (int i = 0; i < 3; ++i) blocks->push_back(nn::Sequential(nn::Linear(32, 64), nn::GELU(), nn::Linear(64, 32)));
+    register_module("blocks", blocks);
+    head = register_module("head", nn::Linear(32, 64));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor x = emb(tokens);
+    for (size_t i = 0; i < blocks->size(); ++i)
+      if (i != 1) x = x + blocks[i]->as<nn::Sequential>()->forward(x);
+    return head(x);
+  }
+  nn::Embedding emb{nullptr};
+  nn::ModuleList blocks;
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(SkippingLm);
+
+// Bytes of every tensor in an AdamW's state.
+int64_t adamw_state_bytes(torch::optim::AdamW& opt) {
+  int64_t bytes = 0;
+  for (const auto& entry : opt.state()) {
+    const auto& s = dynamic_cast<const torch::optim::AdamWParamState&>(*entry.second);
+    for (const at::Tensor& t : {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()})
+      if (t.defined()) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return bytes;
+}
+
+// Every candidate's predicted parameter, gradient and optimizer state peaks against real steps.
+FSDP_WORKER(skipped_unit_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int per_rank = 2;
+  SkippingLm meta{nullptr};
+  {
+    fsdp::DeferredInit deferred;
+    meta = SkippingLm();
+  }
+  const fsdp::Plan plan =
+      fsdp::plan(*meta, fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size())),
+                 fsdp::PlanRequest()
+                     .global_batch(per_rank * pg->size())
+                     .micro_batches({per_rank})
+                     .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
+                                  fsdp::ShardingStrategy::kNoShard})
+                     .precisions({at::kFloat, at::kBFloat16})
+                     .wrap_policies({{"block", fsdp::wrap::by_type<nn::SequentialImpl>()}})
+                     .activation_checkpointing({false})
+                     .cpu_offload({false})
+                     .grads_kept_between_steps(true)  // zeroed in place below, on every LibTorch
+                     .trace_sequences(per_rank)
+                     .trace_forward([&] { meta->forward(torch::zeros({per_rank, 8}, at::kLong)); }));
+  WORKER_CHECK(plan.entries.size() == 6, "expected 6 candidates, got ", plan.entries.size());
+  int checked = 0;
+  for (const fsdp::PlanEntry& e : plan.entries) {
+    torch::manual_seed(0);
+    SkippingLm model;
+    auto sharded = fsdp::fully_shard(model.ptr(), pg, e.candidate.options());
+    torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+    for (int step = 0; step < 3; ++step) {
+      zero_grad_in_place(opt);
+      sharded->reset_peak_memory_stats();
+      const at::Tensor tokens = torch::randint(64, {per_rank, 8});
+      lm_loss(model->forward(tokens).to(at::kFloat), tokens).backward();
+      opt.step();
+    }
+    const auto m = sharded->memory_stats();
+    WORKER_CHECK(m.param_peak_bytes == e.memory.params && m.grad_peak_bytes == e.memory.grads &&
+                     adamw_state_bytes(opt) == e.memory.optimizer,
+                 e.candidate.describe(), ": parameter, gradient and optimizer state measured ", m.param_peak_bytes,
+                 ", ", m.grad_peak_bytes, " and ", adamw_state_bytes(opt), " bytes, predicted ", e.memory.params, ", ",
+                 e.memory.grads, " and ", e.memory.optimizer);
+    ++checked;
+  }
+  std::cout << "skipped unit: " << checked << " configurations exact" << std::endl;
+}
+
+TEST(PlannerTrace, PredictsPeaksExactlyWhereForwardSkipsAUnit) {
+  auto r = launch("skipped_unit_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "skipped unit: 6 configurations exact")) << r.report();
+}
+
 }  // namespace
 }  // namespace fsdp_test

@@ -127,6 +127,10 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   SimInput sim;
   sim.units.resize(plan.units.size());
   Resting rest;
+  // A unit no stretch of forward brings a gradient to (a block forward skips) holds none after
+  // backward, and the optimizer keeps no state for its pieces.
+  std::vector<char> trained(plan.units.size(), 0);
+  for (const SegmentCost& s : costs.segments) trained[s.unit] = trained[s.unit] || s.grads_arrive;
   for (size_t u = 0; u < plan.units.size(); ++u) {
     SimUnit& su = sim.units[u];
     const UnitPlan::Unit& pu = plan.units[u];
@@ -224,7 +228,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
         }
         if (offload) flat.reduce_s += static_cast<double>(shard * element_size(reduce)) / host_bps;
         // Residuals: a reduce-scatter's of the whole unsharded gradient, and its all-reduces'.
-        if (rq.error_feedback())
+        if (rq.error_feedback() && trained[u])
           rest.feedback_bytes += 4 * feedback_residuals(padded, F, world, c.strategy == ShardingStrategy::kHybridShard);
       }
       if (requires_grad && c.deterministic)
@@ -232,7 +236,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                             {shard_link, world_link, replica_link}, cluster.device.memory_gbps * 1e9);
       flat.issue_work_s = extra.per_collective_work_s;
       if (!offload) rest.shards += flat.separate_shard ? shard * element_size(dtype) : padded * element_size(compute);
-      if (requires_grad) {
+      if (requires_grad && trained[u]) {
         rest.piece_numel += flat.separate_shard ? piece : numel;
         flat.step_elements = flat.separate_shard ? piece : numel;
         rest.piece_bytes += (flat.separate_shard ? piece : numel) * element_size(dtype);
