@@ -367,6 +367,7 @@ bool FlatGrad::land() {
   Landing landing = std::move(landing_);
   landing_ = Landing();
   if (landing.copy) landing.copy->wait();
+  mark_used_elsewhere(landing.values, landing.slots);
   if (landing.alias_store) {
     for (size_t i = 0; i < slots_.size(); ++i) {
       ParamSlot& s = slots_[i];
@@ -378,6 +379,14 @@ bool FlatGrad::land() {
     add_into_piece_grads(landing.values, landing.slots, landing.in_place, landing.scale);
   }
   return true;
+}
+
+void FlatGrad::mark_used_elsewhere(const at::Tensor& values, std::vector<uint8_t>& slots) const {
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const ParamSlot& s = slots_[i];
+    if (slots[i] || !s.piece.defined() || s.piece_numel == 0) continue;
+    slots[i] = region(values, s.piece_offset, {s.piece_numel}).ne(0).any().item<bool>() ? 1 : 0;
+  }
 }
 
 int64_t FlatGrad::sharded_bytes() const {

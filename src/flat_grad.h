@@ -148,6 +148,9 @@ class FlatGrad {
   // NO_SHARD: a piece's .grad over its region of the store, and whether `g` is one.
   at::Tensor grad_alias(const ParamSlot& s, const at::Tensor& store) const;
   bool is_grad_alias(const ParamSlot& s, const at::Tensor& g, const at::Tensor& store) const;
+  // Adds to `slots` those this rank's backward gave no gradient whose sums in `values` are not
+  // zero: another rank used them (Note [Parameters used on some ranks]).
+  void mark_used_elsewhere(const at::Tensor& values, std::vector<uint8_t>& slots) const;
   // Moves the averaged reduction (`reduced`, this shard's sums) into the pieces' .grad of the
   // slots in `slots`; `in_place`: `reduced` may be scaled and aliased (a host copy of its own).
   void add_into_piece_grads(const at::Tensor& reduced, const std::vector<uint8_t>& slots, bool in_place, double scale);

@@ -34,7 +34,12 @@ void GradientReducer::begin_backward() {
   for (const auto& fp : flat_params_)
     observable = observable || (fp->requires_grad() && fp->padded_numel() - fp->shard_numel() < fp->numel());
   drop_or_resync_held(observable);
-  if (zeroed || !observable) backwards_held_ = 0;
+  // A rank none of whose pieces got a gradient holds nothing to add: it counts the user's zeroing,
+  // which it cannot see (Note [Backward passes held]).
+  bool sees = false;
+  for (const auto& slots : held_)
+    for (const HeldGrad& h : slots) sees = sees || h.impl != nullptr;
+  if (zeroed || !observable || !sees) backwards_held_ = 0;
   if (counted_) ++backwards_since_sync_;
   for (auto& fp : flat_params_) {
     fp->grad().set_backwards_held(backwards_held_);
