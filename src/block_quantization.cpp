@@ -56,20 +56,22 @@ uint8_t e4m3_code(float f) {
 }
 
 #if FSDP_QUANT_AVX2
-// block_amax, 16 values at a time (the same operand order, so NaNs are passed over alike).
+// block_amax, 16 values at a time.
 __attribute__((target("avx2"))) float block_amax_avx2(const float* x, int64_t len) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+  __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) {
-    m0 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m0);
-    m1 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i + 8), abs_mask), m1);
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+    m0 = _mm256_max_ps(_mm256_and_ps(a, abs_mask), m0);
+    m1 = _mm256_max_ps(_mm256_and_ps(b, abs_mask), m1);
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
-  float amax = 0;
+  float amax = _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
   for (const float v : lanes) amax = std::max(amax, v);
-  for (; i < len; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (; i < len; ++i) amax = std::isnan(x[i]) ? x[i] : std::max(amax, std::fabs(x[i]));
   return amax;
 }
 
@@ -153,8 +155,9 @@ __attribute__((target("avx2"))) int64_t e4m3_decode_avx2(float* out, const uint8
 
 #endif
 
-// The largest |x[i]| of one block; NaNs are passed over. AVX2 or SSE2 where the machine has it
-// (the same result: max is exact and the vector max passes NaNs over as std::max does here).
+// The largest |x[i]| of one block, NaN where the block holds one (as at::amax gives), so that the
+// block decodes to NaNs (Note [Quantized communication], non-finite values). AVX2 or SSE2 where the
+// machine has it (the same result: max is exact, and a NaN is found apart from it).
 float block_amax(const float* x, int64_t len) {
 #if FSDP_QUANT_AVX2
   if (cpu_has_avx2()) return block_amax_avx2(x, len);
@@ -163,16 +166,19 @@ float block_amax(const float* x, int64_t len) {
   int64_t i = 0;
 #if defined(__SSE2__)
   const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
-  __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps();
+  __m128 m0 = _mm_setzero_ps(), m1 = _mm_setzero_ps(), nan = _mm_setzero_ps();
   for (; i + 8 <= len; i += 8) {
-    m0 = _mm_max_ps(_mm_and_ps(_mm_loadu_ps(x + i), abs_mask), m0);
-    m1 = _mm_max_ps(_mm_and_ps(_mm_loadu_ps(x + i + 4), abs_mask), m1);
+    const __m128 a = _mm_loadu_ps(x + i), b = _mm_loadu_ps(x + i + 4);
+    nan = _mm_or_ps(nan, _mm_cmpunord_ps(a, b));
+    m0 = _mm_max_ps(_mm_and_ps(a, abs_mask), m0);
+    m1 = _mm_max_ps(_mm_and_ps(b, abs_mask), m1);
   }
   alignas(16) float lanes[4];
   _mm_store_ps(lanes, _mm_max_ps(m0, m1));
+  if (_mm_movemask_ps(nan) != 0) amax = std::numeric_limits<float>::quiet_NaN();
   for (const float v : lanes) amax = std::max(amax, v);
 #endif
-  for (; i < len; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (; i < len; ++i) amax = std::isnan(x[i]) ? x[i] : std::max(amax, std::fabs(x[i]));
   return amax;
 }
 
@@ -412,6 +418,8 @@ void quantize_with_feedback(const at::Tensor& packed, const at::Tensor& values, 
   quantize_into(packed, sent, format, origin);
   dequantize_into(residual, packed, format, origin);
   at::Tensor(residual).neg_().add_(sent);  // sent - decoded, exactly
+  // A non-finite value is not fed back: it would reach every later step's sums.
+  at::Tensor(residual).nan_to_num_(0.0, 0.0, 0.0);
 }
 
 void quantize_into_slot(const at::Tensor& slot, const at::Tensor& values, const at::Tensor& residual,

@@ -105,6 +105,44 @@ TEST(QuantizedCommunication, RoundTripStaysWithinTheBound) {
         }
 }
 
+// A NaN or an infinity reaches the decoded values (its whole block is not finite: the block's
+// scale is not), as it would unquantized, so clipping and loss scaling see it; the other blocks stay
+// finite, and error feedback's residual keeps none of it for the next steps.
+TEST(QuantizedCommunication, NonFiniteValuesStayNonFiniteAndLeaveNoResidual) {
+  std::vector<fsdp::QuantizedDtype> dtypes = {fsdp::QuantizedDtype::kInt8};
+  if (fsdp::has_float8()) dtypes.push_back(fsdp::QuantizedDtype::kFloat8E4M3);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const auto dtype : dtypes)
+    for (const float bad : {nan, -nan, inf, -inf})
+      for (const int64_t at : {0, 5, 20, 37, 63}) {  // in the vector loops' bodies and their tails
+        const fsdp::BlockFormat f{dtype, 64, nullptr};
+        const int64_t n = 192;
+        const std::string what = fsdp::to_string(dtype) + " value " + std::to_string(bad) + " at " + std::to_string(at);
+        at::Tensor x = at::randn({n}, at::detail::createCPUGenerator(at));
+        x[64 + at] = bad;
+        for (const at::ScalarType in : {at::kFloat, at::kDouble}) {  // the one-pass loop and the tensor operations
+          at::Tensor packed = at::empty({f.packed_bytes(n, 0)}, at::kByte);
+          fsdp::quantize_into(packed, x.to(in), f, 0);
+          at::Tensor back = at::empty({n});
+          fsdp::dequantize_into(back, packed, f, 0);
+          EXPECT_TRUE(at::isfinite(back.narrow(0, 0, 64)).all().item<bool>()) << what;
+          EXPECT_TRUE(at::isfinite(back.narrow(0, 128, 64)).all().item<bool>()) << what;
+          EXPECT_FALSE(at::isfinite(back[64 + at]).item<bool>()) << what;
+          at::Tensor sum = at::empty({n});
+          fsdp::sum_dequantized_into(sum, packed, 1, packed.numel(), f, 0);
+          EXPECT_FALSE(at::isfinite(sum[64 + at]).item<bool>()) << what;
+        }
+        at::Tensor residual = at::zeros({n});
+        at::Tensor packed = at::empty({f.packed_bytes(n, 0)}, at::kByte);
+        fsdp::quantize_with_feedback(packed, x, residual, f, 0);
+        EXPECT_TRUE(at::isfinite(residual).all().item<bool>()) << what;
+        fsdp::quantize_with_feedback(packed, at::ones({n}), residual, f, 0);  // a clean step after it
+        at::Tensor back = at::empty({n});
+        fsdp::dequantize_into(back, packed, f, 0);
+        EXPECT_TRUE(at::isfinite(back).all().item<bool>()) << what;
+      }
+}
+
 // The one-pass float8 codes (vectorized where the CPU allows) equal LibTorch's float8 conversion on
 // float bit patterns spread over every binade up to 448, both signs, the subnormals and ties included: in
 // blocks of 256 that each start with 448, so every other value is coded on a scale of exactly 1.
