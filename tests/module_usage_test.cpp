@@ -69,7 +69,6 @@ TEST(ModuleUsage, UnusedTwoForwardsCalledTwiceDirectSubmoduleAndBuffersMatchLoca
   EXPECT_TRUE(contains(r.ranks[0].output, "eval_bn ok")) << r.report();
 }
 
-
 // One unit (the root) whose forward takes branch a or b by the batch: every rank's samples take
 // one branch, a different one than the rank that holds that branch's shard, so each parameter's
 // gradient comes from another rank. `unused` (last in the FlatParameter) no rank reads: at world 3
@@ -125,8 +124,8 @@ FSDP_WORKER(used_on_some_ranks_worker) {
 }
 
 TEST(ModuleUsage, ParametersUsedOnSomeRanksOnlyTrainLikeLocal) {
-  for (const auto& [world, args] : std::vector<std::pair<int, std::vector<std::string>>>{
-           {2, {}}, {3, {}}, {2, {"accumulate"}}}) {
+  for (const auto& [world, args] :
+       std::vector<std::pair<int, std::vector<std::string>>>{{2, {}}, {3, {}}, {2, {"accumulate"}}}) {
     auto r = launch("used_on_some_ranks_worker", world, args);
     ASSERT_TRUE(r.all_ok()) << r.report();
     EXPECT_TRUE(contains(r.ranks[0].output, "used on some ranks ok")) << r.report();

@@ -5,7 +5,7 @@
 #include <malloc.h>
 #include <chrono>
 #include <cmath>
-
+#include <limits>
 #include <optional>
 #include <string>
 #include <thread>
@@ -371,6 +371,14 @@ TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
   expect_error(json(R"({"device": {"matmul_efficiency": 5}})"),
                "\"matmul_efficiency\" must be a positive number of at most 1", "an efficiency above 1");
   expect_error(json(R"({"preset": 3})"), "\"preset\" must be a preset's name", "a numeric preset");
+  // A preset's name alone, or JSON without a shape: one node of the preset's ranks per node.
+  EXPECT_EQ(fsdp::Cluster::parse("h100").ranks_per_node, 8);
+  EXPECT_EQ(fsdp::Cluster::from_json(R"({"preset": "h100", "nodes": 3})").world(), 24);
+  EXPECT_EQ(fsdp::format_bytes(1023), "1023 B");
+  EXPECT_EQ(fsdp::format_bytes(-5), "-5 B");
+  EXPECT_EQ(fsdp::format_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(fsdp::format_bytes(int64_t{3} << 30), "3.00 GiB");
+  EXPECT_EQ(fsdp::format_bytes(std::numeric_limits<int64_t>::max()), "8.00 EiB");
 
   fsdp::DeferredInit deferred;
   Stack model(16, 2);
@@ -392,10 +400,25 @@ TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
   expect_error(plan_with([](R& r) { r.memory_budget(-5); }), "memory_budget is -5", "a negative budget");
   expect_error(plan_with([](R& r) { r.world(3); }), "the cluster (1x2) has 2 ranks", "more ranks than the cluster");
   expect_error(plan_with([](R& r) { r.world(-2); }), "PlanRequest::world is -2", "a negative world");
+  expect_error(plan_with([](R& r) { r.micro_batches({3}); }), "no size in PlanRequest::micro_batches divides the 2",
+               "micro-batches that divide nothing");
+  expect_error(plan_with([](R& r) { r.micro_batches({2, 0}); }), "micro_batches holds 0", "an empty micro-batch");
+  expect_error(plan_with([](R& r) { r.no_sync({}); }), "PlanRequest::no_sync is empty", "no accumulation choice");
   expect_error(plan_with([](R& r) {
-                 r.micro_batches({3, 0});
+                 r.wrap_policies({{"same", nullptr}, {"same", fsdp::wrap::by_type<torch::nn::LinearImpl>()}});
                }),
-               "no size in PlanRequest::micro_batches divides the 2", "micro-batches that divide nothing");
+               "names two policies 'same'", "two wrap policies of one name");
+  bool half_products = true;
+  try {
+    at::mm(at::ones({1, 1}, at::kHalf), at::ones({1, 1}, at::kHalf));
+  } catch (const std::exception&) {
+    half_products = false;
+  }
+  if (!half_products)
+    expect_error(plan_with([](R& r) {
+                   r.precisions({at::kFloat, at::kHalf});
+                 }),
+                 "no fp16 matrix product on the CPU", "fp16 on a CPU that cannot multiply it");
   expect_error(plan_with([](R& r) { r.strategies({}); }), "PlanRequest::strategies is empty", "no strategy");
   expect_error(plan_with([](R& r) { r.all_gather_limits({-1}); }), "all_gather_limits holds -1", "a negative limit");
   expect_error(plan_with([](R& r) { r.strategies({fsdp::ShardingStrategy::kHybridShard}).hybrid_factors({3}); }),

@@ -918,7 +918,6 @@ TEST(PlannerTrace, PredictsPeaksExactlyWhereACheckpointedUnitHoldsAnother) {
   EXPECT_TRUE(contains(r.ranks[0].output, "nested checkpointed: 16 configurations exact")) << r.report();
 }
 
-
 // A language model whose forward skips one of its blocks (layer drop at a fixed place): the runtime
 // never gathers that unit, and its parameters get no gradient and no optimizer state.
 struct SkippingLmImpl : nn::Module {
@@ -973,7 +972,9 @@ FSDP_WORKER(skipped_unit_worker) {
                      .cpu_offload({false})
                      .grads_kept_between_steps(true)  // zeroed in place below, on every LibTorch
                      .trace_sequences(per_rank)
-                     .trace_forward([&] { meta->forward(torch::zeros({per_rank, 8}, at::kLong)); }));
+                     .trace_forward([&] {
+                       meta->forward(torch::zeros({per_rank, 8}, at::kLong));
+                     }));
   WORKER_CHECK(plan.entries.size() == 6, "expected 6 candidates, got ", plan.entries.size());
   int checked = 0;
   for (const fsdp::PlanEntry& e : plan.entries) {
@@ -1003,6 +1004,105 @@ TEST(PlannerTrace, PredictsPeaksExactlyWhereForwardSkipsAUnit) {
   auto r = launch("skipped_unit_worker", 2);
   ASSERT_TRUE(r.all_ok()) << r.report();
   EXPECT_TRUE(contains(r.ranks[0].output, "skipped unit: 6 configurations exact")) << r.report();
+}
+
+// A block holding, beside its Linear, a float64 and a bfloat16 parameter: each gets a FlatParameter
+// of its own dtype, which fp32 candidates (no mixed precision) keep and bf16 ones cast.
+struct MixedDtypeBlockImpl : nn::Module {
+  MixedDtypeBlockImpl() {
+    lin = register_module("lin", nn::Linear(8, 8));
+    wide = register_parameter("wide", torch::full({5}, 0.1, at::kDouble));
+    narrow = register_parameter("narrow", torch::full({3}, 0.2, at::kBFloat16));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return lin(x) * (1 + wide.mean().to(x.scalar_type())) + narrow.mean().to(x.scalar_type());
+  }
+  nn::Linear lin{nullptr};
+  at::Tensor wide, narrow;
+};
+TORCH_MODULE(MixedDtypeBlock);
+
+struct MixedDtypeNetImpl : nn::Module {
+  MixedDtypeNetImpl() {
+    for (int i = 0; i < 2; ++i) blocks.push_back(register_module("b" + std::to_string(i), MixedDtypeBlock()));
+    head = register_module("head", nn::Linear(8, 4));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : blocks) x = b(x);
+    return head(x);
+  }
+  std::vector<MixedDtypeBlock> blocks;
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(MixedDtypeNet);
+
+// Every candidate, with the gradients kept between steps (zeroed) and dropped (set to none): the
+// predicted peaks against memory_stats() after real steps.
+FSDP_WORKER(dtypes_and_dropped_grads_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int per_rank = 2;
+  MixedDtypeNet meta{nullptr};
+  {
+    fsdp::DeferredInit deferred;
+    meta = MixedDtypeNet();
+  }
+  int checked = 0;
+  for (const bool kept : {true, false}) {
+    std::vector<fsdp::ShardingStrategy> strategies{fsdp::ShardingStrategy::kFullShard};
+    if (pg->size() > 1)
+      strategies.insert(strategies.end(), {fsdp::ShardingStrategy::kNoShard, fsdp::ShardingStrategy::kShardGradOp});
+    const fsdp::Plan plan =
+        fsdp::plan(*meta, fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size())),
+                   fsdp::PlanRequest()
+                       .global_batch(per_rank * pg->size())
+                       .seq_len(1)
+                       .micro_batches({per_rank})
+                       .strategies(strategies)
+                       .precisions({at::kFloat, at::kBFloat16})
+                       .wrap_policies({{"none", nullptr}, {"block", fsdp::wrap::by_type<MixedDtypeBlockImpl>()}})
+                       .activation_checkpointing({false})
+                       .cpu_offload({false})
+                       .grads_kept_between_steps(kept)
+                       .trace_sequences(per_rank)
+                       .trace_forward([&] {
+                         meta->forward(torch::zeros({per_rank, 8}));
+                       }));
+    for (const fsdp::PlanEntry& e : plan.entries) {
+      torch::manual_seed(0);
+      MixedDtypeNet model;
+      auto sharded = fsdp::fully_shard(model.ptr(), pg, e.candidate.options());
+      torch::optim::SGD opt(sharded->parameters(), 0.01);
+      for (int step = 0; step < 3; ++step) {
+        if (kept) {
+          zero_grad_in_place(opt);
+        } else {
+          for (auto& p : sharded->parameters()) p.mutable_grad().reset();
+        }
+        sharded->reset_peak_memory_stats();
+        const at::Tensor x = sharded->cast_forward_input(torch::randn({per_rank, 8}));
+        model->forward(x).to(at::kFloat).pow(2).mean().backward();
+        opt.step();
+      }
+      const auto m = sharded->memory_stats();
+      const bool exact = m.param_peak_bytes == e.memory.params && m.grad_peak_bytes == e.memory.grads;
+      const bool below = m.param_peak_bytes <= e.memory.params && m.grad_peak_bytes <= e.memory.grads;
+      WORKER_CHECK(pg->rank() == 0 ? exact : below, e.candidate.describe(), kept ? "" : ", gradients dropped",
+                   ": peaks measured ", m.param_peak_bytes, " and ", m.grad_peak_bytes, ", predicted ", e.memory.params,
+                   " and ", e.memory.grads);
+      ++checked;
+    }
+  }
+  std::cout << "dtypes and dropped gradients: " << checked << " configurations exact" << std::endl;
+}
+
+TEST(PlannerTrace, PredictsPeaksExactlyForParametersOfOtherDtypesAndDroppedGradients) {
+  for (const auto& [world, candidates] : std::vector<std::pair<int, int>>{{1, 8}, {2, 24}}) {
+    auto r = launch("dtypes_and_dropped_grads_worker", world);
+    ASSERT_TRUE(r.all_ok()) << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output,
+                         "dtypes and dropped gradients: " + std::to_string(candidates) + " configurations exact"))
+        << r.report();
+  }
 }
 
 }  // namespace

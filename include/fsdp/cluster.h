@@ -54,7 +54,7 @@ struct Cluster {
 
 // "40GiB", "70 GB", "512MiB", "1.5TiB", "123456" (bytes). Throws fsdp::Error.
 int64_t parse_bytes(const std::string& text);
-// e.g. "1.50 GiB"
+// e.g. "512 B", "3.25 KiB", "1.50 GiB": binary units, the largest that keeps the number at 1 or more.
 std::string format_bytes(int64_t bytes);
 
 }  // namespace fsdp

@@ -152,6 +152,15 @@ std::vector<std::string> Cluster::preset_names() {
   return names;
 }
 
+namespace {
+// The preset's own ranks per node (8 GPUs of a node; 1 for the CPU machine), or 1 for an unknown name.
+int preset_ranks_per_node(const std::string& name) {
+  for (const auto& p : presets())
+    if (lower_case(name) == p.name) return p.ranks_per_node;
+  return 1;
+}
+}  // namespace
+
 Cluster Cluster::preset(const std::string& name, int nodes, int ranks_per_node) {
   FSDP_CHECK(nodes >= 1 && ranks_per_node >= 1, "cluster ", name, ": nodes and ranks per node must be >= 1, got ",
              nodes, "x", ranks_per_node);
@@ -182,7 +191,7 @@ Cluster Cluster::parse(const std::string& spec) {
   FSDP_CHECK(!spec.empty(), "empty cluster spec; expected e.g. a100-80g:64x8, cpu:1x4 or a JSON file");
   if (spec.size() > 5 && lower_case(spec.substr(spec.size() - 5)) == ".json") return from_file(spec);
   const auto colon = spec.find(':');
-  if (colon == std::string::npos) return preset(spec, 1, preset(spec, 1, 1).ranks_per_node);
+  if (colon == std::string::npos) return preset(spec, 1, preset_ranks_per_node(spec));
   const std::string shape = lower_case(spec.substr(colon + 1));
   const auto x = shape.find('x');
   int nodes = 0, ranks = 0;
@@ -219,9 +228,8 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
             source);
   FSDP_CHECK(!j.contains("preset") || j.at("preset").is_string(), source, ": \"preset\" must be a preset's name");
   const std::string name = j.contains("preset") ? j.at("preset").get<std::string>() : "cpu";
-  const Cluster base = preset(name, 1, 1);
-  Cluster c =
-      preset(name, json_count(j, "nodes", 1, source), json_count(j, "ranks_per_node", base.ranks_per_node, source));
+  Cluster c = preset(name, json_count(j, "nodes", 1, source),
+                     json_count(j, "ranks_per_node", preset_ranks_per_node(name), source));
   if (j.contains("device")) {
     const json& d = j.at("device");
     const std::string at = source + ".device";
@@ -293,10 +301,16 @@ std::string format_bytes(int64_t bytes) {
   std::ostringstream o;
   o.setf(std::ios::fixed);
   o.precision(2);
-  if (b >= kBytesPerGiB)
-    o << b / kBytesPerGiB << " GiB";
-  else
-    o << b / (1024.0 * 1024.0) << " MiB";
+  const double m = std::fabs(b);
+  if (m < 1024.0) return std::to_string(bytes) + " B";
+  const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  double scaled = b / 1024.0;
+  while (u < 5 && std::fabs(scaled) >= 1024.0) {
+    scaled /= 1024.0;
+    ++u;
+  }
+  o << scaled << " " << units[u];
   return o.str();
 }
 

@@ -143,7 +143,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       for (const int p : fp.params) numel += plan.params[p].param.numel();
       const at::ScalarType dtype = first.scalar_type();
       const bool floating = at::isFloatingType(dtype);
-      const at::ScalarType compute = floating && !fp.full_precision ? c.precision : dtype;
+      const at::ScalarType compute = floating && !fp.full_precision && c.precision != at::kFloat ? c.precision : dtype;
       const at::ScalarType reduce = floating && !fp.full_precision && c.precision != at::kFloat ? at::kFloat : dtype;
       const bool requires_grad = first.requires_grad();
       const int64_t padded = (numel + F - 1) / F * F;
@@ -250,7 +250,10 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
       su.flats.push_back(flat);
     }
   }
-  if (request.grads_kept_between_steps() && !offload) rest.piece_grads = rest.piece_bytes;
+  // Pieces' gradients from the last step, or, dropped between steps, the stores of FlatParameters
+  // without a separate shard, born with backward's first gradient and kept to its end.
+  if (!offload)
+    rest.piece_grads = request.grads_kept_between_steps() ? rest.piece_bytes : rest.piece_bytes - rest.separate_pieces;
   // The optimizer's step, bound by memory bandwidth; in backward, each FlatParameter's share right
   // after its reduction lands, whose gradients it then drops (Note [Step in backward]).
   const double bandwidth = (offload ? cluster.host_device_gbps * 4 : cluster.device.memory_gbps) * 1e9;
@@ -397,7 +400,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   e.candidate = c;
   MemoryPrediction& m = e.memory;
   m.params = rest.shards + r.param_transient_peak;
-  m.grads = rest.piece_grads + r.grad_transient_peak;
+  // Each backward ends with every trained piece holding its gradient, however they began it.
+  const int64_t landed = offload || c.step_in_backward ? 0 : rest.piece_bytes - rest.piece_grads;
+  m.grads = rest.piece_grads + std::max(r.grad_transient_peak, landed);
   m.optimizer = offload ? 0 : rest.optimizer_bytes;
   m.activations = r.activation_peak;
   m.feedback = rest.feedback_bytes;
@@ -410,8 +415,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                           static_cast<double>(r.activation_peak) / tokens;
     m.workspace = std::llround(std::max(0.0, beyond) * tokens);
   }
-  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + m.feedback + r.total_transient_peak +
-                          m.workspace + (c.step_in_backward ? rest.largest_piece : 0);
+  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + m.feedback +
+                          std::max(r.total_transient_peak, landed) + m.workspace +
+                          (c.step_in_backward ? rest.largest_piece : 0);
   // The pool's idle buffers at the joint peak: once warm it holds its most of every size throughout.
   const int64_t pool_idle = std::max<int64_t>(0, r.pool_bytes + r.activation_peak - r.total_transient_peak);
   m.headroom = pool_idle + static_cast<int64_t>(static_cast<double>(tensors) * request.allocator_headroom());

@@ -177,9 +177,31 @@ void check_request(const PlanRequest& r, const Cluster& cluster) {
   nonempty(r.backward_prefetch().size(), "backward_prefetch");
   nonempty(r.forward_prefetch().size(), "forward_prefetch");
   nonempty(r.reductions_in_flight().size(), "reductions_in_flight");
+  nonempty(r.no_sync().size(), "no_sync");
+  nonempty(r.replica_deferred().size(), "replica_deferred");
+  nonempty(r.keep_unsharded().size(), "keep_unsharded");
+  nonempty(r.step_in_backward().size(), "step_in_backward");
+  for (const int m : r.micro_batches())
+    FSDP_CHECK(m >= 1, "PlanRequest::micro_batches holds ", m, "; a micro-batch is 1 or more sequences");
+  for (size_t i = 0; i < r.wrap_policies().size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      FSDP_CHECK(r.wrap_policies()[i].name != r.wrap_policies()[j].name,
+                 "PlanRequest::wrap_policies names two policies '", r.wrap_policies()[i].name,
+                 "': give each its own name, which the plan's candidates carry");
   for (const at::ScalarType p : r.precisions())
     FSDP_CHECK(p == at::kFloat || p == at::kBFloat16 || p == at::kHalf, "PlanRequest::precisions holds ",
                c10::toString(p), "; the compute precisions are kFloat, kBFloat16 and kHalf");
+  if (cluster.device_is_host &&
+      std::find(r.precisions().begin(), r.precisions().end(), at::kHalf) != r.precisions().end()) {
+    bool products = true;
+    try {
+      at::mm(at::ones({1, 1}, at::kHalf), at::ones({1, 1}, at::kHalf));
+    } catch (const std::exception&) {
+      products = false;
+    }
+    FSDP_CHECK(products, "PlanRequest::precisions holds kHalf for a CPU cluster, and this LibTorch has no fp16 matrix "
+                         "product on the CPU: no fp16 candidate could run; plan kBFloat16 instead");
+  }
   for (const int l : r.all_gather_limits())
     FSDP_CHECK(l >= 0, "PlanRequest::all_gather_limits holds ", l, "; a limit is 0 (none) or more gathers");
   for (const int n : r.reductions_in_flight())
