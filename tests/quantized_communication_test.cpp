@@ -509,6 +509,8 @@ FSDP_WORKER(refused_combinations_worker) {
       {fsdp::Options().all_gather_quantization(fsdp::Quantization().block_size(64)), "start from Quantization::int8()"},
       {fsdp::Options().reduce_quantization(fsdp::Quantization::int8().error_feedback(pg->rank() == 0)),
        "passed different Options to fully_shard()"},
+      {fsdp::Options().all_gather_quantization(fsdp::Quantization::int8(pg->rank() == 0 ? 64 : 128)),
+       "has 'all_gather_quantization int8 block "},
   };
   for (const auto& [options, expected] : cases) {
     MLP model(6, 24, 5, 2);

@@ -30,10 +30,11 @@ std::string describe_options(const Options& o) {
     << dtype(mp.output_dtype()) << "\nmixed_precision cast_forward_inputs " << mp.cast_forward_inputs()
     << "\nmixed_precision keep_full_precision " << (mp.keep_full_precision() ? "set" : "unset")
     << "\nmixed_precision keep_low_precision_grads " << mp.keep_low_precision_grads();
-  for (const Quantization* q : {&o.all_gather_quantization(), &o.reduce_quantization()})
-    d << "\nquantization "
-      << (q->enabled() ? to_string(q->dtype()) + " block " + std::to_string(q->block_size()) : "off") << " units "
-      << (q->units() ? "set" : "unset") << " error feedback " << q->error_feedback();
+  for (const auto& [q, name] : {std::pair{&o.all_gather_quantization(), "all_gather_quantization "},
+                                std::pair{&o.reduce_quantization(), "reduce_quantization "}})
+    d << "\n"
+      << name << (q->enabled() ? to_string(q->dtype()) + " block " + std::to_string(q->block_size()) : "off")
+      << " units " << (q->units() ? "set" : "unset") << " error feedback " << q->error_feedback();
   return d.str();
 }
 
