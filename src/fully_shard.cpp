@@ -28,6 +28,8 @@ std::vector<UnitInfo> describe_units(const FsdpState& state) {
       info.padded_numel += fp->padded_numel();
       info.padded_bytes += fp->padded_numel() * fp->compute_element_size();
       info.shard_bytes += fp->shard_numel() * fp->element_size();
+      info.quantized_gathers = info.quantized_gathers || fp->gather_format().has_value();
+      info.quantized_reductions = info.quantized_reductions || fp->reduce_format().has_value();
     }
     infos.push_back(info);
   }
@@ -209,11 +211,17 @@ std::string FullyShardedModule::describe() const {
     << sharding_factor() << ", " << units().size() << " units\n";
   o << "  " << std::left << std::setw(28) << "unit" << std::right << std::setw(8) << "params" << std::setw(14)
     << "numel" << std::setw(14) << "padded" << std::setw(14) << "shard bytes"
+    << "  quantized"
     << "\n";
   for (const auto& u : units())
     o << "  " << std::left << std::setw(28) << (u.name.empty() ? "<root>" : u.name) << std::right << std::setw(8)
       << u.parameters.size() << std::setw(14) << u.numel << std::setw(14) << u.padded_numel << std::setw(14)
-      << u.shard_bytes << "\n";
+      << u.shard_bytes << "  "
+      << (u.quantized_gathers && u.quantized_reductions ? "gathers, reductions"
+          : u.quantized_gathers                         ? "gathers"
+          : u.quantized_reductions                      ? "reductions"
+                                                        : "no")
+      << "\n";
   o << state_->describe_communicators();
   return o.str();
 }

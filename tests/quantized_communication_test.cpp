@@ -392,6 +392,11 @@ FSDP_WORKER(quantized_training_worker) {
   const int shards = strategy == "NO_SHARD" ? 1 : strategy == "HYBRID_SHARD" ? factor : ctx.world;
   const bool quantized_reductions = reductions && ctx.world > 1;
   const auto units = sharded->units();
+  for (const auto& u : units)  // describe() and units() say where quantization applies
+    WORKER_CHECK(u.numel == 0 ||
+                     (u.quantized_gathers == (gathers && shards > 1) && u.quantized_reductions == quantized_reductions),
+                 "unit '", u.name, "' reports quantized gathers ", u.quantized_gathers, " and reductions ",
+                 u.quantized_reductions);
   ReferenceFeedback fb, other_fb;
   fb.on = with_feedback;
   other_fb.on = !with_feedback;

@@ -48,10 +48,12 @@ struct UnitInfo {
   std::string name;  // qualified module name; "" for the root
   int parent = -1;   // index of the enclosing unit; -1 for the root
   std::vector<std::string> parameters;
-  int64_t numel = 0;         // sum over its FlatParameters of unpadded elements
-  int64_t padded_numel = 0;  // after right-padding each FlatParameter to a multiple of F
-  int64_t padded_bytes = 0;  // unsharded size in bytes
-  int64_t shard_bytes = 0;   // this rank's shard in bytes
+  int64_t numel = 0;                  // sum over its FlatParameters of unpadded elements
+  int64_t padded_numel = 0;           // after right-padding each FlatParameter to a multiple of F
+  int64_t padded_bytes = 0;           // unsharded size in bytes
+  int64_t shard_bytes = 0;            // this rank's shard in bytes
+  bool quantized_gathers = false;     // Options::all_gather_quantization applies to a FlatParameter of it
+  bool quantized_reductions = false;  // Options::reduce_quantization applies to a FlatParameter of it
 };
 
 class FullyShardedModule {
