@@ -1105,5 +1105,77 @@ TEST(PlannerTrace, PredictsPeaksExactlyForParametersOfOtherDtypesAndDroppedGradi
   }
 }
 
+// A model with a side tower the run leaves alone (Options::ignored_modules), planned with the
+// meta model's tower as PlanRequest::ignored_modules: FSDP's peaks and the optimizer state over its
+// pieces exclude the tower, counted whole with its gradients instead.
+struct SideTowerNetImpl : nn::Module {
+  SideTowerNetImpl() {
+    for (int i = 0; i < 2; ++i) blocks->push_back(nn::Sequential(nn::Linear(8, 16), nn::Linear(16, 8)));
+    register_module("blocks", blocks);
+    side = register_module("side", nn::Linear(8, 8));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (const auto& block : *blocks) x = block->as<nn::Sequential>()->forward(x);
+    return x + side(x.to(at::kFloat)).to(x.scalar_type());  // the ignored tower stays float32
+  }
+  nn::ModuleList blocks;
+  nn::Linear side{nullptr};
+};
+TORCH_MODULE(SideTowerNet);
+
+FSDP_WORKER(ignored_modules_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int per_rank = 2;
+  SideTowerNet meta{nullptr};
+  {
+    fsdp::DeferredInit deferred;
+    meta = SideTowerNet();
+  }
+  const fsdp::Plan plan =
+      fsdp::plan(*meta, fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size())),
+                 fsdp::PlanRequest()
+                     .global_batch(per_rank * pg->size())
+                     .seq_len(1)
+                     .micro_batches({per_rank})
+                     .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
+                                  fsdp::ShardingStrategy::kNoShard})
+                     .precisions({at::kFloat, at::kBFloat16})
+                     .wrap_policies({{"none", nullptr}, {"block", fsdp::wrap::by_type<nn::SequentialImpl>()}})
+                     .activation_checkpointing({false})
+                     .cpu_offload({false})
+                     .grads_kept_between_steps(true)
+                     .ignored_modules({meta->side.ptr()}));
+  const int64_t side_bytes = 2 * (8 * 8 + 8) * 4;  // float32 parameters and their gradients
+  int checked = 0;
+  for (const fsdp::PlanEntry& e : plan.entries) {
+    WORKER_CHECK(e.memory.ignored == side_bytes, e.candidate.describe(), ": ignored ", e.memory.ignored);
+    torch::manual_seed(0);
+    SideTowerNet model;
+    auto sharded = fsdp::fully_shard(model.ptr(), pg, e.candidate.options().ignored_modules({model->side.ptr()}));
+    torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+    for (int step = 0; step < 3; ++step) {
+      zero_grad_in_place(opt);
+      sharded->reset_peak_memory_stats();
+      const at::Tensor x = sharded->cast_forward_input(torch::randn({per_rank, 8}));
+      model->forward(x).to(at::kFloat).pow(2).mean().backward();
+      opt.step();
+    }
+    const auto m = sharded->memory_stats();
+    WORKER_CHECK(m.param_peak_bytes == e.memory.params && m.grad_peak_bytes == e.memory.grads &&
+                     adamw_state_bytes(opt) == e.memory.optimizer,
+                 e.candidate.describe(), ": parameter, gradient and optimizer state measured ", m.param_peak_bytes,
+                 ", ", m.grad_peak_bytes, " and ", adamw_state_bytes(opt), " bytes, predicted ", e.memory.params, ", ",
+                 e.memory.grads, " and ", e.memory.optimizer);
+    ++checked;
+  }
+  std::cout << "ignored modules: " << checked << " configurations exact" << std::endl;
+}
+
+TEST(PlannerTrace, PredictsPeaksExactlyWithIgnoredModules) {
+  auto r = launch("ignored_modules_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "ignored modules: 12 configurations exact")) << r.report();
+}
+
 }  // namespace
 }  // namespace fsdp_test

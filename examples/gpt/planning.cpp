@@ -233,6 +233,7 @@ void write_entries(const std::string& path, const fsdp::Plan& plan, const TrainC
                           {"activations_bytes", e.memory.activations},
                           {"workspace_bytes", e.memory.workspace},
                           {"feedback_bytes", e.memory.feedback},
+                          {"ignored_bytes", e.memory.ignored},
                           {"process_bytes", e.memory.process},
                           {"peak_bytes", e.memory.peak},
                           {"memory_margin", plan.memory_margin},

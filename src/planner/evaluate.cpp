@@ -406,6 +406,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   m.optimizer = offload ? 0 : rest.optimizer_bytes;
   m.activations = r.activation_peak;
   m.feedback = rest.feedback_bytes;
+  for (const UnitPlan::Param& p : plan.ignored_params)  // on the device, with a gradient after backward
+    m.ignored += p.param.numel() * element_size(p.param.scalar_type()) * (p.param.requires_grad() ? 2 : 1);
   // What the calibrated passes held beyond the activations the replay keeps, per token.
   const int64_t passes_peak = timing == nullptr            ? 0
                               : c.activation_checkpointing ? timing->checkpointed_peak_bytes
@@ -415,7 +417,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                           static_cast<double>(r.activation_peak) / tokens;
     m.workspace = std::llround(std::max(0.0, beyond) * tokens);
   }
-  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + m.feedback +
+  const int64_t tensors = rest.shards + rest.piece_grads + m.optimizer + m.feedback + m.ignored +
                           std::max(r.total_transient_peak, landed) + m.workspace +
                           (c.step_in_backward ? rest.largest_piece : 0);
   // The pool's idle buffers at the joint peak: once warm it holds its most of every size throughout.

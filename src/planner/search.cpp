@@ -342,7 +342,7 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     const bool mixed = precision != at::kFloat;
     auto it = planned.find({w, mixed});
     if (it == planned.end()) {
-      Options options = Options().auto_wrap_policy(known[w].policy);
+      Options options = Options().auto_wrap_policy(known[w].policy).ignored_modules(request.ignored_modules());
       if (mixed) options.mixed_precision(MixedPrecision().param_dtype(precision));
       Planned p{plan_units(model, options, c10::Device(c10::kCPU)), {}};
       p.costs = request.trace_forward()

@@ -59,9 +59,9 @@ std::string Plan::table(size_t max_rows) const {
     o << "| " << i + 1 << " | " << e.candidate.describe() << " | " << mebibytes(e.memory.params) << " | "
       << mebibytes(e.memory.grads) << " | " << mebibytes(e.memory.optimizer) << " | " << mebibytes(e.memory.activations)
       << " | " << mebibytes(e.memory.workspace) << " | "
-      << mebibytes(e.memory.feedback + e.memory.headroom + e.memory.process) << " | " << mebibytes(e.memory.peak)
-      << " | " << (e.fits ? "yes" : "no") << " | " << fixed_digits(e.time.step_s * 1e3, 2) << " | "
-      << fixed_digits(e.time.compute_s * 1e3, 2) << " | " << fixed_digits(exposed, 1) << " | "
+      << mebibytes(e.memory.feedback + e.memory.ignored + e.memory.headroom + e.memory.process) << " | "
+      << mebibytes(e.memory.peak) << " | " << (e.fits ? "yes" : "no") << " | " << fixed_digits(e.time.step_s * 1e3, 2)
+      << " | " << fixed_digits(e.time.compute_s * 1e3, 2) << " | " << fixed_digits(exposed, 1) << " | "
       << fixed_digits(e.time.tflops_per_device, 3) << " | " << fixed_digits(e.time.mfu * 100, 1) << " |\n";
   }
   if (rows < entries.size()) o << "(" << entries.size() - rows << " more)\n";
