@@ -3,6 +3,7 @@
 // model that fits nowhere.
 #include <gtest/gtest.h>
 #include <malloc.h>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -403,6 +404,13 @@ TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
   expect_error(plan_with([](R& r) { r.micro_batches({3}); }), "no size in PlanRequest::micro_batches divides the 2",
                "micro-batches that divide nothing");
   expect_error(plan_with([](R& r) { r.micro_batches({2, 0}); }), "micro_batches holds 0", "an empty micro-batch");
+  {
+    auto request = one_rank(0).global_batch(4).reshard_after_forward_sizes({0, 5});
+    const auto notes = fsdp::plan(*model, cluster, request).notes;
+    EXPECT_TRUE(std::any_of(notes.begin(), notes.end(), [](const std::string& n) {
+      return contains(n, "sizes' 5 is planned nowhere");
+    })) << "an hpZ size no shard group splits into";
+  }
   expect_error(plan_with([](R& r) { r.no_sync({}); }), "PlanRequest::no_sync is empty", "no accumulation choice");
   expect_error(plan_with([](R& r) {
                  r.wrap_policies({{"same", nullptr}, {"same", fsdp::wrap::by_type<torch::nn::LinearImpl>()}});

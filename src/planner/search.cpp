@@ -293,6 +293,19 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
       std::find(strategies.begin(), strategies.end(), ShardingStrategy::kHybridShard) != strategies.end())
     result.notes.push_back("HYBRID_SHARD is not planned: no factor in PlanRequest::hybrid_factors divides the " +
                            std::to_string(world) + " ranks strictly between 1 and " + std::to_string(world));
+  for (const int k : request.reshard_after_forward_sizes()) {  // an hpZ size no shard group of a candidate splits into
+    bool used = k <= 1;
+    for (const ShardingStrategy st : strategies) {
+      std::vector<int> groups{world};
+      if (st == ShardingStrategy::kHybridShard) groups = hybrid_factors(request, cluster, world);
+      for (const int F : groups) used = used || (fsdp::reshards_after_forward(st) && k < F && F % k == 0);
+    }
+    if (!used)
+      result.notes.push_back("PlanRequest::reshard_after_forward_sizes' " + std::to_string(k) +
+                             " is planned nowhere: no candidate's shard group (" + std::to_string(world) +
+                             " ranks, or a HYBRID_SHARD factor) splits into groups of " + std::to_string(k) +
+                             " with a strategy that reshards after forward");
+  }
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
   // Every wrap policy's units and costs (the searched ones first, then those only runtime timings
