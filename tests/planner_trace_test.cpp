@@ -950,6 +950,18 @@ int64_t adamw_state_bytes(torch::optim::AdamW& opt) {
   return bytes;
 }
 
+// The run's parameter and gradient peaks and its AdamW state equal the entry's prediction.
+void check_peaks_and_state(const fsdp::PlanEntry& e, const fsdp::FullyShardedModule& sharded,
+                           torch::optim::AdamW& opt) {
+  const auto m = sharded.memory_stats();
+  const int64_t state = adamw_state_bytes(opt);
+  WORKER_CHECK(
+      m.param_peak_bytes == e.memory.params && m.grad_peak_bytes == e.memory.grads && state == e.memory.optimizer,
+      e.candidate.describe(), ": parameter, gradient and optimizer state measured ", m.param_peak_bytes, ", ",
+      m.grad_peak_bytes, " and ", state, " bytes, predicted ", e.memory.params, ", ", e.memory.grads, " and ",
+      e.memory.optimizer);
+}
+
 // Every candidate's predicted parameter, gradient and optimizer state peaks against real steps.
 FSDP_WORKER(skipped_unit_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
@@ -989,12 +1001,7 @@ FSDP_WORKER(skipped_unit_worker) {
       lm_loss(model->forward(tokens).to(at::kFloat), tokens).backward();
       opt.step();
     }
-    const auto m = sharded->memory_stats();
-    WORKER_CHECK(m.param_peak_bytes == e.memory.params && m.grad_peak_bytes == e.memory.grads &&
-                     adamw_state_bytes(opt) == e.memory.optimizer,
-                 e.candidate.describe(), ": parameter, gradient and optimizer state measured ", m.param_peak_bytes,
-                 ", ", m.grad_peak_bytes, " and ", adamw_state_bytes(opt), " bytes, predicted ", e.memory.params, ", ",
-                 e.memory.grads, " and ", e.memory.optimizer);
+    check_peaks_and_state(e, *sharded, opt);
     ++checked;
   }
   std::cout << "skipped unit: " << checked << " configurations exact" << std::endl;
@@ -1160,12 +1167,7 @@ FSDP_WORKER(ignored_modules_worker) {
       model->forward(x).to(at::kFloat).pow(2).mean().backward();
       opt.step();
     }
-    const auto m = sharded->memory_stats();
-    WORKER_CHECK(m.param_peak_bytes == e.memory.params && m.grad_peak_bytes == e.memory.grads &&
-                     adamw_state_bytes(opt) == e.memory.optimizer,
-                 e.candidate.describe(), ": parameter, gradient and optimizer state measured ", m.param_peak_bytes,
-                 ", ", m.grad_peak_bytes, " and ", adamw_state_bytes(opt), " bytes, predicted ", e.memory.params, ", ",
-                 e.memory.grads, " and ", e.memory.optimizer);
+    check_peaks_and_state(e, *sharded, opt);
     ++checked;
   }
   std::cout << "ignored modules: " << checked << " configurations exact" << std::endl;
