@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <optional>
 #include <string>
@@ -372,6 +373,19 @@ TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
   expect_error(json(R"({"device": {"matmul_efficiency": 5}})"),
                "\"matmul_efficiency\" must be a positive number of at most 1", "an efficiency above 1");
   expect_error(json(R"({"preset": 3})"), "\"preset\" must be a preset's name", "a numeric preset");
+  expect_error(json(R"({"nodes": 2, "nodes": 4})"), "the key \"nodes\" appears twice", "a repeated key");
+  expect_error(json(R"({"intra": {"latency_us": 1, "latency_us": 2}})"), "the key \"latency_us\" appears twice",
+               "a repeated key inside a link");
+  EXPECT_EQ(fsdp::Cluster::from_json(R"({"intra": {"latency_us": 1}, "inter": {"latency_us": 2}})").inter.latency_us(),
+            2);
+  // Paths: a directory, a missing file, and a file whose name neither ends in .json nor is a preset's.
+  const TempDir dir;
+  expect_error([&] { fsdp::Cluster::parse(dir.path); }, "not a regular file", "a directory");
+  expect_error([&] { fsdp::Cluster::parse(dir / "none.json"); }, "no such file", "a missing file");
+  std::ofstream(dir / "cluster.txt") << R"({"preset": "cpu", "nodes": 1, "ranks_per_node": 3})";
+  EXPECT_EQ(fsdp::Cluster::parse(dir / "cluster.txt").world(), 3);
+  EXPECT_EQ(fsdp::Cluster::parse(" cpu:1x4\n").world(), 4);
+  EXPECT_EQ(fsdp::Cluster::parse("h100 ").ranks_per_node, 8);
   // A preset's name alone, or JSON without a shape: one node of the preset's ranks per node.
   EXPECT_EQ(fsdp::Cluster::parse("h100").ranks_per_node, 8);
   EXPECT_EQ(fsdp::Cluster::from_json(R"({"preset": "h100", "nodes": 3})").world(), 24);

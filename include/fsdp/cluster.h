@@ -43,7 +43,8 @@ struct Cluster {
   static Cluster preset(const std::string& name, int nodes, int ranks_per_node);
   static std::vector<std::string> preset_names();
   // "NAME", "NAME:NODESxRANKS" (e.g. "a100-80g:64x8", "cpu:1x4"), or the path of a JSON file
-  // (from_file). Throws fsdp::Error.
+  // (from_file: a name ending in .json, holding a '/', or an existing file's); spaces around it are dropped.
+  // Throws fsdp::Error.
   static Cluster parse(const std::string& spec);
   // A JSON object: {"preset": NAME, "nodes": N, "ranks_per_node": R, "device": {...}, "intra":
   // {"bandwidth_gbps", "latency_us"}, "inter": {...}, "host_memory_gib", "host_device_gbps"}; every

@@ -1,11 +1,14 @@
 // Cluster presets, the compact spec, JSON files, and byte sizes (include/fsdp/cluster.h).
 #include "fsdp/cluster.h"
 
+#include <sys/stat.h>
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
 
 #include "fsdp/check.h"
 
@@ -153,11 +156,11 @@ std::vector<std::string> Cluster::preset_names() {
 }
 
 namespace {
-// The preset's own ranks per node (8 GPUs of a node; 1 for the CPU machine), or 1 for an unknown name.
+// The preset's own ranks per node (8 GPUs of a node; 1 for the CPU machine), or 0 for an unknown name.
 int preset_ranks_per_node(const std::string& name) {
   for (const auto& p : presets())
     if (lower_case(name) == p.name) return p.ranks_per_node;
-  return 1;
+  return 0;
 }
 }  // namespace
 
@@ -187,11 +190,21 @@ Cluster Cluster::preset(const std::string& name, int nodes, int ranks_per_node) 
   FSDP_FAIL("unknown cluster preset '", name, "'; known: ", known);
 }
 
-Cluster Cluster::parse(const std::string& spec) {
+Cluster Cluster::parse(const std::string& text) {
+  const auto first = text.find_first_not_of(" \t\r\n");
+  const std::string spec =
+      first == std::string::npos ? "" : text.substr(first, text.find_last_not_of(" \t\r\n") + 1 - first);
   FSDP_CHECK(!spec.empty(), "empty cluster spec; expected e.g. a100-80g:64x8, cpu:1x4 or a JSON file");
-  if (spec.size() > 5 && lower_case(spec.substr(spec.size() - 5)) == ".json") return from_file(spec);
+  // A path: a JSON file by its name, or anything naming a directory.
+  if ((spec.size() > 5 && lower_case(spec.substr(spec.size() - 5)) == ".json") || spec.find('/') != std::string::npos)
+    return from_file(spec);
   const auto colon = spec.find(':');
-  if (colon == std::string::npos) return preset(spec, 1, preset_ranks_per_node(spec));
+  if (colon == std::string::npos) {
+    struct stat info {};
+    const bool is_preset = preset_ranks_per_node(spec) > 0;
+    if (!is_preset && ::stat(spec.c_str(), &info) == 0) return from_file(spec);
+    return preset(spec, 1, std::max(1, preset_ranks_per_node(spec)));
+  }
   const std::string shape = lower_case(spec.substr(colon + 1));
   const auto x = shape.find('x');
   int nodes = 0, ranks = 0;
@@ -209,27 +222,47 @@ Cluster Cluster::parse(const std::string& spec) {
 }
 
 Cluster Cluster::from_file(const std::string& path) {
+  struct stat info {};
+  FSDP_CHECK(::stat(path.c_str(), &info) == 0, "cannot read the cluster file ", path, ": no such file");
+  FSDP_CHECK(S_ISREG(info.st_mode), "cannot read the cluster file ", path,
+             ": not a regular file (give a JSON file's path, a preset's name or NAME:NODESxRANKS_PER_NODE)");
   std::ifstream in(path);
   FSDP_CHECK(in.good(), "cannot read the cluster file ", path);
   std::stringstream text;
   text << in.rdbuf();
+  FSDP_CHECK(!in.bad(), "cannot read the cluster file ", path, ": read failed");
   return from_json(text.str(), path);
 }
 
 Cluster Cluster::from_json(const std::string& text, const std::string& source) {
   json j;
+  // Keys seen so far in each object being parsed: a repeated key would otherwise keep its last value silently.
+  std::vector<std::vector<std::string>> open;
+  std::string repeated;
+  const json::parser_callback_t track = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) open.emplace_back();
+    if (event == json::parse_event_t::object_end && !open.empty()) open.pop_back();
+    if (event == json::parse_event_t::key && !open.empty() && parsed.is_string()) {
+      const std::string key = parsed.get<std::string>();
+      for (const auto& k : open.back())
+        if (k == key && repeated.empty()) repeated = key;
+      open.back().push_back(key);
+    }
+    return true;
+  };
   try {
-    j = json::parse(text);
+    j = json::parse(text, track);
   } catch (const std::exception& e) {
     FSDP_FAIL(source, ": not JSON: ", e.what());
   }
+  FSDP_CHECK(repeated.empty(), source, ": the key \"", repeated, "\" appears twice in one object; keep one");
   FSDP_CHECK(j.is_object(), source, ": expected a JSON object");
   json_keys(j, {"preset", "nodes", "ranks_per_node", "device", "intra", "inter", "host_memory_gib", "host_device_gbps"},
             source);
   FSDP_CHECK(!j.contains("preset") || j.at("preset").is_string(), source, ": \"preset\" must be a preset's name");
   const std::string name = j.contains("preset") ? j.at("preset").get<std::string>() : "cpu";
   Cluster c = preset(name, json_count(j, "nodes", 1, source),
-                     json_count(j, "ranks_per_node", preset_ranks_per_node(name), source));
+                     json_count(j, "ranks_per_node", std::max(1, preset_ranks_per_node(name)), source));
   if (j.contains("device")) {
     const json& d = j.at("device");
     const std::string at = source + ".device";
