@@ -1112,9 +1112,9 @@ TEST(PlannerTrace, PredictsPeaksExactlyForParametersOfOtherDtypesAndDroppedGradi
   }
 }
 
-// A model with a side tower the run leaves alone (Options::ignored_modules), planned with the
-// meta model's tower as PlanRequest::ignored_modules: FSDP's peaks and the optimizer state over its
-// pieces exclude the tower, counted whole with its gradients instead.
+// A model with a side tower the run leaves alone (Options::ignored_modules or ignored_parameters),
+// planned with the meta model's tower as PlanRequest's: FSDP's peaks and the optimizer state over its
+// pieces exclude what is ignored, counted whole with its gradients and its own optimizer's state instead.
 struct SideTowerNetImpl : nn::Module {
   SideTowerNetImpl() {
     for (int i = 0; i < 2; ++i) blocks->push_back(nn::Sequential(nn::Linear(8, 16), nn::Linear(16, 8)));
@@ -1138,45 +1138,68 @@ FSDP_WORKER(ignored_modules_worker) {
     fsdp::DeferredInit deferred;
     meta = SideTowerNet();
   }
-  const fsdp::Plan plan =
-      fsdp::plan(*meta, fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size())),
-                 fsdp::PlanRequest()
-                     .global_batch(per_rank * pg->size())
-                     .seq_len(1)
-                     .micro_batches({per_rank})
-                     .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
-                                  fsdp::ShardingStrategy::kNoShard})
-                     .precisions({at::kFloat, at::kBFloat16})
-                     .wrap_policies({{"none", nullptr}, {"block", fsdp::wrap::by_type<nn::SequentialImpl>()}})
-                     .activation_checkpointing({false})
-                     .cpu_offload({false})
-                     .grads_kept_between_steps(true)
-                     .ignored_modules({meta->side.ptr()}));
-  const int64_t side_bytes = 2 * (8 * 8 + 8) * 4;  // float32 parameters and their gradients
+  // The whole tower ignored and stepped by an AdamW of its own (PlanRequest::step_ignored), or its
+  // weight alone ignored and left unstepped, planned by the rules and by the trace: its bias stays
+  // FSDP's, the root's only parameter, which backward does not read (no backward prefetch there).
   int checked = 0;
-  for (const fsdp::PlanEntry& e : plan.entries) {
-    WORKER_CHECK(e.memory.ignored == side_bytes, e.candidate.describe(), ": ignored ", e.memory.ignored);
-    torch::manual_seed(0);
-    SideTowerNet model;
-    auto sharded = fsdp::fully_shard(model.ptr(), pg, e.candidate.options().ignored_modules({model->side.ptr()}));
-    torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
-    for (int step = 0; step < 3; ++step) {
-      zero_grad_in_place(opt);
-      sharded->reset_peak_memory_stats();
-      const at::Tensor x = sharded->cast_forward_input(torch::randn({per_rank, 8}));
-      model->forward(x).to(at::kFloat).pow(2).mean().backward();
-      opt.step();
+  for (const auto& [whole, traced] : std::vector<std::pair<bool, bool>>{{true, false}, {false, false}, {false, true}}) {
+    fsdp::PlanRequest request =
+        fsdp::PlanRequest()
+            .global_batch(per_rank * pg->size())
+            .seq_len(1)
+            .micro_batches({per_rank})
+            .strategies({fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp,
+                         fsdp::ShardingStrategy::kNoShard})
+            .precisions(whole ? std::vector<at::ScalarType>{at::kFloat, at::kBFloat16}
+                              : std::vector<at::ScalarType>{at::kFloat})
+            .wrap_policies({{"none", nullptr}, {"block", fsdp::wrap::by_type<nn::SequentialImpl>()}})
+            .activation_checkpointing({false})
+            .cpu_offload({false})
+            .grads_kept_between_steps(true);
+    if (whole)
+      request.ignored_modules({meta->side.ptr()});
+    else
+      request.ignored_parameters({meta->side->weight}).step_ignored(false);
+    if (traced) request.trace_sequences(per_rank).trace_forward([&] { meta->forward(torch::zeros({per_rank, 8})); });
+    const fsdp::Plan plan = fsdp::plan(*meta, fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size())), request);
+    for (const fsdp::PlanEntry& e : plan.entries) {
+      torch::manual_seed(0);
+      SideTowerNet model;
+      fsdp::Options options = e.candidate.options();
+      if (whole)
+        options.ignored_modules({model->side.ptr()});
+      else
+        options.ignored_parameters({model->side->weight});
+      auto sharded = fsdp::fully_shard(model.ptr(), pg, options);
+      torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+      std::vector<at::Tensor> side;
+      for (const auto& [name, p] : sharded->ignored_parameters()) side.push_back(p);
+      torch::optim::AdamW side_opt(side, torch::optim::AdamWOptions(0.01));
+      for (int step = 0; step < 3; ++step) {
+        zero_grad_in_place(opt);
+        zero_grad_in_place(side_opt);
+        sharded->reset_peak_memory_stats();
+        const at::Tensor x = sharded->cast_forward_input(torch::randn({per_rank, 8}));
+        model->forward(x).to(at::kFloat).pow(2).mean().backward();
+        opt.step();
+        if (whole) side_opt.step();
+      }
+      int64_t side_bytes = adamw_state_bytes(side_opt);  // float32 parameters and their gradients besides
+      for (const at::Tensor& p : side) side_bytes += 2 * p.numel() * 4;
+      WORKER_CHECK(side_bytes == (whole ? 4 * (8 * 8 + 8) * 4 : 2 * 8 * 8 * 4), "measured ", side_bytes);
+      WORKER_CHECK(e.memory.ignored == side_bytes, e.candidate.describe(), ": ignored ", e.memory.ignored,
+                   " predicted, ", side_bytes, " measured");
+      check_peaks_and_state(e, *sharded, opt);
+      ++checked;
     }
-    check_peaks_and_state(e, *sharded, opt);
-    ++checked;
   }
-  std::cout << "ignored modules: " << checked << " configurations exact" << std::endl;
+  std::cout << "ignored modules and parameters: " << checked << " configurations exact" << std::endl;
 }
 
-TEST(PlannerTrace, PredictsPeaksExactlyWithIgnoredModules) {
+TEST(PlannerTrace, PredictsPeaksExactlyWithIgnoredModulesAndParameters) {
   auto r = launch("ignored_modules_worker", 2);
   ASSERT_TRUE(r.all_ok()) << r.report();
-  EXPECT_TRUE(contains(r.ranks[0].output, "ignored modules: 12 configurations exact")) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "ignored modules and parameters: 24 configurations exact")) << r.report();
 }
 
 }  // namespace

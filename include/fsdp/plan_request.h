@@ -115,6 +115,10 @@ struct PlanRequest {
   TORCH_ARG(bool, deterministic) = false;
   /// Submodules of the planned model the run leaves alone (Options::ignored_modules: give the run's own to each candidate's options()); kept whole on every rank.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
+  /// Parameters of the planned model the run leaves alone (Options::ignored_parameters; set this or ignored_modules).
+  TORCH_ARG(std::vector<at::Tensor>, ignored_parameters) = {};
+  /// Whether an optimizer like the request's steps the ignored parameters that require a gradient (their state is counted).
+  TORCH_ARG(bool, step_ignored) = true;
 };
 
 // One configuration.
@@ -155,11 +159,11 @@ struct MemoryPrediction {
   int64_t activations = 0;  // kept for backward at their peak (recomputation included)
   int64_t workspace = 0;    // the passes' other temporaries (calibrated: PrecisionTiming::peak_bytes)
   int64_t feedback = 0;     // error feedback's residuals (MemoryStats::feedback_bytes)
-  int64_t ignored = 0;   // parameters the run leaves alone (PlanRequest::ignored_modules), whole, and their gradients
-  int64_t headroom = 0;  // idle buffers FSDP's buffer pool keeps, and the allocator's share
-  int64_t process = 0;   // outside tensors (PlanRequest::process_bytes)
-  int64_t peak = 0;      // device total at its peak moment, headroom and process included
-  int64_t host = 0;      // host memory CPU offload uses per rank
+  int64_t ignored = 0;      // parameters the run leaves alone, whole, with their gradients and optimizer state
+  int64_t headroom = 0;     // idle buffers FSDP's buffer pool keeps, and the allocator's share
+  int64_t process = 0;      // outside tensors (PlanRequest::process_bytes)
+  int64_t peak = 0;         // device total at its peak moment, headroom and process included
+  int64_t host = 0;         // host memory CPU offload uses per rank
 };
 
 struct TimePrediction {

@@ -322,6 +322,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     seg.activation_share = unit_values > 0 ? s.activation_values / unit_values : 0;
     seg.reads_params = s.reads_params;
     seg.grads_arrive = s.grads_arrive;
+    seg.backward_reads = s.backward_reads;
     sim.segments.push_back(seg);
   }
   sim.backward_prefetch = c.backward_prefetch;
@@ -407,7 +408,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   m.activations = r.activation_peak;
   m.feedback = rest.feedback_bytes;
   for (const UnitPlan::Param& p : plan.ignored_params)  // on the device, with a gradient after backward
-    m.ignored += p.param.numel() * element_size(p.param.scalar_type()) * (p.param.requires_grad() ? 2 : 1);
+    m.ignored += p.param.numel() * element_size(p.param.scalar_type()) * (p.param.requires_grad() ? 2 : 1) +
+                 (p.param.requires_grad() && request.step_ignored() ? ignored_state_bytes(request, p) : 0);
   // What the calibrated passes held beyond the activations the replay keeps, per token.
   const int64_t passes_peak = timing == nullptr            ? 0
                               : c.activation_checkpointing ? timing->checkpointed_peak_bytes

@@ -100,7 +100,8 @@ class CostBuilder {
       if (dynamic_cast<const CheckpointedBase*>(item.value().get()) != nullptr) checkpointed_.push_back(item.key());
   }
 
-  void add(const std::string& module, double flops, double values, double input, bool reads_params, bool grads_arrive) {
+  void add(const std::string& module, double flops, double values, double input, bool reads_params, bool grads_arrive,
+           bool backward_reads) {
     int u = unit_of(module, unit_by_name_);
     // A unit without parameters is never entered by the runtime: its work runs in the enclosing one.
     while (u != 0 && units_.units[u].flat_params.empty()) u = units_.units[u].parent;
@@ -117,6 +118,7 @@ class CostBuilder {
     costs_.segments.back().activation_values += values;
     costs_.segments.back().reads_params = costs_.segments.back().reads_params || reads_params;
     costs_.segments.back().grads_arrive = costs_.segments.back().grads_arrive || grads_arrive;
+    costs_.segments.back().backward_reads = costs_.segments.back().backward_reads || backward_reads;
   }
 
   ModelCosts take() { return std::move(costs_); }
@@ -133,6 +135,8 @@ class CostBuilder {
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len) {
   CostBuilder builder(root, units);
   std::set<const void*> seen;
+  std::set<const void*> managed;  // the parameters units hold
+  for (const UnitPlan::Param& p : units.params) managed.insert(p.param.unsafeGetTensorImpl());
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const torch::nn::Module& m = *item.value();
     OwnCost c = own_cost(m);
@@ -146,10 +150,21 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
     }
     // A module with parameters marks where its unit runs even when it costs nothing by the rules.
     if (c.flops == 0 && c.values == 0 && m.named_parameters(/*recurse=*/false).is_empty()) continue;
+    // Its backward reads its unit's parameters but biases (which only receive the gradient's sums)
+    // and an embedding's table (whose gradient is scattered from the indices).
+    const bool embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(&m) != nullptr ||
+                           dynamic_cast<const torch::nn::EmbeddingBagImpl*>(&m) != nullptr;
     bool arrive = false;  // a parameter requiring grad that no earlier module holds (a tied one's first use)
-    for (const auto& p : m.named_parameters(/*recurse=*/false))
+    bool reads = false, backward_reads = false;
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+      if (managed.count(p.value().unsafeGetTensorImpl()) == 0) continue;  // ignored: no unit's
+      reads = true;
+      const std::string& name = p.key();
+      const bool bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
+      backward_reads = backward_reads || (!bias && !embedding);
       arrive = (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second) || arrive;
-    builder.add(item.key(), c.flops, c.values, c.input, !m.named_parameters(/*recurse=*/false).is_empty(), arrive);
+    }
+    builder.add(item.key(), c.flops, c.values, c.input, reads, arrive, backward_reads);
   }
   return builder.take();
 }
@@ -196,7 +211,8 @@ RepeatedBlock repeated_block(torch::nn::Module& root) {
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std::vector<TracedSegment>& traced) {
   CostBuilder builder(root, units);
   for (const TracedSegment& s : traced)
-    builder.add(s.module, s.forward_flops, s.activation_values, s.input_values, s.reads_params, s.grads_arrive);
+    builder.add(s.module, s.forward_flops, s.activation_values, s.input_values, s.reads_params, s.grads_arrive,
+                s.backward_reads);
   return builder.take();
 }
 

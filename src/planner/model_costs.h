@@ -22,6 +22,7 @@ struct SegmentCost {
   bool reads_params = false;  // reads a parameter of its unit (the runtime enters the unit)
   bool grads_arrive =
       false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
+  bool backward_reads = false;  // its backward reads a parameter of its unit (the runtime enters the unit again)
 };
 
 struct ModelCosts {

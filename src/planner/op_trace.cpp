@@ -89,6 +89,7 @@ struct Tracer {
   void keep(const at::Tensor& t) {
     if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;  // a number, which autograd keeps as one
     const void* key = storage_key(t);
+    if (params.count(key) != 0) segments.back().backward_reads = true;  // backward reads it: enters its unit
     if (owner.count(key) != 0 || !kept.insert(key).second) return;
     held.push_back(t);
     const double bytes = static_cast<double>(t.has_storage() ? t.storage().nbytes() : t.nbytes());
@@ -313,7 +314,7 @@ class TracerScope {
 }  // namespace
 
 std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::function<void()>& forward, int64_t tokens,
-                                         int64_t probe_bytes) {
+                                         int64_t probe_bytes, const std::vector<at::Tensor>& ignored) {
   FSDP_CHECK(tokens > 0, "PlanRequest: the trace needs seq_len and trace_sequences >= 1");
   FSDP_CHECK(probe_bytes >= 0, "PlanRequest::trace_probe_bytes is ", probe_bytes, "; give 0 or more bytes");
   FSDP_CHECK(DeferredInit::supported(),
@@ -327,6 +328,9 @@ std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::fun
                  item.key().empty() ? p.key() : item.key() + "." + p.key(), " is on ", p.value().device(),
                  "; build the model inside fsdp::DeferredInit (or leave trace_forward unset)");
       tracer.owner.emplace(storage_key(p.value()), item.key());
+      bool left_alone = false;
+      for (const at::Tensor& t : ignored) left_alone = left_alone || t.is_same(p.value());
+      if (left_alone) continue;
       tracer.params.insert(storage_key(p.value()));
       if (p.value().requires_grad()) tracer.trainable.insert(storage_key(p.value()));
     }

@@ -20,11 +20,13 @@ struct TracedSegment {
   bool reads_params = false;     // reads a parameter of its module (where the runtime enters its unit)
   bool grads_arrive =
       false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
+  bool backward_reads = false;  // autograd keeps a parameter for its backward (which then enters the unit)
 };
 
 // The segments in forward order; a module appears again where forward returns to it. An operator
 // whose stand-ins take at most `probe_bytes` is run on them to learn what its backward keeps.
+// Reading an `ignored` parameter (one FSDP leaves alone) enters no unit.
 std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::function<void()>& forward, int64_t tokens,
-                                         int64_t probe_bytes);
+                                         int64_t probe_bytes, const std::vector<at::Tensor>& ignored);
 
 }  // namespace fsdp::planner

@@ -25,4 +25,11 @@ int64_t optimizer_state_bytes(const PlanRequest& request, const UnitPlan& plan, 
   return states * static_cast<int64_t>(c10::elementSize(plan.params[fp.params.front()].param.scalar_type()));
 }
 
+int64_t ignored_state_bytes(const PlanRequest& request, const UnitPlan::Param& param) {
+  const int64_t numel = param.param.numel();
+  const int64_t states = request.optimizer_state() ? request.optimizer_state()(param.name, param.param.sizes(), numel)
+                                                   : request.optimizer_states() * numel;
+  return states * static_cast<int64_t>(c10::elementSize(param.param.scalar_type()));
+}
+
 }  // namespace fsdp::planner

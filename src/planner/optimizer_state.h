@@ -12,4 +12,7 @@ namespace fsdp::planner {
 int64_t optimizer_state_bytes(const PlanRequest& request, const UnitPlan& plan, const UnitPlan::FlatParam& fp,
                               int64_t limit);
 
+// The optimizer state of one whole parameter FSDP leaves alone, in bytes of its dtype.
+int64_t ignored_state_bytes(const PlanRequest& request, const UnitPlan::Param& param);
+
 }  // namespace fsdp::planner

@@ -62,7 +62,7 @@ class Replay {
       for (const int from : recomputes_[i])  // a checkpointed forward around inner units, run again first
         for (int j = from; j <= i; ++j)
           if (enters_[j]) use_in_backward(in_.segments[j].unit);
-      if (enters_[i]) use_in_backward(u);
+      if (enters_[i] && s.backward_reads) use_in_backward(u);
       if (i == grads_alloc_segment_[u]) allocate_grads(u);
       const int64_t recomputed = in_.units[u].checkpointed ? share(s, in_.units[u].full_activation_bytes) : 0;
       mem_.add_acts(recomputed);

@@ -330,8 +330,12 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   note_calibration_gaps(model, request, result.notes);
   std::vector<planner::TracedSegment> traced;
   if (request.trace_forward()) {
+    std::vector<at::Tensor> ignored = request.ignored_parameters();
+    for (const auto& m : request.ignored_modules())
+      if (m != nullptr)
+        for (const at::Tensor& p : m->parameters()) ignored.push_back(p);
     traced = planner::trace_forward(model, request.trace_forward(), request.trace_sequences() * request.seq_len(),
-                                    request.trace_probe_bytes());
+                                    request.trace_probe_bytes(), ignored);
   } else if (const auto miscounted = planner::miscounted_modules(model, request.module_cost(), request.seq_len());
              !miscounted.empty()) {
     std::ostringstream names;
@@ -355,7 +359,10 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     const bool mixed = precision != at::kFloat;
     auto it = planned.find({w, mixed});
     if (it == planned.end()) {
-      Options options = Options().auto_wrap_policy(known[w].policy).ignored_modules(request.ignored_modules());
+      Options options = Options()
+                            .auto_wrap_policy(known[w].policy)
+                            .ignored_modules(request.ignored_modules())
+                            .ignored_parameters(request.ignored_parameters());
       if (mixed) options.mixed_precision(MixedPrecision().param_dtype(precision));
       Planned p{plan_units(model, options, c10::Device(c10::kCPU)), {}};
       p.costs = request.trace_forward()
