@@ -122,6 +122,7 @@ class Replay {
     previous_forward_order_ = std::move(o.forward_order);
     backward_order_ = std::move(o.backward_order);
     first_in_backward_ = o.first_in_backward;
+    unread_in_backward_ = std::move(o.unread_in_backward);
   }
 
   // Deterministic training's exact sums of u's FlatParameters, allocated by a fold.
@@ -326,7 +327,7 @@ class Replay {
     auto it = std::find(backward_order_.begin(), backward_order_.end(), u);
     if (it == backward_order_.end()) return -1;
     for (++it; it != backward_order_.end(); ++it)
-      if (state_[*it] != State::kBackwardDone) return *it;
+      if (state_[*it] != State::kBackwardDone && !unread_in_backward_[*it]) return *it;
     return -1;
   }
 
@@ -480,6 +481,7 @@ class Replay {
   std::vector<int> lingering_;                 // done with backward, gathered for their frozen parameters
   std::vector<char> exact_held_;               // deterministic: the unit's exact sums held from a fold
   std::vector<int> first_segment_, grads_in_segment_, grads_alloc_segment_, previous_forward_order_, backward_order_;
+  std::vector<char> unread_in_backward_;
   std::vector<char> enters_;                  // per stretch: it enters its unit
   std::vector<std::vector<int>> recomputes_;  // per stretch: where the forwards its backward recomputes begin
   int first_in_backward_ = -1, kept_for_backward_ = -1, held_back_ = -1, last_used_ = -1;

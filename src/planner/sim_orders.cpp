@@ -59,10 +59,21 @@ SimOrders sim_orders(const SimInput& input) {
       i = std::max(end, i + 1);
     }
   }
+  // Units backward reaches without reading them (no stretch's backward reads a parameter, none is
+  // recomputed) are not prefetched for it, and not kept for it (Note [Units backward does not read]).
+  o.unread_in_backward.assign(units, 0);
+  std::vector<char> read(units, 0);
+  for (int i = 0; i < segments; ++i) {
+    if (o.enters[i] && input.segments[i].backward_reads) read[input.segments[i].unit] = 1;
+    for (const int from : o.recomputes[i])
+      for (int j = from; j <= i; ++j)
+        if (o.enters[j]) read[input.segments[j].unit] = 1;
+  }
+  for (const int v : o.backward_order) o.unread_in_backward[v] = !read[v];
   if (input.keep_first_in_backward)
     for (const int v : o.backward_order)
       if (v != 0) {
-        if (input.units[v].reshard_after_forward) o.first_in_backward = v;
+        if (input.units[v].reshard_after_forward && !o.unread_in_backward[v]) o.first_in_backward = v;
         break;
       }
   return o;

@@ -15,6 +15,7 @@ struct SimOrders {
   std::vector<int> forward_order;        // the units by first entry in forward
   std::vector<int> backward_order;       // the units by last entry in forward, last first
   int first_in_backward = -1;            // the non-root unit backward needs first, where forward keeps it
+  std::vector<char> unread_in_backward;  // per unit: backward reaches it without reading its parameters
   // Per stretch: where the checkpointed forwards around inner units that end there begin, outer first.
   std::vector<std::vector<int>> recomputes;
 };

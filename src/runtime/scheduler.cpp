@@ -18,6 +18,10 @@ bool Scheduler::in_backward() { return torch::autograd::get_current_graph_task_e
 void Scheduler::use(int u) {
   InternalOpGuard internal;
   const bool backward = in_backward();
+  if (backward) {
+    read_in_backward_.resize(units_.size(), 0);
+    read_in_backward_[u] = 1;
+  }
   // Another operator of the current unit. The first operator of backward takes the full path
   // even in the unit forward ended in, so that backward prefetching starts there.
   if (u == last_used_ && (backward_started_ || !backward)) {
@@ -187,16 +191,24 @@ void Scheduler::finalize_backward(const std::vector<std::pair<std::string, at::T
   if (reshard_after_backward_) reshard_all();
   if (options_.broadcast_buffers() && reducer_.sync()) reducer_.broadcast_buffers(buffers);
   reducer_.end_backward();
+  // Units this backward reached without reading them are not gathered for the next one.
+  unread_in_backward_.assign(units_.size(), 0);
+  read_in_backward_.resize(units_.size(), 0);
+  for (int v : backward_order_) unread_in_backward_[v] = !read_in_backward_[v];
+  std::fill(read_in_backward_.begin(), read_in_backward_.end(), 0);
+  if (first_in_backward_ >= 0 && unread_in_backward_[first_in_backward_]) first_in_backward_ = -1;
   start_next_iteration();
 }
 
 void Scheduler::abandon_backward() {
+  std::fill(read_in_backward_.begin(), read_in_backward_.end(), 0);
   reducer_.abandon_backward();
   reshard_all();
   start_next_iteration();
 }
 
 void Scheduler::end_backward_without_gradients() {
+  std::fill(read_in_backward_.begin(), read_in_backward_.end(), 0);
   if (reshard_after_backward_) reshard_all();
   kept_for_backward_ = -1;
   lingering_.clear();
@@ -256,7 +268,9 @@ int Scheduler::next_pending_in_backward(int u) const {
   auto it = std::find(backward_order_.begin(), backward_order_.end(), u);
   if (it == backward_order_.end()) return -1;
   for (++it; it != backward_order_.end(); ++it)
-    if (!units_[*it].backward_done()) return *it;
+    if (!units_[*it].backward_done() &&
+        !(*it < static_cast<int>(unread_in_backward_.size()) && unread_in_backward_[*it]))
+      return *it;
   return -1;
 }
 

@@ -74,7 +74,8 @@ class Scheduler {
   void leave_forward(int u);
   int unsharded_unit_count() const;  // what the rate limiter counts
   // The first unit after u in this backward's order whose backward has not finished (a unit used
-  // again after later units finished, such as the root, must not re-gather them).
+  // again after later units finished, such as the root, must not re-gather them) and which the
+  // last backward read (Note [Units backward does not read]).
   int next_pending_in_backward(int u) const;
   static int next_in(const std::vector<int>& order, int u);
   // Marks u as run by this forward pass, first starting a new pass if u begins one.
@@ -107,6 +108,9 @@ class Scheduler {
   std::vector<int> lingering_;
   void reshard_lingering_left(int u);
   const char* held_back_why_ = "";
+  // Per unit: whether this backward read its parameters, and whether the last one reached it
+  // without reading them (Note [Units backward does not read]).
+  std::vector<char> read_in_backward_, unread_in_backward_;
   IterationTrace last_trace_;
 };
 

@@ -96,7 +96,8 @@ FSDP_WORKER(trace_worker) {
   torch::optim::SGD opt(sharded->parameters(), 0.01);
   for (int step = 0; step < 3; ++step) {
     opt.zero_grad();
-    model->forward(torch::randn({4, 8})).pow(2).mean().backward();
+    // An input requiring grad: backward reads every unit, the first too (Note [Units backward does not read]).
+    model->forward(torch::randn({4, 8}).requires_grad_()).pow(2).mean().backward();
     opt.step();
   }
   const fsdp::IterationTrace t = sharded->last_trace();
@@ -262,6 +263,74 @@ TEST(TraceOrder, BackwardPrefetchNeverRegathersAFinishedUnit) {
   EXPECT_TRUE(contains(r.ranks[0].output, "root between ok")) << r.report();
 }
 
+// Note [Units backward does not read]: an embedding's backward scatters its gradient without
+// reading the table, and a bias's backward sums the gradient without reading the bias. From the
+// second iteration on, neither unit is gathered for backward (BACKWARD_PRE and BACKWARD_POST), nor
+// kept from forward for it (the shift unit runs last), and training equals local training.
+struct EmbedThenShiftImpl : torch::nn::Module {
+  struct ShiftImpl : torch::nn::Module {
+    ShiftImpl() { bias = register_parameter("bias", torch::zeros({16})); }
+    at::Tensor forward(const at::Tensor& x) { return x + bias; }
+    at::Tensor bias;
+  };
+  TORCH_MODULE(Shift);
+  EmbedThenShiftImpl() {
+    embedding = register_module("embedding", torch::nn::Embedding(32, 16));
+    first = register_module("first", torch::nn::Linear(16, 16));
+    second = register_module("second", torch::nn::Linear(16, 16));
+    shift = register_module("shift", Shift());
+  }
+  at::Tensor forward(const at::Tensor& tokens) { return shift(second(torch::tanh(first(embedding(tokens))))).sum(1); }
+  torch::nn::Embedding embedding{nullptr};
+  torch::nn::Linear first{nullptr}, second{nullptr};
+  Shift shift{nullptr};
+};
+TORCH_MODULE(EmbedThenShift);
+
+FSDP_WORKER(unread_in_backward_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  for (auto prefetch : {fsdp::BackwardPrefetch::kBackwardPre, fsdp::BackwardPrefetch::kBackwardPost}) {
+    torch::manual_seed(3);
+    EmbedThenShift ref;
+    torch::manual_seed(3);
+    EmbedThenShift model;
+    auto sharded = fsdp::fully_shard(
+        model, pg,
+        fsdp::Options()
+            .auto_wrap_policy(
+                fsdp::wrap::by_type<torch::nn::EmbeddingImpl, torch::nn::LinearImpl, EmbedThenShiftImpl::ShiftImpl>())
+            .backward_prefetch(prefetch)
+            .trace(true));
+    torch::optim::SGD ref_opt(ref->parameters(), 0.05), opt(sharded->parameters(), 0.05);
+    for (int step = 0; step < 3; ++step) {
+      const auto x = torch::randint(32, {2 * ctx.world, 4}, at::detail::createCPUGenerator(11 + step));
+      step_side_by_side(ref, ref_opt, model, opt, x, ctx.rank, 2);
+    }
+    const auto t = sharded->last_trace();
+    WORKER_CHECK(sharded->units().size() == 5, "expected the root and 4 units, got ", sharded->units().size());
+    for (int u = 1; u <= 4; ++u) {
+      const std::string& name = sharded->units()[u].name;
+      const int expected = name == "embedding" || name == "shift" ? 1 : 2;
+      WORKER_CHECK(gathers_of(t, u) == expected, fsdp::to_string(prefetch), ": unit ", name, " was gathered ",
+                   gathers_of(t, u), " times in one iteration, expected ", expected);
+    }
+    auto full = sharded->full_state_dict();
+    for (const auto& kv : ref->named_parameters()) {
+      const double d = rel_diff(full.at(kv.key()), kv.value().detach());
+      WORKER_CHECK(d <= 1e-5, "parameter ", kv.key(), " differs from local training by rel ", d);
+    }
+  }
+  if (ctx.rank == 0) std::cout << "unread in backward ok" << std::endl;
+}
+
+TEST(TraceOrder, UnitsBackwardDoesNotReadAreNotGatheredForIt) {
+  for (int world : {2, 3}) {
+    auto r = launch("unread_in_backward_worker", world);
+    ASSERT_TRUE(r.all_ok()) << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output, "unread in backward ok")) << r.report();
+  }
+}
+
 // Note [Kept for backward]: from the second iteration on, the unit backward needs first (the last
 // Linear, which the root's scale follows) stays unsharded from its forward to its backward, so it
 // is gathered once per iteration instead of twice; the parameter peak does not grow. A
@@ -318,7 +387,9 @@ FSDP_WORKER(kept_for_backward_worker) {
       const auto t = sharded->last_trace();
       if (step == 3) continue;  // two forwards gather every unit twice in forward
       for (int u = 1; u < n; ++u) {
-        const int expected = (keeps && u == last) ? 1 : 2;
+        // The first unit's backward reads no parameter (its input requires no grad): from the
+        // second iteration on it is not gathered for it (Note [Units backward does not read]).
+        const int expected = (keeps && u == last) || (u == 1 && step >= 1) ? 1 : 2;
         WORKER_CHECK(gathers_of(t, u) == expected, "policy ", with_policy, ", step ", step, ": unit ", u, " gathered ",
                      gathers_of(t, u), " times, expected ", expected);
       }
