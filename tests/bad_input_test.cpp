@@ -188,8 +188,9 @@ TEST(BadInput, StockOptimizerOverModuleParametersFailsAfterItsFirstStep) {
     }
 }
 
-// Writes that bypass the parameter's own tensor: through .data(), .detach() or set_data(). Each
-// is refused by the next forward or backward, naming the parameter. args: route
+// Writes that bypass the parameter's own tensor: through .data(), .detach(), set_data(), or
+// torch::load of a module file (set_, which also gives the parameter a new AccumulateGrad node).
+// Each is refused by the next forward or backward, naming the parameter. args: route
 FSDP_WORKER(write_route_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   MLP model(6, 10, 3, 2);
@@ -201,6 +202,12 @@ FSDP_WORKER(write_route_worker) {
   model->forward(torch::randn({2, 6})).sum().backward();
   opt.step();
   at::Tensor p = model->named_parameters()["layers.0.weight"];
+  if (route == "torch_load") {
+    const TempDir dir;
+    MLP other(6, 10, 3, 2);
+    torch::save(other, dir / "other.pt");
+    torch::load(model, dir / "other.pt");
+  }
   {
     torch::NoGradGuard no_grad;
     if (route == "data") p.data().mul_(0.5);
@@ -219,8 +226,8 @@ FSDP_WORKER(write_route_worker) {
   }
 }
 
-TEST(BadInput, WritesThroughDataDetachOrSetDataAreRefused) {
-  for (const std::string route : {"data", "detach", "set_data"}) {
+TEST(BadInput, WritesThroughDataDetachSetDataOrTorchLoadAreRefused) {
+  for (const std::string route : {"data", "detach", "set_data", "torch_load"}) {
     auto r = launch("write_route_worker", 2, {route}, 120);
     EXPECT_TRUE(r.all_ok()) << route << "\n" << r.report();
   }

@@ -351,9 +351,11 @@ void Hooks::check_replaced_param(const at::Tensor& t) {
   const auto* found = state_.slot_of_param(t.unsafeGetTensorImpl());
   if (!found) return;
   std::lock_guard<std::recursive_mutex> lock(state_.mutex());
-  if (state_.has_pending_error()) return;
-  const ParamSlot& found_slot = state_.flat_params()[found->first]->slots()[found->second];
-  state_.set_pending_error("libfsdp: " + replaced_parameter_error(found_slot.name), /*print_now=*/true);
+  if (!state_.has_pending_error()) {
+    const ParamSlot& found_slot = state_.flat_params()[found->first]->slots()[found->second];
+    state_.set_pending_error("libfsdp: " + replaced_parameter_error(found_slot.name), /*print_now=*/true);
+  }
+  // Also where an earlier error (a refused set_) came first: the next backward throws it.
   hook_replaced_params();
 }
 
