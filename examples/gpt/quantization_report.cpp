@@ -130,23 +130,26 @@ void print_table(const std::string& title, const std::vector<std::string>& names
   std::cout << "| all quantized parameters |";
   for (const auto& s : sums) {
     double difference = 0, reference = 0;
+    bool any = false;
     for (const auto i : c10::irange(names.size()))
-      if (quantized[i]) difference += s[2 * i], reference += s[2 * i + 1];
-    std::cout << " " << relative(difference, reference) << " |";
+      if (quantized[i]) difference += s[2 * i], reference += s[2 * i + 1], any = true;
+    std::cout << " " << (any ? relative(difference, reference) : "none") << " |";
   }
   std::cout << "\n" << std::flush;
 }
 
-// Whether each parameter's unit has its collectives quantized (the trainer's policy: every unit
-// but the root).
-std::vector<bool> quantized_parameters(const fsdp::FullyShardedModule& sharded, const std::vector<std::string>& names) {
-  std::unordered_map<std::string, std::string> unit_of;
+// Whether each parameter's unit quantizes its all-gathers (`gathers`) or its reductions
+// (UnitInfo: NO_SHARD gathers nothing, the trainer leaves the root unquantized).
+std::vector<bool> quantized_parameters(const fsdp::FullyShardedModule& sharded, const std::vector<std::string>& names,
+                                       bool gathers) {
+  std::unordered_map<std::string, bool> quantized_of;
   for (const auto& unit : sharded.units())
-    for (const auto& p : unit.parameters) unit_of[p] = unit.name;
+    for (const auto& p : unit.parameters)
+      quantized_of[p] = gathers ? unit.quantized_gathers : unit.quantized_reductions;
   std::vector<bool> out;
   for (const auto& name : names) {
-    const auto it = unit_of.find(name);
-    out.push_back(it != unit_of.end() && !it->second.empty());
+    const auto it = quantized_of.find(name);
+    out.push_back(it != quantized_of.end() && it->second);
   }
   return out;
 }
@@ -159,7 +162,6 @@ void report_quantization_error(const TrainConfig& config, fsdp::FullyShardedModu
   Copy plain = make_copy(config, pg, weights, "none", "none", config.quantize_block);
   std::vector<std::string> names;
   for (const auto& p : distinct_parameters(*plain.built.model)) names.push_back(p.first);
-  const std::vector<bool> quantized = quantized_parameters(*plain.sharded, names);
 
   // One micro-batch per rank, drawn after the training's last step.
   const BatchPlan& plan = config.batch;
@@ -174,21 +176,24 @@ void report_quantization_error(const TrainConfig& config, fsdp::FullyShardedModu
   if (fsdp::has_float8()) dtypes.emplace_back("fp8");
   for (const auto& dtype : dtypes) {
     std::vector<SquareSums> gathers, reductions;
+    std::vector<bool> gathered_quantized, reduced_quantized;
     for (const int block : config.quantization_report) {
       Copy gathering = make_copy(config, pg, weights, dtype, "none", block);
       gathers.push_back(gather_error(gathering, reference_values, names));
+      gathered_quantized = quantized_parameters(*gathering.sharded, names, /*gathers=*/true);
       Copy reducing = make_copy(config, pg, weights, "none", dtype, block);
       reductions.push_back(reduce_error(gradient_pieces(reducing, batch), reference_gradients, names, *pg));
+      reduced_quantized = quantized_parameters(*reducing.sharded, names, /*gathers=*/false);
     }
     if (!is_main) continue;
     print_table(
         "quantization error, " + dtype + " all-gathers: ||gathered - unquantized|| / ||unquantized|| per parameter",
-        names, quantized, config.quantization_report, gathers);
+        names, gathered_quantized, config.quantization_report, gathers);
     print_table("quantization error, " + dtype +
                     " reductions: ||reduced gradient - unquantized|| / ||unquantized|| per "
                     "parameter (one micro-batch of " +
                     std::to_string(rows) + " per rank)",
-                names, quantized, config.quantization_report, reductions);
+                names, reduced_quantized, config.quantization_report, reductions);
   }
   plain.sharded->reshard();
 }

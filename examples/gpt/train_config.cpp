@@ -232,7 +232,7 @@ void add_flags(CLI::App& app, TrainConfig& config) {
 }
 
 // Checks that involve several flags, thrown as CLI::ValidationError like CLI11's own; resolves --warmup.
-void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
+void check_flag_combinations(const CLI::App& app, const fsdp::RankEnv& env, TrainConfig& config) {
   if (config.width % config.heads != 0)
     throw CLI::ValidationError(
         "--heads", std::to_string(config.heads) + " does not divide --width " + std::to_string(config.width));
@@ -248,6 +248,10 @@ void check_flag_combinations(const fsdp::RankEnv& env, TrainConfig& config) {
   if (config.quantize_error_feedback && config.quantize_reduce == "none")
     throw CLI::ValidationError("--quantize-error-feedback", "keeps what quantized reductions round off; add "
                                                             "--quantize-reduce int8 (or fp8)");
+  if (app.count("--quantize-block") > 0 && config.quantize_all_gather == "none" && config.quantize_reduce == "none" &&
+      config.quantization_report.empty())
+    throw CLI::ValidationError("--quantize-block", "sets the values per scale of quantized communication, which is "
+                                                   "off; add --quantize-all-gather or --quantize-reduce");
   if (config.deterministic && (config.quantize_all_gather != "none" || config.quantize_reduce != "none"))
     throw CLI::ValidationError("--deterministic", "sums gradients exactly and keeps every value the same at any world "
                                                   "size, which quantized communication does not; drop "
@@ -400,7 +404,7 @@ int parse_flags(int argc, char** argv, const fsdp::RankEnv& env, TrainConfig& co
   add_flags(app, config);
   try {
     app.parse(argc, argv);
-    check_flag_combinations(env, config);
+    check_flag_combinations(app, env, config);
   } catch (const CLI::ParseError& e) {
     if (env.rank == 0) return app.exit(e);
     // Every rank fails alike; give rank 0 a moment to print before a launcher that stops all

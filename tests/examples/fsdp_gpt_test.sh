@@ -181,6 +181,7 @@ test_bad_flags() {
     "--reshard-after-forward sometimes|--reshard-after-forward"
     "--clip-grad-norm -1|--clip-grad-norm"
     "--quantize-all-gather int8 --quantize-error-feedback|--quantize-error-feedback"
+    "--quantize-block 64|--quantize-block"
     "--measure-exposed-comm|--metrics-file"
     "--deterministic --quantize-all-gather int8|drop --quantize-all-gather and --quantize-reduce, or --deterministic"
     "--plan-trace|--plan-trace"
@@ -256,6 +257,12 @@ test_quantization_report() {
     less_than 1e-4 "$small" && less_than "$small" "$large" && less_than "$large" 0.05 ||
       fail "int8 relative errors out of bounds: block 32 $small, block 1024 $large"
   done <<<"$rows"
+  # NO_SHARD gathers nothing: its gathers' table says so.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${TINY[@]}" --strategy NO_SHARD \
+      --quantization-report 256
+  expect_rc 0
+  expect_regex out "^\[rank 0\] \| blocks.1.mlp.fc.weight \| not quantized \|$"
+  expect_regex out "^\[rank 0\] \| all quantized parameters \| none \|$"
   run "$TRAINER" "${TINY[@]}" --quantization-report 256
   expect_failure
   expect_text err "a world of one rank moves nothing and quantizes nothing"
