@@ -373,6 +373,9 @@ TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
   expect_error(json(R"({"device": {"matmul_efficiency": 5}})"),
                "\"matmul_efficiency\" must be a positive number of at most 1", "an efficiency above 1");
   expect_error(json(R"({"preset": 3})"), "\"preset\" must be a preset's name", "a numeric preset");
+  expect_error(json(R"({"preset": "a100-80g", "host_device_gbps": 0})"),
+               "\"host_device_gbps\" must be a positive number", "no host link for offload");
+  EXPECT_EQ(fsdp::Cluster::from_json(R"({"host_device_gbps": 0})").host_device_gbps, 0);  // the CPU: the host itself
   expect_error(json(R"({"nodes": 2, "nodes": 4})"), "the key \"nodes\" appears twice", "a repeated key");
   expect_error(json(R"({"intra": {"latency_us": 1, "latency_us": 2}})"), "the key \"latency_us\" appears twice",
                "a repeated key inside a link");

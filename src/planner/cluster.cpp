@@ -281,7 +281,8 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
   c.inter = json_link(j, "inter", c.inter, source);
   c.host_memory_bytes = int64_t(
       json_number(j, "host_memory_gib", double(c.host_memory_bytes) / kBytesPerGiB, source, true, 1e9) * kBytesPerGiB);
-  c.host_device_gbps = json_number(j, "host_device_gbps", c.host_device_gbps, source);
+  // A device apart from the host moves offloaded shards over a link that must have a rate.
+  c.host_device_gbps = json_number(j, "host_device_gbps", c.host_device_gbps, source, !c.device_is_host);
   return c;
 }
 
