@@ -240,8 +240,9 @@ int connect_to_store(const std::string& host, int port, const std::string& token
     if (!accepted)
       throw StoreAuthError("the rendezvous store at " + where +
                            " refused this process's job token: FSDP_JOB_TOKEN differs from " + owner +
-                           "'s (or is set for one "
-                           "and not the other). Start every rank with the same FSDP_JOB_TOKEN");
+                           "'s (or is set for one and not the other), or another job's store holds this "
+                           "address. Start every rank with the same FSDP_JOB_TOKEN, on a MASTER_PORT (fsdp-run "
+                           "--master-port) no other job uses");
     Digest proven{};
     if (theirs.size() == proven.size()) std::memcpy(proven.data(), theirs.data(), proven.size());
     if (theirs.size() != proven.size() || !digests_equal(proven, wire::server_proof(token, server_nonce, client_nonce)))
