@@ -962,6 +962,81 @@ void check_peaks_and_state(const fsdp::PlanEntry& e, const fsdp::FullyShardedMod
       e.memory.optimizer);
 }
 
+// A language model with one block frozen, accumulating under no_sync with the parameters kept
+// unsharded between micro-batches (keep_unsharded) or not: a frozen unit stays gathered from one
+// micro-batch to the next like the others, and every peak is predicted exactly. args: frozen block
+struct FrozenBlockLmImpl : nn::Module {
+  explicit FrozenBlockLmImpl(int frozen) {
+    emb = register_module("emb", nn::Embedding(64, 32));
+    for (int i = 0; i < 3; ++i) blocks->push_back(nn::Sequential(nn::Linear(32, 48), nn::GELU(), nn::Linear(48, 32)));
+    register_module("blocks", blocks);
+    head = register_module("head", nn::Linear(32, 64));
+    for (auto& p : blocks[frozen]->parameters()) p.requires_grad_(false);
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor x = emb(tokens);
+    for (const auto& block : *blocks) x = x + block->as<nn::Sequential>()->forward(x);
+    return head(x);
+  }
+  nn::Embedding emb{nullptr};
+  nn::ModuleList blocks;
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(FrozenBlockLm);
+
+FSDP_WORKER(frozen_kept_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const int frozen = std::stoi(ctx.args.at(0));
+  FrozenBlockLm meta{nullptr};
+  {
+    fsdp::DeferredInit deferred;
+    meta = FrozenBlockLm(frozen);
+  }
+  const fsdp::Plan plan = fsdp::plan(*meta, fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size())),
+                                     fsdp::PlanRequest()
+                                         .global_batch(2 * pg->size())
+                                         .seq_len(8)
+                                         .micro_batches({1})
+                                         .no_sync({true})
+                                         .keep_unsharded({false, true})
+                                         .strategies({fsdp::ShardingStrategy::kFullShard})
+                                         .precisions({at::kFloat, at::kBFloat16})
+                                         .wrap_policies({{"block", fsdp::wrap::by_type<nn::SequentialImpl>()}})
+                                         .activation_checkpointing({false})
+                                         .cpu_offload({false})
+                                         .grads_kept_between_steps(true));
+  WORKER_CHECK(plan.entries.size() == 4, "expected 4 candidates, got ", plan.entries.size());
+  for (const fsdp::PlanEntry& e : plan.entries) {
+    const fsdp::Candidate& c = e.candidate;
+    torch::manual_seed(0);
+    FrozenBlockLm model(frozen);
+    auto sharded = fsdp::fully_shard(model.ptr(), pg, c.options());
+    torch::optim::AdamW opt(sharded->parameters(), torch::optim::AdamWOptions(0.01));
+    for (int step = 0; step < 3; ++step) {
+      sharded->reset_peak_memory_stats();
+      zero_grad_in_place(opt);
+      for (int m = 0; m < c.accumulation; ++m) {
+        std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
+        if (m + 1 < c.accumulation) no_sync.emplace(sharded->no_sync());
+        if (c.keep_unsharded) sharded->set_reshard_after_backward(m + 1 == c.accumulation);
+        const at::Tensor tokens = torch::randint(64, {c.micro_batch, 8});
+        lm_loss(model->forward(tokens).to(at::kFloat), tokens).backward();
+      }
+      opt.step();
+    }
+    check_peaks_and_state(e, *sharded, opt);
+  }
+  std::cout << "frozen block " << frozen << ": 4 configurations exact" << std::endl;
+}
+
+TEST(PlannerTrace, PredictsPeaksExactlyForFrozenUnitsKeptUnshardedBetweenMicroBatches) {
+  for (const std::string frozen : {"0", "2"}) {
+    auto r = launch("frozen_kept_worker", 2, {frozen});
+    ASSERT_TRUE(r.all_ok()) << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output, "frozen block " + frozen + ": 4 configurations exact")) << r.report();
+  }
+}
+
 // Every candidate's predicted parameter, gradient and optimizer state peaks against real steps.
 FSDP_WORKER(skipped_unit_worker) {
   auto pg = fsdp::ProcessGroup::from_env();

@@ -111,13 +111,14 @@ void Scheduler::reshard_units_left(int u, bool forward) {
   // Units other than u's ancestors (whose forward may still be running), the root (kept until
   // backward, paper 3.3.1), units gathered ahead of use, in forward units this pass has not
   // entered yet (left unsharded by a backward with set_reshard_after_backward(false), or by an
-  // explicit unshard, for this forward to use), and in such a backward the units it has finished.
+  // explicit unshard, for this forward to use), and in such a backward the units it has finished
+  // and those whose parameters are all frozen (no gradient ever finishes them).
   const auto& anc = units_[u].ancestors();
   for (int v = 1; v < static_cast<int>(units_.size()); ++v) {
     if (v == u || !units_[v].reshard_after_forward() || units_[v].prefetched() || !units_[v].is_unsharded()) continue;
     if (std::find(anc.begin(), anc.end(), v) != anc.end()) continue;
     if (forward && !(v < static_cast<int>(ran_in_forward_.size()) && ran_in_forward_[v])) continue;
-    if (!forward && !reshard_after_backward_ && units_[v].backward_done()) continue;
+    if (!forward && !reshard_after_backward_ && (units_[v].backward_done() || units_[v].all_frozen())) continue;
     leave_forward(v);
   }
 }

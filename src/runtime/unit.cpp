@@ -58,6 +58,16 @@ bool Unit::has_frozen_params() const {
   return false;
 }
 
+bool Unit::all_frozen() const {
+  bool any = false;
+  for (const FlatParam* fp : flat_params_) {
+    if (fp->keep_unsharded()) continue;
+    if (fp->requires_grad()) return false;
+    any = true;
+  }
+  return any;
+}
+
 bool Unit::is_unsharded() const {
   for (const FlatParam* fp : flat_params_)
     if (!fp->keep_unsharded() && fp->is_unsharded()) return true;

@@ -37,6 +37,8 @@ class Unit {
   // Some FlatParameter that is freed after use holds frozen parameters (no gradient counts their
   // last use in backward).
   bool has_frozen_params() const;
+  // Every FlatParameter freed after use holds frozen parameters: no gradient ever ends its backward.
+  bool all_frozen() const;
 
   TrainingState state() const { return state_; }
   bool prefetched() const;
