@@ -354,6 +354,23 @@ fsdp::PlanRequest network_bound() {
       .cpu_offload({false});
 }
 
+// Checkpointed candidates of a model without fsdp::Checkpointed modules cannot be applied as
+// planned: the plan says so, and says nothing where the model holds such modules.
+TEST(Planner, NotesThatCheckpointingNeedsCheckpointedModules) {
+  auto notes_of = [](torch::nn::Module& model) {
+    std::string all;
+    for (const auto& n : fsdp::plan(model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0)).notes) all += n + "\n";
+    return all;
+  };
+  fsdp::DeferredInit deferred;
+  Stack plain(16, 2);
+  EXPECT_TRUE(contains(notes_of(*plain), "holds no fsdp::Checkpointed module")) << notes_of(*plain);
+  torch::nn::Sequential wrapped;
+  for (int i = 0; i < 2; ++i)
+    wrapped->push_back(fsdp::Checkpointed<torch::nn::Sequential>(torch::nn::Sequential(torch::nn::Linear(16, 16))));
+  EXPECT_FALSE(contains(notes_of(*wrapped), "holds no fsdp::Checkpointed module")) << notes_of(*wrapped);
+}
+
 // Values no run can have are refused with the setting named, not planned into absurd figures.
 TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
   expect_error([] { fsdp::Cluster::parse("a100-80g:65536x65536"); }, "at most 2^24", "a world past int");

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "fsdp/activation_checkpoint.h"
 #include "fsdp/check.h"
 #include "fsdp/planner.h"
 #include "planner/evaluate.h"
@@ -305,6 +306,17 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                              " is planned nowhere: no candidate's shard group (" + std::to_string(world) +
                              " ranks, or a HYBRID_SHARD factor) splits into groups of " + std::to_string(k) +
                              " with a strategy that reshards after forward");
+  }
+  if (std::find(request.activation_checkpointing().begin(), request.activation_checkpointing().end(), true) !=
+      request.activation_checkpointing().end()) {
+    bool wrapped = false;
+    for (const auto& m : model.modules(/*include_self=*/true))
+      wrapped = wrapped || dynamic_cast<const CheckpointedBase*>(m.get()) != nullptr;
+    if (!wrapped)
+      result.notes.push_back("the model holds no fsdp::Checkpointed module: a checkpointed candidate needs its units "
+                             "wrapped (fsdp::Checkpointed<Block>, docs/usage.md) before "
+                             "apply_activation_checkpointing can turn them on; without, leave activation_checkpointing "
+                             "at {false}");
   }
   const double with_margin = 1.0 + request.memory_margin();
   result.cluster = cluster.describe();
