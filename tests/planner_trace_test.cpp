@@ -686,6 +686,33 @@ TEST(PlannerTrace, NotesTheRepeatedBlockWhenEveryWrapPolicyPlansTheRootOnly) {
   EXPECT_FALSE(contains(notes(), "repeats")) << notes();
 }
 
+// The share counts a tied parameter once: the blocks hold 216 of 344 elements (63%), not 216 of 472.
+struct TiedStackImpl : nn::Module {
+  TiedStackImpl() {
+    emb = register_module("emb", nn::Embedding(16, 8));
+    for (int i = 0; i < 3; ++i) blocks->push_back(nn::Sequential(nn::Linear(8, 8)));
+    register_module("blocks", blocks);
+    head = register_module("head", TiedHead(emb->weight));
+  }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor x = emb(tokens);
+    for (const auto& block : *blocks) x = block->as<nn::Sequential>()->forward(x);
+    return head(x);
+  }
+  nn::Embedding emb{nullptr};
+  nn::ModuleList blocks;
+  TiedHead head{nullptr};
+};
+TORCH_MODULE(TiedStack);
+
+TEST(PlannerTrace, CountsATiedParameterOnceInTheRepeatedBlockNote) {
+  TiedStack model;
+  std::string all;
+  for (const auto& note : fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), world_one().seq_len(4)).notes)
+    all += note;
+  EXPECT_TRUE(contains(all, "repeats 3 times and holds 63% of the parameters")) << all;
+}
+
 // A CNN whose root holds only the classifier, read last in forward: the trace's first stretch reads
 // no parameter, so the runtime gathers the root at the classifier and reduces its gradient as
 // backward begins; under mixed precision its batch norms keep FlatParameters of their own.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fsdp/activation_checkpoint.h"
+#include "planner/parameter_elements.h"
 
 namespace fsdp::planner {
 namespace {
@@ -184,10 +185,8 @@ std::vector<std::string> miscounted_modules(torch::nn::Module& root, const Modul
 }
 
 RepeatedBlock repeated_block(torch::nn::Module& root) {
-  auto numel = [](const torch::nn::Module& m) {
-    double n = 0;
-    for (const auto& p : m.parameters(/*recurse=*/true)) n += static_cast<double>(p.numel());
-    return n;
+  auto numel = [](const torch::nn::Module& m) {  // a tied parameter once
+    return static_cast<double>(parameter_elements(m));
   };
   const double total = numel(root);
   std::map<std::string, RepeatedBlock> by_type;
