@@ -355,8 +355,9 @@ fsdp::PlanRequest network_bound() {
 }
 
 // Checkpointed candidates of a model without fsdp::Checkpointed modules cannot be applied as
-// planned: the plan says so, and says nothing where the model holds such modules.
-TEST(Planner, NotesThatCheckpointingNeedsCheckpointedModules) {
+// planned, and a model without parameters gives FSDP nothing: the plan says so, and says nothing
+// where neither holds.
+TEST(Planner, NotesModelsWithoutCheckpointedModulesOrParameters) {
   auto notes_of = [](torch::nn::Module& model) {
     std::string all;
     for (const auto& n : fsdp::plan(model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0)).notes) all += n + "\n";
@@ -369,6 +370,9 @@ TEST(Planner, NotesThatCheckpointingNeedsCheckpointedModules) {
   for (int i = 0; i < 2; ++i)
     wrapped->push_back(fsdp::Checkpointed<torch::nn::Sequential>(torch::nn::Sequential(torch::nn::Linear(16, 16))));
   EXPECT_FALSE(contains(notes_of(*wrapped), "holds no fsdp::Checkpointed module")) << notes_of(*wrapped);
+  torch::nn::Sequential empty{torch::nn::ReLU()};
+  EXPECT_TRUE(contains(notes_of(*empty), "the model has no parameters")) << notes_of(*empty);
+  EXPECT_FALSE(contains(notes_of(*plain), "the model has no parameters")) << notes_of(*plain);
 }
 
 // Values no run can have are refused with the setting named, not planned into absurd figures.

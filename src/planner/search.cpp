@@ -307,6 +307,8 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
                              " ranks, or a HYBRID_SHARD factor) splits into groups of " + std::to_string(k) +
                              " with a strategy that reshards after forward");
   }
+  if (planner::parameter_elements(model) == 0)
+    result.notes.push_back("the model has no parameters: FSDP has nothing to shard, gather or reduce in any candidate");
   if (std::find(request.activation_checkpointing().begin(), request.activation_checkpointing().end(), true) !=
       request.activation_checkpointing().end()) {
     bool wrapped = false;
