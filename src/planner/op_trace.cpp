@@ -322,15 +322,15 @@ std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::fun
              "have; leave trace_forward unset (the planner's rules and module_cost count the model)");
   Tracer tracer;
   tracer.probe_bytes = static_cast<size_t>(probe_bytes);
+  std::unordered_set<const c10::TensorImpl*> left_alone;
+  for (const at::Tensor& t : ignored) left_alone.insert(t.unsafeGetTensorImpl());
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       FSDP_CHECK(p.value().is_meta(), "PlanRequest::trace_forward runs forward on the meta device, but parameter ",
                  item.key().empty() ? p.key() : item.key() + "." + p.key(), " is on ", p.value().device(),
                  "; build the model inside fsdp::DeferredInit (or leave trace_forward unset)");
       tracer.owner.emplace(storage_key(p.value()), item.key());
-      bool left_alone = false;
-      for (const at::Tensor& t : ignored) left_alone = left_alone || t.is_same(p.value());
-      if (left_alone) continue;
+      if (left_alone.count(p.value().unsafeGetTensorImpl()) != 0) continue;
       tracer.params.insert(storage_key(p.value()));
       if (p.value().requires_grad()) tracer.trainable.insert(storage_key(p.value()));
     }
