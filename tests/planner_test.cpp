@@ -43,6 +43,11 @@ TEST(Planner, ParsesClustersAndSizes) {
   EXPECT_EQ(fsdp::parse_bytes("40GiB"), 40 * 1024 * kMiB);
   EXPECT_EQ(fsdp::parse_bytes("70 GB"), int64_t(70e9));
   EXPECT_EQ(fsdp::parse_bytes("512MiB"), 512 * kMiB);
+  EXPECT_EQ(fsdp::parse_bytes("2 PiB"), int64_t{2} << 50);
+  EXPECT_EQ(fsdp::parse_bytes("7EiB"), int64_t{7} << 60);
+  EXPECT_EQ(fsdp::parse_bytes("1.5PB"), int64_t{1500000000000000});
+  EXPECT_EQ(fsdp::parse_bytes("9223372036854775807"), std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(fsdp::parse_bytes("9007199254740993 B"), int64_t{9007199254740993});
   EXPECT_THROW(fsdp::Cluster::parse("tpu:1x8"), fsdp::Error);
   EXPECT_THROW(fsdp::Cluster::parse("a100-80g:8"), fsdp::Error);
   EXPECT_THROW(fsdp::Cluster::from_json(R"({"intra": {"bandwidth_gbps": -1}})"), fsdp::Error);
@@ -378,7 +383,7 @@ TEST(Planner, NotesModelsWithoutCheckpointedModulesOrParameters) {
 // Values no run can have are refused with the setting named, not planned into absurd figures.
 TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
   expect_error([] { fsdp::Cluster::parse("a100-80g:65536x65536"); }, "at most 2^24", "a world past int");
-  for (const char* size : {"99999999TiB", "inf", "nan", "-1GiB", "0x10"})
+  for (const char* size : {"99999999TiB", "inf", "nan", "-1GiB", "0x10", "8EiB", "9223372036854775808", "9.3EB"})
     expect_error([&] { fsdp::parse_bytes(size); }, "from 0 to 8 EiB", size);
   auto json = [](const std::string& text) {
     return [text] {
@@ -1047,6 +1052,13 @@ TEST(Planner, TheMarginIsKeptFreeBeyondEachPeak) {
       fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(margin.smallest_peak()).memory_margin(0.25));
   EXPECT_TRUE(enough.any_fits());
   EXPECT_TRUE(contains(enough.table(), "25% margin"));
+  // A model of a few KiB is shown in KiB, not as 0.0 MiB.
+  Stack small(16, 1);
+  const fsdp::Plan tiny = fsdp::plan(*small, fsdp::Cluster::parse("cpu:1x1"), one_rank(0).seq_len(1));
+  ASSERT_LT(tiny.entries.front().memory.peak, 1024 * 1024);
+  EXPECT_TRUE(contains(tiny.table(), "| peak KiB | fits |")) << tiny.table();
+  EXPECT_FALSE(contains(tiny.table(), "| 0.0 | yes |")) << tiny.table();
+  EXPECT_TRUE(contains(loose.table(), "| peak MiB | fits |")) << loose.table();
   EXPECT_THROW(fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0).memory_margin(-0.1)), fsdp::Error);
 }
 
@@ -1061,6 +1073,7 @@ TEST(Planner, AModelThatFitsNowhereNamesTheSmallestBudget) {
   } catch (const fsdp::Error& e) {
     const std::string what = e.what();
     EXPECT_TRUE(contains(what, "no configuration fits in 1.00 MiB")) << what;
+    EXPECT_TRUE(contains(plan.table(), "| peak MiB | fits |")) << plan.table();
     EXPECT_TRUE(contains(what, "the smallest needs " + fsdp::format_bytes(plan.smallest_peak()))) << what;
     EXPECT_TRUE(contains(what, "checkpointed")) << what;
   }

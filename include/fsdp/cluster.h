@@ -53,7 +53,8 @@ struct Cluster {
   static Cluster from_json(const std::string& text, const std::string& source = "cluster JSON");
 };
 
-// "40GiB", "70 GB", "512MiB", "1.5TiB", "123456" (bytes). Throws fsdp::Error.
+// "40GiB", "70 GB", "512MiB", "1.5TiB", "123456" (bytes), binary units to EiB and decimal to EB; whole
+// numbers exact up to 2^63 - 1 bytes. Throws fsdp::Error.
 int64_t parse_bytes(const std::string& text);
 // e.g. "512 B", "3.25 KiB", "1.50 GiB": binary units, the largest that keeps the number at 1 or more.
 std::string format_bytes(int64_t bytes);

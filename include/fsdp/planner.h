@@ -26,7 +26,7 @@ struct Plan {
   const PlanEntry& best() const;
   // The smallest budget any candidate fits in: its peak with the margin (0: no candidates).
   int64_t smallest_peak() const;
-  // Every entry: memory by kind, step time split, TFLOP/s, MFU, fits.
+  // Every entry: memory by kind (in KiB, MiB or GiB by the largest peak shown), step time split, TFLOP/s, MFU, fits.
   std::string table(size_t max_rows = 0) const;
 };
 

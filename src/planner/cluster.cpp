@@ -6,8 +6,10 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "fsdp/check.h"
@@ -297,6 +299,7 @@ std::string Cluster::describe() const {
 }
 
 int64_t parse_bytes(const std::string& text) {
+  const std::string range = "' is not a size: it must be a number of bytes from 0 to 8 EiB (2^63 - 1 B)";
   size_t i = 0;
   double value = 0;
   try {
@@ -306,28 +309,37 @@ int64_t parse_bytes(const std::string& text) {
   }
   // A decimal number only: stod also reads hexadecimal, inf and nan.
   const size_t first = text.find_first_not_of(" \t");
-  const bool decimal = text.find_first_not_of("0123456789.eE+-", first) >= i && text[first] != '+' &&
-                       text[first] != '-' &&
-                       text.substr(first, i - first).find_first_of("0123456789") != std::string::npos;
-  FSDP_CHECK(decimal, "'", text,
-             "' is not a size: it must be a number of bytes from 0 to 8 EiB, e.g. 40GiB, 70GB, 512MiB");
+  const std::string number = text.substr(first, i - first);
+  const bool decimal = number.find_first_not_of("0123456789.eE+-") == std::string::npos && number[0] != '+' &&
+                       number[0] != '-' && number.find_first_of("0123456789") != std::string::npos;
+  FSDP_CHECK(decimal, "'", text, range, ", e.g. 40GiB, 70GB, 512MiB");
   std::string unit;
   for (; i < text.size(); ++i)
     if (!std::isspace(static_cast<unsigned char>(text[i]))) unit += static_cast<char>(std::tolower(text[i]));
-  double scale = 0;
-  if (unit.empty() || unit == "b") scale = 1;
-  if (unit == "kib") scale = 1024.0;
-  if (unit == "mib") scale = 1024.0 * 1024;
-  if (unit == "gib") scale = kBytesPerGiB;
-  if (unit == "tib") scale = kBytesPerGiB * 1024;
-  if (unit == "kb") scale = 1e3;
-  if (unit == "mb") scale = 1e6;
-  if (unit == "gb") scale = 1e9;
-  if (unit == "tb") scale = 1e12;
-  FSDP_CHECK(scale > 0, "'", text, "' is not a size; units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB");
-  FSDP_CHECK(std::isfinite(value) && value >= 0 && value * scale < 9e18, "'", text,
-             "' is not a size: it must be a number of bytes from 0 to 8 EiB");
-  return static_cast<int64_t>(std::llround(value * scale));
+  static const std::pair<const char*, int64_t> kUnits[] = {
+      {"", 1},  {"b", 1},  {"kib", int64_t{1} << 10},  {"mib", int64_t{1} << 20},   {"gib", int64_t{1} << 30},
+      {"tib", int64_t{1} << 40},  {"pib", int64_t{1} << 50}, {"eib", int64_t{1} << 60}, {"kb", 1000},
+      {"mb", 1000000},          {"gb", 1000000000},     {"tb", 1000000000000},     {"pb", 1000000000000000},
+      {"eb", 1000000000000000000}};
+  int64_t scale = 0;
+  for (const auto& [name, bytes] : kUnits)
+    if (unit == name) scale = bytes;
+  FSDP_CHECK(scale > 0, "'", text, "' is not a size; units: B, KiB, MiB, GiB, TiB, PiB, EiB, KB, MB, GB, TB, PB, EB");
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  if (number.find_first_not_of("0123456789") == std::string::npos) {
+    // Whole numbers exactly, up to 2^63 - 1 bytes: a double would round those past 2^53.
+    int64_t whole = 0;
+    for (const char c : number) {
+      FSDP_CHECK(whole <= (kMax - (c - '0')) / 10, "'", text, range);
+      whole = whole * 10 + (c - '0');
+    }
+    FSDP_CHECK(whole <= kMax / scale, "'", text, range);
+    return whole * scale;
+  }
+  const double bytes = value * static_cast<double>(scale);
+  // 2^63 is the first double past int64's range.
+  FSDP_CHECK(std::isfinite(value) && value >= 0 && bytes < 9223372036854775808.0, "'", text, range);
+  return static_cast<int64_t>(std::llround(bytes));
 }
 
 std::string format_bytes(int64_t bytes) {

@@ -11,10 +11,22 @@
 namespace fsdp {
 namespace {
 
-std::string mebibytes(int64_t bytes) {
-  std::ostringstream o;
-  o << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / (1024.0 * 1024.0);
-  return o.str();
+// The table's unit: KiB for peaks under 1 MiB, GiB from 1 TiB on, MiB between.
+struct TableUnit {
+  const char* name;
+  double bytes;
+  std::string operator()(int64_t b) const {
+    std::ostringstream o;
+    o << std::fixed << std::setprecision(1) << static_cast<double>(b) / bytes;
+    return o.str();
+  }
+};
+
+TableUnit table_unit(int64_t largest) {
+  constexpr double kKiB = 1024.0;
+  if (largest < kKiB * kKiB) return {"KiB", kKiB};
+  if (largest >= kKiB * kKiB * kKiB * kKiB) return {"GiB", kKiB * kKiB * kKiB};
+  return {"MiB", kKiB * kKiB};
 }
 
 std::string fixed_digits(double v, int digits) {
@@ -48,11 +60,14 @@ std::string Plan::table(size_t max_rows) const {
   o << "Plan for " << cluster << "; budget " << format_bytes(budget) << " per rank";
   if (memory_margin > 0) o << " (fits: the peak plus a " << fixed_digits(100.0 * memory_margin, 0) << "% margin)";
   o << "\n";
-  o << "| # | configuration | params MiB | grads MiB | optimizer MiB | activations MiB | workspace MiB | other MiB | "
-       "peak MiB | fits "
-       "| step ms | compute ms | exposed comm % | TFLOP/s | MFU % |\n";
-  o << "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
   const size_t rows = max_rows > 0 ? std::min(max_rows, entries.size()) : entries.size();
+  int64_t largest = 0;
+  for (size_t i = 0; i < rows; ++i) largest = std::max(largest, entries[i].memory.peak);
+  const TableUnit mebibytes = table_unit(largest);
+  const std::string u = std::string(" ") + mebibytes.name + " | ";
+  o << "| # | configuration | params" << u << "grads" << u << "optimizer" << u << "activations" << u << "workspace" << u
+    << "other" << u << "peak" << u << "fits | step ms | compute ms | exposed comm % | TFLOP/s | MFU % |\n";
+  o << "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
   for (size_t i = 0; i < rows; ++i) {
     const PlanEntry& e = entries[i];
     const double exposed = e.time.step_s > 0 ? 100.0 * e.time.exposed_comm_s / e.time.step_s : 0;
