@@ -945,6 +945,87 @@ TEST(PlannerTrace, PredictsPeaksExactlyWhereACheckpointedUnitHoldsAnother) {
   EXPECT_TRUE(contains(r.ranks[0].output, "nested checkpointed: 16 configurations exact")) << r.report();
 }
 
+// Checkpointed blocks whose gradients reach a unit in several recomputations' backwards, or not:
+// "twice" applies its first block twice in forward, "shared" registers one Linear in both blocks
+// (its parameters then belong to the root), "distinct" does neither.
+struct PassesImpl : nn::Module {
+  explicit PassesImpl(const std::string& kind) : twice(kind == "twice") {
+    nn::Linear shared(16, 16);
+    for (int i = 0; i < 2; ++i) {
+      nn::Sequential block(kind == "shared" ? shared : nn::Linear(16, 16), nn::Tanh(), nn::Linear(16, 16));
+      blocks.push_back(register_module("b" + std::to_string(i), fsdp::Checkpointed<nn::Sequential>(block)));
+    }
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& block : blocks) x = block(x);
+    return twice ? blocks[0](x) : x;
+  }
+  bool twice;
+  std::vector<fsdp::Checkpointed<nn::Sequential>> blocks;
+};
+TORCH_MODULE(Passes);
+
+// The plan leaves out checkpointed candidates that step in backward exactly where the runtime
+// refuses them: the trace sees a block run twice, the module tree a parameter in two blocks.
+FSDP_WORKER(several_passes_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  const std::string kind = ctx.args.at(0);
+  Passes meta{nullptr};
+  {
+    fsdp::DeferredInit deferred;
+    meta = Passes(kind);
+  }
+  fsdp::PlanRequest request = world_one()
+                                  .world(pg->size())
+                                  .global_batch(pg->size())
+                                  .seq_len(4)
+                                  .wrap_policies({{"block", fsdp::wrap::by_type<nn::SequentialImpl>()}})
+                                  .activation_checkpointing({false, true})
+                                  .step_in_backward({false, true})
+                                  .trace_forward([&] {
+                                    meta->forward(torch::zeros({1, 4, 16}, at::kMeta));
+                                  });
+  const fsdp::Plan plan = fsdp::plan(*meta, fsdp::Cluster::parse("cpu:1x" + std::to_string(pg->size())), request);
+  std::string notes;
+  for (const auto& note : plan.notes) notes += note;
+  int stepping = 0, checkpointed_stepping = 0;
+  for (const fsdp::PlanEntry& e : plan.entries) {
+    stepping += e.candidate.step_in_backward;
+    checkpointed_stepping += e.candidate.step_in_backward && e.candidate.activation_checkpointing;
+  }
+  const bool several = kind != "distinct";
+  WORKER_CHECK(stepping > 0 && (checkpointed_stepping == 0) == several, kind, ": ", checkpointed_stepping,
+               " checkpointed candidates that step in backward of ", stepping, " that step in it\n", plan.table());
+  const std::string why = kind == "twice" ? "the checkpointed module 'b0' runs 2 times in one forward"
+                                          : "the checkpointed modules 'b0' and 'b1' share the parameter";
+  WORKER_CHECK(contains(notes, "left out") == several && (!several || contains(notes, why)), kind, ": notes: ", notes);
+  // The runtime: checkpointed, stepping in backward, refused where several passes bring gradients.
+  torch::manual_seed(0);
+  Passes model(kind);
+  fsdp::apply_activation_checkpointing(*model, fsdp::wrap::by_type<nn::SequentialImpl>());
+  auto sharded =
+      fsdp::fully_shard(model.ptr(), pg, fsdp::Options().auto_wrap_policy(fsdp::wrap::by_type<nn::SequentialImpl>()));
+  torch::optim::SGD opt(sharded->parameters(), 0.01);
+  sharded->set_step_in_backward(&opt);
+  std::string refused;
+  try {
+    model->forward(torch::randn({1, 4, 16})).pow(2).mean().backward();
+  } catch (const std::exception& e) {
+    refused = e.what();
+  }
+  WORKER_CHECK(contains(refused, "arrived after that unit's gradients were reduced") == several, kind,
+               ": the runtime's answer: ", refused.empty() ? "none" : refused);
+  std::cout << kind << " ok" << std::endl;
+}
+
+TEST(PlannerTrace, LeavesOutTheStepInBackwardWhereCheckpointedGradientsArriveInSeveralPasses) {
+  for (const char* kind : {"twice", "shared", "distinct"}) {
+    auto r = launch("several_passes_worker", 2, {kind});
+    ASSERT_TRUE(r.all_ok()) << kind << "\n" << r.report();
+    EXPECT_TRUE(contains(r.ranks[0].output, std::string(kind) + " ok")) << r.report();
+  }
+}
+
 // A language model whose forward skips one of its blocks (layer drop at a fixed place): the runtime
 // never gathers that unit, and its parameters get no gradient and no optimizer state.
 struct SkippingLmImpl : nn::Module {

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <array>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <tuple>
@@ -24,9 +25,15 @@ class CheckpointedBase : public ModuleWrapper {
   // Whether forward checkpoints (true from construction); off, it is exactly M's forward.
   void set_enabled(bool enabled) { enabled_ = enabled; }
   bool enabled() const { return enabled_; }
+  // Forwards run since construction, checkpointed or not (the planner's trace counts them).
+  uint64_t forward_calls() const { return forward_calls_; }
+
+ protected:
+  void count_forward() { ++forward_calls_; }
 
  private:
   bool enabled_ = true;
+  uint64_t forward_calls_ = 0;
 };
 
 namespace detail {
@@ -104,6 +111,7 @@ class CheckpointedImpl<M, Result(Args...)> : public detail::WrapperModule, publi
   // M's forward; with grad mode on and checkpointing enabled, its activations are recomputed in
   // backward instead of kept. Non-tensor arguments are copied and kept until backward.
   Result forward(Args... args) {
+    count_forward();
     if (!enabled() || !at::GradMode::is_enabled())
       return detail::call_forward<Result>(*inner_, std::forward<Args>(args)...);
     static_assert(std::is_same_v<Result, at::Tensor>, "fsdp::Checkpointed: the wrapped forward must return a Tensor");

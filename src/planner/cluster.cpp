@@ -9,7 +9,6 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <utility>
 #include <vector>
 
 #include "fsdp/check.h"
@@ -316,14 +315,13 @@ int64_t parse_bytes(const std::string& text) {
   std::string unit;
   for (; i < text.size(); ++i)
     if (!std::isspace(static_cast<unsigned char>(text[i]))) unit += static_cast<char>(std::tolower(text[i]));
-  static const std::pair<const char*, int64_t> kUnits[] = {
-      {"", 1},  {"b", 1},  {"kib", int64_t{1} << 10},  {"mib", int64_t{1} << 20},   {"gib", int64_t{1} << 30},
-      {"tib", int64_t{1} << 40},  {"pib", int64_t{1} << 50}, {"eib", int64_t{1} << 60}, {"kb", 1000},
-      {"mb", 1000000},          {"gb", 1000000000},     {"tb", 1000000000000},     {"pb", 1000000000000000},
-      {"eb", 1000000000000000000}};
-  int64_t scale = 0;
-  for (const auto& [name, bytes] : kUnits)
-    if (unit == name) scale = bytes;
+  // B, or a prefix k m g t p e with B (powers of 1000) or iB (powers of 1024).
+  int64_t scale = unit.empty() || unit == "b" ? 1 : 0;
+  const size_t prefix = unit.size() >= 2 ? std::string("kmgtpe").find(unit[0]) : std::string::npos;
+  if (prefix != std::string::npos && (unit.substr(1) == "b" || unit.substr(1) == "ib")) {
+    scale = 1;
+    for (size_t k = 0; k <= prefix; ++k) scale *= unit[1] == 'i' ? 1024 : 1000;
+  }
   FSDP_CHECK(scale > 0, "'", text, "' is not a size; units: B, KiB, MiB, GiB, TiB, PiB, EiB, KB, MB, GB, TB, PB, EB");
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   if (number.find_first_not_of("0123456789") == std::string::npos) {

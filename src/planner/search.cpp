@@ -5,6 +5,8 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "fsdp/activation_checkpoint.h"
@@ -75,11 +77,40 @@ std::vector<Candidate> expand(const std::vector<Candidate>& in, Values values, S
   return out;
 }
 
+// Why some checkpointed unit's gradients arrive in several recomputations' backwards, which the step
+// in backward refuses: a checkpointed module run more than once in the trace's forward (`before`: its
+// runs until then), or a parameter held by two checkpointed modules. Empty: neither.
+std::string checkpointed_passes(torch::nn::Module& model,
+                                const std::unordered_map<const CheckpointedBase*, uint64_t>* before) {
+  std::vector<std::pair<std::string, const CheckpointedBase*>> outer;
+  std::unordered_set<const torch::nn::Module*> inner;
+  for (const auto& item : model.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const auto* c = dynamic_cast<const CheckpointedBase*>(item.value().get());
+    if (c == nullptr || inner.count(item.value().get()) != 0) continue;
+    const uint64_t runs = before != nullptr ? c->forward_calls() - before->at(c) : 1;
+    if (runs > 1)
+      return "the checkpointed module '" + item.key() + "' runs " + std::to_string(runs) + " times in one forward";
+    outer.emplace_back(item.key(), c);
+    for (const auto& m : item.value()->modules(/*include_self=*/false)) inner.insert(m.get());
+  }
+  std::unordered_map<const c10::TensorImpl*, std::string> holder;
+  for (const auto& [name, c] : outer) {
+    if (inner.count(dynamic_cast<const torch::nn::Module*>(c)) != 0) continue;  // inside another one after all
+    for (const auto& p : dynamic_cast<const torch::nn::Module*>(c)->named_parameters()) {
+      const auto [it, first] = holder.emplace(p.value().unsafeGetTensorImpl(), name);
+      if (!first && it->second != name)
+        return "the checkpointed modules '" + it->second + "' and '" + name + "' share the parameter '" + p.key() + "'";
+    }
+  }
+  return {};
+}
+
 // Every combination of the request's lists for one wrap policy of `units` units, in the order the
 // lists give, less those that make no sense (offload where the device is the host, checkpointing
-// with only the root, strategies other than FULL_SHARD at one rank).
+// with only the root, strategies other than FULL_SHARD at one rank, the step in backward where
+// `several_passes` says why a checkpointed candidate's gradients arrive in several passes).
 std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& cluster, int world, int per_rank,
-                                  const NamedWrapPolicy& wrap, size_t units) {
+                                  const NamedWrapPolicy& wrap, size_t units, bool several_passes) {
   Candidate base;
   base.wrap = wrap;
   base.all_gather_quantization = request.all_gather_quantization();
@@ -148,8 +179,9 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   return expand(
       cs,
       [&](const Candidate& c) {
-        return choices(request.step_in_backward(),
-                       (c.accumulation == 1 || c.no_sync) && !c.cpu_offload && c.precision != at::kHalf);
+        return choices(request.step_in_backward(), (c.accumulation == 1 || c.no_sync) && !c.cpu_offload &&
+                                                       c.precision != at::kHalf &&
+                                                       !(several_passes && c.activation_checkpointing));
       },
       [](Candidate& c, bool on) { c.step_in_backward = on; });
 }
@@ -343,6 +375,9 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   }
   note_calibration_gaps(model, request, result.notes);
   std::vector<planner::TracedSegment> traced;
+  std::unordered_map<const CheckpointedBase*, uint64_t> runs;
+  for (const auto& m : model.modules(/*include_self=*/true))
+    if (const auto* c = dynamic_cast<const CheckpointedBase*>(m.get())) runs[c] = c->forward_calls();
   if (request.trace_forward()) {
     std::vector<at::Tensor> ignored = request.ignored_parameters();
     for (const auto& m : request.ignored_modules())
@@ -350,8 +385,19 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
         for (const at::Tensor& p : m->parameters()) ignored.push_back(p);
     traced = planner::trace_forward(model, request.trace_forward(), request.trace_sequences() * request.seq_len(),
                                     request.trace_probe_bytes(), ignored);
-  } else if (const auto miscounted = planner::miscounted_modules(model, request.module_cost(), request.seq_len());
-             !miscounted.empty()) {
+  }
+  const std::string several_passes = checkpointed_passes(model, request.trace_forward() ? &runs : nullptr);
+  const auto& stepping = request.step_in_backward();
+  const auto& checkpointing = request.activation_checkpointing();
+  if (!several_passes.empty() && std::find(stepping.begin(), stepping.end(), true) != stepping.end() &&
+      std::find(checkpointing.begin(), checkpointing.end(), true) != checkpointing.end())
+    result.notes.push_back(several_passes +
+                           ": its gradients arrive in several recomputations' backwards, where the step in backward "
+                           "cannot run on all of them; checkpointed candidates that step in backward are left out");
+  if (const auto miscounted = request.trace_forward()
+                                  ? std::vector<std::string>{}
+                                  : planner::miscounted_modules(model, request.module_cost(), request.seq_len());
+      !miscounted.empty()) {
     std::ostringstream names;
     for (size_t i = 0; i < miscounted.size() && i < 3; ++i) names << (i ? ", " : "") << miscounted[i];
     if (miscounted.size() > 3) names << " and " << miscounted.size() - 3 << " more";
@@ -406,7 +452,7 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     corrections[precision] = planner::runtime_correction(configurations, cluster, world, request);
   for (size_t w = 0; w < searched; ++w) {
     const size_t units = view_of(w, at::kFloat).units->units.size();
-    for (const Candidate& c : candidates(request, cluster, world, per_rank, known[w], units)) {
+    for (const Candidate& c : candidates(request, cluster, world, per_rank, known[w], units, !several_passes.empty())) {
       const auto corrected = corrections.find(c.precision);
       PlanEntry e = planner::evaluate(view_of(w, c.precision), c, cluster, world, request,
                                       corrected == corrections.end() ? nullptr : &corrected->second);
