@@ -1,7 +1,10 @@
 #include "state_dict.h"
 
+#include <algorithm>
 #include <sstream>
+#include <unordered_set>
 
+#include "checkpoint/collective.h"
 #include "flat_param_collectives.h"
 #include "fsdp/check.h"
 #include "internal_op_guard.h"
@@ -87,28 +90,53 @@ void visit_full_state(FsdpState& state, const std::vector<std::string>& names,
   }
 }
 
+namespace {
+
+// Every entry the model takes is in `values` with its shape, and `values` holds nothing else.
+void check_full_state(const FsdpState& state, const std::unordered_map<std::string, at::Tensor>& values) {
+  auto present = [&](const std::string& name, const char* kind, at::IntArrayRef shape) {
+    const auto it = values.find(name);
+    FSDP_CHECK(it != values.end(), "load_full_state_dict: ", kind, " '", name,
+               "' is missing from the state; give every entry full_state_dict() names");
+    FSDP_CHECK(it->second.defined() && it->second.sizes() == shape, "load_full_state_dict: ", kind, " '", name,
+               "' has shape ", it->second.defined() ? shape_str(it->second.sizes()) : "(undefined)",
+               " in the state but ", shape_str(shape), " in the model");
+  };
+  for (const auto& fp : state.flat_params())
+    for (const auto& s : fp->slots()) present(s.name, "parameter", s.shape);
+  for (const auto& w : state.whole_tensors()) present(w.name, w.kind, w.tensor.sizes());
+  const std::vector<std::string> names = full_state_names(state);
+  const std::unordered_set<std::string> known(names.begin(), names.end());
+  std::vector<std::string> unknown;
+  for (const auto& [name, value] : values)
+    if (known.count(name) == 0) unknown.push_back(name);
+  if (unknown.empty()) return;
+  std::sort(unknown.begin(), unknown.end());
+  std::ostringstream o;
+  for (size_t i = 0; i < unknown.size() && i < 3; ++i) o << (i ? ", '" : "'") << unknown[i] << "'";
+  if (unknown.size() > 3) o << " and " << unknown.size() - 3 << " more";
+  FSDP_FAIL("load_full_state_dict: the state holds ", o.str(),
+            ", which the model has neither as a parameter nor as a buffer; load a state of this model "
+            "(full_state_dict() names its entries), without the others");
+}
+
+}  // namespace
+
 void load_full_state_dict(FsdpState& state, const std::unordered_map<std::string, at::Tensor>& values) {
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
+  // Checked on every rank before anything changes: a state one rank refuses leaves every model as it was.
+  checkpoint::detail::run_agreed(*state.groups().world_comm, "load_full_state_dict",
+                                 [&] { check_full_state(state, values); });
   InternalOpGuard internal;
   at::NoGradGuard no_grad;
   state.scheduler().reshard_all();
   state.scheduler().forget_last_used();
   for (auto& fp : state.flat_params()) {
     at::Tensor full = at::zeros({fp->padded_numel()}, at::TensorOptions().dtype(fp->dtype()));
-    for (const auto& s : fp->slots()) {
-      auto it = values.find(s.name);
-      FSDP_CHECK(it != values.end(), "load_full_state_dict: parameter '", s.name, "' is missing from the state");
-      FSDP_CHECK(it->second.sizes().vec() == s.shape, "load_full_state_dict: parameter '", s.name, "' has shape ",
-                 shape_str(it->second.sizes()), " in the state but ", shape_str(s.shape), " in the model");
-      full.narrow(0, s.offset, s.numel).copy_(it->second.reshape({-1}));
-    }
+    for (const auto& s : fp->slots()) full.narrow(0, s.offset, s.numel).copy_(values.at(s.name).reshape({-1}));
     fp->copy_full_into_shard(full);
   }
-  for (const auto& w : state.whole_tensors()) {
-    auto it = values.find(w.name);
-    FSDP_CHECK(it != values.end(), "load_full_state_dict: ", w.kind, " '", w.name, "' is missing from the state");
-    w.tensor.detach().copy_(it->second);
-  }
+  for (const auto& w : state.whole_tensors()) w.tensor.detach().copy_(values.at(w.name));
   state.drop_feedback_residuals();
 }
 

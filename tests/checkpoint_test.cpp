@@ -362,6 +362,13 @@ void copy_dir(const std::string& from, const std::string& to, const std::string&
     if (name != skip) copy_file(from + "/" + name, to + "/" + name);
 }
 
+// A new file `path` holding `text`.
+void write_text(const std::string& path, const std::string& text) {
+  auto file = ckpt::detail::File::create(path);
+  file.write_all(text.data(), text.size());
+  file.close();
+}
+
 void flip_byte(const std::string& path, uint64_t at) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
   f.seekg(static_cast<std::streamoff>(at));
@@ -465,6 +472,53 @@ FSDP_WORKER(ckpt_bad_inputs) {
   expect_error([&] { ckpt::load_full(dir + "/none.safetensors", *sharded); }, "cannot open", "missing safetensors");
   expect_error([&] { ckpt::load_full(dir + "/cut.safetensors", *sharded); }, "safetensors file",
                "truncated safetensors");
+  // overwrite(true) replaces a checkpoint, never a directory holding anything else, nor a file.
+  if (ctx.rank == 0) {
+    ckpt::detail::make_dirs(dir + "/sub/results");
+    write_text(dir + "/sub/results/notes.txt", "keep me");
+    write_text(dir + "/sub/plain", "a file");
+    copy_dir(good, dir + "/sub/mixed");
+    write_text(dir + "/sub/mixed/notes.txt", "keep me too");
+  }
+  barrier();
+  const auto overwrite = ckpt::SaveOptions().overwrite(true);
+  expect_error([&] { ckpt::save(dir + "/sub/results", *sharded, *opt, {}, overwrite); },
+               "holds 'notes.txt' and no manifest.json, which is not part of a checkpoint", "overwriting a folder");
+  expect_error([&] { ckpt::save(dir + "/sub/mixed", *sharded, *opt, {}, overwrite); },
+               "holds 'notes.txt', which is not part of a checkpoint", "overwriting a checkpoint with a file added");
+  expect_error([&] { ckpt::save(dir + "/sub/plain", *sharded, *opt, {}, overwrite); }, "is not a directory",
+               "overwriting a file");
+  WORKER_CHECK(path_exists(dir + "/sub/results/notes.txt") && path_exists(dir + "/sub/mixed/notes.txt") &&
+                   ckpt::is_complete(dir + "/sub/mixed"),
+               "a refused overwrite removed files");
+  // Arguments that differ between ranks fail every rank before anything is written.
+  expect_error(
+      [&] { ckpt::save(dir + "/sub/rank" + std::to_string(ctx.rank), *sharded, *opt); },
+      "the ranks name different directories (rank 0: '" + dir + "/sub/rank0', rank 1: '" + dir + "/sub/rank1')",
+      "a directory per rank");
+  WORKER_CHECK(!path_exists(dir + "/sub/rank" + std::to_string(ctx.rank)), "a refused save left a directory");
+  torch::optim::Optimizer* some = ctx.rank == 0 ? opt.get() : nullptr;
+  expect_error([&] { ckpt::save(dir + "/sub/some", *sharded, some); }, "the ranks pass different optimizers",
+               "an optimizer on one rank only (save)");
+  expect_error([&] { ckpt::load(good, *sharded, some); }, "the ranks pass different optimizers",
+               "an optimizer on one rank only (load)");
+  // A full state one rank refuses changes no rank's model; names the model lacks are refused.
+  {
+    const auto kept = sharded->full_state_dict();
+    auto zeros = kept;
+    for (auto& kv : zeros) kv.second = torch::zeros_like(kv.second);
+    auto partial = zeros;
+    if (ctx.rank == 1) partial.erase(partial.begin());
+    expect_error([&] { sharded->load_full_state_dict(partial); }, "is missing from the state",
+                 "a full state missing an entry on one rank");
+    auto extra_entry = zeros;
+    extra_entry["bogus"] = torch::zeros({2});
+    expect_error([&] { sharded->load_full_state_dict(extra_entry); },
+                 "the state holds 'bogus', which the model has neither as a parameter nor as a buffer",
+                 "a full state with a name the model lacks");
+    for (const auto& kv : sharded->full_state_dict())
+      WORKER_CHECK(kv.second.equal(kept.at(kv.first)), "a refused load_full_state_dict changed ", kv.first);
+  }
   // After all that, good files still load, on every rank, with the right values.
   const auto before = sharded->full_state_dict();
   ckpt::Extra extra;

@@ -23,7 +23,7 @@ using Extra = std::map<std::string, std::string>;
 
 struct SaveOptions {
   // Replace an existing checkpoint at `dir` (the old one is removed only after the new one is in
-  // place). Off: saving to an existing path is an error.
+  // place); a `dir` holding anything else is refused. Off: saving to an existing path is an error.
   TORCH_ARG(bool, overwrite) = false;
 };
 

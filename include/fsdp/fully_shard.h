@@ -100,7 +100,8 @@ class FullyShardedModule {
   // its call only.
   void visit_full_state(const std::vector<std::string>& names,
                         const std::function<void(const std::string& name, const at::Tensor& value)>& visit);
-  // Collective: loads full tensors by name into the shards (and buffers); names must match.
+  // Collective: loads full tensors by name into the shards (and buffers); names and shapes must be
+  // full_state_dict()'s, none missing or extra, checked on every rank before any value changes.
   void load_full_state_dict(const std::unordered_map<std::string, at::Tensor>& state);
 
   // Collective: clips the gradients of all ranks' pieces to a total `norm_type`-norm (p > 0, or

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -19,6 +20,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <typeinfo>
 #include <vector>
 
 #include "checkpoint/collective.h"
@@ -77,6 +79,61 @@ void check_optimizer_holds_pieces(const FsdpState& state, const torch::optim::Op
     }
 }
 
+// What `optimizer` is, for messages: its class, or "none".
+std::string optimizer_name(const torch::optim::Optimizer* optimizer) {
+  return optimizer == nullptr ? "none" : c10::demangle(typeid(*optimizer).name());
+}
+
+// Collective: every rank names the same directory (where `same_dir`) and passes an optimizer of
+// the same class, or none; otherwise every rank throws, naming what each passed.
+void agree_on_arguments(Communicator& world, const std::string& what, const std::string& dir, bool same_dir,
+                        const torch::optim::Optimizer* optimizer) {
+  std::string trimmed = same_dir ? dir : "";
+  while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+  const std::vector<std::string> all = all_gather_strings(world, optimizer_name(optimizer) + "\n" + trimmed);
+  std::vector<std::string> optimizers, dirs;
+  for (const std::string& one : all) {
+    const size_t cut = one.find('\n');
+    optimizers.push_back(one.substr(0, cut));
+    dirs.push_back(one.substr(cut + 1));
+  }
+  auto differ = [&](const std::vector<std::string>& values, const char* quote) {
+    if (std::all_of(values.begin(), values.end(), [&](const std::string& v) { return v == values[0]; })) return;
+    std::ostringstream o;
+    for (size_t r = 0; r < values.size(); ++r)
+      o << (r ? ", " : "") << "rank " << r << ": " << quote << values[r] << quote;
+    FSDP_FAIL(what,
+              quote[0] != 0 ? ": the ranks name different directories (" : ": the ranks pass different optimizers (",
+              o.str(),
+              quote[0] != 0 ? "); pass the same path on every rank (a name built from the clock or the rank differs "
+                              "between ranks)"
+                            : "); pass this model's optimizer on every rank, or nullptr on every rank");
+  };
+  differ(dirs, "'");
+  differ(optimizers, "");
+}
+
+// Rank 0, overwrite: `dir` holds a checkpoint (its manifest and rank files, nothing else) or nothing.
+void check_replaceable(const std::string& dir) {
+  struct stat st {};
+  FSDP_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "checkpoint::save: '", dir,
+             "' exists and is not a directory; overwrite(true) replaces only a checkpoint: save elsewhere, or "
+             "remove it yourself");
+  std::vector<std::string> names;
+  detail::list_dir(dir, &names);
+  std::sort(names.begin(), names.end());
+  const bool manifest = names.empty() || std::find(names.begin(), names.end(), detail::kManifestName) != names.end();
+  for (const std::string& name : names) {
+    const bool rank_file = name.size() == 14 && name.compare(0, 5, "rank-") == 0 && name.compare(10, 4, ".bin") == 0 &&
+                           name.find_first_not_of("0123456789", 5) == 10;
+    FSDP_CHECK(manifest && (rank_file || name == detail::kManifestName), "checkpoint::save: '", dir, "' holds '", name,
+               "'", manifest ? "" : " and no manifest.json",
+               ", which is not part of a checkpoint; overwrite(true) replaces only a checkpoint and would delete "
+               "it: save to another directory, or move what you keep out of '",
+               dir, "'");
+  }
+}
+
 }  // namespace
 
 namespace detail {
@@ -132,12 +189,14 @@ PreparedSave prepare_save(FsdpState& state, Communicator& world, const std::stri
   p.overwrite = options.overwrite();
   p.random = shared_random(world);
   p.tmp = temporary_name(dir, p.random);
+  agree_on_arguments(world, what, dir, /*same_dir=*/true, optimizer);
   try {
     run_agreed(world, what, [&] {
       const OptimizerKind kind = optimizer_kind(optimizer);
       check_optimizer_holds_pieces(state, optimizer, "checkpoint::save");
       FSDP_CHECK(options.overwrite() || rank != 0 || !path_exists(dir), "checkpoint::save: '", dir,
                  "' exists; save to a new directory, or set SaveOptions().overwrite(true) to replace it");
+      if (options.overwrite() && rank == 0 && path_exists(dir)) check_replaceable(dir);
       make_dirs(p.tmp);
       p.plan = plan_rank_file(state, optimizer, kind, rank, snapshot);
       if (rank == 0) p.manifest = manifest_skeleton(state, optimizer, kind, extra);
@@ -253,6 +312,7 @@ namespace {
 // Collective: load() once the runtime is held and no save is in flight.
 void load_agreed(FsdpState& state, const std::string& dir, torch::optim::Optimizer* optimizer, Extra* extra) {
   Manifest m;
+  agree_on_arguments(*state.groups().world_comm, "checkpoint::load('" + dir + "')", dir, /*same_dir=*/false, optimizer);
   run_agreed(*state.groups().world_comm, "checkpoint::load('" + dir + "')", [&] {
     check_optimizer_holds_pieces(state, optimizer, "checkpoint::load");
     load_local(dir, state, optimizer, m);
