@@ -571,6 +571,45 @@ TEST(PlannerTrace, CountsWhatARealForwardKeepsAlive) {
   EXPECT_TRUE(contains(r.ranks[0].output, "kept bytes ok")) << r.report();
 }
 
+// A convolution, max pooling (which keeps int64 indices) and a classifier.
+struct PoolNetImpl : nn::Module {
+  PoolNetImpl() {
+    conv = register_module("conv", nn::Conv2d(nn::Conv2dOptions(3, 4, 3).padding(1)));
+    fc = register_module("fc", nn::Linear(4 * 4 * 4, 5));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc(torch::max_pool2d(torch::relu(conv(x)), 2).flatten(1)); }
+  nn::Conv2d conv{nullptr};
+  nn::Linear fc{nullptr};
+};
+TORCH_MODULE(PoolNet);
+
+// Under mixed precision the floating tensors forward keeps narrow to the compute dtype; integer
+// ones (pooling's indices, the loss's class targets) keep their width.
+TEST(PlannerTrace, KeepsTheWidthOfIntegerTensorsUnderMixedPrecision) {
+  fsdp::DeferredInit deferred;
+  PoolNet model;
+  const int64_t images = 2;
+  auto request = world_one()
+                     .global_batch(static_cast<int>(images))
+                     .micro_batches({static_cast<int>(images)})
+                     .activation_checkpointing({false})
+                     .precisions({at::kFloat, at::kBFloat16})
+                     .trace_sequences(images)
+                     .trace_forward([&] {
+                       nn::functional::cross_entropy(model->forward(torch::zeros({images, 3, 8, 8})),
+                                                     torch::zeros({images}, torch::kLong));
+                     });
+  const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+  ASSERT_EQ(plan.entries.size(), 2U) << plan.table();
+  int64_t fp32 = 0, bf16 = 0;
+  for (const fsdp::PlanEntry& e : plan.entries)
+    (e.candidate.precision == at::kFloat ? fp32 : bf16) = e.memory.activations;
+  // fp32 = 4 F + I and bf16 = 2 F + I, F the floating values kept and I the integer bytes: the
+  // pooling's indices (2 x 4 x 4 x 4 int64) and the targets (2 int64).
+  const int64_t integer_bytes = (images * 4 * 4 * 4 + images) * 8;
+  EXPECT_EQ(2 * bf16 - fp32, integer_bytes) << plan.table();
+}
+
 // The trace runs some operators on the CPU (randomized leaky ReLU draws its slopes there): it leaves
 // the CPU generator where it found it.
 TEST(PlannerTrace, LeavesTheRandomNumbersAsItFoundThem) {

@@ -271,7 +271,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const int64_t act_size = element_size(c.precision);
   for (size_t u = 0; u < plan.units.size(); ++u) {
     SimUnit& su = sim.units[u];
-    su.full_activation_bytes = static_cast<int64_t>(costs.unit_activation_values[u] * tokens) * act_size;
+    su.full_activation_bytes = std::llround(costs.unit_activation_values[u] * tokens) * act_size +
+                               std::llround(costs.unit_activation_fixed_bytes[u] * tokens);
     su.checkpointed = c.activation_checkpointing && u != 0 && costs.unit_input_values[u] > 0;
     su.kept_activation_bytes = su.checkpointed ? static_cast<int64_t>(costs.unit_input_values[u] * tokens) * act_size
                                                : su.full_activation_bytes;
@@ -318,8 +319,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     seg.backward_s = std::max(0.0, backward_ratio * forward_s + extra.backward_per_unit_s * share +
                                        (measured ? recompute_backward * forward_s : 0.0)) +
                      (recompute && !measured ? seg.forward_s : 0.0);
-    const double unit_values = costs.unit_activation_values[s.unit];
-    seg.activation_share = unit_values > 0 ? s.activation_values / unit_values : 0;
+    const auto act = static_cast<double>(act_size);
+    const double unit_bytes = costs.unit_activation_values[s.unit] * act + costs.unit_activation_fixed_bytes[s.unit];
+    seg.activation_share = unit_bytes > 0 ? (s.activation_values * act + s.activation_fixed_bytes) / unit_bytes : 0;
     seg.reads_params = s.reads_params;
     seg.grads_arrive = s.grads_arrive;
     seg.backward_reads = s.backward_reads;

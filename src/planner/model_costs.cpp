@@ -96,27 +96,30 @@ class CostBuilder {
   CostBuilder(torch::nn::Module& root, const UnitPlan& units) : units_(units) {
     for (size_t u = 0; u < units.units.size(); ++u) unit_by_name_[units.units[u].name] = static_cast<int>(u);
     costs_.unit_activation_values.assign(units.units.size(), 0.0);
+    costs_.unit_activation_fixed_bytes.assign(units.units.size(), 0.0);
     costs_.unit_input_values.assign(units.units.size(), 0.0);
     for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true))
       if (dynamic_cast<const CheckpointedBase*>(item.value().get()) != nullptr) checkpointed_.push_back(item.key());
   }
 
   void add(const std::string& module, double flops, double values, double input, bool reads_params, bool grads_arrive,
-           bool backward_reads) {
+           bool backward_reads, double fixed_bytes = 0) {
     int u = unit_of(module, unit_by_name_);
     // A unit without parameters is never entered by the runtime: its work runs in the enclosing one.
     while (u != 0 && units_.units[u].flat_params.empty()) u = units_.units[u].parent;
     if (costs_.unit_input_values[u] == 0) costs_.unit_input_values[u] = input;
     costs_.unit_activation_values[u] += values;
+    costs_.unit_activation_fixed_bytes[u] += fixed_bytes;
     costs_.forward_flops += flops;
     for (const std::string& scope : checkpointed_)
       if (within(module, scope)) {
         costs_.checkpointed_forward_flops += flops;
         break;
       }
-    if (costs_.segments.empty() || costs_.segments.back().unit != u) costs_.segments.push_back({u, 0, 0});
+    if (costs_.segments.empty() || costs_.segments.back().unit != u) costs_.segments.push_back({u, 0, 0, 0});
     costs_.segments.back().forward_flops += flops;
     costs_.segments.back().activation_values += values;
+    costs_.segments.back().activation_fixed_bytes += fixed_bytes;
     costs_.segments.back().reads_params = costs_.segments.back().reads_params || reads_params;
     costs_.segments.back().grads_arrive = costs_.segments.back().grads_arrive || grads_arrive;
     costs_.segments.back().backward_reads = costs_.segments.back().backward_reads || backward_reads;
@@ -211,7 +214,7 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std
   CostBuilder builder(root, units);
   for (const TracedSegment& s : traced)
     builder.add(s.module, s.forward_flops, s.activation_values, s.input_values, s.reads_params, s.grads_arrive,
-                s.backward_reads);
+                s.backward_reads, s.activation_fixed_bytes);
   return builder.take();
 }
 

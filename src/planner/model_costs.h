@@ -18,19 +18,21 @@ namespace fsdp::planner {
 struct SegmentCost {
   int unit = 0;
   double forward_flops = 0;
-  double activation_values = 0;
-  bool reads_params = false;  // reads a parameter of its unit (the runtime enters the unit)
+  double activation_values = 0;       // floating values kept, in the compute dtype
+  double activation_fixed_bytes = 0;  // bytes kept whose width no precision changes (integers)
+  bool reads_params = false;          // reads a parameter of its unit (the runtime enters the unit)
   bool grads_arrive =
       false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
   bool backward_reads = false;  // its backward reads a parameter of its unit (the runtime enters the unit again)
 };
 
 struct ModelCosts {
-  std::vector<SegmentCost> segments;           // forward order (module order), merged per unit
-  std::vector<double> unit_activation_values;  // per unit, per token
-  std::vector<double> unit_input_values;       // per unit, per token: what a checkpointed unit keeps
-  double forward_flops = 0;                    // whole model, per token
-  double checkpointed_forward_flops = 0;       // inside the model's fsdp::Checkpointed modules, per token
+  std::vector<SegmentCost> segments;                // forward order (module order), merged per unit
+  std::vector<double> unit_activation_values;       // per unit, per token
+  std::vector<double> unit_activation_fixed_bytes;  // per unit, per token
+  std::vector<double> unit_input_values;            // per unit, per token: what a checkpointed unit keeps
+  double forward_flops = 0;                         // whole model, per token
+  double checkpointed_forward_flops = 0;            // inside the model's fsdp::Checkpointed modules, per token
 };
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len);

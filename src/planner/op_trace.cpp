@@ -94,7 +94,10 @@ struct Tracer {
     held.push_back(t);
     const double bytes = static_cast<double>(t.has_storage() ? t.storage().nbytes() : t.nbytes());
     const bool floating = at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
-    segments.back().activation_values += floating ? bytes / static_cast<double>(t.element_size()) : bytes / 4.0;
+    if (floating)
+      segments.back().activation_values += bytes / static_cast<double>(t.element_size());
+    else
+      segments.back().activation_fixed_bytes += bytes;
   }
 
   void start(const at::RecordFunction& fn) {
@@ -366,10 +369,12 @@ std::vector<TracedSegment> trace_forward(torch::nn::Module& root, const std::fun
   std::vector<TracedSegment> out;
   const auto per = static_cast<double>(tokens);
   for (TracedSegment& s : tracer.segments) {
-    if (s.forward_flops == 0 && s.activation_values == 0 && s.input_values == 0 && s.module.empty() && !s.reads_params)
+    if (s.forward_flops == 0 && s.activation_values == 0 && s.activation_fixed_bytes == 0 && s.input_values == 0 &&
+        s.module.empty() && !s.reads_params)
       continue;
     s.forward_flops /= per;
     s.activation_values /= per;
+    s.activation_fixed_bytes /= per;
     s.input_values /= per;
     out.push_back(std::move(s));
   }

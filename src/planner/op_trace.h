@@ -13,11 +13,12 @@ namespace fsdp::planner {
 
 // One stretch of forward charged to one module, per token.
 struct TracedSegment {
-  std::string module;            // qualified name; "" for the root
-  double forward_flops = 0;      // matrix products and convolutions
-  double activation_values = 0;  // kept for backward (first kept here), in values of their dtype's width
-  double input_values = 0;       // the stretch's first input (what a checkpointed unit keeps)
-  bool reads_params = false;     // reads a parameter of its module (where the runtime enters its unit)
+  std::string module;                 // qualified name; "" for the root
+  double forward_flops = 0;           // matrix products and convolutions
+  double activation_values = 0;       // kept for backward (first kept here), floating values in the compute dtype
+  double activation_fixed_bytes = 0;  // kept integer tensors (indices), whose width no precision changes
+  double input_values = 0;            // the stretch's first input (what a checkpointed unit keeps)
+  bool reads_params = false;          // reads a parameter of its module (where the runtime enters its unit)
   bool grads_arrive =
       false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
   bool backward_reads = false;  // autograd keeps a parameter for its backward (which then enters the unit)
