@@ -93,6 +93,35 @@ TEST(PlannerRuntimeCalibration, TheTimedConfigurationIsPredictedAsMeasured) {
             plain.at(checkpointed).step_s - plain.at(reference).step_s + 1e-6);
 }
 
+// A runtime faster than the replay of its timed configuration (the copy's passes were timed slower
+// than the runtime ran them): the difference scales the computation instead of taking a fixed
+// amount from every unit, so a smaller micro-batch keeps its share and never computes in no time.
+TEST(PlannerRuntimeCalibration, ARuntimeFasterThanItsReplayScalesTheComputation) {
+  fsdp::DeferredInit deferred;
+  TinyTransformer model(50, 16, 2, 3, 8);
+  const auto cluster = instant_step_cluster(4);
+  auto request = strategies_request(4)
+                     .strategies({fsdp::ShardingStrategy::kFullShard})
+                     .activation_checkpointing({false})
+                     .precisions({at::kFloat})
+                     .micro_batches({1, 2});
+  const auto plain = times_by_candidate(fsdp::plan(*model, cluster, request));
+  const std::string reference = "FULL_SHARD, wrap block, fp32, micro-batch 2 x 1";
+  const std::string smaller = "FULL_SHARD, wrap block, fp32, micro-batch 1 x 2";
+  ASSERT_EQ(plain.count(reference), 1U);
+  ASSERT_EQ(plain.count(smaller), 1U);
+  // Measured at the replay's passes less half their computation (the step takes no time), waits
+  // not measured.
+  const double compute = plain.at(reference).compute_s, measured = plain.at(reference).step_s - compute / 2;
+  fsdp::Calibration calibration;
+  calibration.runtime.push_back(timed_full_shard(measured / 3, 2 * measured / 3, -1));
+  const auto corrected = times_by_candidate(fsdp::plan(*model, cluster, request.calibration(calibration)));
+  EXPECT_NEAR(corrected.at(reference).compute_s, 0.5 * compute, 0.05 * compute);
+  const double smaller_compute = plain.at(smaller).compute_s;
+  EXPECT_NEAR(corrected.at(smaller).compute_s, 0.5 * smaller_compute, 0.05 * smaller_compute)
+      << "plain " << smaller_compute;
+}
+
 // Two strategies timed: FSDP's work splits into a part per unit and a part per collective, so both
 // timed configurations are predicted as measured, and SHARD_GRAD_OP, whose collectives lie between
 // theirs, in between.

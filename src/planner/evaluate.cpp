@@ -310,7 +310,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   for (const SegmentCost& s : costs.segments) {
     SimSegment seg;
     seg.unit = s.unit;
-    const double forward_s = s.forward_flops * tokens * forward_s_per_flop;
+    const double forward_s = s.forward_flops * tokens * forward_s_per_flop * extra.compute_scale;
     const double share = 1.0 / unit_segments[s.unit];  // the unit's runtime work, spread over its stretches
     const bool recompute = sim.units[s.unit].checkpointed;
     const bool measured = recompute && recompute_measured;

@@ -24,6 +24,9 @@ struct RuntimeCorrection {
   double beside_waits_per_compute_s = 0;
   double per_collective_work_s = 0;  // FSDP's work on the compute thread for each collective it issues
   double per_step_s = 0;             // beyond the optimizer step's own prediction
+  // The passes' computation against the replay's, where the runtime computed faster than the
+  // replay of its configuration (FSDP's work per unit would come out negative): 1 otherwise.
+  double compute_scale = 1;
   // What checkpointing changes in each pass per second of the checkpointed forward, measured
   // through the runtime; not measured: the copy's checkpointed timings, else one more forward.
   bool checkpointing_measured = false;

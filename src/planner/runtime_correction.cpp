@@ -75,7 +75,7 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   RuntimeCorrection out;
   // Per timing: the replay of its configuration, the waits beyond the replay's exposed collectives,
   // and the rest of the difference (FSDP's work), with the units and collectives it spreads over.
-  double waits = 0, computation = 0, steps = 0, forward_share = -1;
+  double waits = 0, computation = 0, steps = 0, forward_share = -1, replay_compute = 0;
   int stepped = 0;
   std::vector<std::array<double, 3>> rows;  // units, collectives, work
   std::vector<const TimedConfiguration*> checkpointed, beneath;
@@ -111,6 +111,7 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
       computation += (timing.forward_s + timing.backward_s - replay.exposed_s - wait_s) * blocked_share;
     }
     const double replay_backward = replay.passes_s - replay.forward_s;
+    replay_compute += replay.passes_s - replay.exposed_s;
     rows.push_back({static_cast<double>(replay.units), static_cast<double>(replay.collectives),
                     timing.forward_s + timing.backward_s - replay.passes_s - wait_s});
     if (forward_share < 0) {  // the first timing's passes apportion the per-unit work
@@ -136,6 +137,14 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   if (rows.size() > 1 && std::abs(det) > 1e-9 * uu * cc) {
     const double a = (uw * cc - cw * uc) / det, b = (uu * cw - uc * uw) / det;
     if (b >= 0) per_unit = a, per_collective_work = b;
+  }
+  // Less than the replay: the runtime computes faster than the copy's passes were timed. A fixed
+  // amount per unit would take a smaller micro-batch's computation to nothing; a share of the
+  // computation scales with it (Note [Planner runtime calibration]).
+  if (per_unit < 0 && replay_compute > 0) {
+    const double scale = 1 + per_unit * units / replay_compute;
+    if (scale > 0) out.compute_scale = scale;
+    per_unit = 0;
   }
   // Checkpointing's change: a checkpointed timing against the plain one of the same configuration,
   // the waits on peers left out, per second of the forward computation checkpointing covered.
