@@ -755,8 +755,11 @@ TEST(PlannerTrace, CountsATiedParameterOnceInTheRepeatedBlockNote) {
 // A CNN whose root holds only the classifier, read last in forward: the trace's first stretch reads
 // no parameter, so the runtime gathers the root at the classifier and reduces its gradient as
 // backward begins; under mixed precision its batch norms keep FlatParameters of their own.
+// `root_norm`: the root also normalizes the images first, in a FlatParameter beside the
+// classifier's whose first gradient comes at the end of backward.
 struct ConvClassifierImpl : nn::Module {
-  ConvClassifierImpl() {
+  explicit ConvClassifierImpl(bool root_norm = false) {
+    if (root_norm) norm = register_module("norm", nn::BatchNorm2d(3));
     for (int i = 0; i < 2; ++i)
       blocks->push_back(nn::Sequential(nn::Conv2d(nn::Conv2dOptions(i == 0 ? 3 : 8, 8, 3).padding(1).bias(false)),
                                        nn::BatchNorm2d(8), nn::ReLU()));
@@ -764,9 +767,11 @@ struct ConvClassifierImpl : nn::Module {
     fc = register_module("fc", nn::Linear(8 * 4 * 4, 10));
   }
   at::Tensor forward(at::Tensor x) {
+    if (norm) x = norm(x);
     for (const auto& block : *blocks) x = torch::max_pool2d(block->as<nn::Sequential>()->forward(x), 2);
     return fc(x.flatten(1));
   }
+  nn::BatchNorm2d norm{nullptr};
   nn::ModuleList blocks;
   nn::Linear fc{nullptr};
 };
@@ -830,22 +835,27 @@ FSDP_WORKER(root_read_last_worker) {
       ++checked;
     }
   };
-  ConvClassifier convnet{nullptr};
   TiedLM lm{nullptr};
   {
     fsdp::DeferredInit deferred;
-    convnet = ConvClassifier();
     lm = TiedLM();
   }
-  auto traced = request;
-  traced.trace_sequences(per_rank).trace_forward([&] { convnet->forward(torch::zeros({per_rank, 3, 16, 16})); });
-  check(
-      fsdp::plan(*convnet, cluster, traced), [] { return ConvClassifier().ptr(); },
-      [&](nn::Module& model, fsdp::FullyShardedModule& sharded) {
-        const at::Tensor x = sharded.cast_forward_input(torch::randn({per_rank, 3, 16, 16}));
-        const at::Tensor out = dynamic_cast<ConvClassifierImpl&>(model).forward(x).to(at::kFloat);
-        return torch::nn::functional::cross_entropy(out, torch::randint(10, {per_rank}));
-      });
+  for (const bool root_norm : {false, true}) {
+    ConvClassifier convnet{nullptr};
+    {
+      fsdp::DeferredInit deferred;
+      convnet = ConvClassifier(root_norm);
+    }
+    auto traced = request;
+    traced.trace_sequences(per_rank).trace_forward([&] { convnet->forward(torch::zeros({per_rank, 3, 16, 16})); });
+    check(
+        fsdp::plan(*convnet, cluster, traced), [root_norm] { return ConvClassifier(root_norm).ptr(); },
+        [&](nn::Module& model, fsdp::FullyShardedModule& sharded) {
+          const at::Tensor x = sharded.cast_forward_input(torch::randn({per_rank, 3, 16, 16}));
+          const at::Tensor out = dynamic_cast<ConvClassifierImpl&>(model).forward(x).to(at::kFloat);
+          return torch::nn::functional::cross_entropy(out, torch::randint(10, {per_rank}));
+        });
+  }
   auto rules = request;  // the rules: the head's matrix is a product, the embedding a lookup
   check(
       fsdp::plan(*lm, cluster, rules.seq_len(8)), [] { return TiedLM().ptr(); },
@@ -860,7 +870,7 @@ FSDP_WORKER(root_read_last_worker) {
 TEST(PlannerTrace, PredictsPeaksExactlyWhereTheRootIsReadLastOrTiedOnly) {
   auto r = launch("root_read_last_worker", 2);
   ASSERT_TRUE(r.all_ok()) << r.report();
-  EXPECT_TRUE(contains(r.ranks[0].output, "root read last: 8 configurations exact")) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "root read last: 12 configurations exact")) << r.report();
 }
 
 // A block holding a unit of its own (its MLP), both checkpointed: the block's recompute in backward

@@ -324,6 +324,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     seg.activation_share = unit_bytes > 0 ? (s.activation_values * act + s.activation_fixed_bytes) / unit_bytes : 0;
     seg.reads_params = s.reads_params;
     seg.grads_arrive = s.grads_arrive;
+    seg.arriving_flats = s.arriving_flats;
     seg.backward_reads = s.backward_reads;
     sim.segments.push_back(seg);
   }

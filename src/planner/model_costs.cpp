@@ -1,6 +1,7 @@
 // The planner's shape pass (model_costs.h).
 #include "planner/model_costs.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "fsdp/activation_checkpoint.h"
+#include "planner/op_trace.h"
 #include "planner/parameter_elements.h"
 
 namespace fsdp::planner {
@@ -94,7 +96,13 @@ bool within(const std::string& name, const std::string& scope) {
 class CostBuilder {
  public:
   CostBuilder(torch::nn::Module& root, const UnitPlan& units) : units_(units) {
-    for (size_t u = 0; u < units.units.size(); ++u) unit_by_name_[units.units[u].name] = static_cast<int>(u);
+    for (size_t u = 0; u < units.units.size(); ++u) {
+      unit_by_name_[units.units[u].name] = static_cast<int>(u);
+      const auto& flats = units.units[u].flat_params;
+      for (size_t k = 0; k < flats.size(); ++k)
+        for (const int p : units.flat_params[flats[k]].params)
+          flat_of_.emplace(storage_key(units.params[p].param), std::pair{static_cast<int>(u), static_cast<int>(k)});
+    }
     costs_.unit_activation_values.assign(units.units.size(), 0.0);
     costs_.unit_activation_fixed_bytes.assign(units.units.size(), 0.0);
     costs_.unit_input_values.assign(units.units.size(), 0.0);
@@ -103,7 +111,7 @@ class CostBuilder {
   }
 
   void add(const std::string& module, double flops, double values, double input, bool reads_params, bool grads_arrive,
-           bool backward_reads, double fixed_bytes = 0) {
+           bool backward_reads, double fixed_bytes, const std::vector<const void*>& arriving) {
     int u = unit_of(module, unit_by_name_);
     // A unit without parameters is never entered by the runtime: its work runs in the enclosing one.
     while (u != 0 && units_.units[u].flat_params.empty()) u = units_.units[u].parent;
@@ -116,13 +124,22 @@ class CostBuilder {
         costs_.checkpointed_forward_flops += flops;
         break;
       }
-    if (costs_.segments.empty() || costs_.segments.back().unit != u) costs_.segments.push_back({u, 0, 0, 0});
+    if (costs_.segments.empty() || costs_.segments.back().unit != u) {
+      costs_.segments.emplace_back();
+      costs_.segments.back().unit = u;
+    }
     costs_.segments.back().forward_flops += flops;
     costs_.segments.back().activation_values += values;
     costs_.segments.back().activation_fixed_bytes += fixed_bytes;
     costs_.segments.back().reads_params = costs_.segments.back().reads_params || reads_params;
     costs_.segments.back().grads_arrive = costs_.segments.back().grads_arrive || grads_arrive;
     costs_.segments.back().backward_reads = costs_.segments.back().backward_reads || backward_reads;
+    std::vector<int>& flats = costs_.segments.back().arriving_flats;
+    for (const void* key : arriving)
+      if (const auto it = flat_of_.find(key); it != flat_of_.end() && it->second.first == u &&
+                                              units_.units[u].flat_params.size() > 1 &&
+                                              std::find(flats.begin(), flats.end(), it->second.second) == flats.end())
+        flats.push_back(it->second.second);
   }
 
   ModelCosts take() { return std::move(costs_); }
@@ -130,7 +147,8 @@ class CostBuilder {
  private:
   const UnitPlan& units_;
   std::map<std::string, int> unit_by_name_;
-  std::vector<std::string> checkpointed_;  // the names of the model's checkpointing wrappers
+  std::map<const void*, std::pair<int, int>> flat_of_;  // parameter storage -> its unit, its FlatParameter there
+  std::vector<std::string> checkpointed_;               // the names of the model's checkpointing wrappers
   ModelCosts costs_;
 };
 
@@ -160,15 +178,19 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
                            dynamic_cast<const torch::nn::EmbeddingBagImpl*>(&m) != nullptr;
     bool arrive = false;  // a parameter requiring grad that no earlier module holds (a tied one's first use)
     bool reads = false, backward_reads = false;
+    std::vector<const void*> arriving;
     for (const auto& p : m.named_parameters(/*recurse=*/false)) {
       if (managed.count(p.value().unsafeGetTensorImpl()) == 0) continue;  // ignored: no unit's
       reads = true;
       const std::string& name = p.key();
       const bool bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
       backward_reads = backward_reads || (!bias && !embedding);
-      arrive = (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second) || arrive;
+      if (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second) {
+        arrive = true;
+        arriving.push_back(storage_key(p.value()));
+      }
     }
-    builder.add(item.key(), c.flops, c.values, c.input, reads, arrive, backward_reads);
+    builder.add(item.key(), c.flops, c.values, c.input, reads, arrive, backward_reads, 0, arriving);
   }
   return builder.take();
 }
@@ -214,7 +236,7 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const std
   CostBuilder builder(root, units);
   for (const TracedSegment& s : traced)
     builder.add(s.module, s.forward_flops, s.activation_values, s.input_values, s.reads_params, s.grads_arrive,
-                s.backward_reads, s.activation_fixed_bytes);
+                s.backward_reads, s.activation_fixed_bytes, s.arriving);
   return builder.take();
 }
 

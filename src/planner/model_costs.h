@@ -23,7 +23,8 @@ struct SegmentCost {
   bool reads_params = false;          // reads a parameter of its unit (the runtime enters the unit)
   bool grads_arrive =
       false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
-  bool backward_reads = false;  // its backward reads a parameter of its unit (the runtime enters the unit again)
+  bool backward_reads = false;      // its backward reads a parameter of its unit (the runtime enters the unit again)
+  std::vector<int> arriving_flats;  // the unit's FlatParameters (by position) its backward brings a first gradient
 };
 
 struct ModelCosts {

@@ -23,6 +23,12 @@
 #include "planner/keep_table.h"
 
 namespace fsdp::planner {
+
+const void* storage_key(const at::Tensor& t) {
+  return t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
+                         : static_cast<const void*>(t.unsafeGetTensorImpl());
+}
+
 namespace {
 
 bool is_in_place(std::string_view op) { return !op.empty() && op.back() == '_'; }
@@ -37,11 +43,6 @@ std::string_view base_name(const char* name) {
   std::string_view n(name);
   if (n.rfind("aten::", 0) == 0) n.remove_prefix(6);
   return n;
-}
-
-const void* storage_key(const at::Tensor& t) {
-  return t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
-                         : static_cast<const void*>(t.unsafeGetTensorImpl());
 }
 
 // Every defined tensor among values[from...] (RecordFunction's inputs and outputs differ in type
@@ -117,8 +118,10 @@ struct Tracer {
         segments.push_back(std::move(next));
       }
       if (params.count(it->first) != 0) segments.back().reads_params = true;
-      if (trainable.count(it->first) != 0 && trainable_read.insert(it->first).second)
+      if (trainable.count(it->first) != 0 && trainable_read.insert(it->first).second) {
         segments.back().grads_arrive = true;
+        segments.back().arriving.push_back(it->first);
+      }
     });
     if (segments.back().input_values == 0)
       each_tensor(inputs, 0, [&](const at::Tensor& t) {

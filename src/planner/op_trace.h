@@ -21,8 +21,12 @@ struct TracedSegment {
   bool reads_params = false;          // reads a parameter of its module (where the runtime enters its unit)
   bool grads_arrive =
       false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
-  bool backward_reads = false;  // autograd keeps a parameter for its backward (which then enters the unit)
+  bool backward_reads = false;        // autograd keeps a parameter for its backward (which then enters the unit)
+  std::vector<const void*> arriving;  // the storage of the parameters requiring grad first read here
 };
+
+// The key the trace knows a tensor's storage by.
+const void* storage_key(const at::Tensor& t);
 
 // The segments in forward order; a module appears again where forward returns to it. An operator
 // whose stand-ins take at most `probe_bytes` is run on them to learn what its backward keeps.

@@ -20,18 +20,11 @@ enum class State { kIdle, kForwardPrefetched, kForward, kBackwardPrefetched, kBa
 class Replay {
  public:
   explicit Replay(const SimInput& in)
-      : in_(in),
-        n_(static_cast<int>(in.units.size())),
-        state_(n_, State::kIdle),
-        unsharded_(n_, 0),
-        pending_(n_, 0),
-        ran_(n_, 0),
-        grads_allocated_(n_, 0),
-        gather_end_(n_, 0.0),
-        partials_(n_, 0),
-        parts_(n_, 0),
-        gathering_parts_(n_, 0),
-        exact_held_(n_, 0) {}
+      : in_(in), n_(static_cast<int>(in.units.size())), state_(n_, State::kIdle), gather_end_(n_, 0.0) {
+    for (auto* v : {&unsharded_, &pending_, &ran_, &partials_, &parts_, &gathering_parts_, &exact_held_})
+      v->assign(n_, 0);
+    grads_allocated_.assign(n_, {});
+  }
 
   SimResult run() {
     plan_orders();
@@ -64,6 +57,8 @@ class Replay {
           if (enters_[j]) use_in_backward(in_.segments[j].unit);
       if (enters_[i] && s.backward_reads) use_in_backward(u);
       if (i == grads_alloc_segment_[u]) allocate_grads(u);
+      for (size_t k = 0; k < flat_alloc_segment_[u].size(); ++k)
+        if (i == flat_alloc_segment_[u][k]) allocate_flat(u, k);
       const int64_t recomputed = in_.units[u].checkpointed ? share(s, in_.units[u].full_activation_bytes) : 0;
       mem_.add_acts(recomputed);
       compute(s.backward_s);
@@ -73,7 +68,7 @@ class Replay {
     finish_reductions(0);
     if (!in_.micro.reduce)  // GradientReducer::end_backward without sync: every gradient folded
       for (int u = 0; u < n_; ++u)
-        if (grads_allocated_[u]) {
+        if (!grads_allocated_[u].empty()) {
           hold_exact(u);
           for (const SimFlat& f : in_.units[u].flats)
             if (f.exact_bytes > 0) compute(f.reduce_pack_s);
@@ -119,6 +114,7 @@ class Replay {
     first_segment_ = std::move(o.first_segment);
     grads_in_segment_ = std::move(o.grads_in_segment);
     grads_alloc_segment_ = std::move(o.grads_alloc_segment);
+    flat_alloc_segment_ = std::move(o.flat_alloc_segment);
     previous_forward_order_ = std::move(o.forward_order);
     backward_order_ = std::move(o.backward_order);
     first_in_backward_ = o.first_in_backward;
@@ -131,12 +127,17 @@ class Replay {
     exact_held_[u] = 1;
     for (const SimFlat& f : in_.units[u].flats) mem_.grad_buffer(f.exact_bytes, 1);
   }
-  // u's gradient buffers; with gradients held from earlier micro-batches, its exact sums too.
+  // u's gradient buffers: those held from earlier micro-batches (with its exact sums) or of unknown
+  // arrival with its first gradient, the others with their own (allocate_flat).
   void allocate_grads(int u) {
     if (in_.micro.grads_held) hold_exact(u);
-    if (grads_allocated_[u]) return;
-    grads_allocated_[u] = 1;
-    for (const SimFlat& f : in_.units[u].flats) mem_.grad_buffer(f.grad_buffer_bytes, 1);
+    if (!grads_allocated_[u].empty()) return;
+    grads_allocated_[u].assign(in_.units[u].flats.size(), 0);
+    for (size_t k = 0; k < grads_allocated_[u].size(); ++k)
+      if (in_.micro.grads_held || flat_alloc_segment_[u][k] < 0) allocate_flat(u, k);
+  }
+  void allocate_flat(int u, size_t k) {
+    if (!std::exchange(grads_allocated_[u][k], 1)) mem_.grad_buffer(in_.units[u].flats[k].grad_buffer_bytes, 1);
   }
   // A unit the previous micro-batch's backward left unsharded (its gathers landed long ago).
   void hold_unsharded(int u) {
@@ -193,7 +194,6 @@ class Replay {
     const auto& a = in_.units[of].ancestors;
     return std::find(a.begin(), a.end(), v) != a.end();
   }
-
   void mark_used(int u, bool in_backward) {
     State& s = state_[u];
     if (!in_backward && !forward_seen(u))
@@ -210,7 +210,6 @@ class Replay {
     else if (s == State::kForward || s == State::kBackward)
       s = State::kBackwardPrefetched;
   }
-
   void unshard(int u) {
     if (!needs_unshard(u)) return;
     double end = now_;
@@ -299,7 +298,6 @@ class Replay {
     mark_prefetched(v);
     return true;
   }
-
   void leave_forward(int u) {
     if (u == first_in_backward_ && awaits_backward(u)) {
       mark_prefetched(u);
@@ -409,7 +407,7 @@ class Replay {
 
   // GradientReducer::reduce: wait for the oldest reductions until fewer than k remain, then issue.
   void reduce(int u) {
-    if (!grads_allocated_[u]) return;
+    if (grads_allocated_[u].empty()) return;
     const size_t k = static_cast<size_t>(in_.reductions_in_flight);
     for (const SimFlat& f : in_.units[u].flats) {
       if (!f.requires_grad) continue;
@@ -474,13 +472,15 @@ class Replay {
   const SimInput& in_;
   int n_;
   std::vector<State> state_;
-  std::vector<char> unsharded_, pending_, ran_, grads_allocated_;
+  std::vector<char> unsharded_, pending_, ran_;
+  std::vector<std::vector<char>> grads_allocated_;  // per unit, per FlatParameter; none yet: empty
   std::vector<double> gather_end_;
   std::vector<char> partials_;                 // replica-deferred: the unit's partial sums held
   std::vector<char> parts_, gathering_parts_;  // hpZ: parts held; the pending gather reads them
   std::vector<int> lingering_;                 // done with backward, gathered for their frozen parameters
   std::vector<char> exact_held_;               // deterministic: the unit's exact sums held from a fold
   std::vector<int> first_segment_, grads_in_segment_, grads_alloc_segment_, previous_forward_order_, backward_order_;
+  std::vector<std::vector<int>> flat_alloc_segment_;
   std::vector<char> unread_in_backward_;
   std::vector<char> enters_;                  // per stretch: it enters its unit
   std::vector<std::vector<int>> recomputes_;  // per stretch: where the forwards its backward recomputes begin

@@ -66,7 +66,8 @@ struct SimSegment {
   bool reads_params = true;     // reads a parameter of its unit: the runtime enters the unit (Scheduler::use)
   bool grads_arrive =
       false;  // its backward brings a first gradient: it reads a parameter requiring grad for the first time
-  bool backward_reads = true;  // its backward reads a parameter of its unit: backward enters the unit here
+  bool backward_reads = true;       // its backward reads a parameter of its unit: backward enters the unit here
+  std::vector<int> arriving_flats;  // its unit's flats (by position) whose first gradient its backward brings
 };
 
 // What one micro-batch of several begins with and does at its end.

@@ -34,6 +34,14 @@ SimOrders sim_orders(const SimInput& input) {
     if (o.enters[i] && input.segments[i].grads_arrive) o.grads_in_segment[input.segments[i].unit] = i;
   for (int i = 0; i < segments; ++i)
     if (o.enters[i] && input.segments[i].grads_arrive) o.grads_alloc_segment[input.segments[i].unit] = i;
+  // Each FlatParameter's buffer comes with its own first gradient (GradientReducer::prepare_grad).
+  o.flat_alloc_segment.resize(units);
+  for (int u = 0; u < units; ++u) o.flat_alloc_segment[u].assign(input.units[u].flats.size(), -1);
+  for (int i = 0; i < segments; ++i)
+    if (o.enters[i] && input.segments[i].grads_arrive)
+      for (const int k : input.segments[i].arriving_flats)
+        if (k < static_cast<int>(o.flat_alloc_segment[input.segments[i].unit].size()))
+          o.flat_alloc_segment[input.segments[i].unit][k] = i;
   for (int u = 0; u < units; ++u)
     if (last_segment[u] >= 0) o.backward_order.push_back(u);
   std::sort(o.backward_order.begin(), o.backward_order.end(),

@@ -12,6 +12,8 @@ struct SimOrders {
   std::vector<int> first_segment;        // per unit: its first entering stretch (-1: none)
   std::vector<int> grads_in_segment;     // per unit: the stretch whose backward brings its last gradient
   std::vector<int> grads_alloc_segment;  // per unit: the stretch whose backward brings its first gradient
+  // Per unit, per FlatParameter: the stretch whose backward brings its first gradient (-1: the unit's).
+  std::vector<std::vector<int>> flat_alloc_segment;
   std::vector<int> forward_order;        // the units by first entry in forward
   std::vector<int> backward_order;       // the units by last entry in forward, last first
   int first_in_backward = -1;            // the non-root unit backward needs first, where forward keeps it
