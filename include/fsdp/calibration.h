@@ -144,6 +144,8 @@ struct CalibrateOptions {
 // optimizer's step over `model`'s parameters, and the quantization formats of `options` over as
 // many values as `model` has parameters (at least 2^16, at most 2^24).
 // `model` is a throwaway copy on the device the job computes on; it is left in the last precision.
+// The copy is cast to each precision in turn, its inputs are not: `loss()` casts floating inputs
+// to the copy's dtype (a convolution refuses float32 images with bfloat16 weights).
 // Collective-free: every rank of a job may calibrate at once (then the times include the ranks'
 // sharing of the machine). Throws fsdp::Error on bad arguments.
 Calibration calibrate(torch::nn::Module& model, const std::function<at::Tensor()>& loss, int64_t tokens,
