@@ -50,6 +50,8 @@ fsdp::checkpoint::Extra progress_extra(fsdp::ProcessGroup& pg, const TrainConfig
       {"window_loss", std::string(static_cast<const char*>(losses.data_ptr()), losses.nbytes())},
       {"cpu_rng_state", std::string(static_cast<const char*>(rng.data_ptr()), rng.nbytes())},
       {"seed", std::to_string(c.seed)},
+      {"heads", std::to_string(c.heads)},
+      {"deterministic", c.deterministic ? "1" : "0"},
       {"world_size", std::to_string(pg.size())}};
   if (scaler) {  // --mixed-precision fp16: the loss scale and its growth count continue on resume
     extra["grad_scale"] = double_bytes(scaler->get_scale());
@@ -112,6 +114,17 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
   fsdp::checkpoint::load(dir, sharded, optimizer, &extra);
   if (extra.at("seed") != std::to_string(c.seed))
     throw std::runtime_error(dir + " was written with --seed " + extra.at("seed") + "; resume with the same flags");
+  // Flags the parameters' shapes do not show (checkpoints of older runs do not record them).
+  if (extra.count("heads") != 0 && extra.at("heads") != std::to_string(c.heads))
+    throw std::runtime_error(dir + " was written with --heads " + extra.at("heads") +
+                             " (the same weights split into other attention heads are another model); resume with "
+                             "--heads " +
+                             extra.at("heads"));
+  if (extra.count("deterministic") != 0 && (extra.at("deterministic") == "1") != c.deterministic)
+    throw std::runtime_error(dir + " was written " + (c.deterministic ? "without" : "with") +
+                             " --deterministic, which decides how the batch and the logged loss are split over "
+                             "ranks; resume " +
+                             (c.deterministic ? "without" : "with") + " it");
   p.step = std::stoi(extra.at("step"));
   p.window_steps = std::stoi(extra.at("window_steps"));
   const std::string& losses = extra.at("window_loss");
@@ -141,6 +154,9 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
   if (pg.rank() == 0)
     std::cout << "checkpoint: resumed from " << dir << " at step " << p.step << " (saved by " << extra.at("world_size")
               << (extra.at("world_size") == "1" ? " rank" : " ranks") << ", resumed on " << pg.size() << ")\n"
+              << (p.step >= c.steps ? "checkpoint: step " + std::to_string(p.step) + " is at or past --steps " +
+                                          std::to_string(c.steps) + ": nothing left to train (raise --steps to go on)\n"
+                                    : "")
               << std::flush;
   return p;
 }

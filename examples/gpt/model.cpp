@@ -55,8 +55,9 @@ BlockImpl::BlockImpl(const GPTConfig& config) : dropout(config.dropout) {
 }
 
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
-  // Not in evaluation or generation, which run without gradients.
-  const bool drop = dropout > 0 && is_training() && torch::GradMode::is_enabled();
+  // In training mode only (evaluation and generation switch it off), also inside a checkpointed
+  // block's forward, which runs without gradients and whose recomputation must draw the same masks.
+  const bool drop = dropout > 0 && is_training();
   const auto maybe_drop = [&](const torch::Tensor& t) {
     return drop ? torch::dropout(t, dropout, true) : t;
   };

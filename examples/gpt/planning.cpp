@@ -277,6 +277,8 @@ fsdp::Plan plan_gpt(const TrainConfig& config, const fsdp::Cluster& cluster, int
   model_config.width = config.width;
   model_config.layers = config.layers;
   model_config.heads = config.heads;
+  // Checkpointed blocks wherever a checkpointed candidate may be planned, as the run builds them.
+  model_config.activation_checkpointing = !flags_only || config.activation_checkpointing;
   fsdp::DeferredInit deferred;  // shapes only: nothing is allocated
   gpt::GPT model(model_config);
   const int world = cluster.world();

@@ -241,6 +241,10 @@ void check_flag_combinations(const CLI::App& app, const fsdp::RankEnv& env, Trai
     throw CLI::ValidationError("--warmup",
                                std::to_string(config.warmup) + " is more than --steps " + std::to_string(config.steps));
   if (config.min_lr > config.lr) throw CLI::ValidationError("--min-lr", "must not exceed --lr");
+  if (config.stop_after > config.steps)
+    throw CLI::ValidationError("--stop-after", std::to_string(config.stop_after) + " is past --steps " +
+                                                   std::to_string(config.steps) +
+                                                   ": the run ends before it; give a step of the run, or drop it");
   if (config.prompt.empty()) throw CLI::ValidationError("--prompt", "must not be empty");
   if (config.deterministic && config.grad_accum_mode != "no-sync" && config.grad_accum_mode != "no-sync-unsharded")
     throw CLI::ValidationError("--deterministic", "accumulates each rank's micro-batches locally and reduces once; "
@@ -347,7 +351,9 @@ void resolve_batch(TrainConfig& config, int world, int saved_global, const std::
                                            "; leave --global-batch out to "
                                            "continue with " +
                                            str(saved_global) + ", or start afresh in another --save-dir");
-  if (config.batch_per_rank % config.grad_accum != 0)
+  // --grad-accum splits --batch-per-rank, or with --global-batch each rank's share of it.
+  const bool splits_share = config.global_batch > 0 && !config.deterministic;
+  if (!splits_share && config.batch_per_rank % config.grad_accum != 0)
     throw BatchError("--grad-accum",
                      str(config.grad_accum) + " does not divide --batch-per-rank " + str(config.batch_per_rank));
   BatchPlan b;
@@ -382,6 +388,11 @@ void resolve_batch(TrainConfig& config, int world, int saved_global, const std::
     if (b.per_rank % b.micro != 0)
       throw BatchError("--batch-size", "--batch-size " + str(b.micro) + " does not divide the " + str(b.per_rank) +
                                            " sequences per rank of " + source + " over " + ranks);
+  } else if (splits_share && config.grad_accum > 1) {
+    if (b.per_rank % config.grad_accum != 0)
+      throw BatchError("--grad-accum", "--grad-accum " + str(config.grad_accum) + " does not divide the " +
+                                           str(b.per_rank) + " sequences per rank of " + source + " over " + ranks);
+    b.micro = b.per_rank / config.grad_accum;
   } else {
     b.micro = std::min(config.batch_per_rank / config.grad_accum, b.per_rank);
     if (b.per_rank % b.micro != 0)

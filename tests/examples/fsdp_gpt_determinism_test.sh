@@ -38,6 +38,19 @@ test_deterministic_hash_across_world_sizes() {
   done
 }
 
+# Activation checkpointing recomputes each block's forward with the dropout masks of the forward it
+# replaces: the hash and the losses equal the run without it.
+test_checkpointing_keeps_the_dropout_masks() {
+  run "$TRAINER" "${DET[@]}" --steps 3
+  expect_rc 0
+  cp "$TMP/out" "$TMP/plain.out"
+  run "$TRAINER" "${DET[@]}" --steps 3 --activation-checkpointing
+  expect_rc 0
+  [ -n "$(final_hash out)" ] && [ "$(final_hash out)" = "$(final_hash plain.out)" ] ||
+    fail "hash with checkpointing $(final_hash out) != $(final_hash plain.out) without"
+  [ "$(losses out)" = "$(losses plain.out)" ] || fail "the losses with checkpointing differ"
+}
+
 # Four ranks, one killed (SIGKILL) after a checkpoint: fsdp-run --max-restarts 1 --nproc-per-node
 # 3:4 restarts three, which resume from the newest complete checkpoint and end with the hash and
 # the losses of an uninterrupted run.

@@ -184,4 +184,21 @@ test_global_batch_resume_errors() {
   expect_regex out "batch +global 4 sequences \(--global-batch\) = 2 ranks x 1 micro-batch x 2 \(--batch-size\)"
 }
 
+# What the checkpoint's shapes do not show is recorded and kept: a resume with other --heads, or
+# with --deterministic switched, is refused naming the flag; one past --steps says so.
+test_resume_refuses_other_heads_or_determinism() {
+  local model=(--layers 2 --width 64 --context 32 --eval-batches 1 --sample-bytes 0 --batch-per-rank 4)
+  run "$TRAINER" "${model[@]}" --heads 4 --steps 4 --stop-after 2 --save-dir "$TMP/ck"
+  expect_rc 0
+  run "$TRAINER" "${model[@]}" --heads 2 --steps 4 --save-dir "$TMP/ck" --resume
+  expect_failure
+  expect_text err "was written with --heads 4"
+  run "$TRAINER" "${model[@]}" --heads 4 --steps 4 --deterministic --save-dir "$TMP/ck" --resume
+  expect_failure
+  expect_text err "was written without --deterministic"
+  run "$TRAINER" "${model[@]}" --heads 4 --steps 2 --save-dir "$TMP/ck" --resume
+  expect_rc 0
+  expect_text out "checkpoint: step 2 is at or past --steps 2: nothing left to train"
+}
+
 run_cases "$@"

@@ -177,6 +177,8 @@ test_bad_flags() {
     "--global-batch 12|the micro-batch 8 (--batch-per-rank / --grad-accum); pass a --batch-size"
     "--global-batch 8 --batch-per-rank 4|--global-batch"
     "--batch-size 2 --grad-accum 2|--grad-accum"
+    "--global-batch 6 --grad-accum 4|--grad-accum 4 does not divide the 6 sequences per rank"
+    "--steps 3 --stop-after 10|--stop-after: 10 is past --steps 3"
     "--mixed-precision fp8|--mixed-precision"
     "--reshard-after-forward sometimes|--reshard-after-forward"
     "--clip-grad-norm -1|--clip-grad-norm"
@@ -287,6 +289,11 @@ test_grad_accum_modes() {
   run "$TRAINER" "${TINY[@]}" --grad-accum 2 --grad-accum-mode replica-deferred
   expect_failure
   expect_text err "replica-deferred needs --strategy HYBRID_SHARD"
+  # With --global-batch, --grad-accum splits each rank's share of it.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" --layers 2 --width 64 --heads 4 --context 32 \
+      --steps 2 --log-interval 1 --eval-batches 1 --sample-bytes 0 --global-batch 16 --grad-accum 4
+  expect_rc 0
+  expect_regex out "grad accumulation +4 micro-batches of 2 "
 }
 
 # Blocks kept sharded over pairs of ranks between forward and backward (hpZ) at world 4: the
