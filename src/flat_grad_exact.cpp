@@ -81,6 +81,9 @@ bool FlatGrad::complete_exact_reduction(bool defer_landing) {
   for (size_t i = 0; i < partial_slots_.size(); ++i) got[i] = got[i] || partial_slots_[i];
   partial_slots_.clear();
   const double count = static_cast<double>(sums[X].item<int64_t>());
+  FSDP_CHECK(count > 0, "deterministic training: every backward since the last reduction was left out "
+                        "(set_backward_counted(false) on every rank), so there is no gradient to average; count "
+                        "at least one backward of the step (a padding pass alone is not a step)");
   at::Tensor limbs = sums.narrow(0, 0, X);
   if (wire.limbs != exact::kLimbs) {
     limbs = sent.view({-1}).narrow(0, 0, exact::kLimbs * S);

@@ -9,7 +9,8 @@ namespace fsdp {
 
 ParamReduction::ParamReduction(FullyShardedModule& module) : state_(&detail::StateAccess::of(module)) {
   FsdpState& state = *state_;
-  for (const auto& fp : state.flat_params()) {
+  for (size_t f = 0; f < state.flat_params().size(); ++f) {
+    const auto& fp = state.flat_params()[f];
     const int64_t lo = fp->keep_unsharded() ? 0 : int64_t(fp->shard_rank()) * fp->shard_numel();
     for (const auto& s : fp->slots()) {
       WholeParam p;
@@ -23,10 +24,21 @@ ParamReduction::ParamReduction(FullyShardedModule& module) : state_(&detail::Sta
         p.begin = lo + s.piece_offset - s.offset;
       }
       params_.push_back(std::move(p));
+      flat_of_.push_back(f);
     }
   }
   const CommunicatorPtr& shard = state.groups().shard_comm;
   if (!state.groups().keep_unsharded && shard && shard->size() > 1) comm_ = shard;
+}
+
+bool ParamReduction::update_trainable() {
+  bool changed = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const bool now = state_->flat_params()[flat_of_[i]]->requires_grad();
+    changed = changed || now != params_[i].trainable;
+    params_[i].trainable = now;
+  }
+  return changed;
 }
 
 int ParamReduction::add(const at::Tensor& part, Combine how) {

@@ -136,6 +136,25 @@ TEST(Determinism, BackwardCountedNeedsDeterministicMode) {
   EXPECT_TRUE(r.all_ok()) << r.report();
 }
 
+// A step whose every backward was left out on every rank has no gradient to average: refused on
+// every rank, naming it, instead of dividing by a count of zero; a counted backward trains again.
+FSDP_WORKER(nothing_counted_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  TinyTransformer model(32, 16, 2, 3, 8);
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options("FULL_SHARD").deterministic(true));
+  const at::Tensor x = token_batch(ctx.world, 0).narrow(0, ctx.rank * 2, 2);
+  sharded->set_backward_counted(false);
+  expect_error([&] { loss_of(model, x).backward(); }, "every backward since the last reduction was left out",
+               "no counted backward");
+  if (ctx.rank == 0) std::cout << "refused" << std::endl;
+}
+
+TEST(Determinism, AStepWithNoCountedBackwardIsRefused) {
+  auto r = launch("nothing_counted_worker", 2, {}, 60);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "refused")) << r.report();
+}
+
 // The float deposit's vectorized loop (where the CPU has one) gives the parts of split(), the
 // double loop's, for every kind of float: signed zeros, subnormals, the grid's edges, values out of
 // range, infinities and NaN.

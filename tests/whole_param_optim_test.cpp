@@ -104,16 +104,24 @@ void check_muon_plan(const WorkerContext& ctx, fsdp::ProcessGroup& pg, fsdp::Ful
 }
 
 // Trains `kind` under `strategy` for 4 steps in `mode` (plain; accum: two micro-batches, the first
-// under no_sync; clip: clip_grad_norm_ before each step) and checks the parameters against
+// under no_sync; clip: clip_grad_norm_ before each step; unfreeze: the first block frozen before
+// fully_shard and the optimizer, unfrozen after the first step) and checks the parameters against
 // single-process training, the reductions' collectives, and Muon's owners and exchanges.
 void expect_single_process_result(const WorkerContext& ctx, const fsdp::ProcessGroupPtr& pg, const std::string& kind,
                                   const std::string& strategy, const std::string& mode) {
   auto [ref, model] = twin_tiny_transformers();
+  auto first_block = [&](bool on) {
+    for (auto* m : {&ref, &model})
+      for (auto& p : (*m)->blocks[0]->parameters()) p.requires_grad_(on);
+  };
+  if (mode == "unfreeze") first_block(false);
   auto sharded = fsdp::fully_shard(model, pg, block_unit_options(strategy));
   auto [opt, ref_step] = optimizers(kind, *sharded);
-  const std::vector<at::Tensor> ref_params = trainable(*ref);
   const int steps = 4;
   for (int step = 0; step < steps; ++step) {
+    if (mode == "unfreeze" && step == 1) first_block(true);
+    // Every parameter, in one order (the references keep state by position); frozen ones get no gradient.
+    const std::vector<at::Tensor> ref_params = mode == "unfreeze" ? unique_parameters(*ref) : trainable(*ref);
     const at::Tensor x = token_batch(ctx.world, step);
     for (const auto& p : ref_params) p.mutable_grad().reset();
     loss_of(ref, x).backward();
@@ -137,7 +145,8 @@ void expect_single_process_result(const WorkerContext& ctx, const fsdp::ProcessG
   expect_same_parameters(*ref, *sharded, 1e-12, what);
   const bool peers = strategy != "NO_SHARD" && sharded->sharding_factor() > 1;
   const int64_t per_step = kind == "lamb" ? 1 : kind == "adafactor" ? 2 : 0;
-  const int64_t at_construction = kind.rfind("muon", 0) == 0 && peers ? 1 : 0;
+  // Muon plans at construction, and again when a parameter is unfrozen.
+  const int64_t at_construction = kind.rfind("muon", 0) == 0 && peers ? (mode == "unfreeze" ? 2 : 1) : 0;
   WORKER_CHECK(opt->reduction().collectives() == (peers ? per_step * steps : 0) + at_construction, what,
                ": reduction collectives ", opt->reduction().collectives());
   if (mode == "plain") check_reductions(*sharded);
@@ -253,9 +262,47 @@ FSDP_WORKER(whole_param_step_in_backward_worker) {
                "set_step_in_backward(nullptr)", ctx.args.at(0) + " in backward");
 }
 
-// Accumulation, clipping, mixed precision and the refused step in backward, for `kind`.
+// Groups the whole-parameter optimizers refuse, naming the problem: options of another optimizer,
+// a tensor that is not one of the module's pieces, a piece in two groups.
+FSDP_WORKER(whole_param_groups_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  auto [ref, model] = twin_tiny_transformers();
+  auto [other_ref, other] = twin_tiny_transformers();
+  auto sharded = fsdp::fully_shard(model, pg, block_unit_options("FULL_SHARD"));
+  auto other_sharded = fsdp::fully_shard(other, pg, block_unit_options("FULL_SHARD"));
+  using Groups = std::vector<torch::optim::OptimizerParamGroup>;
+  auto pieces = [](fsdp::FullyShardedModule& m) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : m.shard_pieces()) out.push_back(p.piece);
+    return out;
+  };
+  auto with_options = [&](std::unique_ptr<torch::optim::OptimizerOptions> o) {
+    return Groups{torch::optim::OptimizerParamGroup(pieces(*sharded), std::move(o))};
+  };
+  expect_error([&] { fsdp::Muon(*sharded, with_options(std::make_unique<fsdp::LambOptions>())); },
+               "has options of type fsdp::LambOptions, not this optimizer's fsdp::MuonOptions", "Muon given Lamb's");
+  expect_error([&] { fsdp::Lamb(*sharded, with_options(std::make_unique<torch::optim::AdamWOptions>())); },
+               "not this optimizer's fsdp::LambOptions", "Lamb given AdamW's");
+  expect_error([&] { fsdp::Lamb(*sharded, Groups{torch::optim::OptimizerParamGroup(pieces(*other_sharded))}); },
+               "is not a shard piece of this module", "another module's pieces");
+  expect_error(
+      [&] {
+        fsdp::Adafactor(*sharded, Groups{torch::optim::OptimizerParamGroup(pieces(*sharded)),
+                                         torch::optim::OptimizerParamGroup({pieces(*sharded).front()})});
+      },
+      "is in parameter groups 0 and 1", "a piece in two groups");
+  if (ctx.rank == 0) std::cout << "groups refused" << std::endl;
+}
+
+TEST(WholeParamOptim, RefusesGroupsOfAnotherOptimizerOrModuleOrAPieceTwice) {
+  auto r = launch("whole_param_groups_worker", 2);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_TRUE(contains(r.ranks[0].output, "groups refused")) << r.report();
+}
+
+// Accumulation, clipping, unfreezing, mixed precision and the refused step in backward, for `kind`.
 void run_modes(const std::string& kind) {
-  for (const char* mode : {"accum", "clip"}) {
+  for (const char* mode : {"accum", "clip", "unfreeze"}) {
     auto r = launch("whole_param_worker", 3, {kind, "FULL_SHARD", mode});
     ASSERT_TRUE(r.all_ok()) << kind << " " << mode << "\n" << r.report();
   }

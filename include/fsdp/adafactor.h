@@ -47,7 +47,7 @@ struct AdafactorParamState : public torch::optim::OptimizerCloneableParamState<A
 
 class Adafactor : public WholeParamOptimizer {
  public:
-  // `groups`: see WholeParamOptimizer (empty: every trainable piece with `defaults`).
+  // `groups`: see WholeParamOptimizer (empty: every piece with `defaults`).
   Adafactor(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
             const AdafactorOptions& defaults = {});
   Adafactor(FullyShardedModule& module, const AdafactorOptions& defaults) : Adafactor(module, {}, defaults) {}

@@ -31,7 +31,7 @@ using LambParamState = torch::optim::AdamWParamState;
 
 class Lamb : public WholeParamOptimizer {
  public:
-  // `groups`: see WholeParamOptimizer (empty: every trainable piece with `defaults`).
+  // `groups`: see WholeParamOptimizer (empty: every piece with `defaults`).
   Lamb(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
        const LambOptions& defaults = {});
   Lamb(FullyShardedModule& module, const LambOptions& defaults) : Lamb(module, {}, defaults) {}

@@ -17,7 +17,7 @@ namespace fsdp {
 
 class LBFGS : public WholeParamOptimizer {
  public:
-  // One group of every trainable piece (L-BFGS has no parameter groups); the options are
+  // One group of every piece (L-BFGS has no parameter groups); the options are
   // LibTorch's, with the same defaults (max_eval unset: max_iter * 5 / 4).
   explicit LBFGS(FullyShardedModule& module, const torch::optim::LBFGSOptions& options = {});
   // Collective over the world: every rank calls it at the same step with a closure that zeroes the

@@ -87,7 +87,7 @@ struct MuonStepStats {
 
 class Muon : public WholeParamOptimizer {
  public:
-  // `groups`: see WholeParamOptimizer (empty: every trainable piece with `defaults`). Collective
+  // `groups`: see WholeParamOptimizer (empty: every piece with `defaults`). Collective
   // over the module's shard group (the ranks agree which parameters are Muon's matrices).
   Muon(FullyShardedModule& module, std::vector<torch::optim::OptimizerParamGroup> groups,
        const MuonOptions& defaults = {}, MuonExchange exchange = MuonExchange::kAuto);
@@ -121,6 +121,8 @@ class Muon : public WholeParamOptimizer {
   std::vector<Slice> outgoing_;                 // this rank's pieces of others' matrices, in the spread buffer
   std::vector<Slice> incoming_;                 // others' pieces of this rank's matrices, in the gathered buffer
   at::ScalarType exchange_dtype_ = at::kFloat;  // of the matrices on their way and back
+  // Plans again: a parameter unfrozen since is one of Muon's matrices from now on.
+  void trainable_changed() override { plan(); }
   // Which parameters are Muon's matrices, their owners and the exchange, from the groups' options.
   void plan();
   // Each matrix's owner, from its Newton-Schulz cost (per matrix) and where its pieces lie.

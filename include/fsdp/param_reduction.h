@@ -37,6 +37,8 @@ class ParamReduction {
   explicit ParamReduction(FullyShardedModule& module);
 
   const std::vector<WholeParam>& params() const { return params_; }
+  // Takes each parameter's `trainable` from its FlatParameter again (unfrozen since); whether any changed.
+  bool update_trainable();
   // Queues this rank's part of one reduction (any floating dtype and device; the same length on
   // every rank of the shard group, zeros where the rank holds nothing); returns its id for result().
   int add(const at::Tensor& part, Combine how);
@@ -54,7 +56,8 @@ class ParamReduction {
  private:
   FsdpState* state_;
   std::vector<WholeParam> params_;
-  CommunicatorPtr comm_;  // null: parameters are whole on every rank
+  std::vector<size_t> flat_of_;  // per parameter: its FlatParameter
+  CommunicatorPtr comm_;         // null: parameters are whole on every rank
   std::vector<at::Tensor> parts_;
   std::vector<Combine> how_;
   std::vector<at::Tensor> results_;
