@@ -3,8 +3,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/fsdp.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -159,6 +162,22 @@ Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySharded
                                     : "")
               << std::flush;
   return p;
+}
+
+void check_save_dir(const TrainConfig& c) {
+  if (c.save_dir.empty()) return;
+  for (size_t at = c.save_dir.find('/', 1);; at = c.save_dir.find('/', at + 1)) {
+    const std::string prefix = c.save_dir.substr(0, at);
+    if (!prefix.empty() && ::mkdir(prefix.c_str(), 0777) != 0 && errno != EEXIST)
+      throw std::runtime_error("--save-dir " + c.save_dir + ": cannot make " + prefix + ": " + std::strerror(errno));
+    if (at == std::string::npos) break;
+  }
+  struct stat st {};
+  errno = 0;
+  if (::stat(c.save_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || ::access(c.save_dir.c_str(), W_OK | X_OK) != 0)
+    throw std::runtime_error("--save-dir " + c.save_dir + " is not a directory this process may write into" +
+                             (errno != 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string()) +
+                             "; give another, or fix its permissions");
 }
 
 void export_model(const TrainConfig& config, fsdp::FullyShardedModule& sharded, bool is_main) {

@@ -40,6 +40,10 @@ void save_checkpoint(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullySh
 Progress resume(fsdp::ProcessGroup& pg, const TrainConfig& c, fsdp::FullyShardedModule& sharded,
                 torch::optim::Optimizer& optimizer, fsdp::GradScaler* scaler);
 
+// --save-dir exists (made with its parents) and this process may write into it; otherwise throws
+// naming it, before any step trains.
+void check_save_dir(const TrainConfig& c);
+
 // --export: writes the whole model as one safetensors file (collective; rank 0 says so).
 void export_model(const TrainConfig& config, fsdp::FullyShardedModule& sharded, bool is_main);
 

@@ -52,6 +52,7 @@ int run(int argc, char** argv) {
   job.world = pg->size();
   const bool is_main = rank == 0;
 
+  check_save_dir(config);
   const std::optional<TrainingData> data = load_data(config, is_main);
   if (!data) return 1;
   job.peak = measure_peak(*pg);

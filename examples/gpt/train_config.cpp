@@ -249,6 +249,11 @@ void check_flag_combinations(const CLI::App& app, const fsdp::RankEnv& env, Trai
   if (config.deterministic && config.grad_accum_mode != "no-sync" && config.grad_accum_mode != "no-sync-unsharded")
     throw CLI::ValidationError("--deterministic", "accumulates each rank's micro-batches locally and reduces once; "
                                                   "use --grad-accum-mode no-sync or no-sync-unsharded");
+  for (const auto& [flag, value] : {std::pair{"--quantize-all-gather", &config.quantize_all_gather},
+                                    std::pair{"--quantize-reduce", &config.quantize_reduce}})
+    if (*value == "fp8" && !fsdp::has_float8())
+      throw CLI::ValidationError(flag, "fp8: this LibTorch has no 8-bit float type (LibTorch 2.1 and later have "
+                                       "it); use int8");
   if (config.quantize_error_feedback && config.quantize_reduce == "none")
     throw CLI::ValidationError("--quantize-error-feedback", "keeps what quantized reductions round off; add "
                                                             "--quantize-reduce int8 (or fp8)");

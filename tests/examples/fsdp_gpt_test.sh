@@ -179,6 +179,7 @@ test_bad_flags() {
     "--batch-size 2 --grad-accum 2|--grad-accum"
     "--global-batch 6 --grad-accum 4|--grad-accum 4 does not divide the 6 sequences per rank"
     "--steps 3 --stop-after 10|--stop-after: 10 is past --steps 3"
+    "--save-dir /proc/no-such-dir|--save-dir /proc/no-such-dir: cannot make"
     "--mixed-precision fp8|--mixed-precision"
     "--reshard-after-forward sometimes|--reshard-after-forward"
     "--clip-grad-norm -1|--clip-grad-norm"
