@@ -11,15 +11,16 @@ MODE=${3:-}
 OUT=$(mktemp "${TMPDIR:-/tmp}/fsdp_bench_ci.XXXXXX")
 trap 'rm -f "$OUT"' EXIT
 
-# A port nobody listens on (other test runs on this machine may use fixed ones); retried once
-# in case another process takes it between the check and the rendezvous.
+# A port nobody listens on (other test runs on this machine may use fixed ones), below the
+# kernel's ephemeral range and the C++ test harness's ports (26000 up); retried once in case another
+# process takes it between the check and the rendezvous.
 pick_port() {
   local p
   for _ in $(seq 50); do
-    p=$((20000 + RANDOM % 30000))
+    p=$((20000 + RANDOM % 6000))
     if ! ss -Htln "sport = :$p" 2>/dev/null | grep -q .; then echo "$p"; return; fi
   done
-  echo $((20000 + RANDOM % 30000))
+  echo $((20000 + RANDOM % 6000))
 }
 
 if [ "$MODE" = "--expect-wrong" ]; then

@@ -222,7 +222,7 @@ fi
 # ranks SIGKILLed after a random step; node 0 restarts alone (world 2).
 if part nodes; then
   KILL_STEP=$((12 + RANDOM % 30))
-  port=$((20000 + RANDOM % 30000))
+  port=$((20000 + RANDOM % 12000))  # below the ephemeral range
   export FSDP_JOB_TOKEN=determinism-bench-nodes-0123456789
   nodes=(--nnodes 1:2 --nproc-per-node 2 --max-restarts 1 --master-port "$port" --node-timeout 3)
   job=("$TRAINER" "${DET[@]}" --save-dir "$TMP/nck" --save-every 5 --resume)

@@ -16,6 +16,7 @@ BUILD=${1:?build dir}; SRC=${2:?source dir}; LAUNCHER=${3:?fsdp-run}
 BUILD=$(cd "$BUILD" && pwd)
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/fsdp_install_test.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
+source "$(dirname "$0")/../harness.sh"  # free_port
 
 mkdir -p "$TMP/consumer"
 cat > "$TMP/consumer/CMakeLists.txt" <<CMAKE
@@ -47,7 +48,7 @@ consume() {
     exit 1
   fi
   local out
-  out=$("$LAUNCHER" --nproc-per-node 2 --master-port $((20000 + RANDOM % 30000)) "$dir/quickstart" 2>&1) ||
+  out=$("$LAUNCHER" --nproc-per-node 2 --master-port "$(free_port)" "$dir/quickstart" 2>&1) ||
     { echo "$out"; echo "FAIL: $name: the consumer did not run"; exit 1; }
   echo "$out" | tail -2
   echo "$out" | grep -q "FSDP memory" || { echo "FAIL: $name: quickstart output incomplete"; exit 1; }
