@@ -78,7 +78,7 @@ int run(int argc, char** argv) {
   job.tokens_per_step = static_cast<int64_t>(config.batch.global) * config.context;
   job.flops_per_token = training_flops_per_token(built.parameter_count, config);
   if (is_main) print_configuration(config, pg->env(), job, *sharded, built, *data);
-  std::ofstream metrics = open_metrics(config, is_main);
+  std::ofstream metrics = open_metrics(config, is_main, start.step);
 
   const double val_loss_start = validation_loss(built.model, data->splits.validation, config);
   if (is_main) std::cout << "validation loss before training: " << fixed(val_loss_start, 4) << "\n" << std::flush;

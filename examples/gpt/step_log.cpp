@@ -20,12 +20,22 @@
 
 namespace fsdp_gpt {
 
-std::ofstream open_metrics(const TrainConfig& config, bool is_main) {
+std::ofstream open_metrics(const TrainConfig& config, bool is_main, int resumed_step) {
   std::ofstream metrics;
-  if (is_main && !config.metrics_file.empty()) {
-    metrics.open(config.metrics_file);
-    if (!metrics) throw std::runtime_error("cannot write --metrics-file " + config.metrics_file);
+  if (!is_main || config.metrics_file.empty()) return metrics;
+  std::string kept;  // a resumed run keeps the lines of the steps its checkpoint holds
+  if (resumed_step > 0) {
+    std::ifstream earlier(config.metrics_file);
+    for (std::string line; std::getline(earlier, line);) {
+      const auto entry = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (entry.is_object() && entry.contains("step") && entry["step"].is_number_integer() &&
+          entry["step"].get<int64_t>() <= resumed_step)
+        kept += line + "\n";
+    }
   }
+  metrics.open(config.metrics_file);
+  if (!metrics) throw std::runtime_error("cannot write --metrics-file " + config.metrics_file);
+  metrics << kept << std::flush;
   return metrics;
 }
 

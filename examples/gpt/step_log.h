@@ -13,7 +13,8 @@
 namespace fsdp_gpt {
 
 // Rank 0 with --metrics-file: the open file (throws if it cannot be written); otherwise not open.
-std::ofstream open_metrics(const TrainConfig& config, bool is_main);
+// Resumed at resumed_step > 0, the file keeps its lines of steps up to that one; later ones go.
+std::ofstream open_metrics(const TrainConfig& config, bool is_main, int resumed_step);
 
 // The steps since the last log line: their summed local losses, and the time of those this
 // process ran (a resumed window's earlier steps count for the loss only).
