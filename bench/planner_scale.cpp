@@ -354,7 +354,7 @@ int main(int argc, char** argv) {
                 .activation_checkpointing({checkpointed}),
             [&] {
               const auto tokens = torch::zeros({1, 2048}, torch::kLong);
-              const auto logits = g175->forward(tokens);
+              const auto logits = g175->forward(tokens).to(torch::kFloat);  // the loss in float32, as gpt::module_cost
               torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), tokens.reshape({-1}));
             }));
     row("T5-11B", trace_against_rules(*t11,

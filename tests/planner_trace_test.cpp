@@ -9,6 +9,7 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -608,6 +609,73 @@ TEST(PlannerTrace, KeepsTheWidthOfIntegerTensorsUnderMixedPrecision) {
   // pooling's indices (2 x 4 x 4 x 4 int64) and the targets (2 int64).
   const int64_t integer_bytes = (images * 4 * 4 * 4 + images) * 8;
   EXPECT_EQ(2 * bf16 - fp32, integer_bytes) << plan.table();
+}
+
+// Token embeddings, a hidden layer and logits, whose loss casts them to float32.
+struct WideLossNetImpl : nn::Module {
+  static constexpr int64_t kVocab = 40;
+  WideLossNetImpl() {
+    embed = register_module("embed", nn::Embedding(kVocab, 16));
+    hidden = register_module("hidden", nn::Linear(16, 24));
+    head = register_module("head", nn::Linear(24, kVocab));
+  }
+  at::Tensor forward(const at::Tensor& tokens) { return head(torch::tanh(hidden(embed(tokens)))); }
+  nn::Embedding embed{nullptr};
+  nn::Linear hidden{nullptr}, head{nullptr};
+};
+TORCH_MODULE(WideLossNet);
+
+at::Tensor wide_loss(WideLossNet& model, const at::Tensor& tokens, const at::Tensor& targets) {
+  return nn::functional::cross_entropy(model->forward(tokens).to(torch::kFloat).reshape({-1, WideLossNetImpl::kVocab}),
+                                       targets.reshape({-1}));
+}
+
+// A loss on logits cast to float32 keeps float32 tensors under mixed precision: the trace counts,
+// per precision, what a real forward and loss of the model in that precision keep alive.
+FSDP_WORKER(trace_wide_loss_worker) {
+  auto* counter = new fsdp_bench::CountingAllocator(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(counter, /*priority=*/100);
+  at::globalContext().setUserEnabledMkldnn(false);  // as in trace_kept_bytes_worker
+  const int64_t sequences = 3, tokens = 5;
+  std::map<at::ScalarType, int64_t> predicted;
+  {
+    fsdp::DeferredInit deferred;
+    WideLossNet model;
+    auto request = world_one()
+                       .global_batch(static_cast<int>(sequences))
+                       .micro_batches({static_cast<int>(sequences)})
+                       .activation_checkpointing({false})
+                       .precisions({at::kFloat, at::kBFloat16})
+                       .seq_len(tokens)
+                       .trace_sequences(sequences)
+                       .trace_forward([&] {
+                         wide_loss(model, torch::zeros({sequences, tokens}, torch::kLong),
+                                   torch::zeros({sequences, tokens}, torch::kLong));
+                       });
+    const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+    WORKER_CHECK(plan.entries.size() == 2U, plan.table());
+    for (const fsdp::PlanEntry& e : plan.entries) predicted[e.candidate.precision] = e.memory.activations;
+  }
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    WideLossNet model;
+    model->to(dtype);
+    const int64_t before = counter->live();
+    at::Tensor loss = wide_loss(model, torch::zeros({sequences, tokens}, torch::kLong),
+                                torch::zeros({sequences, tokens}, torch::kLong));
+    const int64_t measured = counter->live() - before - static_cast<int64_t>(loss.storage().nbytes());
+    std::cout << dtype << ": traced " << predicted[dtype] << " bytes, kept by a real forward " << measured << std::endl;
+    WORKER_CHECK(predicted[dtype] == measured, dtype, ": the trace counts ", predicted[dtype],
+                 " bytes, a real forward keeps ", measured);
+    loss.backward();
+  }
+  std::cout << "wide loss ok" << std::endl;
+}
+
+TEST(PlannerTrace, KeepsTheWidthOfALossCastToFloatUnderMixedPrecision) {
+  auto r = launch("trace_wide_loss_worker", 1);
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  std::cout << r.ranks[0].output;
+  EXPECT_TRUE(contains(r.ranks[0].output, "wide loss ok")) << r.report();
 }
 
 // The trace runs some operators on the CPU (randomized leaky ReLU draws its slopes there): it leaves

@@ -21,7 +21,8 @@ fsdp::ModuleCost module_cost(const std::string&, const torch::nn::Module& module
   } else if (const auto* mlp = dynamic_cast<const MLPImpl*>(&module)) {
     cost.activation_values = static_cast<double>(mlp->fc->options.out_features());  // GELU's input
   } else if (const auto* model = dynamic_cast<const GPTImpl*>(&module)) {
-    cost.activation_values = static_cast<double>(model->config.vocab_size);  // log-softmax of the logits
+    // The loss's log-softmax, of the logits cast to float32 (next_token_loss) in every precision.
+    cost.activation_bytes = 4.0 * static_cast<double>(model->config.vocab_size);
   }
   return cost;
 }

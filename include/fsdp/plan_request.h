@@ -22,6 +22,7 @@ namespace fsdp {
 struct ModuleCost {
   double forward_flops = 0;      // per token
   double activation_values = 0;  // values kept for backward per token, in the compute dtype
+  double activation_bytes = 0;   // bytes kept per token at a width no precision changes (float32 by choice, integers)
 };
 // Asked for every module (qualified name, module, sequence length).
 using ModuleCostFn =

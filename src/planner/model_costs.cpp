@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "fsdp/activation_checkpoint.h"
+#include "fsdp/check.h"
 #include "planner/op_trace.h"
 #include "planner/parameter_elements.h"
 
@@ -54,6 +55,9 @@ OwnCost own_cost(const torch::nn::Module& m) {
 // position per token (convolutions), over time steps (recurrent layers) or between tokens
 // (attention), or that keeps values without a matrix (batch, instance and group normalization); or
 // any module with a parameter of more than two dimensions, which no plain matrix product uses.
+// Whether module_cost counts anything for a module.
+bool counts(const ModuleCost& c) { return c.forward_flops != 0 || c.activation_values != 0 || c.activation_bytes != 0; }
+
 bool rules_miscount(const torch::nn::Module& m) {
   namespace nn = torch::nn;
   const bool known = dynamic_cast<const nn::Conv1dImpl*>(&m) || dynamic_cast<const nn::Conv2dImpl*>(&m) ||
@@ -162,16 +166,21 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const torch::nn::Module& m = *item.value();
     OwnCost c = own_cost(m);
+    double fixed_bytes = 0;
     if (extra) {
       const ModuleCost more = extra(item.key(), m, seq_len);
-      if ((more.forward_flops != 0 || more.activation_values != 0) && rules_miscount(m)) {
+      FSDP_CHECK(more.forward_flops >= 0 && more.activation_values >= 0 && more.activation_bytes >= 0,
+                 "PlanRequest::module_cost gave a negative cost for ", item.key().empty() ? "the root" : item.key(),
+                 "; give 0 or more FLOPs, values and bytes");
+      if (counts(more) && rules_miscount(m)) {
         c.flops = c.values = 0;  // module_cost counts what the rules would miscount
       }
       c.flops += more.forward_flops;
       c.values += more.activation_values;
+      fixed_bytes = more.activation_bytes;
     }
     // A module with parameters marks where its unit runs even when it costs nothing by the rules.
-    if (c.flops == 0 && c.values == 0 && m.named_parameters(/*recurse=*/false).is_empty()) continue;
+    if (c.flops == 0 && c.values == 0 && fixed_bytes == 0 && m.named_parameters(/*recurse=*/false).is_empty()) continue;
     // Its backward reads its unit's parameters but biases (which only receive the gradient's sums)
     // and an embedding's table (whose gradient is scattered from the indices).
     const bool embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(&m) != nullptr ||
@@ -190,7 +199,7 @@ ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const Mod
         arriving.push_back(storage_key(p.value()));
       }
     }
-    builder.add(item.key(), c.flops, c.values, c.input, reads, arrive, backward_reads, 0, arriving);
+    builder.add(item.key(), c.flops, c.values, c.input, reads, arrive, backward_reads, fixed_bytes, arriving);
   }
   return builder.take();
 }
@@ -202,7 +211,7 @@ std::vector<std::string> miscounted_modules(torch::nn::Module& root, const Modul
     if (!rules_miscount(m)) continue;
     if (extra) {
       const ModuleCost more = extra(item.key(), m, seq_len);
-      if (more.forward_flops != 0 || more.activation_values != 0) continue;
+      if (counts(more)) continue;
     }
     out.push_back((item.key().empty() ? std::string("the root") : item.key()) + " (" + m.name() + ")");
   }

@@ -45,6 +45,21 @@ std::string_view base_name(const char* name) {
   return n;
 }
 
+// The dtype a cast (`to`, `_to_copy`) asks for; none for other operators, or a cast that keeps it.
+template <class Values>
+std::optional<at::ScalarType> cast_dtype(const at::RecordFunction& fn, const Values& inputs) {
+  const auto name = fn.operator_name();
+  if (!name) return std::nullopt;
+  size_t at = 0;
+  if (name->name == "aten::_to_copy" ||
+      (name->name == "aten::to" && (name->overload_name == "dtype" || name->overload_name == "dtype_layout")))
+    at = 1;
+  else if (name->name == "aten::to" && name->overload_name == "device")
+    at = 2;
+  if (at == 0 || at >= inputs.size() || !inputs[at].isInt()) return std::nullopt;
+  return static_cast<at::ScalarType>(inputs[at].toInt());
+}
+
 // Every defined tensor among values[from...] (RecordFunction's inputs and outputs differ in type
 // between LibTorch versions).
 template <class Values, class F>
@@ -69,6 +84,7 @@ struct Frame {
   std::vector<at::Tensor> inputs;           // by position; undefined where the argument is not a tensor
   bool transposed = false;                  // a convolution's flag
   bool cloned_self = false;                 // an in-place operator whose original `self` autograd keeps as a clone
+  bool wide = false;                        // its floating results keep their width under mixed precision
   std::optional<c10::OperatorName> probed;  // a recorded operator to probe at its end (not a product)
   std::vector<c10::IValue> arguments;       // its arguments, for the probe
 };
@@ -79,6 +95,10 @@ struct Tracer {
   std::unordered_set<const void*> trainable_read;      // those of the trainable ones read so far
   std::unordered_set<const void*> kept;
   std::vector<at::Tensor> held;  // the kept tensors, alive so their storage's address is not reused
+  // Floating tensors the program made 32- or 64-bit on purpose (a loss on logits cast to float), and
+  // what operators made of them: mixed precision leaves their width (Note [Planner operator trace]).
+  std::unordered_set<const c10::TensorImpl*> wide;
+  std::vector<at::Tensor> wide_held;  // alive, so their addresses are not reused
   std::vector<TracedSegment> segments{TracedSegment{}};
   std::vector<Frame> frames;
   bool counting = false;  // an enclosing operator counts its products
@@ -95,7 +115,7 @@ struct Tracer {
     held.push_back(t);
     const double bytes = static_cast<double>(t.has_storage() ? t.storage().nbytes() : t.nbytes());
     const bool floating = at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
-    if (floating)
+    if (floating && wide.count(t.unsafeGetTensorImpl()) == 0)
       segments.back().activation_values += bytes / static_cast<double>(t.element_size());
     else
       segments.back().activation_fixed_bytes += bytes;
@@ -109,6 +129,11 @@ struct Tracer {
     ++operators;
     f.op = base_name(fn.name());
     const auto& inputs = fn.inputs();
+    // The program's own casts only: an operator casts to its input's dtype within (cross_entropy).
+    if (const auto to = frames.size() == 1 ? cast_dtype(fn, inputs) : std::nullopt)
+      f.wide = *to == at::kFloat || *to == at::kDouble;
+    else
+      each_tensor(inputs, 0, [&](const at::Tensor& t) { f.wide = f.wide || wide.count(t.unsafeGetTensorImpl()) != 0; });
     each_tensor(inputs, 0, [&](const at::Tensor& t) {
       auto it = owner.find(storage_key(t));
       if (it == owner.end()) return;
@@ -152,6 +177,10 @@ struct Tracer {
     frames.pop_back();
     if (!f.traced) return;
     const auto& outputs = fn.outputs();
+    if (f.wide)
+      each_tensor(outputs, 0, [&](const at::Tensor& t) {
+        if (at::isFloatingType(t.scalar_type()) && wide.insert(t.unsafeGetTensorImpl()).second) wide_held.push_back(t);
+      });
     if (f.counted) {
       counting = false;
       const at::Tensor y = !outputs.empty() && outputs[0].isTensor() ? outputs[0].toTensor() : at::Tensor();
