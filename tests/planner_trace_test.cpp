@@ -611,62 +611,77 @@ TEST(PlannerTrace, KeepsTheWidthOfIntegerTensorsUnderMixedPrecision) {
   EXPECT_EQ(2 * bf16 - fp32, integer_bytes) << plan.table();
 }
 
-// Token embeddings, a hidden layer and logits, whose loss casts them to float32.
-struct WideLossNetImpl : nn::Module {
+// Token embeddings, a residual block and logits, whose loss casts them to float32; with `norm`, the
+// block's input is normalized in float32 and cast back, as LLaMA's RMS normalization does (its
+// float32 copy is the trace's tensor itself, which the residual also adds).
+struct WideNetImpl : nn::Module {
   static constexpr int64_t kVocab = 40;
-  WideLossNetImpl() {
+  explicit WideNetImpl(bool norm) : norm(norm) {
     embed = register_module("embed", nn::Embedding(kVocab, 16));
-    hidden = register_module("hidden", nn::Linear(16, 24));
-    head = register_module("head", nn::Linear(24, kVocab));
+    hidden = register_module("hidden", nn::Linear(16, 16));
+    head = register_module("head", nn::Linear(16, kVocab));
+    scale = register_parameter("scale", torch::ones({16}));
   }
-  at::Tensor forward(const at::Tensor& tokens) { return head(torch::tanh(hidden(embed(tokens)))); }
+  at::Tensor forward(const at::Tensor& tokens) {
+    at::Tensor x = embed(tokens), n = x;
+    if (norm) {
+      const at::Tensor x32 = x.to(torch::kFloat);
+      n = (x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + 1e-6)).type_as(x) * scale;
+    }
+    return head(x + torch::tanh(hidden(n)));
+  }
+  bool norm;
   nn::Embedding embed{nullptr};
   nn::Linear hidden{nullptr}, head{nullptr};
+  at::Tensor scale;
 };
-TORCH_MODULE(WideLossNet);
+TORCH_MODULE(WideNet);
 
-at::Tensor wide_loss(WideLossNet& model, const at::Tensor& tokens, const at::Tensor& targets) {
-  return nn::functional::cross_entropy(model->forward(tokens).to(torch::kFloat).reshape({-1, WideLossNetImpl::kVocab}),
+at::Tensor wide_loss(WideNet& model, const at::Tensor& tokens, const at::Tensor& targets) {
+  return nn::functional::cross_entropy(model->forward(tokens).to(torch::kFloat).reshape({-1, WideNetImpl::kVocab}),
                                        targets.reshape({-1}));
 }
 
-// A loss on logits cast to float32 keeps float32 tensors under mixed precision: the trace counts,
+// Tensors the program casts to float32 keep that width under mixed precision: the trace counts,
 // per precision, what a real forward and loss of the model in that precision keep alive.
 FSDP_WORKER(trace_wide_loss_worker) {
   auto* counter = new fsdp_bench::CountingAllocator(c10::GetCPUAllocator());
   c10::SetCPUAllocator(counter, /*priority=*/100);
   at::globalContext().setUserEnabledMkldnn(false);  // as in trace_kept_bytes_worker
   const int64_t sequences = 3, tokens = 5;
-  std::map<at::ScalarType, int64_t> predicted;
-  {
-    fsdp::DeferredInit deferred;
-    WideLossNet model;
-    auto request = world_one()
-                       .global_batch(static_cast<int>(sequences))
-                       .micro_batches({static_cast<int>(sequences)})
-                       .activation_checkpointing({false})
-                       .precisions({at::kFloat, at::kBFloat16})
-                       .seq_len(tokens)
-                       .trace_sequences(sequences)
-                       .trace_forward([&] {
-                         wide_loss(model, torch::zeros({sequences, tokens}, torch::kLong),
-                                   torch::zeros({sequences, tokens}, torch::kLong));
-                       });
-    const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
-    WORKER_CHECK(plan.entries.size() == 2U, plan.table());
-    for (const fsdp::PlanEntry& e : plan.entries) predicted[e.candidate.precision] = e.memory.activations;
-  }
-  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    WideLossNet model;
-    model->to(dtype);
-    const int64_t before = counter->live();
-    at::Tensor loss = wide_loss(model, torch::zeros({sequences, tokens}, torch::kLong),
-                                torch::zeros({sequences, tokens}, torch::kLong));
-    const int64_t measured = counter->live() - before - static_cast<int64_t>(loss.storage().nbytes());
-    std::cout << dtype << ": traced " << predicted[dtype] << " bytes, kept by a real forward " << measured << std::endl;
-    WORKER_CHECK(predicted[dtype] == measured, dtype, ": the trace counts ", predicted[dtype],
-                 " bytes, a real forward keeps ", measured);
-    loss.backward();
+  for (const bool norm : {false, true}) {
+    std::map<at::ScalarType, int64_t> predicted;
+    {
+      fsdp::DeferredInit deferred;
+      WideNet model(norm);
+      auto request = world_one()
+                         .global_batch(static_cast<int>(sequences))
+                         .micro_batches({static_cast<int>(sequences)})
+                         .activation_checkpointing({false})
+                         .precisions({at::kFloat, at::kBFloat16})
+                         .seq_len(tokens)
+                         .trace_sequences(sequences)
+                         .trace_forward([&] {
+                           wide_loss(model, torch::zeros({sequences, tokens}, torch::kLong),
+                                     torch::zeros({sequences, tokens}, torch::kLong));
+                         });
+      const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
+      WORKER_CHECK(plan.entries.size() == 2U, plan.table());
+      for (const fsdp::PlanEntry& e : plan.entries) predicted[e.candidate.precision] = e.memory.activations;
+    }
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      WideNet model(norm);
+      model->to(dtype);
+      const int64_t before = counter->live();
+      at::Tensor loss = wide_loss(model, torch::zeros({sequences, tokens}, torch::kLong),
+                                  torch::zeros({sequences, tokens}, torch::kLong));
+      const int64_t measured = counter->live() - before - static_cast<int64_t>(loss.storage().nbytes());
+      std::cout << (norm ? "with" : "without") << " the norm, " << dtype << ": traced " << predicted[dtype]
+                << " bytes, kept by a real forward " << measured << std::endl;
+      WORKER_CHECK(predicted[dtype] == measured, dtype, ": the trace counts ", predicted[dtype],
+                   " bytes, a real forward keeps ", measured);
+      loss.backward();
+    }
   }
   std::cout << "wide loss ok" << std::endl;
 }

@@ -45,21 +45,6 @@ std::string_view base_name(const char* name) {
   return n;
 }
 
-// The dtype a cast (`to`, `_to_copy`) asks for; none for other operators, or a cast that keeps it.
-template <class Values>
-std::optional<at::ScalarType> cast_dtype(const at::RecordFunction& fn, const Values& inputs) {
-  const auto name = fn.operator_name();
-  if (!name) return std::nullopt;
-  size_t at = 0;
-  if (name->name == "aten::_to_copy" ||
-      (name->name == "aten::to" && (name->overload_name == "dtype" || name->overload_name == "dtype_layout")))
-    at = 1;
-  else if (name->name == "aten::to" && name->overload_name == "device")
-    at = 2;
-  if (at == 0 || at >= inputs.size() || !inputs[at].isInt()) return std::nullopt;
-  return static_cast<at::ScalarType>(inputs[at].toInt());
-}
-
 // Every defined tensor among values[from...] (RecordFunction's inputs and outputs differ in type
 // between LibTorch versions).
 template <class Values, class F>
@@ -75,6 +60,75 @@ void each_tensor(const Values& values, size_t from, F&& f) {
   }
 }
 
+// Which floating tensors keep their width under mixed precision: those the program casts to
+// float32 or float64 itself, and what operators make of them (Note [Planner operator trace]).
+class WidthTracker {
+ public:
+  // Whether the floating results of an operator (`program`: called by the program, not from
+  // inside another operator) keep their width.
+  template <class Values>
+  bool widens(const at::RecordFunction& fn, const Values& inputs, bool program) const {
+    const auto name = fn.operator_name();
+    if (program && name) {
+      if (name->name == "aten::type_as" || (name->name == "aten::to" && name->overload_name == "other"))
+        return inputs.size() > 1 && inputs[1].isTensor() && of(inputs[1].toTensor()) == kWide;
+      size_t at = 0;  // the dtype's position
+      if (name->name == "aten::_to_copy" ||
+          (name->name == "aten::to" && (name->overload_name == "dtype" || name->overload_name == "dtype_layout")))
+        at = 1;
+      else if (name->name == "aten::to" && name->overload_name == "device")
+        at = 2;
+      if (at != 0 && at < inputs.size() && inputs[at].isInt()) {
+        const auto dtype = static_cast<at::ScalarType>(inputs[at].toInt());
+        return dtype == at::kFloat || dtype == at::kDouble;
+      }
+    }
+    // As type promotion: a wide tensor widens; a cast one (the trace's cast returned the program's
+    // tensor itself, which its other uses see too) widens where no narrow one is beside it.
+    bool wide = false, cast = false, narrow = false;
+    each_tensor(inputs, 0, [&](const at::Tensor& t) {
+      if (!at::isFloatingType(t.scalar_type()) || t.dim() == 0) return;  // a 0-dim tensor does not promote
+      const Width w = of(t);
+      wide = wide || w == kWide;
+      cast = cast || w == kCast;
+      narrow = narrow || w == kNarrow;
+    });
+    return wide || (cast && !narrow);
+  }
+
+  // Records an operator's floating results as wide or not (an outer operator decides last).
+  template <class Inputs, class Outputs>
+  void record(bool widens, const Inputs& inputs, const Outputs& outputs) {
+    each_tensor(outputs, 0, [&](const at::Tensor& t) {
+      if (!at::isFloatingType(t.scalar_type())) return;
+      const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      if (!widens) {
+        width_.erase(impl);
+        return;
+      }
+      // The input itself (a cast to its own dtype), or a view of a cast one, stays a cast tensor.
+      Width w = kWide;
+      each_tensor(inputs, 0, [&](const at::Tensor& in) {
+        if ((in.unsafeGetTensorImpl() == impl && of(in) == kNarrow) ||
+            (of(in) == kCast && storage_key(in) == storage_key(t)))
+          w = kCast;
+      });
+      if (width_.insert_or_assign(impl, w).second) held_.push_back(t);
+    });
+  }
+
+  bool wide(const at::Tensor& t) const { return of(t) != kNarrow; }
+
+ private:
+  enum Width { kNarrow, kCast, kWide };
+  Width of(const at::Tensor& t) const {
+    const auto it = width_.find(t.unsafeGetTensorImpl());
+    return it == width_.end() ? kNarrow : it->second;
+  }
+  std::unordered_map<const c10::TensorImpl*, Width> width_;
+  std::vector<at::Tensor> held_;  // alive, so their addresses are not reused
+};
+
 // What an operator's end needs from its start: RecordFunction's inputs may be gone by then.
 struct Frame {
   std::string_view op;
@@ -84,7 +138,8 @@ struct Frame {
   std::vector<at::Tensor> inputs;           // by position; undefined where the argument is not a tensor
   bool transposed = false;                  // a convolution's flag
   bool cloned_self = false;                 // an in-place operator whose original `self` autograd keeps as a clone
-  bool wide = false;                        // its floating results keep their width under mixed precision
+  bool widens = false;                      // its floating results keep their width under mixed precision
+  std::vector<c10::IValue> all_inputs;      // where it widens: its arguments, for WidthTracker::record
   std::optional<c10::OperatorName> probed;  // a recorded operator to probe at its end (not a product)
   std::vector<c10::IValue> arguments;       // its arguments, for the probe
 };
@@ -95,10 +150,7 @@ struct Tracer {
   std::unordered_set<const void*> trainable_read;      // those of the trainable ones read so far
   std::unordered_set<const void*> kept;
   std::vector<at::Tensor> held;  // the kept tensors, alive so their storage's address is not reused
-  // Floating tensors the program made 32- or 64-bit on purpose (a loss on logits cast to float), and
-  // what operators made of them: mixed precision leaves their width (Note [Planner operator trace]).
-  std::unordered_set<const c10::TensorImpl*> wide;
-  std::vector<at::Tensor> wide_held;  // alive, so their addresses are not reused
+  WidthTracker widths;
   std::vector<TracedSegment> segments{TracedSegment{}};
   std::vector<Frame> frames;
   bool counting = false;  // an enclosing operator counts its products
@@ -115,7 +167,7 @@ struct Tracer {
     held.push_back(t);
     const double bytes = static_cast<double>(t.has_storage() ? t.storage().nbytes() : t.nbytes());
     const bool floating = at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type());
-    if (floating && wide.count(t.unsafeGetTensorImpl()) == 0)
+    if (floating && !widths.wide(t))
       segments.back().activation_values += bytes / static_cast<double>(t.element_size());
     else
       segments.back().activation_fixed_bytes += bytes;
@@ -130,10 +182,8 @@ struct Tracer {
     f.op = base_name(fn.name());
     const auto& inputs = fn.inputs();
     // The program's own casts only: an operator casts to its input's dtype within (cross_entropy).
-    if (const auto to = frames.size() == 1 ? cast_dtype(fn, inputs) : std::nullopt)
-      f.wide = *to == at::kFloat || *to == at::kDouble;
-    else
-      each_tensor(inputs, 0, [&](const at::Tensor& t) { f.wide = f.wide || wide.count(t.unsafeGetTensorImpl()) != 0; });
+    f.widens = widths.widens(fn, inputs, /*program=*/frames.size() == 1);
+    if (f.widens) f.all_inputs.assign(inputs.begin(), inputs.end());
     each_tensor(inputs, 0, [&](const at::Tensor& t) {
       auto it = owner.find(storage_key(t));
       if (it == owner.end()) return;
@@ -177,10 +227,7 @@ struct Tracer {
     frames.pop_back();
     if (!f.traced) return;
     const auto& outputs = fn.outputs();
-    if (f.wide)
-      each_tensor(outputs, 0, [&](const at::Tensor& t) {
-        if (at::isFloatingType(t.scalar_type()) && wide.insert(t.unsafeGetTensorImpl()).second) wide_held.push_back(t);
-      });
+    widths.record(f.widens, f.all_inputs, outputs);
     if (f.counted) {
       counting = false;
       const at::Tensor y = !outputs.empty() && outputs[0].isTensor() ? outputs[0].toTensor() : at::Tensor();
