@@ -51,13 +51,13 @@ OwnCost own_cost(const torch::nn::Module& m) {
   return c;
 }
 
+// Whether module_cost counts anything for a module.
+bool counts(const ModuleCost& c) { return c.forward_flops != 0 || c.activation_values != 0 || c.activation_bytes != 0; }
+
 // Whether the rules above miscount `m`: a LibTorch module whose products run over more than one
 // position per token (convolutions), over time steps (recurrent layers) or between tokens
 // (attention), or that keeps values without a matrix (batch, instance and group normalization); or
 // any module with a parameter of more than two dimensions, which no plain matrix product uses.
-// Whether module_cost counts anything for a module.
-bool counts(const ModuleCost& c) { return c.forward_flops != 0 || c.activation_values != 0 || c.activation_bytes != 0; }
-
 bool rules_miscount(const torch::nn::Module& m) {
   namespace nn = torch::nn;
   const bool known = dynamic_cast<const nn::Conv1dImpl*>(&m) || dynamic_cast<const nn::Conv2dImpl*>(&m) ||

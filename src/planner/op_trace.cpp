@@ -68,8 +68,10 @@ class WidthTracker {
   // inside another operator) keep their width.
   template <class Values>
   bool widens(const at::RecordFunction& fn, const Values& inputs, bool program) const {
-    const auto name = fn.operator_name();
-    if (program && name) {
+    if (!program && width_.empty()) return false;  // nothing cast yet: the common case costs nothing
+    decltype(fn.operator_name()) name;
+    if (program) name = fn.operator_name();
+    if (name) {
       if (name->name == "aten::type_as" || (name->name == "aten::to" && name->overload_name == "other"))
         return inputs.size() > 1 && inputs[1].isTensor() && of(inputs[1].toTensor()) == kWide;
       size_t at = 0;  // the dtype's position
@@ -99,6 +101,7 @@ class WidthTracker {
   // Records an operator's floating results as wide or not (an outer operator decides last).
   template <class Inputs, class Outputs>
   void record(bool widens, const Inputs& inputs, const Outputs& outputs) {
+    if (!widens && width_.empty()) return;
     each_tensor(outputs, 0, [&](const at::Tensor& t) {
       if (!at::isFloatingType(t.scalar_type())) return;
       const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
