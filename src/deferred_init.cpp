@@ -303,6 +303,11 @@ bool DeferredInit::supported() { return true; }
 namespace detail {
 bool deferring() { return c10::impl::tls_is_dispatch_key_included(kDeferredKey); }
 
+DeferralPause::DeferralPause() : previous_(deferring()) {
+  c10::impl::tls_set_dispatch_key_included(kDeferredKey, false);
+}
+DeferralPause::~DeferralPause() { c10::impl::tls_set_dispatch_key_included(kDeferredKey, previous_); }
+
 MetaShapePass::MetaShapePass() { ++t_shape_passes; }
 MetaShapePass::~MetaShapePass() { --t_shape_passes; }
 bool in_stand_in() { return t_stand_in_depth > 0; }
@@ -319,6 +324,9 @@ bool DeferredInit::supported() { return false; }
 
 namespace detail {
 bool deferring() { return false; }
+
+DeferralPause::DeferralPause() : previous_(false) {}
+DeferralPause::~DeferralPause() = default;
 
 MetaShapePass::MetaShapePass() = default;
 MetaShapePass::~MetaShapePass() = default;

@@ -24,6 +24,19 @@ bool materialize_own_tensors(const ModuleVisit& visit, const ParamInitFn& init,
 
 bool deferring();  // a DeferredInit scope is open on this thread
 
+// While alive, factory operations on this thread make ordinary tensors again, inside a DeferredInit
+// scope too (for the real tensors a planning step needs between meta ones).
+class DeferralPause {
+ public:
+  DeferralPause();
+  ~DeferralPause();
+  DeferralPause(const DeferralPause&) = delete;
+  DeferralPause& operator=(const DeferralPause&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // Inside a DeferredInit scope on this thread, while alive: an operator on meta tensors that has no
 // meta kernel runs on CPU stand-ins of its arguments, its results handed back as meta tensors of
 // the same shapes (Note [Meta shape pass] in docs/design.md). For shape passes (the planner's trace).

@@ -4,11 +4,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <chrono>
 #include <fstream>
 #include <iostream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -26,23 +24,6 @@
 namespace fsdp_gpt {
 
 namespace {
-
-// FLOP/s of the fastest of n x n matrix products in `dtype`, repeated for at least 20 ms after
-// warm-ups (a first product may compile its kernel).
-double matmul_rate(at::ScalarType dtype) {
-  const int64_t n = 256;
-  auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
-  auto c = torch::mm(a, b);
-  c = torch::mm(a, b);
-  double fastest = 1e30;
-  const auto begin = std::chrono::steady_clock::now();
-  for (int i = 0; i < 8 || std::chrono::steady_clock::now() - begin < std::chrono::milliseconds(20); ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    c = torch::mm(a, b);
-    fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return 2.0 * n * n * n / fastest;
-}
 
 // The precisions the plan considers: the flags' own, or every one the search tries.
 std::vector<at::ScalarType> plan_precisions(const TrainConfig& config, bool flags_only) {
@@ -207,47 +188,9 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
 
 void write_entries(const std::string& path, const fsdp::Plan& plan, const TrainConfig& config,
                    const fsdp::Calibration& calibration) {
-  const auto not_modeled = unmodeled_flags(config, calibration);
   std::ofstream out(path);
   FSDP_CHECK(out.good(), "cannot write the plan file ", path);
-  for (const auto& e : plan.entries) {
-    const auto& c = e.candidate;
-    out << nlohmann::json{{"configuration", c.describe()},
-                          {"strategy", fsdp::to_string(c.strategy)},
-                          {"sharding_factor", c.sharding_factor},
-                          {"reshard_after_forward_size", c.reshard_after_forward_size},
-                          {"wrap", c.wrap.name},
-                          {"activation_checkpointing", c.activation_checkpointing},
-                          {"cpu_offload", c.cpu_offload},
-                          {"precision", c.precision == at::kFloat      ? "fp32"
-                                        : c.precision == at::kBFloat16 ? "bf16"
-                                                                       : "fp16"},
-                          {"micro_batch", c.micro_batch},
-                          {"accumulation", c.accumulation},
-                          {"no_sync", c.no_sync},
-                          {"keep_unsharded", c.keep_unsharded},
-                          {"replica_deferred", c.replica_deferred},
-                          {"params_bytes", e.memory.params},
-                          {"grads_bytes", e.memory.grads},
-                          {"optimizer_bytes", e.memory.optimizer},
-                          {"activations_bytes", e.memory.activations},
-                          {"workspace_bytes", e.memory.workspace},
-                          {"feedback_bytes", e.memory.feedback},
-                          {"ignored_bytes", e.memory.ignored},
-                          {"process_bytes", e.memory.process},
-                          {"peak_bytes", e.memory.peak},
-                          {"memory_margin", plan.memory_margin},
-                          {"host_bytes", e.memory.host},
-                          {"step_s", e.time.step_s},
-                          {"compute_s", e.time.compute_s},
-                          {"exposed_comm_s", e.time.exposed_comm_s},
-                          {"tflops_per_device", e.time.tflops_per_device},
-                          {"mfu", e.time.mfu},
-                          {"fits", e.fits},
-                          {"not_modeled", not_modeled}}
-               .dump()
-        << "\n";
-  }
+  out << plan.json_lines(unmodeled_flags(config, calibration));
 }
 
 // The state of the optimizer build_optimizer makes for `config`.
@@ -355,20 +298,8 @@ PlanInputs plan_inputs(const TrainConfig& config, const fsdp::ProcessGroupPtr& p
   fsdp::ProcessGroup& pg = *pg_ptr;
   PlanInputs in;
   in.cluster = plan_cluster(config, pg.size());
-  if (config.cluster.empty() && job_matmul_flops > 0) {
-    // This machine: the matmul rate every rank measured at once is each rank's peak; 16-bit
-    // products run at the rate ratio of a smaller product measured here (all ranks at once).
-    if (pg.size() > 1) pg.world()->barrier();
-    double fp32 = 0, bf16 = 0;  // the fastest of three interleaved tries: a busy core only slows one
-    for (int i = 0; i < 3; ++i) {
-      fp32 = std::max(fp32, matmul_rate(at::kFloat));
-      bf16 = std::max(bf16, matmul_rate(at::kBFloat16));
-    }
-    const double ratio = bf16 / fp32;
-    in.cluster.device.peak_flops_fp32 = job_matmul_flops / pg.size();
-    in.cluster.device.peak_flops_16 = in.cluster.device.peak_flops_fp32 * fsdp::mean_across_ranks(pg, ratio);
-    in.cluster.device.matmul_efficiency = 1.0;
-  }
+  if (config.cluster.empty() && job_matmul_flops > 0 && pg.world()->device().is_cpu())
+    in.cluster = fsdp::this_machine(pg, job_matmul_flops);  // the rates every rank measured at once
   in.process_bytes = static_cast<int64_t>(fsdp::mean_across_ranks(pg, static_cast<double>(resident_bytes())));
   if (config.calibrate) {  // every rank at once, so the times include their sharing of the machine
     if (pg.size() > 1) pg.world()->barrier();

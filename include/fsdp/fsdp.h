@@ -18,6 +18,7 @@
 #include "fsdp/optim.h"
 #include "fsdp/options.h"
 #include "fsdp/param_reduction.h"
+#include "fsdp/plan_flags.h"
 #include "fsdp/planner.h"
 #include "fsdp/process_group.h"
 #include "fsdp/sharded.h"

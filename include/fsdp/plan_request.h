@@ -52,8 +52,10 @@ struct PlanRequest {
   TORCH_ARG(int64_t, memory_budget) = 0;
   // Kept free for the prediction's error: a candidate fits when its peak x (1 + margin) <= the budget.
   TORCH_ARG(double, memory_margin) = 0.0;
-  // Sequences per optimizer step over all ranks; 0: one per rank.
+  // Sequences per optimizer step over all ranks; 0: batch_per_rank on every rank.
   TORCH_ARG(int, global_batch) = 0;
+  /// Sequences per rank per step where global_batch is 0, whatever the world (a --cluster of another size).
+  TORCH_ARG(int, batch_per_rank) = 1;
   TORCH_ARG(int64_t, seq_len) = 1;
   // Ranks; 0: every rank of the cluster.
   TORCH_ARG(int, world) = 0;

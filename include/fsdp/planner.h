@@ -28,6 +28,9 @@ struct Plan {
   int64_t smallest_peak() const;
   // Every entry: memory by kind (in KiB, MiB or GiB by the largest peak shown), step time split, TFLOP/s, MFU, fits.
   std::string table(size_t max_rows = 0) const;
+  // Every entry as one line of JSON (its keys: docs/planner.md), each listing `not_modeled`: what
+  // the run does that the prediction leaves out.
+  std::string json_lines(const std::vector<std::string>& not_modeled = {}) const;
 };
 
 // Plans for `model` (its parameters on the meta device, or anywhere: nothing is allocated or run).

@@ -197,6 +197,7 @@ void check_request(const PlanRequest& r, const Cluster& cluster) {
                                     {double(r.process_bytes()), "process_bytes"},
                                     {r.allocator_headroom(), "allocator_headroom"}})
     FSDP_CHECK(value >= 0, "PlanRequest::", what, " is ", value, "; it must be >= 0");
+  FSDP_CHECK(r.batch_per_rank() >= 1, "PlanRequest::batch_per_rank must be >= 1, got ", r.batch_per_rank());
   FSDP_CHECK(r.trace_sequences() >= 1, "PlanRequest::trace_sequences must be >= 1, got ", r.trace_sequences());
   auto nonempty = [](size_t n, const char* what) {
     FSDP_CHECK(n > 0, "PlanRequest::", what, " is empty: nothing to plan; give it at least one value");
@@ -290,7 +291,7 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   check_request(request, cluster);
   const int world = request.world() > 0 ? request.world() : cluster.world();
   FSDP_CHECK(request.seq_len() >= 1, "PlanRequest::seq_len must be >= 1");
-  const int global = request.global_batch() > 0 ? request.global_batch() : world;
+  const int global = request.global_batch() > 0 ? request.global_batch() : world * request.batch_per_rank();
   FSDP_CHECK(global % world == 0, "the global batch ", global, " does not divide over ", world, " ranks");
   const int per_rank = global / world;
   if (!request.micro_batches().empty()) {

@@ -3,9 +3,11 @@
 #include <cmath>
 #include <iomanip>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "fsdp/check.h"
+#include "fsdp/options.h"
 #include "fsdp/planner.h"
 
 namespace fsdp {
@@ -81,6 +83,50 @@ std::string Plan::table(size_t max_rows) const {
   }
   if (rows < entries.size()) o << "(" << entries.size() - rows << " more)\n";
   for (const std::string& note : notes) o << "note: " << note << "\n";
+  return o.str();
+}
+
+std::string Plan::json_lines(const std::vector<std::string>& not_modeled) const {
+  std::ostringstream o;
+  for (const PlanEntry& e : entries) {
+    const Candidate& c = e.candidate;
+    o << nlohmann::json{{"configuration", c.describe()},
+                        {"strategy", to_string(c.strategy)},
+                        {"sharding_factor", c.sharding_factor},
+                        {"reshard_after_forward_size", c.reshard_after_forward_size},
+                        {"wrap", c.wrap.name},
+                        {"activation_checkpointing", c.activation_checkpointing},
+                        {"cpu_offload", c.cpu_offload},
+                        {"precision", c.precision == at::kFloat      ? "fp32"
+                                      : c.precision == at::kBFloat16 ? "bf16"
+                                                                     : "fp16"},
+                        {"micro_batch", c.micro_batch},
+                        {"accumulation", c.accumulation},
+                        {"no_sync", c.no_sync},
+                        {"keep_unsharded", c.keep_unsharded},
+                        {"replica_deferred", c.replica_deferred},
+                        {"step_in_backward", c.step_in_backward},
+                        {"params_bytes", e.memory.params},
+                        {"grads_bytes", e.memory.grads},
+                        {"optimizer_bytes", e.memory.optimizer},
+                        {"activations_bytes", e.memory.activations},
+                        {"workspace_bytes", e.memory.workspace},
+                        {"feedback_bytes", e.memory.feedback},
+                        {"ignored_bytes", e.memory.ignored},
+                        {"process_bytes", e.memory.process},
+                        {"peak_bytes", e.memory.peak},
+                        {"memory_margin", memory_margin},
+                        {"host_bytes", e.memory.host},
+                        {"step_s", e.time.step_s},
+                        {"compute_s", e.time.compute_s},
+                        {"exposed_comm_s", e.time.exposed_comm_s},
+                        {"tflops_per_device", e.time.tflops_per_device},
+                        {"mfu", e.time.mfu},
+                        {"fits", e.fits},
+                        {"not_modeled", not_modeled}}
+             .dump()
+      << "\n";
+  }
   return o.str();
 }
 

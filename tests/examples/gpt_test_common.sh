@@ -1,5 +1,5 @@
-# Shared part of the fsdp_gpt script tests (fsdp_gpt_test.sh, fsdp_gpt_resume_test.sh); sourced
-# with the script's arguments: PATH/TO/fsdp_gpt PATH/TO/fsdp-run [CASE...]. It sets TRAINER,
+# Shared part of the script tests of the examples (fsdp_gpt_test.sh, quickstart_plan_test.sh, ...); sourced
+# with the script's arguments: PATH/TO/PROGRAM PATH/TO/fsdp-run [CASE...]. It sets TRAINER (the program),
 # LAUNCHER, TMP and PORT, the output helpers, and run_cases, which runs the named test_<name>
 # functions (all without names) and exits 0 = pass, 1 = fail, 77 = every case skipped.
 USAGE="usage: $(basename "$0") PATH/TO/fsdp_gpt PATH/TO/fsdp-run [CASE...]"
