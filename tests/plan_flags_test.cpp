@@ -4,6 +4,7 @@
 // then meets to the byte, and a budget nothing fits ends every rank with exit code 1.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -72,6 +73,9 @@ TEST(PlanFlags, RefusesAFlagWithoutItsValueOrWithABadOne) {
   refused({"--plan-file", "p.jsonl"}, "--plan-file p.jsonl writes the predictions of --plan or --memory-budget");
   refused({"--calibration-file", "/nonexistent/calibration.json", "--plan"},
           "--calibration-file /nonexistent/calibration.json:");
+  refused({"--calibrate"}, "--calibrate times the model for --plan or --memory-budget");
+  refused({"--calibrate", "--plan", "--cluster", "h100:1x8"},
+          "--calibrate holds this machine's times, but --cluster h100:1x8 plans for another");
 }
 
 // Plans the tiny transformer from a command line (ctx.args), inside a DeferredInit scope, and trains
@@ -89,7 +93,18 @@ FSDP_WORKER(plan_flags_worker) {
   auto meta = make();
   const auto request = fsdp::PlanRequest().batch_per_rank(2).seq_len(8).activation_checkpointing({false}).wrap_policies(
       {{"block", fsdp::wrap::by_type<BlockImpl>()}, {"none", nullptr}});
-  const fsdp::PlanDecision decision = fsdp::plan_from_flags(flags, *pg, *meta, request);
+  // --calibrate: a real copy's passes in both precisions, on one micro-batch of the run's size.
+  auto calibrate = [&] {
+    auto copy = make();
+    auto x = torch::randint(50, {2, 8}, torch::kLong);
+    return fsdp::calibrate(
+        *copy, [&] { return lm_loss(copy->forward(x), x); }, 2 * 8,
+        fsdp::CalibrateOptions().precisions({at::kFloat, at::kBFloat16}).repetitions(2).min_timed_s(0.02));
+  };
+  const auto left = line.left();  // the worker's own flag: no calibration function
+  const bool without = std::find(left.begin(), left.end(), "--without-calibration") != left.end();
+  const fsdp::PlanDecision decision =
+      fsdp::plan_from_flags(flags, *pg, *meta, request, without ? fsdp::CalibrationFn() : calibrate);
   deferred.reset();
   std::cout << "decision: exit " << decision.exit << ", code " << decision.exit_code << std::endl;
   if (!decision.chosen) return;
@@ -168,6 +183,30 @@ TEST(PlanFlags, ABudgetNothingFitsEndsEveryRankNamingTheSmallest) {
   EXPECT_TRUE(contains(r.ranks[0].output, "no configuration fits in 1.00 KiB per rank")) << r.report();
   EXPECT_TRUE(contains(r.ranks[0].output, "the smallest needs")) << r.report();
   EXPECT_FALSE(contains(r.ranks[1].output, "no configuration fits")) << r.report();
+}
+
+TEST(PlanFlags, CalibrateTimesTheModelOnEveryRankAndSavesTheTimes) {
+  TempDir dir;
+  const std::string saved = dir.path + "/calibration.json";
+  auto r = launch("plan_flags_worker", 2, {"--memory-budget", "4GiB", "--calibrate", "--calibration-file", saved});
+  ASSERT_TRUE(r.all_ok()) << r.report();
+  EXPECT_EQ(lines_starting_with("chose: ", r.ranks[0].output), lines_starting_with("chose: ", r.ranks[1].output))
+      << r.report();
+  const fsdp::Calibration times = fsdp::Calibration::from_file(saved);
+  ASSERT_NE(times.find(at::kFloat), nullptr);
+  ASSERT_NE(times.find(at::kBFloat16), nullptr);
+  EXPECT_GT(times.find(at::kFloat)->forward_s, 0);
+  EXPECT_GT(times.link_gbps, 0) << "the link between the ranks is timed too";
+  // The saved times plan again without measuring, and the plan uses them: it says nothing of them.
+  auto again = launch("plan_flags_worker", 2, {"--plan", "--calibration-file", saved});
+  ASSERT_TRUE(again.all_ok()) << again.report();
+  EXPECT_TRUE(contains(again.ranks[0].output, "best: ")) << again.report();
+  EXPECT_FALSE(contains(again.ranks[0].output, "note: ")) << again.report();
+  auto none = launch("plan_flags_worker", 2, {"--plan", "--calibrate", "--without-calibration"});
+  EXPECT_FALSE(none.all_ok()) << none.report();
+  EXPECT_TRUE(
+      contains(none.ranks[0].output, "--calibrate: this program passes plan_from_flags no calibration function"))
+      << none.report();
 }
 
 TEST(PlanFlags, TrainingPlansForTheJobsOwnRanksAndDevices) {

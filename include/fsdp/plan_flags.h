@@ -5,9 +5,11 @@
 #include <torch/arg.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 
+#include "fsdp/calibration.h"
 #include "fsdp/cluster.h"
 #include "fsdp/planner.h"
 #include "fsdp/process_group.h"
@@ -17,7 +19,8 @@ namespace fsdp {
 struct PlanFlags {
   // Takes the flags below out of argv ("--flag VALUE" or "--flag=VALUE"; none after "--"), shrinking
   // argc and keeping the program's own arguments in order. Throws fsdp::Error naming a flag without
-  // its value, a bad value, or --plan-file without --plan or --memory-budget.
+  // its value, a bad value, --plan-file or --calibrate without --plan or --memory-budget, or this
+  // machine's times (--calibrate, --calibration-file) with another's --cluster.
   static PlanFlags parse(int& argc, char** argv);
   // The flags, a line each, for a program's --help.
   static std::string help();
@@ -34,7 +37,9 @@ struct PlanFlags {
   TORCH_ARG(std::string, cluster) = "";
   /// --plan-file FILE: rank 0 writes the predictions as JSON lines (--plan: every one; else the chosen).
   TORCH_ARG(std::string, plan_file) = "";
-  /// --calibration-file FILE: plan with the times fsdp::calibrate saved there (Calibration::save).
+  /// --calibrate: every rank times the program's calibration (plan_from_flags' `calibrate`) first.
+  TORCH_ARG(bool, calibrate) = false;
+  /// --calibration-file FILE: with --calibrate, rank 0 saves the times there; else the plan uses the times saved there.
   TORCH_ARG(std::string, calibration_file) = "";
 };
 
@@ -45,13 +50,19 @@ struct PlanDecision {
   std::optional<PlanEntry> chosen;  // --memory-budget: train with chosen->candidate (options() and the rest)
 };
 
+// Times the program's model on this machine for --calibrate: typically fsdp::calibrate over a real,
+// throwaway copy of it (calibration.h). Collective-free.
+using CalibrationFn = std::function<Calibration()>;
+
 // Collective over `pg`: plans `model` (built on the meta device) as `flags` say and reports on rank
 // 0. The request's world becomes the cluster's, its budget, margin and calibration the flags'; on this
-// machine, its process_bytes this process's resident set (the mean over ranks). Training
-// (--memory-budget) plans for the job's own ranks and devices. Where nothing fits, rank 0 names the
-// smallest budget that would, and every rank gets exit_code 1. Without --plan or
-// --memory-budget, nothing happens.
-PlanDecision plan_from_flags(const PlanFlags& flags, ProcessGroup& pg, torch::nn::Module& model, PlanRequest request);
+// machine, its process_bytes this process's resident set (the mean over ranks). --calibrate runs
+// `calibrate` on every rank at once, agrees the times across ranks and adds the link between them
+// (calibrate_link). Training (--memory-budget) plans for the job's own ranks and devices. Where
+// nothing fits, rank 0 names the smallest budget that would, and every rank gets exit_code 1.
+// Without --plan or --memory-budget, nothing happens.
+PlanDecision plan_from_flags(const PlanFlags& flags, ProcessGroup& pg, torch::nn::Module& model, PlanRequest request,
+                             const CalibrationFn& calibrate = nullptr);
 
 // This machine as a cluster for pg's job (CPU ranks only): the "cpu" preset with one node of the
 // job's ranks, each rank's peak float32 FLOP/s `job_matmul_flops` / ranks (0: measured here by

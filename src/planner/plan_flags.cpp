@@ -56,12 +56,7 @@ void set_value(PlanFlags& flags, const std::string& name, const std::string& val
     flags.cluster(value);
   } else if (name == "--plan-file") {
     flags.plan_file(value);
-  } else {  // --calibration-file
-    try {
-      (void)Calibration::from_file(value);
-    } catch (const std::exception& e) {
-      FSDP_FAIL("--calibration-file ", value, ": ", quoted(e));
-    }
+  } else {  // --calibration-file: read (or, with --calibrate, written) once every flag is in
     flags.calibration_file(value);
   }
 }
@@ -123,8 +118,8 @@ PlanFlags PlanFlags::parse(int& argc, char** argv) {
   for (; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--") break;  // the rest is the program's
-    if (arg == "--plan") {
-      flags.plan(true);
+    if (arg == "--plan" || arg == "--calibrate") {
+      (arg == "--plan" ? flags.plan(true) : flags.calibrate(true));
       continue;
     }
     const size_t eq = arg.find('=');
@@ -144,6 +139,17 @@ PlanFlags PlanFlags::parse(int& argc, char** argv) {
   for (; i < argc; ++i) kept.push_back(argv[i]);
   FSDP_CHECK(flags.plan_file().empty() || flags.any(), "--plan-file ", flags.plan_file(),
              " writes the predictions of --plan or --memory-budget: give one of them");
+  FSDP_CHECK(!flags.calibrate() || flags.any(),
+             "--calibrate times the model for --plan or --memory-budget: give one of them");
+  FSDP_CHECK((!flags.calibrate() && flags.calibration_file().empty()) || flags.cluster().empty(),
+             flags.calibrate() ? "--calibrate" : "--calibration-file", " holds this machine's times, but --cluster ",
+             flags.cluster(), " plans for another; drop one of them");
+  if (!flags.calibration_file().empty() && !flags.calibrate()) try {
+      (void)Calibration::from_file(flags.calibration_file());
+    } catch (const std::exception& e) {
+      FSDP_FAIL("--calibration-file ", flags.calibration_file(), ": ", quoted(e),
+                " (--calibrate measures the times and saves them there)");
+    }
   for (size_t k = 0; k < kept.size(); ++k) argv[k] = kept[k];
   if (static_cast<int>(kept.size()) < argc) argv[kept.size()] = nullptr;
   argc = static_cast<int>(kept.size());
@@ -162,7 +168,8 @@ std::string PlanFlags::help() {
          }() +
          ") or a JSON file; default: this machine\n"
          "  --plan-file FILE         write the predictions as JSON lines (--plan: every one; else the chosen)\n"
-         "  --calibration-file FILE  plan with the times fsdp::calibrate saved there\n";
+         "  --calibrate              time the model on this machine first, and plan with those times\n"
+         "  --calibration-file FILE  with --calibrate, save the times there; else plan with the times saved there\n";
 }
 
 Cluster this_machine(ProcessGroup& pg, double job_matmul_flops) {
@@ -197,7 +204,8 @@ Cluster this_machine(ProcessGroup& pg, double job_matmul_flops) {
   return cluster;
 }
 
-PlanDecision plan_from_flags(const PlanFlags& flags, ProcessGroup& pg, torch::nn::Module& model, PlanRequest request) {
+PlanDecision plan_from_flags(const PlanFlags& flags, ProcessGroup& pg, torch::nn::Module& model, PlanRequest request,
+                             const CalibrationFn& calibrate) {
   PlanDecision decision;
   if (!flags.any()) return decision;
   detail::DeferralPause real_tensors;  // the collectives' and measurements' own, in a DeferredInit scope too
@@ -212,7 +220,19 @@ PlanDecision plan_from_flags(const PlanFlags& flags, ProcessGroup& pg, torch::nn
   }
   request.world(cluster.world()).memory_margin(flags.memory_margin());
   if (!flags.memory_budget().empty()) request.memory_budget(parse_bytes(flags.memory_budget()));
-  if (!flags.calibration_file().empty()) request.calibration(Calibration::from_file(flags.calibration_file()));
+  if (flags.calibrate()) {
+    FSDP_CHECK(calibrate != nullptr,
+               "--calibrate: this program passes plan_from_flags no calibration function, so it "
+               "cannot time its model; plan without --calibrate (nominal rates) or with --calibration-file");
+    if (pg.size() > 1) pg.world()->barrier();  // every rank at once: the times include their sharing of the machine
+    Calibration measured = calibrate();
+    agree_across_ranks(measured, *pg.world());
+    calibrate_link(measured, pg);
+    if (pg.rank() == 0 && !flags.calibration_file().empty()) measured.save(flags.calibration_file());
+    request.calibration(measured);
+  } else if (!flags.calibration_file().empty()) {
+    request.calibration(Calibration::from_file(flags.calibration_file()));
+  }
   // The resident set of this process (the program, its libraries and data) on this machine: the
   // mean over ranks, so that every rank plans alike.
   const double resident = mean_across_ranks(pg, static_cast<double>(resident_set_bytes()));
