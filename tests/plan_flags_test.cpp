@@ -118,7 +118,7 @@ FSDP_WORKER(plan_flags_worker) {
   if (c.step_in_backward) sharded->set_step_in_backward(&opt);
   for (int step = 0; step < 3; ++step) {
     sharded->reset_peak_memory_stats();
-    zero_grad_in_place(opt);
+    opt.zero_grad();  // as the request assumes: LibTorch 1 zeroes in place, 2 drops them
     for (int m = 0; m < c.accumulation; ++m) {
       std::optional<fsdp::FullyShardedModule::NoSyncGuard> no_sync;
       if (c.no_sync && m + 1 < c.accumulation) no_sync.emplace(sharded->no_sync());
@@ -207,6 +207,15 @@ TEST(PlanFlags, CalibrateTimesTheModelOnEveryRankAndSavesTheTimes) {
   EXPECT_TRUE(
       contains(none.ranks[0].output, "--calibrate: this program passes plan_from_flags no calibration function"))
       << none.report();
+}
+
+TEST(PlanFlags, AFileRankZeroCannotWriteEndsEveryRankBeforeAnyWork) {
+  auto r = launch("plan_flags_worker", 2, {"--memory-budget", "4GiB", "--plan-file", "/nonexistent/plan.jsonl"});
+  EXPECT_FALSE(r.all_ok()) << r.report();
+  for (const RankResult& rank : r.ranks) {
+    EXPECT_TRUE(contains(rank.output, "--plan-file /nonexistent/plan.jsonl: rank 0 cannot write it")) << r.report();
+    EXPECT_FALSE(contains(rank.output, "chose: ")) << r.report();
+  }
 }
 
 TEST(PlanFlags, TrainingPlansForTheJobsOwnRanksAndDevices) {

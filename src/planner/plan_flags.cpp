@@ -11,6 +11,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "deferred_init_impl.h"
@@ -20,13 +21,13 @@
 namespace fsdp {
 namespace {
 
-// Checks `value` for the flag `name` (one of value_flags()) and sets it.
 // An error's message without the library's prefix, to quote inside another.
 std::string quoted(const std::exception& e) {
   const std::string what = e.what(), prefix = "libfsdp: ";
   return what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what;
 }
 
+// Checks `value` for the flag `name` (one of value_flags()) and sets it.
 void set_value(PlanFlags& flags, const std::string& name, const std::string& value) {
   FSDP_CHECK(!value.empty(), name, " needs a value");
   if (name == "--memory-budget") {
@@ -210,6 +211,15 @@ PlanDecision plan_from_flags(const PlanFlags& flags, ProcessGroup& pg, torch::nn
   if (!flags.any()) return decision;
   detail::DeferralPause real_tensors;  // the collectives' and measurements' own, in a DeferredInit scope too
   const bool training = !flags.memory_budget().empty() && !flags.plan();
+  // The files rank 0 writes, checked before any work and refused on every rank alike.
+  for (const auto& [flag, path] : {std::pair<const char*, std::string>{"--plan-file", flags.plan_file()},
+                                   {"--calibration-file", flags.calibrate() ? flags.calibration_file() : ""}}) {
+    if (path.empty()) continue;
+    double writable = 1;
+    if (pg.rank() == 0) writable = std::ofstream(path, std::ios::app).good() ? 1 : 0;
+    FSDP_CHECK(mean_across_ranks(pg, writable) == 1, flag, " ", path,
+               ": rank 0 cannot write it (does its directory exist?)");
+  }
   const Cluster cluster = flags.cluster().empty() ? this_machine(pg) : Cluster::parse(flags.cluster());
   if (training) {
     FSDP_CHECK(cluster.world() == pg.size(), "--cluster ", flags.cluster(), " has ", cluster.world(),
