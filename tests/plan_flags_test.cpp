@@ -67,6 +67,7 @@ TEST(PlanFlags, RefusesAFlagWithoutItsValueOrWithABadOne) {
   refused({"--memory-budget"}, "--memory-budget needs a value, e.g. --memory-budget 40GiB");
   refused({"--memory-budget="}, "--memory-budget needs a value");
   refused({"--memory-budget", "12QB"}, "--memory-budget 12QB: '12QB' is not a size");
+  refused({"--memory-budget", "0GiB"}, "--memory-budget 0GiB: give the bytes each rank may use, above 0");
   refused({"--memory-margin", "-1", "--plan"}, "--memory-margin -1: give a share of the peak from 0 to 10");
   refused({"--memory-margin", "0.1x", "--plan"}, "--memory-margin 0.1x:");
   refused({"--cluster", "tpu:1x8", "--plan"}, "--cluster tpu:1x8:");

@@ -31,11 +31,13 @@ std::string quoted(const std::exception& e) {
 void set_value(PlanFlags& flags, const std::string& name, const std::string& value) {
   FSDP_CHECK(!value.empty(), name, " needs a value");
   if (name == "--memory-budget") {
+    int64_t bytes = 0;
     try {
-      (void)parse_bytes(value);
+      bytes = parse_bytes(value);
     } catch (const std::exception& e) {
       FSDP_FAIL("--memory-budget ", value, ": ", quoted(e));
     }
+    FSDP_CHECK(bytes > 0, "--memory-budget ", value, ": give the bytes each rank may use, above 0 (e.g. 40GiB)");
     flags.memory_budget(value);
   } else if (name == "--memory-margin") {
     size_t used = 0;
