@@ -64,11 +64,13 @@ using CalibrationFn = std::function<Calibration()>;
 PlanDecision plan_from_flags(const PlanFlags& flags, ProcessGroup& pg, torch::nn::Module& model, PlanRequest request,
                              const CalibrationFn& calibrate = nullptr);
 
-// This machine as a cluster for pg's job (CPU ranks only): the "cpu" preset with one node of the
-// job's ranks, each rank's peak float32 FLOP/s `job_matmul_flops` / ranks (0: measured here by
-// every rank at once, so that ranks sharing the cores share them as in training) and its 16-bit
-// peak at the ratio of a 16-bit to a float32 product measured here. Collective. Throws fsdp::Error
-// on a device other than the CPU, whose cluster a program names (--cluster).
+// This machine as a cluster for pg's job (CPU ranks only): the "cpu" preset with a node per host
+// (the launcher's LOCAL_WORLD_SIZE ranks each; one node where that does not divide the job), each
+// rank's share of its host's memory, each rank's peak float32 FLOP/s `job_matmul_flops` / ranks (0:
+// measured here by every rank at once, so that ranks sharing the cores share them as in training)
+// and its 16-bit peak at the ratio of a 16-bit to a float32 product measured here; every figure
+// alike on every rank. Collective. Throws fsdp::Error on a device other than the CPU, whose cluster
+// a program names (--cluster).
 Cluster this_machine(ProcessGroup& pg, double job_matmul_flops = 0);
 
 }  // namespace fsdp

@@ -181,7 +181,10 @@ Cluster this_machine(ProcessGroup& pg, double job_matmul_flops) {
   FSDP_CHECK(world.device().is_cpu(), "this_machine plans for CPU ranks, but this job runs on ", world.device().str(),
              ": name its cluster (a preset such as h100:1x", pg.size(), ", or a cluster file; docs/planner.md)");
   const int ranks = pg.size();
-  Cluster cluster = Cluster::preset("cpu", 1, ranks);
+  // One node per host: the launcher's ranks per host where they divide the job, else one host.
+  const int local = pg.env().local_world_size;
+  const int per_host = local > 0 && local <= ranks && ranks % local == 0 ? local : ranks;
+  Cluster cluster = Cluster::preset("cpu", ranks / per_host, per_host);
   // Every rank at once, so that ranks sharing the cores share them as they will in training.
   if (ranks > 1) world.barrier();
   if (job_matmul_flops <= 0) {
@@ -198,11 +201,13 @@ Cluster this_machine(ProcessGroup& pg, double job_matmul_flops) {
   cluster.device.peak_flops_fp32 = job_matmul_flops / ranks;
   cluster.device.peak_flops_16 = cluster.device.peak_flops_fp32 * mean_across_ranks(pg, bf16 / fp32);
   cluster.device.matmul_efficiency = 1.0;
+  // The host's memory, shared by its ranks; the mean over hosts, so that every rank plans alike.
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  if (pages > 0 && page > 0) {
-    const int64_t physical = static_cast<int64_t>(pages) * page;
-    cluster.host_memory_bytes = physical;
-    cluster.device.memory_bytes = physical / ranks;  // the ranks share it
+  const double physical = pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0;
+  const auto host = static_cast<int64_t>(mean_across_ranks(pg, physical));
+  if (host > 0) {
+    cluster.host_memory_bytes = host;
+    cluster.device.memory_bytes = host / per_host;
   }
   return cluster;
 }

@@ -22,6 +22,18 @@ test_plan() {
   ! grep -q "step 1 " "$TMP/out" || fail "the program trained after --plan"
 }
 
+test_plan_two_nodes() {
+  # Two launchers on this host, each a node of two ranks: this machine is two nodes of two ranks.
+  export FSDP_JOB_TOKEN=quickstart-plan-two-nodes-token
+  local launch=("$LAUNCHER" --nnodes 2 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$PORT")
+  "${launch[@]}" --node-rank 1 "$TRAINER" --plan >"$TMP/node1" 2>&1 &
+  local node1=$!
+  run "${launch[@]}" --node-rank 0 "$TRAINER" --plan
+  wait "$node1" || fail "node 1 failed: $(cat "$TMP/node1")"
+  expect_rc 0
+  expect_regex out "^\[rank 0\] Plan for cpu: 2 nodes x 2 ranks, "
+}
+
 test_memory_budget_trains_at_the_predicted_peaks() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" --memory-budget 1GiB --plan-file "$TMP/plan.jsonl"
   expect_rc 0
