@@ -2,7 +2,7 @@
 // task. Run with the launcher, e.g.  fsdp-run --nproc-per-node 2 ./fsdp_quickstart
 // The planner's flags work here as in any program that passes them on (fsdp/plan_flags.h):
 //   fsdp-run --nproc-per-node 2 ./fsdp_quickstart --plan                   # predictions; exit
-//   fsdp-run --nproc-per-node 2 ./fsdp_quickstart --memory-budget 64MiB    # train the best that fits
+//   fsdp-run --nproc-per-node 2 ./fsdp_quickstart --memory-budget 1GiB     # train the best that fits
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
@@ -34,7 +34,7 @@ int run(int argc, char** argv) {
                        .activation_checkpointing({false})
                        .wrap_policies({{"linear", linear_units}, {"none", nullptr}})
                        .trace_forward([&] {
-                         torch::mse_loss(meta->forward(torch::zeros({1, 16})), torch::zeros({1, 1}));
+                         torch::mse_loss(meta->forward(torch::zeros({1, 16})).to(torch::kFloat), torch::zeros({1, 1}));
                        });
     const fsdp::PlanDecision decision = fsdp::plan_from_flags(plan_flags, *pg, *meta, request);
     if (decision.exit) return decision.exit_code;
