@@ -3,6 +3,7 @@
 // The planner's flags work here as in any program that passes them on (fsdp/plan_flags.h):
 //   fsdp-run --nproc-per-node 2 ./fsdp_quickstart --plan                   # predictions; exit
 //   fsdp-run --nproc-per-node 2 ./fsdp_quickstart --memory-budget 1GiB     # train the best that fits
+//   fsdp-run --nproc-per-node 2 ./fsdp_quickstart --plan --calibrate       # from times measured here
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
@@ -16,6 +17,11 @@ torch::nn::Sequential make_model() {
 
 int run(int argc, char** argv) {
   const auto plan_flags = fsdp::PlanFlags::parse(argc, argv);  // takes --plan, --memory-budget, ...
+  if (argc > 1) {  // what parse() left is this program's, and it takes nothing else
+    std::cerr << "unknown argument " << argv[1] << "; the quick start takes the planner's flags:\n"
+              << fsdp::PlanFlags::help();
+    return 2;
+  }
   // Rank, world size and rendezvous address come from the launcher's environment.
   auto pg = fsdp::ProcessGroup::from_env();
   if (pg->size() > 1) torch::set_num_threads(1);  // ranks share the CPU cores
@@ -36,7 +42,16 @@ int run(int argc, char** argv) {
                        .trace_forward([&] {
                          torch::mse_loss(meta->forward(torch::zeros({1, 16})).to(torch::kFloat), torch::zeros({1, 1}));
                        });
-    const fsdp::PlanDecision decision = fsdp::plan_from_flags(plan_flags, *pg, *meta, request);
+    // --calibrate: a real copy's forward and backward on one batch, timed in each precision the plan tries.
+    auto calibrate = [&] {
+      auto copy = make_model();
+      auto x = torch::randn({batch, 16}), y = torch::sin(x).sum(1, /*keepdim=*/true);
+      auto loss = [&] {  // the copy is cast to each precision in turn; its input follows
+        return torch::mse_loss(copy->forward(x.to(copy->parameters()[0].scalar_type())).to(torch::kFloat), y);
+      };
+      return fsdp::calibrate(*copy, loss, batch, fsdp::CalibrateOptions().precisions(request.precisions()));
+    };
+    const fsdp::PlanDecision decision = fsdp::plan_from_flags(plan_flags, *pg, *meta, request, calibrate);
     if (decision.exit) return decision.exit_code;
     options = decision.chosen->candidate.options();
   }

@@ -48,6 +48,19 @@ test_memory_budget_trains_at_the_predicted_peaks() {
     fail "FSDP peaks measured '${peaks:-none}', predicted '${params:-?} ${grads:-?}'"
 }
 
+test_calibrated_plan() {
+  # Every rank times the quick start's model first; the saved times plan again without measuring.
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" --plan --calibrate \
+    --calibration-file "$TMP/calibration.json"
+  expect_rc 0
+  expect_regex out "^\[rank 0\] best: "
+  grep -qE '"precision": *"bf16"' "$TMP/calibration.json" || fail "no bf16 timing in the saved calibration"
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" --memory-budget 1GiB \
+    --calibration-file "$TMP/calibration.json"
+  expect_rc 0
+  expect_regex out "^\[rank 0\] step 20  loss "
+}
+
 test_memory_budget_nothing_fits() {
   run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" --memory-budget 100MiB
   expect_rc 1
@@ -64,6 +77,10 @@ test_bad_plan_flag() {
   run "$TRAINER" --plan-file "$TMP/plan.jsonl"
   expect_rc 1
   expect_text err "--plan-file $TMP/plan.jsonl writes the predictions of --plan or --memory-budget"
+  run "$TRAINER" --memory-budgt 1GiB
+  expect_rc 2
+  expect_text err "unknown argument --memory-budgt; the quick start takes the planner's flags:"
+  expect_text err "--memory-budget SIZE"
 }
 
 run_cases "$@"
