@@ -15,6 +15,7 @@
 #include "fsdp/check.h"
 #include "fsdp/memory.h"
 #include "planner/parameter_elements.h"
+#include "planner/process_status.h"
 #include "planner/timing_stats.h"
 
 namespace fsdp {
@@ -25,28 +26,19 @@ using planner::keep_timing;
 using planner::median;
 using planner::seconds_since;
 
-// A line "<key> <kB> kB" of /proc/self/status, in bytes; 0 when absent.
-int64_t status_bytes(const std::string& key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind(key + ":", 0) == 0) return std::stoll(line.substr(key.size() + 1)) * 1024;
-  return 0;
-}
-
 // The largest growth of the resident set while `run` runs, beyond what the process held when it
 // began, with the allocator's free pages first returned to the system; 0 where Linux cannot restart
 // the peak (/proc/self/clear_refs). See Note [Planner calibration] in docs/design.md.
 int64_t peak_growth(const std::function<void()>& run) {
   malloc_trim(0);
-  const int64_t before = status_bytes("VmRSS");
+  const int64_t before = detail::status_bytes("VmRSS");
   {
     std::ofstream reset("/proc/self/clear_refs");
     if (!(reset << "5" << std::flush)) return 0;
   }
-  if (status_bytes("VmHWM") > before + (int64_t(1) << 20)) return 0;  // the peak did not restart
+  if (detail::status_bytes("VmHWM") > before + (int64_t(1) << 20)) return 0;  // the peak did not restart
   run();
-  return std::max<int64_t>(0, status_bytes("VmHWM") - before);
+  return std::max<int64_t>(0, detail::status_bytes("VmHWM") - before);
 }
 
 void zero_grads(torch::nn::Module& model) {

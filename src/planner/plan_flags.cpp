@@ -17,6 +17,7 @@
 #include "deferred_init_impl.h"
 #include "fsdp/calibration.h"
 #include "fsdp/check.h"
+#include "planner/process_status.h"
 
 namespace fsdp {
 namespace {
@@ -84,15 +85,6 @@ double matmul_rate(at::ScalarType dtype, int64_t n, std::chrono::milliseconds at
     fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return 2.0 * static_cast<double>(n * n * n) / fastest;
-}
-
-// This process's resident set (VmRSS of /proc/self/status), in bytes; 0 where unknown.
-int64_t resident_set_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return 0;
 }
 
 // "planned for 1.00 GiB per rank: ...; predicted peak ..., step ... ms"
@@ -252,7 +244,7 @@ PlanDecision plan_from_flags(const PlanFlags& flags, ProcessGroup& pg, torch::nn
   }
   // The resident set of this process (the program, its libraries and data) on this machine: the
   // mean over ranks, so that every rank plans alike.
-  const double resident = mean_across_ranks(pg, static_cast<double>(resident_set_bytes()));
+  const double resident = mean_across_ranks(pg, static_cast<double>(detail::status_bytes("VmRSS")));
   if (cluster.device_is_host && request.process_bytes() == 0) request.process_bytes(static_cast<int64_t>(resident));
 
   const Plan plan = fsdp::plan(model, cluster, request);
