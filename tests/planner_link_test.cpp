@@ -71,12 +71,13 @@ FSDP_WORKER(host_link_calibration_worker) {
                             .inter(fsdp::Link().bandwidth_gbps(inter))
                             .ranks_per_host(2));
   fsdp::Calibration c;
-  for (int tries = 0; tries < 3 && !(about(c.link_gbps, inter) && about(c.intra_link_gbps, intra)); ++tries) {
+  for (int tries = 0; tries < 3 && !(about(c.link_gbps, 2 * inter) && about(c.intra_link_gbps, intra)); ++tries) {
     c = fsdp::Calibration();  // a try that other processes slowed is timed again, on every rank alike
     fsdp::calibrate_link(c, *pg);
   }
   WORKER_CHECK(c.link_ranks_per_host == 2, "ranks per host ", c.link_ranks_per_host, ", not 2");
-  WORKER_CHECK(about(c.link_gbps, inter), "between hosts: ", c.link_gbps, " GB/s, not about ", inter);
+  // The world group crosses hosts on two rings, each on its own rank's link.
+  WORKER_CHECK(about(c.link_gbps, 2 * inter), "between hosts: ", c.link_gbps, " GB/s, not about ", 2 * inter);
   WORKER_CHECK(about(c.intra_link_gbps, intra), "within a host: ", c.intra_link_gbps, " GB/s, not about ", intra);
   WORKER_CHECK(c.link_copy_gbps > 4 * c.intra_link_gbps, "the transport beneath: ", c.link_copy_gbps, " GB/s");
   c.tokens = 1;  // a file needs its tokens
@@ -200,11 +201,11 @@ TEST(PlannerLink, WaitsTimedBeneathAModeledLinkStandBesideItsTime) {
   EXPECT_LT(middle.exposed_comm_s, middle_plain.exposed_comm_s + beneath.exposed_s);
 }
 
-// World 4 as two hosts of two ranks, linked at 0.05 GB/s, over a transport copying at 2 GB/s; each
-// host's own link at `intra_gbps` (0: not calibrated).
-fsdp::TimePrediction predicted_on_hosts(fsdp::ShardingStrategy strategy, double intra_gbps) {
+// World 4 over a transport copying at 2 GB/s whose world group was timed at `world_gbps`; with
+// `intra_gbps` (0: not calibrated), as two hosts of two ranks, each host's own link at that.
+fsdp::TimePrediction predicted_on_hosts(fsdp::ShardingStrategy strategy, double world_gbps, double intra_gbps) {
   fsdp::Calibration c;
-  c.link_gbps = 0.05;
+  c.link_gbps = world_gbps;
   c.link_copy_gbps = 2;
   c.link_ranks_per_host = intra_gbps > 0 ? 2 : 0;
   c.intra_link_gbps = intra_gbps;
@@ -212,16 +213,23 @@ fsdp::TimePrediction predicted_on_hosts(fsdp::ShardingStrategy strategy, double 
 }
 
 TEST(PlannerLink, GroupsWithinAHostUseTheHostsCalibratedLink) {
-  // HYBRID_SHARD's shard groups are each host's two ranks: their gathers and reduce-scatters move
-  // at the host's link, and only the replica all-reduce crosses hosts.
-  const auto one_link = predicted_on_hosts(fsdp::ShardingStrategy::kHybridShard, 0);
-  const auto hosts = predicted_on_hosts(fsdp::ShardingStrategy::kHybridShard, 1.0);
+  // One rank per host at 0.05 GB/s each, against two hosts of two ranks whose ranks have 0.05 GB/s
+  // links each: there the world group's two rings run at 0.1, HYBRID_SHARD's shard groups (each
+  // host's two ranks) at the host's link, and only its replica all-reduce crosses hosts, on one
+  // rank's link.
+  const auto one_link = predicted_on_hosts(fsdp::ShardingStrategy::kHybridShard, 0.05, 0);
+  const auto hosts = predicted_on_hosts(fsdp::ShardingStrategy::kHybridShard, 0.1, 1.0);
   EXPECT_EQ(hosts.compute_s, one_link.compute_s);
   EXPECT_LT(hosts.exposed_comm_s, 0.5 * one_link.exposed_comm_s);
   EXPECT_GT(hosts.exposed_comm_s, 0);
+  // The replica all-reduce runs at one rank's share of the world group's link: slower than at all of it.
+  const auto hosts_unknown = predicted_on_hosts(fsdp::ShardingStrategy::kHybridShard, 0.1, 0);
+  const auto fast_replicas = predicted_on_hosts(fsdp::ShardingStrategy::kHybridShard, 0.2, 1.0);
+  EXPECT_GT(hosts.exposed_comm_s, fast_replicas.exposed_comm_s);
+  EXPECT_NE(hosts.exposed_comm_s, hosts_unknown.exposed_comm_s);
   // FULL_SHARD's groups span the hosts: the host's link changes nothing.
-  const auto full = predicted_on_hosts(fsdp::ShardingStrategy::kFullShard, 0);
-  const auto full_hosts = predicted_on_hosts(fsdp::ShardingStrategy::kFullShard, 1.0);
+  const auto full = predicted_on_hosts(fsdp::ShardingStrategy::kFullShard, 0.1, 0);
+  const auto full_hosts = predicted_on_hosts(fsdp::ShardingStrategy::kFullShard, 0.1, 1.0);
   EXPECT_EQ(full_hosts.step_s, full.step_s);
   EXPECT_EQ(full_hosts.exposed_comm_s, full.exposed_comm_s);
 }

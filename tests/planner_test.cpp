@@ -29,8 +29,19 @@ TEST(Planner, ParsesClustersAndSizes) {
   EXPECT_EQ(paper.world(), 128);
   EXPECT_EQ(paper.ranks_per_node, 8);
   EXPECT_DOUBLE_EQ(paper.inter.bandwidth_gbps(), 25.0);  // 2 Tb/s per node over 8 GPUs
-  EXPECT_EQ(&paper.link_for_group(8), &paper.intra);
-  EXPECT_EQ(&paper.link_for_group(16), &paper.inter);
+  EXPECT_DOUBLE_EQ(paper.link_for_group(8).bandwidth_gbps(), paper.intra.bandwidth_gbps());
+  // Across nodes, one ring per GPU of a node, each crossing on its own GPU's link: 8 x 25 GB/s,
+  // below NVLink's 8/7 x 300.
+  EXPECT_DOUBLE_EQ(paper.link_for_group(16).bandwidth_gbps(), 200.0);
+  EXPECT_DOUBLE_EQ(paper.link_for_group(128).bandwidth_gbps(), 200.0);
+  EXPECT_DOUBLE_EQ(paper.link_for_group(16).latency_us(), paper.inter.latency_us());
+  // Groups of 12 over nodes of 8 hold 4 ranks of some node: 4 x 25.
+  EXPECT_DOUBLE_EQ(fsdp::Cluster::parse("paper:3x8").link_for_group(12).bandwidth_gbps(), 100.0);
+  fsdp::Cluster slow_within = paper;
+  slow_within.intra.bandwidth_gbps(14);  // the rings' hops within a node bound them: 8/7 x 14
+  EXPECT_DOUBLE_EQ(slow_within.link_for_group(16).bandwidth_gbps(), 16.0);
+  fsdp::Cluster one_per_node = fsdp::Cluster::parse("paper:4x1");
+  EXPECT_DOUBLE_EQ(one_per_node.link_for_group(4).bandwidth_gbps(), one_per_node.inter.bandwidth_gbps());
   EXPECT_EQ(fsdp::Cluster::parse("a100-80g:2x8").device.memory_bytes, 80 * 1024 * kMiB);
   EXPECT_EQ(fsdp::Cluster::parse("cpu:1x4").world(), 4);
   const fsdp::Cluster custom = fsdp::Cluster::from_json(
@@ -658,7 +669,7 @@ TEST(Planner, KeepsTheParametersUnshardedBetweenMicroBatches) {
 TEST(Planner, QuantizedCollectivesShortenACommunicationBoundStep) {
   fsdp::DeferredInit deferred;
   Stack model(2048, 4);  // large enough for the links' bandwidth, not their latency, to decide
-  const auto cluster = fsdp::Cluster::parse("paper:2x8");
+  const auto cluster = fsdp::Cluster::parse("paper:16x1");  // a GPU per node: 25 GB/s between any two
   auto request = network_bound();
   const fsdp::Plan plain = fsdp::plan(*model, cluster, request);
   const fsdp::Plan int8 = fsdp::plan(
@@ -670,8 +681,8 @@ TEST(Planner, QuantizedCollectivesShortenACommunicationBoundStep) {
   EXPECT_TRUE(contains(q.candidate.describe(), ", int8 gathers, int8 reductions")) << q.candidate.describe();
   EXPECT_TRUE(q.candidate.options().all_gather_quantization().enabled());
   EXPECT_TRUE(q.candidate.options().reduce_quantization().enabled());
-  // Over 2 Tb/s between nodes the float32 step waits on its gathers and reductions; the packed
-  // ones carry 1 + 4/256 bytes per value.
+  // Over 25 GB/s per GPU the float32 step waits on its gathers and reductions; the packed ones
+  // carry 1 + 4/256 bytes per value.
   EXPECT_GT(p.time.exposed_comm_s, 0.9 * (p.time.step_s - p.time.compute_s)) << plain.table();
   EXPECT_LT(q.time.step_s, 0.4 * p.time.step_s) << plain.table() << int8.table();
   EXPECT_GT(q.time.step_s, 0.2 * p.time.step_s) << plain.table() << int8.table();
@@ -697,7 +708,7 @@ TEST(Planner, QuantizedCollectivesShortenACommunicationBoundStep) {
 TEST(Planner, StepInBackwardDropsTheGradientsAndOverlapsTheStep) {
   fsdp::DeferredInit deferred;
   Stack model(2048, 4);
-  const auto cluster = fsdp::Cluster::parse("paper:2x8");
+  const auto cluster = fsdp::Cluster::parse("paper:16x1");  // a GPU per node: 25 GB/s between any two
   auto request = network_bound();
   const fsdp::Plan plain = fsdp::plan(*model, cluster, request);
   const fsdp::Plan both = fsdp::plan(*model, cluster, request.step_in_backward({false, true}));

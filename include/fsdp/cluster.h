@@ -35,8 +35,9 @@ struct Cluster {
   int world() const { return nodes * ranks_per_node; }
   // e.g. "a100-80g: 8 nodes x 8 ranks, 80 GiB, 312 TFLOP/s (16-bit), intra 300 GB/s, inter 25 GB/s"
   std::string describe() const;
-  // The link a group of `n` consecutive ranks uses.
-  const Link& link_for_group(int n) const { return n <= ranks_per_node ? intra : inter; }
+  // The link groups of `n` consecutive ranks use: `intra` within a node; across nodes, the
+  // spanning_link of the fewest ranks any such group has on one node (network_model.h).
+  Link link_for_group(int n) const;
 
   // A preset by name (preset_names()), `nodes` x `ranks_per_node`. Throws fsdp::Error naming the
   // known presets.

@@ -72,4 +72,13 @@ double modeled_wire_bytes(Collective c, int64_t bytes, int n);
 // The modeled duration in seconds of that collective on `link`.
 double modeled_seconds(Collective c, int64_t bytes, int n, const Link& link);
 
+// The fewest of `ranks` (global ranks) on any host they occupy, hosts being `ranks_per_host`
+// consecutive global ranks each.
+int fewest_per_host(const std::vector<int>& ranks, int ranks_per_host);
+// The link of a group that spans hosts with `per_host` of its ranks on each (fewest_per_host): one
+// ring per rank of a host, each crossing to the next host on its own rank's `inter` link and
+// moving 1/per_host of the bytes, so the group runs at min(per_host x inter, per_host/(per_host-1)
+// x intra) per rank, at the inter link's latency (Note [Modeled network]).
+Link spanning_link(const Link& intra, const Link& inter, int per_host);
+
 }  // namespace fsdp

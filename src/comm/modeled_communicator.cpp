@@ -160,9 +160,11 @@ CommunicatorPtr with_network_model(CommunicatorPtr inner, const std::vector<int>
   FSDP_CHECK(model.ranks_per_host() >= 1, "with_network_model: ranks_per_host must be resolved to >= 1, got ",
              model.ranks_per_host(), " (ProcessGroup resolves 0 to LOCAL_WORLD_SIZE)");
   model.validate();
-  const bool intra = same_host(global_ranks, model.ranks_per_host());
-  return std::make_shared<ModeledCommunicator>(std::move(inner), intra ? "intra" : "inter",
-                                               intra ? model.intra() : model.inter());
+  if (same_host(global_ranks, model.ranks_per_host()))
+    return std::make_shared<ModeledCommunicator>(std::move(inner), "intra", model.intra());
+  const int per_host = fewest_per_host(global_ranks, model.ranks_per_host());
+  return std::make_shared<ModeledCommunicator>(std::move(inner), "inter",
+                                               spanning_link(model.intra(), model.inter(), per_host));
 }
 
 std::optional<ModeledLinkStats> modeled_link_stats(const Communicator& comm) {

@@ -2,6 +2,7 @@
 // formulas that every modeled time and byte count comes from.
 #include "fsdp/network_model.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -164,6 +165,23 @@ double modeled_seconds(Collective c, int64_t bytes, int n, const Link& link) {
   const Formula f = formula(c, n);
   return f.steps * link.latency_us() * 1e-6 +
          f.wire_factor * static_cast<double>(bytes) / (link.bandwidth_gbps() * 1e9);
+}
+
+int fewest_per_host(const std::vector<int>& ranks, int ranks_per_host) {
+  FSDP_CHECK(ranks_per_host >= 1, "fewest_per_host: ranks_per_host must be >= 1, got ", ranks_per_host);
+  std::map<int, int> on_host;
+  for (const int r : ranks) ++on_host[r / ranks_per_host];
+  int fewest = 0;
+  for (const auto& [host, count] : on_host) fewest = fewest == 0 ? count : std::min(fewest, count);
+  return fewest;
+}
+
+Link spanning_link(const Link& intra, const Link& inter, int per_host) {
+  if (per_host <= 1) return inter;
+  const double h = per_host;
+  return Link()
+      .bandwidth_gbps(std::min(h * inter.bandwidth_gbps(), h / (h - 1) * intra.bandwidth_gbps()))
+      .latency_us(inter.latency_us());
 }
 
 }  // namespace fsdp

@@ -287,6 +287,18 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
   return c;
 }
 
+Link Cluster::link_for_group(int n) const {
+  if (n <= ranks_per_node) return intra;
+  int fewest = ranks_per_node;
+  std::vector<int> group;
+  for (int first = 0; first + n <= world(); first += n) {
+    group.clear();
+    for (int r = first; r < first + n; ++r) group.push_back(r);
+    fewest = std::min(fewest, fewest_per_host(group, ranks_per_node));
+  }
+  return spanning_link(intra, inter, fewest);
+}
+
 std::string Cluster::describe() const {
   std::ostringstream o;
   o << device.name << ": " << nodes << " node" << (nodes == 1 ? "" : "s") << " x " << ranks_per_node << " rank"

@@ -112,15 +112,20 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const Link measured_intra =
       Link().bandwidth_gbps(calibration.intra_link_gbps).latency_us(calibration.intra_link_latency_us);
   const int per_host = calibration.intra_link_gbps > 0 ? calibration.link_ranks_per_host : 0;
-  auto link_for = [&](int n) -> const Link& {
+  auto link_for = [&](int n) -> Link {
     if (!measured_link) return cluster.link_for_group(n);
     return per_host > 0 && per_host % n == 0 ? measured_intra : measured;
   };
-  const Link& shard_link = link_for(F);
-  const Link& world_link = link_for(world);
-  const Link& replica_link = measured_link ? measured : cluster.inter;
+  const Link shard_link = link_for(F);
+  const Link world_link = link_for(world);
+  // Replica groups hold one rank per host: the measured world link spans hosts with per_host
+  // ranks on each, so one rank's own link is its share (Note [Modeled network]).
+  const Link replica_link =
+      !measured_link ? cluster.inter
+      : per_host > 1 ? Link(measured).bandwidth_gbps(measured.bandwidth_gbps() / per_host)
+                     : measured;
   const int k = c.reshard_after_forward_size;
-  const Link& hpz_link = link_for(std::max(k, 1));
+  const Link hpz_link = link_for(std::max(k, 1));
   const double host_bps = cluster.host_device_gbps * 1e9;
   const Options options = c.options();
 
