@@ -1087,8 +1087,20 @@ TEST(Planner, AModelThatFitsNowhereNamesTheSmallestBudget) {
     EXPECT_TRUE(contains(plan.table(), "| peak MiB | fits |")) << plan.table();
     EXPECT_TRUE(contains(what, "the smallest needs " + fsdp::format_bytes(plan.smallest_peak()))) << what;
     EXPECT_TRUE(contains(what, "checkpointed")) << what;
+    EXPECT_TRUE(contains(what, "or add ranks")) << what;
   }
   EXPECT_TRUE(contains(plan.table(), "| no |"));
+  // A budget below what the process holds outside tensors: more ranks would not help.
+  const fsdp::Plan process_bound =
+      fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(kMiB).process_bytes(2 * kMiB));
+  try {
+    process_bound.best();
+    FAIL() << "best() must throw when nothing fits";
+  } catch (const fsdp::Error& e) {
+    const std::string what = e.what();
+    EXPECT_TRUE(contains(what, "the process alone holds 2.00 MiB outside tensors")) << what;
+    EXPECT_FALSE(contains(what, "or add ranks")) << what;
+  }
 }
 
 }  // namespace

@@ -52,9 +52,13 @@ const PlanEntry& Plan::best() const {
   const PlanEntry* smallest = &entries.front();
   for (const PlanEntry& e : entries)
     if (e.memory.peak < smallest->memory.peak) smallest = &e;
+  // Ranks shard the model's state, not what the process holds outside tensors.
+  const bool process_bound = static_cast<double>(smallest->memory.process) * (1.0 + memory_margin) >= budget;
   FSDP_FAIL("no configuration fits in ", format_bytes(budget), " per rank on ", cluster, "; the smallest needs ",
-            format_bytes(smallest_peak()), " (", smallest->candidate.describe(),
-            "): raise the budget to at least that, or add ranks");
+            format_bytes(smallest_peak()), " (", smallest->candidate.describe(), "): raise the budget to at least that",
+            process_bound ? "; the process alone holds " + format_bytes(smallest->memory.process) +
+                                " outside tensors (PlanRequest::process_bytes), which more ranks do not divide"
+                          : ", or add ranks");
 }
 
 std::string Plan::table(size_t max_rows) const {
