@@ -99,7 +99,7 @@ std::unique_ptr<torch::optim::Optimizer> build_optimizer(fsdp::FullyShardedModul
   }
   if (config.optimizer != "adamw")
     return gpt::make_whole_param_optimizer(config.optimizer, sharded, dims, config.lr, config.weight_decay);
-  auto optimizer = gpt::make_adamw(pieces, dims, config.lr, config.weight_decay);
+  auto optimizer = gpt::make_adamw(pieces, dims, config.lr, config.weight_decay, config.fused_adamw);
   sharded.check_optimizer(*optimizer);
   return optimizer;
 }

@@ -3,12 +3,13 @@
 #include <fsdp/adafactor.h>
 #include <fsdp/lamb.h>
 #include <fsdp/muon.h>
+#include <fsdp/optim.h>
 
 namespace gpt {
 
 std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<std::pair<std::string, torch::Tensor>>& named,
                                                 const std::map<std::string, int64_t>& dims, double lr,
-                                                double weight_decay) {
+                                                double weight_decay, bool fused) {
   std::vector<torch::Tensor> decayed, not_decayed;
   for (const auto& [name, p] : named) (dims.at(name) >= 2 ? decayed : not_decayed).push_back(p);
   // beta2 0.99 instead of 0.999 (nanoGPT's choice for small character-level runs): the
@@ -20,6 +21,7 @@ std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<std::pair<std:
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decayed, options(weight_decay));
   groups.emplace_back(not_decayed, options(0.0));
+  if (fused) return std::make_unique<fsdp::FusedAdamW>(std::move(groups), *options(weight_decay));
   return std::make_unique<torch::optim::AdamW>(std::move(groups), *options(weight_decay));
 }
 

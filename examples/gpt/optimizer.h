@@ -14,10 +14,10 @@ namespace gpt {
 
 // AdamW with betas (0.9, 0.99), weight decay on the parameters of matrices and embeddings only:
 // `named` are the parameters (or shard pieces, which are 1-D) by name, `dims` each name's original
-// number of dimensions.
+// number of dimensions; `fused`: an fsdp::FusedAdamW.
 std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<std::pair<std::string, torch::Tensor>>& named,
                                                 const std::map<std::string, int64_t>& dims, double lr,
-                                                double weight_decay);
+                                                double weight_decay, bool fused = false);
 
 // Muon's learning rate for the blocks' matrices, as a multiple of the AdamW learning rate.
 constexpr double kMuonLrScale = 20;

@@ -85,7 +85,7 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
                          named.emplace_back(p.key(), p.value());
                          dims[p.key()] = p.value().dim();
                        }
-                       return gpt::make_adamw(named, dims, config.lr, config.weight_decay);
+                       return gpt::make_adamw(named, dims, config.lr, config.weight_decay, config.fused_adamw);
                      });
   // The flags' quantization formats, for the packing work of quantized candidates.
   std::vector<fsdp::Quantization> formats;

@@ -70,6 +70,9 @@ void add_flags(CLI::App& app, TrainConfig& config) {
                  "AdamW for the rest)")
       ->transform(CLI::IsMember({"adamw", "lamb", "adafactor", "muon"}, CLI::ignore_case))
       ->capture_default_str();
+  app.add_flag("--fused-adamw", config.fused_adamw,
+               "With --optimizer adamw: step through fsdp::FusedAdamW, one pass per parameter (the same update to "
+               "float rounding; docs/design.md, Note [FusedAdamW])");
   app.add_option("--seed", config.seed, "Seed for initialization, batches and sampling")->capture_default_str();
   app.add_option("--strategy", config.strategy, "FSDP sharding strategy")
       ->transform(CLI::IsMember({"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}, CLI::ignore_case))
@@ -303,6 +306,9 @@ void check_flag_combinations(const CLI::App& app, const fsdp::RankEnv& env, Trai
   if (config.grad_accum_mode == "replica-deferred" && config.strategy != "HYBRID_SHARD")
     throw CLI::ValidationError("--grad-accum-mode", "replica-deferred needs --strategy HYBRID_SHARD (got " +
                                                         config.strategy + "); use no-sync");
+  if (config.fused_adamw && config.optimizer != "adamw")
+    throw CLI::ValidationError("--fused-adamw", "is AdamW's step, but --optimizer is " + config.optimizer +
+                                                    "; drop one of them");
   if (!config.step_in_backward && config.step_thread != "auto")
     throw CLI::ValidationError("--step-thread", "says where the steps in backward run; add --step-in-backward");
   if (config.step_in_backward) {

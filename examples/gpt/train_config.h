@@ -35,6 +35,7 @@ struct TrainConfig {
   std::string schedule = "cosine";
   double weight_decay = 0.1;
   std::string optimizer = "adamw";  // adamw, lamb, adafactor, muon
+  bool fused_adamw = false;         // adamw's step through fsdp::FusedAdamW
   uint64_t seed = 1;
   std::string strategy = "FULL_SHARD";
   int sharding_factor = 0;  // 0: the library's default for the strategy

@@ -150,6 +150,29 @@ test_step_in_backward() {
   expect_text err "cannot clip: each unit is stepped before the total norm exists"
 }
 
+# --fused-adamw steps AdamW in one pass per parameter: the same losses to float rounding, after
+# backward and in it; another optimizer is refused with it.
+test_fused_adamw() {
+  local short=(--layers 2 --width 64 --heads 4 --context 32 --batch-per-rank 4 --steps 6 --log-interval 1
+               --eval-batches 1 --sample-bytes 0)
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${short[@]}"
+  expect_rc 0
+  grep -E "^\[rank 0\] step +[0-9]+/" "$TMP/out" | sed -E 's/.*\| loss ([0-9.]+) \|.*/\1/' >"$TMP/plain.loss"
+  for extra in "" "--step-in-backward"; do
+    run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${short[@]}" --fused-adamw $extra
+    expect_rc 0
+    expect_regex out "optimizer +AdamW \(fsdp::FusedAdamW\), lr"
+    grep -E "^\[rank 0\] step +[0-9]+/" "$TMP/out" | sed -E 's/.*\| loss ([0-9.]+) \|.*/\1/' >"$TMP/fused.loss"
+    [ "$(wc -l <"$TMP/fused.loss")" -eq 6 ] || fail "expected 6 logged steps, got $(wc -l <"$TMP/fused.loss")"
+    paste "$TMP/plain.loss" "$TMP/fused.loss" |
+      awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-4) bad = 1 } END { exit bad }' ||
+      fail "--fused-adamw $extra trains differently: $(paste "$TMP/plain.loss" "$TMP/fused.loss" | tr '\n' ' ')"
+  done
+  run "$TRAINER" "${short[@]}" --optimizer lamb --fused-adamw
+  expect_failure
+  expect_text err "is AdamW's step, but --optimizer is lamb"
+}
+
 # The optimizers that need whole parameters train, and the configuration names each; the step in
 # backward is refused, naming why.
 test_optimizers() {
