@@ -94,6 +94,8 @@ def matrix():
         runs.append((world, "M", ["--strategy", "NO_SHARD"], False, "none", "1 Gbit/s"))
     runs.append((4, "L", ["--strategy", "FULL_SHARD"], True, "none", "10 Gbit/s"))
     runs.append((4, "M", ["--strategy", "HYBRID_SHARD", "--sharding-factor", "2"], False, "none", "1 Gbit/s, 2 per host"))
+    # The world group across two hosts of two ranks: two rings, each crossing on its own rank's link.
+    runs.append((4, "M", ["--strategy", "FULL_SHARD"], False, "none", "1 Gbit/s, 2 per host"))
     return runs
 
 
