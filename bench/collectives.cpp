@@ -641,11 +641,12 @@ void model_section(Bench& b) {
   auto modeled = fsdp::with_network_model(b.ours, ranks, model);
   const auto link = *fsdp::modeled_link_stats(*modeled);
   b.print("\n## network model (MODELED, not measured hardware): %s [from %s]\n", model.describe().c_str(), source);
-  b.print("# the world group of %d ranks is on the modeled %s-host link, %g GB/s per rank. Rows: our all-gather on the\n"
-          "# real loopback"
-          " transport, the same through the model, and the model's formula (n-1)*latency + (n-1)/n*size/bandwidth.\n"
-          "# The model is a floor: where the real transport is slower than the formula, it sets the time.\n",
-          W, link.link.c_str(), link.params.bandwidth_gbps());
+  b.print(
+      "# the world group of %d ranks is on the modeled %s-host link, %g GB/s per rank. Rows: our all-gather on the\n"
+      "# real loopback"
+      " transport, the same through the model, and the model's formula (n-1)*latency + (n-1)/n*size/bandwidth.\n"
+      "# The model is a floor: where the real transport is slower than the formula, it sets the time.\n",
+      W, link.link.c_str(), link.params.bandwidth_gbps());
   print_header(b, "iters", "measured/formula");
   for (uint64_t target : sweep(b.flags.model_min_bytes, b.flags.model_max_bytes, b.flags.model_factor)) {
     const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(target / (4 * W)));

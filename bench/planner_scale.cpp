@@ -161,7 +161,8 @@ int main(int argc, char** argv) {
   std::cout << "## GPT-175B (96 layers, width 12288, 96 heads, context 2048, vocabulary 50,000; "
             << gpt::count_parameters(*g175) / 1000000 << "M parameters), FULL_SHARD, checkpointed blocks\n\n"
             << "Paper (Figures 6-7): more than 173 and 186 TFLOP/s per GPU at batch 1 and 2 (55-60% of the 312 "
-               "peak, which the paper calls hardware utilization), scaling linearly from 128 to 512 GPUs; backward prefetch about 18% "
+               "peak, which the paper calls hardware utilization), scaling linearly from 128 to 512 GPUs; backward "
+               "prefetch about 18% "
                "faster.\n\n"
             << "| GPUs | batch per GPU | step s, prefetch / none | exposed comm % | peak GiB per GPU | TFLOP/s per GPU "
                "| with recomputation | paper | TFLOP/s / paper | with recomputation / paper | backward prefetch "
@@ -205,8 +206,8 @@ int main(int argc, char** argv) {
               << fixed(free1.time.tflops_per_device * kRecomputeFlops, 1)
               << " TFLOP/s with recomputation (the compute bound at the preset's matmul efficiency of 0.75). The "
                  "paper does not say which FLOPs its TFLOP/s counts. Counting the model's, the prediction is "
-              << fixed(model1, 2) << " and " << fixed(model2, 2) << " of its 173 and 186 (" << within_15(model1)
-              << ", " << within_15(model2) << "); counting the recomputation too, as a hardware utilization does, "
+              << fixed(model1, 2) << " and " << fixed(model2, 2) << " of its 173 and 186 (" << within_15(model1) << ", "
+              << within_15(model2) << "); counting the recomputation too, as a hardware utilization does, "
               << fixed(hw1, 2) << " and " << fixed(hw2, 2) << " (" << within_15(hw1) << ", " << within_15(hw2)
               << "), which would take a matmul efficiency of " << fixed(0.75 / hw1, 2) << " instead of the preset's "
               << "0.75. The predicted TFLOP/s per GPU is the same at batch 1 and 2, where the paper's grows from 173 "
@@ -246,8 +247,9 @@ int main(int argc, char** argv) {
       return fixed(100.0 * all_nodes[batch].time.exposed_comm_s / all_nodes[batch].time.step_s, 1) + "%";
     };
     std::cout << "\nAt 512 GPUs the prediction keeps " << fixed(100 * kept(8), 1) << "% (batch 8) and "
-              << fixed(100 * kept(16), 1) << "% (batch 16) of the 8-GPU TFLOP/s per GPU, against the paper's 93%: "
-              << within_15(kept(8) / 0.93) << " and " << within_15(kept(16) / 0.93)
+              << fixed(100 * kept(16), 1)
+              << "% (batch 16) of the 8-GPU TFLOP/s per GPU, against the paper's 93%: " << within_15(kept(8) / 0.93)
+              << " and " << within_15(kept(16) / 0.93)
               << ". From 16 GPUs on the gathers and reduce-scatters cross nodes at 200 GB/s per GPU and hide behind "
                  "the computation; at 512 GPUs the exposed communication is "
               << exposed(8) << " (batch 8) and " << exposed(16)
@@ -327,14 +329,15 @@ int main(int argc, char** argv) {
     };
     std::cout << "\nAt 512 GPUs the paper's configuration takes " << fixed(paper.time.step_s, 3) << " s at "
               << gib(paper.memory.peak) << " GiB per GPU, its communication exposed "
-              << fixed(100.0 * paper.time.exposed_comm_s / paper.time.step_s, 1) << "% of the step. hpZ: "
-              << step(hpz) << ". Accumulation without communication over two micro-batches, which saves the first "
+              << fixed(100.0 * paper.time.exposed_comm_s / paper.time.step_s, 1) << "% of the step. hpZ: " << step(hpz)
+              << ". Accumulation without communication over two micro-batches, which saves the first "
                  "one's reduce-scatters but gathers every block again for the second: "
               << step(no_sync) << ", with hpZ " << step(both)
               << ". Keeping the parameters unsharded from the first micro-batch's backward to the second one's "
                  "forward, which saves that forward's gathers: "
-              << step(kept) << ", with hpZ " << step(kept_hpz) << ". The planner's choice: "
-              << plan.entries.front().candidate.describe() << ", " << step(plan.entries.front()) << ".\n";
+              << step(kept) << ", with hpZ " << step(kept_hpz)
+              << ". The planner's choice: " << plan.entries.front().candidate.describe() << ", "
+              << step(plan.entries.front()) << ".\n";
   }
 
   std::cout << "\n## The operator trace against the rules at this scale\n\n"

@@ -136,8 +136,8 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                     std::to_string(plan.global) + " x " + std::to_string(config.context) + " = " +
                     with_commas(job.tokens_per_step) + " tokens per step"},
       {"steps", std::to_string(config.steps) + " (log every " + std::to_string(config.log_interval) + ")"},
-      {"optimizer", optimizer_name(config.optimizer) + (config.fused_adamw ? " (fsdp::FusedAdamW)" : "") + ", lr " + fixed(config.lr, 6) + ", warm-up " +
-                        std::to_string(config.warmup) + ", then " +
+      {"optimizer", optimizer_name(config.optimizer) + (config.fused_adamw ? " (fsdp::FusedAdamW)" : "") + ", lr " +
+                        fixed(config.lr, 6) + ", warm-up " + std::to_string(config.warmup) + ", then " +
                         (config.schedule == "cosine" ? "cosine to " + fixed(config.min_lr, 6) : "constant") +
                         ", weight decay " + fixed(config.weight_decay, 3)},
       {"data", data.corpus.description},

@@ -307,8 +307,8 @@ void check_flag_combinations(const CLI::App& app, const fsdp::RankEnv& env, Trai
     throw CLI::ValidationError("--grad-accum-mode", "replica-deferred needs --strategy HYBRID_SHARD (got " +
                                                         config.strategy + "); use no-sync");
   if (config.fused_adamw && config.optimizer != "adamw")
-    throw CLI::ValidationError("--fused-adamw", "is AdamW's step, but --optimizer is " + config.optimizer +
-                                                    "; drop one of them");
+    throw CLI::ValidationError("--fused-adamw",
+                               "is AdamW's step, but --optimizer is " + config.optimizer + "; drop one of them");
   if (!config.step_in_backward && config.step_thread != "auto")
     throw CLI::ValidationError("--step-thread", "says where the steps in backward run; add --step-in-backward");
   if (config.step_in_backward) {

@@ -120,10 +120,9 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   const Link world_link = link_for(world);
   // Replica groups hold one rank per host: the measured world link spans hosts with per_host
   // ranks on each, so one rank's own link is its share (Note [Modeled network]).
-  const Link replica_link =
-      !measured_link ? cluster.inter
-      : per_host > 1 ? Link(measured).bandwidth_gbps(measured.bandwidth_gbps() / per_host)
-                     : measured;
+  const Link replica_link = !measured_link ? cluster.inter
+                            : per_host > 1 ? Link(measured).bandwidth_gbps(measured.bandwidth_gbps() / per_host)
+                                           : measured;
   const int k = c.reshard_after_forward_size;
   const Link hpz_link = link_for(std::max(k, 1));
   const double host_bps = cluster.host_device_gbps * 1e9;

@@ -124,7 +124,7 @@ TEST(NetworkModelFormula, RingCosts) {
 
 TEST(NetworkModelFormula, GroupsSpanningHostsRunOneRingPerRankOfAHost) {
   EXPECT_EQ(fsdp::fewest_per_host({0, 1, 2, 3}, 2), 2);
-  EXPECT_EQ(fsdp::fewest_per_host({0, 2}, 2), 1);             // one rank of each host
+  EXPECT_EQ(fsdp::fewest_per_host({0, 2}, 2), 1);              // one rank of each host
   EXPECT_EQ(fsdp::fewest_per_host({4, 5, 6, 7, 8, 9}, 4), 2);  // 4 on one host, 2 on the next
   const fsdp::Link intra = fsdp::Link().bandwidth_gbps(300).latency_us(5);
   const fsdp::Link inter = fsdp::Link().bandwidth_gbps(25).latency_us(10);
@@ -314,8 +314,8 @@ FSDP_WORKER(modeled_link_worker) {
   WORKER_CHECK(host->params.bandwidth_gbps() == model.intra().bandwidth_gbps(), "intra bandwidth");
   WORKER_CHECK(cross->params.bandwidth_gbps() == model.inter().bandwidth_gbps(), "inter bandwidth");
   // The world group has 2 ranks on each host: two rings, each crossing on its own rank's link.
-  WORKER_CHECK(world->params.bandwidth_gbps() == 2 * model.inter().bandwidth_gbps(),
-               "world group bandwidth ", world->params.bandwidth_gbps(), ", not 2 x inter");
+  WORKER_CHECK(world->params.bandwidth_gbps() == 2 * model.inter().bandwidth_gbps(), "world group bandwidth ",
+               world->params.bandwidth_gbps(), ", not 2 x inter");
 
   // The selection shows in time: 1 MiB gathered over 2 ranks is 0.5 MiB on the wire,
   // 5 ms at 0.1 GB/s (intra) and 131 ms at 0.004 GB/s (inter).
