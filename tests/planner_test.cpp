@@ -40,6 +40,8 @@ TEST(Planner, ParsesClustersAndSizes) {
   fsdp::Cluster slow_within = paper;
   slow_within.intra.bandwidth_gbps(14);  // the rings' hops within a node bound them: 8/7 x 14
   EXPECT_DOUBLE_EQ(slow_within.link_for_group(16).bandwidth_gbps(), 16.0);
+  // The largest world a spec takes: the groups' pattern on the nodes, not every group, is looked at.
+  EXPECT_DOUBLE_EQ(fsdp::Cluster::parse("paper:2097152x8").link_for_group(12).bandwidth_gbps(), 100.0);
   fsdp::Cluster one_per_node = fsdp::Cluster::parse("paper:4x1");
   EXPECT_DOUBLE_EQ(one_per_node.link_for_group(4).bandwidth_gbps(), one_per_node.inter.bandwidth_gbps());
   EXPECT_EQ(fsdp::Cluster::parse("a100-80g:2x8").device.memory_bytes, 80 * 1024 * kMiB);

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <sstream>
 #include <vector>
 
@@ -289,14 +290,17 @@ Cluster Cluster::from_json(const std::string& text, const std::string& source) {
 
 Link Cluster::link_for_group(int n) const {
   if (n <= ranks_per_node) return intra;
-  int fewest = ranks_per_node;
-  std::vector<int> group;
-  for (int first = 0; first + n <= world(); first += n) {
-    group.clear();
-    for (int r = first; r < first + n; ++r) group.push_back(r);
-    fewest = std::min(fewest, fewest_per_host(group, ranks_per_node));
+  // Where the groups fall on the nodes repeats every lcm(n, ranks_per_node) ranks: at most
+  // ranks_per_node groups to look at, each's fewest ranks on a node at its first or last node.
+  const int64_t period = std::lcm(static_cast<int64_t>(n), static_cast<int64_t>(ranks_per_node)) / n;
+  const int64_t groups = std::min<int64_t>(period, world() / n);
+  int64_t fewest = ranks_per_node;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * n, end = first + n;  // [first, end)
+    fewest = std::min(fewest, ranks_per_node - first % ranks_per_node);
+    if (end % ranks_per_node != 0) fewest = std::min(fewest, end % ranks_per_node);
   }
-  return spanning_link(intra, inter, fewest);
+  return spanning_link(intra, inter, static_cast<int>(fewest));
 }
 
 std::string Cluster::describe() const {
