@@ -1075,34 +1075,34 @@ TEST(Planner, TheMarginIsKeptFreeBeyondEachPeak) {
   EXPECT_THROW(fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0).memory_margin(-0.1)), fsdp::Error);
 }
 
+// The message best() throws when nothing fits ("" and a failure when it does not throw).
+std::string best_refusal(const fsdp::Plan& plan) {
+  try {
+    plan.best();
+  } catch (const fsdp::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "best() must throw when nothing fits";
+  return "";
+}
+
 TEST(Planner, AModelThatFitsNowhereNamesTheSmallestBudget) {
   fsdp::DeferredInit deferred;
   Stack model(256, 4);
   const fsdp::Plan plan = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(kMiB));
   EXPECT_FALSE(plan.any_fits());
-  try {
-    plan.best();
-    FAIL() << "best() must throw when nothing fits";
-  } catch (const fsdp::Error& e) {
-    const std::string what = e.what();
-    EXPECT_TRUE(contains(what, "no configuration fits in 1.00 MiB")) << what;
-    EXPECT_TRUE(contains(plan.table(), "| peak MiB | fits |")) << plan.table();
-    EXPECT_TRUE(contains(what, "the smallest needs " + fsdp::format_bytes(plan.smallest_peak()))) << what;
-    EXPECT_TRUE(contains(what, "checkpointed")) << what;
-    EXPECT_TRUE(contains(what, "or add ranks")) << what;
-  }
+  const std::string what = best_refusal(plan);
+  EXPECT_TRUE(contains(what, "no configuration fits in 1.00 MiB")) << what;
+  EXPECT_TRUE(contains(plan.table(), "| peak MiB | fits |")) << plan.table();
+  EXPECT_TRUE(contains(what, "the smallest needs " + fsdp::format_bytes(plan.smallest_peak()))) << what;
+  EXPECT_TRUE(contains(what, "checkpointed")) << what;
+  EXPECT_TRUE(contains(what, "or add ranks")) << what;
   EXPECT_TRUE(contains(plan.table(), "| no |"));
   // A budget below what the process holds outside tensors: more ranks would not help.
-  const fsdp::Plan process_bound =
-      fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(kMiB).process_bytes(2 * kMiB));
-  try {
-    process_bound.best();
-    FAIL() << "best() must throw when nothing fits";
-  } catch (const fsdp::Error& e) {
-    const std::string what = e.what();
-    EXPECT_TRUE(contains(what, "the process alone holds 2.00 MiB outside tensors")) << what;
-    EXPECT_FALSE(contains(what, "or add ranks")) << what;
-  }
+  const std::string process_bound =
+      best_refusal(fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(kMiB).process_bytes(2 * kMiB)));
+  EXPECT_TRUE(contains(process_bound, "the process alone holds 2.00 MiB outside tensors")) << process_bound;
+  EXPECT_FALSE(contains(process_bound, "or add ranks")) << process_bound;
 }
 
 }  // namespace
