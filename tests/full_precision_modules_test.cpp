@@ -9,6 +9,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "fsdp/activation_checkpoint.h"
 #include "harness.h"
@@ -232,6 +233,30 @@ TEST(FullPrecisionModules, ThePolicyChoosesWhichModulesKeepFloat32) {
     auto r = launch("keep_policy_worker", 2, {keep});
     ASSERT_TRUE(r.all_ok()) << keep << "\n" << r.report();
   }
+}
+
+// The same mistake in a program that catches nothing: the exception ends the process without
+// unwinding, and the hint still comes out before the kernel's error.
+FSDP_WORKER(uncaught_input_worker) {
+  auto pg = fsdp::ProcessGroup::from_env();
+  ResNet model = make_resnet(false);
+  auto sharded = fsdp::fully_shard(model, pg,
+                                   fsdp::Options()
+                                       .auto_wrap_policy(fsdp::wrap::by_type<ConvBnImpl>())
+                                       .mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16)));
+  std::thread([&] { model->forward(torch::randn({2, 3, 6, 6})); }).join();  // no handler: std::terminate
+  WORKER_CHECK(false, "a float32 input to bfloat16 parameters did not end the program");
+}
+
+TEST(FullPrecisionModules, AnUncaughtErrorStillPrintsTheHint) {
+  auto r = launch("uncaught_input_worker", 1);
+  ASSERT_EQ(r.ranks.size(), 1u);
+  EXPECT_NE(r.ranks[0].exit_code, 0) << r.report();
+  const std::string& out = r.ranks[0].output;
+  const auto hint = out.find("libfsdp: operator aten::");
+  EXPECT_NE(hint, std::string::npos) << out;
+  EXPECT_TRUE(contains(out, "parameter 'stem.weight' of unit '<root>' in BFloat16")) << out;
+  EXPECT_LT(hint, out.find("terminate called")) << out;
 }
 
 // Through the handle the root's input is cast, but the model's own float32 buffers (the input

@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -75,6 +77,17 @@ void on_operator_end(const at::RecordFunction&, at::ObserverContext*) {
   t_mixed_dtype_hint.clear();
 }
 
+// An exception no handler catches ends the program without unwinding, so no operator's end runs:
+// the terminate handler prints the pending hint, then hands over to the handler it replaced.
+std::terminate_handler g_previous_terminate = nullptr;
+
+[[noreturn]] void print_pending_hint_and_terminate() {
+  if (t_operator_depth > 0 && !t_mixed_dtype_hint.empty())
+    std::fprintf(stderr, "libfsdp: %s\n", t_mixed_dtype_hint.c_str());
+  if (g_previous_terminate != nullptr) g_previous_terminate();
+  std::abort();
+}
+
 std::shared_ptr<const HooksList> with(const std::shared_ptr<const HooksList>& list, Hooks* add, Hooks* remove) {
   auto next = std::make_shared<HooksList>();
   for (Hooks* h : *list)
@@ -89,6 +102,9 @@ void set_intercepting(Hooks* hooks, bool on) {
   std::lock_guard<std::mutex> lock(g_registry_mu);
   std::atomic_store(&g_intercepting, with(g_intercepting, on ? hooks : nullptr, hooks));
   if (!std::atomic_load(&g_intercepting)->empty() && g_callback == 0) {
+    static std::once_flag terminate_installed;
+    std::call_once(terminate_installed,
+                   [] { g_previous_terminate = std::set_terminate(&print_pending_hint_and_terminate); });
     g_callback = at::addGlobalCallback(at::RecordFunctionCallback(&on_operator_start, &on_operator_end)
                                            .needsInputs(true)
                                            .scopes({at::RecordScope::FUNCTION}));
