@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fsdp/check.h"
+#include "internal_op_guard.h"
 #include "runtime/fsdp_state.h"
 
 namespace fsdp {
@@ -27,6 +28,7 @@ std::vector<std::pair<std::string, double>> FullyShardedModule::grad_norms(doubl
   FsdpState& state = *state_;
   RuntimeCall call(state);
   FSDP_CHECK(!state.reducer().holds_unreduced(), GradientReducer::unreduced_error("grad_norms"));
+  InternalOpGuard internal;  // its norms of the pieces are its own (Note [Norms of shard pieces])
   const bool inf = std::isinf(norm_type);
   // Per original parameter, in the same order on every rank: this rank's part (max |g|, or sum
   // |g|^p) and whether it holds a gradient of it.

@@ -21,6 +21,7 @@
 #include "runtime/embedding_renorm.h"
 #include "runtime/operator_inputs.h"
 #include "runtime/parameter_misuse.h"
+#include "runtime/shard_norm_note.h"
 
 namespace fsdp {
 
@@ -220,6 +221,9 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       check_replaced_param(t);
       check_sentinel_read(fn, t, i);
       check_retired_read(fn, t);
+      if (!shard_norm_noted_.load(std::memory_order_relaxed))
+        if (std::string note = shard_norm_note(state_, fn, t); !note.empty() && !shard_norm_noted_.exchange(true))
+          std::fprintf(stderr, "%s\n", note.c_str());
       return;
     }
     const auto* slot = state_.slot_of_param(t.unsafeGetTensorImpl());

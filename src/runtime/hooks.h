@@ -106,6 +106,7 @@ class Hooks {
   // No parameter required grad at fully_shard() and nothing is intercepted: reads are watched for
   // one that does now, until one is hooked (Note [Unfreezing]).
   std::atomic<bool> unfreeze_watch_{false};
+  std::atomic<bool> shard_norm_noted_{false};            // the note of shard_norm_note.h was printed
   std::vector<std::vector<char>> reads_in_first_watch_;  // per slot, up to 2; under the state's mutex
   size_t slots_to_read_ = 0;                             // slots read fewer than twice
   int watches_left_ = 0;
