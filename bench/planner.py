@@ -96,6 +96,9 @@ def matrix():
     runs.append((4, "M", ["--strategy", "HYBRID_SHARD", "--sharding-factor", "2"], False, "none", "1 Gbit/s, 2 per host"))
     # The world group across two hosts of two ranks: two rings, each crossing on its own rank's link.
     runs.append((4, "M", ["--strategy", "FULL_SHARD"], False, "none", "1 Gbit/s, 2 per host"))
+    # Checkpointing some blocks, the first in forward order (Note [Checkpointing some units]).
+    runs.append((2, "XL", ["--strategy", "FULL_SHARD", "--checkpointed-blocks", "2"], True, "none", "shm"))
+    runs.append((4, "M", ["--strategy", "FULL_SHARD", "--checkpointed-blocks", "3"], True, "bf16", "shm"))
     return runs
 
 

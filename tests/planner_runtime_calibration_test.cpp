@@ -32,6 +32,7 @@ fsdp::PlanRequest strategies_request(int world) {
           {fsdp::ShardingStrategy::kFullShard, fsdp::ShardingStrategy::kShardGradOp, fsdp::ShardingStrategy::kNoShard})
       .wrap_policies({{"block", fsdp::wrap::by_type<BlockImpl>()}})
       .activation_checkpointing({false, true})
+      .checkpointed_shares({1})
       .cpu_offload({false})
       .precisions({at::kFloat, at::kBFloat16})
       .micro_batches({2});

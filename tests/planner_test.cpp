@@ -355,6 +355,7 @@ fsdp::PlanRequest one_rank(int64_t budget) {
       .seq_len(4096)
       .wrap_policies({{"block", fsdp::wrap::by_type<torch::nn::SequentialImpl>()}})
       .precisions({at::kFloat})
+      .checkpointed_shares({1})  // every block or none; AModelThatFitsOnlyWithActivationCheckpointing tries some
       .grads_kept_between_steps(true);
 }
 
@@ -491,6 +492,14 @@ TEST(Planner, RefusesRequestsAndClustersNoRunCanHave) {
                  r.activation_checkpointing({true}).wrap_policies({{"none", nullptr}});
                }),
                "nothing to plan: PlanRequest::activation_checkpointing holds only true", "nothing to checkpoint");
+  expect_error(plan_with([](R& r) { r.checkpointed_shares({}); }), "PlanRequest::checkpointed_shares is empty",
+               "no share of the units");
+  expect_error(plan_with([](R& r) {
+                 r.checkpointed_shares({0.5, 0});
+               }),
+               "checkpointed_shares holds 0", "a share of none");
+  expect_error(plan_with([](R& r) { r.checkpointed_shares({1.5}); }), "checkpointed_shares holds 1.5",
+               "a share above every unit");
   expect_error(plan_with([](R& r) { r.cpu_offload({true}); }), "nothing to plan: PlanRequest::cpu_offload",
                "offload where the device is the host");
 }
@@ -499,22 +508,56 @@ TEST(Planner, AModelThatFitsOnlyWithActivationCheckpointing) {
   fsdp::DeferredInit deferred;
   Stack model(256, 4);
   const int64_t tokens = 4096, d = 256, block = 5 * d * tokens * 4;  // bytes one block keeps
+  const int64_t input = d * tokens * 4;                              // what a checkpointed block keeps
   const int64_t params = 4 * (2 * 4 * d * d + 4 * d + d) * 4;
-  // One rank: no shards to gather, gradients reduced in place; AdamW holds two states.
-  const fsdp::Plan loose = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(0));
-  ASSERT_EQ(loose.entries.size(), 2U);
+  // One rank: no shards to gather, gradients reduced in place; AdamW holds two states. Checkpointed
+  // candidates checkpoint the first 1, 2 or 3 blocks, or all 4.
+  auto request = [](int64_t budget) {
+    return one_rank(budget).checkpointed_shares(fsdp::PlanRequest().checkpointed_shares());  // the default
+  };
+  const fsdp::Plan loose = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request(0));
+  ASSERT_EQ(loose.entries.size(), 5U) << loose.table();
+  std::vector<int64_t> peak(5, 0);
+  std::vector<double> step(5, 0);
   for (const auto& e : loose.entries) {
     EXPECT_EQ(e.memory.params, params);
     EXPECT_EQ(e.memory.grads, params);
     EXPECT_EQ(e.memory.optimizer, 2 * params);
-    // Checkpointed: each block keeps its input, and backward recomputes one block at a time.
-    EXPECT_EQ(e.memory.activations, e.candidate.activation_checkpointing ? 4 * d * tokens * 4 + block : 4 * block);
+    const fsdp::Candidate& c = e.candidate;
+    const int k = !c.activation_checkpointing ? 0 : c.checkpointed_units > 0 ? c.checkpointed_units : 4;
+    // Each checkpointed block keeps its input; backward recomputes one at a time, after the later
+    // blocks' backward freed theirs.
+    EXPECT_EQ(e.memory.activations, k == 0 ? 4 * block : std::max((4 - k) * block + k * input, k * input + block))
+        << c.describe();
+    ASSERT_EQ(e.candidate.checkpointed_unit_names.size(), static_cast<size_t>(k)) << c.describe();
+    for (int i = 0; i < k; ++i) EXPECT_EQ(c.checkpointed_unit_names[i], "blocks." + std::to_string(i));
+    const fsdp::WrapPolicy policy = c.checkpoint_policy();
+    EXPECT_EQ(static_cast<bool>(policy), k > 0);
+    if (k > 0 && k < 4) {
+      EXPECT_TRUE(policy("blocks." + std::to_string(k - 1), *model, 0)) << c.describe();
+      EXPECT_FALSE(policy("blocks." + std::to_string(k), *model, 0)) << c.describe();
+    }
+    peak[k] = e.memory.peak;
+    step[k] = e.time.step_s;
   }
-  const int64_t budget = 4 * params + (4 * block + 4 * d * tokens * 4 + block) / 2;
-  const fsdp::Plan tight = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank(budget));
-  EXPECT_TRUE(tight.best().candidate.activation_checkpointing);
-  EXPECT_FALSE(tight.entries.back().fits);
-  EXPECT_FALSE(tight.entries.back().candidate.activation_checkpointing);
+  for (int k = 1; k < 5; ++k) {  // each block more checkpointed: more time, less memory but for the last
+    EXPECT_GT(step[k], step[k - 1]) << k;
+    if (k < 4) {
+      EXPECT_LT(peak[k], peak[k - 1]) << k;
+    }
+  }
+  // The last block checkpointed too saves nothing: backward recomputes it first, beside every input.
+  EXPECT_EQ(peak[4] - peak[3], input);
+  // Between the first block checkpointed and the first two: the first two, the fastest that fits.
+  const fsdp::Plan tight = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request((peak[1] + peak[2]) / 2));
+  EXPECT_EQ(tight.best().candidate.checkpointed_units, 2) << tight.table();
+  for (const auto& e : tight.entries)
+    EXPECT_EQ(e.fits, e.candidate.activation_checkpointing && e.candidate.checkpointed_units != 1) << tight.table();
+  // Every block only: a checkpointed candidate and one without.
+  const fsdp::Plan every = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), one_rank((peak[1] + peak[2]) / 2));
+  EXPECT_EQ(every.entries.size(), 2U);
+  EXPECT_EQ(every.best().candidate.checkpointed_units, 0);
+  EXPECT_TRUE(every.best().candidate.activation_checkpointing);
 }
 
 TEST(Planner, AModelThatFitsOnlyWithCpuOffload) {

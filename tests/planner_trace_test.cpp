@@ -65,15 +65,19 @@ TEST(PlannerTrace, EqualsTheRulesOnLinearLayers) {
   const fsdp::Plan by_rules = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
   request.trace_forward([&] { model->forward(torch::zeros({1, seq, d})); });
   const fsdp::Plan traced = fsdp::plan(*model, fsdp::Cluster::parse("cpu:1x1"), request);
-  ASSERT_EQ(by_rules.entries.size(), 2U);
-  ASSERT_EQ(traced.entries.size(), 2U);
-  for (size_t i = 0; i < 2; ++i) {
+  ASSERT_EQ(by_rules.entries.size(), 4U);  // none, the first block, the first two, all three checkpointed
+  ASSERT_EQ(traced.entries.size(), 4U);
+  for (size_t i = 0; i < 4; ++i) {
     const auto& r = by_rules.entries[i];
     const auto& t = traced.entries[i];
     EXPECT_EQ(t.candidate.describe(), r.candidate.describe());
     EXPECT_EQ(t.memory.activations, r.memory.activations) << t.candidate.describe();
-    EXPECT_EQ(t.memory.activations,
-              t.candidate.activation_checkpointing ? (3 * d + 5 * d) * seq * 4 : 3 * 5 * d * seq * 4);
+    const int64_t k = !t.candidate.activation_checkpointing ? 0
+                      : t.candidate.checkpointed_units > 0  ? t.candidate.checkpointed_units
+                                                            : 3;
+    // Each checkpointed block keeps its input; the first recomputed stands beside the others' inputs.
+    EXPECT_EQ(t.memory.activations, std::max((3 - k) * 5 * d + k * d, k > 0 ? k * d + 5 * d : 0) * seq * 4)
+        << t.candidate.describe();
     EXPECT_NEAR(forward_flops_per_token(t, seq), 3 * 2 * (2.0 * d * 4 * d), 1e-6 * 3 * 2 * (2.0 * d * 4 * d));
     EXPECT_NEAR(t.time.step_s, r.time.step_s, 1e-12);
   }

@@ -85,7 +85,7 @@ GPTImpl::GPTImpl(const GPTConfig& cfg) : config(cfg) {
   token_embedding = register_module("token_embedding", torch::nn::Embedding(config.vocab_size, config.width));
   position_embedding = register_module("position_embedding", torch::nn::Embedding(config.context, config.width));
   for (int64_t i = 0; i < config.layers; ++i) {
-    if (config.activation_checkpointing)
+    if (config.activation_checkpointing && (config.checkpointed_blocks == 0 || i < config.checkpointed_blocks))
       blocks->push_back(fsdp::Checkpointed<Block>(Block(config)));
     else
       blocks->push_back(Block(config));

@@ -17,6 +17,7 @@ struct GPTConfig {
   int64_t heads = 4;
   // Blocks wrapped in fsdp::Checkpointed: only their inputs are kept, backward recomputes them.
   bool activation_checkpointing = false;
+  int64_t checkpointed_blocks = 0;  // with activation_checkpointing: only the first this many; 0: every one
   // Dropout on each block's attention and MLP outputs while training with gradients on.
   double dropout = 0.0;
 };

@@ -30,6 +30,7 @@ BuiltModel build_model(const TrainConfig& config) {
   built.config.layers = config.layers;
   built.config.heads = config.heads;
   built.config.activation_checkpointing = config.activation_checkpointing;
+  built.config.checkpointed_blocks = config.checkpointed_blocks;
   built.config.dropout = config.dropout;
   if (config.init == "deferred") {
     fsdp::DeferredInit deferred;  // no parameter memory until fully_shard materializes each unit

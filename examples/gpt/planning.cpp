@@ -105,6 +105,7 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
                            fsdp::Calibration& calibration) {
   TrainConfig copy = config;
   copy.activation_checkpointing = false;
+  copy.checkpointed_blocks = 0;  // timed checkpointed, every block is (as the plan's meta model has them)
   copy.measure_exposed_comm = true;
   copy.quantize_all_gather = copy.quantize_reduce = "none";
   copy.deterministic = false;
@@ -174,6 +175,9 @@ fsdp::PlanRequest only_the_flags(fsdp::PlanRequest request, const TrainConfig& c
       .wrap_policies(wrap)
       .reshard_after_forward_sizes({config.reshard_after_forward_size})
       .activation_checkpointing({config.activation_checkpointing})
+      .checkpointed_shares({config.checkpointed_blocks > 0
+                                ? static_cast<double>(config.checkpointed_blocks) / static_cast<double>(config.layers)
+                                : 1.0})
       .cpu_offload({false})
       .precisions({precision})
       .all_gather_limits({config.all_gather_limit})
@@ -271,6 +275,7 @@ void apply_candidate(const fsdp::Candidate& c, TrainConfig& config) {
   config.reshard_after_forward_size = c.reshard_after_forward_size;
   config.wrap = c.wrap.name;
   config.activation_checkpointing = c.activation_checkpointing;
+  config.checkpointed_blocks = c.checkpointed_units;  // the first blocks (each block a unit)
   config.mixed_precision = c.precision == at::kBFloat16 ? "bf16" : c.precision == at::kHalf ? "fp16" : "none";
   config.all_gather_limit = c.all_gather_limit;
   config.backward_prefetch = fsdp::to_string(c.backward_prefetch);

@@ -115,7 +115,11 @@ void print_configuration(const TrainConfig& config, const fsdp::RankEnv& env, co
                                 (plan.accum > 1 ? " (" + config.grad_accum_mode + ": " +
                                                       grad_accum_mode_description(config.grad_accum_mode) + ")"
                                                 : std::string())},
-      {"activation checkpointing", config.activation_checkpointing ? "every block (recomputed in backward)" : "off"},
+      {"activation checkpointing",
+       !config.activation_checkpointing ? "off"
+       : config.checkpointed_blocks > 0
+           ? "the first " + std::to_string(config.checkpointed_blocks) + " blocks (recomputed in backward)"
+           : "every block (recomputed in backward)"},
       {"optimizer step", config.step_in_backward
                              ? "in backward, unit by unit as gradients are reduced (thread: " + config.step_thread + ")"
                              : std::string("after backward")},

@@ -165,6 +165,9 @@ void add_flags(CLI::App& app, TrainConfig& config) {
       ->capture_default_str();
   app.add_flag("--activation-checkpointing", config.activation_checkpointing,
                "Keep only each block's input in forward and recompute the block in backward");
+  app.add_option("--checkpointed-blocks", config.checkpointed_blocks,
+                 "With --activation-checkpointing: checkpoint only the first N blocks (0: every one)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--dropout", config.dropout, "Dropout on each block's attention and MLP outputs in training")
       ->check(CLI::Range(0.0, 1.0, "a probability in [0, 1]"));
   app.add_flag("--deterministic", config.deterministic,
@@ -306,6 +309,13 @@ void check_flag_combinations(const CLI::App& app, const fsdp::RankEnv& env, Trai
   if (config.grad_accum_mode == "replica-deferred" && config.strategy != "HYBRID_SHARD")
     throw CLI::ValidationError("--grad-accum-mode", "replica-deferred needs --strategy HYBRID_SHARD (got " +
                                                         config.strategy + "); use no-sync");
+  if (config.checkpointed_blocks > 0 && !config.activation_checkpointing)
+    throw CLI::ValidationError("--checkpointed-blocks", "says how many blocks --activation-checkpointing checkpoints; "
+                                                        "add --activation-checkpointing");
+  if (config.checkpointed_blocks > config.layers)
+    throw CLI::ValidationError("--checkpointed-blocks", std::to_string(config.checkpointed_blocks) +
+                                                            " is more than the model's " +
+                                                            std::to_string(config.layers) + " blocks (--layers)");
   if (config.fused_adamw && config.optimizer != "adamw")
     throw CLI::ValidationError("--fused-adamw",
                                "is AdamW's step, but --optimizer is " + config.optimizer + "; drop one of them");

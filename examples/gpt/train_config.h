@@ -66,6 +66,7 @@ struct TrainConfig {
   std::string reshard_after_forward = "strategy";  // strategy, true, false, except-last
   int reshard_after_forward_size = 0;              // ranks a resharded block stays sharded over until backward
   bool activation_checkpointing = false;
+  int checkpointed_blocks = 0;  // with activation_checkpointing: the first this many blocks; 0: every one
   double dropout = 0.0;
   bool deterministic = false;        // bit-identical parameters at any world size (docs/usage.md)
   bool step_in_backward = false;     // FullyShardedModule::set_step_in_backward

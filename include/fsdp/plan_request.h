@@ -87,8 +87,10 @@ struct PlanRequest {
   TORCH_ARG(std::vector<NamedWrapPolicy>, wrap_policies) = {NamedWrapPolicy{"none", nullptr}};
   /// Wrap policies a runtime timing of `calibration` may name besides `wrap_policies`; not searched.
   TORCH_ARG(std::vector<NamedWrapPolicy>, calibration_wrap_policies) = {};
-  // Every non-root unit checkpointed, or none.
+  // Units checkpointed, or none (checkpointed_shares says how many).
   TORCH_ARG(std::vector<bool>, activation_checkpointing) = {false, true};
+  /// A checkpointed candidate per share: that share of the units that can be checkpointed (every non-root unit with an input), the first in forward order, at least one; 1: every one.
+  TORCH_ARG(std::vector<double>, checkpointed_shares) = std::vector<double>{0.25, 0.5, 0.75, 1.0};
   /// hpZ sizes (Options::reshard_after_forward_size) tried where a candidate reshards after forward; empty: 0 and one node's ranks.
   TORCH_ARG(std::vector<int>, reshard_after_forward_sizes) = {};
   /// Per-unit reshard after forward (Options::reshard_after_forward_policy) in every candidate; null: each strategy's own; not searched.
@@ -130,6 +132,8 @@ struct Candidate {
   int sharding_factor = 0;  // HYBRID_SHARD
   NamedWrapPolicy wrap;
   bool activation_checkpointing = false;
+  int checkpointed_units = 0;  // with activation_checkpointing: the first this many in forward order; 0: every one
+  std::vector<std::string> checkpointed_unit_names;  // filled by fsdp::plan: the units checkpointed
   bool cpu_offload = false;
   at::ScalarType precision = at::kFloat;
   int all_gather_limit = 2;
@@ -150,6 +154,9 @@ struct Candidate {
 
   // fully_shard's options for it (activation checkpointing is the model's: apply it to the units).
   Options options() const;
+  // Selects the units to checkpoint, for apply_activation_checkpointing: those named in
+  // checkpointed_unit_names (every unit of the wrap policy where it is empty); null without checkpointing.
+  WrapPolicy checkpoint_policy() const;
   std::string describe() const;
 };
 

@@ -26,14 +26,20 @@ Options Candidate::options() const {
   return o;
 }
 
+WrapPolicy Candidate::checkpoint_policy() const {
+  if (!activation_checkpointing) return nullptr;
+  return checkpointed_unit_names.empty() ? wrap.policy : wrap::by_names(checkpointed_unit_names);
+}
+
 std::string Candidate::describe() const {
   std::ostringstream o;
   o << to_string(strategy);
   if (strategy == ShardingStrategy::kHybridShard) o << "/" << sharding_factor;
   if (reshard_after_forward_policy) o << ", reshard after forward by policy";
   if (reshard_after_forward_size > 0) o << ", reshard to groups of " << reshard_after_forward_size;
-  o << ", wrap " << wrap.name << (activation_checkpointing ? ", checkpointed" : "") << (cpu_offload ? ", offload" : "")
-    << ", "
+  o << ", wrap " << wrap.name << (activation_checkpointing ? ", checkpointed" : "");
+  if (activation_checkpointing && checkpointed_units > 0) o << " first " << checkpointed_units;
+  o << (cpu_offload ? ", offload" : "") << ", "
     << (precision == at::kFloat      ? "fp32"
         : precision == at::kBFloat16 ? "bf16"
                                      : "fp16")

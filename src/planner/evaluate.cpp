@@ -93,6 +93,18 @@ struct Resting {
 
 }  // namespace
 
+std::vector<int> checkpointable_units(const ModelView& model) {
+  const ModelCosts& costs = *model.costs;
+  std::vector<int> order;
+  auto add = [&](int u) {
+    if (u != 0 && costs.unit_input_values[u] > 0 && std::find(order.begin(), order.end(), u) == order.end())
+      order.push_back(u);
+  };
+  for (const SegmentCost& s : costs.segments) add(s.unit);
+  for (size_t u = 0; u < model.units->units.size(); ++u) add(static_cast<int>(u));  // units no stretch enters
+  return order;
+}
+
 PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cluster, int world,
                    const PlanRequest& request, const RuntimeCorrection* correction, Replayed* replayed) {
   const RuntimeCorrection none;
@@ -270,14 +282,19 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     rest.piece_grads = 0;
   }
 
-  // Activations and computation, per micro-batch.
+  // Activations and computation, per micro-batch; the checkpointed units, the first in forward order.
   const double tokens = static_cast<double>(c.micro_batch) * static_cast<double>(request.seq_len());
   const int64_t act_size = element_size(c.precision);
+  const std::vector<int> checkpointable = checkpointable_units(model);
+  const size_t checkpointed = !c.activation_checkpointing ? 0
+                              : c.checkpointed_units > 0
+                                  ? std::min(checkpointable.size(), static_cast<size_t>(c.checkpointed_units))
+                                  : checkpointable.size();
+  for (size_t i = 0; i < checkpointed; ++i) sim.units[checkpointable[i]].checkpointed = true;
   for (size_t u = 0; u < plan.units.size(); ++u) {
     SimUnit& su = sim.units[u];
     su.full_activation_bytes = std::llround(costs.unit_activation_values[u] * tokens) * act_size +
                                std::llround(costs.unit_activation_fixed_bytes[u] * tokens);
-    su.checkpointed = c.activation_checkpointing && u != 0 && costs.unit_input_values[u] > 0;
     su.kept_activation_bytes = su.checkpointed ? static_cast<int64_t>(costs.unit_input_values[u] * tokens) * act_size
                                                : su.full_activation_bytes;
   }
@@ -406,6 +423,8 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
 
   PlanEntry e;
   e.candidate = c;
+  for (size_t i = 0; i < checkpointed; ++i)
+    e.candidate.checkpointed_unit_names.push_back(plan.units[checkpointable[i]].name);
   MemoryPrediction& m = e.memory;
   m.params = rest.shards + r.param_transient_peak;
   // Each backward ends with every trained piece holding its gradient, however they began it.
@@ -417,10 +436,15 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   for (const UnitPlan::Param& p : plan.ignored_params)  // on the device, with a gradient after backward
     m.ignored += p.param.numel() * element_size(p.param.scalar_type()) * (p.param.requires_grad() ? 2 : 1) +
                  (p.param.requires_grad() && request.step_ignored() ? ignored_state_bytes(request, p) : 0);
-  // What the calibrated passes held beyond the activations the replay keeps, per token.
-  const int64_t passes_peak = timing == nullptr            ? 0
-                              : c.activation_checkpointing ? timing->checkpointed_peak_bytes
-                                                           : timing->peak_bytes;
+  // What the calibrated passes held beyond the activations the replay keeps, per token; with some
+  // units checkpointed, between the passes' peaks with none and with every one, by their share.
+  const double share = checkpointable.empty() ? 0.0 : static_cast<double>(checkpointed) / checkpointable.size();
+  const int64_t passes_peak =
+      timing == nullptr ? 0
+      : share <= 0      ? timing->peak_bytes
+      : timing->checkpointed_peak_bytes <= 0
+          ? 0
+          : std::llround((1 - share) * timing->peak_bytes + share * timing->checkpointed_peak_bytes);
   if (passes_peak > 0 && tokens > 0) {
     const double beyond = static_cast<double>(passes_peak) / static_cast<double>(calibration.tokens) -
                           static_cast<double>(r.activation_peak) / tokens;

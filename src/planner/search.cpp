@@ -15,6 +15,7 @@
 #include "planner/evaluate.h"
 #include "planner/model_costs.h"
 #include "planner/parameter_elements.h"
+#include "planner/request_checks.h"
 #include "unit_plan.h"
 
 namespace fsdp {
@@ -105,12 +106,13 @@ std::string checkpointed_passes(torch::nn::Module& model,
   return {};
 }
 
-// Every combination of the request's lists for one wrap policy of `units` units, in the order the
-// lists give, less those that make no sense (offload where the device is the host, checkpointing
-// with only the root, strategies other than FULL_SHARD at one rank, the step in backward where
-// `several_passes` says why a checkpointed candidate's gradients arrive in several passes).
+// Every combination of the request's lists for one wrap policy of `units` units (`checkpointable`
+// of them can be checkpointed), in the order the lists give, less those that make no sense (offload
+// where the device is the host, checkpointing with only the root, strategies other than FULL_SHARD
+// at one rank, the step in backward where `several_passes` says why a checkpointed candidate's
+// gradients arrive in several passes).
 std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& cluster, int world, int per_rank,
-                                  const NamedWrapPolicy& wrap, size_t units, bool several_passes) {
+                                  const NamedWrapPolicy& wrap, size_t units, int checkpointable, bool several_passes) {
   Candidate base;
   base.wrap = wrap;
   base.all_gather_quantization = request.all_gather_quantization();
@@ -125,9 +127,18 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
   std::vector<ShardingStrategy> strategies;
   for (const ShardingStrategy s : request.strategies())
     if (world > 1 || s == ShardingStrategy::kFullShard) strategies.push_back(s);  // all the same at one rank
-  std::vector<bool> checkpointing, offload;
+  std::vector<bool> offload;
+  std::vector<int> checkpointing;  // units checkpointed: -1 none, 0 every one, else the first k
   for (const bool on : request.activation_checkpointing())
-    if (!on || units >= 2) checkpointing.push_back(on);  // only the root: nothing to checkpoint
+    if (!on)
+      checkpointing.push_back(-1);
+    else if (units >= 2)  // only the root: nothing to checkpoint
+      for (const double share : request.checkpointed_shares()) {
+        const int k = std::clamp(static_cast<int>(std::lround(share * checkpointable)), 1, std::max(1, checkpointable));
+        const int units_checkpointed = k >= checkpointable ? 0 : k;
+        if (std::find(checkpointing.begin(), checkpointing.end(), units_checkpointed) == checkpointing.end())
+          checkpointing.push_back(units_checkpointed);
+      }
   for (const bool on : request.cpu_offload())
     if (!on || !cluster.device_is_host) offload.push_back(on);
   std::vector<int> micros;
@@ -147,7 +158,10 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
                                          c.strategy == ShardingStrategy::kHybridShard ? c.sharding_factor : world);
       },
       [](Candidate& c, int k) { c.reshard_after_forward_size = k; });
-  cs = expand(cs, list(checkpointing), [](Candidate& c, bool on) { c.activation_checkpointing = on; });
+  cs = expand(cs, list(checkpointing), [](Candidate& c, int k) {
+    c.activation_checkpointing = k >= 0;
+    c.checkpointed_units = std::max(k, 0);
+  });
   cs = expand(cs, list(offload), [](Candidate& c, bool on) { c.cpu_offload = on; });
   cs = expand(cs, list(request.precisions()), [](Candidate& c, at::ScalarType p) { c.precision = p; });
   cs = expand(cs, list(request.all_gather_limits()), [](Candidate& c, int l) { c.all_gather_limit = l; });
@@ -184,62 +198,6 @@ std::vector<Candidate> candidates(const PlanRequest& request, const Cluster& clu
                                                        !(several_passes && c.activation_checkpointing));
       },
       [](Candidate& c, bool on) { c.step_in_backward = on; });
-}
-
-// Refuses values no run can have, and lists that leave nothing to search, naming the setting.
-void check_request(const PlanRequest& r, const Cluster& cluster) {
-  FSDP_CHECK(r.world() >= 0 && r.world() <= cluster.world(), "PlanRequest::world is ", r.world(), "; the cluster (",
-             cluster.nodes, "x", cluster.ranks_per_node, ") has ", cluster.world(),
-             " ranks: give 0 (all of them) or fewer, or a cluster of that shape (NAME:NODESxRANKS_PER_NODE)");
-  for (const auto& [value, what] : {std::pair<double, const char*>{double(r.memory_budget()), "memory_budget"},
-                                    {double(r.global_batch()), "global_batch"},
-                                    {double(r.optimizer_states()), "optimizer_states"},
-                                    {double(r.process_bytes()), "process_bytes"},
-                                    {r.allocator_headroom(), "allocator_headroom"}})
-    FSDP_CHECK(value >= 0, "PlanRequest::", what, " is ", value, "; it must be >= 0");
-  FSDP_CHECK(r.batch_per_rank() >= 1, "PlanRequest::batch_per_rank must be >= 1, got ", r.batch_per_rank());
-  FSDP_CHECK(r.trace_sequences() >= 1, "PlanRequest::trace_sequences must be >= 1, got ", r.trace_sequences());
-  auto nonempty = [](size_t n, const char* what) {
-    FSDP_CHECK(n > 0, "PlanRequest::", what, " is empty: nothing to plan; give it at least one value");
-  };
-  nonempty(r.strategies().size(), "strategies");
-  nonempty(r.wrap_policies().size(), "wrap_policies");
-  nonempty(r.activation_checkpointing().size(), "activation_checkpointing");
-  nonempty(r.cpu_offload().size(), "cpu_offload");
-  nonempty(r.precisions().size(), "precisions");
-  nonempty(r.all_gather_limits().size(), "all_gather_limits");
-  nonempty(r.backward_prefetch().size(), "backward_prefetch");
-  nonempty(r.forward_prefetch().size(), "forward_prefetch");
-  nonempty(r.reductions_in_flight().size(), "reductions_in_flight");
-  nonempty(r.no_sync().size(), "no_sync");
-  nonempty(r.replica_deferred().size(), "replica_deferred");
-  nonempty(r.keep_unsharded().size(), "keep_unsharded");
-  nonempty(r.step_in_backward().size(), "step_in_backward");
-  for (const int m : r.micro_batches())
-    FSDP_CHECK(m >= 1, "PlanRequest::micro_batches holds ", m, "; a micro-batch is 1 or more sequences");
-  for (size_t i = 0; i < r.wrap_policies().size(); ++i)
-    for (size_t j = 0; j < i; ++j)
-      FSDP_CHECK(r.wrap_policies()[i].name != r.wrap_policies()[j].name,
-                 "PlanRequest::wrap_policies names two policies '", r.wrap_policies()[i].name,
-                 "': give each its own name, which the plan's candidates carry");
-  for (const at::ScalarType p : r.precisions())
-    FSDP_CHECK(p == at::kFloat || p == at::kBFloat16 || p == at::kHalf, "PlanRequest::precisions holds ",
-               c10::toString(p), "; the compute precisions are kFloat, kBFloat16 and kHalf");
-  if (cluster.device_is_host &&
-      std::find(r.precisions().begin(), r.precisions().end(), at::kHalf) != r.precisions().end()) {
-    bool products = true;
-    try {
-      at::mm(at::ones({1, 1}, at::kHalf), at::ones({1, 1}, at::kHalf));
-    } catch (const std::exception&) {
-      products = false;
-    }
-    FSDP_CHECK(products, "PlanRequest::precisions holds kHalf for a CPU cluster, and this LibTorch has no fp16 matrix "
-                         "product on the CPU: no fp16 candidate could run; plan kBFloat16 instead");
-  }
-  for (const int l : r.all_gather_limits())
-    FSDP_CHECK(l >= 0, "PlanRequest::all_gather_limits holds ", l, "; a limit is 0 (none) or more gathers");
-  for (const int n : r.reductions_in_flight())
-    FSDP_CHECK(n >= 0, "PlanRequest::reductions_in_flight holds ", n, "; give 0 or more");
 }
 
 // Notes where a calibration does not describe the candidates: another model's, or a precision it
@@ -288,7 +246,7 @@ std::string why_empty(const PlanRequest& r, const Cluster& cluster, int world, s
 }  // namespace
 
 Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& request) {
-  check_request(request, cluster);
+  planner::check_request(request, cluster);
   const int world = request.world() > 0 ? request.world() : cluster.world();
   FSDP_CHECK(request.seq_len() >= 1, "PlanRequest::seq_len must be >= 1");
   const int global = request.global_batch() > 0 ? request.global_batch() : world * request.batch_per_rank();
@@ -452,8 +410,14 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
   for (const auto& [precision, configurations] : timed)
     corrections[precision] = planner::runtime_correction(configurations, cluster, world, request);
   for (size_t w = 0; w < searched; ++w) {
-    const size_t units = view_of(w, at::kFloat).units->units.size();
-    for (const Candidate& c : candidates(request, cluster, world, per_rank, known[w], units, !several_passes.empty())) {
+    const planner::ModelView fp32 = view_of(w, at::kFloat);
+    const size_t units = fp32.units->units.size();
+    // Some units only where none holds another (Note [Checkpointing some units]); 0: every unit.
+    const std::vector<int> ckpt = planner::checkpointable_units(fp32);
+    const bool nested = std::any_of(ckpt.begin(), ckpt.end(), [&](int u) { return fp32.units->units[u].parent > 0; });
+    const int checkpointable = nested ? 0 : static_cast<int>(ckpt.size());
+    for (const Candidate& c :
+         candidates(request, cluster, world, per_rank, known[w], units, checkpointable, !several_passes.empty())) {
       const auto corrected = corrections.find(c.precision);
       PlanEntry e = planner::evaluate(view_of(w, c.precision), c, cluster, world, request,
                                       corrected == corrections.end() ? nullptr : &corrected->second);

@@ -100,6 +100,7 @@ std::string Plan::json_lines(const std::vector<std::string>& not_modeled) const 
                         {"reshard_after_forward_size", c.reshard_after_forward_size},
                         {"wrap", c.wrap.name},
                         {"activation_checkpointing", c.activation_checkpointing},
+                        {"checkpointed_units", c.checkpointed_units},
                         {"cpu_offload", c.cpu_offload},
                         {"precision", c.precision == at::kFloat      ? "fp32"
                                       : c.precision == at::kBFloat16 ? "bf16"

@@ -50,6 +50,30 @@ test_plan_paper_cluster() {
   done
 }
 
+test_checkpointed_blocks() {
+  # The first block of two checkpointed: the same parameters as no checkpointing (recomputation
+  # repeats the same operators), the run says which blocks, and its plan entry is that candidate.
+  local hash_of='s/^\[rank 0\] final parameter hash ([0-9a-f]{16})$/\1/p'
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}"
+  expect_rc 0
+  local plain
+  plain=$(sed -nE "$hash_of" "$TMP/out")
+  run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" "$TRAINER" "${SMALL[@]}" --activation-checkpointing \
+    --checkpointed-blocks 1 --plan-file "$TMP/plan.jsonl"
+  expect_rc 0
+  expect_text out "the first 1 blocks (recomputed in backward)"
+  [ -n "$plain" ] && [ "$(sed -nE "$hash_of" "$TMP/out")" = "$plain" ] ||
+    fail "the first block checkpointed trained other parameters than none"
+  grep -q '"checkpointed_units":1' "$TMP/plan.jsonl" && grep -q 'checkpointed first 1' "$TMP/plan.jsonl" ||
+    fail "the plan entry is not the first block checkpointed: $(cat "$TMP/plan.jsonl")"
+  run "$TRAINER" "${SMALL[@]}" --checkpointed-blocks 1
+  expect_failure
+  expect_text err "--checkpointed-blocks: says how many blocks --activation-checkpointing checkpoints"
+  run "$TRAINER" "${SMALL[@]}" --activation-checkpointing --checkpointed-blocks 3
+  expect_failure
+  expect_text err "3 is more than the model's 2 blocks (--layers)"
+}
+
 test_plan_nothing_fits() {
   run "$TRAINER" "${SMALL[@]}" --plan --memory-budget 1MiB
   expect_rc 0
