@@ -4,7 +4,8 @@
     bench/planner_choice.py BUILD_DIR [--out bench/results/planner_choice.md] [--rounds 3]
 
 Runs every candidate of a small search space (model XL of bench/planner.py, world 2, 4 sequences per
-rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, the 3 strategies' block units and
+rank, fp32: 3 strategies x {block, block checkpointed, no wrapping}, FULL_SHARD's first 1, 2 or 3 of its
+4 blocks checkpointed, the 3 strategies' block units and
 FULL_SHARD's checkpointed ones with the optimizer's step in backward, and FULL_SHARD's block units with
 2 micro-batches of 2, each reducing or only the last, checkpointed or not) through the trainer with
 --plan-file and one calibration made first (as in bench/planner.py), then, for budgets from the smallest predicted peak to the largest, compares the
@@ -41,6 +42,8 @@ def main():
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             for wrap, checkpointing in (("block", False), ("block", True), ("none", False)):
                 candidates.append((["--strategy", strategy, "--wrap", wrap], checkpointing))
+        for blocks in ("1", "2", "3"):  # the first blocks checkpointed, of 4
+            candidates.append((["--strategy", "FULL_SHARD", "--wrap", "block", "--checkpointed-blocks", blocks], True))
         for strategy, checkpointing in (("FULL_SHARD", False), ("SHARD_GRAD_OP", False), ("NO_SHARD", False),
                                         ("FULL_SHARD", True)):
             candidates.append((["--strategy", strategy, "--wrap", "block", "--step-in-backward"], checkpointing))
