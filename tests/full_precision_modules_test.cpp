@@ -235,15 +235,19 @@ TEST(FullPrecisionModules, ThePolicyChoosesWhichModulesKeepFloat32) {
   }
 }
 
+// A unit per ConvBn block, bfloat16 compute with BatchNorm in float32 (the default policy).
+fsdp::Options bf16_by_block() {
+  return fsdp::Options()
+      .auto_wrap_policy(fsdp::wrap::by_type<ConvBnImpl>())
+      .mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
+}
+
 // The same mistake in a program that catches nothing: the exception ends the process without
 // unwinding, and the hint still comes out before the kernel's error.
 FSDP_WORKER(uncaught_input_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   ResNet model = make_resnet(false);
-  auto sharded = fsdp::fully_shard(model, pg,
-                                   fsdp::Options()
-                                       .auto_wrap_policy(fsdp::wrap::by_type<ConvBnImpl>())
-                                       .mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16)));
+  auto sharded = fsdp::fully_shard(model, pg, bf16_by_block());
   std::thread([&] { model->forward(torch::randn({2, 3, 6, 6})); }).join();  // no handler: std::terminate
   WORKER_CHECK(false, "a float32 input to bfloat16 parameters did not end the program");
 }
@@ -264,10 +268,7 @@ TEST(FullPrecisionModules, AnUncaughtErrorStillPrintsTheHint) {
 FSDP_WORKER(hint_through_handle_worker) {
   auto pg = fsdp::ProcessGroup::from_env();
   ResNet model = make_resnet(true);
-  auto sharded = fsdp::fully_shard(model, pg,
-                                   fsdp::Options()
-                                       .auto_wrap_policy(fsdp::wrap::by_type<ConvBnImpl>())
-                                       .mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16)));
+  auto sharded = fsdp::fully_shard(model, pg, bf16_by_block());
   expect_error(
       [&] {
         sharded->forward(torch::randn({2, 3, 6, 6}));
