@@ -93,18 +93,6 @@ struct Resting {
 
 }  // namespace
 
-std::vector<int> checkpointable_units(const ModelView& model) {
-  const ModelCosts& costs = *model.costs;
-  std::vector<int> order;
-  auto add = [&](int u) {
-    if (u != 0 && costs.unit_input_values[u] > 0 && std::find(order.begin(), order.end(), u) == order.end())
-      order.push_back(u);
-  };
-  for (const SegmentCost& s : costs.segments) add(s.unit);
-  for (size_t u = 0; u < model.units->units.size(); ++u) add(static_cast<int>(u));  // units no stretch enters
-  return order;
-}
-
 PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cluster, int world,
                    const PlanRequest& request, const RuntimeCorrection* correction, Replayed* replayed) {
   const RuntimeCorrection none;
@@ -285,7 +273,7 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
   // Activations and computation, per micro-batch; the checkpointed units, the first in forward order.
   const double tokens = static_cast<double>(c.micro_batch) * static_cast<double>(request.seq_len());
   const int64_t act_size = element_size(c.precision);
-  const std::vector<int> checkpointable = checkpointable_units(model);
+  const std::vector<int>& checkpointable = costs.checkpointable_units;
   const size_t checkpointed = !c.activation_checkpointing ? 0
                               : c.checkpointed_units > 0
                                   ? std::min(checkpointable.size(), static_cast<size_t>(c.checkpointed_units))

@@ -59,10 +59,6 @@ inline bool can_defer_replicas(const Candidate& c, int world) {
          c.accumulation > 1 && !c.no_sync;
 }
 
-// The units a candidate can checkpoint (each non-root unit with an input), in forward order; a
-// candidate with checkpointed_units k checkpoints the first k.
-std::vector<int> checkpointable_units(const ModelView& model);
-
 // `world` ranks of `cluster`; every other input comes from `request`. `correction`: added to the
 // replay (none: null); `replayed`: where to put the replay's own figures (null: nowhere).
 PlanEntry evaluate(const ModelView& model, const Candidate& candidate, const Cluster& cluster, int world,

@@ -146,7 +146,16 @@ class CostBuilder {
         flats.push_back(it->second.second);
   }
 
-  ModelCosts take() { return std::move(costs_); }
+  ModelCosts take() {
+    std::vector<char> seen(units_.units.size(), 0);
+    auto add = [&](int u) {
+      if (u != 0 && costs_.unit_input_values[u] > 0 && !seen[u]) costs_.checkpointable_units.push_back(u);
+      seen[u] = 1;
+    };
+    for (const SegmentCost& s : costs_.segments) add(s.unit);
+    for (size_t u = 0; u < units_.units.size(); ++u) add(static_cast<int>(u));  // units no stretch enters
+    return std::move(costs_);
+  }
 
  private:
   const UnitPlan& units_;

@@ -34,6 +34,7 @@ struct ModelCosts {
   std::vector<double> unit_input_values;            // per unit, per token: what a checkpointed unit keeps
   double forward_flops = 0;                         // whole model, per token
   double checkpointed_forward_flops = 0;            // inside the model's fsdp::Checkpointed modules, per token
+  std::vector<int> checkpointable_units;  // each non-root unit with an input, in forward order (a candidate's first k)
 };
 
 ModelCosts model_costs(torch::nn::Module& root, const UnitPlan& units, const ModuleCostFn& extra, int64_t seq_len);

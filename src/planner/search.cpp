@@ -413,7 +413,7 @@ Plan plan(torch::nn::Module& model, const Cluster& cluster, const PlanRequest& r
     const planner::ModelView fp32 = view_of(w, at::kFloat);
     const size_t units = fp32.units->units.size();
     // Some units only where none holds another (Note [Checkpointing some units]); 0: every unit.
-    const std::vector<int> ckpt = planner::checkpointable_units(fp32);
+    const std::vector<int>& ckpt = fp32.costs->checkpointable_units;
     const bool nested = std::any_of(ckpt.begin(), ckpt.end(), [&](int u) { return fp32.units->units[u].parent > 0; });
     const int checkpointable = nested ? 0 : static_cast<int>(ckpt.size());
     for (const Candidate& c :

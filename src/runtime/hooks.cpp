@@ -208,6 +208,7 @@ void Hooks::intercept(const at::RecordFunction& fn) {
   const bool renorm = t_renorm_depth > 0 && t_renorm_depth == t_operator_depth;
   const bool in_renorm = t_renorm_depth > 0 && t_operator_depth > t_renorm_depth;
   const std::pair<int, int>* renormed = nullptr;
+  const bool norm = !shard_norm_noted_.load(std::memory_order_relaxed) && is_norm_op(fn.name());
   for_each_input_tensor(fn, [&](size_t i, const at::Tensor& t) {
     const int f = state_.flat_param_of_storage(t.storage().unsafeGetStorageImpl());
     if (f < 0) {
@@ -221,7 +222,7 @@ void Hooks::intercept(const at::RecordFunction& fn) {
       check_replaced_param(t);
       check_sentinel_read(fn, t, i);
       check_retired_read(fn, t);
-      if (!shard_norm_noted_.load(std::memory_order_relaxed))
+      if (norm)
         if (std::string note = shard_norm_note(state_, fn, t); !note.empty() && !shard_norm_noted_.exchange(true))
           std::fprintf(stderr, "%s\n", note.c_str());
       return;

@@ -6,10 +6,8 @@
 #include "fsdp/check.h"
 
 namespace fsdp {
-namespace {
 
-// The operators LibTorch's clip_grad_norm_ and its users take a gradient's norm with.
-bool is_norm(const char* op) {
+bool is_norm_op(const char* op) {
   if (std::strncmp(op, "aten::", 6) != 0) return false;
   const char* bare = op + 6;
   for (const char* n : {"norm", "linalg_vector_norm", "linalg_norm", "frobenius_norm", "_foreach_norm"})
@@ -17,10 +15,7 @@ bool is_norm(const char* op) {
   return false;
 }
 
-}  // namespace
-
 std::string shard_norm_note(FsdpState& state, const at::RecordFunction& fn, const at::Tensor& t) {
-  if (!is_norm(fn.name())) return "";
   const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::lock_guard<std::recursive_mutex> lock(state.mutex());
   for (const auto& fp : state.flat_params()) {

@@ -10,7 +10,10 @@
 
 namespace fsdp {
 
-// The note for operator `fn` reading tensor `t`, or "" when `fn` is no norm or `t` no sharded piece's gradient.
+// Whether operator `op` takes a norm (norm, linalg_vector_norm, linalg_norm, frobenius_norm, _foreach_norm).
+bool is_norm_op(const char* op);
+
+// The note for norm operator `fn` reading tensor `t`, or "" when `t` is no sharded piece's gradient.
 std::string shard_norm_note(FsdpState& state, const at::RecordFunction& fn, const at::Tensor& t);
 
 }  // namespace fsdp
