@@ -146,6 +146,52 @@ TEST(PlannerRuntimeCalibration, TwoTimedStrategiesSplitWorkPerUnitAndPerCollecti
   EXPECT_LT(grad_op, full - 0.01);
 }
 
+// A third timing with fewer units (FULL_SHARD without wrapping) beside the two by block: what FSDP
+// spends whatever the units is told apart from its work per unit, so all three timed configurations
+// are predicted as measured, where the two by block alone charged it per unit and put the unwrapped
+// model below its measurement.
+TEST(PlannerRuntimeCalibration, AnotherUnitCountSplitsWorkPerPassFromWorkPerUnit) {
+  fsdp::DeferredInit deferred;
+  TinyTransformer model(50, 16, 2, 3, 8);
+  const auto cluster = instant_step_cluster(4);
+  const auto request = strategies_request(4)
+                           .wrap_policies({{"block", fsdp::wrap::by_type<BlockImpl>()}, {"none", nullptr}})
+                           .activation_checkpointing({false})
+                           .precisions({at::kFloat});
+  fsdp::Calibration by_block;
+  by_block.runtime.push_back(timed_full_shard(0.050, 0.110, -1));
+  auto no_shard = timed_full_shard(0.040, 0.060, -1);
+  no_shard.strategy = fsdp::ShardingStrategy::kNoShard;
+  by_block.runtime.push_back(no_shard);
+  const std::string unwrapped = "FULL_SHARD, wrap none, fp32, micro-batch 2 x 1";
+  const std::string full = "FULL_SHARD, wrap block, fp32, micro-batch 2 x 1";
+  const std::string none = "NO_SHARD, wrap block, fp32, micro-batch 2 x 1";
+  const auto two = times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(by_block)));
+  ASSERT_EQ(two.count(unwrapped), 1U);
+  // Measured 20 ms above what the work per unit gives it.
+  const double measured = two.at(unwrapped).step_s + 0.020;
+  auto three_timings = by_block;
+  auto whole = timed_full_shard(measured / 3, 2 * measured / 3, -1);
+  whole.wrap = "none";
+  three_timings.runtime.push_back(whole);
+  const auto three =
+      times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(three_timings)));
+  EXPECT_NEAR(three.at(full).step_s, 0.160, 1e-9);
+  EXPECT_NEAR(three.at(none).step_s, 0.100, 1e-9);
+  EXPECT_NEAR(three.at(unwrapped).step_s, measured, 1e-9);
+  // The part per pass lifts every unwrapped candidate alike.
+  const std::string grad_op = "SHARD_GRAD_OP, wrap none, fp32, micro-batch 2 x 1";
+  EXPECT_GT(three.at(grad_op).step_s, two.at(grad_op).step_s + 0.010);
+  // Timed below the work per unit's prediction, the unwrapped model cannot take a negative cost per
+  // pass: the fit keeps its costs at zero or above and the by-block timings stay near as measured.
+  auto faster = by_block;
+  whole.forward_s = (measured - 0.040) / 3, whole.backward_s = 2 * (measured - 0.040) / 3;
+  faster.runtime.push_back(whole);
+  const auto below = times_by_candidate(fsdp::plan(*model, cluster, fsdp::PlanRequest(request).calibration(faster)));
+  EXPECT_LT(below.at(unwrapped).step_s, two.at(unwrapped).step_s);
+  EXPECT_GE(below.at(unwrapped).step_s, measured - 0.040 - 1e-9);
+}
+
 // Waits on peers follow the group a collective spans: a rank waits for the latest of its peers, so
 // HYBRID_SHARD's collectives within two of four ranks block for less of the waits per second of
 // computation than FULL_SHARD's among all four (the rest parked, ranks sharing the cores), and a

@@ -102,7 +102,7 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only) {
 }
 
 void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg, bool flags_only,
-                           fsdp::Calibration& calibration) {
+                           bool both_wrappings, fsdp::Calibration& calibration) {
   TrainConfig copy = config;
   copy.activation_checkpointing = false;
   copy.checkpointed_blocks = 0;  // timed checkpointed, every block is (as the plan's meta model has them)
@@ -118,20 +118,27 @@ void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPt
   batch.inputs = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
   batch.targets = torch::randint(gpt::GPTConfig().vocab_size, {rows, config.context}, torch::kLong);
   // The flags' strategy and, at more than one rank, another with other collectives, so that the plan
-  // tells FSDP's work per unit from its work per collective; and where the plan considers
-  // checkpointing, the flags' strategy with its blocks checkpointed, for what checkpointing changes;
-  // under a modeled network, the flags' strategy on the transport beneath it, for the waits on peers
-  // the ranks have without the modeled link.
+  // tells FSDP's work per unit from its work per collective; where the plan searches the wrapping
+  // (or the calibration is saved for later plans), the flags' strategy wrapped the other way, so that it tells work per unit from work per pass;
+  // where the plan considers checkpointing, the flags' strategy with its blocks checkpointed, for
+  // what checkpointing changes; under a modeled network, the flags' strategy on the transport
+  // beneath it, for the waits on peers the ranks have without the modeled link.
+  struct Timed {
+    std::string strategy, wrap;
+    bool checkpointing = false, beneath = false;
+  };
   const std::optional<fsdp::NetworkModel> network = pg->options().network_model;
-  std::vector<std::tuple<std::string, bool, bool>> timings{{config.strategy, false, false}};
-  if (pg->size() > 1) timings.emplace_back(config.strategy == "NO_SHARD" ? "FULL_SHARD" : "NO_SHARD", false, false);
-  if (!flags_only || config.activation_checkpointing) timings.emplace_back(config.strategy, true, false);
-  if (pg->size() > 1 && network) timings.emplace_back(config.strategy, false, true);
+  std::vector<Timed> timings{{config.strategy, config.wrap}};
+  if (pg->size() > 1) timings.push_back({config.strategy == "NO_SHARD" ? "FULL_SHARD" : "NO_SHARD", config.wrap});
+  if (both_wrappings) timings.push_back({config.strategy, config.wrap == "none" ? "block" : "none"});
+  if (!flags_only || config.activation_checkpointing) timings.push_back({config.strategy, config.wrap, true});
+  if (pg->size() > 1 && network) timings.push_back({config.strategy, config.wrap, false, true});
   for (const at::ScalarType precision : plan_precisions(config, flags_only))
-    for (const auto& [strategy, checkpointing, beneath] : timings) {
+    for (const auto& [strategy, wrap, checkpointing, beneath] : timings) {
       if (beneath) pg->set_network_model(std::nullopt);  // communicators handed out from here on are unmodeled
       copy.mixed_precision = precision == at::kBFloat16 ? "bf16" : precision == at::kHalf ? "fp16" : "none";
       copy.strategy = strategy;
+      copy.wrap = wrap;
       copy.activation_checkpointing = checkpointing;
       copy.sharding_factor = strategy == "HYBRID_SHARD" ? config.sharding_factor : 0;
       BuiltModel built = build_model(copy);  // a throwaway copy, sharded as the flags say
@@ -311,7 +318,7 @@ PlanInputs plan_inputs(const TrainConfig& config, const fsdp::ProcessGroupPtr& p
     in.calibration = calibrate_gpt(config, flags_only);
     fsdp::agree_across_ranks(in.calibration, *pg.world());  // the same figures on every rank: the same plan
     fsdp::calibrate_link(in.calibration, pg);
-    calibrate_gpt_runtime(config, pg_ptr, flags_only, in.calibration);
+    calibrate_gpt_runtime(config, pg_ptr, flags_only, !flags_only || !config.calibration_file.empty(), in.calibration);
     if (pg.rank() == 0 && !config.calibration_file.empty()) in.calibration.save(config.calibration_file);
   } else if (!config.calibration_file.empty()) {
     in.calibration = fsdp::Calibration::from_file(config.calibration_file);

@@ -26,9 +26,10 @@ fsdp::Calibration calibrate_gpt(const TrainConfig& config, bool flags_only);
 
 // --calibrate in a training job: a throwaway copy of the GPT sharded as the flags say (without
 // checkpointing or quantization) timed through the FSDP runtime, every rank at once, in the
-// precisions the plan considers (fsdp::calibrate_runtime). Collective over `pg`.
+// precisions the plan considers (fsdp::calibrate_runtime); `both_wrappings`: also wrapped the other
+// way (by block or not at all). Collective over `pg`.
 void calibrate_gpt_runtime(const TrainConfig& config, const fsdp::ProcessGroupPtr& pg, bool flags_only,
-                           fsdp::Calibration& calibration);
+                           bool both_wrappings, fsdp::Calibration& calibration);
 
 // The flags that run `candidate` (strategy, wrapping, checkpointing, precision, micro-batch).
 void apply_candidate(const fsdp::Candidate& candidate, TrainConfig& config);

@@ -321,11 +321,15 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
     seg.unit = s.unit;
     const double forward_s = s.forward_flops * tokens * forward_s_per_flop * extra.compute_scale;
     const double share = 1.0 / unit_segments[s.unit];  // the unit's runtime work, spread over its stretches
+    const double pass_share = costs.forward_flops > 0 ? s.forward_flops / costs.forward_flops
+                                                      : 1.0 / static_cast<double>(costs.segments.size());
     const bool recompute = sim.units[s.unit].checkpointed;
     const bool measured = recompute && recompute_measured;
     seg.forward_s =
-        std::max(0.0, forward_s * (1 + (measured ? recompute_forward : 0.0)) + extra.forward_per_unit_s * share);
+        std::max(0.0, forward_s * (1 + (measured ? recompute_forward : 0.0)) + extra.forward_per_unit_s * share +
+                                      extra.forward_per_pass_s * pass_share);
     seg.backward_s = std::max(0.0, backward_ratio * forward_s + extra.backward_per_unit_s * share +
+                                       extra.backward_per_pass_s * pass_share +
                                        (measured ? recompute_backward * forward_s : 0.0)) +
                      (recompute && !measured ? seg.forward_s : 0.0);
     const auto act = static_cast<double>(act_size);

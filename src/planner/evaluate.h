@@ -14,10 +14,14 @@ struct ModelView {
 };
 
 // What the runtime spends beyond the replay of a calibrated configuration (Note [Planner runtime
-// calibration]): per unit in each pass, per collective, and waits on peers.
+// calibration]): per pass, per unit in each pass, per collective, and waits on peers.
 struct RuntimeCorrection {
   double forward_per_unit_s = 0;
   double backward_per_unit_s = 0;
+  // Whatever the units, in each micro-batch's forward and backward, spread over the model's
+  // stretches by their share of its forward FLOPs.
+  double forward_per_pass_s = 0;
+  double backward_per_pass_s = 0;
   double waits_per_compute_s = 0;  // waits on peers per second of computation, spread over the collectives
   // Waits on peers beside the modeled links' time (timed beneath the job's modeled network), per
   // second of computation, spread over the collectives (a CPU cluster's).

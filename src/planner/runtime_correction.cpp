@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "planner/evaluate.h"
@@ -68,6 +69,72 @@ double beside_waits(const std::vector<const TimedConfiguration*>& beneath, const
   return (low + high) / 2;
 }
 
+// Least squares of `rows`' work over the columns `use` selects (units, collectives, a constant);
+// false where those columns do not determine it.
+bool least_squares(const std::vector<std::array<double, 3>>& rows, const std::array<bool, 3>& use,
+                   std::array<double, 3>& coefficients, double& residual) {
+  auto column = [](const std::array<double, 3>& row, int j) { return j < 2 ? row[j] : 1.0; };
+  std::vector<int> cols;
+  for (int j = 0; j < 3; ++j)
+    if (use[j]) cols.push_back(j);
+  const size_t n = cols.size();
+  if (rows.size() < n) return false;
+  // The normal equations, solved by elimination with partial pivoting.
+  std::array<std::array<double, 4>, 3> m{};
+  double scale = 0;
+  for (size_t a = 0; a < n; ++a) {
+    for (size_t b = 0; b < n; ++b)
+      for (const auto& row : rows) m[a][b] += column(row, cols[a]) * column(row, cols[b]);
+    for (const auto& row : rows) m[a][n] += column(row, cols[a]) * row[2];
+    scale = std::max(scale, m[a][a]);
+  }
+  for (size_t k = 0; k < n; ++k) {
+    size_t pivot = k;
+    for (size_t r = k + 1; r < n; ++r)
+      if (std::abs(m[r][k]) > std::abs(m[pivot][k])) pivot = r;
+    if (std::abs(m[pivot][k]) <= 1e-9 * scale) return false;
+    std::swap(m[k], m[pivot]);
+    for (size_t r = 0; r < n; ++r) {
+      if (r == k) continue;
+      const double f = m[r][k] / m[k][k];
+      for (size_t c = k; c <= n; ++c) m[r][c] -= f * m[k][c];
+    }
+  }
+  coefficients = {0, 0, 0};
+  for (size_t k = 0; k < n; ++k) coefficients[cols[k]] = m[k][n] / m[k][k];
+  residual = 0;
+  for (const auto& row : rows) {
+    double fitted = 0;
+    for (int j = 0; j < 3; ++j) fitted += coefficients[j] * column(row, j);
+    residual += (row[2] - fitted) * (row[2] - fitted);
+  }
+  return true;
+}
+
+// The costs per unit, per collective and per pass whose sum fits the timings' work best with none
+// negative: every subset of the three tried, the earlier of equal fits kept, so that timings which
+// cannot tell a cost per pass from one per unit (every timing with the same units) charge it per unit.
+std::array<double, 3> nonnegative_work_fit(const std::vector<std::array<double, 3>>& rows) {
+  static constexpr std::array<std::array<bool, 3>, 7> kSubsets{{{true, true, true},
+                                                                {true, true, false},
+                                                                {true, false, true},
+                                                                {false, true, true},
+                                                                {true, false, false},
+                                                                {false, true, false},
+                                                                {false, false, true}}};
+  std::array<double, 3> best{0, 0, 0};
+  double best_residual = -1, total = 0;
+  for (const auto& row : rows) total += row[2] * row[2];
+  for (const auto& use : kSubsets) {
+    std::array<double, 3> fit{};
+    double residual = 0;
+    if (!least_squares(rows, use, fit, residual)) continue;
+    if (fit[0] < 0 || fit[1] < 0 || fit[2] < 0) continue;
+    if (best_residual < 0 || residual < best_residual - 1e-12 * total) best = fit, best_residual = residual;
+  }
+  return best;
+}
+
 }  // namespace
 
 RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& timed, const Cluster& cluster, int world,
@@ -125,18 +192,14 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   }
   if (rows.empty()) return out;
   if (stepped > 0) out.per_step_s = steps / stepped;
-  // work = per_unit * units + per_collective * collectives, by least squares over the timings;
-  // with one timing, or a fit that gives collectives negative work, all of it per unit.
-  double uu = 0, uc = 0, cc = 0, uw = 0, cw = 0, units = 0, work = 0;
-  for (const auto& [u, c, w] : rows) {
-    uu += u * u, uc += u * c, cc += c * c, uw += u * w, cw += c * w;
-    units += u, work += w;
-  }
-  const double det = uu * cc - uc * uc;
-  double per_unit = work / units, per_collective_work = 0;
-  if (rows.size() > 1 && std::abs(det) > 1e-9 * uu * cc) {
-    const double a = (uw * cc - cw * uc) / det, b = (uu * cw - uc * uw) / det;
-    if (b >= 0) per_unit = a, per_collective_work = b;
+  double units = 0, work = 0;
+  for (const auto& [u, c, w] : rows) units += u, work += w;
+  // work = per_unit * units + per_collective * collectives + per_pass, none negative (Note [Planner
+  // runtime calibration]); a total below the replay, all of it per unit (scaled below).
+  double per_unit = work / units, per_collective_work = 0, per_pass = 0;
+  if (work > 0) {
+    const std::array<double, 3> fit = nonnegative_work_fit(rows);
+    per_unit = fit[0], per_collective_work = fit[1], per_pass = fit[2];
   }
   // Less than the replay: the runtime computes faster than the copy's passes were timed. A fixed
   // amount per unit would take a smaller micro-batch's computation to nothing; a share of the
@@ -180,6 +243,8 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   out.per_collective_work_s = per_collective_work;
   out.forward_per_unit_s = per_unit * forward_share;
   out.backward_per_unit_s = per_unit * (1 - forward_share);
+  out.forward_per_pass_s = per_pass * forward_share;
+  out.backward_per_pass_s = per_pass * (1 - forward_share);
   return out;
 }
 
