@@ -186,7 +186,8 @@ class FullyShardedModule;
 // the ranks says they take less than `min_timed_s`) as a runtime timing of `calibration` at `pg`'s world, replacing one of the
 // same precision, strategy, sharding factor, wrap policy, checkpointing and network model. Two strategies timed in a precision
 // (FULL_SHARD and NO_SHARD, say) let the plan tell FSDP's work per unit from its work per
-// collective; one configuration timed with and without its units checkpointed gives what
+// collective; one also timed with another wrap policy (another number of units), its work per unit
+// from its work per pass; one configuration timed with and without its units checkpointed gives what
 // checkpointing changes in the passes.
 // Collective over `pg`: every rank calls it at once. Throws fsdp::Error when `sharded`'s strategy
 // or sharding factor is not `timed`'s.
