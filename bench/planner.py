@@ -112,8 +112,8 @@ def free_port():
 def calibration(build, world, model, mp, network, tmp):
     """A calibration for (world, model, precision), made by a short job just before the run it serves
     (the machine's speed drifts), whose ranks all time the model at once (--calibrate) and copies of it
-    sharded FULL_SHARD and NO_SHARD by block through the runtime; a separate job, so the measured
-    run's resident set does not include it."""
+    sharded FULL_SHARD and NO_SHARD by block and FULL_SHARD without wrapping through the runtime; a
+    separate job, so the measured run's resident set does not include it."""
     path = os.path.join(tmp, f"calibration-{world}-{model}-{mp}-{network.replace(' ', '').replace('/', '')}.json")
     cmd = [os.path.join(build, "tools/fsdp-run"), "--nproc-per-node", str(world), "--master-port",
            str(free_port()), os.path.join(build, "examples/gpt/fsdp_gpt")] + MODELS[model] + [
@@ -249,13 +249,14 @@ def write(args, rows, started, finished, commit, load_start, load_end):
     tensors_ok = sum(1 for r in rows if abs(tensors(r) - 1) <= 0.10)
     step_ok = sum(1 for r in rows if abs(ratio(r["step"]) - 1) <= 0.15)
     exposed_ok = sum(1 for r in rows if abs(r["exposed"][0] - r["exposed"][1]) <= 0.05)
-    # The calibration times FULL_SHARD by block, with and without checkpointing, and at worlds above 1
-    # NO_SHARD by block through the runtime: the other rows are predictions.
+    # The calibration times FULL_SHARD by block, with and without checkpointing, FULL_SHARD without
+    # wrapping, and at worlds above 1 NO_SHARD by block through the runtime: the other rows are predictions.
     def timed(r):
         if "deterministic" in r["config"]:  # its exact sums' passes are the planner's own
             return False
         return r["config"].startswith(("FULL_SHARD, wrap block, fp32", "FULL_SHARD, wrap block, bf16",
-                                       "FULL_SHARD, wrap block, checkpointed")) or (
+                                       "FULL_SHARD, wrap block, checkpointed", "FULL_SHARD, wrap none, fp32",
+                                       "FULL_SHARD, wrap none, bf16")) or (
             r["world"] > 1 and r["config"].startswith(("NO_SHARD, wrap block, fp32", "NO_SHARD, wrap block, bf16")))
 
     others = [r for r in rows if not timed(r)]
@@ -292,12 +293,13 @@ def write(args, rows, started, finished, commit, load_start, load_end):
         "the mean resident set over ranks after the data is loaded), with `--calibration-file` from a job of the "
         "same world, model and precision run just before it (`--calibrate`: every rank timing a copy "
         "of the model at once, and measuring its passes' memory with and without checkpointed blocks; and copies "
-        "sharded FULL_SHARD and, at worlds above 1, NO_SHARD by block, each timed for iterations through the runtime: "
-        "what they take beyond the replays of their configurations becomes FSDP's work per unit and per collective, "
+        "sharded FULL_SHARD by block, at worlds above 1 NO_SHARD by block, and FULL_SHARD without wrapping, each timed "
+        "for iterations through the runtime: what they take beyond the replays of their configurations becomes FSDP's "
+        "work per unit, per collective and per pass, "
         "and its waits on peers per second of computation, in every prediction of the precision; and the FULL_SHARD "
         "copy timed again with its blocks checkpointed, whose difference is what checkpointing changes in every "
-        "checkpointed prediction). The rows of those configurations (FULL_SHARD by block, checkpointed or not, and "
-        "NO_SHARD by block, not checkpointed) are fitted to the calibration's own timings; the others are predicted "
+        "checkpointed prediction). The rows of those configurations (FULL_SHARD by block, checkpointed or not, "
+        "FULL_SHARD without wrapping and NO_SHARD by block, not checkpointed) are fitted to the calibration's own timings; the others are predicted "
         "from them.",
         "",
         f"- FSDP-managed memory (parameter + gradient peaks) within 2%: **{fsdp_ok} of {len(rows)}** runs "
