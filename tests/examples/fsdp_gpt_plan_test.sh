@@ -288,12 +288,14 @@ test_plan_holds_the_optimizers_state() {
 
 test_plan_calibrated_beneath_network_model() {
   # Under a modeled network --calibrate also times the flags' configuration on the transport beneath
-  # it, and the training after it runs on the modeled network again.
+  # it, and the training after it runs on the modeled network again. A saved calibration also times
+  # the flags' strategy without wrapping, for plans that search the wrapping.
   FSDP_NETWORK_MODEL="gbps=1.25,ranks_per_host=1" run "$LAUNCHER" --nproc-per-node 2 --master-port "$PORT" \
     "$TRAINER" "${SMALL[@]}" --calibrate --calibration-file "$TMP/calibration.json" --plan-file "$TMP/plan.jsonl"
   expect_rc 0
   [ "$(grep -c '"beneath_network_model": true' "$TMP/calibration.json")" = 1 ] || fail "not one timing beneath the model"
-  [ "$(grep -c '"beneath_network_model": false' "$TMP/calibration.json")" = 2 ] || fail "not two timings on the model"
+  [ "$(grep -c '"beneath_network_model": false' "$TMP/calibration.json")" = 3 ] || fail "not three timings on the model"
+  [ "$(grep -c '"wrap": "none"' "$TMP/calibration.json")" = 1 ] || fail "not one timing without wrapping"
   grep -qE '"link_copy_latency_us": [0-9.]*[1-9]' "$TMP/calibration.json" || fail "no latency beneath the model"
   grep -qE '"step_s":[0-9.e+-]+' "$TMP/plan.jsonl" || fail "no predicted step"
   expect_regex out "modeled network, bytes rank 0 sent per step: all-gathers [0-9.]+ MB.*links busy [0-9.]*[1-9][0-9.]* ms"
