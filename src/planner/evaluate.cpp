@@ -325,13 +325,12 @@ PlanEntry evaluate(const ModelView& model, const Candidate& c, const Cluster& cl
                                                       : 1.0 / static_cast<double>(costs.segments.size());
     const bool recompute = sim.units[s.unit].checkpointed;
     const bool measured = recompute && recompute_measured;
-    seg.forward_s =
-        std::max(0.0, forward_s * (1 + (measured ? recompute_forward : 0.0)) + extra.forward_per_unit_s * share +
-                                      extra.forward_per_pass_s * pass_share);
-    seg.backward_s = std::max(0.0, backward_ratio * forward_s + extra.backward_per_unit_s * share +
-                                       extra.backward_per_pass_s * pass_share +
-                                       (measured ? recompute_backward * forward_s : 0.0)) +
-                     (recompute && !measured ? seg.forward_s : 0.0);
+    seg.forward_s = std::max(0.0, forward_s * (1 + (measured ? recompute_forward : 0.0)) +
+                                      extra.forward_per_unit_s * share + extra.forward_per_pass_s * pass_share);
+    seg.backward_s =
+        std::max(0.0, backward_ratio * forward_s + extra.backward_per_unit_s * share +
+                          extra.backward_per_pass_s * pass_share + (measured ? recompute_backward * forward_s : 0.0)) +
+        (recompute && !measured ? seg.forward_s : 0.0);
     const auto act = static_cast<double>(act_size);
     const double unit_bytes = costs.unit_activation_values[s.unit] * act + costs.unit_activation_fixed_bytes[s.unit];
     seg.activation_share = unit_bytes > 0 ? (s.activation_values * act + s.activation_fixed_bytes) / unit_bytes : 0;

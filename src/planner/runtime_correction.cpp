@@ -73,7 +73,9 @@ double beside_waits(const std::vector<const TimedConfiguration*>& beneath, const
 // false where those columns do not determine it.
 bool least_squares(const std::vector<std::array<double, 3>>& rows, const std::array<bool, 3>& use,
                    std::array<double, 3>& coefficients, double& residual) {
-  auto column = [](const std::array<double, 3>& row, int j) { return j < 2 ? row[j] : 1.0; };
+  auto column = [](const std::array<double, 3>& row, int j) {
+    return j < 2 ? row[j] : 1.0;
+  };
   std::vector<int> cols;
   for (int j = 0; j < 3; ++j)
     if (use[j]) cols.push_back(j);
