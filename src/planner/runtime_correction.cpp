@@ -69,13 +69,15 @@ double beside_waits(const std::vector<const TimedConfiguration*>& beneath, const
   return (low + high) / 2;
 }
 
-// Least squares of `rows`' work over the columns `use` selects (units, collectives, a constant);
-// false where those columns do not determine it.
-bool least_squares(const std::vector<std::array<double, 3>>& rows, const std::array<bool, 3>& use,
+// One timing's FSDP work beside what it spreads over: its units, its collectives and one pass.
+struct WorkRow {
+  std::array<double, 3> counts;
+  double work = 0;
+};
+
+// Least squares of `rows`' work over the counts `use` selects; false where those do not determine it.
+bool least_squares(const std::vector<WorkRow>& rows, const std::array<bool, 3>& use,
                    std::array<double, 3>& coefficients, double& residual) {
-  auto column = [](const std::array<double, 3>& row, int j) {
-    return j < 2 ? row[j] : 1.0;
-  };
   std::vector<int> cols;
   for (int j = 0; j < 3; ++j)
     if (use[j]) cols.push_back(j);
@@ -86,8 +88,8 @@ bool least_squares(const std::vector<std::array<double, 3>>& rows, const std::ar
   double scale = 0;
   for (size_t a = 0; a < n; ++a) {
     for (size_t b = 0; b < n; ++b)
-      for (const auto& row : rows) m[a][b] += column(row, cols[a]) * column(row, cols[b]);
-    for (const auto& row : rows) m[a][n] += column(row, cols[a]) * row[2];
+      for (const auto& row : rows) m[a][b] += row.counts[cols[a]] * row.counts[cols[b]];
+    for (const auto& row : rows) m[a][n] += row.counts[cols[a]] * row.work;
     scale = std::max(scale, m[a][a]);
   }
   for (size_t k = 0; k < n; ++k) {
@@ -107,8 +109,8 @@ bool least_squares(const std::vector<std::array<double, 3>>& rows, const std::ar
   residual = 0;
   for (const auto& row : rows) {
     double fitted = 0;
-    for (int j = 0; j < 3; ++j) fitted += coefficients[j] * column(row, j);
-    residual += (row[2] - fitted) * (row[2] - fitted);
+    for (int j = 0; j < 3; ++j) fitted += coefficients[j] * row.counts[j];
+    residual += (row.work - fitted) * (row.work - fitted);
   }
   return true;
 }
@@ -116,7 +118,7 @@ bool least_squares(const std::vector<std::array<double, 3>>& rows, const std::ar
 // The costs per unit, per collective and per pass whose sum fits the timings' work best with none
 // negative: every subset of the three tried, the earlier of equal fits kept, so that timings which
 // cannot tell a cost per pass from one per unit (every timing with the same units) charge it per unit.
-std::array<double, 3> nonnegative_work_fit(const std::vector<std::array<double, 3>>& rows) {
+std::array<double, 3> nonnegative_work_fit(const std::vector<WorkRow>& rows) {
   static constexpr std::array<std::array<bool, 3>, 7> kSubsets{{{true, true, true},
                                                                 {true, true, false},
                                                                 {true, false, true},
@@ -126,7 +128,7 @@ std::array<double, 3> nonnegative_work_fit(const std::vector<std::array<double, 
                                                                 {false, false, true}}};
   std::array<double, 3> best{0, 0, 0};
   double best_residual = -1, total = 0;
-  for (const auto& row : rows) total += row[2] * row[2];
+  for (const auto& row : rows) total += row.work * row.work;
   for (const auto& use : kSubsets) {
     std::array<double, 3> fit{};
     double residual = 0;
@@ -146,7 +148,7 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   // and the rest of the difference (FSDP's work), with the units and collectives it spreads over.
   double waits = 0, computation = 0, steps = 0, forward_share = -1, replay_compute = 0;
   int stepped = 0;
-  std::vector<std::array<double, 3>> rows;  // units, collectives, work
+  std::vector<WorkRow> rows;
   std::vector<const TimedConfiguration*> checkpointed, beneath;
   // Beneath a modeled link on a CPU cluster, the waits the ranks have without the link (timed
   // beneath it) stand beside the link's time; the modeled timings' waits beyond those are added.
@@ -181,7 +183,7 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
     }
     const double replay_backward = replay.passes_s - replay.forward_s;
     replay_compute += replay.passes_s - replay.exposed_s;
-    rows.push_back({static_cast<double>(replay.units), static_cast<double>(replay.collectives),
+    rows.push_back({{static_cast<double>(replay.units), static_cast<double>(replay.collectives), 1.0},
                     timing.forward_s + timing.backward_s - replay.passes_s - wait_s});
     if (forward_share < 0) {  // the first timing's passes apportion the per-unit work
       const double forward_gap = timing.forward_s - replay.forward_s,
@@ -195,7 +197,7 @@ RuntimeCorrection runtime_correction(const std::vector<TimedConfiguration>& time
   if (rows.empty()) return out;
   if (stepped > 0) out.per_step_s = steps / stepped;
   double units = 0, work = 0;
-  for (const auto& [u, c, w] : rows) units += u, work += w;
+  for (const WorkRow& row : rows) units += row.counts[0], work += row.work;
   // work = per_unit * units + per_collective * collectives + per_pass, none negative (Note [Planner
   // runtime calibration]); a total below the replay, all of it per unit (scaled below).
   double per_unit = work / units, per_collective_work = 0, per_pass = 0;
